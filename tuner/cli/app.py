@@ -1,0 +1,12 @@
+"""The typer application that every subcommand module registers on."""
+
+import typer
+
+app = typer.Typer(
+    name="tuner",
+    help="shapetuner: find a transformer's GEMM shapes in its ONNX graph, pad them to sizes the "
+         "hardware likes without changing outputs, measure, and serve the fastest exact variant.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)

@@ -1,0 +1,109 @@
+"""Load an untrusted ONNX file into onnx_ir, checking it before anything reads weights.
+
+ONNX files come from users: the protobuf may be truncated or not ONNX at all, and
+external-data entries name files by path, so a crafted model could make us read (or, when we
+save a variant, write beside) any file on the machine. Every external-data location must be a
+relative path that stays inside the model's folder and points at a file that holds the bytes
+it claims. Weights stay on disk (onnx_ir maps them lazily), so models over 2 GB load in
+little memory.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import onnx
+import onnx_ir as ir
+from google.protobuf.message import DecodeError
+
+from tuner.errors import BadInput
+
+
+def _external_entries(proto: onnx.ModelProto):
+    """Every TensorProto stored as external data, in the graph, its subgraphs and functions."""
+    def tensors_of_graph(g: onnx.GraphProto):
+        yield from g.initializer
+        for node in g.node:
+            yield from _tensors_of_node(node)
+
+    def _tensors_of_node(node: onnx.NodeProto):
+        for attr in node.attribute:
+            if attr.HasField("t"):
+                yield attr.t
+            yield from attr.tensors
+            if attr.HasField("g"):
+                yield from tensors_of_graph(attr.g)
+            for sub in attr.graphs:
+                yield from tensors_of_graph(sub)
+
+    yield from (t for t in tensors_of_graph(proto.graph)
+                if t.data_location == onnx.TensorProto.EXTERNAL)
+    for fn in proto.functions:
+        for node in fn.node:
+            yield from (t for t in _tensors_of_node(node)
+                        if t.data_location == onnx.TensorProto.EXTERNAL)
+
+
+def check_external_data(proto: onnx.ModelProto, model_dir: Path) -> None:
+    """Refuse external-data entries that escape `model_dir`, are missing or are too short."""
+    root = model_dir.resolve()
+    sizes: dict[Path, int] = {}
+    for tensor in _external_entries(proto):
+        info = {e.key: e.value for e in tensor.external_data}
+        location = info.get("location", "")
+        name = tensor.name or "<unnamed>"
+        if not location:
+            raise BadInput(f"initializer {name!r} is external but names no location")
+        if os.path.isabs(location) or location.startswith(("\\", "/")):
+            raise BadInput(f"initializer {name!r}: external data location {location!r} is an "
+                           "absolute path; only paths inside the model's folder are allowed")
+        target = (root / location).resolve()
+        if not target.is_relative_to(root):
+            raise BadInput(f"initializer {name!r}: external data location {location!r} points "
+                           f"outside the model's folder {root}")
+        if target not in sizes:
+            if not target.is_file():
+                raise BadInput(f"initializer {name!r}: external data file {location!r} is missing "
+                               f"(looked in {root})")
+            sizes[target] = target.stat().st_size
+        try:
+            offset = int(info.get("offset", 0))
+            length = int(info["length"]) if "length" in info else None
+        except ValueError:
+            raise BadInput(f"initializer {name!r}: external data offset/length are not integers") from None
+        if offset < 0 or (length is not None and length < 0):
+            raise BadInput(f"initializer {name!r}: negative external data offset or length")
+        if offset + (length or 0) > sizes[target]:
+            raise BadInput(f"initializer {name!r}: external data file {location!r} is shorter "
+                           f"({sizes[target]} bytes) than the entry claims ({offset}+{length})")
+
+
+def read_proto(path: str | os.PathLike) -> onnx.ModelProto:
+    """The ModelProto without external data, or BadInput with one clear line."""
+    p = Path(path)
+    if not p.exists():
+        raise BadInput(f"{p}: no such file")
+    if not p.is_file():
+        raise BadInput(f"{p}: not a file")
+    try:
+        proto = onnx.load(str(p), load_external_data=False)
+    except (DecodeError, onnx.onnx_cpp2py_export.checker.ValidationError, ValueError,
+            RuntimeError, UnicodeDecodeError) as e:
+        raise BadInput(f"{p}: not a readable ONNX model ({type(e).__name__}: "
+                       f"{str(e).splitlines()[0] if str(e) else 'corrupt or truncated protobuf'})") from None
+    if not proto.HasField("graph") or not proto.graph.node:
+        raise BadInput(f"{p}: not an ONNX model (no graph with nodes; truncated or another file type?)")
+    if not proto.opset_import:
+        raise BadInput(f"{p}: not an ONNX model (no opset import)")
+    return proto
+
+
+def load_model(path: str | os.PathLike) -> ir.Model:
+    """The checked model as onnx_ir, with external data resolved lazily beside the file."""
+    p = Path(path)
+    proto = read_proto(p)
+    check_external_data(proto, p.parent)
+    model = ir.serde.deserialize_model(proto)
+    ir.external_data.set_base_dir(model.graph, str(p.parent.resolve()))
+    return model

@@ -1,0 +1,107 @@
+"""What inspect finds: the transformer's dimensions and where each one lives in the graph.
+
+These dataclasses cross module borders (inspect -> plan -> rewrite -> artifact), so they are
+frozen and carry only names (node and initializer names), never onnx_ir objects: a rewrite
+looks the names up in its own copy of the graph. `ModelShape.to_json()` is DESIGN.md's
+`tuner inspect --json` contract.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+Severity = Literal["info", "warning", "error"]
+ScaleKind = Literal["constant", "computed", "attribute", "none", "unknown"]
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One audit result: rule id (e.g. "vocab-multiple-64"), severity, one-line advice."""
+
+    rule: str
+    severity: Severity
+    message: str
+
+    def __post_init__(self) -> None:
+        if self.severity not in ("info", "warning", "error"):
+            raise ValueError(f"severity must be info|warning|error, not {self.severity!r}")
+
+
+@dataclass(frozen=True)
+class ScaleSite:
+    """The attention softmax scale: a constant, computed from a shape at run time
+    (TorchScript's Shape -> Sqrt -> Div), an attribute of a fused op, or absent."""
+
+    kind: ScaleKind
+    value: float | None = None  # the effective scale on the scores, when known
+    nodes: tuple[str, ...] = ()  # the nodes that compute or apply it
+
+
+@dataclass(frozen=True)
+class AttentionSite:
+    """One attention block. Projections are MatMul/Gemm node names; `qkv` is set instead of
+    q/k/v when the exporter fused them (GPT-2's c_attn, GPT-NeoX's query_key_value)."""
+
+    q: str | None
+    k: str | None
+    v: str | None
+    o: str
+    qkv: str | None = None
+    reshapes: tuple[str, ...] = ()  # Reshape/Split/Slice nodes whose constants encode a or d
+    scale: ScaleSite = ScaleSite("unknown")
+    rotary: Literal["none", "full", "partial"] = "none"
+    fused_op: str | None = None  # e.g. "com.microsoft.Attention" after ORT's optimizer
+
+
+@dataclass(frozen=True)
+class FfnSite:
+    """One feed-forward block: up (and gate, for GLU variants) projections, then down."""
+
+    up: str
+    down: str
+    gate: str | None = None
+    activation: str = "unknown"  # gelu, gelu_tanh, relu, silu, ...
+
+
+@dataclass(frozen=True)
+class LayerSites:
+    attention: AttentionSite | None
+    ffn: FfnSite | None
+
+
+@dataclass(frozen=True)
+class Sites:
+    """Where every dimension lives: enough for a rewrite to find what it must touch."""
+
+    layers: tuple[LayerSites, ...] = ()
+    lm_head: str | None = None  # the MatMul/Gemm onto the vocabulary
+    lm_head_weight: str | None = None  # its weight initializer
+    embedding: str | None = None  # the token embedding initializer (Gather's data)
+    tied: bool = False  # lm head and embedding share storage
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The dimensions of DESIGN.md's contract, plus where they live."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_size: int
+    ffn_gated: bool
+    vocab_size: int | None  # None: an encoder without an LM head
+    activation: str = "unknown"
+    kind: Literal["decoder", "encoder"] = "decoder"
+    optimized: bool = False  # already run through ORT's transformer optimizer (fused ops)
+    fused_ops: tuple[str, ...] = ()
+    findings: tuple[Finding, ...] = ()
+    sites: Sites = field(default_factory=Sites)
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["findings"] = [asdict(f) for f in self.findings]
+        d["fused_ops"] = list(self.fused_ops)
+        return d

@@ -1,0 +1,32 @@
+"""The runner interface every backend implements."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Protocol
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SessionSettings:
+    """Session options that change timings; recorded in the manifest beside every latency."""
+
+    intra_op_threads: int = 0  # 0: the runtime's default (all physical cores)
+    inter_op_threads: int = 1
+    graph_optimization: str = "all"  # disable | basic | extended | all
+
+    def __post_init__(self) -> None:
+        if self.graph_optimization not in ("disable", "basic", "extended", "all"):
+            raise ValueError(f"graph_optimization must be disable|basic|extended|all, "
+                             f"not {self.graph_optimization!r}")
+        if self.intra_op_threads < 0 or self.inter_op_threads < 0:
+            raise ValueError("thread counts must be >= 0")
+
+
+class Runner(Protocol):
+    """Runs one loaded model. `infer` takes and returns numpy arrays keyed by graph names."""
+
+    name: str
+
+    def infer(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]: ...

@@ -1,0 +1,47 @@
+"""ONNX Runtime on the CPU execution provider: the backend that always works."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Mapping
+
+import numpy as np
+
+from tuner.runtime.base import SessionSettings
+
+_LEVELS = {"disable": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC",
+           "extended": "ORT_ENABLE_EXTENDED", "all": "ORT_ENABLE_ALL"}
+
+
+def session_options(settings: SessionSettings):
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = settings.intra_op_threads
+    so.inter_op_num_threads = settings.inter_op_threads
+    so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, _LEVELS[settings.graph_optimization])
+    so.log_severity_level = 3  # errors only: ORT's warnings about unused initializers are noise here
+    return so
+
+
+def load_cpu(model: str | os.PathLike | bytes, settings: SessionSettings = SessionSettings()):
+    """An InferenceSession on the CPU EP. `model` is a path (external data beside it) or bytes."""
+    import onnxruntime as ort
+
+    src = model if isinstance(model, bytes) else str(Path(model))
+    return ort.InferenceSession(src, sess_options=session_options(settings),
+                                providers=["CPUExecutionProvider"])
+
+
+class OrtRunner:
+    """Runs an onnxruntime InferenceSession (any execution provider)."""
+
+    def __init__(self, session, name: str = "ort-cpu") -> None:
+        self.session = session
+        self.name = name
+        self.output_names = [o.name for o in session.get_outputs()]
+
+    def infer(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        outs = self.session.run(self.output_names, dict(feeds))
+        return dict(zip(self.output_names, outs))
