@@ -1,0 +1,14 @@
+"""`tuner serve`: the KServe v2 / Open Inference Protocol gRPC server (see serving/server.py).
+
+Layers, each importable alone: protocol (protobuf <-> numpy, error table), batcher (dynamic
+batching into buckets), model (artifact -> runners, accuracy gate), engine (validation,
+batching, shadow checks), metrics, service (the thin servicer), server (process, signals).
+Only protocol, service and server import grpc.
+"""
+
+try:
+    from importlib.metadata import version as _version
+
+    __version__ = _version("shapetuner")
+except Exception:  # noqa: BLE001 - running from a source tree that is not installed
+    __version__ = "0.0.0"

@@ -1,2 +1,97 @@
-"""`tuner inspect MODEL.onnx [--json] [--device D]`."""
-from tuner.cli.app import app  # noqa: F401  (the inspect helper fills this in)
+"""`tuner inspect MODEL.onnx [--json] [--device cpu|a100|h100|h200] [--tokens 4096]`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from tuner.cli.app import app
+from tuner.graph.shape import ModelShape
+
+
+def _where(shape: ModelShape) -> dict[str, str]:
+    """A short "where it lives" for each dim, from layer 0's sites."""
+    sites = shape.sites
+    first = sites.layers[0] if sites.layers else None
+    attn = first.attention if first else None
+    ffn = first.ffn if first else None
+    out: dict[str, str] = {"layers": f"{sum(1 for l in sites.layers if l.attention)} attention + "
+                                     f"{sum(1 for l in sites.layers if l.ffn)} FFN blocks"}
+    if sites.embedding:
+        out["hidden_size"] = f"token embedding {sites.embedding}"
+    if attn is not None:
+        proj = (f"fused qkv {attn.qkv}" if attn.qkv else f"q {attn.q}, k {attn.k}, v {attn.v}")
+        out["num_heads"] = proj + (f" ({attn.fused_op})" if attn.fused_op else "")
+        out["head_dim"] = f"{len(attn.reshapes)} Reshape/Split/Slice nodes, o {attn.o}"
+        value = f" {attn.scale.value:.6g}" if attn.scale.value is not None else ""
+        out["scale"] = f"{attn.scale.kind}{value} at {', '.join(attn.scale.nodes[:2]) or '-'}"
+        rot = attn.rotary + (f" ({attn.rotary_dim} of {shape.head_dim} dims)" if attn.rotary_dim else "")
+        out["rotary"] = rot
+    if ffn is not None:
+        gate = f", gate {ffn.gate}" if ffn.gate else ""
+        out["ffn_size"] = f"up {ffn.up}{gate}, down {ffn.down}"
+    if sites.lm_head:
+        tied = " (tied to the embedding)" if sites.tied else ""
+        out["vocab_size"] = f"{sites.lm_head}, weight {sites.lm_head_weight}{tied}"
+    return out
+
+
+def render(shape: ModelShape, console: Console) -> None:
+    where = _where(shape)
+    kind = shape.kind + (" (ORT-optimized: " + ", ".join(shape.fused_ops) + ")"
+                         if shape.optimized else "")
+    table = Table(title=f"{kind} transformer", title_justify="left")
+    table.add_column("dimension")
+    table.add_column("value", justify="right")
+    table.add_column("where it lives (layer 0)", overflow="fold")
+    rows = [
+        ("layers", shape.num_layers, where.get("layers", "")),
+        ("hidden size", shape.hidden_size, where.get("hidden_size", "")),
+        ("heads", shape.num_heads, where.get("num_heads", "")),
+        ("kv heads", shape.num_kv_heads, ""),
+        ("head dim", shape.head_dim, where.get("head_dim", "")),
+        ("softmax scale", "", where.get("scale", "")),
+        ("rotary", "", where.get("rotary", "none")),
+        ("FFN width", f"{shape.ffn_size}{' gated' if shape.ffn_gated else ''} {shape.activation}",
+         where.get("ffn_size", "")),
+        ("vocabulary", shape.vocab_size if shape.vocab_size is not None else "- (encoder)",
+         where.get("vocab_size", "")),
+    ]
+    for name, value, place in rows:
+        table.add_row(name, str(value), place)
+    console.print(table)
+    if not shape.findings:
+        console.print("findings: none")
+        return
+    found = Table(title="findings", title_justify="left")
+    found.add_column("severity")
+    found.add_column("rule")
+    found.add_column("what to change, and why", overflow="fold")
+    for f in shape.findings:
+        found.add_row(f.severity, f.rule, f.message)
+    console.print(found)
+
+
+@app.command("inspect")
+def inspect(
+    model: Path = typer.Argument(..., help="the exported model (.onnx; external data beside it)"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object (DESIGN.md contract)"),
+    device: str = typer.Option("cpu", "--device", help="hardware facts for the findings: "
+                               "a100, h100, h200 or cpu"),
+    tokens: int = typer.Option(4096, "--tokens", min=1,
+                               help="rows per GEMM (batch x sequence) for the wave findings"),
+) -> None:
+    """Find the transformer's dimensions, where each lives in the graph, and shape findings."""
+    from tuner.graph.inspect import inspect_path
+    from tuner.hardware import device_facts
+
+    device_facts(device)  # an unknown device is bad input before any file is read
+    shape = inspect_path(model, device=device, tokens=tokens)
+    if as_json:
+        typer.echo(json.dumps(shape.to_json(), indent=2))
+    else:
+        render(shape, Console(width=160))

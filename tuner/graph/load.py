@@ -16,6 +16,7 @@ from pathlib import Path
 import onnx
 import onnx_ir as ir
 from google.protobuf.message import DecodeError
+from onnx_ir.passes.common.naming import NameFixPass, SimpleNameGenerator
 
 from tuner.errors import BadInput
 
@@ -106,4 +107,19 @@ def load_model(path: str | os.PathLike) -> ir.Model:
     check_external_data(proto, p.parent)
     model = ir.serde.deserialize_model(proto)
     ir.external_data.set_base_dir(model.graph, str(p.parent.resolve()))
+    name_nodes(model)
     return model
+
+
+class _Names(SimpleNameGenerator):
+    """Empty node names become the op type; NameFixPass then makes every name unique."""
+
+    def generate_node_name(self, node: ir.Node) -> str:
+        return node.name or node.op_type
+
+
+def name_nodes(model: ir.Model) -> None:
+    """Give every node (and value) a unique name: Sites refer to nodes by name, and some
+    exporters leave names empty or repeat them. Names already unique are kept, so the same
+    file always loads with the same names."""
+    NameFixPass(_Names())(model)

@@ -52,6 +52,8 @@ class AttentionSite:
     scale: ScaleSite = ScaleSite("unknown")
     rotary: Literal["none", "full", "partial"] = "none"
     fused_op: str | None = None  # e.g. "com.microsoft.Attention" after ORT's optimizer
+    rotary_dim: int | None = None  # dims per head that rotate (< head_dim: partial rotary)
+    softmax: str | None = None  # the Softmax node (None when fused)
 
 
 @dataclass(frozen=True)

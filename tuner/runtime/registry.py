@@ -29,6 +29,7 @@ class Backend:
     description: str
     check: Callable[[], str | None]  # None when usable here, else the reason it is not
     loader: Loader
+    precision: str = "fp32"  # "fp16": outputs must be judged at fp16 tolerances
 
     def available(self) -> tuple[bool, str]:
         reason = self.check()
@@ -97,3 +98,7 @@ def resolve(spec: str) -> tuple[list[Backend], list[str]]:
     if not chosen:
         raise BadInput("no backend given")
     return chosen, []
+
+
+# GPU backends (ort-cuda, ort-cuda-fp16, ort-trt, trt, trt-fp16) register themselves.
+from tuner.runtime import gpu_backends  # noqa: E402,F401

@@ -1,0 +1,242 @@
+"""Dynamic batching into sequence buckets. No grpc here: requests are numpy feeds in,
+numpy outputs out, through concurrent.futures.Future.
+
+How a batch is made (one worker thread per model instance):
+- the oldest waiting request decides the batch's key: its sequence bucket (the smallest
+  bucket >= its length) and the shapes of its other inputs;
+- the worker waits until requests with that key fill `max_batch` rows, or the oldest request
+  has waited `max_queue_delay_s` (0: take whatever is queued now, as Triton does: under load
+  requests pile up while the previous batch runs, so batching costs no idle time);
+- sequence inputs are right-padded to the bucket (zeros; the attention mask's zeros make the
+  padded positions invisible to attention, and right padding leaves a causal model's valid
+  positions untouched), the batch runs once, and each request gets its own rows back, cut
+  to its own length on every output axis that follows the sequence.
+Requests longer than the largest bucket never get here: the engine rejects them.
+Without an attention mask input nothing can be padded safely: then only requests of equal
+length are batched together, at their own length.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+import numpy as np
+
+from serving.errors import InvalidArgument, Unavailable
+
+Feeds = Mapping[str, np.ndarray]
+RunFn = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where the batch and sequence axes are in a model's tensors (axis 0 is the batch)."""
+
+    seq_inputs: tuple[str, ...]  # inputs shaped (batch, seq, ...): padded on the right
+    mask_input: str | None  # among seq_inputs; None: padding is not safe, so none is done
+    output_seq_axes: Mapping[str, int | None]  # output -> the axis that follows the sequence
+
+    def __post_init__(self) -> None:
+        if self.mask_input is not None and self.mask_input not in self.seq_inputs:
+            raise ValueError(f"mask input {self.mask_input!r} must be one of the sequence "
+                             f"inputs {list(self.seq_inputs)}")
+        for name, axis in self.output_seq_axes.items():
+            if axis is not None and axis < 1:
+                raise ValueError(f"output {name!r}: the sequence axis must be >= 1 "
+                                 f"(axis 0 is the batch), not {axis}")
+
+
+@dataclass(frozen=True)
+class BatchPolicy:
+    max_batch: int  # rows per run (1: batching off)
+    max_queue_delay_s: float
+    seq_buckets: tuple[int, ...]  # strictly increasing
+    max_queue: int = 4096  # waiting requests; beyond it new ones are refused (UNAVAILABLE)
+
+    def __post_init__(self) -> None:
+        if self.max_batch < 1:
+            raise ValueError(f"max batch must be >= 1, not {self.max_batch}")
+        if not 0 <= self.max_queue_delay_s <= 10:
+            raise ValueError(f"max queue delay must be in [0, 10] seconds, not "
+                             f"{self.max_queue_delay_s}")
+        b = list(self.seq_buckets)
+        if not b or b != sorted(set(b)) or b[0] < 1:
+            raise ValueError(f"sequence buckets must be increasing positive integers, not {b}")
+        if self.max_queue < 1:
+            raise ValueError("max queue must be >= 1")
+
+
+@dataclass(frozen=True)
+class Result:
+    """One request's outputs and what it cost: seconds queued, seconds of the batch's run,
+    the rows of the batch it ran in, and the bucket length it was padded to."""
+
+    outputs: dict[str, np.ndarray]
+    queue_s: float
+    compute_s: float
+    batch_rows: int
+    padded_to: int
+
+
+@dataclass
+class _Request:
+    feeds: Feeds
+    rows: int
+    length: int
+    key: tuple
+    enqueued: float
+    future: Future = field(default_factory=Future)
+
+
+class Batcher:
+    """Groups submitted requests into batches and runs them with `run(feeds) -> outputs`.
+
+    `on_batch(rows, requests, compute_s)` is called after each run (metrics)."""
+
+    def __init__(self, run: RunFn, layout: Layout, policy: BatchPolicy,
+                 on_batch: Callable[[int, int, float], None] | None = None,
+                 workers: int = 1) -> None:
+        self._run, self.layout, self.policy = run, layout, policy
+        self._on_batch = on_batch
+        self._queue: list[_Request] = []
+        self._cond = threading.Condition()
+        self._closed = False
+        self._threads = [threading.Thread(target=self._loop, name=f"batcher-{i}", daemon=True)
+                         for i in range(workers)]
+        for t in self._threads:
+            t.start()
+
+    # ----------------------------------------------------------------------------- public
+
+    def bucket_for(self, length: int) -> int:
+        """The padded length for a request of `length` tokens."""
+        if self.layout.mask_input is None:
+            return length
+        for b in self.policy.seq_buckets:
+            if b >= length:
+                return b
+        raise InvalidArgument(f"sequence length {length} is longer than the largest bucket "
+                              f"{self.policy.seq_buckets[-1]}")
+
+    def submit(self, feeds: Feeds) -> Future:
+        """Queue one request (already validated); its Future resolves to a Result."""
+        rows, length = self._rows_and_length(feeds)
+        if rows > self.policy.max_batch:
+            raise InvalidArgument(f"batch size {rows} is over the limit {self.policy.max_batch}")
+        key = (self.bucket_for(length),) + tuple(
+            (n, a.shape[1:]) for n, a in sorted(feeds.items()) if n not in self.layout.seq_inputs)
+        request = _Request(feeds, rows, length, key, time.perf_counter())
+        with self._cond:
+            if self._closed:
+                raise Unavailable("the server is shutting down")
+            if len(self._queue) >= self.policy.max_queue:
+                raise Unavailable(f"the queue is full ({self.policy.max_queue} requests waiting)")
+            self._queue.append(request)
+            self._cond.notify()
+        return request.future
+
+    def pending(self) -> int:
+        with self._cond:
+            return len(self._queue)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Refuse new requests, run every queued one, then stop the workers."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        for t in self._threads:
+            t.join(timeout)
+
+    # ----------------------------------------------------------------------------- worker
+
+    def _rows_and_length(self, feeds: Feeds) -> tuple[int, int]:
+        first = next(iter(feeds.values()))
+        rows = int(first.shape[0]) if first.ndim else 1
+        seq = [feeds[n] for n in self.layout.seq_inputs if n in feeds]
+        return rows, (int(seq[0].shape[1]) if seq else 0)
+
+    def _take(self, key: tuple) -> tuple[list[_Request], int]:
+        picked, rows = [], 0
+        for r in self._queue:
+            if r.key == key and rows + r.rows <= self.policy.max_batch:
+                picked.append(r)
+                rows += r.rows
+        return picked, rows
+
+    def _next_batch(self) -> list[_Request] | None:
+        with self._cond:
+            while not self._queue and not self._closed:
+                self._cond.wait()
+            if not self._queue:
+                return None  # closed and drained
+            first = self._queue[0]
+            deadline = first.enqueued + self.policy.max_queue_delay_s
+            while True:
+                picked, rows = self._take(first.key)
+                wait = deadline - time.perf_counter()
+                if rows >= self.policy.max_batch or self._closed or wait <= 0:
+                    break
+                self._cond.wait(wait)
+            chosen = {id(r) for r in picked}
+            self._queue = [r for r in self._queue if id(r) not in chosen]
+            return picked
+
+    def _loop(self) -> None:
+        while (batch := self._next_batch()) is not None:
+            batch = [r for r in batch if r.future.set_running_or_notify_cancel()]
+            if batch:
+                self._run_batch(batch)
+
+    def _run_batch(self, batch: list[_Request]) -> None:
+        start = time.perf_counter()
+        try:
+            bucket = batch[0].key[0]
+            outputs = self._run(self._stack(batch, bucket))
+            compute = time.perf_counter() - start
+            rows = sum(r.rows for r in batch)
+            offset = 0
+            for r in batch:
+                mine = self._split(outputs, offset, r, bucket)
+                r.future.set_result(Result(mine, start - r.enqueued, compute, rows, bucket))
+                offset += r.rows
+            if self._on_batch is not None:
+                self._on_batch(rows, len(batch), compute)
+        except BaseException as e:  # noqa: BLE001 - every waiting client must get an answer
+            for r in batch:
+                if not r.future.done():
+                    r.future.set_exception(e)
+
+    def _stack(self, batch: list[_Request], bucket: int) -> dict[str, np.ndarray]:
+        if len(batch) == 1 and batch[0].length == bucket:
+            return dict(batch[0].feeds)  # nothing to pad or join: no copy
+        feeds = {}
+        rows = sum(r.rows for r in batch)
+        for name, first in batch[0].feeds.items():
+            if name in self.layout.seq_inputs:
+                out = np.zeros((rows, bucket) + first.shape[2:], dtype=first.dtype)  # (B, S, ...)
+                offset = 0
+                for r in batch:
+                    a = r.feeds[name]
+                    out[offset:offset + r.rows, :a.shape[1]] = a
+                    offset += r.rows
+                feeds[name] = out
+            else:
+                feeds[name] = np.concatenate([r.feeds[name] for r in batch], axis=0)
+        return feeds
+
+    def _split(self, outputs: dict[str, np.ndarray], offset: int, r: _Request,
+               bucket: int) -> dict[str, np.ndarray]:
+        mine = {}
+        for name, out in outputs.items():
+            part = out[offset:offset + r.rows]
+            axis = self.layout.output_seq_axes.get(name)
+            if axis is not None and r.length != bucket:
+                cut = [slice(None)] * part.ndim
+                cut[axis] = slice(0, r.length)
+                part = part[tuple(cut)]
+            mine[name] = part
+        return mine

@@ -1,0 +1,217 @@
+"""The engine behind the servicer: validate a request against the model, batch it, run it,
+count it, and now and then shadow-check it on the original. No grpc here."""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from serving.batcher import Batcher, BatchPolicy, Result
+from serving.errors import InvalidArgument, ServingError, Unavailable
+from serving.metrics import Metrics, Stats
+from serving.model import LoadedModel, TensorSpec
+from serving.datatypes import DATATYPES, datatype_of
+from tuner.verify import Tolerance
+
+log = logging.getLogger("serving")
+
+VERSION = "1"
+_SHADOW_BACKLOG = 4  # shadow runs waiting at most; beyond, a sample is skipped, not queued
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    max_batch: int | None = None  # rows per run; None: the manifest's largest batch bucket
+    max_queue_delay_ms: float = 0.0  # 0: batch whatever is queued when the model is free
+    shadow_fraction: float = 0.0  # share of requests re-run on the original and compared
+    workers: int = 1  # model executions at a time
+    max_queue: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.max_batch is not None and not 1 <= self.max_batch <= 4096:
+            raise ValueError(f"max batch must be in [1, 4096], not {self.max_batch}")
+        if not 0 <= self.max_queue_delay_ms <= 10_000:
+            raise ValueError(f"max queue delay must be in [0, 10000] ms, not "
+                             f"{self.max_queue_delay_ms}")
+        if not 0 <= self.shadow_fraction <= 1:
+            raise ValueError(f"shadow fraction must be in [0, 1], not {self.shadow_fraction}")
+        if not 1 <= self.workers <= 64:
+            raise ValueError(f"workers must be in [1, 64], not {self.workers}")
+
+
+def _shape_text(shape: Sequence[int]) -> str:
+    return "[" + ",".join(str(int(d)) for d in shape) + "]"
+
+
+class Engine:
+    def __init__(self, model: LoadedModel, options: EngineOptions, stats: Stats,
+                 metrics: Metrics | None = None, tolerance: Tolerance = Tolerance()) -> None:
+        self.model, self.options, self.stats, self.metrics = model, options, stats, metrics
+        self.name, self.version = model.name, VERSION
+        self.max_batch = options.max_batch or max(model.buckets.batch)
+        self.tolerance = tolerance
+        self._inputs = {s.name: s for s in model.signature.inputs}
+        self._outputs = [s.name for s in model.signature.outputs]
+        policy = BatchPolicy(self.max_batch, options.max_queue_delay_ms / 1e3,
+                             tuple(model.buckets.seq), options.max_queue)
+        self.batcher = Batcher(model.runner.infer, model.layout, policy,
+                               on_batch=self._on_batch, workers=options.workers)
+        self._shadow = (ThreadPoolExecutor(1, thread_name_prefix="shadow")
+                        if options.shadow_fraction > 0 else None)
+        self._shadow_backlog = 0
+        self._lock = threading.Lock()
+        self._random = random.Random(0)
+
+    # --------------------------------------------------------------------------- validation
+
+    def _check_names(self, feeds: Mapping[str, np.ndarray]) -> None:
+        for name in feeds:
+            if name not in self._inputs:
+                raise InvalidArgument(f"unexpected inference input '{name}' for model "
+                                      f"'{self.name}'")
+        missing = [n for n in self._inputs if n not in feeds]
+        if missing:
+            raise InvalidArgument(
+                f"expected {len(self._inputs)} inputs but got {len(feeds)} inputs for model "
+                f"'{self.name}'; missing required input(s) {missing}")
+
+    def _check_tensor(self, spec: TensorSpec, array: np.ndarray) -> None:
+        if array.dtype != DATATYPES[spec.datatype]:
+            raise InvalidArgument(f"inference input '{spec.name}' data-type is "
+                                  f"'{datatype_of(array.dtype)}', but model '{self.name}' "
+                                  f"expects '{spec.datatype}'")
+        bad = array.ndim != len(spec.shape) or any(
+            d != -1 and d != got for d, got in zip(spec.shape, array.shape)) or array.size == 0
+        if bad:
+            raise InvalidArgument(f"unexpected shape for input '{spec.name}' for model "
+                                  f"'{self.name}'. Expected {_shape_text(spec.shape)}, got "
+                                  f"{_shape_text(array.shape)}")
+
+    def _check_batch_and_length(self, feeds: Mapping[str, np.ndarray]) -> None:
+        rows = {int(a.shape[0]) for a in feeds.values() if a.ndim}
+        if len(rows) > 1:
+            raise InvalidArgument(f"inputs of model '{self.name}' disagree on the batch size: "
+                                  + ", ".join(f"'{n}' {_shape_text(a.shape)}"
+                                              for n, a in feeds.items()))
+        if rows and max(rows) > self.max_batch:
+            raise InvalidArgument(f"inference request batch-size must be <= {self.max_batch} "
+                                  f"for '{self.name}'")
+        seq = self.model.layout.seq_inputs
+        lengths = {int(feeds[n].shape[1]) for n in seq}
+        if len(lengths) > 1:
+            raise InvalidArgument(f"inputs of model '{self.name}' disagree on the sequence "
+                                  "length: " + ", ".join(f"'{n}' {_shape_text(feeds[n].shape)}"
+                                                         for n in seq))
+        top = self.model.buckets.seq[-1]
+        if lengths and max(lengths) > top:
+            raise InvalidArgument(
+                f"sequence length {max(lengths)} is longer than the largest bucket {top} "
+                f"model '{self.name}' is served with (longer requests are refused, not run "
+                "unpadded: the artifact was checked and timed only up to its buckets)")
+
+    def _check_tokens(self, feeds: Mapping[str, np.ndarray]) -> None:
+        token, vocab = self.model.signature.token_input, self.model.signature.vocab_size
+        if token is None or vocab is None:
+            return
+        ids = feeds[token]
+        bad = np.argwhere((ids < 0) | (ids >= vocab))
+        if bad.size:
+            where = tuple(int(i) for i in bad[0])
+            raise InvalidArgument(f"input '{token}' holds token id {int(ids[where])} at "
+                                  f"{list(where)}, outside the vocabulary [0, {vocab}) of model "
+                                  f"'{self.name}'")
+
+    def validate(self, feeds: Mapping[str, np.ndarray], outputs: Sequence[str]) -> None:
+        """InvalidArgument, with a Triton-style message, for anything this model cannot run."""
+        self._check_names(feeds)
+        for name, array in feeds.items():
+            self._check_tensor(self._inputs[name], array)
+        self._check_batch_and_length(feeds)
+        self._check_tokens(feeds)
+        for name in outputs:
+            if name not in self._outputs:
+                raise InvalidArgument(f"unexpected inference output '{name}' for model "
+                                      f"'{self.name}'")
+
+    # ------------------------------------------------------------------------------ running
+
+    def infer(self, feeds: Mapping[str, np.ndarray], outputs: Sequence[str] = ()
+              ) -> tuple[dict[str, np.ndarray], Result]:
+        """Validate, batch, run; the outputs asked for (all when none), in the asked order."""
+        start = time.perf_counter()
+        try:
+            self.validate(feeds, outputs)
+            result = self.batcher.submit(feeds).result()
+        except ServingError as e:
+            reason = "REJECTED" if isinstance(e, Unavailable) else "OTHER"
+            self.stats.record_failure(reason, time.perf_counter() - start)
+            raise
+        except Exception:
+            self.stats.record_failure("BACKEND", time.perf_counter() - start)
+            raise
+        rows = int(next(iter(feeds.values())).shape[0])
+        self.stats.record_success(time.perf_counter() - start, result.queue_s,
+                                  result.compute_s, rows)
+        if self.metrics is not None and result.padded_to:
+            seq = self.model.layout.seq_inputs
+            length = int(feeds[seq[0]].shape[1]) if seq else result.padded_to
+            self.metrics.padding.inc(rows * (result.padded_to - length))
+        self._maybe_shadow(feeds, result.outputs)
+        names = list(outputs) or self._outputs
+        return {n: result.outputs[n] for n in names}, result
+
+    def _on_batch(self, rows: int, requests: int, compute_s: float) -> None:
+        self.stats.record_batch(rows, compute_s)
+        if self.metrics is not None:
+            self.metrics.observe_batch(rows)
+
+    # ------------------------------------------------------------------------------- shadow
+
+    def _maybe_shadow(self, feeds: Mapping[str, np.ndarray], served: dict[str, np.ndarray]
+                      ) -> None:
+        if self._shadow is None or self._random.random() >= self.options.shadow_fraction:
+            return
+        with self._lock:
+            if self._shadow_backlog >= _SHADOW_BACKLOG:
+                self.stats.record_shadow("skipped")
+                return
+            self._shadow_backlog += 1
+        self._shadow.submit(self._shadow_check, dict(feeds), served)
+
+    def _shadow_check(self, feeds: dict[str, np.ndarray], served: dict[str, np.ndarray]) -> None:
+        """Run the request alone, unpadded, on the original: it must agree with what the
+        client got from the served variant through batching and padding."""
+        try:
+            reference = self.model.original.infer(feeds)
+            mask = next((a for n, a in feeds.items() if "attention_mask" in n.lower()), None)
+            agree = all(self._agrees(n, reference[n], served[n], mask) for n in served)
+            self.stats.record_shadow("agree" if agree else "disagree")
+            if not agree:
+                log.warning("shadow check: the served result differs from the original's")
+        except Exception:  # noqa: BLE001 - a shadow failure must never touch serving
+            log.exception("shadow check failed to run")
+            self.stats.record_shadow("disagree")
+        finally:
+            with self._lock:
+                self._shadow_backlog -= 1
+
+    def _agrees(self, name: str, ref: np.ndarray, got: np.ndarray, mask) -> bool:
+        if ref.shape != got.shape:
+            return False
+        if mask is not None and ref.ndim >= 2 and ref.shape[:2] == mask.shape:
+            keep = mask.astype(bool)  # positions the client masked out are not compared
+            ref, got = ref[keep], got[keep]
+        return self.tolerance(name, ref, got)
+
+    def close(self) -> None:
+        """Run everything queued, then stop."""
+        self.batcher.close()
+        if self._shadow is not None:
+            self._shadow.shutdown(wait=True)

@@ -1,0 +1,23 @@
+"""What can go wrong with a request, as exceptions that carry no transport: the batcher and
+the engine raise these (they never import grpc); serving.protocol maps them to status codes
+in one table."""
+
+
+class ServingError(Exception):
+    """Base class: the message is what the client reads."""
+
+
+class InvalidArgument(ServingError):
+    """The request cannot be run as sent (names, dtypes, shapes, sizes, token ids, batch)."""
+
+
+class NotFound(ServingError):
+    """No model (or version) by that name is served here."""
+
+
+class Unavailable(ServingError):
+    """The model is not ready yet, or the server is shutting down: try again elsewhere/later."""
+
+
+class Unauthenticated(ServingError):
+    """The call lacks the bearer token this server was started with."""

@@ -1,0 +1,143 @@
+"""Counters the server keeps, exposed two ways: Prometheus text on the metrics port (Triton's
+metric names, so existing dashboards work) and the ModelStatistics RPC (perf_analyzer reads
+it). One thread-safe `Stats` per model is the source for both. No grpc here."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
+from prometheus_client.core import Metric
+
+_UNTYPED = "unknown"  # written as "# TYPE name untyped"
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+@dataclass
+class Duration:
+    count: int = 0
+    ns: int = 0
+
+    def add(self, seconds: float, n: int = 1) -> None:
+        self.count += n
+        self.ns += int(seconds * 1e9) * n
+
+
+@dataclass
+class Stats:
+    """Per-model totals (Triton's meaning: one request may hold several rows)."""
+
+    success: Duration = field(default_factory=Duration)  # request duration, end to end
+    fail: Duration = field(default_factory=Duration)
+    queue: Duration = field(default_factory=Duration)
+    compute_infer: Duration = field(default_factory=Duration)
+    inference_count: int = 0  # rows answered
+    execution_count: int = 0  # batches run
+    last_inference_ms: int = 0
+    failures: dict[str, int] = field(default_factory=dict)  # reason -> count
+    batches: dict[int, Duration] = field(default_factory=dict)  # rows -> compute time
+    shadow: dict[str, int] = field(default_factory=lambda: {"agree": 0, "disagree": 0,
+                                                            "skipped": 0})
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def record_success(self, total_s: float, queue_s: float, compute_s: float, rows: int) -> None:
+        with self.lock:
+            self.success.add(total_s)
+            self.queue.add(queue_s)
+            self.compute_infer.add(compute_s)
+            self.inference_count += rows
+            self.last_inference_ms = int(time.time() * 1e3)
+
+    def record_failure(self, reason: str, total_s: float) -> None:
+        with self.lock:
+            self.fail.add(total_s)
+            self.failures[reason] = self.failures.get(reason, 0) + 1
+
+    def record_batch(self, rows: int, compute_s: float) -> None:
+        with self.lock:
+            self.execution_count += 1
+            self.batches.setdefault(rows, Duration()).add(compute_s)
+
+    def record_shadow(self, result: str) -> None:
+        with self.lock:
+            self.shadow[result] = self.shadow.get(result, 0) + 1
+
+
+class _TritonCollector:
+    """Triton's counters, with Triton's exact names. They are exposed untyped: prometheus_client
+    writes every counter's name with a `_total` suffix, which Triton's names do not have, and
+    rate() works the same on untyped series."""
+
+    def __init__(self, stats: Stats, model: str, version: str) -> None:
+        self.stats, self.labels = stats, {"model": model, "version": version}
+
+    def _counter(self, name: str, doc: str, value: float, extra: dict | None = None) -> Metric:
+        m = Metric(name, doc, _UNTYPED)
+        m.add_sample(name, {**self.labels, **(extra or {})}, value)
+        return m
+
+    def collect(self):
+        s = self.stats
+        with s.lock:
+            yield self._counter("nv_inference_request_success",
+                                "Number of successful inference requests, all batch sizes",
+                                s.success.count)
+            fail = Metric("nv_inference_request_failure",
+                          "Number of failed inference requests, all batch sizes", _UNTYPED)
+            for reason, n in sorted(s.failures.items()) or [("REJECTED", 0)]:
+                fail.add_sample("nv_inference_request_failure", {**self.labels,
+                                                                  "reason": reason}, n)
+            yield fail
+            yield self._counter("nv_inference_count",
+                                "Number of inferences performed (rows, not requests)",
+                                s.inference_count)
+            yield self._counter("nv_inference_exec_count",
+                                "Number of model executions performed (batches)",
+                                s.execution_count)
+            yield self._counter("nv_inference_request_duration_us",
+                                "Cumulative inference request duration in microseconds",
+                                s.success.ns / 1e3)
+            yield self._counter("nv_inference_queue_duration_us",
+                                "Cumulative inference queuing duration in microseconds",
+                                s.queue.ns / 1e3)
+            yield self._counter("nv_inference_compute_infer_duration_us",
+                                "Cumulative compute inference duration in microseconds",
+                                s.compute_infer.ns / 1e3)
+            shadow = Metric("tuner_shadow_checks", "Sampled requests re-run on the original "
+                            "model and compared: agree, disagree, skipped (shadow busy)",
+                            _UNTYPED)
+            for result, n in sorted(s.shadow.items()):
+                shadow.add_sample("tuner_shadow_checks", {**self.labels, "result": result}, n)
+            yield shadow
+
+
+@dataclass
+class Metrics:
+    """A private registry (several servers may live in one process, e.g. in tests)."""
+
+    registry: CollectorRegistry
+    batch_size: Histogram
+    padding: Counter
+
+    def observe_batch(self, rows: int) -> None:
+        self.batch_size.observe(rows)
+
+
+def make_metrics(stats: Stats, model: str, version: str) -> Metrics:
+    disable_created_metrics()  # the *_created series double the output and no one reads them
+    registry = CollectorRegistry()
+    registry.register(_TritonCollector(stats, model, version))
+    batch = Histogram("tuner_batch_size", "Rows per model execution (dynamic batching)",
+                      ["model", "version"], buckets=BATCH_BUCKETS, registry=registry)
+    padding = Counter("tuner_padded_tokens", "Token positions added by padding to buckets",
+                      ["model", "version"], registry=registry)
+    return Metrics(registry, batch.labels(model, version), padding.labels(model, version))
+
+
+def start_metrics_server(metrics: Metrics, host: str, port: int):
+    """Serve /metrics over HTTP; returns (server, thread) for shutdown."""
+    from prometheus_client import start_http_server
+
+    return start_http_server(port, addr=host, registry=metrics.registry)

@@ -1,0 +1,179 @@
+"""The model a server serves: read the artifact, load the selected variant and the original
+through tuner.runtime, re-run the accuracy gate here, and find the tensors' layout.
+
+No grpc here. Everything reaches the model through tuner.artifact (what to load),
+tuner.runtime.registry (how to run it) and tuner.verify / tuner.feeds (whether it is exact).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import onnx
+
+from serving.batcher import Layout
+from tuner.artifact import Buckets, Manifest, read_manifest, variant_path
+from tuner.errors import BadInput
+from tuner.feeds import make_feeds
+from tuner.runtime.base import Runner, SessionSettings
+from tuner.runtime.registry import get_backend
+from tuner.verify import Tolerance, VerifyResult, verify
+
+# ONNX element types -> KServe v2 datatype names.
+_ONNX_DATATYPES = {
+    onnx.TensorProto.BOOL: "BOOL", onnx.TensorProto.UINT8: "UINT8",
+    onnx.TensorProto.UINT16: "UINT16", onnx.TensorProto.UINT32: "UINT32",
+    onnx.TensorProto.UINT64: "UINT64", onnx.TensorProto.INT8: "INT8",
+    onnx.TensorProto.INT16: "INT16", onnx.TensorProto.INT32: "INT32",
+    onnx.TensorProto.INT64: "INT64", onnx.TensorProto.FLOAT16: "FP16",
+    onnx.TensorProto.FLOAT: "FP32", onnx.TensorProto.DOUBLE: "FP64",
+    onnx.TensorProto.STRING: "BYTES",
+}
+# Ops a token id passes through unchanged on its way to the embedding Gather.
+_PASS_THROUGH = {"Reshape", "Cast", "Identity", "Flatten", "Squeeze", "Unsqueeze"}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A graph input or output as clients see it: KServe datatype, -1 for dynamic axes."""
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("a tensor needs a name")
+        if any(d < -1 or d == 0 for d in self.shape):
+            raise ValueError(f"tensor {self.name!r}: dims must be positive or -1, not "
+                             f"{list(self.shape)}")
+
+
+@dataclass(frozen=True)
+class Signature:
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    token_input: str | None  # the input whose values index the embedding table
+    vocab_size: int | None  # rows of that table: valid token ids are [0, vocab_size)
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """What the engine serves: the runner of the variant that passed the gate here (or the
+    original), the original's runner for shadow checks, and what clients must send."""
+
+    name: str
+    served: str  # the variant's name
+    note: str  # one line for the log: which variant, and why
+    runner: Runner
+    original: Runner
+    signature: Signature
+    layout: Layout
+    buckets: Buckets
+    backend: str
+    gate: VerifyResult | None  # None when the original was selected (nothing to compare)
+
+
+def _spec(value: onnx.ValueInfoProto) -> TensorSpec:
+    t = value.type.tensor_type
+    datatype = _ONNX_DATATYPES.get(t.elem_type)
+    if datatype is None:
+        raise BadInput(f"graph tensor {value.name!r} has element type {t.elem_type}, which "
+                       "the KServe v2 protocol cannot carry")
+    dims = tuple(d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else -1
+                 for d in t.shape.dim)
+    return TensorSpec(value.name, datatype, dims)
+
+
+def _vocab(graph: onnx.GraphProto, token_input: str) -> int | None:
+    """Rows of the embedding table that `token_input` indexes (Gather on an initializer),
+    following the input through reshapes and casts. None when no such Gather is found."""
+    tables = {i.name: list(i.dims) for i in graph.initializer}
+    frontier, seen = [token_input], set()
+    while frontier:
+        name = frontier.pop()
+        seen.add(name)
+        for node in graph.node:
+            if name not in node.input:
+                continue
+            if node.op_type == "Gather" and node.input[1] == name and node.input[0] in tables:
+                dims = tables[node.input[0]]
+                if len(dims) == 2:
+                    return int(dims[0])
+            elif node.op_type in _PASS_THROUGH and node.input[0] == name:
+                frontier.extend(o for o in node.output if o not in seen)
+    return None
+
+
+def read_signature(path: Path) -> Signature:
+    """Inputs, outputs and vocabulary of an ONNX graph (structure only: no weights read)."""
+    proto = onnx.load(str(path), load_external_data=False)
+    graph = proto.graph
+    inits = {i.name for i in graph.initializer}
+    inputs = tuple(_spec(v) for v in graph.input if v.name not in inits)
+    outputs = tuple(_spec(v) for v in graph.output)
+    token = next((s.name for s in inputs if "input_ids" in s.name.lower()), None)
+    return Signature(inputs, outputs, token, _vocab(graph, token) if token else None)
+
+
+def _probe_layout(runner: Runner, path: Path, signature: Signature, vocab: int) -> Layout:
+    """Which output axes follow the sequence: run batch 2 at two lengths and see which axis
+    changes with it (names of symbolic dims differ between exporters; running does not)."""
+    seq_inputs = tuple(s.name for s in signature.inputs
+                       if len(s.shape) >= 2 and s.shape[0] == -1 and s.shape[1] == -1)
+    mask = next((n for n in seq_inputs if "attention_mask" in n.lower()), None)
+    axes: dict[str, int | None] = {}
+    if seq_inputs:
+        a, b = (runner.infer(f) for f in make_feeds(path, vocab, [(2, 3), (2, 5)], seed=1))
+        for name in a:
+            diff = [i for i, (x, y) in enumerate(zip(a[name].shape, b[name].shape))
+                    if i > 0 and (x, y) == (3, 5)]
+            axes[name] = diff[0] if diff else None
+    return Layout(seq_inputs, mask, axes)
+
+
+def _gate_feeds(path: Path, vocab: int, buckets: Buckets) -> list[dict[str, np.ndarray]]:
+    top = buckets.seq[-1]
+    shapes = sorted({(1, min(7, top)), (2, min(16, top)), (3, top)})
+    return make_feeds(path, vocab, shapes, seed=0)
+
+
+def load_artifact(out_dir: str | Path, backend: str | None = None,
+                  settings: SessionSettings | None = None, model_name: str | None = None,
+                  tolerance: Tolerance = Tolerance(),
+                  log: Callable[[str], None] = lambda line: None) -> LoadedModel:
+    """Load OUT's selected variant, re-check it against the original on this machine, and
+    fall back to the original (saying so through `log`) if it fails here."""
+    out = Path(out_dir)
+    manifest: Manifest = read_manifest(out)
+    backend = backend or manifest.backend
+    settings = settings or SessionSettings()
+    name = model_name or Path(manifest.source_path).stem
+    loader = get_backend(backend)
+    shapes = [(b, s) for b in manifest.buckets.batch for s in manifest.buckets.seq]
+    cache = out / "cache" / backend
+    original_path = variant_path(out, manifest.variant("original"))
+    original = loader.load(original_path, settings, shapes, cache)
+    signature = read_signature(original_path)
+    vocab = signature.vocab_size or manifest.variant("original").shape.get("vocab_size") or 2
+    chosen = manifest.selected_variant()
+    runner, served, gate = original, "original", None
+    note = "serving the original (the artifact selected it)"
+    if chosen.name != "original":
+        candidate = loader.load(variant_path(out, chosen), settings, shapes, cache)
+        gate = verify(original, candidate, _gate_feeds(original_path, vocab, manifest.buckets),
+                      tolerance)
+        if gate:
+            runner, served = candidate, chosen.name
+            note = f"serving variant {chosen.name}: accuracy gate passed on this machine"
+        else:
+            note = (f"variant {chosen.name} FAILED the accuracy gate on this machine; serving "
+                    "the original instead")
+            log(gate.table())
+    log(note)
+    layout = _probe_layout(runner, original_path, signature, vocab)
+    return LoadedModel(name, served, note, runner, original, signature, layout,
+                       manifest.buckets, backend, gate)

@@ -1,0 +1,248 @@
+"""Start, run and stop a `tuner serve` process: the gRPC server (inference, health and
+reflection services), the metrics endpoint, TLS and the bearer token, and signals.
+
+Lifecycle:
+  start()  binds the ports at once (live, not ready), then loads the model in a thread:
+           runners, the accuracy gate on this machine, the layout probe; then ready.
+  stop()   (SIGTERM/SIGINT in `serve`): health NOT_SERVING and ready false, gRPC refuses new
+           calls, every call already accepted runs to its answer (up to `drain_timeout_s`),
+           the batcher drains, the metrics endpoint closes.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import signal
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection, reflection_pb2
+
+from serving._generated import POOL
+from serving._generated import inference_pb2_grpc as pb_grpc
+from serving.engine import Engine, EngineOptions
+from serving.metrics import Stats, make_metrics, start_metrics_server
+from serving.model import load_artifact
+from serving.service import InferenceServicer, Slot
+from tuner.artifact import read_manifest
+from tuner.errors import BadInput
+from tuner.runtime.base import SessionSettings
+
+log = logging.getLogger("serving")
+
+SERVICE = "inference.GRPCInferenceService"
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    host: str = "127.0.0.1"
+    port: int = 8001  # 0: any free port (see Server.port)
+    metrics_port: int | None = 8002  # None: no metrics endpoint; 0: any free port
+    model_name: str | None = None  # default: the source model file's stem
+    backend: str | None = None  # default: the manifest's backend
+    engine: EngineOptions = field(default_factory=EngineOptions)
+    settings: SessionSettings = field(default_factory=SessionSettings)
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    token: str | None = None
+    max_message_bytes: int = 256 * 1024 * 1024
+    threads: int = 128  # gRPC handler threads: a waiting request holds one
+    drain_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise BadInput("--tls-cert and --tls-key go together")
+        for name in ("tls_cert", "tls_key"):
+            p = getattr(self, name)
+            if p is not None and not Path(p).is_file():
+                raise BadInput(f"--{name.replace('_', '-')} {p}: no such file")
+        if not 0 <= self.port <= 65535:
+            raise BadInput(f"port must be in [0, 65535], not {self.port}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise BadInput(f"metrics port must be in [0, 65535], not {self.metrics_port}")
+        if self.token is not None and (not self.token or any(c.isspace() for c in self.token)):
+            raise BadInput("the token must be non-empty and hold no whitespace")
+        if not 1024 <= self.max_message_bytes <= 2**31 - 1:
+            raise BadInput("max message size must be in [1 KiB, 2 GiB)")
+        if not 1 <= self.threads <= 4096:
+            raise BadInput("threads must be in [1, 4096]")
+
+
+class _TokenInterceptor(grpc.ServerInterceptor):
+    """Every call, on every service, must carry `authorization: Bearer <token>`."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+
+    def intercept_service(self, continuation, details):
+        got = dict(details.invocation_metadata).get("authorization", "")
+        got = got.encode() if isinstance(got, str) else got
+        handler = continuation(details)
+        if hmac.compare_digest(got, self._expected) or handler is None:
+            return handler
+        return _deny(handler)
+
+
+def _deny(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    def abort(request, context):
+        context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                      "missing or wrong bearer token (metadata 'authorization: Bearer <token>')")
+
+    kinds = {(False, False): grpc.unary_unary_rpc_method_handler,
+             (False, True): grpc.unary_stream_rpc_method_handler,
+             (True, False): grpc.stream_unary_rpc_method_handler,
+             (True, True): grpc.stream_stream_rpc_method_handler}
+    make = kinds[(handler.request_streaming, handler.response_streaming)]
+    return make(abort, request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+
+
+def _register_in_pool(*files) -> None:
+    """Reflection answers from our private pool: put health's and reflection's own
+    descriptors there too, so that one pool describes every service this server offers."""
+    for fd in files:
+        try:
+            POOL.FindFileByName(fd.name)
+        except KeyError:
+            POOL.AddSerializedFile(fd.serialized_pb)
+
+
+class Server:
+    def __init__(self, artifact: str | Path, options: ServerOptions = ServerOptions(),
+                 say: Callable[[str], None] = print) -> None:
+        self.artifact, self.options, self.say = Path(artifact), options, say
+        manifest = read_manifest(self.artifact)  # bad artifacts fail here, before any port
+        name = options.model_name or Path(manifest.source_path).stem
+        self.slot = Slot(name)
+        self.stats = Stats()
+        self.metrics = make_metrics(self.stats, name, "1")
+        self.health = health.HealthServicer()
+        self.port: int | None = None
+        self.metrics_port: int | None = None
+        self.failed: BaseException | None = None
+        self.loaded = threading.Event()  # set when loading ends, ready or failed
+        self._grpc: grpc.Server | None = None
+        self._metrics_http = None
+
+    # ------------------------------------------------------------------------------ start
+
+    def _build(self) -> grpc.Server:
+        o = self.options
+        size = [("grpc.max_receive_message_length", o.max_message_bytes),
+                ("grpc.max_send_message_length", o.max_message_bytes)]
+        interceptors = [_TokenInterceptor(o.token)] if o.token else []
+        server = grpc.server(ThreadPoolExecutor(o.threads, thread_name_prefix="grpc"),
+                             interceptors=interceptors, options=size)
+        pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(self.slot), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        for service in ("", SERVICE):
+            self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        _register_in_pool(health_pb2.DESCRIPTOR, reflection_pb2.DESCRIPTOR)
+        reflection.enable_server_reflection(
+            (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server, pool=POOL)
+        address = f"{o.host}:{o.port}"
+        if o.tls_cert is not None:
+            creds = grpc.ssl_server_credentials(
+                [(Path(o.tls_key).read_bytes(), Path(o.tls_cert).read_bytes())])
+            self.port = server.add_secure_port(address, creds)
+        else:
+            self.port = server.add_insecure_port(address)
+        if not self.port:
+            raise BadInput(f"cannot listen on {address}")
+        return server
+
+    def start(self) -> "Server":
+        """Bind and serve (live, not ready); load and check the model in the background."""
+        self._grpc = self._build()
+        self._grpc.start()
+        if self.options.metrics_port is not None:
+            self._metrics_http = start_metrics_server(self.metrics, self.options.host,
+                                                      self.options.metrics_port)
+            self.metrics_port = self._metrics_http[0].server_port
+        scheme = "grpcs" if self.options.tls_cert else "grpc"
+        self.say(f"listening on {scheme}://{self.options.host}:{self.port}"
+                 + (f", metrics on http://{self.options.host}:{self.metrics_port}/metrics"
+                    if self.metrics_port else "")
+                 + f"; model '{self.slot.name}' loading")
+        threading.Thread(target=self._load, name="load", daemon=True).start()
+        return self
+
+    def _load(self) -> None:
+        o = self.options
+        try:
+            model = load_artifact(self.artifact, o.backend, o.settings, self.slot.name,
+                                  log=self.say)
+            engine = Engine(model, o.engine, self.stats, self.metrics)
+            with self.slot.lock:
+                if self.slot.draining:  # stopped while loading
+                    engine.close()
+                    return
+                self.slot.engine = engine
+                self.slot.status = "ready"
+            for service in ("", SERVICE):
+                self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+            self.say(f"model '{self.slot.name}' ready ({model.note}); max batch "
+                     f"{engine.max_batch}, sequence buckets {list(model.buckets.seq)}")
+        except BaseException as e:  # noqa: BLE001 - reported; `serve` exits 1
+            self.failed = e
+            self.slot.status = f"failed to load: {e}"
+            self.say(f"model '{self.slot.name}' failed to load: {type(e).__name__}: {e}")
+        finally:
+            self.loaded.set()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        self.loaded.wait(timeout)
+        return self.slot.ready()
+
+    # ------------------------------------------------------------------------------- stop
+
+    def stop(self, grace: float | None = None) -> None:
+        """Refuse new calls, answer every accepted one, then release everything."""
+        grace = self.options.drain_timeout_s if grace is None else grace
+        with self.slot.lock:
+            self.slot.draining = True
+        self.health.enter_graceful_shutdown()
+        if self._grpc is not None:
+            self._grpc.stop(grace).wait()
+        engine = self.slot.engine
+        if engine is not None:
+            engine.close()
+        if self._metrics_http is not None:
+            http, thread = self._metrics_http
+            http.shutdown()
+            http.server_close()
+            thread.join(5)
+
+
+def serve(artifact: str | Path, options: ServerOptions, say: Callable[[str], None] = print
+          ) -> int:
+    """Run until SIGTERM/SIGINT, then drain and stop. 0 after a clean stop, 1 if the model
+    could not be loaded."""
+    server = Server(artifact, options, say)
+    stop = threading.Event()
+    signals = {}
+
+    def on_signal(signum, frame):
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signals[sig] = signal.signal(sig, on_signal)
+    try:
+        server.start()
+        while not stop.wait(0.2):
+            if server.failed is not None:
+                break
+        say("stopping: refusing new calls, finishing the ones in flight")
+        server.stop()
+        answered = server.stats.success.count + server.stats.fail.count
+        say(f"stopped after answering {answered} inference request(s)")
+        return 1 if server.failed is not None else 0
+    finally:
+        for sig, previous in signals.items():
+            signal.signal(sig, previous)

@@ -1,0 +1,94 @@
+"""Helpers for the serving tests: real artifacts from the cached reference exports, free
+ports, in-process servers. Not a test module (no test_ prefix)."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import socket
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from tuner.artifact import Accuracy, Buckets, Manifest, Variant, write_manifest
+
+BUCKETS = Buckets(batch=(1, 4, 8), seq=(8, 16, 32))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _variant(name: str, rel: str) -> Variant:
+    return Variant(name=name, path=rel, exact=True, transforms=(), shape={},
+                   accuracy=Accuracy(passed=True, max_abs_error=0.0, max_rel_error=0.0))
+
+
+def make_artifact(out: Path, model: Path, buckets: Buckets = BUCKETS,
+                  variant: Path | None = None, variant_name: str = "padded") -> Path:
+    """OUT with the original (and optionally one more variant, selected) and manifest.json,
+    written through tuner.artifact as `tuner optimize` does."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "variants" / "original").mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(model, out / "variants" / "original" / "model.onnx")
+    variants = [_variant("original", "variants/original/model.onnx")]
+    selected = "original"
+    if variant is not None:
+        if variant.resolve().is_relative_to(out.resolve()):  # written in place (with its data)
+            rel = variant.resolve().relative_to(out.resolve()).as_posix()
+        else:
+            (out / "variants" / variant_name).mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(variant, out / "variants" / variant_name / "model.onnx")
+            rel = f"variants/{variant_name}/model.onnx"
+        variants.append(_variant(variant_name, rel))
+        selected = variant_name
+    manifest = Manifest(source_path=str(model), source_sha256=_sha(model), device={"name": "cpu", "kind": "cpu"},
+                        backend="ort-cpu", settings={}, selected=selected, buckets=buckets,
+                        variants=tuple(variants))
+    write_manifest(out, manifest)
+    return out
+
+
+def perturbed_copy(model: Path, dst: Path) -> Path:
+    """A copy of `model` whose last 1-D float initializer (a bias or a norm weight) is
+    shifted by 0.5: a real graph that is NOT exact, for the server's own gate to catch."""
+    proto = onnx.load(str(model))
+    for init in reversed(proto.graph.initializer):
+        if init.data_type == onnx.TensorProto.FLOAT and len(init.dims) == 1 and init.dims[0] > 1:
+            arr = onnx.numpy_helper.to_array(init) + np.float32(0.5)
+            init.CopyFrom(onnx.numpy_helper.from_array(arr, init.name))
+            break
+    else:
+        raise AssertionError("no 1-D float initializer to perturb")
+    onnx.save(proto, str(dst))
+    return dst
+
+
+def feeds_for(length: int, rows: int = 1, vocab: int = 1000, seed: int = 0,
+              pad_right: int = 0) -> dict[str, np.ndarray]:
+    """input_ids / attention_mask of `rows` x `length` (the last `pad_right` masked out)."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, vocab, size=(rows, length)).astype(np.int64)
+    mask = np.ones((rows, length), dtype=np.int64)
+    if pad_right:
+        mask[:, length - pad_right:] = 0
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def assert_close_where_valid(got: np.ndarray, want: np.ndarray, mask: np.ndarray,
+                             atol: float = 1e-4, rtol: float = 1e-4, what: str = "") -> None:
+    """Equal shapes, and equal values at every position the request's own attention mask
+    keeps. Positions the client masked out itself are not compared: their values depend on
+    what else is masked (a fully masked row attends uniformly to whatever is there), and
+    no one may read them."""
+    assert got.shape == want.shape and got.dtype == want.dtype, what
+    keep = mask.astype(bool)  # (B, S): outputs are (B, S, ...)
+    assert keep.any(), what
+    np.testing.assert_allclose(got[keep], want[keep], atol=atol, rtol=rtol, err_msg=what)

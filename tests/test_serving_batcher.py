@@ -1,0 +1,133 @@
+"""serving.batcher with a real ONNX Runtime session of an exported BERT: batched, padded
+results equal each request's own unpadded run; limits, buckets, draining and failures."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from serving.batcher import Batcher, BatchPolicy, Layout
+from serving.errors import InvalidArgument, Unavailable
+from tuner.runtime.registry import get_backend
+
+LAYOUT = Layout(("input_ids", "attention_mask"), "attention_mask", {"last_hidden_state": 1})
+
+
+@pytest.fixture(scope="module")
+def runner(reference_model):
+    return get_backend("ort-cpu").load(reference_model("bert", "small", "torchscript"))
+
+
+def _feeds(length: int, rows: int = 1, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {"input_ids": rng.integers(0, 1000, (rows, length)).astype(np.int64),
+            "attention_mask": np.ones((rows, length), np.int64)}
+
+
+def _policy(max_batch=8, delay=0.2, buckets=(8, 16, 32)) -> BatchPolicy:
+    return BatchPolicy(max_batch, delay, buckets)
+
+
+def test_batched_padded_results_equal_unbatched_runs(runner) -> None:
+    batcher = Batcher(runner.infer, LAYOUT, _policy())
+    try:
+        requests = [_feeds(n, rows, seed) for seed, (n, rows) in
+                    enumerate([(3, 1), (7, 2), (5, 1), (8, 1), (1, 3)])]
+        futures = [batcher.submit(f) for f in requests]
+        results = [f.result(30) for f in futures]
+    finally:
+        batcher.close()
+    assert max(r.batch_rows for r in results) > 1  # they did share a run
+    assert {r.padded_to for r in results} == {8}
+    for feeds, result in zip(requests, results):
+        got = result.outputs["last_hidden_state"]
+        want = runner.infer(feeds)["last_hidden_state"]
+        assert got.shape == want.shape  # cut back to the request's own rows and length
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_max_batch_is_respected_and_every_request_answered(runner) -> None:
+    batcher = Batcher(runner.infer, LAYOUT, _policy(max_batch=4, delay=0.05))
+    try:
+        futures = [batcher.submit(_feeds(4, seed=i)) for i in range(10)]
+        results = [f.result(30) for f in futures]
+    finally:
+        batcher.close()
+    assert all(r.batch_rows <= 4 for r in results)
+    assert max(r.batch_rows for r in results) == 4
+
+
+def test_buckets_are_not_mixed(runner) -> None:
+    batcher = Batcher(runner.infer, LAYOUT, _policy(delay=0.1))
+    try:
+        short, long = batcher.submit(_feeds(5)), batcher.submit(_feeds(20, seed=1))
+        a, b = short.result(30), long.result(30)
+    finally:
+        batcher.close()
+    assert (a.padded_to, b.padded_to) == (8, 32)
+    assert a.batch_rows == b.batch_rows == 1
+    assert a.outputs["last_hidden_state"].shape == (1, 5, 64)
+
+
+def test_without_a_mask_only_equal_lengths_share_a_run(runner) -> None:
+    layout = Layout(("input_ids", "attention_mask"), None, {"last_hidden_state": 1})
+    batcher = Batcher(runner.infer, layout, _policy(delay=0.1))
+    try:
+        futures = [batcher.submit(_feeds(n, seed=i)) for i, n in enumerate([5, 6, 5])]
+        results = [f.result(30) for f in futures]
+    finally:
+        batcher.close()
+    assert [r.padded_to for r in results] == [5, 6, 5]
+    assert [r.batch_rows for r in results] == [2, 1, 2]
+
+
+def test_limits_raise_invalid_argument(runner) -> None:
+    batcher = Batcher(runner.infer, LAYOUT, _policy(max_batch=2))
+    try:
+        with pytest.raises(InvalidArgument, match="batch size 3 is over the limit 2"):
+            batcher.submit(_feeds(4, rows=3))
+        with pytest.raises(InvalidArgument, match="longer than the largest bucket 32"):
+            batcher.submit(_feeds(33))
+    finally:
+        batcher.close()
+
+
+def test_close_runs_everything_queued_then_refuses(runner) -> None:
+    batcher = Batcher(runner.infer, LAYOUT, _policy(max_batch=64, delay=5.0))
+    futures = [batcher.submit(_feeds(6, seed=i)) for i in range(6)]
+    closer = threading.Thread(target=batcher.close)
+    closer.start()  # closing must not wait out the 5 s delay, nor drop the queued requests
+    closer.join(10)
+    assert not closer.is_alive()
+    assert all(f.done() and f.exception() is None for f in futures)
+    with pytest.raises(Unavailable, match="shutting down"):
+        batcher.submit(_feeds(6))
+
+
+def test_a_failing_run_fails_its_requests_and_the_batcher_lives_on(runner) -> None:
+    batcher = Batcher(runner.infer, LAYOUT, _policy(delay=0.1))
+    try:
+        bad = {k: v.astype(np.int32) for k, v in _feeds(4).items()}  # ORT refuses int32
+        futures = [batcher.submit(bad), batcher.submit(bad)]
+        for f in futures:
+            with pytest.raises(Exception, match="(?i)type"):
+                f.result(30)
+        good = batcher.submit(_feeds(4)).result(30)
+    finally:
+        batcher.close()
+    assert good.outputs["last_hidden_state"].shape == (1, 4, 64)
+
+
+def test_policy_and_layout_validation_messages() -> None:
+    with pytest.raises(ValueError, match="max batch must be >= 1"):
+        BatchPolicy(0, 0.0, (8,))
+    with pytest.raises(ValueError, match="sequence buckets must be increasing"):
+        BatchPolicy(1, 0.0, (16, 8))
+    with pytest.raises(ValueError, match=r"max queue delay must be in \[0, 10\]"):
+        BatchPolicy(1, -1.0, (8,))
+    with pytest.raises(ValueError, match="mask input 'm' must be one of the sequence inputs"):
+        Layout(("ids",), "m", {})
+    with pytest.raises(ValueError, match="axis 0 is the batch"):
+        Layout(("ids",), None, {"out": 0})

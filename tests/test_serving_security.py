@@ -1,0 +1,167 @@
+"""Bearer token on every call, TLS, the message size limit, the loopback default, and the
+CLI's answers to bad arguments."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import grpc
+import numpy as np
+import pytest
+import tritonclient.grpc as tg
+from tritonclient.utils import InferenceServerException
+
+from serving import protocol
+from serving._generated import inference_pb2 as pb
+from serving._generated import inference_pb2_grpc as pb_grpc
+from serving.server import Server, ServerOptions
+from serving_support import feeds_for, make_artifact
+from tuner.errors import BadInput
+
+TOKEN = "s3cret-token"
+
+
+@pytest.fixture(scope="module")
+def artifact(reference_model, tmp_path_factory):
+    return make_artifact(tmp_path_factory.mktemp("sec"), reference_model("bert", "small"))
+
+
+@pytest.fixture(scope="module")
+def cert(tmp_path_factory):
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed: cannot make a test certificate")
+    d = tmp_path_factory.mktemp("tls")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost",
+                    "-keyout", str(d / "key.pem"), "-out", str(d / "cert.pem")],
+                   check=True, capture_output=True)
+    return d / "cert.pem", d / "key.pem"
+
+
+@pytest.fixture(scope="module")
+def secure(artifact, cert):
+    """TLS + token + a 64 KiB message limit, in one server."""
+    server = Server(artifact, ServerOptions(port=0, metrics_port=None, tls_cert=cert[0],
+                                            tls_key=cert[1], token=TOKEN,
+                                            max_message_bytes=64 * 1024),
+                    say=lambda line: None).start()
+    assert server.wait_ready(120)
+    yield server, cert[0]
+    server.stop(5)
+
+
+def _client(server, cert) -> tg.InferenceServerClient:
+    return tg.InferenceServerClient(f"localhost:{server.port}", ssl=True,
+                                    root_certificates=str(cert))
+
+
+def _inputs(feeds):
+    out = []
+    for name, a in feeds.items():
+        i = tg.InferInput(name, list(a.shape), "INT64")
+        i.set_data_from_numpy(a)
+        out.append(i)
+    return out
+
+
+def test_token_is_required_on_every_call(secure) -> None:
+    server, cert = secure
+    client = _client(server, cert)
+    with pytest.raises(InferenceServerException, match="bearer token"):
+        client.is_server_live()
+    with pytest.raises(InferenceServerException, match="bearer token"):
+        client.infer(server.slot.name, _inputs(feeds_for(4)))
+    with pytest.raises(InferenceServerException, match="bearer token"):
+        client.is_server_live(headers={"authorization": "Bearer wrong"})
+    good = {"authorization": f"Bearer {TOKEN}"}
+    assert client.is_server_live(headers=good)
+    result = client.infer(server.slot.name, _inputs(feeds_for(4)), headers=good)
+    assert result.as_numpy("last_hidden_state").shape == (1, 4, 64)
+
+
+def test_token_guards_health_and_streams_too(secure) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    server, cert = secure
+    creds = grpc.ssl_channel_credentials(cert.read_bytes())
+    with grpc.secure_channel(f"localhost:{server.port}", creds) as channel:
+        with pytest.raises(grpc.RpcError) as info:
+            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        request = protocol.encode_inputs(feeds_for(3), server.slot.name)
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.ModelStreamInfer(iter([request]), timeout=10))
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        answers = list(stub.ModelStreamInfer(iter([request]), timeout=10,
+                                             metadata=[("authorization", f"Bearer {TOKEN}")]))
+        assert len(answers) == 1 and not answers[0].error_message
+
+
+def test_plaintext_clients_cannot_talk_to_a_tls_server(secure) -> None:
+    server, _ = secure
+    with grpc.insecure_channel(f"localhost:{server.port}") as channel:
+        with pytest.raises(grpc.RpcError) as info:
+            pb_grpc.GRPCInferenceServiceStub(channel).ServerLive(pb.ServerLiveRequest(),
+                                                                 timeout=5)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_messages_over_the_limit_are_refused_and_the_server_lives_on(secure) -> None:
+    server, cert = secure
+    client = _client(server, cert)
+    good = {"authorization": f"Bearer {TOKEN}"}
+    big = {"input_ids": np.zeros((8, 32), np.int64), "attention_mask": np.ones((8, 32), np.int64)}
+    big["pad"] = np.zeros(10_000, np.int64)  # 80 kB: over the 64 KiB limit
+    with pytest.raises(InferenceServerException) as info:
+        client.infer(server.slot.name, _inputs(big), headers=good)
+    assert "RESOURCE_EXHAUSTED" in str(info.value.status())
+    assert client.is_server_live(headers=good)
+
+
+def test_binds_loopback_by_default(artifact) -> None:
+    options = ServerOptions()
+    assert options.host == "127.0.0.1"
+    server = Server(artifact, ServerOptions(port=0, metrics_port=None),
+                    say=lambda line: None).start()
+    try:
+        assert server.wait_ready(60)
+        import socket
+
+        # A loopback listener is not reachable on another local address, if the host has one.
+        addresses = {a[4][0] for a in socket.getaddrinfo(socket.gethostname(), None,
+                                                         socket.AF_INET)} - {"127.0.0.1"}
+        for address in sorted(addresses)[:1]:
+            with socket.socket() as s:
+                s.settimeout(2)
+                assert s.connect_ex((address, server.port)) != 0
+    finally:
+        server.stop(5)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"tls_cert": "x.pem"}, "--tls-cert and --tls-key go together"),
+    ({"token": "has space"}, "no whitespace"),
+    ({"port": 70000}, "port must be in"),
+    ({"max_message_bytes": 10}, "max message size"),
+])
+def test_server_options_are_validated(kwargs, message) -> None:
+    with pytest.raises(BadInput, match=message):
+        ServerOptions(**kwargs)
+
+
+def _tuner(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tuner", *args], capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_cli_help_and_bad_artifact(tmp_path) -> None:
+    help_text = _tuner("serve", "--help")
+    assert help_text.returncode == 0 and "--max-queue-delay-ms" in help_text.stdout
+    missing = _tuner("serve", str(tmp_path / "nope"))
+    assert missing.returncode == 2
+    assert "not an artifact folder" in missing.stderr and "Traceback" not in missing.stderr
+    bad = _tuner("serve", str(tmp_path), "--shadow-fraction", "2")
+    assert bad.returncode == 2 and "shadow fraction must be in [0, 1]" in bad.stderr

@@ -1,0 +1,459 @@
+"""The artifact's manifest (DESIGN.md contract): dataclasses, atomic write, validated read.
+
+    OUT/manifest.json      this file's format
+    OUT/variants/<name>/   one folder per variant graph (external data beside it)
+    OUT/report.md, report.html, plots/
+
+`tuner optimize` writes it; `tuner serve` reads it back through `read_manifest`, which treats
+the file as untrusted input: every field is type-checked, every variant path must stay inside
+OUT, and `selected` must name an exact variant whose accuracy gate passed. Problems raise
+BadInput with the field's JSON path in the message.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from tuner.errors import BadInput
+
+MANIFEST = "manifest.json"
+FORMAT = "shapetuner-artifact"
+VERSION = 1
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,79}$")
+_SHAPE_KEY = re.compile(r"^([1-9][0-9]*)x([1-9][0-9]*)$")
+
+
+def shape_key(batch: int, seq: int) -> str:
+    """The key of a measured shape in `latency` maps: "batch x seq", e.g. "1x128"."""
+    return f"{int(batch)}x{int(seq)}"
+
+
+def parse_shape_key(key: str) -> tuple[int, int]:
+    m = _SHAPE_KEY.match(key)
+    if not m:
+        raise ValueError(f"shape key must look like '1x128' (batch x seq), not {key!r}")
+    return int(m.group(1)), int(m.group(2))
+
+
+def _finite_nonneg(name: str, x: float | None) -> None:
+    if x is None:
+        return
+    if not isinstance(x, (int, float)) or isinstance(x, bool) or x != x or x < 0 or x == float("inf"):
+        raise ValueError(f"{name} must be a finite number >= 0, not {x!r}")
+
+
+@dataclass(frozen=True)
+class Latency:
+    """Timings of one (variant, shape) in milliseconds: median and spread over `n` runs."""
+
+    median_ms: float
+    p10_ms: float
+    p90_ms: float
+    q1_ms: float
+    q3_ms: float
+    n: int
+
+    def __post_init__(self) -> None:
+        for k in ("median_ms", "p10_ms", "p90_ms", "q1_ms", "q3_ms"):
+            _finite_nonneg(k, getattr(self, k))
+        if not (self.p10_ms <= self.q1_ms <= self.median_ms <= self.q3_ms <= self.p90_ms):
+            raise ValueError("latency percentiles must satisfy p10 <= q1 <= median <= q3 <= p90")
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n must be a positive integer, not {self.n!r}")
+
+    @property
+    def spread_ms(self) -> float:
+        """Interquartile range."""
+        return self.q3_ms - self.q1_ms
+
+
+@dataclass(frozen=True)
+class Speedup:
+    """Time(original) / time(variant): > 1 is faster. [low, high] is a bootstrap interval."""
+
+    ratio: float
+    low: float
+    high: float
+    confidence: float = 0.95
+
+    def __post_init__(self) -> None:
+        for k in ("ratio", "low", "high"):
+            _finite_nonneg(k, getattr(self, k))
+        if not (self.low <= self.ratio <= self.high):
+            raise ValueError(f"speedup interval must contain the ratio: {self.low} <= "
+                             f"{self.ratio} <= {self.high}")
+        if not 0 < self.confidence < 1:
+            raise ValueError("confidence must be in (0, 1)")
+
+
+@dataclass(frozen=True)
+class Transform:
+    """One rewrite applied to the source: kind in ffn | vocab | head_dim | heads | hidden |
+    fuse; `old`/`new` are the dimension before and after (None for fuse)."""
+
+    kind: str
+    old: int | None = None
+    new: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("ffn", "vocab", "head_dim", "heads", "hidden", "fuse"):
+            raise ValueError(f"transform kind must be ffn|vocab|head_dim|heads|hidden|fuse, "
+                             f"not {self.kind!r}")
+        for k in ("old", "new"):
+            v = getattr(self, k)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"transform {k} must be a positive integer or null, not {v!r}")
+
+    def label(self) -> str:
+        return self.kind if self.old is None else f"{self.kind} {self.old}->{self.new}"
+
+
+@dataclass(frozen=True)
+class Accuracy:
+    """The accuracy gate's verdict against the original on the same feeds."""
+
+    passed: bool
+    max_abs_error: float | None = None
+    max_rel_error: float | None = None
+    detail: str = ""  # one line: tolerance used, worst output, or why it was not checked
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.passed, bool):
+            raise ValueError("accuracy.passed must be true or false")
+        _finite_nonneg("max_abs_error", self.max_abs_error)
+        _finite_nonneg("max_rel_error", self.max_rel_error)
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    path: str  # relative to OUT, forward slashes
+    exact: bool
+    transforms: tuple[Transform, ...]
+    shape: Mapping[str, Any]  # `tuner inspect --json` of this variant
+    accuracy: Accuracy
+    latency: Mapping[str, Latency] = field(default_factory=dict)  # shape key -> on `backend`
+    speedup: Speedup | None = None  # over original, across the measured shapes
+    speedup_by_shape: Mapping[str, Speedup] = field(default_factory=dict)
+    note: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _NAME.match(self.name):
+            raise ValueError(f"variant name must match {_NAME.pattern}, not {self.name!r}")
+        _check_relative(self.path)
+        if not isinstance(self.exact, bool):
+            raise ValueError("exact must be true or false")
+        for k in list(self.latency) + list(self.speedup_by_shape):
+            parse_shape_key(k)
+
+
+def _check_relative(path: str) -> None:
+    """A variant path must be relative and stay inside OUT (no '..', no absolute, no drive)."""
+    if not isinstance(path, str) or not path:
+        raise ValueError("path must be a non-empty string")
+    p = Path(path)
+    if p.is_absolute() or path.startswith(("/", "\\")) or re.match(r"^[A-Za-z]:", path):
+        raise ValueError(f"path {path!r} must be relative to the artifact folder")
+    if ".." in p.parts or "\\" in path:
+        raise ValueError(f"path {path!r} must stay inside the artifact folder")
+
+
+@dataclass(frozen=True)
+class ExpectedLatency:
+    """Expected latency per request (ms) over the request distribution."""
+
+    chosen_ms: float
+    pad_to_max_ms: float
+    no_buckets_ms: float
+
+    def __post_init__(self) -> None:
+        for k in ("chosen_ms", "pad_to_max_ms", "no_buckets_ms"):
+            _finite_nonneg(k, getattr(self, k))
+
+
+@dataclass(frozen=True)
+class Buckets:
+    batch: tuple[int, ...]
+    seq: tuple[int, ...]
+    expected: ExpectedLatency | None = None
+    source: str = "default"  # the requests file, or "default"
+    requests: int = 0  # how many requests the choice was made over
+
+    def __post_init__(self) -> None:
+        for k in ("batch", "seq"):
+            v = getattr(self, k)
+            if not v or any(not isinstance(x, int) or isinstance(x, bool) or x < 1 for x in v):
+                raise ValueError(f"buckets.{k} must be a non-empty list of positive integers")
+            if list(v) != sorted(set(v)):
+                raise ValueError(f"buckets.{k} must be strictly increasing, not {list(v)}")
+
+
+@dataclass(frozen=True)
+class Manifest:
+    source_path: str
+    source_sha256: str
+    device: Mapping[str, Any]  # what was measured on: tuner.device.DeviceInfo.to_json()
+    backend: str  # the backend `latency` was measured on and serve should use
+    settings: Mapping[str, Any]  # SessionSettings, recorded as measured
+    selected: str
+    buckets: Buckets
+    variants: tuple[Variant, ...]
+    selection: str = ""  # why `selected` won (or why nothing beat the original)
+    margin: float = 0.03
+    notes: tuple[str, ...] = ()  # skipped backends, skipped probe, ...
+    version: int = VERSION
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.device.get("name"), str) or not self.device.get("name"):
+            raise ValueError("device must be an object with a non-empty 'name'")
+        if not re.match(r"^[0-9a-f]{64}$", str(self.source_sha256)):
+            raise ValueError("source.sha256 must be 64 lowercase hex digits")
+        names = [v.name for v in self.variants]
+        if len(set(names)) != len(names):
+            raise ValueError(f"variant names must be unique: {names}")
+        if "original" not in names:
+            raise ValueError("the variant 'original' must be present")
+        if self.selected not in names:
+            raise ValueError(f"selected {self.selected!r} is not one of the variants {names}")
+        chosen = self.variant(self.selected)
+        if not chosen.exact or not chosen.accuracy.passed:
+            raise ValueError(f"selected variant {self.selected!r} must be exact and have passed "
+                             "the accuracy gate")
+        if self.version != VERSION:
+            raise ValueError(f"manifest version {self.version} is not supported (expected {VERSION})")
+
+    def variant(self, name: str) -> Variant:
+        for v in self.variants:
+            if v.name == name:
+                return v
+        raise KeyError(f"no variant named {name!r}; have {[v.name for v in self.variants]}")
+
+    def selected_variant(self) -> Variant:
+        return self.variant(self.selected)
+
+    @property
+    def device_label(self) -> str:
+        """A short name for the device: "AMD EPYC (2 cores)", "NVIDIA H100 (132 SMs)"."""
+        d = self.device
+        if d.get("kind") == "gpu" and d.get("sm_count"):
+            return f"{d['name']} ({d['sm_count']} SMs)"
+        if d.get("cpu_cores"):
+            return f"{d['name']} ({d['cpu_cores']} cores)"
+        return str(d["name"])
+
+    def to_json(self) -> dict[str, Any]:
+        return _manifest_to_json(self)
+
+
+# ---------------------------------------------------------------------------------------------
+# JSON
+
+
+def _latency_json(x: Latency) -> dict[str, Any]:
+    return {"median_ms": x.median_ms, "p10_ms": x.p10_ms, "q1_ms": x.q1_ms, "q3_ms": x.q3_ms,
+            "p90_ms": x.p90_ms, "spread_ms": x.spread_ms, "n": x.n}
+
+
+def _speedup_json(x: Speedup | None) -> dict[str, Any] | None:
+    return None if x is None else {"ratio": x.ratio, "low": x.low, "high": x.high,
+                                   "confidence": x.confidence}
+
+
+def _variant_json(v: Variant) -> dict[str, Any]:
+    return {
+        "name": v.name, "path": v.path, "exact": v.exact,
+        "transforms": [{"kind": t.kind, "from": t.old, "to": t.new} for t in v.transforms],
+        "shape": dict(v.shape),
+        "accuracy": {"passed": v.accuracy.passed, "max_abs_error": v.accuracy.max_abs_error,
+                     "max_rel_error": v.accuracy.max_rel_error, "detail": v.accuracy.detail},
+        "latency": {k: _latency_json(x) for k, x in v.latency.items()},
+        "speedup": _speedup_json(v.speedup),
+        "speedup_by_shape": {k: _speedup_json(x) for k, x in v.speedup_by_shape.items()},
+        "note": v.note,
+    }
+
+
+def _manifest_to_json(m: Manifest) -> dict[str, Any]:
+    e = m.buckets.expected
+    return {
+        "format": FORMAT, "version": m.version,
+        "source": {"path": m.source_path, "sha256": m.source_sha256},
+        "device": dict(m.device), "backend": m.backend, "settings": dict(m.settings),
+        "selected": m.selected, "selection": m.selection, "margin": m.margin,
+        "buckets": {
+            "batch": list(m.buckets.batch), "seq": list(m.buckets.seq),
+            "source": m.buckets.source, "requests": m.buckets.requests,
+            "expected_latency": None if e is None else {
+                "chosen_ms": e.chosen_ms, "pad_to_max_ms": e.pad_to_max_ms,
+                "no_buckets_ms": e.no_buckets_ms},
+        },
+        "variants": [_variant_json(v) for v in m.variants],
+        "notes": list(m.notes),
+    }
+
+
+class _Reader:
+    """Typed field access on untrusted JSON; every error names the field's JSON path."""
+
+    def __init__(self, obj: Any, where: str) -> None:
+        if not isinstance(obj, dict):
+            raise BadInput(f"manifest: {where or 'top level'} must be an object")
+        self.obj, self.where = obj, where
+
+    def _path(self, key: str) -> str:
+        return f"{self.where}.{key}" if self.where else key
+
+    def get(self, key: str, types: type | tuple[type, ...], default: Any = ...,
+            nullable: bool = False) -> Any:
+        if key not in self.obj:
+            if default is ...:
+                raise BadInput(f"manifest: missing field {self._path(key)!r}")
+            return default
+        v = self.obj[key]
+        if v is None and nullable:
+            return None
+        if not isinstance(v, types) or (isinstance(v, bool) and bool not in _tuple(types)):
+            raise BadInput(f"manifest: field {self._path(key)!r} has the wrong type "
+                           f"({type(v).__name__})")
+        return v
+
+    def sub(self, key: str, default: Any = ...) -> "_Reader":
+        return _Reader(self.get(key, dict, default), self._path(key))
+
+
+def _tuple(t: type | tuple[type, ...]) -> tuple[type, ...]:
+    return t if isinstance(t, tuple) else (t,)
+
+
+_NUM = (int, float)
+
+
+def _latency_from(r: _Reader) -> Latency:
+    return Latency(r.get("median_ms", _NUM), r.get("p10_ms", _NUM), r.get("p90_ms", _NUM),
+                   r.get("q1_ms", _NUM), r.get("q3_ms", _NUM), r.get("n", int))
+
+
+def _speedup_from(r: _Reader | None) -> Speedup | None:
+    if r is None:
+        return None
+    return Speedup(r.get("ratio", _NUM), r.get("low", _NUM), r.get("high", _NUM),
+                   r.get("confidence", _NUM, 0.95))
+
+
+def _variant_from(r: _Reader) -> Variant:
+    transforms = []
+    for i, t in enumerate(r.get("transforms", list)):
+        tr = _Reader(t, f"{r.where}.transforms[{i}]")
+        transforms.append(Transform(tr.get("kind", str), tr.get("from", int, None, nullable=True),
+                                    tr.get("to", int, None, nullable=True)))
+    a = r.sub("accuracy")
+    lat = r.sub("latency", {})
+    sbs = r.sub("speedup_by_shape", {})
+    sp = r.get("speedup", dict, None, nullable=True)
+    return Variant(
+        name=r.get("name", str), path=r.get("path", str), exact=r.get("exact", bool),
+        transforms=tuple(transforms), shape=r.get("shape", dict),
+        accuracy=Accuracy(a.get("passed", bool), a.get("max_abs_error", _NUM, None, True),
+                          a.get("max_rel_error", _NUM, None, True), a.get("detail", str, "")),
+        latency={k: _latency_from(lat.sub(k)) for k in lat.obj},
+        speedup=_speedup_from(None if sp is None else _Reader(sp, f"{r.where}.speedup")),
+        speedup_by_shape={k: _speedup_from(sbs.sub(k)) for k in sbs.obj},
+        note=r.get("note", str, ""),
+    )
+
+
+def manifest_from_json(obj: Any) -> Manifest:
+    """Build and validate a Manifest from parsed JSON; BadInput naming the bad field."""
+    r = _Reader(obj, "")
+    if r.get("format", str) != FORMAT:
+        raise BadInput(f"manifest: format must be {FORMAT!r}")
+    src, b = r.sub("source"), r.sub("buckets")
+    variants = []
+    for i, v in enumerate(r.get("variants", list)):
+        try:
+            variants.append(_variant_from(_Reader(v, f"variants[{i}]")))
+        except ValueError as e:
+            raise BadInput(f"manifest: variants[{i}]: {e}") from None
+    try:
+        e = b.get("expected_latency", dict, None, nullable=True)
+        er = None if e is None else _Reader(e, "buckets.expected_latency")
+        buckets = Buckets(
+            tuple(b.get("batch", list)), tuple(b.get("seq", list)),
+            None if er is None else ExpectedLatency(er.get("chosen_ms", _NUM),
+                                                    er.get("pad_to_max_ms", _NUM),
+                                                    er.get("no_buckets_ms", _NUM)),
+            b.get("source", str, "default"), b.get("requests", int, 0))
+        return Manifest(
+            source_path=src.get("path", str), source_sha256=src.get("sha256", str),
+            device=r.get("device", dict), backend=r.get("backend", str),
+            settings=r.get("settings", dict), selected=r.get("selected", str),
+            buckets=buckets, variants=tuple(variants), selection=r.get("selection", str, ""),
+            margin=r.get("margin", _NUM, 0.03), notes=tuple(r.get("notes", list, [])),
+            version=r.get("version", int))
+    except ValueError as e:
+        raise BadInput(f"manifest: {e}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Files
+
+
+def write_manifest(out_dir: str | os.PathLike, manifest: Manifest) -> Path:
+    """Write OUT/manifest.json atomically (temp file in OUT, fsync, rename)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(manifest.to_json(), indent=2, allow_nan=False) + "\n"
+    fd, tmp = tempfile.mkstemp(prefix=".manifest-", suffix=".json", dir=out)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 would hide it from a serving user
+        os.replace(tmp, out / MANIFEST)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return out / MANIFEST
+
+
+def read_manifest(out_dir: str | os.PathLike, check_files: bool = True) -> Manifest:
+    """Read and validate OUT/manifest.json. With `check_files`, every variant's graph must
+    exist inside OUT (symlinks resolved). BadInput with one clear line on any problem."""
+    out = Path(out_dir)
+    path = out / MANIFEST
+    if not out.is_dir():
+        raise BadInput(f"{out}: not an artifact folder (no such directory)")
+    if not path.is_file():
+        raise BadInput(f"{out}: not an artifact folder (no {MANIFEST}; run `tuner optimize` first)")
+    if path.stat().st_size > 64 * 1024 * 1024:
+        raise BadInput(f"{path}: too large for a manifest")
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadInput(f"{path}: not valid JSON ({e})") from None
+    m = manifest_from_json(obj)
+    if check_files:
+        for v in m.variants:
+            variant_path(out, v)
+    return m
+
+
+def variant_path(out_dir: str | os.PathLike, variant: Variant) -> Path:
+    """The absolute path of a variant's graph; BadInput if it escapes OUT or is missing."""
+    root = Path(out_dir).resolve()
+    p = (root / variant.path).resolve()
+    if not p.is_relative_to(root):
+        raise BadInput(f"manifest: variant {variant.name!r} path {variant.path!r} leaves the "
+                       "artifact folder")
+    if not p.is_file():
+        raise BadInput(f"manifest: variant {variant.name!r} graph {variant.path!r} is missing")
+    return p

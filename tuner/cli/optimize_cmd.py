@@ -1,0 +1,86 @@
+"""`tuner optimize MODEL.onnx -o OUT` (or `--demo gpt2|bert|llama`): parsing and printing only;
+the work is tuner.optimize."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from tuner.cli.app import app
+from tuner.errors import BadInput
+
+DEMOS = {"gpt2": ("gpt2", "awkward"), "bert": ("bert", "awkward"), "llama": ("llama", "awkward")}
+
+
+def _demo_model(name: str) -> Path:
+    if name not in DEMOS:
+        raise BadInput(f"--demo must be one of {', '.join(DEMOS)}, not {name!r}")
+    try:
+        from models.build import cached
+    except ImportError as e:  # pragma: no cover - models/ ships with the repository
+        raise BadInput(f"--demo needs the reference-model builder (pip install -e '.[models]'): {e}")
+    try:
+        return cached(*DEMOS[name])
+    except ImportError as e:
+        raise BadInput(f"--demo builds its model with torch and transformers; install them "
+                       f"with pip install -e '.[models]' ({e})") from None
+
+
+@app.command()
+def optimize(
+    model: Optional[Path] = typer.Argument(None, help="the ONNX model to optimize"),
+    out: Path = typer.Option(..., "-o", "--out", help="artifact folder to write"),
+    demo: Optional[str] = typer.Option(None, help="optimize a built-in small model: gpt2, bert or llama"),
+    backend: str = typer.Option("ort-cpu", help="backend to measure on: a name, or 'auto'"),
+    requests: Optional[Path] = typer.Option(None, help="traffic: JSONL/CSV of batch,seq per request, or a JSON histogram"),
+    max_seq: Optional[int] = typer.Option(None, help="longest sequence to serve (default: the model's, capped at 512)"),
+    max_batch: int = typer.Option(4, help="largest batch bucket without --requests (powers of two up to it)"),
+    rounds: int = typer.Option(7, help="interleaved timing rounds per shape when comparing variants"),
+    warmup: int = typer.Option(2, help="untimed runs per variant and shape first"),
+    bucket_rounds: int = typer.Option(3, help="timing rounds per shape on the bucket grid"),
+    margin: float = typer.Option(0.03, help="a variant wins only if its whole CI is above 1 + margin"),
+    max_variants: int = typer.Option(4, help="most variants built and measured, the original included"),
+    max_buckets: int = typer.Option(4, help="most sequence buckets"),
+    fuse: bool = typer.Option(True, help="also try ONNX Runtime's transformer fusions"),
+    probe: bool = typer.Option(True, help="rank candidate dims with a GEMM probe first"),
+    threads: int = typer.Option(0, help="intra-op threads (0: the cores this process may use)"),
+    graph_opt: str = typer.Option("all", help="ORT graph optimisation level: disable|basic|extended|all"),
+    atol: float = typer.Option(1e-4, help="accuracy gate: absolute tolerance"),
+    rtol: float = typer.Option(1e-3, help="accuracy gate: relative tolerance"),
+    cache_dir: Optional[Path] = typer.Option(None, help="results cache folder (default ~/.cache/shapetuner)"),
+    no_cache: bool = typer.Option(False, "--no-cache", help="measure everything again, store nothing"),
+    force: bool = typer.Option(False, help="replace OUT if it exists"),
+    as_json: bool = typer.Option(False, "--json", help="print a JSON summary on stdout"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress output"),
+) -> None:
+    """Build exact padded variants, verify them, time them against the original in
+    interleaved rounds, choose buckets for the traffic, and write the artifact folder."""
+    from tuner.cache import default_cache_dir
+    from tuner.optimize import OptimizeConfig, optimize as run
+
+    if (model is None) == (demo is None):
+        raise BadInput("give a MODEL.onnx or --demo gpt2|bert|llama (one of them)")
+    path = _demo_model(demo) if demo is not None else model
+    cfg = OptimizeConfig(
+        model=Path(path), out=out, backend=backend, requests=requests, max_seq=max_seq,
+        max_batch=max_batch, rounds=rounds, warmup=warmup, bucket_rounds=bucket_rounds,
+        margin=margin, max_variants=max_variants, max_buckets=max_buckets, fuse=fuse,
+        probe=probe, threads=threads, graph_optimization=graph_opt, atol=atol, rtol=rtol,
+        cache_dir=None if no_cache else (cache_dir or default_cache_dir()), force=force,
+        progress=not quiet and not as_json)
+    result = run(cfg)
+    if as_json:
+        print(json.dumps(result.summary(), indent=2))
+        return
+    s = result.summary()
+    print(f"selected {s['selected']}: {s['selection']}")
+    e = s["expected_latency_ms"]
+    print(f"buckets: batch {s['buckets']['batch']}, seq {s['buckets']['seq']}"
+          + (f"; expected {e['chosen']:.2f} ms/request (pad to max {e['pad_to_max']:.2f}, "
+             f"no buckets {e['no_buckets']:.2f})" if e else ""))
+    for n in s["notes"]:
+        print(f"note: {n}")
+    print(f"wrote {result.out}/manifest.json, report.md, report.html")

@@ -1,0 +1,60 @@
+"""`tuner pad MODEL.onnx -o OUT.onnx [--ffn-multiple N] [--vocab-multiple N] [--head-dim N]
+[--heads N]`: a deterministic exact padding, verified before it is written (atomically)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from tuner.cli.app import app
+
+
+@app.command("pad")
+def pad_cmd(
+    model: Path = typer.Argument(..., help="the model to pad (.onnx)"),
+    output: Path = typer.Option(..., "-o", "--output", help="where to write the padded model"),
+    ffn_multiple: Optional[int] = typer.Option(None, "--ffn-multiple", help="round the FFN width up to a multiple of N"),
+    vocab_multiple: Optional[int] = typer.Option(None, "--vocab-multiple", help="round the vocabulary up to a multiple of N"),
+    head_dim: Optional[int] = typer.Option(None, "--head-dim", help="pad the attention head dim to N"),
+    heads: Optional[int] = typer.Option(None, "--heads", help="pad the number of attention heads to N"),
+    hidden_multiple: Optional[int] = typer.Option(None, "--hidden-multiple", help="refused: the hidden size is never padded (explains why)"),
+    atol: float = typer.Option(1e-4, "--atol", help="absolute tolerance of the accuracy gate"),
+    rtol: float = typer.Option(1e-3, "--rtol", help="relative tolerance of the accuracy gate"),
+    as_json: bool = typer.Option(False, "--json", help="print the result as one JSON object"),
+) -> None:
+    """Pad the model's GEMM dimensions with zeros so that outputs stay the same, check that on
+    ONNX Runtime (several batch/sequence shapes with padded masks), and only then write OUT."""
+    from tuner.errors import BadInput
+    from tuner.graph.inspect import inspect_model
+    from tuner.graph.load import load_model
+    from tuner.rewrite.compose import NotExact, PadRequest, pad_file
+    from tuner.verify import Tolerance
+
+    try:
+        tol = Tolerance(atol=atol, rtol=rtol)
+    except ValueError as e:
+        raise BadInput(str(e)) from None
+    shape = inspect_model(load_model(model))
+    req = PadRequest.from_multiples(shape, ffn_multiple=ffn_multiple, vocab_multiple=vocab_multiple,
+                                    head_dim=head_dim, heads=heads, hidden_multiple=hidden_multiple)
+    if req.empty and not any(v is not None for v in (ffn_multiple, vocab_multiple, head_dim, heads)):
+        raise BadInput("nothing to pad: give --ffn-multiple, --vocab-multiple, --head-dim or --heads")
+    try:
+        result = pad_file(model, output, req, tolerance=tol)
+    except NotExact as e:
+        if as_json:
+            print(json.dumps({"written": False, "accuracy": e.result.to_json()}))
+        else:
+            e.result.print()
+            typer.echo("tuner: the padded model is not exact; nothing was written", err=True)
+        raise SystemExit(1) from None  # not typer.Exit: click would drop the code
+    if as_json:
+        print(json.dumps({"written": True, **result.to_json()}))
+        return
+    if result.accuracy is not None:
+        result.accuracy.print()
+    done = ", ".join(result.transforms) or "nothing (already aligned)"
+    typer.echo(f"padded {model} -> {output}: {done}")

@@ -1,0 +1,76 @@
+"""`tuner serve OUT`: serve an artifact's selected variant over KServe v2 gRPC.
+
+The server lives in serving/ (the only place that imports grpc); it is imported inside the
+command so that the rest of the CLI never loads grpc."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from tuner.cli.app import app
+from tuner.errors import BadInput
+
+
+def _say(line: str) -> None:
+    print(f"tuner serve: {line}", file=sys.stderr, flush=True)
+
+
+@app.command()
+def serve(
+    out: Path = typer.Argument(..., help="artifact folder written by `tuner optimize` "
+                                         "(holds manifest.json)"),
+    host: str = typer.Option("127.0.0.1", help="address to bind; 0.0.0.0 exposes the server "
+                                               "to the network"),
+    port: int = typer.Option(8001, help="gRPC port (0: any free port)"),
+    metrics_port: int = typer.Option(8002, help="Prometheus /metrics port (-1: none)"),
+    model_name: Optional[str] = typer.Option(None, help="name clients use (default: the "
+                                                        "source model file's stem)"),
+    backend: Optional[str] = typer.Option(None, help="runtime backend (default: the one the "
+                                                     "artifact was measured on, e.g. ort-cpu)"),
+    max_batch: Optional[int] = typer.Option(None, help="rows per model run (default: the "
+                                                       "largest batch bucket; 1: no batching)"),
+    max_queue_delay_ms: float = typer.Option(0.0, help="how long the oldest request may wait "
+                                                       "for a fuller batch (0: batch what is "
+                                                       "queued when the model is free)"),
+    shadow_fraction: float = typer.Option(0.0, help="share of requests also run on the "
+                                                    "original and compared (metrics)"),
+    workers: int = typer.Option(1, help="model runs at a time"),
+    threads: int = typer.Option(0, help="intra-op threads of the runtime (0: its default)"),
+    tls_cert: Optional[Path] = typer.Option(None, help="PEM certificate: serve TLS"),
+    tls_key: Optional[Path] = typer.Option(None, help="PEM private key of --tls-cert"),
+    token: Optional[str] = typer.Option(None, envvar="TUNER_SERVE_TOKEN",
+                                        help="require 'authorization: Bearer TOKEN' on every "
+                                             "call (or set TUNER_SERVE_TOKEN)"),
+    max_message_mb: int = typer.Option(256, help="largest request or response, MiB"),
+    drain_timeout_s: float = typer.Option(120.0, help="on SIGTERM, how long calls in flight "
+                                                      "may take to finish"),
+) -> None:
+    """Serve OUT's selected variant (KServe v2 / Open Inference Protocol, gRPC) until SIGTERM.
+
+    Before reporting ready it re-runs the accuracy gate against the original on this machine
+    and serves the original if the variant fails. Requests longer than the largest sequence
+    bucket are refused with INVALID_ARGUMENT."""
+    import logging
+
+    from serving.engine import EngineOptions
+    from serving.server import ServerOptions, serve as run
+    from tuner.runtime.base import SessionSettings
+
+    logging.basicConfig(level=logging.WARNING, format="tuner serve: %(levelname)s %(message)s")
+    try:
+        engine = EngineOptions(max_batch, max_queue_delay_ms, shadow_fraction, workers)
+        settings = SessionSettings(intra_op_threads=threads)
+    except ValueError as e:
+        raise BadInput(str(e)) from None
+    options = ServerOptions(
+        host=host, port=port, metrics_port=None if metrics_port < 0 else metrics_port,
+        model_name=model_name, backend=backend, engine=engine, settings=settings,
+        tls_cert=tls_cert, tls_key=tls_key, token=token,
+        max_message_bytes=max_message_mb * 1024 * 1024, drain_timeout_s=drain_timeout_s)
+    code = run(out, options, say=_say)
+    if code:
+        raise typer.Exit(code)

@@ -1,0 +1,76 @@
+"""`tuner verify ORIGINAL.onnx VARIANT.onnx [--inputs FILE.npz] [--atol A] [--rtol R]`.
+
+Prints the accuracy table; exit 0 when every output matches, 1 when one does not, 2 on bad
+input (unreadable model, inputs that do not fit it)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from tuner.cli.app import app
+
+
+@app.command("verify")
+def verify_cmd(
+    original: Path = typer.Argument(..., help="the reference model (.onnx)"),
+    variant: Path = typer.Argument(..., help="the model to check against it (.onnx)"),
+    inputs: Optional[Path] = typer.Option(None, "--inputs", help="a .npz of input arrays to "
+                                          "use instead of random token ids"),
+    atol: float = typer.Option(1e-4, "--atol", help="absolute tolerance"),
+    rtol: float = typer.Option(1e-3, "--rtol", help="relative tolerance"),
+    fp16: bool = typer.Option(False, "--fp16", help="half-precision defaults (atol=rtol=1e-2)"),
+    vocab: Optional[int] = typer.Option(None, "--vocab", help="token ids are drawn below this "
+                                        "(default: the model's vocabulary)"),
+    seed: int = typer.Option(0, "--seed", help="seed of the random inputs"),
+) -> None:
+    """Run both models on the same inputs and compare every output (max abs/rel error, cosine,
+    top-1 agreement); positions masked out by attention_mask are not compared."""
+    from tuner.errors import BadInput
+    from tuner.feeds import check_feed, input_specs, load_npz, make_feeds
+    from tuner.graph.load import load_model
+    from tuner.runtime.registry import get_backend
+    from tuner.verify import Tolerance, verify
+
+    try:
+        tol = Tolerance.fp16() if fp16 else Tolerance(atol=atol, rtol=rtol)
+    except ValueError as e:
+        raise BadInput(str(e)) from None
+    ref_model = load_model(original)
+    cand_specs = input_specs(load_model(variant))
+    specs = input_specs(ref_model)
+    if [(s.name, s.dtype) for s in specs] != [(s.name, s.dtype) for s in cand_specs]:
+        raise BadInput(f"the models take different inputs: {[s.name for s in specs]} vs "
+                       f"{[s.name for s in cand_specs]}")
+    if inputs is not None:
+        feed = load_npz(inputs)
+        check_feed(feed, specs)
+        feeds = [feed]
+    else:
+        feeds = make_feeds(specs, vocab or _vocab(ref_model), seed=seed)
+    backend = get_backend("ort-cpu")
+    try:
+        ref, cand = backend.load(original), backend.load(variant)
+    except Exception as e:  # noqa: BLE001 - ORT's errors on a bad graph are bad input here
+        raise BadInput(f"ONNX Runtime cannot load the models: {str(e).splitlines()[0]}") from None
+    result = verify(ref, cand, feeds, tol)
+    result.print()
+    # SystemExit, not typer.Exit: with standalone_mode=False click returns (drops) Exit codes.
+    raise SystemExit(0 if result else 1)
+
+
+def _vocab(model) -> int:
+    """Token ids must stay inside the embedding: its row count (the smallest 2-D Gather table
+    fed by an input would be too clever; inspect knows best, else the biggest Gather table)."""
+    try:
+        from tuner.graph.inspect import inspect_model
+        from tuner.rewrite.compose import vocab_for_feeds
+
+        return vocab_for_feeds(model, inspect_model(model))
+    except Exception:  # noqa: BLE001 - not a transformer inspect understands: any Gather table
+        rows = [n.inputs[0].const_value.shape[0] for n in model.graph
+                if n.op_type == "Gather" and n.inputs[0] is not None
+                and n.inputs[0].const_value is not None and len(n.inputs[0].const_value.shape) == 2]
+        return int(min(rows)) if rows else 2

@@ -1,0 +1,336 @@
+"""Attention blocks, found by structure: two batched MatMuls of activations with a Softmax
+between them.
+
+    x --q--> ... (B, a, S, d) --.
+    x --k--> ... (B, kv->a, d, S) --MatMul--> scores (B, a, S, S) --[scale, mask]--> Softmax
+    x --v--> ... (B, a, S, d) ---------------------------------------------MatMul--> (B, a, S, d)
+                                                          --merge heads--> o --> (B, S, h)
+
+From the Q/K/V MatMuls back to their projections the walk passes only head plumbing
+(Reshape/Transpose/Split/Slice/Concat), rotary (Mul by cos/sin tables, Neg) and scaling
+(Mul/Div by a scalar): those nodes are the sites a head-dim rewrite must touch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import onnx_ir as ir
+
+from tuner.graph.dims import Dims
+from tuner.graph.shape import AttentionSite, ScaleSite
+from tuner.graph.walk import (DATA_INPUTS, Linear, as_linear, const_array, consumers, is_const,
+                              op, source, walk_back)
+
+_SCORES_PATH = {"Add": None, "Sub": None, "Mul": None, "Div": None, "Where": (1, 2),
+                "Cast": (0,), "Reshape": (0,), "Tanh": (0,), "Identity": (0,)}
+_PROBS_PATH = {"Where", "IsNaN", "Cast", "Dropout", "Identity"}
+_MERGE_PATH = {"Transpose", "Reshape", "Identity", "Cast"}
+_HEAD_PLUMBING = {"Reshape", "Split", "Slice"}
+
+
+@dataclass(frozen=True)
+class AttnMatch:
+    order: int  # position in the graph, to pair blocks with layers
+    site: AttentionSite
+    projection_nodes: tuple[ir.Node, ...]
+    num_heads: int = 0  # 0: not found
+    num_kv_heads: int = 0
+    head_dim: int = 0
+
+
+def _follow(table: dict[str, tuple[int, ...] | None]):
+    def follow(node: ir.Node):
+        kind = op(node)
+        if kind not in table:
+            return None
+        pos = table[kind]
+        return range(len(node.inputs)) if pos is None else pos
+    return follow
+
+
+def _is_activation_matmul(node: ir.Node | None) -> bool:
+    return (node is not None and op(node) == "MatMul"
+            and not is_const(node.inputs[0]) and not is_const(node.inputs[1]))
+
+
+def _other(node: ir.Node, v: ir.Value) -> list[ir.Value]:
+    return [i for i in node.inputs if i is not None and i is not v]
+
+
+def _forward(start: ir.Value, through: set[str], want, depth: int = 8):
+    """First consumer `want(node, value)` accepts, walking forward through `through` ops."""
+    frontier, walked = [start], []
+    for _ in range(depth):
+        nxt = []
+        for v in frontier:
+            for user in consumers(v):
+                if want(user, v):
+                    return user, walked
+                if op(user) in through:
+                    walked.append(user)
+                    nxt.extend(user.outputs)
+        frontier = nxt
+    return None, walked
+
+
+@dataclass
+class _Path:
+    """What one walk from a Q/K/V MatMul input back to its projection passed through."""
+
+    linears: list[Linear]
+    plumbing: list[ir.Node]
+    scale_const: float  # product of constant factors applied along the way
+    scale_nodes: list[ir.Node]
+    computed: bool  # a factor computed at run time (TorchScript: from the shape)
+    rotary: list[ir.Node]  # Mul nodes by cos/sin tables
+
+
+def operand_kind(v: ir.Value, depth: int = 12) -> str:
+    """What a non-constant Mul/Div operand beside the Q/K data is made of: "data" (it comes
+    from a projection), "rotary" (a cos/sin table), "computed" (a scalar computed from a
+    shape, TorchScript's 1/sqrt(d)), or "other". Walks producers without entering Shape's
+    input, so a scale computed from q's own shape does not count as q."""
+    kinds: set[str] = set()
+    frontier, seen = [v], set()
+    for _ in range(depth):
+        nxt = []
+        for value in frontier:
+            node = value.producer()
+            if node is None or id(node) in seen:
+                continue
+            seen.add(id(node))
+            if as_linear(node) is not None or _is_activation_matmul(node):
+                return "data"
+            kinds.add(op(node))
+            if op(node) != "Shape":
+                nxt.extend(i for i in node.inputs if i is not None)
+        frontier = nxt
+    if kinds & {"Cos", "Sin"}:
+        return "rotary"
+    if "Sqrt" in kinds and "Shape" in kinds:
+        return "computed"
+    return "other"
+
+
+def _factor(node: ir.Node) -> tuple[str, float | None]:
+    """("const", f) / ("computed", None) / ("rotary", None) / ("", None) for a Mul/Div."""
+    kind = op(node)
+    if kind not in ("Mul", "Div"):
+        return "", None
+    for i, v in enumerate(node.inputs):
+        c = const_array(v, max_size=1)
+        if c is not None and c.size == 1:
+            f = float(c.reshape(-1)[0])
+            if kind == "Div":
+                if i == 0:
+                    return "", None  # c / x is not a scale
+                f = 1.0 / f
+            return "const", f
+    kinds = [operand_kind(v) for v in node.inputs if v is not None and not is_const(v)]
+    if "rotary" in kinds:
+        return "rotary", None
+    if "computed" in kinds:
+        return "computed", None
+    return "", None
+
+
+ROTARY_OPS = {"RotaryEmbedding", "com.microsoft.RotaryEmbedding"}
+
+
+def _projection_follow(node: ir.Node):
+    """DATA_INPUTS, except that a Mul/Div does not lead into its cos/sin or scale operand."""
+    kind = op(node)
+    if kind in ROTARY_OPS:
+        return (0,)
+    if kind not in DATA_INPUTS:
+        return None
+    if kind in ("Mul", "Div"):
+        return [i for i, v in enumerate(node.inputs)
+                if v is not None and not is_const(v) and operand_kind(v) == "data"]
+    pos = DATA_INPUTS[kind]
+    return range(len(node.inputs)) if pos is None else pos
+
+
+def walk_projection(start: ir.Value, by_output: dict[int, Linear]) -> _Path:
+    """From a Q/K/V tensor back to its projection(s), noting plumbing, scales and rotary."""
+    hits, walked = walk_back(start, _projection_follow, lambda v: id(v) in by_output, limit=200)
+    lins: list[Linear] = []
+    for v in hits:
+        if by_output[id(v)] not in lins:
+            lins.append(by_output[id(v)])
+    path = _Path(lins, [n for n in walked if op(n) in _HEAD_PLUMBING], 1.0, [], False, [])
+    for n in walked:
+        kind, f = _factor(n)
+        if kind == "const" and f is not None:
+            path.scale_const *= f
+            path.scale_nodes.append(n)
+        elif kind == "computed":
+            path.computed = True
+            path.scale_nodes.append(n)
+        elif kind == "rotary" or op(n) in ROTARY_OPS:
+            path.rotary.append(n)
+    return path
+
+
+def _scores_matmul(softmax: ir.Node) -> tuple[ir.Node | None, list[ir.Node]]:
+    hits, walked = walk_back(softmax.inputs[0], _follow(_SCORES_PATH),
+                             lambda v: _is_activation_matmul(v.producer()), limit=40)
+    nodes = {id(v.producer()): v.producer() for v in hits}
+    if len(nodes) != 1:
+        return None, walked
+    return next(iter(nodes.values())), walked
+
+
+def _reshape_dims(path: _Path) -> tuple[int, int, ir.Node | None]:
+    """(heads, head_dim, node) from a constant Reshape target like (B, S, a, d) on the path."""
+    for node in path.plumbing:
+        if op(node) != "Reshape":
+            continue
+        target = const_array(node.inputs[1])
+        if target is None:
+            target = _concat_target(node.inputs[1])
+        if target is None or len(target) != 4:
+            continue
+        a, d = target[2], target[3]
+        if d is not None and d > 0:
+            return (int(a) if a is not None and a > 0 else 0), int(d), node
+    return 0, 0, None
+
+
+def _concat_target(v: ir.Value) -> list[int | None] | None:
+    """A Reshape target built by Concat of pieces: constants kept, dynamic pieces as None."""
+    node = source(v).producer() if source(v) is not None else None
+    if node is None or op(node) != "Concat":
+        return None
+    out: list[int | None] = []
+    for piece in node.inputs:
+        c = const_array(piece)
+        if c is not None:
+            out.extend(int(x) for x in c.reshape(-1))
+        else:
+            out.append(None)  # an Unsqueeze'd scalar from the input's shape
+    return out
+
+
+def _dims(q_in: ir.Value, q: _Path, k: _Path, v: _Path, fused_qkv: bool, dims: Dims,
+          scale: float | None) -> tuple[int, int, int]:
+    d = dims.static(q_in, -1)
+    shape = dims.shape(q_in)
+    a = dims.static(q_in, -3) if shape is not None and len(shape) == 4 else None
+    q_out = q.linears[0].out_dim if q.linears else 0
+    if d is None:
+        ra, rd, node = _reshape_dims(q)
+        lin = q.linears[0] if q.linears else None
+        if (fused_qkv and node is not None and lin is not None
+                and source(node.inputs[0]) in (lin.output, lin.node.outputs[0])):
+            rd //= 3  # (B, S, a, 3d) before the split: GPT-NeoX's interleaved fused layout
+        d, a = (rd or None), (a or ra or None)
+    if d is None and scale:
+        d = round(1.0 / (scale * scale))
+    if not d:
+        return 0, 0, 0
+    if fused_qkv:
+        if not a:
+            a = q_out // (3 * d)
+        kv = (q_out // d - a) // 2
+    else:
+        a = a or q_out // d
+        k_out = k.linears[0].out_dim if k.linears else 0
+        kv = k_out // d if k_out else a
+    return a, kv, d
+
+
+def _rotated_dims(node: ir.Node, dims: Dims) -> int:
+    if op(node) in ROTARY_OPS:
+        attr = node.attributes.get("rotary_embedding_dim")
+        if attr is not None and attr.value:
+            return int(attr.value)
+    return dims.static(node.outputs[0], -1) or 0
+
+
+def rotary_of(q: _Path, d: int, dims: Dims) -> tuple[str, int | None]:
+    """("none" | "full" | "partial", rotated dims per head) for a Q path."""
+    if not q.rotary:
+        return "none", None
+    r = max(_rotated_dims(n, dims) for n in q.rotary) or None
+    if r is None or not d:
+        # No shapes: partial rotary concatenates the rotated part with a pass-through slice.
+        partial = any(op(n) == "Slice" for n in q.plumbing) and len(q.plumbing) > 4
+        return ("partial" if partial else "full"), None
+    return ("partial" if r < d else "full"), r
+
+
+def match_attention(softmax: ir.Node, by_output: dict[int, Linear], dims: Dims,
+                    order: int) -> AttnMatch | None:
+    scores, scores_walk = _scores_matmul(softmax)
+    if scores is None:
+        return None
+    pv, _ = _forward(softmax.outputs[0], _PROBS_PATH,
+                     lambda n, v: _is_activation_matmul(n) and n.inputs[0] is v)
+    if pv is None:
+        return None
+    q = walk_projection(scores.inputs[0], by_output)
+    k = walk_projection(scores.inputs[1], by_output)
+    v = walk_projection(pv.inputs[1], by_output)
+    if not (q.linears and k.linears and v.linears):
+        return None
+    o, merge = _forward(pv.outputs[0], _MERGE_PATH,
+                        lambda n, val: id(n.outputs[0]) in by_output
+                        and by_output[id(n.outputs[0])].node is n and n.inputs[0] is val)
+    if o is None:
+        return None
+    fused_qkv = q.linears[0] is k.linears[0] is v.linears[0]
+
+    computed = q.computed or k.computed
+    factors = q.scale_const * k.scale_const
+    scale_nodes = q.scale_nodes + k.scale_nodes
+    for n in scores_walk:
+        kind, f = _factor(n)
+        if kind == "const" and f is not None:
+            factors *= f
+            scale_nodes.append(n)
+        elif kind == "computed":
+            computed = True
+            scale_nodes.append(n)
+    if computed:
+        scale = ScaleSite("computed", None, tuple(n.name for n in scale_nodes))
+    elif scale_nodes:
+        scale = ScaleSite("constant", factors, tuple(n.name for n in scale_nodes))
+    else:
+        scale = ScaleSite("none", 1.0, ())
+    a, kv, d = _dims(scores.inputs[0], q, k, v, fused_qkv, dims,
+                     scale.value if scale.kind == "constant" else None)
+    rotary, rotary_dim = rotary_of(q, d, dims)
+    reshapes = []
+    for n in q.plumbing + k.plumbing + v.plumbing + [m for m in merge if op(m) == "Reshape"]:
+        if n.name not in reshapes:
+            reshapes.append(n.name)
+    qn, kn, vn = q.linears[0].node, k.linears[0].node, v.linears[0].node
+    site = AttentionSite(
+        q=None if fused_qkv else qn.name, k=None if fused_qkv else kn.name,
+        v=None if fused_qkv else vn.name, o=o.name, qkv=qn.name if fused_qkv else None,
+        reshapes=tuple(reshapes), scale=scale, rotary=rotary,  # type: ignore[arg-type]
+        rotary_dim=rotary_dim, softmax=softmax.name)
+    projections = tuple({id(n): n for n in (qn, kn, vn, o)}.values())
+    return AttnMatch(order, site, projections, a, kv, d)
+
+
+def find_attention(graph: ir.Graph, lins: list[Linear], dims: Dims) -> list[AttnMatch]:
+    """Every unfused attention block (Softmax between two activation MatMuls), in order."""
+    by_output: dict[int, Linear] = {}
+    for lin in lins:
+        by_output[id(lin.node.outputs[0])] = lin
+        by_output[id(lin.output)] = lin
+    found = []
+    for i, node in enumerate(graph):
+        if op(node) == "Softmax":
+            m = match_attention(node, by_output, dims, i)
+            if m is not None:
+                found.append(m)
+    return found
+
+
+def expected_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim) if head_dim else float("nan")

@@ -1,0 +1,120 @@
+"""Feed-forward blocks, found by structure: a "down" linear whose input is an elementwise
+function (the activation, and for GLU variants a product) of one or two "up" linears that
+read the same tensor, with widths h -> f -> h.
+
+    x --up--> (B, S, f) --act--> --down--> (B, S, h)             GELU / ReLU MLPs
+    x --gate--> act --.
+    x --up-----------Mul--down-->                                SwiGLU / GeGLU
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import onnx_ir as ir
+
+from tuner.graph.walk import MS, Linear, const_scalar, consumers, op, walk_back
+
+NONLINEAR = {"Tanh", "Erf", "Sigmoid", "Relu", "Gelu", "Elu", "Selu", "Softplus", "HardSigmoid",
+             "HardSwish", "LeakyRelu", "Clip", "Exp", "Log", "Mish", "Softsign",
+             f"{MS}.FastGelu", f"{MS}.BiasGelu", f"{MS}.Gelu", f"{MS}.QuickGelu"}
+_ELEMENTWISE = {"Mul", "Add", "Sub", "Div", "Pow", "Sqrt", "Neg", "Reshape", "Cast", "Identity"}
+
+
+@dataclass(frozen=True)
+class FfnMatch:
+    up: Linear
+    down: Linear
+    gate: Linear | None
+    activation: str
+    nodes: tuple[ir.Node, ...]  # the activation's nodes between up/gate and down
+
+    @property
+    def width(self) -> int:
+        return self.down.in_dim
+
+
+def _follow(node: ir.Node):
+    kind = op(node)
+    if kind in ("Reshape", "Cast", "Identity", "Pow", "Sqrt", "Neg") or kind in NONLINEAR:
+        return (0,)
+    if kind in ("Mul", "Add", "Sub", "Div") or kind.startswith(f"{MS}.Bias"):
+        return range(len(node.inputs))
+    return None
+
+
+def _reaches_nonlinear(start: ir.Value, region: set[int]) -> bool:
+    """Whether `start` flows into a nonlinear op inside the activation region."""
+    frontier, seen = [start], set()
+    while frontier:
+        v = frontier.pop()
+        for user in consumers(v):
+            if id(user) not in region or id(user) in seen:
+                continue
+            seen.add(id(user))
+            if op(user) in NONLINEAR:
+                return True
+            frontier.extend(user.outputs)
+    return False
+
+
+def classify_activation(nodes: tuple[ir.Node, ...], gated: bool) -> str:
+    kinds = {op(n) for n in nodes}
+    consts = {round(c, 3) for n in nodes for i in n.inputs
+              if (c := const_scalar(i)) is not None}
+    if "Gelu" in kinds:
+        approx = next((n.attributes.get("approximate") for n in nodes if op(n) == "Gelu"), None)
+        return "gelu_tanh" if approx is not None and approx.value == "tanh" else "gelu"
+    if f"{MS}.FastGelu" in kinds:
+        return "gelu_tanh"
+    if f"{MS}.QuickGelu" in kinds:
+        return "quick_gelu"
+    if kinds & {f"{MS}.BiasGelu", f"{MS}.Gelu", "Erf"}:
+        return "gelu"
+    if "Tanh" in kinds:
+        return "gelu_tanh" if 0.045 in consts or 0.044 in consts or "Pow" in kinds else "tanh"
+    if "Sigmoid" in kinds:
+        return "quick_gelu" if 1.702 in consts else "silu"
+    if "Relu" in kinds:
+        return "relu2" if "Pow" in kinds else "relu"
+    for name in ("Elu", "Selu", "Softplus", "HardSwish", "LeakyRelu", "Mish"):
+        if name in kinds:
+            return name.lower()
+    return "unknown"
+
+
+def match_ffn(down: Linear, by_output: dict[int, Linear]) -> FfnMatch | None:
+    """The FFN ending in `down`, or None when `down` is some other projection."""
+    hits, walked = walk_back(down.node.inputs[0], _follow, lambda v: id(v) in by_output, limit=64)
+    ups = []
+    for v in hits:
+        lin = by_output[id(v)]
+        if lin not in ups:
+            ups.append(lin)
+    if not 1 <= len(ups) <= 2:
+        return None
+    if any(u.out_dim != down.in_dim or u.in_dim != down.out_dim for u in ups):
+        return None
+    if len({id(u.node.inputs[0]) for u in ups}) != 1:
+        return None  # GLU halves read the same normalised input
+    nodes = tuple(walked)
+    if not any(op(n) in NONLINEAR for n in nodes):
+        return None  # two linears back to back are not an FFN
+    region = {id(n) for n in nodes}
+    if len(ups) == 1:
+        return FfnMatch(ups[0], down, None, classify_activation(nodes, False), nodes)
+    gates = [u for u in ups if _reaches_nonlinear(u.output, region)]
+    if len(gates) != 1:
+        return None
+    gate = gates[0]
+    up = ups[1] if ups[0] is gate else ups[0]
+    return FfnMatch(up, down, gate, classify_activation(nodes, True), nodes)
+
+
+def find_ffns(all_linears: list[Linear]) -> list[FfnMatch]:
+    """Every FFN block, in graph order of the down projection."""
+    by_output: dict[int, Linear] = {}
+    for lin in all_linears:
+        by_output[id(lin.node.outputs[0])] = lin
+        by_output[id(lin.output)] = lin
+    return [m for lin in all_linears if (m := match_ffn(lin, by_output)) is not None]

@@ -1,0 +1,117 @@
+"""`inspect`: a transformer's dimensions, and where each one lives, from graph structure alone.
+
+    model --linears--> FFN blocks (up/gate -> act -> down)
+          --Softmax--> attention blocks (q/k/v/o, head reshapes, scale, rotary)
+          --Gather from an input / last GEMM to the output--> embedding, LM head (tied?)
+          --com.microsoft ops--> ORT-fused graphs (Attention, SkipLayerNorm, FastGelu)
+
+Names are only ever *reported* (so a rewrite can find the nodes again in its own copy of
+the graph); nothing here decides by a name.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+import onnx_ir as ir
+
+from tuner.errors import BadInput
+from tuner.graph import attention as attn_mod
+from tuner.graph import fused
+from tuner.graph.dims import Dims
+from tuner.graph.ffn import FfnMatch, find_ffns
+from tuner.graph.lm_head import Embedding, is_tied, lm_head, token_embedding
+from tuner.graph.load import load_model, name_nodes
+from tuner.graph.shape import FfnSite, LayerSites, ModelShape, Sites
+from tuner.graph.walk import Linear, linears
+
+
+def _ffn_site(m: FfnMatch) -> FfnSite:
+    return FfnSite(up=m.up.node.name, down=m.down.node.name,
+                   gate=m.gate.node.name if m.gate else None, activation=m.activation)
+
+
+def _hidden(emb: Embedding | None, ffns: list[FfnMatch], lins: list[Linear]) -> int:
+    if emb is not None:
+        return emb.hidden
+    if ffns:
+        return ffns[0].down.out_dim
+    if lins:
+        return Counter(lin.in_dim for lin in lins).most_common(1)[0][0]
+    return 0
+
+
+def _one(values: list[int]) -> int:
+    """The model's value of a per-layer dim (the most common one if layers differ)."""
+    if not values:
+        return 0
+    return Counter(values).most_common(1)[0][0]
+
+
+def inspect_model(model: ir.Model, device: str = "cpu", tokens: int = 4096) -> ModelShape:
+    """Dimensions, sites and findings of a loaded model (see tuner.graph.load.load_model).
+    Nodes without a unique name are named first (in place), as load_model does.
+
+    Raises BadInput when the graph is not a transformer (no attention and no FFN found)."""
+    from tuner.hardware import device_facts
+    from tuner.rules import audit
+
+    facts = device_facts(device)
+    name_nodes(model)  # idempotent; Sites need unique node names even for models not from load_model
+    graph = model.graph
+    lins = linears(graph)
+    ffns = find_ffns(lins)
+    emb = token_embedding(graph)
+    fusion = fused.scan(graph)
+    emb_weight = emb.weight if emb is not None else fusion.embedding
+    dims = Dims(model)
+    attns = attn_mod.find_attention(graph, lins, dims) + fused.attention_blocks(graph, lins, dims)
+    attns.sort(key=lambda a: a.order)
+    if not attns and not ffns:
+        raise BadInput("no transformer found in the graph: no attention (Softmax between two "
+                       "activation MatMuls, or a fused Attention op) and no feed-forward block")
+    taken = {id(lin.node) for f in ffns for lin in (f.up, f.down, f.gate) if lin is not None}
+    taken |= {id(n) for a in attns for n in a.projection_nodes}
+    hidden = _hidden(emb, ffns, lins) or fusion.hidden or 0
+    head = lm_head(lins, taken, emb, hidden or None)
+    tied = head is not None and emb is not None and is_tied(head, emb)
+    num_layers = max(len(attns), len(ffns))
+    layers = tuple(
+        LayerSites(attention=attns[i].site if i < len(attns) else None,
+                   ffn=_ffn_site(ffns[i]) if i < len(ffns) else None)
+        for i in range(num_layers))
+    heads = _one([a.num_heads for a in attns if a.num_heads])
+    kv = _one([a.num_kv_heads for a in attns if a.num_kv_heads]) or heads
+    head_dim = _one([a.head_dim for a in attns if a.head_dim])
+    if not head_dim and heads and hidden:
+        head_dim = hidden // heads
+    activation = ffns[0].activation if ffns else fusion.activation
+    shape = ModelShape(
+        num_layers=num_layers,
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=kv,
+        head_dim=head_dim,
+        ffn_size=_one([f.width for f in ffns]) or fusion.ffn_size,
+        ffn_gated=any(f.gate is not None for f in ffns),
+        vocab_size=head.out_dim if head is not None else None,
+        activation=activation,
+        kind="decoder" if head is not None else "encoder",
+        optimized=any(k.startswith(f"{fused.MS}.") for k in fusion.fused_ops),
+        fused_ops=fusion.fused_ops,
+        sites=Sites(
+            layers=layers,
+            lm_head=head.node.name if head is not None else None,
+            lm_head_weight=head.weight.name if head is not None else None,
+            embedding=emb_weight.name if emb_weight is not None else None,
+            tied=tied,
+        ),
+    )
+    findings = audit(shape, facts, tokens)
+    return ModelShape(**{**shape.__dict__, "findings": findings})
+
+
+def inspect_path(path: str | os.PathLike, device: str = "cpu", tokens: int = 4096) -> ModelShape:
+    """load_model + inspect_model."""
+    return inspect_model(load_model(path), device=device, tokens=tokens)

@@ -1,0 +1,237 @@
+"""The steps of `tuner optimize` in order, writing into a (temporary) artifact folder.
+
+    inspect -> plan (+ GEMM probe) -> build variants (rewrite + gate) -> compare variants
+    (interleaved, paired CIs) -> select -> time the winner on the bucket grid -> buckets
+    -> manifest + report
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Callable
+
+from tuner.artifact import (Buckets, ExpectedLatency, Latency, Manifest, Speedup, Variant,
+                            shape_key, write_manifest)
+from tuner.errors import BadInput
+
+
+def _say(enabled: bool) -> Callable[[str], None]:
+    def say(msg: str) -> None:
+        if enabled:
+            print(f"tuner: {msg}", file=sys.stderr, flush=True)
+    return say
+
+
+def _traffic(cfg, positions):
+    """(requests, seq grid, batch buckets, note)."""
+    from tuner.buckets import (batch_buckets, default_seq_buckets, load_requests, seq_grid,
+                               uniform_requests)
+    from tuner.optimize import DEFAULT_MAX_SEQ
+
+    if cfg.requests is not None:
+        req = load_requests(cfg.requests)
+        limit = cfg.max_seq or positions
+        return req, seq_grid(req, limit), batch_buckets(max(req.max_batch, 1)), None
+    note = None
+    if cfg.max_seq:
+        top = cfg.max_seq
+        if positions and top > positions:
+            raise BadInput(f"--max-seq {top} is longer than the model's {positions} positions")
+    elif positions:
+        top = min(positions, 512)
+        if positions > 512:
+            note = f"sequence buckets capped at 512 of the model's {positions} positions (--max-seq)"
+    else:
+        top = DEFAULT_MAX_SEQ
+        note = f"no position table found: sequence buckets up to {top} (--max-seq to change)"
+    grid = default_seq_buckets(top)
+    if len(grid) > 8:
+        grid = tuple(grid[i] for i in sorted({round(k * (len(grid) - 1) / 7) for k in range(8)}))
+    return uniform_requests(top), grid, batch_buckets(cfg.max_batch), note
+
+
+def _selection_shapes(req, grid, batch) -> list[tuple[int, int]]:
+    """Where variants are compared: the most common batch bucket at the median and p90 lengths."""
+    from tuner.buckets import _bucket_of
+
+    by_batch: dict[int, float] = {}
+    for (b, _), w in req.weights.items():
+        bb = _bucket_of(b, batch)
+        by_batch[bb] = by_batch.get(bb, 0.0) + w
+    b = max(by_batch, key=by_batch.get)
+    seqs = sorted({_bucket_of(req.seq_quantile(q), grid) for q in (0.5, 0.9)})
+    return [(b, s) for s in seqs]
+
+
+def _plan(cfg, shape, facts, sel_shape, threads, say):
+    from tuner import plan
+
+    cands = plan.propose(shape, facts)
+    notes: list[str] = []
+    if len(cands) > 1 and cfg.probe:
+        from tuner.probe import probe
+
+        say(f"probing {len(cands) - 1} candidate dims with the model's GEMMs at "
+            f"M = {sel_shape[0]}x{sel_shape[1]}")
+        fn = lambda gemms: [r.median_ms for r in probe(gemms, "ort-cpu", rounds=5, warmup=1,
+                                                       threads=threads)]
+        cands = plan.predict(shape, cands, sel_shape[0], sel_shape[1], fn)
+    elif len(cands) > 1:
+        notes.append("GEMM probe skipped (--no-probe): candidates kept unranked")
+    pad_room = cfg.max_variants - (2 if cfg.fuse and cfg.max_variants >= 3 else 1)
+    kept, dropped = plan.prune(cands, pad_room + 1)
+    notes += dropped
+    fused = []
+    if cfg.fuse and cfg.max_variants >= 2:
+        fused.append(plan.with_fusion(kept[0]))
+        if len(kept) > 1 and len(kept) + 2 <= cfg.max_variants:
+            fused.append(plan.with_fusion(kept[1]))
+    return kept, fused, notes
+
+
+def _build(cfg, kept, fused, shape, root, feeds, tol, backend, settings, say):
+    from tuner.variants import build_fused, build_padded, copy_original
+
+    notes: list[str] = []
+    built = {"original": copy_original(cfg.model, root)}
+    for c in kept[1:]:
+        say(f"building {c.name} (rewrite + accuracy gate)")
+        try:
+            built[c.name] = build_padded(cfg.model, root, c, feeds, tol)
+        except BadInput as e:
+            notes.append(f"skipped {c.name}: {e}")
+    if fused:
+        from tuner.runtime.registry import get_backend
+
+        cpu = get_backend("ort-cpu")
+        reference = cpu.load(built["original"].path, settings)
+        for c in fused:
+            base_name = c.name.removesuffix("+fuse").removesuffix("fuse").rstrip("+") or "original"
+            if base_name not in built:
+                continue
+            say(f"building {c.name} (ONNX Runtime fusions + accuracy gate)")
+            try:
+                built[c.name] = build_fused(built[base_name], root, c, shape, reference, feeds,
+                                            tol, cpu, settings)
+            except BadInput as e:
+                notes.append(f"skipped {c.name}: {e}")
+    return built, notes
+
+
+def _variant_shape(path: Path, fallback) -> dict:
+    from tuner.graph.inspect import inspect_path
+
+    try:
+        return inspect_path(path).to_json()
+    except BadInput:
+        return fallback.to_json()
+
+
+def _lat(stats) -> Latency:
+    return Latency(stats.median, stats.p10, stats.p90, stats.q1, stats.q3, stats.n)
+
+
+def _speed(ci) -> Speedup:
+    return Speedup(ci.ratio, ci.low, ci.high, ci.confidence)
+
+
+def run_pipeline(cfg, model, root: Path):
+    from tuner import bench
+    from tuner.buckets import choose
+    from tuner.cache import ResultsCache, file_sha256
+    from tuner.device import detect
+    from tuner.feeds import input_specs, make_feeds
+    from tuner.graph.inspect import inspect_model
+    from tuner.optimize import max_positions, sha256_file
+    from tuner.rewrite.compose import vocab_for_feeds
+    from tuner.runtime.base import SessionSettings
+    from tuner.runtime.registry import resolve
+    from tuner.variants import graph_files
+    from tuner.verify import Tolerance
+
+    say = _say(cfg.progress)
+    info = detect()
+    facts = info.facts()
+    say(f"inspecting {cfg.model.name}")
+    shape = inspect_model(model, device=info.facts_key or ("h100" if info.kind == "gpu" else "cpu"))
+    vocab, positions, specs = vocab_for_feeds(model, shape), max_positions(model, shape), input_specs(model)
+    backends, notes = resolve(cfg.backend)
+    backend = next((b for b in backends if b.name != "ort-cpu"), backends[0])
+    notes += [f"backend {b.name} usable but not measured (only {backend.name} is)"
+              for b in backends if b is not backend]
+    threads = cfg.threads or info.cpu_cores
+    try:
+        settings = SessionSettings(intra_op_threads=threads, inter_op_threads=1,
+                                   graph_optimization=cfg.graph_optimization)
+        tol = Tolerance(cfg.atol, cfg.rtol)
+    except ValueError as e:
+        raise BadInput(str(e)) from None
+    req, grid, batch, note = _traffic(cfg, positions)
+    notes += [note] if note else []
+    sel_shapes = _selection_shapes(req, grid, batch)
+    kept, fused, plan_notes = _plan(cfg, shape, facts, sel_shapes[0], threads, say)
+    notes += plan_notes
+    top = grid[-1]
+    verify_shapes = sorted({(b, min(s, top)) for b, s in ((1, 7), (2, 16), (3, 33))})
+    feeds = make_feeds(specs, vocab, verify_shapes)
+    built, build_notes = _build(cfg, kept, fused, shape, root, feeds, tol, backend, settings, say)
+    notes += build_notes
+
+    say(f"loading {len(built)} variant(s) on {backend.name}")
+    all_shapes = [(b, s) for b in batch for s in grid]
+    targets = [bench.Target(n, backend.load(b.path, settings, all_shapes, None),
+                            file_sha256(graph_files(b))) for n, b in built.items()]
+    cache = ResultsCache.in_dir(cfg.cache_dir)
+    feed_cache: dict = {}
+
+    def feeds_for(s):
+        if s not in feed_cache:
+            feed_cache[s] = make_feeds(specs, vocab, [s], seed=1)[0]
+        return feed_cache[s]
+
+    dev_key = f"{info.label}|{backend.name}"
+    sjson = asdict(settings)
+    with bench.rich_progress(cfg.progress, "comparing variants") as p:
+        meas = bench.measure(targets, sel_shapes, feeds_for, cfg.rounds, cfg.warmup, cache,
+                             backend.name, dev_key, sjson, p)
+    weights = {s: 1.0 for s in sel_shapes}
+    speedups = {n: meas.speedup(n, weights) for n in built if n != "original"}
+    sel = bench.select(speedups, cfg.margin,
+                       eligible=lambda n: built[n].exact and built[n].accuracy.passed)
+    winner = next(t for t in targets if t.name == sel.name)
+    targets = [winner]  # release the other sessions before the bucket grid
+    with bench.rich_progress(cfg.progress, f"timing {sel.name} on the bucket grid") as p:
+        gmeas = bench.measure([winner], all_shapes, feeds_for, cfg.bucket_rounds, 1, cache,
+                              backend.name, dev_key, sjson, p)
+    grid_lat = {s: gmeas.stats(sel.name, s).median for s in all_shapes}
+    choice = choose(req, grid_lat, batch, grid, cfg.max_buckets)
+    notes += [f"{len(meas.cached_shapes) + len(gmeas.cached_shapes)} shape(s) taken from the "
+              "results cache"] if meas.cached_shapes or gmeas.cached_shapes else []
+
+    variants = []
+    for n, b in built.items():
+        lat = {shape_key(*s): _lat(meas.stats(n, s)) for s in sel_shapes}
+        if n == sel.name:
+            lat.update({shape_key(*s): _lat(gmeas.stats(n, s)) for s in all_shapes
+                        if shape_key(*s) not in lat})
+        variants.append(Variant(
+            name=n, path=b.rel, exact=b.exact, transforms=b.transforms,
+            shape=_variant_shape(b.path, shape) if n != "original" else shape.to_json(),
+            accuracy=b.accuracy, latency=lat,
+            speedup=_speed(speedups[n]) if n in speedups else None,
+            speedup_by_shape={shape_key(*s): _speed(meas.speedup_at(n, s)) for s in sel_shapes}
+            if n != "original" else {}, note=b.note))
+    manifest = Manifest(
+        source_path=str(cfg.model.resolve()), source_sha256=sha256_file(cfg.model),
+        device=info.to_json(), backend=backend.name, settings=sjson, selected=sel.name,
+        buckets=Buckets(tuple(choice.batch), tuple(choice.seq),
+                        ExpectedLatency(choice.expected_ms, choice.pad_to_max_ms, choice.no_buckets_ms),
+                        req.source, req.count),
+        variants=tuple(variants), selection=sel.reason, margin=cfg.margin, notes=tuple(notes))
+    write_manifest(root, manifest)
+    from tuner.report import write_report
+
+    write_report(root, manifest, req=req, grid_latency=grid_lat, coverage=choice.coverage)
+    return manifest, notes

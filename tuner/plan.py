@@ -1,0 +1,167 @@
+"""Candidate variants from an inspected shape and the device's facts, pruned by a GEMM probe.
+
+Rules only propose (DESIGN.md): for each dimension that can be padded exactly (FFN width,
+vocabulary, head dim) the next multiples of 8/16/32/64/128 within a growth budget, the
+device's preferred multiple for all of them together, and for a gated FFN a few wider
+multiples near 8/3*h (the SwiGLU advice: search nearby widths rather than take one). The GEMM
+probe then times the model's own GEMMs (M = batch x seq) at the original and candidate sizes,
+and candidates predicted slower than the original beyond `prune_below` are dropped before any
+graph is built. The original is always a candidate; the whole search is bounded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable, Sequence
+
+from tuner.artifact import Transform
+from tuner.hardware import DeviceFacts, next_multiple
+
+MULTIPLES = (8, 16, 32, 64, 128)
+# Growth budgets: padding costs FLOPs; beyond these the extra work cannot pay on any device.
+MAX_GROWTH = {"ffn": 0.10, "vocab": 0.05, "head_dim": 0.60}
+# Which of the probe's GEMM labels each dimension changes (tuner.probe.model_gemms).
+AFFECTS = {"ffn": ("up", "gate", "down"), "vocab": ("lm_head",),
+           "head_dim": ("qkv", "scores", "context", "out")}
+_FIELD = {"ffn": "ffn_size", "vocab": "vocab_size", "head_dim": "head_dim"}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One variant to build: exact pads (and/or a fusion pass), or a non-exact reshape
+    measured only as advice (`exact=False`)."""
+
+    name: str
+    transforms: tuple[Transform, ...]
+    exact: bool = True
+    reason: str = ""
+    predicted: float | None = None  # probe's predicted speedup over the original
+
+    @property
+    def pads(self) -> dict[str, int]:
+        return {t.kind: t.new for t in self.transforms if t.kind in _FIELD and t.new}
+
+    @property
+    def fused(self) -> bool:
+        return any(t.kind == "fuse" for t in self.transforms)
+
+
+def candidate_name(transforms: Sequence[Transform]) -> str:
+    if not transforms:
+        return "original"
+    return "+".join(t.kind if t.new is None else f"{t.kind}-{t.new}" for t in transforms)
+
+
+def _make(transforms: Sequence[Transform], reason: str, exact: bool = True) -> Candidate:
+    ts = tuple(sorted(transforms, key=lambda t: ("ffn", "vocab", "head_dim", "heads", "hidden",
+                                                 "fuse").index(t.kind)))
+    return Candidate(candidate_name(ts), ts, exact, reason)
+
+
+def dim_options(kind: str, size: int, facts: DeviceFacts, gated: bool = False,
+                hidden: int = 0) -> list[int]:
+    """Padded sizes worth trying for one dimension, ascending, within its growth budget."""
+    if size <= 0 or size % facts.best_multiple == 0:
+        return []
+    opts = {next_multiple(size, m) for m in MULTIPLES}
+    if kind == "ffn" and gated and hidden:
+        # SwiGLU: also the multiples of 64/128/256 just above the literal 8/3*h
+        base = max(size, 8 * hidden // 3)
+        opts |= {next_multiple(base, m) for m in (64, 128, 256)}
+    if kind == "head_dim":
+        # fused attention kernels exist for these head dims only (DESIGN.md)
+        opts |= {d for d in (16, 32, 40, 64, 80, 128, 160, 256) if d > size}
+    limit = size * (1 + MAX_GROWTH[kind])
+    return sorted(o for o in opts if size < o <= limit)
+
+
+def propose(shape, facts: DeviceFacts, fuse: bool = False) -> list[Candidate]:
+    """All candidates before pruning: the original, each dimension's options, the device's
+    preferred multiple for every dimension at once, and (with `fuse`) fused forms."""
+    out = [Candidate("original", (), True, "the model as given")]
+    per_dim: dict[str, list[int]] = {}
+    for kind, field in _FIELD.items():
+        size = getattr(shape, field) or 0
+        per_dim[kind] = dim_options(kind, size, facts, shape.ffn_gated, shape.hidden_size)
+        for new in per_dim[kind]:
+            out.append(_make([Transform(kind, size, new)],
+                             f"{kind} {size} -> {new}, a multiple of {_alignment(new)}"))
+    combo = [Transform(k, getattr(shape, _FIELD[k]), next_multiple(getattr(shape, _FIELD[k]), facts.best_multiple))
+             for k, opts in per_dim.items() if opts
+             and next_multiple(getattr(shape, _FIELD[k]), facts.best_multiple) in opts]
+    if len(combo) > 1:
+        out.append(_make(combo, f"every dimension at a multiple of {facts.best_multiple}"))
+    if fuse:
+        out.append(_make([Transform("fuse")], "ONNX Runtime's transformer fusions"))
+    return _dedupe(out)
+
+
+def _alignment(n: int) -> int:
+    """The largest of 8..256 dividing n."""
+    return max((m for m in (*MULTIPLES, 256) if n % m == 0), default=1)
+
+
+def _dedupe(cands: list[Candidate]) -> list[Candidate]:
+    seen, out = set(), []
+    for c in cands:
+        if c.name not in seen:
+            seen.add(c.name)
+            out.append(c)
+    return out
+
+
+def with_fusion(best: Candidate) -> Candidate:
+    """The fused form of a padded candidate (pad first, then fuse)."""
+    return _make([*best.transforms, Transform("fuse")], f"{best.name}, then fused")
+
+
+# A probe takes GEMM shapes and returns their median times in ms, in order.
+ProbeFn = Callable[[list], list[float]]
+
+
+def predict(shape, cands: Sequence[Candidate], batch: int, seq: int, probe_fn: ProbeFn) -> list[Candidate]:
+    """Each candidate with `predicted` = (time of the GEMMs it changes, original) / (same,
+    candidate), counting every layer's GEMMs and the LM head once. Fusion is not predicted."""
+    from tuner.probe import model_gemms
+
+    def gemms(c: Candidate):
+        s = replace(shape, **{_FIELD[k]: v for k, v in c.pads.items()}) if c.pads else shape
+        return model_gemms(s, batch, seq)
+
+    base = gemms(cands[0] if cands and cands[0].name == "original" else Candidate("original", ()))
+    lists = [base] + [gemms(c) for c in cands]
+    flat = [g for lst in lists for g in lst]
+    times = probe_fn(flat)
+    per, i = [], 0
+    for lst in lists:
+        per.append({g.label: t for g, t in zip(lst, times[i:i + len(lst)])})
+        i += len(lst)
+    layers = max(shape.num_layers, 1)
+
+    def total(t: dict[str, float]) -> float:
+        return sum(v * (1 if k == "lm_head" else layers) for k, v in t.items())
+
+    out = []
+    for c, t in zip(cands, per[1:]):
+        out.append(replace(c, predicted=None if c.fused else total(per[0]) / total(t)))
+    return out
+
+
+def prune(cands: Sequence[Candidate], max_variants: int, prune_below: float = 0.97) -> tuple[list[Candidate], list[str]]:
+    """Keep the original, drop candidates predicted slower than `prune_below`, keep the
+    best-predicted up to `max_variants` in all. Returns (kept, one line per dropped)."""
+    original = [c for c in cands if c.name == "original"]
+    rest = [c for c in cands if c.name != "original"]
+    notes, keep = [], []
+    for c in rest:
+        if c.predicted is not None and c.predicted < prune_below:
+            notes.append(f"pruned {c.name}: the GEMM probe predicts {c.predicted:.3f}x")
+        else:
+            keep.append(c)
+    keep.sort(key=lambda c: -(c.predicted if c.predicted is not None else 1.0))
+    room = max(0, max_variants - len(original))
+    for c in keep[room:]:
+        notes.append(f"dropped {c.name}: over the limit of {max_variants} variants "
+                     f"(predicted {c.predicted:.3f}x)" if c.predicted is not None else
+                     f"dropped {c.name}: over the limit of {max_variants} variants")
+    return original + keep[:room], notes

@@ -1,0 +1,227 @@
+"""Graph-edit helpers shared by the exact rewrites (onnx_ir only).
+
+Every rewrite works on names from `tuner.graph.shape.Sites` and edits weights copy-on-write:
+exporters deduplicate identical initializers (one zero bias can feed nine nodes, sometimes
+through Identity nodes), so a padded tensor is always a *new* initializer, named after the
+node that uses it, and only that node's input is rewired.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+
+from tuner.errors import RewriteRefused
+
+# Models whose weights pass this many bytes are saved with external data (protobuf's 2 GB cap).
+EXTERNAL_DATA_BYTES = 1_500_000_000
+
+
+def find_node(graph: ir.Graph, name: str) -> ir.Node:
+    """The node called `name` in the top-level graph; RewriteRefused if it is not there."""
+    for node in graph:
+        if node.name == name:
+            return node
+    raise RewriteRefused(f"node {name!r} named by inspect is not in the graph")
+
+
+def source_through_identity(value: ir.Value | None) -> ir.Value | None:
+    """Follow Identity nodes back to the value they forward (exporters put them on shared weights)."""
+    while value is not None and value.producer() is not None and value.producer().op_type == "Identity":
+        value = value.producer().inputs[0]
+    return value
+
+
+def const_array(value: ir.Value | None) -> np.ndarray | None:
+    """The constant behind a value (initializer, Constant node, through Identity), else None."""
+    value = source_through_identity(value)
+    if value is None:
+        return None
+    if value.const_value is not None:
+        return value.const_value.numpy()
+    node = value.producer()
+    if node is not None and node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
+        for key, attr in node.attributes.items():
+            if key == "value":
+                return attr.value.numpy()
+            if key in ("value_int", "value_float"):
+                return np.array(attr.value)
+            if key in ("value_ints", "value_floats"):
+                return np.array(list(attr.value))
+    return None
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.]+", "_", name).strip("_") or "node"
+
+
+def unique_name(graph: ir.Graph, base: str) -> str:
+    """A value name not yet used by any initializer, input or node output of `graph`."""
+    taken = set(graph.initializers)
+    taken.update(v.name for v in graph.inputs)
+    for node in graph:
+        taken.update(o.name for o in node.outputs if o.name)
+    name, i = base, 1
+    while name in taken:
+        i += 1
+        name = f"{base}_{i}"
+    return name
+
+
+def new_initializer(graph: ir.Graph, base: str, array: np.ndarray) -> ir.Value:
+    """Register `array` as a new initializer named uniquely from `base`."""
+    name = unique_name(graph, _safe(base))
+    tensor = ir.Tensor(np.ascontiguousarray(array), name=name)
+    value = ir.Value(name=name, shape=ir.Shape(array.shape), type=ir.TensorType(tensor.dtype),
+                     const_value=tensor)
+    graph.register_initializer(value)
+    return value
+
+
+def set_const_input(graph: ir.Graph, node: ir.Node, index: int, array: np.ndarray, tag: str) -> ir.Value:
+    """Point input `index` of `node` at a new initializer holding `array` (copy on write)."""
+    value = new_initializer(graph, f"{node.name}.{tag}", array)
+    node.replace_input_with(index, value)
+    return value
+
+
+def pad_axis(array: np.ndarray, axis: int, new_size: int, fill: float = 0.0) -> np.ndarray:
+    """`array` with `axis` grown to `new_size` by appending `fill`."""
+    axis = axis % array.ndim
+    extra = new_size - array.shape[axis]
+    if extra < 0:
+        raise ValueError(f"cannot shrink axis {axis} from {array.shape[axis]} to {new_size}")
+    widths = [(0, 0)] * array.ndim
+    widths[axis] = (0, extra)
+    return np.pad(array, widths, constant_values=np.array(fill, dtype=array.dtype))
+
+
+@dataclass(frozen=True)
+class Projection:
+    """A MatMul/Gemm with a constant weight: where the weight is and which axis is which."""
+
+    node: ir.Node
+    weight_index: int  # input index of the weight
+    out_axis: int  # axis of the weight that is the projection's output features
+    in_axis: int  # axis of the weight that contracts with the activations
+    bias_index: int | None  # Gemm's C input, when present
+
+    @property
+    def weight(self) -> np.ndarray:
+        return const_array(self.node.inputs[self.weight_index])  # type: ignore[return-value]
+
+    @property
+    def out_features(self) -> int:
+        return int(self.weight.shape[self.out_axis])
+
+
+def projection(graph: ir.Graph, name: str, const_weight: bool = True) -> Projection:
+    """The Projection for node `name`; RewriteRefused if it is not a MatMul/Gemm on a constant
+    (with `const_weight=False` the weight may be computed, e.g. a Transpose of the embedding)."""
+    node = find_node(graph, name)
+    if node.op_type == "MatMul" and node.domain in ("", "ai.onnx"):
+        w = const_array(node.inputs[1])
+        if w is None and not const_weight:
+            return Projection(node, 1, 1, 0, None)
+        if w is None or w.ndim != 2:
+            raise RewriteRefused(f"node {name!r}: MatMul whose weight is not a constant 2-D tensor")
+        return Projection(node, 1, 1, 0, None)
+    if node.op_type == "Gemm" and node.domain in ("", "ai.onnx"):
+        attrs = {k: a.value for k, a in node.attributes.items()}
+        if attrs.get("transA", 0):
+            raise RewriteRefused(f"node {name!r}: Gemm with transA=1 is not a projection")
+        if const_array(node.inputs[1]) is None and const_weight:
+            raise RewriteRefused(f"node {name!r}: Gemm whose weight is not a constant")
+        trans_b = bool(attrs.get("transB", 0))
+        bias = 2 if len(node.inputs) > 2 and node.inputs[2] is not None else None
+        return Projection(node, 1, 0 if trans_b else 1, 1 if trans_b else 0, bias)
+    raise RewriteRefused(f"node {name!r}: expected MatMul or Gemm, found {node.op_type}")
+
+
+def widen_outputs(graph: ir.Graph, proj: Projection, new_size: int, tag: str,
+                  columns: np.ndarray | None = None) -> None:
+    """Grow the projection's output features to `new_size` with zero weights (and zero bias).
+
+    `columns`, when given, is where each old output feature goes (length old, values < new);
+    otherwise the new features are appended at the end."""
+    w = proj.weight
+    set_const_input(graph, proj.node, proj.weight_index,
+                    _scatter(w, proj.out_axis, new_size, columns), f"{tag}.weight")
+    if proj.bias_index is not None:
+        b = const_array(proj.node.inputs[proj.bias_index])
+        if b is None:
+            raise RewriteRefused(f"node {proj.node.name!r}: Gemm bias is not a constant")
+        if b.ndim >= 1 and b.shape[-1] == w.shape[proj.out_axis]:
+            set_const_input(graph, proj.node, proj.bias_index,
+                            _scatter(b, -1, new_size, columns), f"{tag}.bias")
+        elif b.size != 1:
+            raise RewriteRefused(f"node {proj.node.name!r}: Gemm bias of shape {b.shape} "
+                                 "does not match its output features")
+    proj.node.outputs[0].shape = None
+
+
+def widen_inputs(graph: ir.Graph, proj: Projection, new_size: int, tag: str,
+                 rows: np.ndarray | None = None) -> None:
+    """Grow the projection's input features to `new_size` with zero weight rows."""
+    w = proj.weight
+    set_const_input(graph, proj.node, proj.weight_index,
+                    _scatter(w, proj.in_axis, new_size, rows), f"{tag}.weight")
+
+
+def _scatter(array: np.ndarray, axis: int, new_size: int, index: np.ndarray | None) -> np.ndarray:
+    """Place `array`'s entries along `axis` at `index` inside a zero array of `new_size`."""
+    if index is None:
+        return pad_axis(array, axis, new_size)
+    axis = axis % array.ndim
+    shape = list(array.shape)
+    shape[axis] = new_size
+    out = np.zeros(shape, dtype=array.dtype)
+    sel = [slice(None)] * array.ndim
+    sel[axis] = index
+    out[tuple(sel)] = array
+    return out
+
+
+def clear_shapes(values) -> None:
+    """Forget stale shape annotations of widened values (graph outputs keep theirs)."""
+    for v in values:
+        if v is not None and not v.is_graph_output() and v.const_value is None:
+            v.shape = None
+
+
+def remove_unused(model: ir.Model) -> None:
+    """Drop nodes and initializers nothing uses any more (the weights we replaced)."""
+    from onnx_ir.passes.common import RemoveUnusedNodesPass
+
+    RemoveUnusedNodesPass()(model)
+    graph = model.graph
+    for name in [n for n, v in graph.initializers.items() if not v.uses() and not v.is_graph_output()]:
+        graph.initializers.pop(name)
+
+
+def save_atomic(model: ir.Model, dst: str | os.PathLike) -> Path:
+    """Write `model` to `dst` so that `dst` is either the old file or the complete new one.
+
+    Writes into a temporary folder beside `dst`, then renames (atomic on one file system);
+    a failure or Ctrl-C leaves no half-written file. Large models get their weights in
+    `dst.name + ".data"` beside it (renamed first, so the .onnx never points at nothing)."""
+    dst = Path(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    big = sum(v.const_value.nbytes for v in model.graph.initializers.values()
+              if v.const_value is not None) > EXTERNAL_DATA_BYTES
+    data_name = dst.name + ".data"
+    with tempfile.TemporaryDirectory(dir=dst.parent, prefix=f".{dst.name}.") as tmp:
+        tmp_path = Path(tmp) / dst.name
+        if big:
+            ir.save(model, tmp_path, external_data=data_name)
+            os.replace(Path(tmp) / data_name, dst.parent / data_name)
+        else:
+            ir.save(model, tmp_path)
+        os.replace(tmp_path, dst)
+    return dst

@@ -1,0 +1,186 @@
+"""Head dim d -> d' > d, exactly.
+
+Per head, Q/K/V projections get zero output columns and the output projection zero input
+rows; from the projections to the attention core, every Reshape/Split/Slice/Expand constant
+that encodes d (or heads * d) moves with it (tuner.rewrite.axis carries the widened axis and
+refuses what it does not understand). Details that make it exact:
+
+- Full rotary (Llama): rotate_half pairs dim i with i + d/2, so each half of the head is
+  padded on its own (new dims at d/2.. and at d/2 + d'/2..), and the inverse-frequency table
+  (length d/2) grows to d'/2 with zeros: cos/sin tables then follow the same layout.
+- Partial rotary (GPT-NeoX): the rotated dims come first and keep their place; the padding
+  goes after the pass-through dims.
+- Fused QKV: GPT-2's [q | k | v] blocks and GPT-NeoX's per-head [q_h k_h v_h] are both
+  padded per head inside each block; grouped-query attention pads kv heads by their count.
+- The softmax scale stays 1/sqrt(d): a scale computed from the query's shape at run time
+  (TorchScript) is pinned to the constant it evaluated to; constant scales are kept.
+- Fused attention ops (ORT's Attention with its implicit scale) are refused.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from tuner.errors import RewriteRefused
+from tuner.graph.shape import AttentionSite, ModelShape
+from tuner.rewrite.axis import Track, Widen, identity
+from tuner.rewrite.common import (Projection, const_array, new_initializer, projection,
+                                  widen_inputs, widen_outputs)
+
+
+def per_half(d: int, new: int) -> tuple[int, ...]:
+    """Full-rotary layout: first half at 0.., second half at new/2.."""
+    half, nhalf = d // 2, new // 2
+    return tuple(list(range(half)) + [nhalf + i for i in range(half)])
+
+
+def _flat(pos_head: tuple[int, ...], heads: int, new: int, offset: int = 0) -> list[int]:
+    return [offset + h * new + p for h in range(heads) for p in pos_head]
+
+
+def _rank(widen: Widen, proj: Projection) -> int:
+    r = widen.rank(proj.node.outputs[0]) or widen.rank(proj.node.inputs[0])
+    if r is None:
+        raise RewriteRefused(f"node {proj.node.name!r}: rank of its output unknown")
+    return r
+
+
+def _neox_layout(proj: Projection, widen: Widen, d: int) -> bool:
+    """True when the fused projection is reshaped to (.., heads, 3d) (GPT-NeoX), False for
+    GPT-2's three [heads * d] blocks split apart."""
+    frontier = [proj.node.outputs[0]]
+    for _ in range(6):
+        nxt = []
+        for v in frontier:
+            for use in v.uses():
+                n = use.node
+                if n.op_type == "Reshape" and use.idx == 0:
+                    ents = widen.entries(n, 1)
+                    last = ents[-1].value if ents else None
+                    if last == 3 * d:
+                        return True
+                    if last == d:
+                        return False
+                if n.op_type in ("Split", "Slice"):
+                    return False
+                if n.op_type in ("Add", "Reshape", "Identity", "Cast"):
+                    nxt.extend(n.outputs)
+        frontier = nxt
+    return False
+
+
+def _seed_block(graph: ir.Graph, widen: Widen, site: AttentionSite, layer: int, d: int,
+                new: int, heads: int, kv: int, sinks: dict) -> None:
+    qk = per_half(d, new) if site.rotary == "full" else identity(d)
+    vv = identity(d)
+    tag = f"headdim{new}"
+    if site.qkv:
+        proj = projection(graph, site.qkv)
+        width = proj.out_features
+        kv_f = (width // d - heads) // 2
+        if (heads + 2 * kv_f) * d != width:
+            raise RewriteRefused(f"node {site.qkv!r}: {width} outputs are not (heads + 2 kv) * {d}")
+        if _neox_layout(proj, widen, d):
+            pos = [h * 3 * new + b * new + p for h in range(heads)
+                   for b, lay in enumerate((qk, qk, vv)) for p in lay]
+        else:
+            pos = (_flat(qk, heads, new) + _flat(qk, kv_f, new, heads * new)
+                   + _flat(vv, kv_f, new, (heads + kv_f) * new))
+        rank = _rank(widen, proj)
+        new_width = (heads + 2 * kv_f) * new
+        widen_outputs(graph, proj, new_width, tag, np.array(pos))
+        widen.seed(proj.node.outputs[0], Track(-1, rank, tuple(pos), new_width))
+    else:
+        for name, lay, n in ((site.q, qk, heads), (site.k, qk, kv), (site.v, vv, kv)):
+            proj = projection(graph, name)
+            n = proj.out_features // d
+            if n * d != proj.out_features:
+                raise RewriteRefused(f"node {name!r}: {proj.out_features} outputs are not heads * {d}")
+            pos = _flat(lay, n, new)
+            rank = _rank(widen, proj)
+            widen_outputs(graph, proj, n * new, tag, np.array(pos))
+            widen.seed(proj.node.outputs[0], Track(-1, rank, tuple(pos), n * new))
+    o = projection(graph, site.o)
+
+    def sink(node: ir.Node, tin: list) -> None:
+        t = tin[0]
+        if t is None or t.axis != -1 or t.old != int(o.weight.shape[o.in_axis]):
+            raise RewriteRefused(f"node {node.name!r}: the output projection does not receive "
+                                 "the widened heads")
+        widen_inputs(graph, o, t.new, tag, np.array(t.pos))
+        sinks[node.name] = True
+
+    widen.sinks[o.node] = sink
+    sinks.setdefault(o.node.name, False)
+
+
+def _seed_rotary(graph: ir.Graph, widen: Widen, d: int, new: int) -> int:
+    """Grow the inverse-frequency tables (d/2 long, found upstream of Cos/Sin) to new/2."""
+    half, seen, count = d // 2, set(), 0
+    for node in list(graph):
+        if node.op_type not in ("Cos", "Sin"):
+            continue
+        frontier = [node.inputs[0]]
+        for _ in range(12):
+            nxt = []
+            for v in frontier:
+                if v is None or v in seen:
+                    continue
+                seen.add(v)
+                c = const_array(v)
+                if c is not None:
+                    if c.dtype.kind == "f" and c.size > 1 and half in c.shape and v not in widen.tracks:
+                        axis = c.shape.index(half) - c.ndim
+                        t = Track(axis, c.ndim, identity(half), new // 2)
+                        from tuner.rewrite.axis import scatter
+
+                        padded = new_initializer(graph, f"{v.name or 'rotary'}.headdim{new}",
+                                                 scatter(c, axis, t))
+                        v.replace_all_uses_with(padded)
+                        widen.seed(padded, t)
+                        count += 1
+                    continue
+                p = v.producer()
+                if p is not None and p.op_type != "Shape":
+                    nxt.extend(i for i in p.inputs if i is not None)
+            frontier = nxt
+    return count
+
+
+def pad_head_dim(model: ir.Model, shape: ModelShape, new: int) -> int:
+    """Pad every attention block's head dim to `new`; returns the old head dim."""
+    from tuner.graph.dims import Dims
+
+    d = shape.head_dim
+    if not d:
+        raise RewriteRefused("inspect found no head dim to pad")
+    if new < d:
+        raise RewriteRefused(f"head dim is {d}; cannot pad to the smaller {new}")
+    if new == d:
+        return d
+    sites = [(i, layer.attention) for i, layer in enumerate(shape.sites.layers) if layer.attention]
+    if not sites:
+        raise RewriteRefused("no attention block found to pad")
+    for i, site in sites:
+        if site.fused_op:
+            raise RewriteRefused(f"layer {i}: fused attention op {site.fused_op} (its implicit "
+                                 "scale and packed layout are not rewritten); pad the unfused graph")
+        if site.rotary == "full" and (d % 2 or new % 2):
+            raise RewriteRefused(f"layer {i}: full rotary needs even head dims ({d} -> {new})")
+    dims = Dims(model)
+    dims.inferred()  # shapes of the original graph, before any edit
+    widen = Widen(model, dims, f"head dim {d}->{new}")
+    graph = model.graph
+    sinks: dict[str, bool] = {}
+    for i, site in sites:
+        _seed_block(graph, widen, site, i, d, new, shape.num_heads, shape.num_kv_heads, sinks)
+    if any(site.rotary == "full" for _, site in sites):
+        if not _seed_rotary(graph, widen, d, new):
+            raise RewriteRefused("full rotary, but no inverse-frequency table of length "
+                                 f"{d // 2} upstream of Cos/Sin")
+    widen.run()
+    missing = [name for name, hit in sinks.items() if not hit]
+    if missing:
+        raise RewriteRefused(f"the widened heads never reached output projection(s) {missing}")
+    return d
