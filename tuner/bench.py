@@ -214,14 +214,16 @@ class Progress:
     def advance(self, what: str) -> None: ...
 
 
-def _calibrated(call: Callable[[], object], min_sample_ms: float, max_reps: int = 1000):
+def _calibrated(call: Callable[[], object], once_ms: float | None, min_sample_ms: float,
+                max_reps: int = 1000):
     """`call` repeated so one sample lasts about `min_sample_ms` (a 0.3 ms run alone is all
-    timer noise and scheduler jitter); the returned callable's time is divided back per call
-    by `measure`. Returns (callable, reps)."""
-    t0 = time.perf_counter()
-    call()
-    once = (time.perf_counter() - t0) * 1e3
-    reps = max(1, min(max_reps, int(np.ceil(min_sample_ms / max(once, 1e-6)))))
+    timer noise and scheduler jitter); `measure` divides the time back per call. `once_ms`
+    is a warm run's time, if one was taken. Returns (callable, reps)."""
+    if once_ms is None:
+        t0 = time.perf_counter()
+        call()
+        once_ms = (time.perf_counter() - t0) * 1e3
+    reps = max(1, min(max_reps, int(np.ceil(min_sample_ms / max(once_ms, 1e-6)))))
     if reps == 1:
         return call, 1
 
@@ -261,11 +263,14 @@ def measure(targets: Sequence[Target], shapes: Sequence[Shape], feeds_for: Calla
     for s in todo:
         feeds = feeds_for(s)
         calls = [(lambda r=t.runner: r.infer(feeds)) for t in targets]
+        last: list[float | None] = [None] * len(targets)
         for i, t in enumerate(targets):
             for _ in range(warmup):
+                t0 = time.perf_counter()
                 calls[i]()
+                last[i] = (time.perf_counter() - t0) * 1e3
                 progress.advance(f"warm-up {t.name} at {s[0]}x{s[1]}")
-        timed = [_calibrated(c, min_sample_ms) for c in calls]
+        timed = [_calibrated(c, once, min_sample_ms) for c, once in zip(calls, last)]
         out = interleave([c for c, _ in timed], rounds, warmup=0, on_step=lambda r, i, s=s: progress.advance(
             f"{targets[i].name} at {s[0]}x{s[1]}, round {r + 1}/{rounds}"))
         out /= np.array([[reps] for _, reps in timed], dtype=np.float64)

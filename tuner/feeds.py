@@ -123,6 +123,8 @@ def load_npz(path: str | os.PathLike) -> dict[str, np.ndarray]:
     p = Path(path)
     if not p.is_file():
         raise BadInput(f"{p}: no such file")
+    if not zipfile.is_zipfile(p):  # np.load would take any other file for a pickle
+        raise BadInput(f"{p}: not a readable .npz file (not a zip archive)")
     try:
         with np.load(p, allow_pickle=False) as data:
             feed = {k: np.asarray(data[k]) for k in data.files}

@@ -27,10 +27,10 @@ class OptimizeConfig:
     backend: str = "ort-cpu"
     requests: Path | None = None
     max_seq: int | None = None
-    max_batch: int = 4
+    max_batch: int = 2
     rounds: int = 7
     warmup: int = 2
-    bucket_rounds: int = 3
+    bucket_rounds: int = 2
     margin: float = 0.03
     max_variants: int = 4
     max_buckets: int = 4

@@ -240,19 +240,40 @@ def _ort_timer(shape: GemmShape, threads: int, rng: np.random.Generator) -> Time
     return run
 
 
-def _torch_timer(shape: GemmShape, dtype: str) -> Timer:
+TORCH_DTYPES = ("fp16", "bf16", "fp32")
+
+
+def pool_elements(shapes: Iterable[GemmShape]) -> tuple[int, int]:
+    """Elements of the two buffers the GPU probe shares among all shapes: operands (A and B
+    side by side, never overlapping) and outputs. Memory is that of the largest GEMM, not
+    the sum, so a wide search fits on one GPU."""
+    shapes = list(shapes)
+    operands = max(s.batch * (s.m * s.k + s.k * s.n) for s in shapes)
+    return operands, max(s.batch * s.m * s.n for s in shapes)
+
+
+def _torch_pools(shapes: Iterable[GemmShape], dtype: str, seed: int):
     import torch
 
     dt = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
-    dev = torch.device("cuda")
+    n_in, n_out = pool_elements(shapes)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    # random operands: all-zero inputs run faster on GPUs (less switching power, higher clocks)
+    return (torch.randn(n_in, device="cuda", dtype=dt, generator=gen),
+            torch.empty(n_out, device="cuda", dtype=dt))
+
+
+def _torch_timer(shape: GemmShape, pools) -> Timer:
+    import torch
+
+    src, dst = pools
+    b, m, k, n = shape.batch, shape.m, shape.k, shape.n
+    x = src[:b * m * k]
+    w = src[b * m * k:b * (m * k + k * n)]
     if shape.linear:  # y = x @ W.T with W (n, k): nn.Linear's layout
-        x = torch.randn(shape.m, shape.k, device=dev, dtype=dt)
-        w = torch.randn(shape.n, shape.k, device=dev, dtype=dt).t()
-        y = torch.empty(shape.m, shape.n, device=dev, dtype=dt)
-    else:
-        x = torch.randn(shape.batch, shape.m, shape.k, device=dev, dtype=dt)
-        w = torch.randn(shape.batch, shape.k, shape.n, device=dev, dtype=dt)
-        y = torch.empty(shape.batch, shape.m, shape.n, device=dev, dtype=dt)
+        x, w, y = x.view(m, k), w.view(n, k).t(), dst[:m * n].view(m, n)
+    else:  # (b, m, k) @ (b, k, n)
+        x, w, y = x.view(b, m, k), w.view(b, k, n), dst[:b * m * n].view(b, m, n)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
     def run(reps: int) -> float:
@@ -297,7 +318,7 @@ def probe(shapes: Sequence[GemmShape], backend: str = "ort-cpu", rounds: int = 7
     reason = backend_unavailable(backend)
     if reason is not None:
         raise BadInput(f"probe backend {backend} cannot run here: {reason}")
-    if backend == "torch-cuda" and dtype not in ("fp16", "bf16", "fp32"):
+    if backend == "torch-cuda" and dtype not in TORCH_DTYPES:
         raise BadInput(f"dtype must be fp16, bf16 or fp32, not {dtype!r}")
     unique: dict[tuple, GemmShape] = {}
     for s in shapes:
@@ -312,10 +333,11 @@ def probe(shapes: Sequence[GemmShape], backend: str = "ort-cpu", rounds: int = 7
         device = device or DEVICES["cpu"]
         min_s = (min_sample_ms or 5.0) * 1e-3
     rng = np.random.default_rng(seed)
+    pools = _torch_pools(unique.values(), dtype, seed) if backend == "torch-cuda" else None
     timers: dict[tuple, tuple[Timer, int]] = {}
     for key, s in unique.items():
         tick(f"setting up {s.label or 'gemm'} {s.describe()}")
-        timer = _torch_timer(s, dtype) if backend == "torch-cuda" else _ort_timer(s, threads, rng)
+        timer = _torch_timer(s, pools) if pools is not None else _ort_timer(s, threads, rng)
         timers[key] = (timer, _calibrate(timer, max(1, warmup), min_s))
     samples: dict[tuple, list[float]] = {key: [] for key in unique}
     keys = list(unique)

@@ -41,7 +41,7 @@ def design(
     kv_heads: Optional[int] = typer.Option(None, "--kv-heads", help="Starting shape: kv heads (default: --heads)."),
     tolerance: float = typer.Option(0.05, "--tolerance", help="Parameter tolerance, 0.05 = +-5%."),
     max_candidates: int = typer.Option(24, "--max-candidates", help="Shapes measured besides the start."),
-    rounds: Optional[int] = typer.Option(None, "--rounds", help="Interleaved timing rounds (default 15)."),
+    rounds: Optional[int] = typer.Option(None, "--rounds", help="Interleaved timing rounds (default 15 on a GPU, 30 on the CPU)."),
     threads: int = typer.Option(0, "--threads", help="ONNX Runtime intra-op threads on the CPU (0: its default)."),
     json_out: bool = typer.Option(False, "--json", help="Print the ranking as JSON instead of the table."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),

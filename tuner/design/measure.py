@@ -21,7 +21,7 @@ import numpy as np
 from tuner.bench import Progress
 from tuner.design.candidates import Candidate
 from tuner.errors import BadInput
-from tuner.probe import BACKENDS, GemmResult, GemmShape, model_gemms, probe
+from tuner.probe import BACKENDS, GemmResult, GemmShape, model_gemms, pool_elements, probe
 
 CPU_MEMORY_LIMIT = 4 << 30  # bytes of operands the CPU probe may hold at once (a shared box)
 
@@ -85,7 +85,7 @@ class ShapeCost:
 
 
 def operand_bytes(shapes: list[GemmShape], element_bytes: int) -> int:
-    """Bytes of A, B and Y of every distinct GEMM: what the probe holds at once."""
+    """Bytes of A, B and Y of every distinct GEMM: what the CPU probe holds at once."""
     seen = {s.key: s for s in shapes}
     return element_bytes * sum(s.batch * (s.m * s.k + s.k * s.n + s.m * s.n) for s in seen.values())
 
@@ -93,11 +93,11 @@ def operand_bytes(shapes: list[GemmShape], element_bytes: int) -> int:
 def _memory_check(shapes: list[GemmShape], settings: MeasureSettings) -> None:
     if settings.backend == "ort-cpu":
         limit, need = CPU_MEMORY_LIMIT, operand_bytes(shapes, 4)
-    else:
+    else:  # the GPU probe shares two buffers among all shapes (tuner.probe.pool_elements)
         import torch
 
         limit = int(0.8 * torch.cuda.mem_get_info()[0])
-        need = operand_bytes(shapes, 4 if settings.dtype == "fp32" else 2)
+        need = sum(pool_elements(shapes)) * (4 if settings.dtype == "fp32" else 2)
     if need > limit:
         raise BadInput(f"the GEMMs of these candidates at batch {settings.batch} x seq "
                        f"{settings.seq} need {need / 2**30:.1f} GiB of operands, over the "

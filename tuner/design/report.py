@@ -106,7 +106,7 @@ def markdown(ranking: Ranking, meta: dict[str, Any], top: int) -> str:
     return "\n".join(out) + "\n"
 
 
-def plot(ranking: Ranking, path: Path) -> None:
+def plot(ranking: Ranking, path: Path, target: int | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -123,6 +123,8 @@ def plot(ranking: Ranking, path: Path) -> None:
                     color="crimson" if is_base else ("green" if r is ranking.best else "tab:blue"),
                     capsize=3, label=("baseline: " + r.name) if is_base else
                     ("best: " + r.name) if r is ranking.best else None)
+    if target:
+        ax.axvline(target / 1e6, color="grey", ls="--", lw=1, label="target")
     ax.set_xlabel("parameters (millions)")
     ax.set_ylabel("tokens / s (whole-model GEMMs; bars: interquartile range)")
     s = ranking.settings
@@ -148,5 +150,5 @@ def write(ranking: Ranking, out_dir: Path, meta: dict[str, Any], top: int) -> di
              "plot": out_dir / "design.png"}
     _atomic_write(paths["json"], json.dumps({**meta, **ranking.to_json()}, indent=2) + "\n")
     _atomic_write(paths["markdown"], markdown(ranking, meta, top))
-    plot(ranking, paths["plot"])
+    plot(ranking, paths["plot"], meta.get("target"))
     return paths

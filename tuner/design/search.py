@@ -23,7 +23,7 @@ from tuner.probe import backend_unavailable, gpu_facts
 DEFAULT_VOCAB = 50257
 # (batch, seq, rounds) per backend: the paper's setting on a GPU; on a CPU, small enough that a
 # 125M search finishes in well under 5 minutes on 2 shared cores.
-DEFAULTS = {"torch-cuda": (8, 2048, 15), "ort-cpu": (1, 128, 15)}
+DEFAULTS = {"torch-cuda": (8, 2048, 15), "ort-cpu": (1, 128, 30)}
 
 
 @dataclass(frozen=True)

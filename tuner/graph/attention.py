@@ -13,7 +13,6 @@ From the Q/K/V MatMuls back to their projections the walk passes only head plumb
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import onnx_ir as ir
@@ -51,12 +50,10 @@ def _follow(table: dict[str, tuple[int, ...] | None]):
 
 
 def _is_activation_matmul(node: ir.Node | None) -> bool:
+    """A MatMul of two activations (q @ k^T, probs @ v), not a projection onto a weight."""
     return (node is not None and op(node) == "MatMul"
-            and not is_const(node.inputs[0]) and not is_const(node.inputs[1]))
-
-
-def _other(node: ir.Node, v: ir.Value) -> list[ir.Value]:
-    return [i for i in node.inputs if i is not None and i is not v]
+            and not is_const(node.inputs[0]) and not is_const(node.inputs[1])
+            and as_linear(node) is None)
 
 
 def _forward(start: ir.Value, through: set[str], want, depth: int = 8):
@@ -175,12 +172,16 @@ def walk_projection(start: ir.Value, by_output: dict[int, Linear]) -> _Path:
 
 
 def _scores_matmul(softmax: ir.Node) -> tuple[ir.Node | None, list[ir.Node]]:
-    hits, walked = walk_back(softmax.inputs[0], _follow(_SCORES_PATH),
-                             lambda v: _is_activation_matmul(v.producer()), limit=40)
+    """The q @ k^T MatMul feeding `softmax`, and the nodes between them on the scores' own
+    path (a scale applied after the MatMul lives there; the mask's branch does not)."""
+    hits, _ = walk_back(softmax.inputs[0], _follow(_SCORES_PATH),
+                        lambda v: _is_activation_matmul(v.producer()), limit=40)
     nodes = {id(v.producer()): v.producer() for v in hits}
     if len(nodes) != 1:
-        return None, walked
-    return next(iter(nodes.values())), walked
+        return None, []
+    scores = next(iter(nodes.values()))
+    _, between = _forward(scores.outputs[0], set(_SCORES_PATH), lambda n, v: n is softmax)
+    return scores, between
 
 
 def _reshape_dims(path: _Path) -> tuple[int, int, ir.Node | None]:
@@ -330,7 +331,3 @@ def find_attention(graph: ir.Graph, lins: list[Linear], dims: Dims) -> list[Attn
             if m is not None:
                 found.append(m)
     return found
-
-
-def expected_scale(head_dim: int) -> float:
-    return 1.0 / math.sqrt(head_dim) if head_dim else float("nan")

@@ -5,6 +5,7 @@ read the same tensor, with widths h -> f -> h.
     x --up--> (B, S, f) --act--> --down--> (B, S, h)             GELU / ReLU MLPs
     x --gate--> act --.
     x --up-----------Mul--down-->                                SwiGLU / GeGLU
+    x --gate_up--> Split/Slice halves: act(gate) * up --down-->    Phi-3's fused gate_up
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 
 import onnx_ir as ir
 
-from tuner.graph.walk import MS, Linear, const_scalar, consumers, op, walk_back
+from tuner.graph.walk import MS, Linear, const_array, const_scalar, consumers, op, source, walk_back
 
 NONLINEAR = {"Tanh", "Erf", "Sigmoid", "Relu", "Gelu", "Elu", "Selu", "Softplus", "HardSigmoid",
              "HardSwish", "LeakyRelu", "Clip", "Exp", "Log", "Mish", "Softsign",
@@ -28,6 +29,7 @@ class FfnMatch:
     gate: Linear | None
     activation: str
     nodes: tuple[ir.Node, ...]  # the activation's nodes between up/gate and down
+    fused_gate_up: str | None = None  # "gate,up" / "up,gate" when one GEMM computes both
 
     @property
     def width(self) -> int:
@@ -36,7 +38,7 @@ class FfnMatch:
 
 def _follow(node: ir.Node):
     kind = op(node)
-    if kind in ("Reshape", "Cast", "Identity", "Pow", "Sqrt", "Neg") or kind in NONLINEAR:
+    if kind in ("Reshape", "Cast", "Identity", "Pow", "Sqrt", "Neg", "Slice", "Split") or kind in NONLINEAR:
         return (0,)
     if kind in ("Mul", "Add", "Sub", "Div") or kind.startswith(f"{MS}.Bias"):
         return range(len(node.inputs))
@@ -93,6 +95,8 @@ def match_ffn(down: Linear, by_output: dict[int, Linear]) -> FfnMatch | None:
             ups.append(lin)
     if not 1 <= len(ups) <= 2:
         return None
+    if len(ups) == 1 and ups[0].out_dim == 2 * down.in_dim and ups[0].in_dim == down.out_dim:
+        return _fused_gate_up(ups[0], down, tuple(walked))
     if any(u.out_dim != down.in_dim or u.in_dim != down.out_dim for u in ups):
         return None
     if len({id(u.node.inputs[0]) for u in ups}) != 1:
@@ -109,6 +113,29 @@ def match_ffn(down: Linear, by_output: dict[int, Linear]) -> FfnMatch | None:
     gate = gates[0]
     up = ups[1] if ups[0] is gate else ups[0]
     return FfnMatch(up, down, gate, classify_activation(nodes, True), nodes)
+
+
+def _fused_gate_up(lin: Linear, down: Linear, nodes: tuple[ir.Node, ...]) -> FfnMatch | None:
+    """One GEMM of width 2f whose halves are split: act(gate half) * up half -> down (Phi-3)."""
+    region = {id(n) for n in nodes}
+    halves: dict[int, ir.Value] = {}  # 0: first half of the features, 1: second
+    for n in nodes:
+        if source(n.inputs[0]) not in (lin.output, lin.node.outputs[0]):
+            continue
+        if op(n) == "Split" and len(n.outputs) == 2:
+            halves = {0: n.outputs[0], 1: n.outputs[1]}
+        elif op(n) == "Slice":
+            # TorchScript computes the second half's start from the shape: not 0 either way.
+            start = const_array(n.inputs[1])
+            first = start is not None and int(start.reshape(-1)[0]) == 0
+            halves[0 if first else 1] = n.outputs[0]
+    if len(halves) != 2 or not any(op(n) in NONLINEAR for n in nodes):
+        return None
+    gated = [i for i, v in halves.items() if _reaches_nonlinear(v, region)]
+    if len(gated) != 1:
+        return None
+    order = "gate,up" if gated[0] == 0 else "up,gate"
+    return FfnMatch(lin, down, lin, classify_activation(nodes, True), nodes, order)
 
 
 def find_ffns(all_linears: list[Linear]) -> list[FfnMatch]:

@@ -29,7 +29,8 @@ from tuner.graph.walk import Linear, linears
 
 def _ffn_site(m: FfnMatch) -> FfnSite:
     return FfnSite(up=m.up.node.name, down=m.down.node.name,
-                   gate=m.gate.node.name if m.gate else None, activation=m.activation)
+                   gate=m.gate.node.name if m.gate else None, activation=m.activation,
+                   fused_gate_up=m.fused_gate_up)
 
 
 def _hidden(emb: Embedding | None, ffns: list[FfnMatch], lins: list[Linear]) -> int:

@@ -115,7 +115,13 @@ def is_tied(head: Linear, embedding: Embedding | None, compare_bytes: bool = Tru
         h = h.T
     if h.dtype != e.dtype:
         return False
-    # A few rows first: untied heads differ at once, without reading all of a big table.
-    if not np.array_equal(h[:4], e[:4]):
-        return False
-    return bool(np.array_equal(h, e))
+    # Row blocks (a few rows first): untied heads differ at once, and a big table is compared
+    # without a full-size temporary.
+    step = 4
+    start = 0
+    while start < e.shape[0]:
+        if not np.array_equal(h[start:start + step], e[start:start + step]):
+            return False
+        start += step
+        step = 4096
+    return True

@@ -64,6 +64,9 @@ class FfnSite:
     down: str
     gate: str | None = None
     activation: str = "unknown"  # gelu, gelu_tanh, relu, silu, ...
+    # Set when one GEMM computes gate and up (Phi-3's gate_up_proj; then up == gate): the
+    # order of the two halves of its output features, "gate,up" or "up,gate".
+    fused_gate_up: str | None = None
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,8 @@ import numpy as np
 import onnx_ir as ir
 
 from tuner.errors import RewriteRefused
-from tuner.rewrite.common import const_array, set_const_input
-from tuner.rewrite.shapemath import ShapeMath, scalar
+from tuner.rewrite.common import const_array, original_const, set_const_input
+from tuner.rewrite.shapemath import ShapeMath, is_int, scalar
 
 ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Where", "Neg", "Cast", "Identity",
                "IsNaN", "Equal", "Sigmoid", "Tanh", "Relu", "Erf", "Cos", "Sin", "Abs", "Sqrt",
@@ -118,6 +118,10 @@ class Widen:
         s = self.dims.shape(v)
         return len(s) if s is not None else None
 
+    def _rank_any(self, v: ir.Value) -> int | None:
+        c = const_array(v)
+        return c.ndim if c is not None else self.rank(v)
+
     def _shape_of(self, v: ir.Value, mode: str) -> np.ndarray | None:
         s = self.dims.shape(v)
         t = self.tracks.get(v)
@@ -176,8 +180,8 @@ class Widen:
         for j, v in enumerate(node.inputs):
             if j in skip or v is None or const_array(v) is not None or v in self.tracks:
                 continue
-            if v.dtype is not None and not v.dtype.is_floating_point():
-                continue
+            if is_int(v) or (v.dtype is not None and not v.dtype.is_floating_point()):
+                continue  # integer shape math (sizes, bounds) follows the new shape on purpose
             old, new = scalar(self.math.eval(v, "old")), scalar(self.math.eval(v, "new"))
             if old is not None and new is not None and old != new:
                 dtype = v.dtype.numpy() if v.dtype is not None else np.float32
@@ -186,7 +190,9 @@ class Widen:
     # -- handlers: each returns one Track (or None) per output --------------------------------
     def _elementwise(self, node: ir.Node, tin: list) -> list:
         ref = next(t for t in tin if t is not None)
-        rank = max((t.rank for t in tin if t is not None), default=ref.rank)
+        ranks = [t.rank if t is not None else self._rank_any(v) for v, t in zip(node.inputs, tin)
+                 if v is not None]
+        rank = max(r for r in ranks if r is not None)  # numpy broadcasting: the widest operand
         for j, (v, t) in enumerate(zip(node.inputs, tin)):
             if v is None:
                 continue
@@ -273,7 +279,7 @@ class Widen:
 
     def _entries_of(self, node: ir.Node, index: int, depth: int) -> list[Entry] | None:
         v = node.inputs[index]
-        c = const_array(v)
+        c = original_const(v)
         if c is not None:
             ed = _Editable(self.graph, node, index, c)
             return [Entry(int(x), None, ed.setter(k)) for k, x in enumerate(c.reshape(-1))]
@@ -283,7 +289,7 @@ class Widen:
         if p.op_type == "Concat":
             out: list[Entry] = []
             for j, piece in enumerate(p.inputs):
-                pc = const_array(piece)
+                pc = original_const(piece)
                 if pc is not None:
                     ed = _Editable(self.graph, p, j, pc)
                     out.extend(Entry(int(x), None, ed.setter(k)) for k, x in enumerate(pc.reshape(-1)))
@@ -337,23 +343,25 @@ class Widen:
         if last.value is None and v_new is not None:
             if v_new == t.new:
                 return [t.moved(rank=r_out)]
-            if t.group and v_new == t.group * t.new:
-                return [self._merge(t, t.group, r_out)]
+            if v_new > t.new and v_new % t.new == 0 and r_out < t.rank:
+                return [self._merge(t, v_new // t.new, r_out)]
         if v_old == t.old and last.value is not None:
             last.setter(t.new)
             return [t.moved(rank=r_out)]
-        if v_old is not None and v_old > t.old and t.group and v_old == t.group * t.old:
+        if v_old is not None and v_old > t.old and v_old % t.old == 0 and r_out < t.rank:
+            # (.., heads, d) -> (.., heads * d): the heads count is what the target says
             if last.setter is not None:
-                last.setter(t.group * t.new)
-            return [self._merge(t, t.group, r_out)]
+                last.setter(v_old // t.old * t.new)
+            return [self._merge(t, v_old // t.old, r_out)]
         if v_old is not None and 0 < v_old < t.old and t.old % v_old == 0:
             return [self._split(node, ents, t, t.old // v_old, v_old, r_out)]
         if v_old in (None, -1, 0):
             before = self._entry_value(ents[-2], "old") if r_out >= 2 else None
             if r_out > t.rank and before and before > 0 and t.old % before == 0:
                 return [self._split(node, ents, t, before, t.old // before, r_out)]
-            if r_out < t.rank and t.group:
-                return [self._merge(t, t.group, r_out)]
+            heads = self.dims.static(node.inputs[0], -2) or t.group
+            if r_out < t.rank and heads:
+                return [self._merge(t, heads, r_out)]
             if r_out <= t.rank:
                 return [t.moved(rank=r_out)]
         raise self.refuse(node, f"cannot tell where the widened axis goes (target ends in {v_old})")

@@ -85,10 +85,28 @@ def new_initializer(graph: ir.Graph, base: str, array: np.ndarray) -> ir.Value:
 
 
 def set_const_input(graph: ir.Graph, node: ir.Node, index: int, array: np.ndarray, tag: str) -> ir.Value:
-    """Point input `index` of `node` at a new initializer holding `array` (copy on write)."""
+    """Point input `index` of `node` at a new initializer holding `array` (copy on write).
+
+    The replaced constant is remembered on the new value: exporters share shape-computing
+    nodes between layers, so a later layer may meet a constant an earlier one already moved
+    and must read what it said originally (`original_const`)."""
+    before = node.inputs[index]
+    original = original_const(before) if before is not None else None
     value = new_initializer(graph, f"{node.name}.{tag}", array)
+    if original is not None:
+        value.meta[ORIGINAL] = original
     node.replace_input_with(index, value)
     return value
+
+
+ORIGINAL = "shapetuner.original_const"
+
+
+def original_const(value: ir.Value | None) -> np.ndarray | None:
+    """The constant as the exported graph had it, before any rewrite replaced it."""
+    if value is not None and ORIGINAL in value.meta:
+        return value.meta[ORIGINAL]
+    return const_array(value)
 
 
 def pad_axis(array: np.ndarray, axis: int, new_size: int, fill: float = 0.0) -> np.ndarray:

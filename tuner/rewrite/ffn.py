@@ -18,7 +18,7 @@ import onnx_ir as ir
 
 from tuner.errors import RewriteRefused
 from tuner.graph.shape import FfnSite
-from tuner.rewrite.common import (Projection, clear_shapes, const_array, projection,
+from tuner.rewrite.common import (Projection, clear_shapes, const_array, original_const, projection,
                                   set_const_input, widen_inputs, widen_outputs)
 
 # Elementwise ops that map a finite 0 to a finite value: extra units stay harmless.
@@ -162,7 +162,7 @@ def _pad_operand(graph: ir.Graph, node: ir.Node, j: int, w: int, new_w: int) -> 
 def _fix_reshape(graph: ir.Graph, node: ir.Node, w: int, new_w: int) -> None:
     """A Reshape of the widened tensor: a constant last dim of w becomes new_w."""
     shape_in = node.inputs[1]
-    c = const_array(shape_in)
+    c = original_const(shape_in)
     if c is not None:
         if c[-1] == w:
             set_const_input(graph, node, 1, np.concatenate([c[:-1], [new_w]]).astype(c.dtype),
@@ -174,7 +174,7 @@ def _fix_reshape(graph: ir.Graph, node: ir.Node, w: int, new_w: int) -> None:
     producer = shape_in.producer() if shape_in is not None else None
     if producer is not None and producer.op_type == "Concat":
         last = producer.inputs[-1]
-        lc = const_array(last)
+        lc = original_const(last)
         if lc is not None and lc.size >= 1 and lc[-1] == w:
             set_const_input(graph, producer, len(producer.inputs) - 1,
                             np.concatenate([lc[:-1], [new_w]]).astype(lc.dtype), f"dim{new_w}")

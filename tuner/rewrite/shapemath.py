@@ -15,7 +15,7 @@ from typing import Callable
 import numpy as np
 import onnx_ir as ir
 
-from tuner.rewrite.common import const_array
+from tuner.rewrite.common import const_array, original_const
 
 # value -> its dims as floats (NaN unknown) in the given mode ("old" or "new"), or None
 ShapeOf = Callable[[ir.Value, str], "np.ndarray | None"]
@@ -44,7 +44,7 @@ class ShapeMath:
         return self.memo[key]
 
     def _eval(self, value: ir.Value, mode: str) -> np.ndarray | None:
-        c = const_array(value)
+        c = original_const(value) if mode == "old" else const_array(value)
         if c is not None:
             return c.astype(np.float64) if c.size <= _MAX_SIZE and c.dtype.kind in "biuf" else None
         node = value.producer()
@@ -100,7 +100,7 @@ class ShapeMath:
             if args[0] is None or args[1] is None:
                 return None
             a, b = args
-            integer = _is_int(ins[0])
+            integer = is_int(ins[0])
             if op == "Div":
                 return np.floor_divide(a, b) if integer else a / b
             return {"Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "Pow": np.power,
@@ -108,7 +108,7 @@ class ShapeMath:
         return None
 
 
-def _is_int(value: ir.Value | None) -> bool:
+def is_int(value: ir.Value | None) -> bool:
     """Integer-typed shape math divides with floor (torch's // on sizes)."""
     if value is None:
         return False
@@ -124,7 +124,7 @@ def _is_int(value: ir.Value | None) -> bool:
         return ir.DataType(node.attributes["to"].value).is_integer()
     if node.op_type in ("Shape", "Size"):
         return True
-    return any(_is_int(v) for v in node.inputs[:1])
+    return any(is_int(v) for v in node.inputs[:1])
 
 
 def scalar(arr: np.ndarray | None) -> float | None:

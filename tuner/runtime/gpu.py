@@ -172,12 +172,15 @@ def pick_profile(profiles: Sequence[Mapping[str, ShapeRange]],
 
 
 def model_files(model_path: Path) -> list[Path]:
-    """The .onnx file and the external-data files it names, in a stable order."""
+    """The .onnx file and the external-data files it names, in a stable order. The locations
+    are checked first (inside the model's folder, present, long enough): a crafted entry must
+    not make us read /dev/zero or a file elsewhere on the machine."""
     import onnx
 
-    proto = onnx.load(str(model_path), load_external_data=False)
-    from tuner.graph.load import _external_entries
+    from tuner.graph.load import _external_entries, check_external_data
 
+    proto = onnx.load(str(model_path), load_external_data=False)
+    check_external_data(proto, model_path.parent)
     locations = sorted({e.value for t in _external_entries(proto) for e in t.external_data
                         if e.key == "location"})
     return [model_path] + [model_path.parent / loc for loc in locations]

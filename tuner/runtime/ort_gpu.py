@@ -15,7 +15,8 @@ tolerances (the backend is registered with precision "fp16").
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -91,13 +92,17 @@ def make_session(model: Path, settings: SessionSettings, providers: list, expect
 
 
 class IoBindingRunner:
-    """Any GPU session through IO binding: inputs copied in once, outputs back once."""
+    """Any GPU session through IO binding: inputs copied in once, outputs back once.
+    `device` is ORT's device type for the outputs ("cuda"; "cpu" lets tests run the same code
+    on the CPU EP)."""
 
     def __init__(self, session, name: str, device_id: int = 0,
-                 info: dict[str, Any] | None = None, run_options=None) -> None:
+                 info: dict[str, Any] | None = None, run_options=None,
+                 device: str = "cuda") -> None:
         self.session = session
         self.name = name
         self.device_id = device_id
+        self.device = device
         self.output_names = [o.name for o in session.get_outputs()]
         self.info = dict(info or {})
         self._run_options = run_options
@@ -107,7 +112,7 @@ class IoBindingRunner:
         for name, arr in feeds.items():
             io.bind_cpu_input(name, np.ascontiguousarray(arr))
         for name in self.output_names:
-            io.bind_output(name, "cuda", self.device_id)
+            io.bind_output(name, self.device, self.device_id)
         io.synchronize_inputs()
         self.session.run_with_iobinding(io, self._run_options)
         io.synchronize_outputs()
@@ -118,15 +123,18 @@ class _Graph:
     """One captured bucket: device buffers at fixed addresses and the graph id replaying them."""
 
     def __init__(self, session, graph_id: int, feed: Mapping[str, np.ndarray],
-                 outputs: Mapping[str, tuple[tuple[int, ...], np.dtype]], device_id: int) -> None:
+                 outputs: Mapping[str, tuple[tuple[int, ...], np.dtype]], device_id: int,
+                 device: str = "cuda") -> None:
         import onnxruntime as ort
 
         self.session = session
+        self.device = device
         self.dtypes = {n: a.dtype for n, a in feed.items()}
-        self.inputs = {n: ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a), "cuda", device_id)
+        self.inputs = {n: ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a), device,
+                                                           device_id)
                        for n, a in feed.items()}
         self.outputs = {n: ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype.type,
-                                                                     "cuda", device_id)
+                                                                     device, device_id)
                         for n, (shape, dtype) in outputs.items()}
         self.io = session.io_binding()
         for n, v in self.inputs.items():
@@ -135,21 +143,27 @@ class _Graph:
             self.io.bind_ortvalue_output(n, v)
         self.run_options = ort.RunOptions()
         self.run_options.add_run_config_entry("gpu_graph_id", str(graph_id))
+        self.lock = threading.Lock()  # one set of buffers: one request at a time
 
     def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        for n, v in self.inputs.items():
-            v.update_inplace(np.ascontiguousarray(feeds[n], dtype=self.dtypes[n]))
-        self.io.synchronize_inputs()
-        self.session.run_with_iobinding(self.io, self.run_options)
-        self.io.synchronize_outputs()
-        return {n: v.numpy() for n, v in self.outputs.items()}
+        with self.lock:
+            # copied into the captured addresses; the buffers keep their shape and dtype
+            for n, v in self.inputs.items():
+                v.update_inplace(np.ascontiguousarray(feeds[n], dtype=self.dtypes[n]))
+            self.io.synchronize_inputs()
+            self.session.run_with_iobinding(self.io, self.run_options)
+            self.io.synchronize_outputs()
+            # on the CPU, numpy() views the bound buffer, which the next run overwrites
+            copy = self.device == "cpu"
+            return {n: np.array(v.numpy(), copy=copy) for n, v in self.outputs.items()}
 
 
 class CudaGraphRunner:
     """Replays one CUDA graph per bucket; other shapes run uncaptured (gpu_graph_id -1)."""
 
     def __init__(self, session, name: str, buckets: Sequence[tuple[int, int]],
-                 device_id: int = 0, info: dict[str, Any] | None = None) -> None:
+                 device_id: int = 0, info: dict[str, Any] | None = None,
+                 device: str = "cuda") -> None:
         import onnxruntime as ort
 
         self.session = session
@@ -157,7 +171,8 @@ class CudaGraphRunner:
         self.output_names = [o.name for o in session.get_outputs()]
         no_graph = ort.RunOptions()
         no_graph.add_run_config_entry("gpu_graph_id", "-1")  # -1: this run neither captures nor replays
-        self._plain = IoBindingRunner(session, name, device_id, run_options=no_graph)
+        self._plain = IoBindingRunner(session, name, device_id, run_options=no_graph,
+                                      device=device)
         specs = input_specs(session)
         self._graphs: dict[tuple, _Graph] = {}
         # ids from 1: ONNX Runtime reserves 0 for its own single-graph mode
@@ -165,7 +180,7 @@ class CudaGraphRunner:
             feed = dummy_feed(specs, b, s)
             first = self._plain.infer(feed)  # output shapes and dtypes, uncaptured
             outs = {n: (tuple(a.shape), a.dtype) for n, a in first.items()}
-            graph = _Graph(session, graph_id, feed, outs, device_id)
+            graph = _Graph(session, graph_id, feed, outs, device_id, device)
             for _ in range(WARMUP_RUNS):
                 graph.run(feed)
             self._graphs[_shape_key(feed)] = graph

@@ -18,6 +18,7 @@ Engine files are compiled code: load only artifacts you built or trust.
 from __future__ import annotations
 
 import functools
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -32,6 +33,7 @@ from tuner.runtime.gpu import (ShapeRange, atomic_write, cache_key, check_bucket
 TIMING_CACHE = "timing.cache"
 ENGINE_SUFFIX = ".engine"
 MAX_BUFFER_SETS = 32  # device buffers kept per distinct input shape
+DEFAULT_BUCKETS = ((8, 512),)  # the profile when the caller names no buckets
 
 
 @functools.lru_cache(maxsize=1)
@@ -134,6 +136,7 @@ class TrtRunner:
         self.context = engine.create_execution_context()
         self._profile = 0  # a new context starts on profile 0
         self._buffers: dict[tuple, dict[str, Any]] = {}
+        self._lock = threading.Lock()  # one context and its buffers: one request at a time
 
     def _buffers_for(self, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
         import onnxruntime as ort
@@ -159,6 +162,11 @@ class TrtRunner:
             raise BadInput(f"missing inputs {missing}; the engine takes {self.input_names}")
         shapes = {n: tuple(int(d) for d in np.shape(feeds[n])) for n in self.input_names}
         k = pick_profile(self.profiles, shapes)
+        with self._lock:
+            return self._run(k, shapes, feeds)
+
+    def _run(self, k: int, shapes: Mapping[str, tuple[int, ...]],
+             feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         if k != self._profile:
             if not self.context.set_optimization_profile_async(k, 0):
                 raise RuntimeError(f"TensorRT refused to switch to profile {k}")
@@ -190,9 +198,8 @@ def load_trt(model_path: Path, settings: SessionSettings,
 
     name = "trt-fp16" if fp16 else "trt"
     source = fp16_model(Path(model_path), cache_dir) if fp16 else Path(model_path)
-    buckets = check_buckets(shapes)
-    if not buckets:
-        raise BadInput(f"backend {name} needs the (batch, seq) buckets to build its profiles")
+    # without buckets (an accuracy check on a few small shapes): one profile up to the default
+    buckets = check_buckets(shapes) or list(DEFAULT_BUCKETS)
     profiles = profiles_for(input_specs(source), buckets)
     root = work_dir(cache_dir, "trt")
     path = engine_path(root, source, profiles, detect(device_id).name, trt.__version__)

@@ -1,0 +1,102 @@
+"""Shared by bench/serve_*.py: artifacts from the cached reference exports, `tuner serve` as a
+subprocess (the server must not share the client's Python interpreter and GIL), and request
+workloads."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from serving import protocol
+from serving._generated import inference_pb2 as pb
+from serving._generated import inference_pb2_grpc as pb_grpc
+from tuner.artifact import Accuracy, Buckets, Manifest, Variant, write_manifest
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL_NAME = "model"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_artifact(out: Path, model: Path, batch=(1, 4, 8, 16, 32), seq=(16, 32, 64, 128)) -> Path:
+    """An artifact whose selected variant is the original (what `tuner optimize` writes on a
+    CPU where no padding wins), with the given buckets."""
+    (out / "variants" / "original").mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(model, out / "variants" / "original" / "model.onnx")
+    variant = Variant("original", "variants/original/model.onnx", True, (), {},
+                      Accuracy(True, 0.0, 0.0))
+    sha = hashlib.sha256(model.read_bytes()).hexdigest()
+    write_manifest(out, Manifest(str(model), sha, {"name": "cpu", "kind": "cpu"}, "ort-cpu", {},
+                                 "original", Buckets(tuple(batch), tuple(seq)), (variant,)))
+    return out
+
+
+def wait_ready(port: int, proc: subprocess.Popen | None = None, timeout: float = 120,
+               model: str = MODEL_NAME) -> None:
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        while time.monotonic() < deadline:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode}")
+            try:
+                if stub.ModelReady(pb.ModelReadyRequest(name=model), timeout=2).ready:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+    raise TimeoutError(f"no ready model on port {port} after {timeout} s")
+
+
+def start_tuner(out: Path, port: int, *args: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "tuner", "serve", str(out), "--port", str(port),
+           "--metrics-port", "-1", "--model-name", MODEL_NAME, *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            cwd=ROOT)
+    wait_ready(port, proc)
+    return proc
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def feeds(length: int, vocab: int, rng: np.random.Generator, rows: int = 1) -> dict:
+    return {"input_ids": rng.integers(1, vocab, (rows, length)).astype(np.int64),
+            "attention_mask": np.ones((rows, length), np.int64)}
+
+
+def encoded(length: int, vocab: int, rng: np.random.Generator) -> pb.ModelInferRequest:
+    return protocol.encode_inputs(feeds(length, vocab, rng), MODEL_NAME)
+
+
+def lengths(n: int, low: int, high: int, seed: int = 0) -> list[int]:
+    """Request lengths, log-uniform in [low, high]: many short requests, a tail of long ones
+    (the shape of chat and search traffic)."""
+    rng = np.random.default_rng(seed)
+    return [int(x) for x in np.exp(rng.uniform(np.log(low), np.log(high + 1), n)).astype(int)]
+
+
+def load_note() -> str:
+    la = os.getloadavg()
+    return (f"load average {la[0]:.2f} {la[1]:.2f} {la[2]:.2f} on {os.cpu_count()} cores "
+            "(other work on the machine makes these numbers noisy)")
