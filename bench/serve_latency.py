@@ -13,13 +13,15 @@ per-round differences (server - direct), with the 25-75% range of those differen
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 from pathlib import Path
 
 import grpc
 import numpy as np
 
-from bench.serve_common import MODEL_NAME, encoded, free_port, load_note, make_artifact, \
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or with -m
+from serve_common import MODEL_NAME, encoded, free_port, load_note, make_artifact, \
     start_tuner, stop
 from serving import protocol
 from serving._generated import inference_pb2_grpc as pb_grpc

@@ -212,3 +212,46 @@ def test_named_gpu_without_one_exits_2(capsys):
 def test_from_an_encoder_is_bad_input(reference_model, capsys):
     assert main(["design", "--from", str(reference_model("bert")), "--quiet"]) == 2
     assert "no LM head" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(backend_unavailable("torch-cuda") is not None,
+                    reason=f"torch-cuda: {backend_unavailable('torch-cuda')}")
+def test_design_on_a_gpu_reports_waves(capsys):
+    """The paper's 2.7B case, cut down to seconds: the GPT-3 2.7B shape as the start."""
+    args = ["design", "--hidden", "2560", "--heads", "32", "--ffn-size", "10240", "--layers",
+            "32", "--device", "auto", "--batch", "1", "--seq", "512", "--rounds", "5",
+            "--quiet", "--json"]
+    assert main(args) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["backend"] == "torch-cuda" and data["baseline_kind"] == "start"
+    names = {s["name"] for s in data["shapes"]}
+    assert "L32-h2560-a20-f10240" in names
+    assert all("tiles" in g for s in data["shapes"] for g in s["gemms"])
+
+
+def test_explanations_in_the_papers_terms():
+    from tuner.design.explain import head_dim_note, waves_note
+    from tuner.design.report import markdown, verdict
+
+    assert "FlashAttention pads it to 96" in head_dim_note(80) and "ORT has fused" in head_dim_note(80)
+    assert "ORT has no fused kernel" in head_dim_note(96)
+    assert "power of two >= 64" in head_dim_note(128)
+    cands = enumerate_candidates(SearchSpace(count_params(PYTHIA_2_8B), (32,), 50257, NEOX),
+                                 PYTHIA_2_8B)[:2]
+    base = 100 + np.random.default_rng(1).normal(0, 3, 8)
+    costs = [_cost(cands, 0, base), _cost(cands, 1, base / 1.2)]
+    # GEMM results as a GPU run would give them: with waves on an H100
+    h100 = DEVICES["h100"]
+    from tuner.probe import batched_waves
+    gpu_costs = [ShapeCost(c.candidate, tuple(GemmResult(g.shape, "torch-cuda", h100.name,
+                                                         g.samples_ms, batched_waves(g.shape, h100))
+                                              for g in c.gemms), c.layer_ms, c.head_ms)
+                 for c in costs]
+    ranking = rank(gpu_costs, MeasureSettings(1, 16, rounds=8, backend="torch-cuda"), h100)
+    note = waves_note(ranking.best.cost, h100)
+    assert "tiles of 128x256" in note and "on 132 SMs" in note
+    assert any(n.startswith("vs baseline, per GEMM group") for n in ranking.best.notes)
+    assert verdict(ranking).startswith(f"best: {cands[1].name}, 1.200x")
+    md = markdown(ranking, {"target": count_params(PYTHIA_2_8B)}, top=1)
+    assert "CPU:" not in md and cands[0].name in md  # the baseline row is shown beyond --top

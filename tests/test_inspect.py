@@ -429,3 +429,27 @@ def test_external_data_model_inspects_the_same(reference_model, tmp_path):
     inside, outside = inspect_path(src), inspect_path(tmp_path / "model.onnx")
     assert outside.to_json() == inside.to_json()
     assert outside.sites.tied  # equal bytes read from the side file
+
+
+def test_int4_quantized_graph_is_read_from_matmulnbits_attributes(reference_model, tmp_path):
+    """ORT's block quantizer turns every projection into com.microsoft.MatMulNBits (K, N as
+    attributes, packed uint8 weights): dims come out the same, and the graph still runs."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    quantizer = MatMulNBitsQuantizer(onnx.load(str(reference_model("llama", "small", "torchscript"))),
+                                     block_size=32, is_symmetric=True)
+    quantizer.process()
+    path = tmp_path / "llama-int4.onnx"
+    quantizer.model.save_model_to_file(str(path), use_external_data_format=False)
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    ids = np.arange(8, dtype=np.int64).reshape(1, 8)
+    (logits,) = sess.run(None, {"input_ids": ids, "attention_mask": np.ones_like(ids)})
+    assert logits.shape == (1, 8, 1024)
+
+    found = inspect_path(path)
+    expect = spec("llama", "small").expect
+    assert {k: getattr(found, k) for k in expect} == expect
+    assert "com.microsoft.MatMulNBits" in found.fused_ops and not found.optimized
+    assert any(f.rule == "quantized-weights" for f in found.findings)
+    nodes = {n.name: n for n in load_model(path).graph}
+    assert nodes[found.sites.layers[0].ffn.down].op_type == "MatMulNBits"

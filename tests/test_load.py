@@ -110,3 +110,47 @@ def test_empty_file_is_refused(tmp_path):
     p.write_bytes(b"")
     with pytest.raises(BadInput):
         load_model(p)
+
+
+def test_model_local_functions_are_inlined(tmp_path):
+    """An FFN hidden in a model-local function becomes plain nodes that inspect can see."""
+    import onnxruntime as ort
+
+    from tuner.graph.ffn import find_ffns
+    from tuner.graph.inspect import inspect_path
+    from tuner.graph.walk import linears
+
+    fn = helper.make_function(
+        "local", "Mlp", ["x", "w_up", "w_down"], ["y"],
+        [helper.make_node("MatMul", ["x", "w_up"], ["u"]), helper.make_node("Relu", ["u"], ["a"]),
+         helper.make_node("MatMul", ["a", "w_down"], ["d"]), helper.make_node("Add", ["x", "d"], ["y"])],
+        [helper.make_opsetid("", 17)])
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal(s).astype(np.float32), n)
+             for n, s in (("up", (32, 96)), ("down", (96, 32)))]
+    graph = helper.make_graph(
+        [helper.make_node("Mlp", ["x", "up", "down"], ["y"], domain="local")], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 32])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 32])], inits)
+    model = helper.make_model(graph, functions=[fn], opset_imports=[
+        helper.make_opsetid("", 17), helper.make_opsetid("local", 1)])
+    model.ir_version = 10
+    path = tmp_path / "fn.onnx"
+    onnx.save(model, str(path))
+    x = np.ones((2, 32), np.float32)
+    expected = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+
+    loaded = load_model(path)
+    assert not loaded.functions
+    assert [n.op_type for n in loaded.graph] == ["MatMul", "Relu", "MatMul", "Add"]
+    flat = tmp_path / "flat.onnx"
+    import onnx_ir as ir
+
+    ir.save(loaded, str(flat))
+    got = ort.InferenceSession(str(flat), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
+    (ffn,) = find_ffns(linears(loaded.graph))
+    assert (ffn.width, ffn.down.out_dim, ffn.activation) == (96, 32, "relu")
+    # An MLP is no transformer: inspect refuses it, naming what it did find.
+    with pytest.raises(BadInput, match="1 feed-forward blocks but no attention"):
+        inspect_path(path)

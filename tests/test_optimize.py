@@ -99,9 +99,11 @@ def test_interrupted_run_leaves_nothing_and_resumes_from_cache(reference_model, 
     src = reference_model("gpt2", "small")
     cache, out = tmp_path / "cache", tmp_path / "out"
     args = [str(src), "-o", str(out), "--cache-dir", str(cache), "--max-seq", "64",
-            "--max-batch", "2", "--rounds", "25", "--warmup", "1", "--bucket-rounds", "1",
-            "--no-fuse", "--max-variants", "2", "--quiet"]
-    proc = subprocess.Popen([sys.executable, "-m", "tuner", "optimize", *args],
+            "--max-batch", "2", "--rounds", "6", "--warmup", "1", "--no-fuse", "--max-variants",
+            "2", "--quiet"]
+    # the bucket grid is made slow (500 rounds of >= 20 ms a shape): the kill lands in it,
+    # after the comparison of variants has reached the cache
+    proc = subprocess.Popen([sys.executable, "-m", "tuner", "optimize", *args, "--bucket-rounds", "500"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     cache_file = cache / "bench-cache.json"
     deadline = time.time() + 240
@@ -118,7 +120,7 @@ def test_interrupted_run_leaves_nothing_and_resumes_from_cache(reference_model, 
     stored = json.loads(cache_file.read_text())["entries"]
     assert len(stored) >= 2  # one shape, every variant
 
-    code, _, err = _run(args, capsys)
+    code, _, err = _run([*args, "--bucket-rounds", "1"], capsys)
     assert code == 0, err
     m = read_manifest(out)
     assert any("taken from the results cache" in n for n in m.notes), m.notes

@@ -12,7 +12,7 @@ from tuner.design.params import FAMILIES, DesignShape, layer_params
 from tuner.errors import BadInput
 from tuner.hardware import DEVICES
 from tuner.probe import (IR_VERSION, GemmShape, backend_unavailable, batched_waves, gemm_model,
-                         model_gemms, probe, steps)
+                         model_gemms, pool_elements, pool_views, probe, steps)
 
 GPU_REASON = backend_unavailable("torch-cuda")
 
@@ -126,3 +126,23 @@ def test_torch_cuda_probe_on_a_gpu():
     results = probe(shapes, "torch-cuda", rounds=3, warmup=2)
     assert all(r.waves is not None and r.waves.tiles > 0 for r in results)
     assert results[0].tflops > 1  # any tensor-core GPU does over 1 TFLOP/s at this size
+
+
+@pytest.mark.parametrize("shape", [GemmShape(6, 5, 7, label="lin"),
+                                   GemmShape(4, 3, 5, batch=3, label="bmm", linear=False)])
+def test_gpu_pool_views_are_disjoint_operands_that_multiply(shape):
+    """The GPU probe's shared buffers, exercised with CPU tensors: A and B never overlap, and
+    torch.matmul(A, B, out=Y) is the GEMM of the shape (the same call the timer makes)."""
+    torch = pytest.importorskip("torch")
+    others = [GemmShape(2, 2, 2), GemmShape(8, 8, 8, batch=2, linear=False)]
+    n_in, n_out = pool_elements([shape] + others)
+    src = torch.randn(n_in, dtype=torch.float64)
+    dst = torch.full((n_out,), float("nan"), dtype=torch.float64)
+    a, b, y = pool_views(shape, src, dst)
+    lead = (shape.batch,) if not shape.linear else ()
+    assert a.shape == (*lead, shape.m, shape.k) and b.shape == (*lead, shape.k, shape.n)
+    end_a = a.storage_offset() + a.numel()
+    assert b.storage_offset() >= end_a  # B starts after A ends (a transposed view keeps its offset)
+    torch.matmul(a, b, out=y)
+    assert torch.allclose(y, a.clone() @ b.clone())
+    assert y.data_ptr() == dst.data_ptr()  # written in place into the shared output buffer

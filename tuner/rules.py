@@ -117,14 +117,26 @@ def _waves(shape: ModelShape, dev: DeviceFacts, tokens: int) -> list[Finding]:
     return out
 
 
+QUANTIZED_OPS = ("MatMulNBits", "DynamicQuantizeMatMul", "MatMulIntegerToFloat",
+                 "MatMulInteger", "QLinearMatMul")
+
+
 def _fused(shape: ModelShape) -> list[Finding]:
-    if not shape.fused_ops:
-        return []
-    who = "ONNX Runtime's optimizer" if shape.optimized else "the exporter"
-    return [Finding("already-fused", "info",
-                    f"graph already fused by {who} ({', '.join(shape.fused_ops)}): run the tuner "
-                    "on the unfused export for padding rewrites; fused attention ops default their "
-                    "scale to 1/sqrt(head size), so head padding must write it explicitly")]
+    quantized = [k for k in shape.fused_ops if k.rsplit(".", 1)[-1] in QUANTIZED_OPS]
+    fused = [k for k in shape.fused_ops if k not in quantized]
+    out = []
+    if fused:
+        who = "ONNX Runtime's optimizer" if shape.optimized else "the exporter"
+        out.append(Finding("already-fused", "info",
+                           f"graph already fused by {who} ({', '.join(fused)}): run the tuner on "
+                           "the unfused export for padding rewrites; fused attention ops default "
+                           "their scale to 1/sqrt(head size), so head padding must write it "
+                           "explicitly"))
+    if quantized:
+        out.append(Finding("quantized-weights", "info",
+                           f"weights are quantized ({', '.join(quantized)}): pad the float model, "
+                           "then quantize; padded zero blocks quantize to exact zeros"))
+    return out
 
 
 def audit(shape: ModelShape, device_facts: DeviceFacts, tokens: int) -> tuple[Finding, ...]:

@@ -133,7 +133,11 @@ def resolve_device(device: str) -> tuple[str, DeviceFacts]:
     reason = backend_unavailable("torch-cuda")
     if reason:
         raise BadInput(f"device {device} needs a CUDA GPU: {reason}")
-    return "torch-cuda", gpu_facts() if name == "gpu" else DEVICES[name]
+    here = gpu_facts()
+    if name != "gpu" and here.name != DEVICES[name].name:  # measured here, labelled there: no
+        raise BadInput(f"--device {device}, but this machine's GPU is {here.name}: the probe "
+                       f"measures the GPU it runs on; use --device auto or gpu")
+    return "torch-cuda", here
 
 
 def plan(req: DesignRequest):

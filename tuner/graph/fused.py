@@ -18,6 +18,9 @@ from tuner.graph.dims import Dims
 from tuner.graph.shape import AttentionSite, ScaleSite
 from tuner.graph.walk import MS, Linear, const_shape, consumers, op, source
 
+# Weight-quantized GEMMs: listed with the fused ops, but not a sign of the transformer optimizer.
+QUANTIZED = {f"{MS}.MatMulNBits", f"{MS}.DynamicQuantizeMatMul", f"{MS}.MatMulIntegerToFloat",
+             "MatMulInteger", "QLinearMatMul"}
 # Standard-domain fused ops (ONNX opset 23) that torch's dynamo exporter may emit.
 STANDARD_FUSED = {"Attention", "RotaryEmbedding", "RMSNormalization"}
 FUSED_ATTENTION = {f"{MS}.Attention", f"{MS}.MultiHeadAttention", f"{MS}.GroupQueryAttention",
@@ -35,7 +38,8 @@ class Fusion:
 
 
 def scan(graph: ir.Graph) -> Fusion:
-    kinds = sorted({op(n) for n in graph if n.domain == MS or op(n) in STANDARD_FUSED})
+    kinds = sorted({op(n) for n in graph
+                    if n.domain == MS or op(n) in STANDARD_FUSED or op(n) in QUANTIZED})
     embedding = None
     hidden = 0
     for n in graph:

@@ -54,7 +54,7 @@ def inspect_model(model: ir.Model, device: str = "cpu", tokens: int = 4096) -> M
     """Dimensions, sites and findings of a loaded model (see tuner.graph.load.load_model).
     Nodes without a unique name are named first (in place), as load_model does.
 
-    Raises BadInput when the graph is not a transformer (no attention and no FFN found)."""
+    Raises BadInput when the graph is not a transformer (no attention block found)."""
     from tuner.hardware import device_facts
     from tuner.rules import audit
 
@@ -69,9 +69,10 @@ def inspect_model(model: ir.Model, device: str = "cpu", tokens: int = 4096) -> M
     dims = Dims(model)
     attns = attn_mod.find_attention(graph, lins, dims) + fused.attention_blocks(graph, lins, dims)
     attns.sort(key=lambda a: a.order)
-    if not attns and not ffns:
-        raise BadInput("no transformer found in the graph: no attention (Softmax between two "
-                       "activation MatMuls, or a fused Attention op) and no feed-forward block")
+    if not attns:
+        what = f"{len(ffns)} feed-forward blocks but " if ffns else ""
+        raise BadInput(f"no transformer found in the graph: {what}no attention (a Softmax between "
+                       "two activation MatMuls, or a fused Attention op)")
     taken = {id(lin.node) for f in ffns for lin in (f.up, f.down, f.gate) if lin is not None}
     taken |= {id(n) for a in attns for n in a.projection_nodes}
     hidden = _hidden(emb, ffns, lins) or fusion.hidden or 0
@@ -99,7 +100,8 @@ def inspect_model(model: ir.Model, device: str = "cpu", tokens: int = 4096) -> M
         vocab_size=head.out_dim if head is not None else None,
         activation=activation,
         kind="decoder" if head is not None else "encoder",
-        optimized=any(k.startswith(f"{fused.MS}.") for k in fusion.fused_ops),
+        optimized=any(k.startswith(f"{fused.MS}.") and k not in fused.QUANTIZED
+                      for k in fusion.fused_ops),
         fused_ops=fusion.fused_ops,
         sites=Sites(
             layers=layers,

@@ -16,6 +16,7 @@ from pathlib import Path
 import onnx
 import onnx_ir as ir
 from google.protobuf.message import DecodeError
+from onnx_ir.passes.common.inliner import InlinePass
 from onnx_ir.passes.common.naming import NameFixPass, SimpleNameGenerator
 
 from tuner.errors import BadInput
@@ -101,12 +102,17 @@ def read_proto(path: str | os.PathLike) -> onnx.ModelProto:
 
 
 def load_model(path: str | os.PathLike) -> ir.Model:
-    """The checked model as onnx_ir, with external data resolved lazily beside the file."""
+    """The checked model as onnx_ir, with external data resolved lazily beside the file,
+    model-local functions inlined and every node uniquely named."""
     p = Path(path)
     proto = read_proto(p)
     check_external_data(proto, p.parent)
     model = ir.serde.deserialize_model(proto)
     ir.external_data.set_base_dir(model.graph, str(p.parent.resolve()))
+    if model.functions:
+        # Model-local functions hide their bodies from structural detection (STYLE.md):
+        # inline them here, so that inspect and every rewrite see the same flat graph.
+        InlinePass()(model)
     name_nodes(model)
     return model
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable
 
 import numpy as np
 import onnx_ir as ir
@@ -84,7 +84,7 @@ def consumers(v: ir.Value) -> list[ir.Node]:
 
 @dataclass(frozen=True)
 class Linear:
-    """A MatMul/Gemm of an activation with a 2-D constant weight. `weight` is the value that
+    """A MatMul/Gemm of an activation with a 2-D constant weight (or ORT's MatMulNBits). `weight` is the value that
     holds the stored tensor (the initializer; behind an exporter's Transpose when
     `transposed`); in_dim/out_dim are the GEMM's K and N whatever the storage order."""
 
@@ -166,6 +166,16 @@ def as_linear(node: ir.Node) -> Linear | None:
             if found:
                 return Linear(node, value, k, n, transposed, *found)
         return Linear(node, value, k, n, transposed, bias)
+    if kind == f"{MS}.MatMulNBits":
+        # Block-quantized weight (ORT's int4/int8 GEMM): K and N are attributes; the packed
+        # weight is stored N-major, (N, blocks, blob bytes).
+        attrs = node.attributes
+        if attrs.get("K") is None or attrs.get("N") is None or not is_const(node.inputs[1]):
+            return None
+        k, n = int(attrs["K"].value), int(attrs["N"].value)
+        bias = source(node.inputs[5]) if len(node.inputs) > 5 and node.inputs[5] is not None else None
+        found = None if bias is not None else _bias_add(node.outputs[0], n)
+        return Linear(node, source(node.inputs[1]), k, n, True, *(found or (bias, None)))  # type: ignore[arg-type]
     return None
 
 
@@ -213,40 +223,3 @@ def walk_back(start: ir.Value, follow: Callable[[ir.Node], Iterable[int] | None]
             if i < len(node.inputs) and node.inputs[i] is not None:
                 queue.append(node.inputs[i])
     return hits, walked
-
-
-def follow_data(extra: dict[str, tuple[int, ...] | None] | None = None
-                ) -> Callable[[ir.Node], Iterable[int] | None]:
-    table = dict(DATA_INPUTS, **(extra or {}))
-
-    def follow(node: ir.Node) -> Iterable[int] | None:
-        kind = op(node)
-        if kind not in table:
-            return None
-        positions = table[kind]
-        return range(len(node.inputs)) if positions is None else positions
-
-    return follow
-
-
-def ancestors_ops(v: ir.Value, depth: int = 12) -> set[str]:
-    """The op types within `depth` producers of `v` (any input), to tell what a value is made of."""
-    found: set[str] = set()
-    frontier = [v]
-    seen: set[int] = set()
-    for _ in range(depth):
-        nxt: list[ir.Value] = []
-        for value in frontier:
-            node = value.producer()
-            if node is None or id(node) in seen:
-                continue
-            seen.add(id(node))
-            found.add(op(node))
-            nxt.extend(i for i in node.inputs if i is not None)
-        frontier = nxt
-    return found
-
-
-def iter_all_nodes(graph: ir.Graph) -> Iterator[ir.Node]:
-    """Nodes of the graph and of its subgraphs."""
-    return ir.traversal.RecursiveGraphIterator(graph)

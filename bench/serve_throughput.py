@@ -1,0 +1,182 @@
+"""Throughput with 32 concurrent clients: `tuner serve` with dynamic batching on and off,
+against MLServer 1.7 serving the same ONNX model through a minimal onnxruntime runtime
+(bench/mlserver_ort_runtime.py). Goal: at least 1.5x MLServer.
+
+    .venv/bin/python bench/serve_throughput.py [--model minilm] [--seconds 10] [--rounds 3]
+        [--mlserver /tmp/mlserver-venv/bin/mlserver]
+
+Every server runs in its own process; the client (this process) drives each with 32
+concurrent gRPC calls (grpc.aio, KServe v2 ModelInfer, raw tensors, batch 1 each) for a
+fixed time. Request lengths are log-uniform in [8, 128] tokens (many short requests, a long
+tail). Measurement windows are interleaved across servers in rounds (A B C D, B C D A, ...)
+so that load from other work on the machine hits them alike; the table gives the median
+requests/s over rounds with min-max, the ratio to MLServer, latency percentiles, and errors.
+
+MLServer runs from its own venv (install: python3 -m venv /tmp/mlserver-venv &&
+/tmp/mlserver-venv/bin/pip install "mlserver==1.7.*" onnxruntime "uvloop<0.22"; MLServer 1.7
+starts no inference worker with uvloop 0.22 or newer); without it those rows
+are skipped with a line that says so. Its adaptive batching is measured too: it stacks
+requests along the batch axis, which fails for requests of different lengths (the errors
+column shows how often).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or with -m
+from serve_common import (MODEL_NAME, ROOT, encoded, free_port, lengths, load_note,
+                                make_artifact, start_tuner, stop, wait_ready)
+from serving._generated import inference_pb2 as pb
+from serving._generated import inference_pb2_grpc as pb_grpc
+
+MODELS = {"bert": ("bert", "small", 1000), "minilm": ("minilm", "real", 30522)}
+CONCURRENCY = 32
+
+
+@dataclass
+class Window:
+    seconds: float = 0.0
+    ok: int = 0
+    errors: int = 0
+    latencies_ms: list[float] = field(default_factory=list)
+    first_error: str = ""
+
+
+async def _drive(port: int, requests: list[pb.ModelInferRequest], seconds: float) -> Window:
+    window = Window()
+    opts = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=opts) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        start = time.perf_counter()
+        stop_at = start + seconds
+
+        async def worker(k: int) -> None:
+            i = k
+            while time.perf_counter() < stop_at:
+                t0 = time.perf_counter()
+                try:
+                    await stub.ModelInfer(requests[i % len(requests)], timeout=60)
+                    window.ok += 1
+                    window.latencies_ms.append((time.perf_counter() - t0) * 1e3)
+                except grpc.aio.AioRpcError as e:
+                    window.errors += 1
+                    window.first_error = window.first_error or f"{e.code().name}: {e.details()}"[:160]
+                i += CONCURRENCY
+
+        await asyncio.gather(*(worker(k) for k in range(CONCURRENCY)))
+        window.seconds = time.perf_counter() - start
+    return window
+
+
+def _start_mlserver(binary: str, model: Path, tmp: Path, batching: bool) -> tuple:
+    d = tmp / ("mlserver-batching" if batching else "mlserver")
+    (d / MODEL_NAME).mkdir(parents=True)
+    grpc_port, http_port, metrics_port = free_port(), free_port(), free_port()
+    (d / "settings.json").write_text(json.dumps({
+        "debug": False, "grpc_port": grpc_port, "http_port": http_port,
+        "metrics_port": metrics_port, "load_models_at_startup": True}))
+    settings = {"name": MODEL_NAME, "implementation": "mlserver_ort_runtime.OrtRuntime",
+                "parameters": {"uri": str(model)}}
+    if batching:
+        settings.update(max_batch_size=CONCURRENCY, max_batch_time=0.002)
+    (d / MODEL_NAME / "model-settings.json").write_text(json.dumps(settings))
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "bench")}
+    proc = subprocess.Popen([binary, "start", str(d)], env=env, cwd=d,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_ready(grpc_port, proc, timeout=180)
+    return proc, grpc_port
+
+
+def main() -> int:
+    from models.build import cached
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="minilm", choices=sorted(MODELS))
+    ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--mlserver", default="/tmp/mlserver-venv/bin/mlserver")
+    args = ap.parse_args()
+    family, shape, vocab = MODELS[args.model]
+    model = cached(family, shape, "torchscript")
+    rng = np.random.default_rng(0)
+    requests = [encoded(n, vocab, rng) for n in lengths(512, 8, 128)]
+    print(load_note())
+    print(f"model {family}-{shape} ({model.name}), {CONCURRENCY} concurrent clients, batch 1 "
+          f"per request, lengths log-uniform in [8, 128], {args.rounds} rounds x "
+          f"{args.seconds:g} s per server")
+    servers: dict[str, tuple] = {}
+    with tempfile.TemporaryDirectory() as tmp_dir:
+        tmp = Path(tmp_dir)
+        out = make_artifact(tmp / "art", model, batch=(1, 4, 8, 16, 32), seq=(16, 32, 64, 128))
+        try:
+            for label, extra in (("tuner serve, batching on", ("--max-batch", "32")),
+                                 ("tuner serve, batching off", ("--max-batch", "1"))):
+                port = free_port()
+                servers[label] = (start_tuner(out, port, *extra), port)
+            if shutil.which(args.mlserver) or Path(args.mlserver).exists():
+                for batching in (False, True):
+                    label = "MLServer 1.7" + (", adaptive batching" if batching else "")
+                    servers[label] = _start_mlserver(args.mlserver, model, tmp, batching)
+            else:
+                print(f"skipped MLServer: {args.mlserver} not found (see this script's "
+                      "docstring to install it)")
+            results = _measure(servers, requests, args.seconds, args.rounds)
+        finally:
+            for proc, _ in servers.values():
+                stop(proc)
+    _print(results)
+    print(load_note())
+    return 0
+
+
+def _measure(servers: dict, requests: list, seconds: float, rounds: int) -> dict:
+    labels = list(servers)
+    for label in labels:  # warm-up: sessions, thread pools, connections
+        asyncio.run(_drive(servers[label][1], requests, 1.0))
+    results: dict[str, list[Window]] = {label: [] for label in labels}
+    for r in range(rounds):
+        for j in range(len(labels)):
+            label = labels[(r + j) % len(labels)]
+            w = asyncio.run(_drive(servers[label][1], requests, seconds))
+            results[label].append(w)
+            print(f"  round {r + 1} {label}: {w.ok / w.seconds:.1f} req/s, {w.errors} errors",
+                  flush=True)
+    return results
+
+
+def _print(results: dict) -> None:
+    base = next((k for k in results if k == "MLServer 1.7"), None)
+    base_rps = (np.median([w.ok / w.seconds for w in results[base]]) if base else None)
+    print(f"\n{'server':34s} {'req/s':>8s} {'min-max':>15s} {'vs MLServer':>12s} "
+          f"{'p50 ms':>8s} {'p90 ms':>8s} {'p99 ms':>8s} {'errors':>8s}")
+    for label, windows in results.items():
+        rps = [w.ok / w.seconds for w in windows]
+        lat = np.concatenate([w.latencies_ms for w in windows]) if any(
+            w.latencies_ms for w in windows) else np.array([np.nan])
+        total = sum(w.ok + w.errors for w in windows)
+        errors = sum(w.errors for w in windows)
+        ratio = f"{np.median(rps) / base_rps:.2f}x" if base_rps else "-"
+        p50, p90, p99 = np.percentile(lat, [50, 90, 99])
+        print(f"{label:34s} {np.median(rps):8.1f} {min(rps):7.1f}-{max(rps):<7.1f} {ratio:>12s} "
+              f"{p50:8.1f} {p90:8.1f} {p99:8.1f} {errors / max(total, 1):8.1%}")
+        first = next((w.first_error for w in windows if w.first_error), "")
+        if first:
+            print(f"{'':34s} first error: {first}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
