@@ -57,31 +57,32 @@ def test_full_rotary_pads_each_half(reference_model, tmp_path):
     assert not new[..., 40:48].any() and not new[..., 88:].any()
 
 
+def _const_slot(node: ir.Node) -> int:
+    return next(i for i, v in enumerate(node.inputs) if const_array(v) is not None)
+
+
 def _with_computed_scale(src, dst):
     """The reference export, its constant scale replaced by TorchScript's older run-time form:
     sqrt(1 / sqrt(q.shape[-1])) from the query's own shape, multiplied into q and k."""
     model = load_model(src)
     graph = model.graph
     idx = new_initializer(graph, "scale_idx", np.array(-1, dtype=np.int64))
-    scale_nodes = [name for layer in inspect_model(model).sites.layers
-                   for name in layer.attention.scale.nodes]
-    query = None
-    for name in scale_nodes:
-        node = find_node(graph, name)
-        j = next(i for i, v in enumerate(node.inputs) if const_array(v) is not None)
-        if query is None or name.endswith(("Mul_8", "Mul")):  # q's Mul comes first per layer
-            query = node.inputs[1 - j]  # (B, heads, S, d): its last dim is d
-        data = query
-        chain = [ir.node("Shape", [data]), None, None, None, None, None]
-        chain[1] = ir.node("Gather", [chain[0].outputs[0], idx], attributes={"axis": 0})
-        chain[2] = ir.node("Cast", [chain[1].outputs[0]], attributes={"to": ir.DataType.FLOAT})
-        chain[3] = ir.node("Sqrt", [chain[2].outputs[0]])
-        chain[4] = ir.node("Reciprocal", [chain[3].outputs[0]])
-        chain[5] = ir.node("Sqrt", [chain[4].outputs[0]])
-        for i, n in enumerate(chain):
-            n.name = f"{name}/computed_scale_{i}"
-        graph.insert_before(node, chain)
-        node.replace_input_with(j, chain[5].outputs[0])
+    for layer in inspect_model(model).sites.layers:
+        names = layer.attention.scale.nodes  # q's Mul first, then k's
+        first = find_node(graph, names[0])
+        query = first.inputs[1 - _const_slot(first)]  # (B, heads, S, d): its last dim is d
+        for name in names:
+            node = find_node(graph, name)
+            j = _const_slot(node)
+            chain = [ir.node("Shape", [query])]
+            chain.append(ir.node("Gather", [chain[-1].outputs[0], idx], attributes={"axis": 0}))
+            chain.append(ir.node("Cast", [chain[-1].outputs[0]], attributes={"to": ir.DataType.FLOAT}))
+            for op in ("Sqrt", "Reciprocal", "Sqrt"):
+                chain.append(ir.node(op, [chain[-1].outputs[0]]))
+            for i, n in enumerate(chain):
+                n.name = f"{name}/computed_scale_{i}"
+            graph.insert_before(node, chain)
+            node.replace_input_with(j, chain[-1].outputs[0])
     return save_atomic(model, dst)
 
 

@@ -23,6 +23,7 @@ from tuner.errors import BadInput
 from tuner.hardware import next_multiple
 
 Origin = Literal["start", "search"]
+MAX_TARGET = 10**12  # a trillion parameters: beyond it the enumeration is not worth its time
 
 
 @dataclass(frozen=True)
@@ -52,8 +53,9 @@ class SearchSpace:
     max_candidates: int = 24
 
     def __post_init__(self) -> None:
-        if self.target <= 0:
-            raise BadInput(f"the parameter target must be positive, not {self.target}")
+        if not 0 < self.target <= MAX_TARGET:
+            raise BadInput(f"the parameter target must be in (0, {MAX_TARGET:.0e}], "
+                           f"not {self.target:,}")
         if not 0 < self.tolerance <= 0.5:
             raise BadInput(f"tolerance must be in (0, 0.5], not {self.tolerance}")
         if not self.layers or any(n <= 0 for n in self.layers):
@@ -77,11 +79,14 @@ def natural_layers(target: int, vocab: int, family: Family) -> int:
     return layers
 
 
-def default_layers(target: int, vocab: int, family: Family, spread: float = 0.25) -> tuple[int, ...]:
-    """Depths within +-spread of the natural one: the search varies width at each depth."""
+def default_layers(target: int, vocab: int, family: Family, spread: float = 0.25,
+                   most: int = 17) -> tuple[int, ...]:
+    """Depths within +-spread of the natural one (at most `most` of them, evenly spaced):
+    the search varies width at each depth."""
     mid = natural_layers(target, vocab, family)
     lo, hi = max(1, math.floor(mid * (1 - spread))), max(1, math.ceil(mid * (1 + spread)))
-    return tuple(range(lo, hi + 1))
+    step = max(1, math.ceil((hi - lo + 1) / most))
+    return tuple(range(lo, hi + 1, step))
 
 
 def ffn_widths(hidden: int, gated: bool) -> tuple[int, ...]:

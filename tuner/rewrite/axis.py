@@ -176,16 +176,24 @@ class Widen:
         self._pin_computed(node, set())
 
     def _pin_computed(self, node: ir.Node, skip: set[int]) -> None:
-        """A float operand computed from a widened shape keeps the value it had (the scale)."""
-        for j, v in enumerate(node.inputs):
-            if j in skip or v is None or const_array(v) is not None or v in self.tracks:
-                continue
-            if is_int(v) or (v.dtype is not None and not v.dtype.is_floating_point()):
-                continue  # integer shape math (sizes, bounds) follows the new shape on purpose
-            old, new = scalar(self.math.eval(v, "old")), scalar(self.math.eval(v, "new"))
-            if old is not None and new is not None and old != new:
-                dtype = v.dtype.numpy() if v.dtype is not None else np.float32
-                set_const_input(self.graph, node, j, np.array(old, dtype=dtype), "pinned")
+        for j in range(len(node.inputs)):
+            if j not in skip:
+                self._pin_one(node, j)
+
+    def _pin_one(self, node: ir.Node, j: int) -> bool:
+        """A float operand computed from a widened shape keeps the value it had (TorchScript's
+        1/sqrt(d) from the query's shape). True when it was pinned."""
+        v = node.inputs[j]
+        if v is None or const_array(v) is not None or v in self.tracks:
+            return False
+        if is_int(v) or (v.dtype is not None and not v.dtype.is_floating_point()):
+            return False  # integer shape math (sizes, bounds) follows the new shape on purpose
+        old, new = scalar(self.math.eval(v, "old")), scalar(self.math.eval(v, "new"))
+        if old is None or new is None or old == new:
+            return False
+        dtype = v.dtype.numpy() if v.dtype is not None else np.float32
+        set_const_input(self.graph, node, j, np.array(old, dtype=dtype), "pinned")
+        return True
 
     # -- handlers: each returns one Track (or None) per output --------------------------------
     def _elementwise(self, node: ir.Node, tin: list) -> list:
@@ -204,14 +212,13 @@ class Widen:
             if c is not None:
                 self._const_operand(node, j, c, ref)
                 continue
+            if self._pin_one(node, j) or scalar(self.math.eval(v, "old")) is not None:
+                continue  # a scalar: pinned if it followed the widened shape, else kept
             r = self.rank(v)
             s = self.dims.shape(v)
             if r is not None and r < -ref.axis:
                 continue  # broadcasts along the widened axis
             if s is not None and len(s) >= -ref.axis and s[ref.axis] == 1:
-                continue
-            if scalar(self.math.eval(v, "old")) is not None:
-                self._pin_computed(node, {i for i in range(len(node.inputs)) if i != j})
                 continue
             raise self.refuse(node, f"operand {v.name!r} spans the widened axis but is not "
                               "widened with it")
