@@ -10,7 +10,8 @@ concurrent gRPC calls (grpc.aio, KServe v2 ModelInfer, raw tensors, batch 1 each
 fixed time. Request lengths are log-uniform in [8, 128] tokens (many short requests, a long
 tail). Measurement windows are interleaved across servers in rounds (A B C D, B C D A, ...)
 so that load from other work on the machine hits them alike; the table gives the median
-requests/s over rounds with min-max, the ratio to MLServer, latency percentiles, and errors.
+requests/s over rounds with min-max, the ratio to MLServer per round (median [min-max]),
+latency percentiles, and errors.
 
 MLServer runs from its own venv (install: python3 -m venv /tmp/mlserver-venv &&
 /tmp/mlserver-venv/bin/pip install "mlserver==1.7.*" onnxruntime "uvloop<0.22"; MLServer 1.7
@@ -160,18 +161,21 @@ def _measure(servers: dict, requests: list, seconds: float, rounds: int) -> dict
 
 def _print(results: dict) -> None:
     base = next((k for k in results if k == "MLServer 1.7"), None)
-    base_rps = (np.median([w.ok / w.seconds for w in results[base]]) if base else None)
-    print(f"\n{'server':34s} {'req/s':>8s} {'min-max':>15s} {'vs MLServer':>12s} "
+    base_rps = [w.ok / w.seconds for w in results[base]] if base else None
+    print(f"\n{'server':34s} {'req/s':>8s} {'min-max':>15s} {'vs MLServer':>20s} "
           f"{'p50 ms':>8s} {'p90 ms':>8s} {'p99 ms':>8s} {'errors':>8s}")
     for label, windows in results.items():
         rps = [w.ok / w.seconds for w in windows]
+        # per round (the same minutes of machine load): this server / MLServer
+        paired = [a / b for a, b in zip(rps, base_rps)] if base_rps else []
         lat = np.concatenate([w.latencies_ms for w in windows]) if any(
             w.latencies_ms for w in windows) else np.array([np.nan])
         total = sum(w.ok + w.errors for w in windows)
         errors = sum(w.errors for w in windows)
-        ratio = f"{np.median(rps) / base_rps:.2f}x" if base_rps else "-"
+        ratio = (f"{np.median(paired):.2f}x [{min(paired):.2f}-{max(paired):.2f}]"
+                 if paired else "-")
         p50, p90, p99 = np.percentile(lat, [50, 90, 99])
-        print(f"{label:34s} {np.median(rps):8.1f} {min(rps):7.1f}-{max(rps):<7.1f} {ratio:>12s} "
+        print(f"{label:34s} {np.median(rps):8.1f} {min(rps):7.1f}-{max(rps):<7.1f} {ratio:>20s} "
               f"{p50:8.1f} {p90:8.1f} {p99:8.1f} {errors / max(total, 1):8.1%}")
         first = next((w.first_error for w in windows if w.first_error), "")
         if first:

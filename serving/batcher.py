@@ -9,10 +9,11 @@ How a batch is made (one worker thread per model instance):
   requests pile up while the previous batch runs, so batching costs no idle time); with no
   delay, a request that finds the model idle and nobody queued runs at once in its caller's
   thread;
-- sequence inputs are right-padded to the bucket (zeros; the attention mask's zeros make the
-  padded positions invisible to attention, and right padding leaves a causal model's valid
-  positions untouched), the batch runs once, and each request gets its own rows back, cut
-  to its own length on every output axis that follows the sequence.
+- sequence inputs are right-padded with zeros to the bucket (or, for CPU runtimes, only to
+  the batch's longest request: BatchPolicy.pad_to_bucket); the attention mask's zeros make
+  the padded positions invisible to attention, and right padding leaves a causal model's
+  valid positions untouched. The batch runs once, and each request gets its own rows back,
+  cut to its own length on every output axis that follows the sequence.
 Requests longer than the largest bucket never get here: the engine rejects them.
 Without an attention mask input nothing can be padded safely: then only requests of equal
 length are batched together, at their own length.
@@ -58,6 +59,10 @@ class BatchPolicy:
     max_queue_delay_s: float
     seq_buckets: tuple[int, ...]  # strictly increasing
     max_queue: int = 4096  # waiting requests; beyond it new ones are refused (UNAVAILABLE)
+    # True: pad to the bucket (the shapes the artifact was timed at; GPU kernels like aligned
+    # shapes). False: pad only to the longest request of the batch (CPU runtimes take any
+    # shape, and every padded token is work), so a request alone is not padded at all.
+    pad_to_bucket: bool = True
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
@@ -218,6 +223,8 @@ class Batcher:
         start = time.perf_counter()
         try:
             bucket = batch[0].key[0]
+            if not self.policy.pad_to_bucket and self.layout.seq_inputs:
+                bucket = max(r.length for r in batch)
             outputs = self._run(self._stack(batch, bucket))
             compute = time.perf_counter() - start
             rows = sum(r.rows for r in batch)

@@ -18,6 +18,7 @@ from serving.errors import InvalidArgument, ServingError, Unavailable
 from serving.metrics import Metrics, Stats
 from serving.model import LoadedModel, TensorSpec
 from serving.datatypes import DATATYPES, datatype_of
+from tuner.artifact import Latency, parse_shape_key
 from tuner.verify import Tolerance
 
 log = logging.getLogger("serving")
@@ -28,11 +29,15 @@ _SHADOW_BACKLOG = 4  # shadow runs waiting at most; beyond, a sample is skipped,
 
 @dataclass(frozen=True)
 class EngineOptions:
-    max_batch: int | None = None  # rows per run; None: the manifest's largest batch bucket
+    max_batch: int | None = None  # rows per run; None: from the artifact's timings (batch_limit)
     max_queue_delay_ms: float = 0.0  # 0: batch whatever is queued when the model is free
     shadow_fraction: float = 0.0  # share of requests re-run on the original and compared
     workers: int = 1  # model executions at a time
     max_queue: int = 4096
+    # "bucket": pad batches to their sequence bucket; "longest": only to the longest request
+    # in the batch (a lone request runs unpadded); "auto": longest on CPU backends, where
+    # any shape runs and every padded token costs time, bucket elsewhere.
+    pad_to: str = "auto"
 
     def __post_init__(self) -> None:
         if self.max_batch is not None and not 1 <= self.max_batch <= 4096:
@@ -42,8 +47,37 @@ class EngineOptions:
                              f"{self.max_queue_delay_ms}")
         if not 0 <= self.shadow_fraction <= 1:
             raise ValueError(f"shadow fraction must be in [0, 1], not {self.shadow_fraction}")
+        if self.pad_to not in ("auto", "bucket", "longest"):
+            raise ValueError(f"pad_to must be auto, bucket or longest, not {self.pad_to!r}")
         if not 1 <= self.workers <= 64:
             raise ValueError(f"workers must be in [1, 64], not {self.workers}")
+
+
+def batch_limit(latency: Mapping[str, Latency], batch_buckets: Sequence[int],
+                margin: float = 0.05) -> tuple[int, str]:
+    """The default max batch, from the artifact's own timings: the largest batch bucket b at
+    which a batch costs less per request than b single runs (median over the sequence
+    lengths timed at both batch 1 and b, by at least `margin`). Batching is not free on
+    every machine: on a small CPU a batch of 8 can cost more than 8 single runs."""
+    top = max(batch_buckets)
+    timed = {parse_shape_key(k): v.median_ms for k, v in latency.items()}
+    single = {s: t for (b, s), t in timed.items() if b == 1 and t > 0}
+    best, seen, ratios = 1, False, []
+    for b in sorted(x for x in batch_buckets if x > 1):
+        pairs = [timed[(b, s)] / b / single[s] for s in single if (b, s) in timed]
+        if not pairs:
+            continue
+        seen = True
+        ratio = float(np.median(pairs))
+        ratios.append(f"{b}: {ratio:.2f}")
+        if ratio <= 1 - margin:
+            best = b
+    if not seen:
+        return top, f"no batch timings in the artifact: batching up to {top}"
+    verdict = (f"batching up to {best} pays" if best > 1
+               else "batching does not pay here: requests run one at a time")
+    return best, (f"{verdict} (time per request in a batch / alone, by batch size: "
+                  f"{', '.join(ratios)})")
 
 
 def _shape_text(shape: Sequence[int]) -> str:
@@ -55,12 +89,20 @@ class Engine:
                  metrics: Metrics | None = None, tolerance: Tolerance = Tolerance()) -> None:
         self.model, self.options, self.stats, self.metrics = model, options, stats, metrics
         self.name, self.version = model.name, VERSION
-        self.max_batch = options.max_batch or max(model.buckets.batch)
+        if options.max_batch is not None:
+            self.max_batch, self.batch_note = options.max_batch, "max batch set by the user"
+        else:
+            self.max_batch, self.batch_note = batch_limit(model.latency, model.buckets.batch)
         self.tolerance = tolerance
         self._inputs = {s.name: s for s in model.signature.inputs}
         self._outputs = [s.name for s in model.signature.outputs]
+        pad_to = options.pad_to
+        if pad_to == "auto":
+            pad_to = "longest" if model.backend.endswith("cpu") else "bucket"
+        self.pad_to = pad_to
         policy = BatchPolicy(self.max_batch, options.max_queue_delay_ms / 1e3,
-                             tuple(model.buckets.seq), options.max_queue)
+                             tuple(model.buckets.seq), options.max_queue,
+                             pad_to_bucket=pad_to == "bucket")
         self.batcher = Batcher(model.runner.infer, model.layout, policy,
                                on_batch=self._on_batch, workers=options.workers)
         self._shadow = (ThreadPoolExecutor(1, thread_name_prefix="shadow")

@@ -7,15 +7,15 @@ tuner.runtime.registry (how to run it) and tuner.verify / tuner.feeds (whether i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 import numpy as np
 import onnx
 
 from serving.batcher import Layout
-from tuner.artifact import Buckets, Manifest, read_manifest, variant_path
+from tuner.artifact import Buckets, Latency, Manifest, read_manifest, variant_path
 from tuner.errors import BadInput
 from tuner.feeds import make_feeds
 from tuner.runtime.base import Runner, SessionSettings
@@ -75,6 +75,7 @@ class LoadedModel:
     buckets: Buckets
     backend: str
     gate: VerifyResult | None  # None when the original was selected (nothing to compare)
+    latency: Mapping[str, Latency] = field(default_factory=dict)  # the served variant's timings
 
 
 def _spec(value: onnx.ValueInfoProto) -> TensorSpec:
@@ -176,4 +177,4 @@ def load_artifact(out_dir: str | Path, backend: str | None = None,
     log(note)
     layout = _probe_layout(runner, original_path, signature, vocab)
     return LoadedModel(name, served, note, runner, original, signature, layout,
-                       manifest.buckets, backend, gate)
+                       manifest.buckets, backend, gate, manifest.variant(served).latency)

@@ -135,7 +135,10 @@ class Server:
     def _build(self) -> grpc.Server:
         o = self.options
         size = [("grpc.max_receive_message_length", o.max_message_bytes),
-                ("grpc.max_send_message_length", o.max_message_bytes)]
+                ("grpc.max_send_message_length", o.max_message_bytes),
+                # gRPC shares ports by default (SO_REUSEPORT): a second server started on a
+                # busy port would silently take half of its calls. Refuse instead.
+                ("grpc.so_reuseport", 0)]
         interceptors = [_TokenInterceptor(o.token)] if o.token else []
         server = grpc.server(ThreadPoolExecutor(o.threads, thread_name_prefix="grpc"),
                              interceptors=interceptors, options=size)
@@ -147,33 +150,44 @@ class Server:
         reflection.enable_server_reflection(
             (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server, pool=POOL)
         address = f"{o.host}:{o.port}"
-        if o.tls_cert is not None:
-            creds = grpc.ssl_server_credentials(
-                [(Path(o.tls_key).read_bytes(), Path(o.tls_cert).read_bytes())])
-            self.port = server.add_secure_port(address, creds)
-        else:
-            self.port = server.add_insecure_port(address)
+        try:
+            if o.tls_cert is not None:
+                creds = grpc.ssl_server_credentials(
+                    [(Path(o.tls_key).read_bytes(), Path(o.tls_cert).read_bytes())])
+                self.port = server.add_secure_port(address, creds)
+            else:
+                self.port = server.add_insecure_port(address)
+        except RuntimeError as e:  # grpc raises when the address cannot be bound
+            raise BadInput(f"cannot listen on {address} ({e})") from None
         if not self.port:
             raise BadInput(f"cannot listen on {address}")
         return server
 
-    def start(self) -> "Server":
-        """Bind and serve (live, not ready); load and check the model in the background."""
+    def start(self, load: bool = True) -> "Server":
+        """Bind and serve (live, not ready); load and check the model in the background
+        (`load=False`: not yet; call `load()`)."""
         self._grpc = self._build()
         self._grpc.start()
         if self.options.metrics_port is not None:
-            self._metrics_http = start_metrics_server(self.metrics, self.options.host,
-                                                      self.options.metrics_port)
+            try:
+                self._metrics_http = start_metrics_server(self.metrics, self.options.host,
+                                                          self.options.metrics_port)
+            except OSError as e:
+                self._grpc.stop(None)
+                raise BadInput(f"cannot serve metrics on {self.options.host}:"
+                               f"{self.options.metrics_port} ({e})") from None
             self.metrics_port = self._metrics_http[0].server_port
         scheme = "grpcs" if self.options.tls_cert else "grpc"
         self.say(f"listening on {scheme}://{self.options.host}:{self.port}"
                  + (f", metrics on http://{self.options.host}:{self.metrics_port}/metrics"
                     if self.metrics_port else "")
                  + f"; model '{self.slot.name}' loading")
-        threading.Thread(target=self._load, name="load", daemon=True).start()
+        if load:
+            threading.Thread(target=self.load, name="load", daemon=True).start()
         return self
 
-    def _load(self) -> None:
+    def load(self) -> None:
+        """Load the model, run the accuracy gate, then report ready (or record the failure)."""
         o = self.options
         try:
             model = load_artifact(self.artifact, o.backend, o.settings, self.slot.name,
@@ -188,7 +202,8 @@ class Server:
             for service in ("", SERVICE):
                 self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
             self.say(f"model '{self.slot.name}' ready ({model.note}); max batch "
-                     f"{engine.max_batch}, sequence buckets {list(model.buckets.seq)}")
+                     f"{engine.max_batch} ({engine.batch_note}), sequence buckets "
+                     f"{list(model.buckets.seq)}, padding to the {engine.pad_to}")
         except BaseException as e:  # noqa: BLE001 - reported; `serve` exits 1
             self.failed = e
             self.slot.status = f"failed to load: {e}"

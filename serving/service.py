@@ -163,6 +163,7 @@ def model_config(engine: Engine) -> pb.ModelConfig:
     config.parameters["sequence_buckets"].string_value = ",".join(
         str(s) for s in engine.model.buckets.seq)
     config.parameters["runtime_backend"].string_value = engine.model.backend
+    config.parameters["pad_to"].string_value = engine.pad_to
     return config
 
 

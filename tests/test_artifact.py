@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tuner.artifact import (Accuracy, Buckets, ExpectedLatency, Latency, Manifest, Speedup,
+from tuner.artifact import (Accuracy, Advice, Buckets, ExpectedLatency, Latency, Manifest, Speedup,
                             Transform, Variant, parse_shape_key, read_manifest, shape_key,
                             variant_path, write_manifest)
 from tuner.errors import BadInput
@@ -32,7 +32,9 @@ def _manifest(**kw) -> Manifest:
     base = dict(source_path="/models/m.onnx", source_sha256=SHA, device={"kind": "cpu", "name": "Test CPU", "cpu_cores": 2},
                 backend="ort-cpu", settings={"intra_op_threads": 2}, selected="vocab-1024",
                 buckets=Buckets((1, 2), (64, 128), ExpectedLatency(2.0, 3.0, 1.9), "req.jsonl", 10),
-                variants=variants, selection="fastest beyond noise", notes=("probe skipped",))
+                variants=variants, selection="fastest beyond noise", notes=("probe skipped",),
+                advice=(Advice("heads-2x128", (Transform("heads", 4, 2), Transform("head_dim", 80, 128)),
+                               Speedup(1.2, 1.1, 1.3), "needs retraining"),))
     base.update(kw)
     return Manifest(**base)
 
@@ -52,6 +54,9 @@ def test_round_trip(tmp_path):
     assert back == m
     assert back.selected_variant().name == "vocab-1024"
     assert back.device_label == "Test CPU (2 cores)"
+    assert back.session_settings().intra_op_threads == 2
+    with pytest.raises(BadInput, match="not usable session settings"):
+        _manifest(settings={"threads": 2}).session_settings()
     assert back.variant("original").latency["1x64"].spread_ms == pytest.approx(0.4)
     obj = json.loads((tmp_path / "manifest.json").read_text())
     # DESIGN.md's contract fields, by their JSON names
@@ -62,6 +67,7 @@ def test_round_trip(tmp_path):
     assert v["transforms"] == [{"kind": "vocab", "from": 1003, "to": 1024}]
     assert v["accuracy"]["passed"] is True and v["latency"]["1x64"]["median_ms"] == 2.0
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".manifest")] == []
+    assert obj["advice"][0]["exact"] is False and back.advice[0].speedup.ratio == 1.2
 
 
 def test_shape_keys():
@@ -108,6 +114,8 @@ def test_value_checks():
         Buckets((2, 1), (64,))
     with pytest.raises(ValueError, match="variant name"):
         _variant("bad name!", "a.onnx")
+    with pytest.raises(ValueError, match="advice is never exact"):
+        Advice("x", (), Speedup(1, 1, 1), exact=True)
 
 
 def _write_obj(out: Path, obj) -> None:

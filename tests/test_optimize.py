@@ -54,7 +54,7 @@ def test_optimize_writes_a_complete_artifact(reference_model, tmp_path, capsys, 
                            for b, s in [(1, 5), (1, 9), (1, 30), (2, 12), (1, 7), (3, 20)]))
     out = tmp_path / "out"
     code, stdout, err = _run([src, "-o", out, "--requests", req, "--json", "--max-variants", "3",
-                              "--cache-dir", tmp_path / "cache", *FAST], capsys)
+                              "--cache-dir", tmp_path / "cache", "--advise", *FAST], capsys)
     assert code == 0, err
     summary = json.loads(stdout)
     m = read_manifest(out)
@@ -74,6 +74,8 @@ def test_optimize_writes_a_complete_artifact(reference_model, tmp_path, capsys, 
         for s in m.buckets.seq:
             assert f"{b}x{s}" in sel.latency  # the winner was timed at every bucket shape
     assert m.source_sha256 and Path(m.source_path) == src.resolve()
+    assert m.advice and all(a.exact is False for a in m.advice)  # h=160: a retrain to 192
+    assert all(a.name not in names for a in m.advice)
     assert m.settings["intra_op_threads"] >= 1 and m.device["name"]
     assert (out / "report.md").read_text().count("| ") > 5
     assert "data:image/png;base64" in (out / "report.html").read_text()
@@ -93,6 +95,13 @@ def test_encoder_without_requests_uses_default_buckets(reference_model, tmp_path
     assert m.buckets.batch == (1, 2) and m.buckets.seq[-1] == 128
     assert set(m.buckets.seq) <= {64, 128}
     assert m.buckets.source.startswith("default")
+    # --force replaces a finished artifact (only once the new one is complete)
+    (out / "stale.txt").write_text("old")
+    code, _, err = _run([reference_model("bert", "small"), "-o", out, "--max-seq", "64",
+                         "--max-batch", "1", "--no-fuse", "--no-cache", "--force", *FAST], capsys)
+    assert code == 0, err
+    assert not (out / "stale.txt").exists() and read_manifest(out).buckets.seq[-1] == 64
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bert"]
 
 
 def test_interrupted_run_leaves_nothing_and_resumes_from_cache(reference_model, tmp_path, capsys):
@@ -100,11 +109,13 @@ def test_interrupted_run_leaves_nothing_and_resumes_from_cache(reference_model, 
     cache, out = tmp_path / "cache", tmp_path / "out"
     args = [str(src), "-o", str(out), "--cache-dir", str(cache), "--max-seq", "64",
             "--max-batch", "2", "--rounds", "6", "--warmup", "1", "--no-fuse", "--max-variants",
-            "2", "--quiet"]
+            "2", "--no-probe", "--quiet"]
     # the bucket grid is made slow (500 rounds of >= 20 ms a shape): the kill lands in it,
     # after the comparison of variants has reached the cache
+    # (a child of a background job inherits SIGINT ignored: restore the default first)
     proc = subprocess.Popen([sys.executable, "-m", "tuner", "optimize", *args, "--bucket-rounds", "500"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     cache_file = cache / "bench-cache.json"
     deadline = time.time() + 240
     while not cache_file.exists() and proc.poll() is None and time.time() < deadline:
@@ -114,7 +125,7 @@ def test_interrupted_run_leaves_nothing_and_resumes_from_cache(reference_model, 
     _, err = proc.communicate(timeout=120)
     if proc.returncode == 0:
         pytest.skip("the run finished before it could be interrupted")
-    assert proc.returncode == 130, err
+    assert proc.returncode == 130 and "tuner: interrupted" in err, err
     assert not out.exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]
     stored = json.loads(cache_file.read_text())["entries"]
@@ -163,3 +174,17 @@ def test_cli_exit_code_from_a_real_process(tmp_path):
                         "-o", str(tmp_path / "o")], capture_output=True, text=True, timeout=120,
                        env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert r.returncode == 2 and r.stderr.strip().startswith("tuner: error:")
+
+
+def test_rerun_plans_the_same_candidates_from_the_cache(reference_model, tmp_path, capsys):
+    """The probe's timings are cached too: a rerun builds the same variants and finds their
+    timings, instead of re-probing into other noise and measuring other variants."""
+    src = reference_model("gpt2", "small")
+    args = [src, "--cache-dir", tmp_path / "cache", "--max-seq", "16", "--max-batch", "1",
+            "--max-variants", "3", "--no-fuse", *FAST]
+    assert _run([*args, "-o", tmp_path / "a"], capsys)[0] == 0
+    assert _run([*args, "-o", tmp_path / "b"], capsys)[0] == 0
+    a, b = read_manifest(tmp_path / "a"), read_manifest(tmp_path / "b")
+    assert [v.name for v in a.variants] == [v.name for v in b.variants]
+    assert any("taken from the results cache" in n for n in b.notes)
+    assert a.variant("original").latency == b.variant("original").latency

@@ -79,3 +79,20 @@ def test_console_script_json(reference_model, tmp_path):
     doc = json.loads(proc.stdout)
     assert doc["written"] and doc["transforms"] == ["ffn 600->640"]
     assert doc["accuracy"]["passed"] is True
+
+
+def test_external_data_in_and_out(reference_model, tmp_path, capsys):
+    """A model stored with external data pads into OUT.onnx + OUT.onnx.data of its own (not
+    references to the source's weight file)."""
+    import onnx
+
+    src_dir = tmp_path / "src"
+    src_dir.mkdir()
+    onnx.save(onnx.load(reference_model("llama", "awkward", "dynamo")), str(src_dir / "m.onnx"),
+              save_as_external_data=True, location="m.weights", size_threshold=1024)
+    out = tmp_path / "out" / "p.onnx"
+    assert main(["pad", str(src_dir / "m.onnx"), "-o", str(out), "--ffn-multiple", "64"]) == 0
+    assert sorted(p.name for p in out.parent.iterdir()) == ["p.onnx", "p.onnx.data"]
+    (src_dir / "m.weights").rename(src_dir / "moved")  # the padded model must not need it
+    assert main(["verify", str(reference_model("llama", "awkward", "dynamo")), str(out)]) == 0
+    assert "PASS" in capsys.readouterr().out

@@ -47,7 +47,7 @@ def test_shared_bias_is_copied_not_edited(reference_model, tmp_path):
     src = reference_model("gpt2", "awkward", "torchscript")
     shape = inspect_path(src)
     model = load_model(src)
-    assert pad_ffn(model.graph, shape.sites.layers[0].ffn, 640, 0) == 600
+    assert pad_ffn(model, shape.sites.layers[0].ffn, 640, 0) == 600
     remove_unused(model)
     out = save_atomic(model, tmp_path / "one_layer.onnx")
     onnx.checker.check_model(str(out))
@@ -77,14 +77,14 @@ def _toy(path, inner_op: str):
 
 def test_unknown_op_on_the_inner_path_refuses_naming_it(tmp_path):
     model = _toy(tmp_path / "toy.onnx", "Softmax")  # softmax over the FFN axis: not exact
-    with pytest.raises(RewriteRefused, match="node 'inner': Softmax"):
-        pad_ffn(model.graph, FfnSite(up="up", down="down"), 8, 0)
+    with pytest.raises(RewriteRefused, match="node 'inner' \\(Softmax\\)"):
+        pad_ffn(model, FfnSite(up="up", down="down"), 8, 0)
     relu = _toy(tmp_path / "relu.onnx", "Relu")
-    assert pad_ffn(relu.graph, FfnSite(up="up", down="down"), 8, 0) == 6
+    assert pad_ffn(relu, FfnSite(up="up", down="down"), 8, 0) == 6
     with pytest.raises(RewriteRefused, match="cannot pad to the smaller 4"):
-        pad_ffn(_toy(tmp_path / "r2.onnx", "Relu").graph, FfnSite(up="up", down="down"), 4, 0)
+        pad_ffn(_toy(tmp_path / "r2.onnx", "Relu"), FfnSite(up="up", down="down"), 4, 0)
     with pytest.raises(RewriteRefused, match="'nope' named by inspect is not in the graph"):
-        pad_ffn(relu.graph, FfnSite(up="nope", down="down"), 8, 0)
+        pad_ffn(relu, FfnSite(up="nope", down="down"), 8, 0)
 
 
 def test_save_is_atomic(tmp_path):
@@ -103,3 +103,16 @@ def test_save_is_atomic(tmp_path):
         save_atomic(model, dst)
     assert dst.read_bytes() == b"old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.onnx", "toy.onnx"]
+
+
+@pytest.mark.parametrize("family,exporter,fused_op", [("bert", "torchscript", "BiasGelu"),
+                                                      ("gpt2", "dynamo", "FastGelu")])
+def test_ffn_padding_after_ort_fusion(reference_model, tmp_path, family, exporter, fused_op):
+    """ONNX Runtime's optimizer folds bias + GELU into one com.microsoft op: its bias is
+    padded like any elementwise constant."""
+    from tuner.fuse import fuse_file
+
+    fused = tmp_path / "fused.onnx"
+    assert fuse_file(reference_model(family, "awkward", exporter), fused, 2, 160).get(fused_op)
+    _, after = pad_and_check(fused, tmp_path / "ffn.onnx", PadRequest(ffn_size=640))
+    assert after.ffn_size == 640 and f"com.microsoft.{fused_op}" in after.fused_ops

@@ -61,34 +61,53 @@ def _const_slot(node: ir.Node) -> int:
     return next(i for i, v in enumerate(node.inputs) if const_array(v) is not None)
 
 
-def _with_computed_scale(src, dst):
-    """The reference export, its constant scale replaced by TorchScript's older run-time form:
-    sqrt(1 / sqrt(q.shape[-1])) from the query's own shape, multiplied into q and k."""
+def _shape_scale_chain(query: ir.Value, idx: ir.Value, ops: tuple[str, ...], name: str):
+    """Nodes computing f(q.shape[-1]) as TorchScript did: Shape -> Gather -> Cast -> ops."""
+    chain = [ir.node("Shape", [query])]
+    chain.append(ir.node("Gather", [chain[-1].outputs[0], idx], attributes={"axis": 0}))
+    chain.append(ir.node("Cast", [chain[-1].outputs[0]], attributes={"to": ir.DataType.FLOAT}))
+    for op in ops:
+        chain.append(ir.node(op, [chain[-1].outputs[0]]))
+    for i, n in enumerate(chain):
+        n.name = f"{name}/computed_scale_{i}"
+    return chain
+
+
+def _with_computed_scale(src, dst, on_scores: bool = False):
+    """The reference export, its constant scale replaced by a run-time one computed from the
+    query's shape: sqrt(1 / sqrt(d)) multiplied into q and k (TorchScript's SDPA), or, with
+    `on_scores`, scores / sqrt(d) after the q.k MatMul (eager attention)."""
     model = load_model(src)
     graph = model.graph
     idx = new_initializer(graph, "scale_idx", np.array(-1, dtype=np.int64))
+    one = new_initializer(graph, "one", np.array(1.0, dtype=np.float32))
     for layer in inspect_model(model).sites.layers:
         names = layer.attention.scale.nodes  # q's Mul first, then k's
         first = find_node(graph, names[0])
         query = first.inputs[1 - _const_slot(first)]  # (B, heads, S, d): its last dim is d
+        scores = next(u.node for u in first.outputs[0].uses() if u.node.op_type == "MatMul")
         for name in names:
             node = find_node(graph, name)
             j = _const_slot(node)
-            chain = [ir.node("Shape", [query])]
-            chain.append(ir.node("Gather", [chain[-1].outputs[0], idx], attributes={"axis": 0}))
-            chain.append(ir.node("Cast", [chain[-1].outputs[0]], attributes={"to": ir.DataType.FLOAT}))
-            for op in ("Sqrt", "Reciprocal", "Sqrt"):
-                chain.append(ir.node(op, [chain[-1].outputs[0]]))
-            for i, n in enumerate(chain):
-                n.name = f"{name}/computed_scale_{i}"
+            if on_scores:
+                node.replace_input_with(j, one)
+                continue
+            chain = _shape_scale_chain(query, idx, ("Sqrt", "Reciprocal", "Sqrt"), name)
             graph.insert_before(node, chain)
             node.replace_input_with(j, chain[-1].outputs[0])
+        if on_scores:
+            chain = _shape_scale_chain(query, idx, ("Sqrt",), scores.name)
+            div = ir.node("Div", [scores.outputs[0], chain[-1].outputs[0]], name=f"{scores.name}/div")
+            scores.outputs[0].replace_all_uses_with(div.outputs[0])
+            div.replace_input_with(0, scores.outputs[0])
+            graph.insert_after(scores, [*chain, div])
     return save_atomic(model, dst)
 
 
-def test_a_scale_computed_from_the_shape_is_pinned(reference_model, tmp_path):
+@pytest.mark.parametrize("on_scores", [False, True])
+def test_a_scale_computed_from_the_shape_is_pinned(reference_model, tmp_path, on_scores):
     src = reference_model("llama", "awkward", "torchscript")
-    computed = _with_computed_scale(src, tmp_path / "computed.onnx")
+    computed = _with_computed_scale(src, tmp_path / "computed.onnx", on_scores)
     backend = get_backend("ort-cpu")
     feeds = make_feeds(src, 1003, [(2, 9)])
     assert verify(backend.load(src), backend.load(computed), feeds)  # same model, other form

@@ -167,3 +167,41 @@ def test_with_no_delay_requests_arriving_while_the_model_is_busy_share_a_run(run
     for feeds, r in zip(requests, results):
         np.testing.assert_allclose(r.outputs["last_hidden_state"],
                                    runner.infer(feeds)["last_hidden_state"], atol=1e-5, rtol=1e-4)
+
+
+def test_padding_to_the_longest_request_only(runner) -> None:
+    policy = BatchPolicy(8, 0.2, (8, 16, 32), pad_to_bucket=False)
+    batcher = Batcher(runner.infer, LAYOUT, policy)
+    try:
+        requests = [_feeds(n, seed=n) for n in (9, 12, 11)]  # all in bucket 16
+        results = [f.result(30) for f in [batcher.submit(r) for r in requests]]
+        alone = batcher.submit(_feeds(20)).result(30)
+    finally:
+        batcher.close()
+    assert {r.padded_to for r in results} == {12} and results[0].batch_rows == 3
+    assert alone.padded_to == 20  # a request alone runs at its own length
+    for feeds, r in zip(requests, results):
+        np.testing.assert_allclose(r.outputs["last_hidden_state"],
+                                   runner.infer(feeds)["last_hidden_state"], atol=1e-5, rtol=1e-4)
+
+
+def _lat(ms: float):
+    from tuner.artifact import Latency
+
+    return Latency(ms, ms, ms, ms, ms, 5)
+
+
+def test_default_batch_limit_follows_the_artifacts_timings() -> None:
+    from serving.engine import batch_limit
+
+    # A batch of 4 costs 60% of four single runs, a batch of 8 costs more than eight.
+    latency = {"1x16": _lat(10), "1x64": _lat(40), "4x16": _lat(24), "4x64": _lat(96),
+               "8x16": _lat(90), "8x64": _lat(330)}
+    assert batch_limit(latency, (1, 4, 8))[0] == 4
+    # Nowhere cheaper: one at a time, and the note says why.
+    slow = {"1x16": _lat(10), "4x16": _lat(41), "8x16": _lat(85)}
+    limit, note = batch_limit(slow, (1, 4, 8))
+    assert limit == 1 and "does not pay" in note and "4: 1.02" in note
+    # No batch timings at all: trust the buckets.
+    assert batch_limit({"1x16": _lat(10)}, (1, 4, 8)) == (8, "no batch timings in the "
+                                                              "artifact: batching up to 8")

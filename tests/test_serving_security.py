@@ -165,3 +165,26 @@ def test_cli_help_and_bad_artifact(tmp_path) -> None:
     assert "not an artifact folder" in missing.stderr and "Traceback" not in missing.stderr
     bad = _tuner("serve", str(tmp_path), "--shadow-fraction", "2")
     assert bad.returncode == 2 and "shadow fraction must be in [0, 1]" in bad.stderr
+
+
+def test_a_port_in_use_is_a_clear_error(artifact) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(BadInput, match=f"cannot listen on 127.0.0.1:{port}"):
+            Server(artifact, ServerOptions(port=port, metrics_port=None),
+                   say=lambda line: None).start()
+        with pytest.raises(BadInput, match=f"cannot serve metrics on 127.0.0.1:{port}"):
+            Server(artifact, ServerOptions(port=0, metrics_port=port),
+                   say=lambda line: None).start()
+    first = Server(artifact, ServerOptions(port=0, metrics_port=None), say=lambda line: None)
+    first.start(load=False)
+    try:  # a second server on the same port is refused, not given half of the calls
+        with pytest.raises(BadInput, match=f"cannot listen on 127.0.0.1:{first.port}"):
+            Server(artifact, ServerOptions(port=first.port, metrics_port=None),
+                   say=lambda line: None).start(load=False)
+    finally:
+        first.stop(1)

@@ -43,7 +43,7 @@ def bert(reference_model, tmp_path_factory):
 @pytest.fixture(scope="module")
 def gpt2(reference_model, tmp_path_factory):
     model = reference_model("gpt2", "small", "torchscript")
-    server = _start(make_artifact(tmp_path_factory.mktemp("gpt2"), model))
+    server = _start(make_artifact(tmp_path_factory.mktemp("gpt2"), model), pad_to="bucket")
     yield server, model
     server.stop(5)
 
@@ -81,6 +81,7 @@ def test_health_metadata_and_config(bert) -> None:
     assert config.max_batch_size == 8 and list(config.input[0].dims) == [-1]
     assert list(config.output[0].dims) == [-1, 64]
     assert config.parameters["served_variant"].string_value == "original"
+    assert config.parameters["pad_to"].string_value == "longest"  # auto, on a CPU backend
 
 
 @pytest.mark.parametrize("which", ["bert", "gpt2"])
@@ -326,3 +327,40 @@ def test_exact_variant_is_served_and_shadow_checks_agree(reference_model, tmp_pa
         assert server.stats.shadow["agree"] == 3 and server.stats.shadow["disagree"] == 0
     finally:
         server.stop(5)
+
+
+def test_not_ready_until_the_model_is_loaded_and_checked(reference_model, tmp_path) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    out = make_artifact(tmp_path / "art", reference_model("bert", "small", "torchscript"))
+    server = Server(out, ServerOptions(port=0, metrics_port=None), say=lambda line: None)
+    server.start(load=False)  # listening, nothing loaded yet
+    try:
+        client, name = _client(server), server.slot.name
+        assert client.is_server_live()
+        assert not client.is_server_ready() and not client.is_model_ready(name)
+        with pytest.raises(InferenceServerException) as info:
+            client.infer(name, _inputs(feeds_for(4)))
+        assert "UNAVAILABLE" in str(info.value.status()) and "is not ready" in str(info.value)
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            request = health_pb2.HealthCheckRequest(service="inference.GRPCInferenceService")
+            assert health.Check(request, timeout=10).status == \
+                health_pb2.HealthCheckResponse.NOT_SERVING
+            server.load()
+            assert health.Check(request, timeout=10).status == \
+                health_pb2.HealthCheckResponse.SERVING
+        assert client.is_model_ready(name)
+        assert client.infer(name, _inputs(feeds_for(4))).as_numpy("last_hidden_state") is not None
+    finally:
+        server.stop(5)
+
+
+def test_metadata_and_config_of_an_unknown_model_are_not_found(bert) -> None:
+    server, _ = bert
+    client = _client(server)
+    for call in (client.get_model_metadata, client.get_model_config,
+                 client.get_inference_statistics):
+        with pytest.raises(InferenceServerException) as info:
+            call("no-such-model")
+        assert "NOT_FOUND" in str(info.value.status()), call

@@ -165,6 +165,23 @@ def _check_relative(path: str) -> None:
 
 
 @dataclass(frozen=True)
+class Advice:
+    """A non-exact reshape (`--advise`): what a retrain would buy. Never selected or served."""
+
+    name: str
+    transforms: tuple[Transform, ...]
+    speedup: Speedup
+    note: str = ""
+    exact: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _NAME.match(self.name):
+            raise ValueError(f"advice name must match {_NAME.pattern}, not {self.name!r}")
+        if self.exact is not False:
+            raise ValueError("advice is never exact")
+
+
+@dataclass(frozen=True)
 class ExpectedLatency:
     """Expected latency per request (ms) over the request distribution."""
 
@@ -207,6 +224,7 @@ class Manifest:
     selection: str = ""  # why `selected` won (or why nothing beat the original)
     margin: float = 0.03
     notes: tuple[str, ...] = ()  # skipped backends, skipped probe, ...
+    advice: tuple[Advice, ...] = ()  # --advise: non-exact reshapes, for a retrain
     version: int = VERSION
 
     def __post_init__(self) -> None:
@@ -236,6 +254,16 @@ class Manifest:
 
     def selected_variant(self) -> Variant:
         return self.variant(self.selected)
+
+    def session_settings(self):
+        """The tuner.runtime.base.SessionSettings the latencies were measured with (serve
+        should run with the same); BadInput if the recorded values are unusable."""
+        from tuner.runtime.base import SessionSettings
+
+        try:
+            return SessionSettings(**self.settings)
+        except (TypeError, ValueError) as e:
+            raise BadInput(f"manifest: settings are not usable session settings ({e})") from None
 
     @property
     def device_label(self) -> str:
@@ -294,110 +322,18 @@ def _manifest_to_json(m: Manifest) -> dict[str, Any]:
                 "no_buckets_ms": e.no_buckets_ms},
         },
         "variants": [_variant_json(v) for v in m.variants],
+        "advice": [{"name": a.name, "exact": False, "note": a.note,
+                    "transforms": [{"kind": t.kind, "from": t.old, "to": t.new} for t in a.transforms],
+                    "speedup": _speedup_json(a.speedup)} for a in m.advice],
         "notes": list(m.notes),
     }
 
 
-class _Reader:
-    """Typed field access on untrusted JSON; every error names the field's JSON path."""
-
-    def __init__(self, obj: Any, where: str) -> None:
-        if not isinstance(obj, dict):
-            raise BadInput(f"manifest: {where or 'top level'} must be an object")
-        self.obj, self.where = obj, where
-
-    def _path(self, key: str) -> str:
-        return f"{self.where}.{key}" if self.where else key
-
-    def get(self, key: str, types: type | tuple[type, ...], default: Any = ...,
-            nullable: bool = False) -> Any:
-        if key not in self.obj:
-            if default is ...:
-                raise BadInput(f"manifest: missing field {self._path(key)!r}")
-            return default
-        v = self.obj[key]
-        if v is None and nullable:
-            return None
-        if not isinstance(v, types) or (isinstance(v, bool) and bool not in _tuple(types)):
-            raise BadInput(f"manifest: field {self._path(key)!r} has the wrong type "
-                           f"({type(v).__name__})")
-        return v
-
-    def sub(self, key: str, default: Any = ...) -> "_Reader":
-        return _Reader(self.get(key, dict, default), self._path(key))
-
-
-def _tuple(t: type | tuple[type, ...]) -> tuple[type, ...]:
-    return t if isinstance(t, tuple) else (t,)
-
-
-_NUM = (int, float)
-
-
-def _latency_from(r: _Reader) -> Latency:
-    return Latency(r.get("median_ms", _NUM), r.get("p10_ms", _NUM), r.get("p90_ms", _NUM),
-                   r.get("q1_ms", _NUM), r.get("q3_ms", _NUM), r.get("n", int))
-
-
-def _speedup_from(r: _Reader | None) -> Speedup | None:
-    if r is None:
-        return None
-    return Speedup(r.get("ratio", _NUM), r.get("low", _NUM), r.get("high", _NUM),
-                   r.get("confidence", _NUM, 0.95))
-
-
-def _variant_from(r: _Reader) -> Variant:
-    transforms = []
-    for i, t in enumerate(r.get("transforms", list)):
-        tr = _Reader(t, f"{r.where}.transforms[{i}]")
-        transforms.append(Transform(tr.get("kind", str), tr.get("from", int, None, nullable=True),
-                                    tr.get("to", int, None, nullable=True)))
-    a = r.sub("accuracy")
-    lat = r.sub("latency", {})
-    sbs = r.sub("speedup_by_shape", {})
-    sp = r.get("speedup", dict, None, nullable=True)
-    return Variant(
-        name=r.get("name", str), path=r.get("path", str), exact=r.get("exact", bool),
-        transforms=tuple(transforms), shape=r.get("shape", dict),
-        accuracy=Accuracy(a.get("passed", bool), a.get("max_abs_error", _NUM, None, True),
-                          a.get("max_rel_error", _NUM, None, True), a.get("detail", str, "")),
-        latency={k: _latency_from(lat.sub(k)) for k in lat.obj},
-        speedup=_speedup_from(None if sp is None else _Reader(sp, f"{r.where}.speedup")),
-        speedup_by_shape={k: _speedup_from(sbs.sub(k)) for k in sbs.obj},
-        note=r.get("note", str, ""),
-    )
-
-
 def manifest_from_json(obj: Any) -> Manifest:
     """Build and validate a Manifest from parsed JSON; BadInput naming the bad field."""
-    r = _Reader(obj, "")
-    if r.get("format", str) != FORMAT:
-        raise BadInput(f"manifest: format must be {FORMAT!r}")
-    src, b = r.sub("source"), r.sub("buckets")
-    variants = []
-    for i, v in enumerate(r.get("variants", list)):
-        try:
-            variants.append(_variant_from(_Reader(v, f"variants[{i}]")))
-        except ValueError as e:
-            raise BadInput(f"manifest: variants[{i}]: {e}") from None
-    try:
-        e = b.get("expected_latency", dict, None, nullable=True)
-        er = None if e is None else _Reader(e, "buckets.expected_latency")
-        buckets = Buckets(
-            tuple(b.get("batch", list)), tuple(b.get("seq", list)),
-            None if er is None else ExpectedLatency(er.get("chosen_ms", _NUM),
-                                                    er.get("pad_to_max_ms", _NUM),
-                                                    er.get("no_buckets_ms", _NUM)),
-            b.get("source", str, "default"), b.get("requests", int, 0))
-        return Manifest(
-            source_path=src.get("path", str), source_sha256=src.get("sha256", str),
-            device=r.get("device", dict), backend=r.get("backend", str),
-            settings=r.get("settings", dict), selected=r.get("selected", str),
-            buckets=buckets, variants=tuple(variants), selection=r.get("selection", str, ""),
-            margin=r.get("margin", _NUM, 0.03), notes=tuple(r.get("notes", list, [])),
-            version=r.get("version", int))
-    except ValueError as e:
-        raise BadInput(f"manifest: {e}") from None
+    from tuner.artifact_json import manifest_from_json as parse
+
+    return parse(obj)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -201,7 +201,7 @@ def seq_grid(req: Requests, limit: int | None, max_points: int = 8) -> tuple[int
     top = req.max_seq
     if limit is not None and top > limit:
         raise BadInput(f"{req.source}: a request has seq {top}, longer than the model's "
-                       f"maximum {limit}")
+                       f"maximum {limit} (its position table, or --max-seq)")
     cap = min(-(-top // 8) * 8, limit) if limit else -(-top // 8) * 8
     points = {cap}
     points |= {x for x in range(64, cap, 64)}

@@ -30,7 +30,7 @@ class OptimizeConfig:
     max_batch: int = 2
     rounds: int = 7
     warmup: int = 2
-    bucket_rounds: int = 2
+    bucket_rounds: int = 3
     margin: float = 0.03
     max_variants: int = 4
     max_buckets: int = 4

@@ -18,9 +18,13 @@ from tuner.errors import BadInput
 
 
 def _say(enabled: bool) -> Callable[[str], None]:
+    import time
+
+    t0 = time.perf_counter()
+
     def say(msg: str) -> None:
         if enabled:
-            print(f"tuner: {msg}", file=sys.stderr, flush=True)
+            print(f"tuner: [{time.perf_counter() - t0:5.0f} s] {msg}", file=sys.stderr, flush=True)
     return say
 
 
@@ -67,19 +71,42 @@ def _selection_shapes(req, grid, batch) -> list[tuple[int, int]]:
     return [(b, s) for s in seqs]
 
 
-def _plan(cfg, shape, facts, sel_shape, threads, say):
+def _probe_backend(backend_name: str) -> str:
+    """torch-cuda when the variants are timed on a GPU backend and torch sees the GPU."""
+    from tuner.probe import backend_unavailable
+
+    if backend_name != "ort-cpu" and backend_unavailable("torch-cuda") is None:
+        return "torch-cuda"
+    return "ort-cpu"
+
+
+def _cached_probe(cache, key_parts, threads, backend: str = "ort-cpu"):
+    """The GEMM probe through the results cache: a rerun plans the same candidates (and so
+    finds its variants' timings in the cache) instead of re-probing into other noise."""
+    from tuner.cache import entry_key
+    from tuner.probe import probe
+
+    def fn(gemms):
+        key = entry_key(*key_parts, (0, 0), {"probe": [g.describe() + g.label for g in gemms],
+                                              "threads": threads}, 5, 1)
+        hit = cache.get(key)
+        if hit is not None and len(hit.samples_ms) == len(gemms):
+            return list(hit.samples_ms)
+        times = [r.median_ms for r in probe(gemms, backend, rounds=5, warmup=1, threads=threads)]
+        cache.put_group({key: tuple(times)}, "probe")
+        return times
+    return fn
+
+
+def _plan(cfg, shape, facts, sel_shape, threads, say, probe_fn):
     from tuner import plan
 
     cands = plan.propose(shape, facts)
     notes: list[str] = []
     if len(cands) > 1 and cfg.probe:
-        from tuner.probe import probe
-
         say(f"probing {len(cands) - 1} candidate dims with the model's GEMMs at "
             f"M = {sel_shape[0]}x{sel_shape[1]}")
-        fn = lambda gemms: [r.median_ms for r in probe(gemms, "ort-cpu", rounds=5, warmup=1,
-                                                       threads=threads)]
-        cands = plan.predict(shape, cands, sel_shape[0], sel_shape[1], fn)
+        cands = plan.predict(shape, cands, sel_shape[0], sel_shape[1], probe_fn)
     elif len(cands) > 1:
         notes.append("GEMM probe skipped (--no-probe): candidates kept unranked")
     pad_room = cfg.max_variants - (2 if cfg.fuse and cfg.max_variants >= 3 else 1)
@@ -91,6 +118,18 @@ def _plan(cfg, shape, facts, sel_shape, threads, say):
         if len(kept) > 1 and len(kept) + 2 <= cfg.max_variants:
             fused.append(plan.with_fusion(kept[1]))
     return kept, fused, notes
+
+
+def _advise(cfg, shape, sel_shape, threads, say, pb: str = "ort-cpu"):
+    from tuner.advise import measure_advice
+    from tuner.artifact import Advice
+    from tuner.probe import probe
+
+    say("measuring retrain advice (non-exact reshapes, GEMM level, random weights)")
+    found = measure_advice(shape, sel_shape[0], sel_shape[1],
+                           lambda g, rounds: probe(g, pb, rounds=rounds, warmup=1,
+                                                   threads=threads), rounds=cfg.rounds)
+    return tuple(Advice(a.name, a.transforms, a.speedup, a.note) for a in found)
 
 
 def _build(cfg, kept, fused, shape, root, feeds, tol, backend, settings, say):
@@ -122,13 +161,20 @@ def _build(cfg, kept, fused, shape, root, feeds, tol, backend, settings, say):
     return built, notes
 
 
-def _variant_shape(path: Path, fallback) -> dict:
+def _variant_shape(b, source_shape) -> tuple[dict, str]:
+    """`tuner inspect` of a built variant; if inspect cannot read it (fused graphs are the
+    likely case), the source's shape with the pads applied, and a note saying so."""
+    from dataclasses import replace
+
     from tuner.graph.inspect import inspect_path
 
     try:
-        return inspect_path(path).to_json()
-    except BadInput:
-        return fallback.to_json()
+        return inspect_path(b.path).to_json(), b.note
+    except Exception as e:  # noqa: BLE001 - a variant that inspect misreads is still measured
+        fields = {"ffn": "ffn_size", "vocab": "vocab_size", "head_dim": "head_dim", "heads": "num_heads"}
+        pads = {fields[t.kind]: t.new for t in b.transforms if t.kind in fields}
+        note = f"inspect failed on this variant ({type(e).__name__}); shape derived from the source"
+        return replace(source_shape, **pads).to_json(), "; ".join(x for x in (b.note, note) if x)
 
 
 def _lat(stats) -> Latency:
@@ -173,8 +219,14 @@ def run_pipeline(cfg, model, root: Path):
     req, grid, batch, note = _traffic(cfg, positions)
     notes += [note] if note else []
     sel_shapes = _selection_shapes(req, grid, batch)
-    kept, fused, plan_notes = _plan(cfg, shape, facts, sel_shapes[0], threads, say)
+    source_sha = sha256_file(cfg.model)
+    dev_key = f"{info.label}|{backend.name}"
+    cache = ResultsCache.in_dir(cfg.cache_dir)
+    pb = _probe_backend(backend.name)
+    probe_fn = _cached_probe(cache, (source_sha, f"probe:{pb}", dev_key), threads, pb)
+    kept, fused, plan_notes = _plan(cfg, shape, facts, sel_shapes[0], threads, say, probe_fn)
     notes += plan_notes
+    advice = _advise(cfg, shape, sel_shapes[0], threads, say, pb) if cfg.advise else ()
     top = grid[-1]
     verify_shapes = sorted({(b, min(s, top)) for b, s in ((1, 7), (2, 16), (3, 33))})
     feeds = make_feeds(specs, vocab, verify_shapes)
@@ -183,9 +235,11 @@ def run_pipeline(cfg, model, root: Path):
 
     say(f"loading {len(built)} variant(s) on {backend.name}")
     all_shapes = [(b, s) for b in batch for s in grid]
-    targets = [bench.Target(n, backend.load(b.path, settings, all_shapes, None),
-                            file_sha256(graph_files(b))) for n, b in built.items()]
-    cache = ResultsCache.in_dir(cfg.cache_dir)
+    # hash before loading: a backend may write engines, which must not change the cache key
+    shas = {n: file_sha256(graph_files(b)) for n, b in built.items()}
+    targets = [bench.Target(n, backend.load(b.path, settings, all_shapes,
+                                            None if backend.name == "ort-cpu" else root / "engines" / n),
+                            shas[n]) for n, b in built.items()]
     feed_cache: dict = {}
 
     def feeds_for(s):
@@ -193,7 +247,6 @@ def run_pipeline(cfg, model, root: Path):
             feed_cache[s] = make_feeds(specs, vocab, [s], seed=1)[0]
         return feed_cache[s]
 
-    dev_key = f"{info.label}|{backend.name}"
     sjson = asdict(settings)
     with bench.rich_progress(cfg.progress, "comparing variants") as p:
         meas = bench.measure(targets, sel_shapes, feeds_for, cfg.rounds, cfg.warmup, cache,
@@ -207,7 +260,10 @@ def run_pipeline(cfg, model, root: Path):
     with bench.rich_progress(cfg.progress, f"timing {sel.name} on the bucket grid") as p:
         gmeas = bench.measure([winner], all_shapes, feeds_for, cfg.bucket_rounds, 1, cache,
                               backend.name, dev_key, sjson, p)
-    grid_lat = {s: gmeas.stats(sel.name, s).median for s in all_shapes}
+    # the median of >= 3 rounds shrugs off one hiccup; with fewer, the minimum does (noise on
+    # a busy machine only ever adds time)
+    grid_lat = {s: (st.median if st.n >= 3 else float(gmeas.samples[(sel.name, s)].min()))
+                for s in all_shapes for st in [gmeas.stats(sel.name, s)]}
     choice = choose(req, grid_lat, batch, grid, cfg.max_buckets)
     notes += [f"{len(meas.cached_shapes) + len(gmeas.cached_shapes)} shape(s) taken from the "
               "results cache"] if meas.cached_shapes or gmeas.cached_shapes else []
@@ -218,20 +274,21 @@ def run_pipeline(cfg, model, root: Path):
         if n == sel.name:
             lat.update({shape_key(*s): _lat(gmeas.stats(n, s)) for s in all_shapes
                         if shape_key(*s) not in lat})
+        vshape, vnote = _variant_shape(b, shape) if n != "original" else (shape.to_json(), b.note)
         variants.append(Variant(
-            name=n, path=b.rel, exact=b.exact, transforms=b.transforms,
-            shape=_variant_shape(b.path, shape) if n != "original" else shape.to_json(),
+            name=n, path=b.rel, exact=b.exact, transforms=b.transforms, shape=vshape,
             accuracy=b.accuracy, latency=lat,
             speedup=_speed(speedups[n]) if n in speedups else None,
             speedup_by_shape={shape_key(*s): _speed(meas.speedup_at(n, s)) for s in sel_shapes}
-            if n != "original" else {}, note=b.note))
+            if n != "original" else {}, note=vnote))
     manifest = Manifest(
-        source_path=str(cfg.model.resolve()), source_sha256=sha256_file(cfg.model),
+        source_path=str(cfg.model.resolve()), source_sha256=source_sha,
         device=info.to_json(), backend=backend.name, settings=sjson, selected=sel.name,
         buckets=Buckets(tuple(choice.batch), tuple(choice.seq),
                         ExpectedLatency(choice.expected_ms, choice.pad_to_max_ms, choice.no_buckets_ms),
                         req.source, req.count),
-        variants=tuple(variants), selection=sel.reason, margin=cfg.margin, notes=tuple(notes))
+        variants=tuple(variants), selection=sel.reason, margin=cfg.margin, notes=tuple(notes),
+        advice=advice)
     write_manifest(root, manifest)
     from tuner.report import write_report
 

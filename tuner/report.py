@@ -18,6 +18,11 @@ def _fmt_ci(sp) -> str:
     return "-" if sp is None else f"{sp.ratio:.3f}x [{sp.low:.3f}, {sp.high:.3f}]"
 
 
+def _shared_shapes(m: Manifest) -> list[str]:
+    keys = set.intersection(*(set(v.latency) for v in m.variants)) if m.variants else set()
+    return sorted(keys, key=parse_shape_key)
+
+
 def markdown(m: Manifest, coverage: Mapping[int, float] | None = None) -> str:
     sel = m.selected_variant()
     lines = [f"# shapetuner report: {Path(m.source_path).name}", "",
@@ -28,7 +33,9 @@ def markdown(m: Manifest, coverage: Mapping[int, float] | None = None) -> str:
              "## Variants", "",
              "Speedup = time(original) / time(variant): median of per-round paired ratios, "
              f"95% bootstrap interval; a variant wins only if the interval lies above "
-             f"{1 + m.margin:.2f}x.", "",
+             f"{1 + m.margin:.2f}x. Variants were compared at "
+             f"{', '.join(_shared_shapes(m)) or '-'} (batch x seq); the selected one was then "
+             "timed at every bucket shape.", "",
              "| variant | exact | gate | max abs err | transforms | speedup [95% CI] | latency (median, IQR) |",
              "|---|---|---|---|---|---|---|"]
     for v in m.variants:
@@ -39,6 +46,13 @@ def markdown(m: Manifest, coverage: Mapping[int, float] | None = None) -> str:
         lines.append(f"| {v.name} | {v.exact} | {'pass' if v.accuracy.passed else 'FAIL'} | {err} | "
                      f"{', '.join(t.label() for t in v.transforms) or '-'} | {_fmt_ci(v.speedup)} | "
                      f"{lat}{more} |")
+    if m.advice:
+        lines += ["", "## What a retrain would buy (--advise)", "",
+                  "Not exact: these change trained weights' meaning, so they are never selected "
+                  "or served. Measured at the GEMM level with random weights.", "",
+                  "| reshape | changes | speedup [95% CI] | how |", "|---|---|---|---|"]
+        lines += [f"| {a.name} | {', '.join(t.label() for t in a.transforms)} | "
+                  f"{_fmt_ci(a.speedup)} | {a.note} |" for a in m.advice]
     b = m.buckets
     lines += ["", "## Buckets", "", f"- batch: {list(b.batch)}", f"- sequence: {list(b.seq)}",
               f"- traffic: {b.source}" + (f" ({b.requests} requests)" if b.requests else "")]
@@ -77,7 +91,7 @@ def plots(m: Manifest, req=None, grid_latency: Mapping[Shape, float] | None = No
     out = {}
     # 1. latency per variant at the comparison shapes
     fig, ax = plt.subplots(figsize=(7, 3.2))
-    shared = sorted(set.intersection(*(set(v.latency) for v in m.variants)), key=parse_shape_key)
+    shared = _shared_shapes(m)
     width = 0.8 / max(len(m.variants), 1)
     for i, v in enumerate(m.variants):
         xs = [j + i * width for j in range(len(shared))]

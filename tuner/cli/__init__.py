@@ -21,7 +21,13 @@ EXIT_OK, EXIT_INTERNAL, EXIT_BAD_INPUT = 0, 1, 2
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; turn BadInput into exit 2 with one line, anything unexpected into exit 1."""
     try:
-        app(args=argv, prog_name="tuner", standalone_mode=False)
+        rv = app(args=argv, prog_name="tuner", standalone_mode=False)
+        # Without standalone mode typer *returns* exit codes: Ctrl-C comes back as 130,
+        # `raise typer.Exit(n)` as n. Commands themselves return None.
+        if isinstance(rv, int) and not isinstance(rv, bool) and rv:
+            if rv == 130:
+                print("tuner: interrupted", file=sys.stderr)
+            return rv
     except BadInput as e:
         print(f"tuner: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -40,12 +40,13 @@ def optimize(
     max_batch: int = typer.Option(2, help="largest batch bucket without --requests (powers of two up to it)"),
     rounds: int = typer.Option(7, help="interleaved timing rounds per shape when comparing variants"),
     warmup: int = typer.Option(2, help="untimed runs per variant and shape first"),
-    bucket_rounds: int = typer.Option(2, help="timing rounds per shape on the bucket grid"),
+    bucket_rounds: int = typer.Option(3, help="timing rounds per shape on the bucket grid"),
     margin: float = typer.Option(0.03, help="a variant wins only if its whole CI is above 1 + margin"),
     max_variants: int = typer.Option(4, help="most variants built and measured, the original included"),
     max_buckets: int = typer.Option(4, help="most sequence buckets"),
     fuse: bool = typer.Option(True, help="also try ONNX Runtime's transformer fusions"),
     probe: bool = typer.Option(True, help="rank candidate dims with a GEMM probe first"),
+    advise: bool = typer.Option(False, help="also measure non-exact reshapes (what a retrain would buy)"),
     threads: int = typer.Option(0, help="intra-op threads (0: the cores this process may use)"),
     graph_opt: str = typer.Option("all", help="ORT graph optimisation level: disable|basic|extended|all"),
     atol: float = typer.Option(1e-4, help="accuracy gate: absolute tolerance"),
@@ -68,7 +69,7 @@ def optimize(
         model=Path(path), out=out, backend=backend, requests=requests, max_seq=max_seq,
         max_batch=max_batch, rounds=rounds, warmup=warmup, bucket_rounds=bucket_rounds,
         margin=margin, max_variants=max_variants, max_buckets=max_buckets, fuse=fuse,
-        probe=probe, threads=threads, graph_optimization=graph_opt, atol=atol, rtol=rtol,
+        probe=probe, advise=advise, threads=threads, graph_optimization=graph_opt, atol=atol, rtol=rtol,
         cache_dir=None if no_cache else (cache_dir or default_cache_dir()), force=force,
         progress=not quiet and not as_json)
     result = run(cfg)

@@ -16,11 +16,16 @@ from tuner.cli.app import app
 def pad_cmd(
     model: Path = typer.Argument(..., help="the model to pad (.onnx)"),
     output: Path = typer.Option(..., "-o", "--output", help="where to write the padded model"),
-    ffn_multiple: Optional[int] = typer.Option(None, "--ffn-multiple", help="round the FFN width up to a multiple of N"),
-    vocab_multiple: Optional[int] = typer.Option(None, "--vocab-multiple", help="round the vocabulary up to a multiple of N"),
-    head_dim: Optional[int] = typer.Option(None, "--head-dim", help="pad the attention head dim to N"),
-    heads: Optional[int] = typer.Option(None, "--heads", help="pad the number of attention heads to N"),
-    hidden_multiple: Optional[int] = typer.Option(None, "--hidden-multiple", help="refused: the hidden size is never padded (explains why)"),
+    ffn_multiple: Optional[int] = typer.Option(
+        None, "--ffn-multiple", help="round the FFN width up to a multiple of N"),
+    vocab_multiple: Optional[int] = typer.Option(
+        None, "--vocab-multiple", help="round the vocabulary up to a multiple of N"),
+    head_dim: Optional[int] = typer.Option(
+        None, "--head-dim", help="pad the attention head dim to N"),
+    heads: Optional[int] = typer.Option(
+        None, "--heads", help="pad the number of attention heads to N"),
+    hidden_multiple: Optional[int] = typer.Option(
+        None, "--hidden-multiple", help="refused: the hidden size is never padded (says why)"),
     atol: float = typer.Option(1e-4, "--atol", help="absolute tolerance of the accuracy gate"),
     rtol: float = typer.Option(1e-3, "--rtol", help="relative tolerance of the accuracy gate"),
     as_json: bool = typer.Option(False, "--json", help="print the result as one JSON object"),
@@ -38,10 +43,12 @@ def pad_cmd(
     except ValueError as e:
         raise BadInput(str(e)) from None
     shape = inspect_model(load_model(model))
-    req = PadRequest.from_multiples(shape, ffn_multiple=ffn_multiple, vocab_multiple=vocab_multiple,
-                                    head_dim=head_dim, heads=heads, hidden_multiple=hidden_multiple)
-    if req.empty and not any(v is not None for v in (ffn_multiple, vocab_multiple, head_dim, heads)):
-        raise BadInput("nothing to pad: give --ffn-multiple, --vocab-multiple, --head-dim or --heads")
+    req = PadRequest.from_multiples(shape, ffn_multiple=ffn_multiple,
+                                    vocab_multiple=vocab_multiple, head_dim=head_dim,
+                                    heads=heads, hidden_multiple=hidden_multiple)
+    if all(v is None for v in (ffn_multiple, vocab_multiple, head_dim, heads)):
+        raise BadInput("nothing to pad: give --ffn-multiple, --vocab-multiple, --head-dim "
+                       "or --heads")
     try:
         result = pad_file(model, output, req, tolerance=tol)
     except NotExact as e:

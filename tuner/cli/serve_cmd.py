@@ -32,13 +32,18 @@ def serve(
     backend: Optional[str] = typer.Option(None, help="runtime backend (default: the one the "
                                                      "artifact was measured on, e.g. ort-cpu)"),
     max_batch: Optional[int] = typer.Option(None, help="rows per model run (default: the "
-                                                       "largest batch bucket; 1: no batching)"),
+                                                       "largest batch bucket at which the "
+                                                       "artifact's timings show batching pays; "
+                                                       "1: no batching)"),
     max_queue_delay_ms: float = typer.Option(0.0, help="how long the oldest request may wait "
                                                        "for a fuller batch (0: batch what is "
                                                        "queued when the model is free)"),
     shadow_fraction: float = typer.Option(0.0, help="share of requests also run on the "
                                                     "original and compared (metrics)"),
     workers: int = typer.Option(1, help="model runs at a time"),
+    pad_to: str = typer.Option("auto", help="pad batches to their sequence 'bucket', or only "
+                                            "to the 'longest' request in the batch; 'auto': "
+                                            "longest on CPU backends, bucket elsewhere"),
     threads: int = typer.Option(0, help="intra-op threads of the runtime (0: its default)"),
     tls_cert: Optional[Path] = typer.Option(None, help="PEM certificate: serve TLS"),
     tls_key: Optional[Path] = typer.Option(None, help="PEM private key of --tls-cert"),
@@ -62,7 +67,8 @@ def serve(
 
     logging.basicConfig(level=logging.WARNING, format="tuner serve: %(levelname)s %(message)s")
     try:
-        engine = EngineOptions(max_batch, max_queue_delay_ms, shadow_fraction, workers)
+        engine = EngineOptions(max_batch, max_queue_delay_ms, shadow_fraction, workers,
+                               pad_to=pad_to)
         settings = SessionSettings(intra_op_threads=threads)
     except ValueError as e:
         raise BadInput(str(e)) from None

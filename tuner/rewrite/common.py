@@ -77,24 +77,26 @@ def unique_name(graph: ir.Graph, base: str) -> str:
 def new_initializer(graph: ir.Graph, base: str, array: np.ndarray) -> ir.Value:
     """Register `array` as a new initializer named uniquely from `base`."""
     name = unique_name(graph, _safe(base))
-    tensor = ir.Tensor(np.ascontiguousarray(array), name=name)
+    tensor = ir.Tensor(np.array(array, order="C"), name=name)  # (ascontiguousarray makes 0-d 1-d)
     value = ir.Value(name=name, shape=ir.Shape(array.shape), type=ir.TensorType(tensor.dtype),
                      const_value=tensor)
     graph.register_initializer(value)
     return value
 
 
-def set_const_input(graph: ir.Graph, node: ir.Node, index: int, array: np.ndarray, tag: str) -> ir.Value:
+def set_const_input(graph: ir.Graph, node: ir.Node, index: int, array: np.ndarray, tag: str,
+                    scope: object = None) -> ir.Value:
     """Point input `index` of `node` at a new initializer holding `array` (copy on write).
 
-    The replaced constant is remembered on the new value: exporters share shape-computing
-    nodes between layers, so a later layer may meet a constant an earlier one already moved
-    and must read what it said originally (`original_const`)."""
+    Within one rewrite (`scope`), the replaced constant is remembered on the new value:
+    exporters share shape-computing nodes between layers, so a later layer may meet a
+    constant an earlier one already moved and must read what it said before that rewrite
+    began (`original_const`)."""
     before = node.inputs[index]
-    original = original_const(before) if before is not None else None
+    original = original_const(before, scope) if before is not None and scope is not None else None
     value = new_initializer(graph, f"{node.name}.{tag}", array)
     if original is not None:
-        value.meta[ORIGINAL] = original
+        value.meta[ORIGINAL] = (scope, original)
     node.replace_input_with(index, value)
     return value
 
@@ -102,10 +104,12 @@ def set_const_input(graph: ir.Graph, node: ir.Node, index: int, array: np.ndarra
 ORIGINAL = "shapetuner.original_const"
 
 
-def original_const(value: ir.Value | None) -> np.ndarray | None:
-    """The constant as the exported graph had it, before any rewrite replaced it."""
-    if value is not None and ORIGINAL in value.meta:
-        return value.meta[ORIGINAL]
+def original_const(value: ir.Value | None, scope: object = None) -> np.ndarray | None:
+    """The constant as it was when the rewrite `scope` began (before it replaced it)."""
+    if value is not None and scope is not None and ORIGINAL in value.meta:
+        owner, array = value.meta[ORIGINAL]
+        if owner == scope:
+            return array
     return const_array(value)
 
 
@@ -227,12 +231,16 @@ def save_atomic(model: ir.Model, dst: str | os.PathLike) -> Path:
     """Write `model` to `dst` so that `dst` is either the old file or the complete new one.
 
     Writes into a temporary folder beside `dst`, then renames (atomic on one file system);
-    a failure or Ctrl-C leaves no half-written file. Large models get their weights in
-    `dst.name + ".data"` beside it (renamed first, so the .onnx never points at nothing)."""
+    a failure or Ctrl-C leaves no half-written file. Large models (and models read with
+    external data) get their weights in `dst.name + ".data"` beside it (renamed first, so the
+    .onnx never points at nothing)."""
     dst = Path(dst)
     dst.parent.mkdir(parents=True, exist_ok=True)
-    big = sum(v.const_value.nbytes for v in model.graph.initializers.values()
-              if v.const_value is not None) > EXTERNAL_DATA_BYTES
+    tensors = [v.const_value for v in model.graph.initializers.values() if v.const_value is not None]
+    # Weights still mapped from the source's external data must be copied into our own data
+    # file: a plain save would keep pointing at the source's file, relative to the new folder.
+    big = (sum(t.nbytes for t in tensors) > EXTERNAL_DATA_BYTES
+           or any(isinstance(t, ir.ExternalTensor) for t in tensors))
     data_name = dst.name + ".data"
     with tempfile.TemporaryDirectory(dir=dst.parent, prefix=f".{dst.name}.") as tmp:
         tmp_path = Path(tmp) / dst.name

@@ -10,6 +10,7 @@ is refused with that reason.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 from dataclasses import dataclass
@@ -20,6 +21,11 @@ import onnx_ir as ir
 
 from tuner.errors import BadInput, RewriteRefused
 from tuner.graph.shape import ModelShape
+from tuner.rewrite.common import remove_unused, save_atomic
+from tuner.rewrite.ffn import pad_ffns
+from tuner.rewrite.head_dim import pad_head_dim
+from tuner.rewrite.heads import pad_heads
+from tuner.rewrite.vocab import pad_vocab
 from tuner.verify import Tolerance, VerifyResult
 
 HIDDEN_REFUSAL = ("the hidden size is never padded: LayerNorm/RMSNorm statistics (mean and "
@@ -78,10 +84,6 @@ def apply(model: ir.Model, shape: ModelShape, req: PadRequest) -> tuple[ir.Model
     """Apply the requested rewrites to `model` (edited in place and returned) and list them.
 
     Raises RewriteRefused (naming the node) on a pattern a rewrite does not understand."""
-    from tuner.rewrite.common import remove_unused
-    from tuner.rewrite.ffn import pad_ffn
-    from tuner.rewrite.vocab import pad_vocab
-
     graph = model.graph
     done: list[str] = []
     if req.vocab_size is not None:
@@ -92,18 +94,15 @@ def apply(model: ir.Model, shape: ModelShape, req: PadRequest) -> tuple[ir.Model
         ffns = [(i, layer.ffn) for i, layer in enumerate(shape.sites.layers) if layer.ffn]
         if not ffns:
             raise RewriteRefused("no FFN block found to pad")
-        olds = sorted({pad_ffn(graph, site, req.ffn_size, i) for i, site in ffns})
+        olds = sorted(set(pad_ffns(model, ffns, req.ffn_size)))
         if olds != [req.ffn_size]:
             done.append(f"ffn {'/'.join(map(str, olds))}->{req.ffn_size}")
     if req.head_dim is not None:
-        from tuner.rewrite.head_dim import pad_head_dim
-
         old = pad_head_dim(model, shape, req.head_dim)
         if old != req.head_dim:
             done.append(f"head_dim {old}->{req.head_dim}")
+        shape = dataclasses.replace(shape, head_dim=req.head_dim)  # node names are unchanged
     if req.num_heads is not None:
-        from tuner.rewrite.heads import pad_heads
-
         old = pad_heads(model, shape, req.num_heads)
         if old != req.num_heads:
             done.append(f"heads {old}->{req.num_heads}")
@@ -150,7 +149,6 @@ def pad_file(src: str | os.PathLike, dst: str | os.PathLike, req: PadRequest, ve
     from tuner.feeds import make_feeds
     from tuner.graph.inspect import inspect_model
     from tuner.graph.load import load_model
-    from tuner.rewrite.common import save_atomic
 
     src, dst = Path(src), Path(dst)
     if dst.resolve() == src.resolve():
@@ -169,7 +167,12 @@ def pad_file(src: str | os.PathLike, dst: str | os.PathLike, req: PadRequest, ve
 
             backend = get_backend("ort-cpu")
             feeds = list(feeds) if feeds is not None else make_feeds(src, vocab, shapes)
-            result = run_gate(backend.load(src), backend.load(staged), feeds, tolerance)
+            try:
+                candidate = backend.load(staged)
+            except Exception as e:  # noqa: BLE001 - a graph ORT rejects is our rewrite's bug
+                raise NotExact(VerifyResult((), len(feeds), "-", (
+                    f"the padded model does not load: {str(e).splitlines()[0]}",))) from None
+            result = run_gate(backend.load(src), candidate, feeds, tolerance)
             if not result:
                 raise NotExact(result)
         data = staged.parent / (dst.name + ".data")

@@ -24,7 +24,8 @@ import onnx_ir as ir
 
 from tuner.errors import RewriteRefused
 from tuner.graph.shape import AttentionSite, ModelShape
-from tuner.rewrite.axis import Track, Widen, identity
+from tuner.rewrite.axis import Track, Widen, identity, scatter
+from tuner.rewrite.axis_reshape import entries
 from tuner.rewrite.common import (Projection, const_array, new_initializer, projection,
                                   widen_inputs, widen_outputs)
 
@@ -39,14 +40,14 @@ def _flat(pos_head: tuple[int, ...], heads: int, new: int, offset: int = 0) -> l
     return [offset + h * new + p for h in range(heads) for p in pos_head]
 
 
-def _rank(widen: Widen, proj: Projection) -> int:
+def output_rank(widen: Widen, proj: Projection) -> int:
     r = widen.rank(proj.node.outputs[0]) or widen.rank(proj.node.inputs[0])
     if r is None:
         raise RewriteRefused(f"node {proj.node.name!r}: rank of its output unknown")
     return r
 
 
-def _neox_layout(proj: Projection, widen: Widen, d: int) -> bool:
+def neox_layout(proj: Projection, widen: Widen, d: int) -> bool:
     """True when the fused projection is reshaped to (.., heads, 3d) (GPT-NeoX), False for
     GPT-2's three [heads * d] blocks split apart."""
     frontier = [proj.node.outputs[0]]
@@ -56,7 +57,7 @@ def _neox_layout(proj: Projection, widen: Widen, d: int) -> bool:
             for use in v.uses():
                 n = use.node
                 if n.op_type == "Reshape" and use.idx == 0:
-                    ents = widen.entries(n, 1)
+                    ents = entries(widen, n, 1)
                     last = ents[-1].value if ents else None
                     if last == 3 * d:
                         return True
@@ -81,13 +82,13 @@ def _seed_block(graph: ir.Graph, widen: Widen, site: AttentionSite, layer: int, 
         kv_f = (width // d - heads) // 2
         if (heads + 2 * kv_f) * d != width:
             raise RewriteRefused(f"node {site.qkv!r}: {width} outputs are not (heads + 2 kv) * {d}")
-        if _neox_layout(proj, widen, d):
+        if neox_layout(proj, widen, d):
             pos = [h * 3 * new + b * new + p for h in range(heads)
                    for b, lay in enumerate((qk, qk, vv)) for p in lay]
         else:
             pos = (_flat(qk, heads, new) + _flat(qk, kv_f, new, heads * new)
                    + _flat(vv, kv_f, new, (heads + kv_f) * new))
-        rank = _rank(widen, proj)
+        rank = output_rank(widen, proj)
         new_width = (heads + 2 * kv_f) * new
         widen_outputs(graph, proj, new_width, tag, np.array(pos))
         widen.seed(proj.node.outputs[0], Track(-1, rank, tuple(pos), new_width))
@@ -98,7 +99,7 @@ def _seed_block(graph: ir.Graph, widen: Widen, site: AttentionSite, layer: int, 
             if n * d != proj.out_features:
                 raise RewriteRefused(f"node {name!r}: {proj.out_features} outputs are not heads * {d}")
             pos = _flat(lay, n, new)
-            rank = _rank(widen, proj)
+            rank = output_rank(widen, proj)
             widen_outputs(graph, proj, n * new, tag, np.array(pos))
             widen.seed(proj.node.outputs[0], Track(-1, rank, tuple(pos), n * new))
     o = projection(graph, site.o)
@@ -133,8 +134,6 @@ def _seed_rotary(graph: ir.Graph, widen: Widen, d: int, new: int) -> int:
                     if c.dtype.kind == "f" and c.size > 1 and half in c.shape and v not in widen.tracks:
                         axis = c.shape.index(half) - c.ndim
                         t = Track(axis, c.ndim, identity(half), new // 2)
-                        from tuner.rewrite.axis import scatter
-
                         padded = new_initializer(graph, f"{v.name or 'rotary'}.headdim{new}",
                                                  scatter(c, axis, t))
                         v.replace_all_uses_with(padded)

@@ -21,11 +21,15 @@ from tuner.rewrite.common import const_array, original_const
 ShapeOf = Callable[[ir.Value, str], "np.ndarray | None"]
 
 _MAX_SIZE = 64  # shape vectors and scalars only: never evaluate real tensors
+_OPS = {"Shape", "Identity", "Cast", "Squeeze", "Unsqueeze", "Reshape", "Floor", "Ceil", "Sqrt",
+        "Reciprocal", "Neg", "Gather", "Concat", "Slice", "Add", "Sub", "Mul", "Div", "Pow",
+        "Max", "Min"}
 
 
 class ShapeMath:
-    def __init__(self, shape_of: ShapeOf) -> None:
+    def __init__(self, shape_of: ShapeOf, scope: object = None) -> None:
         self.shape_of = shape_of
+        self.scope = scope  # the rewrite whose replaced constants "old" mode reads
         self.memo: dict[tuple[int, str], np.ndarray | None] = {}
 
     def eval(self, value: ir.Value | None, mode: str) -> np.ndarray | None:
@@ -36,7 +40,8 @@ class ShapeMath:
             self.memo[key] = None  # cycles cannot happen in a DAG; this also bounds recursion
             try:
                 out = self._eval(value, mode)
-            except (ValueError, IndexError, TypeError, ZeroDivisionError, KeyError):
+            except (ValueError, IndexError, TypeError, ZeroDivisionError, KeyError,
+                    RecursionError):
                 out = None
             if out is not None and out.size > _MAX_SIZE:
                 out = None
@@ -44,12 +49,12 @@ class ShapeMath:
         return self.memo[key]
 
     def _eval(self, value: ir.Value, mode: str) -> np.ndarray | None:
-        c = original_const(value) if mode == "old" else const_array(value)
+        c = original_const(value, self.scope) if mode == "old" else const_array(value)
         if c is not None:
             return c.astype(np.float64) if c.size <= _MAX_SIZE and c.dtype.kind in "biuf" else None
         node = value.producer()
-        if node is None:
-            return None
+        if node is None or node.op_type not in _OPS or node.domain not in ("", "ai.onnx"):
+            return None  # data ops (MatMul, Softmax, ...) are never shape math: stop here
         op = node.op_type
         ins = node.inputs
         if op == "Shape":
@@ -108,23 +113,26 @@ class ShapeMath:
         return None
 
 
-def is_int(value: ir.Value | None) -> bool:
-    """Integer-typed shape math divides with floor (torch's // on sizes)."""
-    if value is None:
-        return False
-    c = const_array(value)
-    if c is not None:
-        return c.dtype.kind in "iu"
-    if value.dtype is not None:
-        return value.dtype.is_integer()
-    node = value.producer()
-    if node is None:
-        return False
-    if node.op_type == "Cast":
-        return ir.DataType(node.attributes["to"].value).is_integer()
-    if node.op_type in ("Shape", "Size"):
-        return True
-    return any(is_int(v) for v in node.inputs[:1])
+def is_int(value: ir.Value | None, depth: int = 32) -> bool:
+    """Integer-typed shape math divides with floor (torch's // on sizes). Follows first inputs
+    back (TorchScript leaves types off) at most `depth` steps."""
+    for _ in range(depth):
+        if value is None:
+            return False
+        c = const_array(value)
+        if c is not None:
+            return c.dtype.kind in "iu"
+        if value.dtype is not None:
+            return value.dtype.is_integer()
+        node = value.producer()
+        if node is None:
+            return False
+        if node.op_type == "Cast":
+            return ir.DataType(node.attributes["to"].value).is_integer()
+        if node.op_type in ("Shape", "Size"):
+            return True
+        value = node.inputs[0] if node.inputs else None
+    return False
 
 
 def scalar(arr: np.ndarray | None) -> float | None:

@@ -15,6 +15,10 @@ class SessionSettings:
     intra_op_threads: int = 0  # 0: the runtime's default (all physical cores)
     inter_op_threads: int = 1
     graph_optimization: str = "all"  # disable | basic | extended | all
+    # Idle ORT sessions spin-wait on their thread pools and steal the cores of the session
+    # being timed: interleaved benchmarks keep several alive, so spinning is off by default.
+    # A server with one hot session may turn it on for a little latency.
+    allow_spinning: bool = False
 
     def __post_init__(self) -> None:
         if self.graph_optimization not in ("disable", "basic", "extended", "all"):

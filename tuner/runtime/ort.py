@@ -21,6 +21,8 @@ def session_options(settings: SessionSettings):
     so.intra_op_num_threads = settings.intra_op_threads
     so.inter_op_num_threads = settings.inter_op_threads
     so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, _LEVELS[settings.graph_optimization])
+    so.add_session_config_entry("session.intra_op.allow_spinning", "1" if settings.allow_spinning else "0")
+    so.add_session_config_entry("session.inter_op.allow_spinning", "1" if settings.allow_spinning else "0")
     so.log_severity_level = 3  # errors only: ORT's warnings about unused initializers are noise here
     return so
 
