@@ -3,6 +3,14 @@
 One command, run after any edit of the .proto; tests/test_serving_protos.py fails when the
 committed stubs differ from what this writes.
 
+The committed stubs were generated with grpcio-tools 1.72.2, whose protobuf gencode (6.30)
+loads on protobuf 6.30+ and 7.x runtimes (tritonclient requires protobuf < 7; a newer
+generator would write stubs that refuse protobuf 6). Regenerate with that version, e.g.
+    python3 -m venv /tmp/gt && /tmp/gt/bin/pip install grpcio-tools==1.72.2
+    /tmp/gt/bin/python -m serving.gen_protos
+The staleness test compares the generated descriptor and RPC paths, not the generator's
+text, so it holds with any grpcio-tools version installed.
+
 Two things differ from a plain `grpc_tools.protoc` run, both on purpose:
 - the .proto is compiled as `serving/_generated/inference.proto`, so the generated modules
   import each other as `serving._generated...` instead of as top-level modules;
@@ -65,7 +73,17 @@ def generate(out_dir: Path, proto_text: str | None = None) -> list[Path]:
         return written
 
 
+GENERATOR = "1.72.2"
+
+
 def main() -> int:
+    from importlib.metadata import version
+
+    found = version("grpcio-tools")
+    if found != GENERATOR:
+        print(f"warning: grpcio-tools {found}, not {GENERATOR}: the stubs written now need a "
+              f"protobuf runtime at least as new as its gencode (see this module's docstring)",
+              file=sys.stderr)
     for path in generate(OUT_DIR):
         print(f"wrote {path.relative_to(ROOT)}")
     return 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import onnx
 
 from tuner.feeds import make_feeds
 from tuner.graph.inspect import inspect_path
@@ -28,6 +29,7 @@ def pad_and_check(src: Path, dst: Path, req: PadRequest) -> tuple[PadResult, Mod
     result = pad_file(src, dst, req, shapes=GATE_SHAPES)
     assert result.accuracy is not None and result.accuracy, result.accuracy.table()
     assert dst.exists()
+    onnx.checker.check_model(str(dst))  # unique names, no dangling inputs
     assert io_signature(dst) == io_signature(src)
     original = inspect_path(src)
     vocab = original.vocab_size or 100

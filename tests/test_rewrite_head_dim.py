@@ -13,7 +13,7 @@ from tuner.feeds import make_feeds
 from tuner.graph.inspect import inspect_model, inspect_path
 from tuner.graph.load import load_model
 from tuner.rewrite.common import const_array, find_node, new_initializer, save_atomic
-from tuner.rewrite.compose import PadRequest, apply
+from tuner.rewrite.compose import PadRequest, apply, pad_file
 from tuner.runtime.registry import get_backend
 from tuner.verify import verify
 
@@ -146,3 +146,27 @@ def test_refusals(reference_model):
         apply(model, shape, PadRequest(head_dim=64))
     with pytest.raises(RewriteRefused, match="full rotary needs even head dims"):
         apply(model, shape, PadRequest(head_dim=97))
+
+
+from test_inspect import llama_opset23  # noqa: E402,F401  (the fixture: an opset-23 export)
+
+
+def test_onnx_attention_op_gets_its_scale_written(llama_opset23, tmp_path):
+    """Opset 23: ONNX's Attention defaults its scale to 1/sqrt(head size). An export that
+    leaves the attribute out must get 1/sqrt(16) written, or padding to 32 changes the
+    softmax; RotaryEmbedding sees per-half heads and half-size caches."""
+    model = load_model(llama_opset23)
+    for node in model.graph:
+        if node.op_type == "Attention":
+            node.attributes.pop("scale")
+    implicit = save_atomic(model, tmp_path / "implicit.onnx")
+    shapes = [(1, 5), (1, 12)]  # ORT's RotaryEmbedding runs this export at batch 1 only
+    backend = get_backend("ort-cpu")
+    feeds = make_feeds(llama_opset23, 1024, shapes)
+    assert verify(backend.load(llama_opset23), backend.load(implicit), feeds)
+    result = pad_file(implicit, tmp_path / "hd.onnx", PadRequest(head_dim=32), shapes=shapes)
+    assert result.accuracy and result.transforms == ("head_dim 16->32",)
+    scales = [n.attributes["scale"].value for n in load_model(tmp_path / "hd.onnx").graph
+              if n.op_type == "Attention"]
+    assert scales == [pytest.approx(0.25)] * 2
+    assert inspect_path(tmp_path / "hd.onnx").head_dim == 32

@@ -90,6 +90,9 @@ def test_missing_output_and_broken_candidate_fail(tmp_path):
     result = verify(ref, Broken(), _feeds())
     assert not result and "candidate failed to run" in result.errors[0]
     assert result.to_json()["passed"] is False
+    result = verify(Broken(), ref, _feeds())
+    assert not result and "the reference failed to run" in result.errors[0]
+    assert "(2, 5)" in result.errors[0]  # says which input shape broke
 
 
 def test_tolerance_validation_messages():

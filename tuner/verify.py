@@ -169,11 +169,17 @@ def verify(reference: Runner, candidate: Runner, feeds: Sequence[Mapping[str, np
     accs: dict[str, _Acc] = {}
     errors: list[str] = []
     for i, feed in enumerate(feeds):
-        ref_out = reference.infer(feed)
+        shapes = {k: tuple(v.shape) for k, v in feed.items()}
+        try:
+            ref_out = reference.infer(feed)
+        except Exception as e:  # noqa: BLE001 - nothing to compare against: the gate fails
+            errors.append(f"feed {i} {shapes}: the reference failed to run: {type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}")
+            continue
         try:
             cand_out = candidate.infer(feed)
         except Exception as e:  # noqa: BLE001 - a candidate that cannot run fails the gate
-            errors.append(f"feed {i}: candidate failed to run: {type(e).__name__}: "
+            errors.append(f"feed {i} {shapes}: candidate failed to run: {type(e).__name__}: "
                           f"{str(e).splitlines()[0] if str(e) else ''}")
             continue
         mask = _find_mask(feed)

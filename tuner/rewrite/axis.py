@@ -167,7 +167,9 @@ class Widen:
                     if out.is_graph_output():
                         raise self.refuse(node, "the widened axis reaches a graph output")
                     self.tracks[out] = t
-                    out.shape = None  # stale: the exporter's annotation had the old size
+        for value in self.tracks:  # stale now: the exporter's annotations had the old size
+            if not value.is_graph_output() and value.const_value is None:
+                value.shape = None
 
     # -- nodes without a tracked input: pin computed scales ---------------------------------
     def _untracked(self, node: ir.Node) -> None:
@@ -314,4 +316,4 @@ class Widen:
 
 
 # The handlers of shape vectors and slicing register themselves on import.
-from tuner.rewrite import axis_reshape, axis_slice  # noqa: E402,F401
+from tuner.rewrite import axis_fused, axis_reshape, axis_slice  # noqa: E402,F401

@@ -126,7 +126,8 @@ def op_Reshape(w: Widen, node: ir.Node, tin: list) -> list:
             return [_merge(w, t, v_new // t.new, r_out)]
     if v_old == t.old and last.value is not None:
         last.setter(t.new)
-        return [t.moved(rank=r_out)]
+        # leading axes regrouped (GQA's (kv, n_rep) -> heads): the heads count is not known
+        return [t.moved(rank=r_out, group=t.group if r_out == t.rank else None)]
     if v_old is not None and v_old > t.old and v_old % t.old == 0 and r_out < t.rank:
         # (.., heads, d) -> (.., heads * d): the heads count is what the target says
         if last.setter is not None:

@@ -14,7 +14,9 @@ refuses what it does not understand). Details that make it exact:
   padded per head inside each block; grouped-query attention pads kv heads by their count.
 - The softmax scale stays 1/sqrt(d): a scale computed from the query's shape at run time
   (TorchScript) is pinned to the constant it evaluated to; constant scales are kept.
-- Fused attention ops (ORT's Attention with its implicit scale) are refused.
+- ONNX's Attention op (opset 23) gets its scale attribute written (its default would be
+  1/sqrt(d')); RotaryEmbedding is checked to see per-half padded heads and half-size caches.
+  ONNX Runtime's com.microsoft fused attention ops are refused.
 """
 
 from __future__ import annotations
@@ -162,7 +164,7 @@ def pad_head_dim(model: ir.Model, shape: ModelShape, new: int) -> int:
     if not sites:
         raise RewriteRefused("no attention block found to pad")
     for i, site in sites:
-        if site.fused_op:
+        if site.fused_op and site.fused_op != "Attention":  # ONNX's own (opset 23) is handled
             raise RewriteRefused(f"layer {i}: fused attention op {site.fused_op} (its implicit "
                                  "scale and packed layout are not rewritten); pad the unfused graph")
         if site.rotary == "full" and (d % 2 or new % 2):
