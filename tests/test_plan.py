@@ -87,7 +87,8 @@ def test_prune():
     kept, notes = prune(cands, max_variants=3)
     assert [c.name for c in kept] == ["original", "a+b", "vocab-50304"]
     assert any("pruned ffn-608" in n for n in notes)
-    assert any("dropped vocab-50264: vocab-50304 ranks higher" in n for n in notes)
+    assert any("dropped vocab-50264 (predicted 1.010x): vocab-50304 ranks higher (predicted 1.020x)" in n
+               for n in notes)
     assert any("dropped head_dim-96: over the limit" in n for n in notes)
     # without predictions the multiple of 64 is preferred
     kept, _ = prune([cands[0], _c("v8", "vocab", 50264, None), _c("v64", "vocab", 50304, None)], 4)

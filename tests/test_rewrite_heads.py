@@ -11,7 +11,8 @@ from tuner.graph.load import load_model
 from tuner.rewrite.compose import PadRequest, apply
 
 CASES = [(fam, exp) for fam in ("gpt2", "bert") for exp in ("torchscript", "dynamo")]
-CASES += [("gpt_neox", "dynamo"), ("llama", "torchscript"), ("llama", "dynamo")]
+CASES += [("gpt_neox", "dynamo"), ("llama", "torchscript"), ("llama", "dynamo"),
+          ("phi3", "torchscript")]  # phi3: fused QKV with grouped-query attention
 
 
 @pytest.mark.parametrize("family,exporter", CASES)
@@ -39,9 +40,9 @@ def test_gqa_keeps_each_query_head_in_its_kv_group(reference_model, tmp_path):
 
 
 def test_refusals(reference_model):
-    model = load_model(reference_model("phi3", "awkward", "dynamo"))
-    with pytest.raises(RewriteRefused, match="fused QKV with grouped-query attention"):
-        apply(model, inspect_model(model), PadRequest(num_heads=4))
+    model = load_model(reference_model("llama", "small", "dynamo"))  # 4 heads, 2 kv heads
+    with pytest.raises(RewriteRefused, match="must stay a multiple of 2"):
+        apply(model, inspect_model(model), PadRequest(num_heads=5))
     model = load_model(reference_model("gpt2", "awkward", "dynamo"))
     with pytest.raises(RewriteRefused, match="cannot pad to the smaller 1"):
         apply(model, inspect_model(model), PadRequest(num_heads=1))

@@ -132,6 +132,27 @@ def _advise(cfg, shape, sel_shape, threads, say, pb: str = "ort-cpu"):
     return tuple(Advice(a.name, a.transforms, a.speedup, a.note) for a in found)
 
 
+def _gate_on_backend(built, targets, feeds, tol, backend, settings):
+    """Gate every variant again as the measured backend runs it (fp16 conversion, TensorRT
+    tactics), against the original on the CPU: a variant exact on the CPU can still be off on
+    the backend, and it must then not be selected."""
+    from dataclasses import replace
+
+    from tuner.runtime.registry import get_backend
+    from tuner.variants import accuracy_of
+    from tuner.verify import Tolerance, verify
+
+    reference = get_backend("ort-cpu").load(built["original"].path, settings)
+    tolerance = Tolerance.fp16() if backend.precision == "fp16" else tol
+    gated, notes = dict(built), []
+    for t in targets:
+        acc = accuracy_of(verify(reference, t.runner, feeds, tolerance))
+        gated[t.name] = replace(built[t.name], accuracy=acc)
+        if not acc.passed:
+            notes.append(f"{t.name} failed the accuracy gate on {backend.name}: {acc.detail}")
+    return gated, notes
+
+
 def _build(cfg, kept, fused, shape, root, feeds, tol, backend, settings, say):
     from tuner.variants import build_fused, build_padded, copy_original
 
@@ -240,6 +261,9 @@ def run_pipeline(cfg, model, root: Path):
     targets = [bench.Target(n, backend.load(b.path, settings, all_shapes,
                                             None if backend.name == "ort-cpu" else root / "engines" / n),
                             shas[n]) for n, b in built.items()]
+    if backend.name != "ort-cpu":
+        built, gate_notes = _gate_on_backend(built, targets, feeds, tol, backend, settings)
+        notes += gate_notes
     feed_cache: dict = {}
 
     def feeds_for(s):

@@ -175,9 +175,10 @@ def prune(cands: Sequence[Candidate], max_variants: int, prune_below: float = 0.
         if single and best_of[c.transforms[0].kind] is not c:
             keep.remove(c)
             best = best_of[c.transforms[0].kind]
-            notes.append(f"dropped {c.name}: {best.name} ranks higher"
-                         + (f" (predicted {c.predicted:.3f}x against {best.predicted:.3f}x)"
-                            if c.predicted is not None and best.predicted is not None else ""))
+            both = c.predicted is not None and best.predicted is not None
+            notes.append(f"dropped {c.name}" + (f" (predicted {c.predicted:.3f}x)" if both else "")
+                         + f": {best.name} ranks higher"
+                         + (f" (predicted {best.predicted:.3f}x)" if both else ""))
     keep.sort(key=_rank)
     room = max(0, max_variants - len(original))
     for c in keep[room:]:

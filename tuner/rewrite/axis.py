@@ -74,6 +74,16 @@ def identity(n: int) -> tuple[int, ...]:
     return tuple(range(n))
 
 
+def _widened_shape(shape: ir.Shape | None, t: Track) -> ir.Shape | None:
+    """The exporter's annotation with the widened dim updated (symbolic dims kept, so that
+    inspect still reads the variant); None (unknown) when it does not fit the track."""
+    if shape is None or len(shape) != t.rank or shape[t.axis] != t.old:
+        return None
+    dims = list(shape.dims)
+    dims[t.axis] = t.new
+    return ir.Shape(dims)
+
+
 def scatter(array: np.ndarray, axis: int, t: Track, fill: float = 0.0) -> np.ndarray:
     shape = list(array.shape)
     shape[axis] = t.new
@@ -167,9 +177,11 @@ class Widen:
                     if out.is_graph_output():
                         raise self.refuse(node, "the widened axis reaches a graph output")
                     self.tracks[out] = t
-        for value in self.tracks:  # stale now: the exporter's annotations had the old size
+        for value, t in self.tracks.items():
             if not value.is_graph_output() and value.const_value is None:
-                value.shape = None
+                value.shape = _widened_shape(value.shape, t)
+
+
 
     # -- nodes without a tracked input: pin computed scales ---------------------------------
     def _untracked(self, node: ir.Node) -> None:

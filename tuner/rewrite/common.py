@@ -169,6 +169,7 @@ def projection(graph: ir.Graph, name: str, const_weight: bool = True) -> Project
 def widen_outputs(graph: ir.Graph, proj: Projection, new_size: int, tag: str,
                   columns: np.ndarray | None = None) -> None:
     """Grow the projection's output features to `new_size` with zero weights (and zero bias).
+    (The output's shape annotation is the caller's to update: the axis engine does it.)
 
     `columns`, when given, is where each old output feature goes (length old, values < new);
     otherwise the new features are appended at the end."""
@@ -185,7 +186,6 @@ def widen_outputs(graph: ir.Graph, proj: Projection, new_size: int, tag: str,
         elif b.size != 1:
             raise RewriteRefused(f"node {proj.node.name!r}: Gemm bias of shape {b.shape} "
                                  "does not match its output features")
-    proj.node.outputs[0].shape = None
 
 
 def widen_inputs(graph: ir.Graph, proj: Projection, new_size: int, tag: str,

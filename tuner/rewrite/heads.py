@@ -1,4 +1,4 @@
-"""Head count a -> a' > a, exactly (multi-head attention).
+"""Head count a -> a' > a, exactly (multi-head and grouped-query attention).
 
 The new heads are all zeros: zero Q/K/V columns give them zero queries, keys and values, so
 each new head attends uniformly to zero vectors and outputs zeros; zero output-projection rows
@@ -24,10 +24,10 @@ from tuner.rewrite.common import projection, widen_inputs, widen_outputs
 from tuner.rewrite.head_dim import neox_layout, output_rank
 
 
-def _repeat_expand(start: ir.Value, limit: int = 40) -> ir.Node | None:
-    """The Expand that repeats a kv head for its group (GQA's repeat_kv), downstream of the
-    k or v projection."""
-    frontier, seen = [start], set()
+def _repeat_expands(start: ir.Value, limit: int = 80) -> list[ir.Node]:
+    """The Expands that repeat kv heads for their groups (GQA's repeat_kv), downstream of a
+    k or v (or fused qkv) projection and upstream of the attention MatMuls."""
+    frontier, seen, found = [start], set(), []
     while frontier and len(seen) < limit:
         v = frontier.pop(0)
         for use in v.uses():
@@ -36,31 +36,42 @@ def _repeat_expand(start: ir.Value, limit: int = 40) -> ir.Node | None:
                 continue
             seen.add(n)
             if n.op_type == "Expand" and use.idx == 0:
-                return n
-            if n.op_type in ("MatMul", "Softmax", "Gemm"):
-                continue
-            frontier.extend(n.outputs)
-    return None
+                found.append(n)
+            elif n.op_type not in ("MatMul", "Softmax", "Gemm", "Attention"):
+                frontier.extend(n.outputs)
+    return found
 
 
 def _seed_gqa(graph: ir.Graph, widen: Widen, site: AttentionSite, a: int, kv: int, new: int,
               d: int, reached: dict[str, bool]) -> None:
     """Query heads grow per kv group (a/kv -> new/kv), keeping head h in group h // (a/kv):
-    the k/v projections stay, the repeat Expand repeats each kv head new/kv times."""
+    the k/v weights stay, the Expand that repeats each kv head repeats it new/kv times."""
     r, r_new = a // kv, new // kv
     slot = [(h // r) * r_new + h % r for h in range(a)]
-    q = projection(graph, site.q)
-    if q.out_features != a * d:
-        raise RewriteRefused(f"node {site.q!r}: {q.out_features} outputs are not {a} x {d}")
-    pos = tuple(slot[h] * d + j for h in range(a) for j in range(d))
-    widen_outputs(graph, q, new * d, f"heads{new}", np.array(pos))
-    widen.seed(q.node.outputs[0], Track(-1, output_rank(widen, q), pos, new * d))
-    for name in (site.k, site.v):
-        proj = projection(graph, name)
-        expand = _repeat_expand(proj.node.outputs[0])
-        ents = entries(widen, expand, 1) if expand is not None else None
+    q_pos = [slot[h] * d + j for h in range(a) for j in range(d)]
+    proj = projection(graph, site.qkv or site.q)
+    if site.qkv:  # [q | k | v]: only the q block grows, k and v move along unchanged
+        if proj.out_features != (a + 2 * kv) * d:
+            raise RewriteRefused(f"node {site.qkv!r}: {proj.out_features} outputs are not "
+                                 f"({a} + 2 x {kv}) x {d}")
+        pos = q_pos + [new * d + i for i in range(2 * kv * d)]
+        starts = [proj.node.outputs[0]]
+    else:
+        if proj.out_features != a * d:
+            raise RewriteRefused(f"node {site.q!r}: {proj.out_features} outputs are not {a} x {d}")
+        pos = q_pos
+        starts = [projection(graph, name).node.outputs[0] for name in (site.k, site.v)]
+    width = new * d + (proj.out_features - a * d)
+    widen_outputs(graph, proj, width, f"heads{new}", np.array(pos))
+    widen.seed(proj.node.outputs[0], Track(-1, output_rank(widen, proj), tuple(pos), width))
+    expands = [e for start in starts for e in _repeat_expands(start)]
+    if len(expands) != 2:
+        raise RewriteRefused(f"{site.qkv or site.k!r}: expected the two Expands that repeat the "
+                             f"kv heads, found {len(expands)}")
+    for expand in expands:
+        ents = entries(widen, expand, 1)
         if not ents or len(ents) < 3 or ents[-3].value != r:
-            raise RewriteRefused(f"node {name!r}: no repeat of the kv heads (Expand by {r}) found")
+            raise RewriteRefused(f"node {expand.name!r}: does not repeat the kv heads {r} times")
         ents[-3].setter(r_new)
         widen.seed(expand.outputs[0], Track(-3, len(ents), tuple(range(r)), r_new))
     _sink(graph, widen, site, a, d, new, reached)
@@ -134,8 +145,6 @@ def pad_heads(model: ir.Model, shape: ModelShape, new: int) -> int:
     reached: dict[str, bool] = {}
     for _, site in sites:
         if kv != a:
-            if site.qkv:
-                raise RewriteRefused(f"{site.qkv!r}: fused QKV with grouped-query attention")
             _seed_gqa(model.graph, widen, site, a, kv, new, d, reached)
         else:
             _seed(model.graph, widen, site, a, new, d, reached)
