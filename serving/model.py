@@ -7,7 +7,7 @@ tuner.runtime.registry (how to run it) and tuner.verify / tuner.feeds (whether i
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Callable, Mapping
 
@@ -18,6 +18,7 @@ from serving.batcher import Layout
 from tuner.artifact import Buckets, Latency, Manifest, read_manifest, variant_path
 from tuner.errors import BadInput
 from tuner.feeds import make_feeds
+from tuner.graph.load import check_external_data, read_proto
 from tuner.runtime.base import Runner, SessionSettings
 from tuner.runtime.registry import get_backend
 from tuner.verify import Tolerance, VerifyResult, verify
@@ -109,10 +110,17 @@ def _vocab(graph: onnx.GraphProto, token_input: str) -> int | None:
     return None
 
 
+def _checked(path: Path) -> onnx.ModelProto:
+    """The graph's structure through the project's safe loader: BadInput (exit 2) for a
+    corrupt file or external data that is missing or points outside the artifact."""
+    proto = read_proto(path)
+    check_external_data(proto, path.parent)
+    return proto
+
+
 def read_signature(path: Path) -> Signature:
     """Inputs, outputs and vocabulary of an ONNX graph (structure only: no weights read)."""
-    proto = onnx.load(str(path), load_external_data=False)
-    graph = proto.graph
+    graph = _checked(path).graph
     inits = {i.name for i in graph.initializer}
     inputs = tuple(_spec(v) for v in graph.input if v.name not in inits)
     outputs = tuple(_spec(v) for v in graph.output)
@@ -142,6 +150,15 @@ def _gate_feeds(path: Path, vocab: int, buckets: Buckets) -> list[dict[str, np.n
     return make_feeds(path, vocab, shapes, seed=0)
 
 
+def _recorded_settings(manifest: Manifest) -> SessionSettings:
+    """The session settings the artifact was timed with (unknown keys ignored)."""
+    known = {f.name for f in fields(SessionSettings)}
+    try:
+        return SessionSettings(**{k: v for k, v in manifest.settings.items() if k in known})
+    except (TypeError, ValueError) as e:
+        raise BadInput(f"manifest: settings: {e}") from None
+
+
 def load_artifact(out_dir: str | Path, backend: str | None = None,
                   settings: SessionSettings | None = None, model_name: str | None = None,
                   tolerance: Tolerance = Tolerance(),
@@ -151,20 +168,22 @@ def load_artifact(out_dir: str | Path, backend: str | None = None,
     out = Path(out_dir)
     manifest: Manifest = read_manifest(out)
     backend = backend or manifest.backend
-    settings = settings or SessionSettings()
+    settings = settings or _recorded_settings(manifest)
     name = model_name or Path(manifest.source_path).stem
     loader = get_backend(backend)
     shapes = [(b, s) for b in manifest.buckets.batch for s in manifest.buckets.seq]
     cache = out / "cache" / backend
     original_path = variant_path(out, manifest.variant("original"))
-    original = loader.load(original_path, settings, shapes, cache)
     signature = read_signature(original_path)
+    original = loader.load(original_path, settings, shapes, cache)
     vocab = signature.vocab_size or manifest.variant("original").shape.get("vocab_size") or 2
     chosen = manifest.selected_variant()
     runner, served, gate = original, "original", None
     note = "serving the original (the artifact selected it)"
     if chosen.name != "original":
-        candidate = loader.load(variant_path(out, chosen), settings, shapes, cache)
+        candidate_path = variant_path(out, chosen)
+        _checked(candidate_path)
+        candidate = loader.load(candidate_path, settings, shapes, cache)
         gate = verify(original, candidate, _gate_feeds(original_path, vocab, manifest.buckets),
                       tolerance)
         if gate:

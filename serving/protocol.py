@@ -15,7 +15,7 @@ import numpy as np
 
 from serving._generated import inference_pb2 as pb
 from serving.datatypes import DATATYPES, datatype_of
-from serving.errors import InvalidArgument, NotFound, ServingError, Unauthenticated, Unavailable
+from serving.errors import InvalidArgument, NotFound, Unauthenticated, Unavailable
 from tuner.errors import BadInput
 
 # Which InferTensorContents field carries each datatype when a client sends typed values.
@@ -70,7 +70,7 @@ def _decode_bytes(raw: bytes, count: int, name: str) -> np.ndarray:
     return np.array(items, dtype=object)
 
 
-def _decode_raw(tensor, raw: bytes, model: str) -> np.ndarray:
+def _decode_raw(tensor, raw: bytes) -> np.ndarray:
     dtype = DATATYPES[tensor.datatype]
     shape = _shape(tensor, "input")
     count = int(np.prod(shape, dtype=np.int64))
@@ -83,7 +83,7 @@ def _decode_raw(tensor, raw: bytes, model: str) -> np.ndarray:
     return np.frombuffer(raw, dtype=dtype).reshape(shape)
 
 
-def _decode_typed(tensor, model: str) -> np.ndarray:
+def _decode_typed(tensor) -> np.ndarray:
     field = _TYPED_FIELD.get(tensor.datatype)
     if field is None:
         raise InvalidArgument(f"input '{tensor.name}' with datatype {tensor.datatype} must be "
@@ -123,9 +123,9 @@ def decode_inputs(request: pb.ModelInferRequest) -> dict[str, np.ndarray]:
                 raise InvalidArgument(f"contents field must not be specified when using "
                                       f"raw_input_contents for '{tensor.name}' for model "
                                       f"'{model}'")
-            feeds[tensor.name] = _decode_raw(tensor, raw[i], model)
+            feeds[tensor.name] = _decode_raw(tensor, raw[i])
         else:
-            feeds[tensor.name] = _decode_typed(tensor, model)
+            feeds[tensor.name] = _decode_typed(tensor)
     return feeds
 
 
@@ -177,5 +177,5 @@ def decode_outputs(response: pb.ModelInferResponse) -> dict[str, np.ndarray]:
     """The response's outputs as numpy arrays (raw contents only, as this server sends)."""
     result = {}
     for tensor, raw in zip(response.outputs, response.raw_output_contents):
-        result[tensor.name] = _decode_raw(tensor, raw, response.model_name)
+        result[tensor.name] = _decode_raw(tensor, raw)
     return result

@@ -47,7 +47,7 @@ class ServerOptions:
     model_name: str | None = None  # default: the source model file's stem
     backend: str | None = None  # default: the manifest's backend
     engine: EngineOptions = field(default_factory=EngineOptions)
-    settings: SessionSettings = field(default_factory=SessionSettings)
+    settings: SessionSettings | None = None  # default: those the artifact was timed with
     tls_cert: Path | None = None
     tls_key: Path | None = None
     token: str | None = None
@@ -237,8 +237,8 @@ class Server:
 
 def serve(artifact: str | Path, options: ServerOptions, say: Callable[[str], None] = print
           ) -> int:
-    """Run until SIGTERM/SIGINT, then drain and stop. 0 after a clean stop, 1 if the model
-    could not be loaded."""
+    """Run until SIGTERM/SIGINT, then drain and stop. 0 after a clean stop; if the model
+    could not be loaded: 2 when the artifact is at fault, 1 otherwise."""
     server = Server(artifact, options, say)
     stop = threading.Event()
     signals = {}
@@ -257,7 +257,9 @@ def serve(artifact: str | Path, options: ServerOptions, say: Callable[[str], Non
         server.stop()
         answered = server.stats.success.count + server.stats.fail.count
         say(f"stopped after answering {answered} inference request(s)")
-        return 1 if server.failed is not None else 0
+        if server.failed is None:
+            return 0
+        return 2 if isinstance(server.failed, BadInput) else 1
     finally:
         for sig, previous in signals.items():
             signal.signal(sig, previous)

@@ -32,7 +32,8 @@ def _variant(name: str, rel: str) -> Variant:
 
 
 def make_artifact(out: Path, model: Path, buckets: Buckets = BUCKETS,
-                  variant: Path | None = None, variant_name: str = "padded") -> Path:
+                  variant: Path | None = None, variant_name: str = "padded",
+                  settings: dict | None = None) -> Path:
     """OUT with the original (and optionally one more variant, selected) and manifest.json,
     written through tuner.artifact as `tuner optimize` does."""
     out.mkdir(parents=True, exist_ok=True)
@@ -50,7 +51,8 @@ def make_artifact(out: Path, model: Path, buckets: Buckets = BUCKETS,
         variants.append(_variant(variant_name, rel))
         selected = variant_name
     manifest = Manifest(source_path=str(model), source_sha256=_sha(model), device={"name": "cpu", "kind": "cpu"},
-                        backend="ort-cpu", settings={}, selected=selected, buckets=buckets,
+                        backend="ort-cpu", settings=settings or {}, selected=selected,
+                        buckets=buckets,
                         variants=tuple(variants))
     write_manifest(out, manifest)
     return out

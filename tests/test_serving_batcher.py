@@ -205,3 +205,14 @@ def test_default_batch_limit_follows_the_artifacts_timings() -> None:
     # No batch timings at all: trust the buckets.
     assert batch_limit({"1x16": _lat(10)}, (1, 4, 8)) == (8, "no batch timings in the "
                                                               "artifact: batching up to 8")
+
+
+def test_a_full_queue_refuses_new_requests(runner) -> None:
+    batcher = Batcher(runner.infer, LAYOUT, BatchPolicy(64, 5.0, (8, 16, 32), max_queue=2))
+    try:
+        queued = [batcher.submit(_feeds(4, seed=i)) for i in range(2)]
+        with pytest.raises(Unavailable, match=r"the queue is full \(2 requests waiting\)"):
+            batcher.submit(_feeds(4))
+    finally:
+        batcher.close()  # the two queued ones still run
+    assert all(f.result(10).outputs["last_hidden_state"].shape == (1, 4, 64) for f in queued)

@@ -167,6 +167,17 @@ def test_cli_help_and_bad_artifact(tmp_path) -> None:
     assert bad.returncode == 2 and "shadow fraction must be in [0, 1]" in bad.stderr
 
 
+def test_cli_exits_2_when_the_artifacts_graph_is_broken(artifact, tmp_path) -> None:
+    import shutil as sh
+
+    broken = tmp_path / "broken"
+    sh.copytree(artifact, broken)
+    (broken / "variants" / "original" / "model.onnx").write_bytes(b"not an onnx graph")
+    run = _tuner("serve", str(broken), "--port", "0", "--metrics-port", "-1")
+    assert run.returncode == 2, run.stderr
+    assert "failed to load" in run.stderr and "Traceback" not in run.stderr
+
+
 def test_a_port_in_use_is_a_clear_error(artifact) -> None:
     import socket
 

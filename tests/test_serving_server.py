@@ -364,3 +364,19 @@ def test_metadata_and_config_of_an_unknown_model_are_not_found(bert) -> None:
         with pytest.raises(InferenceServerException) as info:
             call("no-such-model")
         assert "NOT_FOUND" in str(info.value.status()), call
+
+
+def test_runs_with_the_session_settings_the_artifact_was_timed_with(reference_model,
+                                                                    tmp_path) -> None:
+    from serving.model import load_artifact
+    from tuner.errors import BadInput
+
+    model = reference_model("bert", "small", "torchscript")
+    out = make_artifact(tmp_path / "a", model, settings={"intra_op_threads": 1,
+                                                         "graph_optimization": "basic"})
+    loaded = load_artifact(out)
+    options = loaded.runner.session.get_session_options()
+    assert options.intra_op_num_threads == 1
+    bad = make_artifact(tmp_path / "b", model, settings={"graph_optimization": "max"})
+    with pytest.raises(BadInput, match="manifest: settings: graph_optimization must be"):
+        load_artifact(bad)

@@ -4,7 +4,6 @@ left hanging; the process exits 0."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys

@@ -44,7 +44,9 @@ def serve(
     pad_to: str = typer.Option("auto", help="pad batches to their sequence 'bucket', or only "
                                             "to the 'longest' request in the batch; 'auto': "
                                             "longest on CPU backends, bucket elsewhere"),
-    threads: int = typer.Option(0, help="intra-op threads of the runtime (0: its default)"),
+    threads: Optional[int] = typer.Option(None, help="intra-op threads of the runtime "
+                                                     "(default: as the artifact was timed; "
+                                                     "0: the runtime's default)"),
     tls_cert: Optional[Path] = typer.Option(None, help="PEM certificate: serve TLS"),
     tls_key: Optional[Path] = typer.Option(None, help="PEM private key of --tls-cert"),
     token: Optional[str] = typer.Option(None, envvar="TUNER_SERVE_TOKEN",
@@ -69,7 +71,7 @@ def serve(
     try:
         engine = EngineOptions(max_batch, max_queue_delay_ms, shadow_fraction, workers,
                                pad_to=pad_to)
-        settings = SessionSettings(intra_op_threads=threads)
+        settings = None if threads is None else SessionSettings(intra_op_threads=threads)
     except ValueError as e:
         raise BadInput(str(e)) from None
     options = ServerOptions(
