@@ -75,7 +75,8 @@ async def _drive(port: int, requests: list[pb.ModelInferRequest], seconds: float
                     window.latencies_ms.append((time.perf_counter() - t0) * 1e3)
                 except grpc.aio.AioRpcError as e:
                     window.errors += 1
-                    window.first_error = window.first_error or f"{e.code().name}: {e.details()}"[:160]
+                    if not window.first_error:
+                        window.first_error = f"{e.code().name}: {e.details()}"[:160]
                 i += CONCURRENCY
 
         await asyncio.gather(*(worker(k) for k in range(CONCURRENCY)))

@@ -55,7 +55,7 @@ class Layout:
 
 @dataclass(frozen=True)
 class BatchPolicy:
-    max_batch: int  # rows per run (1: batching off)
+    max_batch: int  # rows a run may join from several requests (1: batching off)
     max_queue_delay_s: float
     seq_buckets: tuple[int, ...]  # strictly increasing
     max_queue: int = 4096  # waiting requests; beyond it new ones are refused (UNAVAILABLE)
@@ -133,8 +133,6 @@ class Batcher:
     def submit(self, feeds: Feeds) -> Future:
         """Queue one request (already validated); its Future resolves to a Result."""
         rows, length = self._rows_and_length(feeds)
-        if rows > self.policy.max_batch:
-            raise InvalidArgument(f"batch size {rows} is over the limit {self.policy.max_batch}")
         key = (self.bucket_for(length),) + tuple(
             (n, a.shape[1:]) for n, a in sorted(feeds.items()) if n not in self.layout.seq_inputs)
         request = _Request(feeds, rows, length, key, time.perf_counter())
@@ -180,9 +178,11 @@ class Batcher:
         return rows, (int(seq[0].shape[1]) if seq else 0)
 
     def _take(self, key: tuple) -> tuple[list[_Request], int]:
+        """The oldest request, then others of the same key while the rows fit `max_batch`
+        (a request with more rows than that runs alone: the engine decides what it accepts)."""
         picked, rows = [], 0
         for r in self._queue:
-            if r.key == key and rows + r.rows <= self.policy.max_batch:
+            if r.key == key and (not picked or rows + r.rows <= self.policy.max_batch):
                 picked.append(r)
                 rows += r.rows
         return picked, rows

@@ -29,7 +29,9 @@ _SHADOW_BACKLOG = 4  # shadow runs waiting at most; beyond, a sample is skipped,
 
 @dataclass(frozen=True)
 class EngineOptions:
-    max_batch: int | None = None  # rows per run; None: from the artifact's timings (batch_limit)
+    # rows per request and per run; None: requests up to the largest batch bucket, joined
+    # into runs as far as the artifact's timings show it pays (batch_limit)
+    max_batch: int | None = None
     max_queue_delay_ms: float = 0.0  # 0: batch whatever is queued when the model is free
     shadow_fraction: float = 0.0  # share of requests re-run on the original and compared
     workers: int = 1  # model executions at a time
@@ -89,10 +91,15 @@ class Engine:
                  metrics: Metrics | None = None, tolerance: Tolerance = Tolerance()) -> None:
         self.model, self.options, self.stats, self.metrics = model, options, stats, metrics
         self.name, self.version = model.name, VERSION
+        # Two limits: rows one request may carry (the artifact's largest batch bucket, or
+        # --max-batch), and rows the batcher may join from several requests (what the
+        # artifact's timings show pays, or --max-batch).
         if options.max_batch is not None:
-            self.max_batch, self.batch_note = options.max_batch, "max batch set by the user"
+            self.max_batch = self.join_rows = options.max_batch
+            self.batch_note = "set by the user"
         else:
-            self.max_batch, self.batch_note = batch_limit(model.latency, model.buckets.batch)
+            self.max_batch = max(model.buckets.batch)
+            self.join_rows, self.batch_note = batch_limit(model.latency, model.buckets.batch)
         self.tolerance = tolerance
         self._inputs = {s.name: s for s in model.signature.inputs}
         self._outputs = [s.name for s in model.signature.outputs]
@@ -100,7 +107,7 @@ class Engine:
         if pad_to == "auto":
             pad_to = "longest" if model.backend.endswith("cpu") else "bucket"
         self.pad_to = pad_to
-        policy = BatchPolicy(self.max_batch, options.max_queue_delay_ms / 1e3,
+        policy = BatchPolicy(self.join_rows, options.max_queue_delay_ms / 1e3,
                              tuple(model.buckets.seq), options.max_queue,
                              pad_to_bucket=pad_to == "bucket")
         self.batcher = Batcher(model.runner.infer, model.layout, policy,

@@ -201,8 +201,9 @@ class Server:
                 self.slot.status = "ready"
             for service in ("", SERVICE):
                 self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
-            self.say(f"model '{self.slot.name}' ready ({model.note}); max batch "
-                     f"{engine.max_batch} ({engine.batch_note}), sequence buckets "
+            self.say(f"model '{self.slot.name}' ready ({model.note}); requests up to "
+                     f"{engine.max_batch} rows, dynamic batching up to {engine.join_rows} rows "
+                     f"({engine.batch_note}), sequence buckets "
                      f"{list(model.buckets.seq)}, padding to the {engine.pad_to}")
         except BaseException as e:  # noqa: BLE001 - reported; `serve` exits 1
             self.failed = e

@@ -155,7 +155,8 @@ def model_config(engine: Engine) -> pb.ModelConfig:
         config.output.add(name=spec.name, data_type=triton_type(spec.datatype),
                           dims=spec.shape[cut:])
     if batching:
-        config.dynamic_batching.preferred_batch_size.extend(engine.model.buckets.batch)
+        config.dynamic_batching.preferred_batch_size.extend(
+            b for b in engine.model.buckets.batch if b <= engine.join_rows)
         config.dynamic_batching.max_queue_delay_microseconds = int(
             engine.options.max_queue_delay_ms * 1e3)
     config.instance_group.add(name=engine.name, kind="KIND_CPU", count=engine.options.workers)

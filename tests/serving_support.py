@@ -50,7 +50,8 @@ def make_artifact(out: Path, model: Path, buckets: Buckets = BUCKETS,
             rel = f"variants/{variant_name}/model.onnx"
         variants.append(_variant(variant_name, rel))
         selected = variant_name
-    manifest = Manifest(source_path=str(model), source_sha256=_sha(model), device={"name": "cpu", "kind": "cpu"},
+    manifest = Manifest(source_path=str(model), source_sha256=_sha(model),
+                        device={"name": "cpu", "kind": "cpu"},
                         backend="ort-cpu", settings=settings or {}, selected=selected,
                         buckets=buckets,
                         variants=tuple(variants))

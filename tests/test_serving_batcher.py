@@ -49,7 +49,7 @@ def test_batched_padded_results_equal_unbatched_runs(runner) -> None:
 
 
 def test_max_batch_is_respected_and_every_request_answered(runner) -> None:
-    batcher = Batcher(runner.infer, LAYOUT, _policy(max_batch=4, delay=0.05))
+    batcher = Batcher(runner.infer, LAYOUT, _policy(max_batch=4, delay=0.3))
     try:
         futures = [batcher.submit(_feeds(4, seed=i)) for i in range(10)]
         results = [f.result(30) for f in futures]
@@ -73,7 +73,7 @@ def test_buckets_are_not_mixed(runner) -> None:
 
 def test_without_a_mask_only_equal_lengths_share_a_run(runner) -> None:
     layout = Layout(("input_ids", "attention_mask"), None, {"last_hidden_state": 1})
-    batcher = Batcher(runner.infer, layout, _policy(delay=0.1))
+    batcher = Batcher(runner.infer, layout, _policy(delay=0.3))
     try:
         futures = [batcher.submit(_feeds(n, seed=i)) for i, n in enumerate([5, 6, 5])]
         results = [f.result(30) for f in futures]
@@ -83,11 +83,11 @@ def test_without_a_mask_only_equal_lengths_share_a_run(runner) -> None:
     assert [r.batch_rows for r in results] == [2, 1, 2]
 
 
-def test_limits_raise_invalid_argument(runner) -> None:
-    batcher = Batcher(runner.infer, LAYOUT, _policy(max_batch=2))
+def test_a_request_with_more_rows_than_a_run_joins_runs_alone(runner) -> None:
+    batcher = Batcher(runner.infer, LAYOUT, _policy(max_batch=2, delay=0.1))
     try:
-        with pytest.raises(InvalidArgument, match="batch size 3 is over the limit 2"):
-            batcher.submit(_feeds(4, rows=3))
+        big, small = batcher.submit(_feeds(4, rows=3)), batcher.submit(_feeds(4, seed=1))
+        assert (big.result(30).batch_rows, small.result(30).batch_rows) == (3, 1)
         with pytest.raises(InvalidArgument, match="longer than the largest bucket 32"):
             batcher.submit(_feeds(33))
     finally:
@@ -148,10 +148,12 @@ def test_with_no_delay_an_idle_model_runs_the_request_at_once(runner) -> None:
 
 def test_with_no_delay_requests_arriving_while_the_model_is_busy_share_a_run(runner) -> None:
     batcher = Batcher(runner.infer, LAYOUT, _policy(max_batch=16, delay=0.0))
-    requests = [_feeds(16, seed=i) for i in range(48)]
+    requests = [_feeds(32, seed=i) for i in range(48)]
     results = [None] * len(requests)
+    start = threading.Barrier(len(requests))  # all arrive together, while the first runs
 
     def client(i):
+        start.wait(30)
         results[i] = batcher.submit(requests[i]).result(30)
 
     try:

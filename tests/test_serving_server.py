@@ -380,3 +380,34 @@ def test_runs_with_the_session_settings_the_artifact_was_timed_with(reference_mo
     bad = make_artifact(tmp_path / "b", model, settings={"graph_optimization": "max"})
     with pytest.raises(BadInput, match="manifest: settings: graph_optimization must be"):
         load_artifact(bad)
+
+
+def test_batching_that_does_not_pay_still_takes_batched_requests(reference_model,
+                                                                 tmp_path) -> None:
+    """Timings showing a batch costs more than single runs turn dynamic batching off, but
+    a client may still send several rows in one request, up to the largest batch bucket."""
+    import dataclasses
+
+    from tuner.artifact import Latency, read_manifest, write_manifest
+
+    model = reference_model("bert", "small", "torchscript")
+    out = make_artifact(tmp_path / "art", model)
+    manifest = read_manifest(out)
+    slow = {f"{b}x{s}": Latency(*(1.1 * b,) * 5, 5) for b in (1, 4, 8) for s in (8, 16, 32)}
+    original = dataclasses.replace(manifest.variants[0], latency=slow)
+    write_manifest(out, dataclasses.replace(manifest, variants=(original,)))
+    server = _start(out)
+    try:
+        engine = server.slot.engine
+        assert (engine.max_batch, engine.join_rows) == (8, 1)
+        assert "does not pay" in engine.batch_note
+        config = _client(server).get_model_config(server.slot.name).config
+        assert config.max_batch_size == 8
+        assert list(config.dynamic_batching.preferred_batch_size) == [1]
+        feeds = feeds_for(6, rows=4)
+        got = _client(server).infer(server.slot.name, _inputs(feeds))
+        np.testing.assert_allclose(got.as_numpy("last_hidden_state"),
+                                   _direct(model, feeds)["last_hidden_state"], atol=ATOL,
+                                   rtol=RTOL)
+    finally:
+        server.stop(5)

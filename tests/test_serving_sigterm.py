@@ -34,10 +34,10 @@ def served(reference_model, tmp_path):
     out = make_artifact(tmp_path / "art", model)
     port = free_port()
     # A long queue delay and a batch limit above the load: every request below waits in the
-    # server's queue for about a second, so SIGTERM lands while all of them are in flight.
+    # server's queue for up to 3 s, so SIGTERM lands while all of them are in flight.
     proc = subprocess.Popen(
         [sys.executable, "-m", "tuner", "serve", str(out), "--port", str(port),
-         "--metrics-port", "-1", "--max-batch", "64", "--max-queue-delay-ms", "1500",
+         "--metrics-port", "-1", "--max-batch", "64", "--max-queue-delay-ms", "3000",
          "--model-name", "bert"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     client = tg.InferenceServerClient(f"127.0.0.1:{port}")

@@ -258,8 +258,9 @@ def run_pipeline(cfg, model, root: Path):
     all_shapes = [(b, s) for b in batch for s in grid]
     # hash before loading: a backend may write engines, which must not change the cache key
     shas = {n: file_sha256(graph_files(b)) for n, b in built.items()}
-    targets = [bench.Target(n, backend.load(b.path, settings, all_shapes,
-                                            None if backend.name == "ort-cpu" else root / "engines" / n),
+    # engines and timing caches go where `tuner serve` looks for them: OUT/cache/<backend>
+    engine_dir = None if backend.name == "ort-cpu" else root / "cache" / backend.name
+    targets = [bench.Target(n, backend.load(b.path, settings, all_shapes, engine_dir),
                             shas[n]) for n, b in built.items()]
     if backend.name != "ort-cpu":
         built, gate_notes = _gate_on_backend(built, targets, feeds, tol, backend, settings)

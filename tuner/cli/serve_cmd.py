@@ -31,10 +31,11 @@ def serve(
                                                         "source model file's stem)"),
     backend: Optional[str] = typer.Option(None, help="runtime backend (default: the one the "
                                                      "artifact was measured on, e.g. ort-cpu)"),
-    max_batch: Optional[int] = typer.Option(None, help="rows per model run (default: the "
-                                                       "largest batch bucket at which the "
-                                                       "artifact's timings show batching pays; "
-                                                       "1: no batching)"),
+    max_batch: Optional[int] = typer.Option(None, help="rows per request and per model run "
+                                                       "(default: requests up to the largest "
+                                                       "batch bucket, joined into runs as far "
+                                                       "as the artifact's timings show "
+                                                       "batching pays; 1: no batching)"),
     max_queue_delay_ms: float = typer.Option(0.0, help="how long the oldest request may wait "
                                                        "for a fuller batch (0: batch what is "
                                                        "queued when the model is free)"),
