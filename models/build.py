@@ -273,7 +273,9 @@ def _spec_key(name: str, shape: str, exporter: str) -> str:
 
 def cached(name: str, shape: str = "small", exporter: str = "torchscript") -> Path:
     """The cached export of a reference model, built on first use."""
-    path = _cache_dir() / f"{name}-{shape}-{exporter}-{_spec_key(name, shape, exporter)}.onnx"
+    # One folder per spec key keeps the file's own name plain: `tuner serve` names the model
+    # after the source file's stem, so the demo is served as "gpt2-awkward-torchscript".
+    path = _cache_dir() / _spec_key(name, shape, exporter) / f"{name}-{shape}-{exporter}.onnx"
     if not path.exists():
         export(spec(name, shape), exporter, path)
     return path

@@ -384,30 +384,6 @@ def test_scale_computed_from_the_shape_is_reported_as_computed(tmp_path):
     assert sorted(nodes[s].op_type for s in scale.nodes) == ["Mul", "Mul"]
 
 
-@pytest.fixture(scope="module")
-def llama_opset23(reference_model):
-    """Llama exported by dynamo at opset 23: torch writes ONNX's own Attention and
-    RotaryEmbedding ops. Cached beside the reference models (built once, ~10 s)."""
-    import torch
-
-    from models.build import SEED, _cache_dir, _spec_key, _Wrapper, build_torch_model
-
-    path = _cache_dir() / f"llama-small-dynamo23-{_spec_key('llama', 'small', 'dynamo')}.onnx"
-    if not path.exists():
-        model = _Wrapper(build_torch_model(spec("llama", "small")), True)
-        g = torch.Generator().manual_seed(SEED)
-        ids = torch.randint(0, 1024, (2, 16), generator=g)
-        batch, seq = torch.export.Dim("batch", min=1, max=64), torch.export.Dim("sequence", min=2, max=256)
-        program = torch.onnx.export(
-            model, (ids, torch.ones(2, 16, dtype=torch.int64)), dynamo=True, opset_version=23,
-            input_names=["input_ids", "attention_mask"], output_names=["logits"],
-            dynamic_shapes={"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}})
-        tmp = path.with_suffix(".tmp")
-        program.save(str(tmp), external_data=False)
-        tmp.replace(path)
-    return path
-
-
 def test_onnx_attention_op_from_opset_23(llama_opset23):
     found = inspect_path(llama_opset23)
     expect = spec("llama", "small").expect

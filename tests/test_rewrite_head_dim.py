@@ -148,9 +148,6 @@ def test_refusals(reference_model):
         apply(model, shape, PadRequest(head_dim=97))
 
 
-from test_inspect import llama_opset23  # noqa: E402,F401  (the fixture: an opset-23 export)
-
-
 def test_onnx_attention_op_gets_its_scale_written(llama_opset23, tmp_path):
     """Opset 23: ONNX's Attention defaults its scale to 1/sqrt(head size). An export that
     leaves the attribute out must get 1/sqrt(16) written, or padding to 32 changes the

@@ -141,6 +141,7 @@ class Widen:
         return out
 
     def set_const(self, node: ir.Node, index: int, array: np.ndarray, tag: str) -> ir.Value:
+        self.math.memo.clear()  # "new" evaluations may read the constant being replaced
         return set_const_input(self.graph, node, index, array, tag, scope=self.token)
 
     def refuse(self, node: ir.Node, why: str) -> RewriteRefused:

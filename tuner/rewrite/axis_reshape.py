@@ -15,7 +15,7 @@ import numpy as np
 import onnx_ir as ir
 
 from tuner.rewrite.axis import Track, Widen, handler
-from tuner.rewrite.common import original_const
+from tuner.rewrite.common import original_const, private_node
 from tuner.rewrite.shapemath import scalar
 
 
@@ -27,30 +27,39 @@ class Entry:
     value: int | None
     source: ir.Value | None  # the piece it comes from, for evaluation
     setter: Callable[[int], None] | None
+    # where `source` enters: the node whose target this is and the input indices walked up
+    # from it (see common.private_node), so that a rewrite of the piece stays private
+    where: tuple[ir.Node, tuple[int, ...]] | None = None
 
 
 class _Editable:
-    """A constant input of a node that several entries may rewrite (copy on write)."""
+    """A constant that several entries may rewrite, reached from the node whose target it
+    spells (`root`) through input indices `trail`: copy on write, for the tensor and for every
+    shared node on the way (another reader of the same Concat keeps what it read)."""
 
-    def __init__(self, widen: "Widen", node: ir.Node, index: int, array: np.ndarray) -> None:
-        self.widen, self.node, self.index, self.array = widen, node, index, array.copy()
+    def __init__(self, widen: "Widen", root: ir.Node, trail: tuple[int, ...],
+                 array: np.ndarray) -> None:
+        self.widen, self.root, self.trail, self.array = widen, root, trail, array.copy()
 
     def setter(self, k: int) -> Callable[[int], None]:
         def set_(v: int) -> None:
             self.array.reshape(-1)[k] = v
-            self.widen.set_const(self.node, self.index, self.array, "dims")
+            node = private_node(self.widen.graph, self.root, self.trail)
+            self.widen.set_const(node, self.trail[-1], self.array, "dims")
         return set_
 
 
 def entries(w: Widen, node: ir.Node, index: int) -> list[Entry] | None:
-    return _entries_of(w, node, index, depth=0)
+    return _entries_of(w, node, (index,), depth=0)
 
 
-def _entries_of(w: Widen, node: ir.Node, index: int, depth: int) -> list[Entry] | None:
-    v = node.inputs[index]
+def _entries_of(w: Widen, root: ir.Node, trail: tuple[int, ...],
+                depth: int) -> list[Entry] | None:
+    node = _walk(root, trail[:-1])
+    v = node.inputs[trail[-1]]
     c = original_const(v, w.token)
     if c is not None:
-        ed = _Editable(w, node, index, c)
+        ed = _Editable(w, root, trail, c)
         return [Entry(int(x), None, ed.setter(k)) for k, x in enumerate(c.reshape(-1))]
     p = v.producer() if v is not None else None
     if p is None or depth > 6:
@@ -60,22 +69,28 @@ def _entries_of(w: Widen, node: ir.Node, index: int, depth: int) -> list[Entry] 
         for j, piece in enumerate(p.inputs):
             pc = original_const(piece, w.token)
             if pc is not None:
-                ed = _Editable(w, p, j, pc)
+                ed = _Editable(w, root, trail + (j,), pc)
                 out.extend(Entry(int(x), None, ed.setter(k)) for k, x in enumerate(pc.reshape(-1)))
                 continue
             n = _length(w, piece)
             if n is None:
                 return None
-            out.extend(Entry(None, piece if n == 1 else None, None) for _ in range(n))
+            out.extend(Entry(None, piece if n == 1 else None, None, (root, trail + (j,)))
+                       for _ in range(n))
         return out
-    if p.op_type in ("Cast", "Identity"):
-        return _entries_of(w, p, 0, depth + 1)
-    if p.op_type == "Reshape":
-        return _entries_of(w, p, 0, depth + 1)
+    if p.op_type in ("Cast", "Identity", "Reshape"):
+        return _entries_of(w, root, trail + (0,), depth + 1)
     if p.op_type == "Where":  # TorchScript: Where(Equal(x, -1), ones, x)
-        return _entries_of(w, p, 2, depth + 1)
+        return _entries_of(w, root, trail + (2,), depth + 1)
     n = _length(w, v)
     return [Entry(None, None, None) for _ in range(n)] if n is not None else None
+
+
+def _walk(node: ir.Node, trail: tuple[int, ...]) -> ir.Node:
+    """The producer reached from `node` by following input indices `trail`."""
+    for index in trail:
+        node = node.inputs[index].producer()
+    return node
 
 
 def _length(w: Widen, v: ir.Value) -> int | None:
@@ -180,24 +195,32 @@ def _merge_with_outer(w: Widen, node: ir.Node, ents: list[Entry], t: Track,
         return None
     if e.value is not None:
         e.setter(g * t.new)
-    elif _entry_value(w, e, "new") != g * t.new and not _fix_product(w, e.source, t):
+    elif _entry_value(w, e, "new") != g * t.new and not _fix_product(w, e, t):
         raise w.refuse(node, "computed target does not follow the widened axis")
     return Track(t.axis, r_out, tuple(i * t.new + p for i in range(g) for p in t.pos), g * t.new)
 
 
-def _fix_product(w: Widen, v: ir.Value | None, t: Track) -> bool:
+def _fix_product(w: Widen, e: Entry, t: Track) -> bool:
     """TorchScript computes GQA's head count as kv * n_rep: a Mul by the constant n_rep
-    (behind Unsqueeze/Cast) becomes a Mul by the widened count."""
-    while v is not None and v.producer() is not None and \
-            v.producer().op_type in ("Unsqueeze", "Cast", "Identity"):
+    (behind Unsqueeze/Cast) becomes a Mul by the widened count (in a private copy of the
+    chain, when other targets read it too)."""
+    if e.where is None or e.source is None:
+        return False
+    root, trail = e.where
+    v = e.source
+    while v.producer() is not None and v.producer().op_type in ("Unsqueeze", "Cast", "Identity"):
         v = v.producer().inputs[0]
-    node = v.producer() if v is not None else None
+        trail += (0,)
+        if v is None:
+            return False
+    node = v.producer()
     if node is None or node.op_type != "Mul":
         return False
     for j, operand in enumerate(node.inputs):
         c = original_const(operand, w.token)
         if c is not None and c.size == 1 and int(c.reshape(-1)[0]) == t.old:
-            w.set_const(node, j, np.full_like(c, t.new), "count")
+            w.set_const(private_node(w.graph, root, trail + (j,)), j, np.full_like(c, t.new),
+                        "count")
             return True
     return False
 

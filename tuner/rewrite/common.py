@@ -104,6 +104,45 @@ def set_const_input(graph: ir.Graph, node: ir.Node, index: int, array: np.ndarra
 ORIGINAL = "shapetuner.original_const"
 
 
+def private_node(graph: ir.Graph, user: ir.Node, trail: tuple[int, ...]) -> ir.Node:
+    """The node at the end of `trail`, made private to `user` (copy on write for nodes).
+
+    `trail` walks up from `user`: input trail[0] of `user` is made by node n1, input trail[1]
+    of n1 by n2, ...; the last index is the input of the returned node the caller will
+    rewrite. Exporters deduplicate shape computations (one Concat(batch, seq, 256) feeds
+    every layer's Reshape, and maybe an unrelated Reshape whose 256 is the position count):
+    editing such a node would change every reader. So each shared node on the way is cloned
+    for `user` alone, named after the node it copies."""
+    node = user
+    for index in trail[:-1]:
+        value = node.inputs[index]
+        producer = value.producer() if value is not None else None
+        if producer is None:
+            raise RewriteRefused(f"node {node.name!r}: input {index} is not computed by a node")
+        if len(value.uses()) > 1 or value.is_graph_output():
+            producer = _clone_before(graph, producer, node)
+            node.replace_input_with(index, producer.outputs[value.index()])
+        node = producer
+    return node
+
+
+def _clone_before(graph: ir.Graph, node: ir.Node, before: ir.Node) -> ir.Node:
+    """A copy of `node` (same inputs and attributes, new outputs) placed before `before`."""
+    base = _safe(f"{node.name or node.op_type}.cow")
+    names = {n.name for n in graph}
+    name, i = base, 1
+    while name in names:
+        i += 1
+        name = f"{base}_{i}"
+    outputs = [ir.Value(name=unique_name(graph, _safe(f"{o.name or name}.cow")), shape=o.shape,
+                        type=o.type) for o in node.outputs]
+    attrs = [ir.Attr(a.name, a.type, a.value, a.ref_attr_name) for a in node.attributes.values()]
+    clone = ir.Node(node.domain, node.op_type, list(node.inputs), attrs, overload=node.overload,
+                    outputs=outputs, version=node.version, name=name)
+    graph.insert_before(before, clone)
+    return clone
+
+
 def original_const(value: ir.Value | None, scope: object = None) -> np.ndarray | None:
     """The constant as it was when the rewrite `scope` began (before it replaced it)."""
     if value is not None and scope is not None and ORIGINAL in value.meta:
