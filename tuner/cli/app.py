@@ -9,4 +9,6 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # docstrings are wrapped at 100 columns in the source: let click rewrap them to the terminal
+    rich_markup_mode=None,
 )
