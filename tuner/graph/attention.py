@@ -318,12 +318,19 @@ def match_attention(softmax: ir.Node, by_output: dict[int, Linear], dims: Dims,
     return AttnMatch(order, site, projections, a, kv, d)
 
 
-def find_attention(graph: ir.Graph, lins: list[Linear], dims: Dims) -> list[AttnMatch]:
-    """Every unfused attention block (Softmax between two activation MatMuls), in order."""
+def linears_by_output(lins: list[Linear]) -> dict[int, Linear]:
+    """Linear layers keyed by id() of their MatMul output and of their final output (after a
+    bias Add), so a walk back from attention finds the projection from either."""
     by_output: dict[int, Linear] = {}
     for lin in lins:
         by_output[id(lin.node.outputs[0])] = lin
         by_output[id(lin.output)] = lin
+    return by_output
+
+
+def find_attention(graph: ir.Graph, lins: list[Linear], dims: Dims) -> list[AttnMatch]:
+    """Every unfused attention block (Softmax between two activation MatMuls), in order."""
+    by_output = linears_by_output(lins)
     found = []
     for i, node in enumerate(graph):
         if op(node) == "Softmax":

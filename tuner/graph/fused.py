@@ -80,12 +80,9 @@ def _o_proj(node: ir.Node, by_output: dict[int, Linear]) -> ir.Node | None:
 def attention_blocks(graph: ir.Graph, lins: list[Linear], dims: Dims):
     """AttnMatch for each fused attention op: heads from its attributes (or its inputs'
     shapes), head dim from the projection widths, scale from its attribute."""
-    from tuner.graph.attention import AttnMatch, rotary_of, walk_projection
+    from tuner.graph.attention import AttnMatch, linears_by_output, rotary_of, walk_projection
 
-    by_output: dict[int, Linear] = {}
-    for lin in lins:
-        by_output[id(lin.node.outputs[0])] = lin
-        by_output[id(lin.output)] = lin
+    by_output = linears_by_output(lins)
     found = []
     for i, node in enumerate(graph):
         kind = op(node)

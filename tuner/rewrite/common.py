@@ -18,6 +18,10 @@ import numpy as np
 import onnx_ir as ir
 
 from tuner.errors import RewriteRefused
+# the detectors' Identity-skipping readers: inspect and the rewrites must agree on what a
+# constant is
+from tuner.graph.walk import const_tensor
+from tuner.graph.walk import source as source_through_identity  # noqa: F401 (re-exported)
 
 # Models whose weights pass this many bytes are saved with external data (protobuf's 2 GB cap).
 EXTERNAL_DATA_BYTES = 1_500_000_000
@@ -31,30 +35,11 @@ def find_node(graph: ir.Graph, name: str) -> ir.Node:
     raise RewriteRefused(f"node {name!r} named by inspect is not in the graph")
 
 
-def source_through_identity(value: ir.Value | None) -> ir.Value | None:
-    """Follow Identity nodes back to the value they forward (exporters put them on shared weights)."""
-    while value is not None and value.producer() is not None and value.producer().op_type == "Identity":
-        value = value.producer().inputs[0]
-    return value
-
-
 def const_array(value: ir.Value | None) -> np.ndarray | None:
-    """The constant behind a value (initializer, Constant node, through Identity), else None."""
-    value = source_through_identity(value)
-    if value is None:
-        return None
-    if value.const_value is not None:
-        return value.const_value.numpy()
-    node = value.producer()
-    if node is not None and node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
-        for key, attr in node.attributes.items():
-            if key == "value":
-                return attr.value.numpy()
-            if key in ("value_int", "value_float"):
-                return np.array(attr.value)
-            if key in ("value_ints", "value_floats"):
-                return np.array(list(attr.value))
-    return None
+    """The constant behind a value (initializer, Constant node, through Identity), else None;
+    any size (weights too), unlike the detectors' small-constant reader."""
+    tensor = const_tensor(value)
+    return None if tensor is None else tensor.numpy()
 
 
 def _safe(name: str) -> str:
