@@ -4,6 +4,7 @@ workloads."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import shutil
@@ -20,6 +21,7 @@ from serving import protocol
 from serving._generated import inference_pb2 as pb
 from serving._generated import inference_pb2_grpc as pb_grpc
 from tuner.artifact import Accuracy, Buckets, Manifest, Variant, write_manifest
+from tuner.runtime.base import SessionSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_NAME = "model"
@@ -31,15 +33,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def make_artifact(out: Path, model: Path, batch=(1, 4, 8, 16, 32), seq=(16, 32, 64, 128)) -> Path:
+def make_artifact(out: Path, model: Path, batch=(1, 4, 8, 16, 32), seq=(16, 32, 64, 128),
+                  settings: SessionSettings = SessionSettings()) -> Path:
     """An artifact whose selected variant is the original (what `tuner optimize` writes on a
-    CPU where no padding wins), with the given buckets."""
+    CPU where no padding wins), with the given buckets, recorded as timed with `settings`
+    (which `tuner serve` then loads its sessions with)."""
     (out / "variants" / "original").mkdir(parents=True, exist_ok=True)
     shutil.copyfile(model, out / "variants" / "original" / "model.onnx")
     variant = Variant("original", "variants/original/model.onnx", True, (), {},
                       Accuracy(True, 0.0, 0.0))
     sha = hashlib.sha256(model.read_bytes()).hexdigest()
-    write_manifest(out, Manifest(str(model), sha, {"name": "cpu", "kind": "cpu"}, "ort-cpu", {},
+    write_manifest(out, Manifest(str(model), sha, {"name": "cpu", "kind": "cpu"}, "ort-cpu",
+                                 dataclasses.asdict(settings),
                                  "original", Buckets(tuple(batch), tuple(seq)), (variant,)))
     return out
 
