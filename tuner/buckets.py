@@ -134,6 +134,20 @@ def _from_histogram(obj: dict, name: str) -> tuple[dict[Shape, float], int]:
     return acc, int(round(sum(seq.values())))
 
 
+def _from_json(text: str, name: str) -> tuple[dict[Shape, float], int | None]:
+    """A histogram object, or JSONL in a file named .json (one object per line)."""
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError:
+        return _from_jsonl(text, name), None  # several lines, each its own object
+    if isinstance(obj, dict) and isinstance(obj.get("seq"), dict):
+        return _from_histogram(obj, name)
+    if isinstance(obj, dict):
+        return _from_jsonl(text, name), None  # a single {"batch": .., "seq": ..} request
+    raise BadInput(f'{name}: expected a histogram {{"seq": {{"17": 120}}}} or one '
+                   f'{{"batch": 1, "seq": 17}} object per line, not a JSON {type(obj).__name__}')
+
+
 def load_requests(path: str | os.PathLike) -> Requests:
     """Read a request file (JSONL, CSV or JSON histogram; see the module doc)."""
     p = Path(path)
@@ -145,19 +159,17 @@ def load_requests(path: str | os.PathLike) -> Requests:
         text = p.read_text(encoding="utf-8")
     except UnicodeDecodeError:
         raise BadInput(f"{p}: requests file is not UTF-8 text") from None
-    stripped = text.lstrip()
+    stripped = text.strip()
+    if not stripped:
+        raise BadInput(f"{p}: no requests in the file (it is empty)")
     count = None
-    if stripped.startswith("{") and p.suffix.lower() != ".jsonl":
-        try:
-            obj = json.loads(text)
-        except json.JSONDecodeError:
-            obj = None  # one JSON object per line: JSONL without the suffix
-        if isinstance(obj, dict) and "seq" in obj and isinstance(obj["seq"], dict):
-            acc, count = _from_histogram(obj, p.name)
-        else:
-            acc = _from_jsonl(text, p.name)
-    elif stripped.startswith("{"):
+    suffix = p.suffix.lower()
+    # the suffix decides when it names a format, so that an empty or odd .jsonl is not
+    # reported as a CSV without a header; otherwise the first character does
+    if suffix in (".jsonl", ".ndjson"):
         acc = _from_jsonl(text, p.name)
+    elif suffix == ".json" or stripped[0] in "{[":
+        acc, count = _from_json(text, p.name)
     else:
         acc = _from_csv(text, p.name)
     if not acc:

@@ -119,6 +119,12 @@ def _check_out(cfg: OptimizeConfig) -> None:
         raise BadInput(f"{out}: exists and is not empty (use --force to replace it)")
     if out.resolve() == cfg.model.resolve().parent:
         raise BadInput(f"{out}: is the model's own folder; choose another output folder")
+    from tuner.paths import ensure_writable_dir
+
+    # OUT is staged beside itself and renamed at the end: its parent must take files
+    ensure_writable_dir(out.resolve().parent, f"artifact {out.name}/")
+    if cfg.cache_dir is not None:
+        ensure_writable_dir(cfg.cache_dir, "results cache", " (choose --cache-dir, or --no-cache)")
 
 
 def _swap_into_place(tmp: Path, out: Path) -> None:

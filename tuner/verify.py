@@ -90,8 +90,11 @@ class VerifyResult:
         for o in self.outputs:
             top1 = f"{o.top1:7.2%}" if o.top1 is not None else f"{'-':>7s}"
             verdict = "pass" if o.passed else "FAIL" + (f" ({o.reason})" if o.reason else "")
-            lines.append(f"{o.name[:24]:24s} {o.max_abs:10.3g} {o.max_rel:10.3g} {o.cosine:10.6f} "
-                         f"{top1} {o.compared:9d}  {verdict}")
+            # nothing compared (missing output, other shape): errors of 0 and a cosine of 1
+            # would read as a perfect match, so print dashes
+            stats = (f"{o.max_abs:10.3g} {o.max_rel:10.3g} {o.cosine:10.6f}" if o.compared
+                     else f"{'-':>10s} {'-':>10s} {'-':>10s}")
+            lines.append(f"{o.name[:24]:24s} {stats} {top1} {o.compared:9d}  {verdict}")
         lines.extend(f"error: {e}" for e in self.errors)
         lines.append("PASS" if self.passed else "FAIL")
         return "\n".join(lines)

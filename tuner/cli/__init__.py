@@ -38,22 +38,43 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # typer.Exit / click usage errors raised in standalone-free mode
         return int(e.code or 0)
     except Exception as e:  # noqa: BLE001 - the last line of defence: exit 1, say what broke
-        import click
-
-        if isinstance(e, click.exceptions.Exit):
-            return e.exit_code
-        if isinstance(e, click.ClickException):
-            e.show()
-            return EXIT_BAD_INPUT
-        if isinstance(e, click.exceptions.Abort):
-            print("tuner: aborted", file=sys.stderr)
-            return 130
-        import traceback
-
-        traceback.print_exc()
-        print(f"tuner: internal error: {type(e).__name__}: {e}", file=sys.stderr)
-        return EXIT_INTERNAL
+        return _handle_other(e)
     return EXIT_OK
+
+
+def _handle_other(e: Exception) -> int:
+    """Usage errors, Exit and Abort from the parser, else an internal error (exit 1).
+
+    Matched by name along the class's ancestry, not by class: older typer raises click's
+    exceptions, newer typer (0.29 here) its own vendored copies (typer._click), and an
+    isinstance check against one set lets the other through as a traceback with exit 1."""
+    names = {cls.__name__ for cls in type(e).__mro__}
+    if "Exit" in names and hasattr(e, "exit_code"):
+        return int(e.exit_code)
+    if "Abort" in names:
+        print("tuner: aborted", file=sys.stderr)
+        return 130
+    if "NoArgsIsHelpError" in names:  # bare `tuner` or `tuner CMD`: the help is the answer
+        print(e.format_message(), file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if "ClickException" in names:  # bad flag, missing argument, out-of-range value
+        print(f"tuner: error: {_one_line(e.format_message())}{_help_hint(e)}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    import traceback
+
+    traceback.print_exc()
+    print(f"tuner: internal error: {type(e).__name__}: {e}", file=sys.stderr)
+    return EXIT_INTERNAL
+
+
+def _one_line(message: str) -> str:
+    return " ".join(message.split())
+
+
+def _help_hint(e: Exception) -> str:
+    ctx = getattr(e, "ctx", None)
+    path = getattr(ctx, "command_path", None)
+    return f" (see '{path} --help')" if path else ""
 
 
 if __name__ == "__main__":

@@ -75,6 +75,10 @@ def design(
         start = start_from_flags(hidden, heads, ffn_size, layers if layers_range is None else None,
                                  vocab or DEFAULT_VOCAB, fam, kv_heads, target=target)
     req = DesignRequest(target, start, depths, vocab, ffn, family, tolerance, max_candidates)
+    if out is not None:  # before minutes of measuring, not at the end
+        from tuner.paths import ensure_writable_dir
+
+        ensure_writable_dir(out, "design report")
     with rich_progress(enabled=not quiet and not json_out, title="design") as bar:
         ranking, meta = run(req, device, batch, seq, rounds, threads, bar)
     if json_out:

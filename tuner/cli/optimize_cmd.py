@@ -35,7 +35,11 @@ def optimize(
     out: Path = typer.Option(..., "-o", "--out", help="artifact folder to write"),
     demo: Optional[str] = typer.Option(None, help="optimize a built-in small model: gpt2, bert or llama"),
     backend: str = typer.Option("ort-cpu", help="backend to measure on: a name, or 'auto'"),
-    requests: Optional[Path] = typer.Option(None, help="traffic: JSONL/CSV of batch,seq per request, or a JSON histogram"),
+    requests: Optional[Path] = typer.Option(None, help=(
+        'traffic to choose buckets for: JSONL, one {"batch": 1, "seq": 17} per request; '
+        "CSV with a header naming a 'seq' (and optionally 'batch') column; or a JSON "
+        'histogram {"seq": {"17": 120, "64": 30}, "batch": {"1": 9, "4": 1}} '
+        "(default: lengths up to --max-seq equally likely, batches up to --max-batch)")),
     max_seq: Optional[int] = typer.Option(None, help="longest sequence to serve (default: the model's, capped at 512)"),
     max_batch: int = typer.Option(2, help="largest batch bucket without --requests (powers of two up to it)"),
     rounds: int = typer.Option(7, help="interleaved timing rounds per shape when comparing variants"),
@@ -54,7 +58,9 @@ def optimize(
     cache_dir: Optional[Path] = typer.Option(None, help="results cache folder (default ~/.cache/shapetuner)"),
     no_cache: bool = typer.Option(False, "--no-cache", help="measure everything again, store nothing"),
     force: bool = typer.Option(False, help="replace OUT if it exists"),
-    as_json: bool = typer.Option(False, "--json", help="print a JSON summary on stdout"),
+    as_json: bool = typer.Option(
+        False, "--json", help="print the manifest (the same object as OUT/manifest.json) on "
+                              "stdout instead of the summary"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress output"),
 ) -> None:
     """Build exact padded variants, verify them, time them against the original in
@@ -74,14 +80,16 @@ def optimize(
         progress=not quiet and not as_json)
     result = run(cfg)
     if as_json:
-        print(json.dumps(result.summary(), indent=2))
+        # docs/pipeline.md: the same object as OUT/manifest.json, so that a pipeline reads
+        # `source`, `device.name`, `variants[].accuracy.passed` without opening the file
+        print(json.dumps(result.manifest.to_json(), indent=2, allow_nan=False))
         return
     s = result.summary()
     print(f"selected {s['selected']}: {s['selection']}")
     e = s["expected_latency_ms"]
     print(f"buckets: batch {s['buckets']['batch']}, seq {s['buckets']['seq']}"
           + (f"; expected {e['chosen']:.2f} ms/request (pad to max {e['pad_to_max']:.2f}, "
-             f"no buckets {e['no_buckets']:.2f})" if e else ""))
+             f"each at its own length, unbatched {e['no_buckets']:.2f})" if e else ""))
     for n in s["notes"]:
         print(f"note: {n}")
     print(f"wrote {result.out}/manifest.json, report.md, report.html")

@@ -38,6 +38,10 @@ def verify_cmd(
         tol = Tolerance.fp16() if fp16 else Tolerance(atol=atol, rtol=rtol)
     except ValueError as e:
         raise BadInput(str(e)) from None
+    if vocab is not None and vocab < 1:
+        raise BadInput(f"--vocab must be >= 1, not {vocab}")
+    if seed < 0:
+        raise BadInput(f"--seed must be >= 0, not {seed}")
     ref_model = load_model(original)
     cand_specs = input_specs(load_model(variant))
     specs = input_specs(ref_model)
@@ -55,10 +59,26 @@ def verify_cmd(
         ref, cand = backend.load(original), backend.load(variant)
     except Exception as e:  # noqa: BLE001 - ORT's errors on a bad graph are bad input here
         raise BadInput(f"ONNX Runtime cannot load the models: {str(e).splitlines()[0]}") from None
+    if inputs is not None or vocab is not None:  # feeds the user chose: theirs to fix
+        _check_reference_runs(ref, feeds, f"{inputs}" if inputs is not None
+                              else f"token ids below --vocab {vocab}")
     result = verify(ref, cand, feeds, tol)
     result.print()
     # SystemExit, not typer.Exit: with standalone_mode=False click returns (drops) Exit codes.
     raise SystemExit(0 if result else 1)
+
+
+def _check_reference_runs(ref, feeds, what: str) -> None:
+    """Inputs the user chose (--inputs, or --vocab past the embedding) must run on the
+    original: when they do not, that is bad input, not a failed comparison of the variant."""
+    from tuner.errors import BadInput
+
+    for feed in feeds:
+        try:
+            ref.infer(feed)
+        except Exception as e:  # noqa: BLE001 - ORT's message names the node and the bad value
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise BadInput(f"{what}: the original model cannot run these inputs: {first}") from None
 
 
 def _vocab(model) -> int:

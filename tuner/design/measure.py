@@ -43,8 +43,10 @@ class MeasureSettings:
             raise BadInput(f"batch and seq must be >= 1, got batch={self.batch}, seq={self.seq}")
         if self.rounds < 3:
             raise BadInput(f"at least 3 rounds are needed for an interval, got {self.rounds}")
-        if self.warmup < 0 or self.threads < 0:
-            raise BadInput("warmup and threads must be >= 0")
+        if self.threads < 0:  # the only one of the two a user sets (--threads)
+            raise BadInput(f"--threads must be >= 0 (0: the runtime's default), not {self.threads}")
+        if self.warmup < 0:
+            raise BadInput(f"warmup must be >= 0, not {self.warmup}")
         if self.backend not in BACKENDS:
             raise BadInput(f"unknown probe backend {self.backend!r}; choose one of: "
                            f"{', '.join(BACKENDS)}")

@@ -58,6 +58,9 @@ def header_lines(ranking: Ranking, meta: dict[str, Any]) -> list[str]:
 def verdict(ranking: Ranking) -> str:
     """One line: the best shape and whether it beats the baseline beyond noise."""
     best, sp = ranking.best, ranking.best.speedup
+    if len(ranking.rows) == 1:  # nothing else was measured: "none faster" would mislead
+        return (f"best: {best.name}, the only shape measured: no other shape fits the parameter "
+                f"target (widen --tolerance or change --layers)")
     if best.name == ranking.baseline:
         return f"best: {best.name}, the baseline itself: no shape measured faster"
     line = (f"best: {best.name}, {sp.ratio:.3f}x [{sp.low:.3f}, {sp.high:.3f}] over "

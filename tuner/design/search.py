@@ -161,7 +161,9 @@ def run(req: DesignRequest, device: str = "auto", batch: int | None = None,
     backend, facts = resolve_device(device)
     space, candidates = plan(req)
     b, s, r = DEFAULTS[backend]
-    settings = MeasureSettings(batch or b, seq or s, backend, rounds or r, threads=threads)
+    # `is None`, not `or`: an explicit 0 is a bad flag to refuse, not a request for the default
+    settings = MeasureSettings(b if batch is None else batch, s if seq is None else seq, backend,
+                               r if rounds is None else rounds, threads=threads)
     costs = measure(candidates, settings, progress)
     meta = {"target": space.target, "tolerance": space.tolerance, "layers": list(space.layers),
             "family": space.family.name, "candidates": len(candidates)}

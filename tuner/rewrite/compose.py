@@ -61,7 +61,8 @@ class PadRequest:
         """Round the model's FFN width and vocabulary up to multiples; head dim and head count
         are absolute targets. Sizes already aligned stay None (nothing to do)."""
         for name, v in (("ffn_multiple", ffn_multiple), ("vocab_multiple", vocab_multiple),
-                        ("hidden_multiple", hidden_multiple)):
+                        ("hidden_multiple", hidden_multiple), ("head_dim", head_dim),
+                        ("heads", heads)):
             _check_positive(name, v)
         if hidden_multiple is not None and shape.hidden_size % hidden_multiple:
             raise RewriteRefused(f"hidden size {shape.hidden_size}: {HIDDEN_REFUSAL}")
@@ -72,8 +73,9 @@ class PadRequest:
             raise RewriteRefused("--vocab-multiple: the model has no LM head (an encoder?)")
         return cls(ffn_size=ffn if ffn and ffn != shape.ffn_size else None,
                    vocab_size=vocab if vocab and vocab != shape.vocab_size else None,
-                   head_dim=head_dim if head_dim and head_dim != shape.head_dim else None,
-                   num_heads=heads if heads and heads != shape.num_heads else None)
+                   head_dim=head_dim if head_dim is not None and head_dim != shape.head_dim
+                   else None,
+                   num_heads=heads if heads is not None and heads != shape.num_heads else None)
 
     @property
     def empty(self) -> bool:
@@ -141,6 +143,16 @@ def vocab_for_feeds(model: ir.Model, shape: ModelShape) -> int:
     return 100
 
 
+def _check_destination(dst: Path) -> None:
+    """Fail before the rewrite and the gate, not at the final rename: a folder or a place we
+    cannot write is bad input."""
+    if dst.is_dir():
+        raise BadInput(f"{dst}: is a folder; give the path of the .onnx file to write")
+    from tuner.paths import ensure_writable_dir
+
+    ensure_writable_dir(dst.parent, f"padded model {dst.name}")
+
+
 def pad_file(src: str | os.PathLike, dst: str | os.PathLike, req: PadRequest, verify: bool = True,
              tolerance: Tolerance = Tolerance(), feeds: Sequence[dict] | None = None,
              shapes: Sequence[tuple[int, int]] = ((1, 7), (2, 16), (3, 33))) -> PadResult:
@@ -153,6 +165,7 @@ def pad_file(src: str | os.PathLike, dst: str | os.PathLike, req: PadRequest, ve
     src, dst = Path(src), Path(dst)
     if dst.resolve() == src.resolve():
         raise BadInput(f"{dst}: refusing to overwrite the input model")
+    _check_destination(dst)
     model = load_model(src)
     shape = inspect_model(model)
     vocab = vocab_for_feeds(model, shape)
