@@ -234,8 +234,8 @@ def test_explanations_in_the_papers_terms():
     from tuner.design.explain import head_dim_note, waves_note
     from tuner.design.report import markdown, verdict
 
-    assert "FlashAttention pads it to 96" in head_dim_note(80) and "ORT has fused" in head_dim_note(80)
-    assert "ORT has no fused kernel" in head_dim_note(96)
+    assert "FlashAttention pads it to 96" in head_dim_note(80) and "ONNX Runtime has a fused" in head_dim_note(80)
+    assert "ONNX Runtime has no fused attention kernel" in head_dim_note(96)
     assert "power of two >= 64" in head_dim_note(128)
     cands = enumerate_candidates(SearchSpace(count_params(PYTHIA_2_8B), (32,), 50257, NEOX),
                                  PYTHIA_2_8B)[:2]

@@ -24,9 +24,9 @@ def head_dim_note(d: int) -> str:
     if d & (d - 1) == 0 and d >= 64:
         return f"head dim {d} is a power of two >= 64 (the paper's knee)"
     flash = -(-d // 32) * 32
-    fused = "has" if d in ORT_FUSED_HEAD_DIMS else "has no"
+    fused = "has a" if d in ORT_FUSED_HEAD_DIMS else "has no"
     return (f"head dim {d}: only {pow2(d)} divides it (the paper's knee is 64); FlashAttention "
-            f"pads it to {flash}, ORT {fused} fused kernel for it")
+            f"pads it to {flash}, ONNX Runtime {fused} fused attention kernel for it")
 
 
 def alignment_note(cost: ShapeCost, settings: MeasureSettings) -> str:

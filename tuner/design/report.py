@@ -44,8 +44,9 @@ def header_lines(ranking: Ranking, meta: dict[str, Any]) -> list[str]:
     s = ranking.settings
     base = ("the starting shape" if ranking.baseline_kind == "start"
             else "the slowest shape measured (no starting shape given)")
+    n = meta.get('candidates', len(ranking.rows))
     lines = [f"Target {meta.get('target', 0):,} parameters +-{meta.get('tolerance', 0.05):.0%}; "
-             f"{meta.get('candidates', len(ranking.rows))} shapes measured on "
+             f"{n} shape{'' if n == 1 else 's'} measured on "
              f"{ranking.device.name} ({s.backend}), batch {s.batch} x seq {s.seq}, "
              f"{s.rounds} interleaved rounds.",
              f"Speedup is over {base}, median of paired per-round ratios with a 95% bootstrap "
