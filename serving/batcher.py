@@ -24,7 +24,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Mapping
 
 import numpy as np
@@ -96,7 +96,10 @@ class _Request:
     length: int
     key: tuple
     enqueued: float
-    future: Future = field(default_factory=Future)
+    # Made only for a request that waits for a worker (or is submitted): one that runs
+    # inline in Batcher.run needs none, and building one costs as much as the rest of the
+    # fast path when the caches are cold after a model run (see Batcher.run).
+    future: Future | None = None
 
 
 class Batcher:
@@ -130,26 +133,28 @@ class Batcher:
         raise InvalidArgument(f"sequence length {length} is longer than the largest bucket "
                               f"{self.policy.seq_buckets[-1]}")
 
+    def run(self, feeds: Feeds) -> Result:
+        """Run one request (already validated) and wait for its Result.
+
+        A request that finds the model idle, nobody queued and no delay asked for runs right
+        here, in the caller's thread, with no Future: a batch of one is all the queue would
+        have made of it, and at batch 1 every step counts (two thread hand-offs cost more
+        than the model run of a small model; a Future and its lock alone cost ~45 us when
+        the caches are cold, as they are after each run of a large model)."""
+        request = self._request(feeds)
+        if not self._enqueue_or_claim(request):
+            return request.future.result()
+        try:
+            return self._execute([request])[0]
+        finally:
+            self._slots.release()
+
     def submit(self, feeds: Feeds) -> Future:
-        """Queue one request (already validated); its Future resolves to a Result."""
-        rows, length = self._rows_and_length(feeds)
-        key = (self.bucket_for(length),) + tuple(
-            (n, a.shape[1:]) for n, a in sorted(feeds.items()) if n not in self.layout.seq_inputs)
-        request = _Request(feeds, rows, length, key, time.perf_counter())
-        with self._cond:
-            if self._closed:
-                raise Unavailable("the server is shutting down")
-            if len(self._queue) >= self.policy.max_queue:
-                raise Unavailable(f"the queue is full ({self.policy.max_queue} requests waiting)")
-            # Idle model, nothing queued, no delay asked for: run here, in the caller's thread.
-            # A batch of one is all the queue would have made of it, and two thread hand-offs
-            # (to the worker and back) are most of the server's own latency at batch 1.
-            inline = (self.policy.max_queue_delay_s == 0 and not self._queue
-                      and self._slots.acquire(blocking=False))
-            if not inline:
-                self._queue.append(request)
-                self._cond.notify()
-        if inline:
+        """Queue one request (already validated); its Future resolves to a Result. Runs it
+        at once in the caller's thread when `run` would."""
+        request = self._request(feeds)
+        if self._enqueue_or_claim(request):
+            request.future = Future()
             try:
                 if request.future.set_running_or_notify_cancel():
                     self._run_batch([request])
@@ -170,6 +175,28 @@ class Batcher:
             t.join(timeout)
 
     # ----------------------------------------------------------------------------- worker
+
+    def _request(self, feeds: Feeds) -> _Request:
+        rows, length = self._rows_and_length(feeds)
+        key = (self.bucket_for(length),) + tuple(
+            (n, a.shape[1:]) for n, a in sorted(feeds.items()) if n not in self.layout.seq_inputs)
+        return _Request(feeds, rows, length, key, time.perf_counter())
+
+    def _enqueue_or_claim(self, request: _Request) -> bool:
+        """Queue the request (False), or, when it may run at once, take a model slot for the
+        caller, who must run it and release the slot (True)."""
+        with self._cond:
+            if self._closed:
+                raise Unavailable("the server is shutting down")
+            if len(self._queue) >= self.policy.max_queue:
+                raise Unavailable(f"the queue is full ({self.policy.max_queue} requests waiting)")
+            if (self.policy.max_queue_delay_s == 0 and not self._queue
+                    and self._slots.acquire(blocking=False)):
+                return True
+            request.future = Future()
+            self._queue.append(request)
+            self._cond.notify()
+            return False
 
     def _rows_and_length(self, feeds: Feeds) -> tuple[int, int]:
         first = next(iter(feeds.values()))
@@ -220,25 +247,34 @@ class Batcher:
                     self._run_batch(batch)
 
     def _run_batch(self, batch: list[_Request]) -> None:
-        start = time.perf_counter()
+        """Run a batch and answer every request's Future, with its Result or the error."""
         try:
-            bucket = batch[0].key[0]
-            if not self.policy.pad_to_bucket and self.layout.seq_inputs:
-                bucket = max(r.length for r in batch)
-            outputs = self._run(self._stack(batch, bucket))
-            compute = time.perf_counter() - start
-            rows = sum(r.rows for r in batch)
-            offset = 0
-            for r in batch:
-                mine = self._split(outputs, offset, r, bucket)
-                r.future.set_result(Result(mine, start - r.enqueued, compute, rows, bucket))
-                offset += r.rows
-            if self._on_batch is not None:
-                self._on_batch(rows, len(batch), compute)
+            results = self._execute(batch)
         except BaseException as e:  # noqa: BLE001 - every waiting client must get an answer
             for r in batch:
                 if not r.future.done():
                     r.future.set_exception(e)
+            return
+        for r, result in zip(batch, results):
+            r.future.set_result(result)
+
+    def _execute(self, batch: list[_Request]) -> list[Result]:
+        """Pad and join the batch, run it once, and split the outputs back per request."""
+        start = time.perf_counter()
+        bucket = batch[0].key[0]
+        if not self.policy.pad_to_bucket and self.layout.seq_inputs:
+            bucket = max(r.length for r in batch)
+        outputs = self._run(self._stack(batch, bucket))
+        compute = time.perf_counter() - start
+        rows = sum(r.rows for r in batch)
+        results, offset = [], 0
+        for r in batch:
+            mine = self._split(outputs, offset, r, bucket)
+            results.append(Result(mine, start - r.enqueued, compute, rows, bucket))
+            offset += r.rows
+        if self._on_batch is not None:
+            self._on_batch(rows, len(batch), compute)
+        return results
 
     def _stack(self, batch: list[_Request], bucket: int) -> dict[str, np.ndarray]:
         if len(batch) == 1 and batch[0].length == bucket:

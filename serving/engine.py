@@ -170,9 +170,11 @@ class Engine:
         if token is None or vocab is None:
             return
         ids = feeds[token]
-        bad = np.argwhere((ids < 0) | (ids >= vocab))
-        if bad.size:
-            where = tuple(int(i) for i in bad[0])
+        # One unsigned comparison finds both kinds of bad id (negatives wrap to huge values);
+        # where the first one is, is worked out only for the error message.
+        unsigned = ids.view(f"u{ids.dtype.itemsize}") if ids.dtype.kind == "i" else ids
+        if unsigned.max() >= vocab:
+            where = tuple(int(i) for i in np.argwhere((ids < 0) | (ids >= vocab))[0])
             raise InvalidArgument(f"input '{token}' holds token id {int(ids[where])} at "
                                   f"{list(where)}, outside the vocabulary [0, {vocab}) of model "
                                   f"'{self.name}'")
@@ -197,7 +199,7 @@ class Engine:
         start = time.perf_counter()
         try:
             self.validate(feeds, outputs)
-            result = self.batcher.submit(feeds).result()
+            result = self.batcher.run(feeds)
         except ServingError as e:
             reason = "REJECTED" if isinstance(e, Unavailable) else "OTHER"
             self.stats.record_failure(reason, time.perf_counter() - start)

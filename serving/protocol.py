@@ -7,6 +7,7 @@ the model (names, dtypes, shapes, token ids) is checked by serving.engine.
 
 from __future__ import annotations
 
+import math
 import struct
 from typing import Iterable, Mapping, Sequence
 
@@ -73,7 +74,7 @@ def _decode_bytes(raw: bytes, count: int, name: str) -> np.ndarray:
 def _decode_raw(tensor, raw: bytes) -> np.ndarray:
     dtype = DATATYPES[tensor.datatype]
     shape = _shape(tensor, "input")
-    count = int(np.prod(shape, dtype=np.int64))
+    count = math.prod(shape)
     if tensor.datatype == "BYTES":
         return _decode_bytes(raw, count, tensor.name).reshape(shape)
     expected = count * dtype.itemsize
@@ -90,7 +91,7 @@ def _decode_typed(tensor) -> np.ndarray:
                               "sent in raw_input_contents")
     values = getattr(tensor.contents, field)
     shape = _shape(tensor, "input")
-    count = int(np.prod(shape, dtype=np.int64))
+    count = math.prod(shape)
     if len(values) != count:
         raise InvalidArgument(f"unexpected number of elements {len(values)} for input "
                               f"'{tensor.name}', expecting {count} for shape {list(shape)}")
@@ -144,8 +145,9 @@ def _raw_bytes(array: np.ndarray) -> bytes:
             b = item if isinstance(item, bytes) else str(item).encode()
             parts.append(struct.pack("<I", len(b)) + b)
         return b"".join(parts)
-    little = array.astype(array.dtype.newbyteorder("<"), copy=False)
-    return np.ascontiguousarray(little).tobytes()
+    if array.dtype.byteorder == ">":  # the wire is little-endian
+        array = array.astype(array.dtype.newbyteorder("<"))
+    return array.tobytes()  # C order whatever the array's layout: one copy, no other call
 
 
 def encode_response(model: str, version: str, request_id: str,
