@@ -72,12 +72,23 @@ def test_select_keeps_original_inside_the_margin():
     assert few.name == "original" and "too few paired rounds" in few.reason
 
 
-def test_interleave_rotates_and_times():
+def test_interleave_shuffles_each_round_and_times():
     order = []
     calls = [lambda k=k: order.append(k) for k in "ABC"]
-    out = interleave(calls, rounds=3, warmup=1)
-    assert out.shape == (3, 3) and np.all(out >= 0)
-    assert "".join(order) == "ABC" + "ABC" + "BCA" + "CAB"
+    out = interleave(calls, rounds=40, warmup=1)
+    assert out.shape == (3, 40) and np.all(out >= 0)
+    assert "".join(order[:3]) == "ABC"  # warm-up in order
+    rounds = ["".join(order[3 + 3 * r: 6 + 3 * r]) for r in range(40)]
+    assert all(sorted(r) == list("ABC") for r in rounds)  # each callable once per round
+    firsts = {r[0] for r in rounds}
+    assert firsts == set("ABC")  # nobody always runs first
+    assert {r[r.index("A") + 1] for r in rounds if r.index("A") < 2} == set("BC")  # nor follows A
+    first_run = list(order)
+    assert interleave(calls, rounds=5, seed=3).shape == (3, 5)
+    again = []
+    calls2 = [lambda k=k: again.append(k) for k in "ABC"]
+    interleave(calls2, rounds=40, warmup=1)
+    assert again == first_run  # seeded: the same order on a rerun
 
 
 def _runner(path):

@@ -108,25 +108,27 @@ def weighted_totals(samples_by_shape: Mapping[Shape, np.ndarray], weights: Mappi
 
 
 def interleave(callables: Sequence[Callable[[], object]], rounds: int, warmup: int = 1,
-               on_step: Callable[[int, int], None] | None = None) -> np.ndarray:
-    """Time each callable once per round, rotating the start (A B C, B C A, C A B, ...) so
-    no callable always runs first. Returns milliseconds, shape (len(callables), rounds).
-    `on_step(round, index)` is called after each timed call (progress bars)."""
+               on_step: Callable[[int, int], None] | None = None, seed: int = 0) -> np.ndarray:
+    """Time each callable once per round, in a fresh random order each round (seeded), so
+    drift hits all alike and no callable always runs first or always follows the same other
+    one (a fixed rotation A B C, B C A, ... keeps B behind A and inherits A's cache state).
+    Returns milliseconds, shape (len(callables), rounds). `on_step(round, index)` is called
+    after each timed call (progress bars)."""
     if rounds < 1 or warmup < 0:
         raise ValueError("rounds must be >= 1 and warmup >= 0")
     n = len(callables)
     for _ in range(warmup):
         for f in callables:
             f()
+    rng = np.random.default_rng(seed)
     out = np.empty((n, rounds), dtype=np.float64)
     for r in range(rounds):
-        for j in range(n):
-            i = (r + j) % n
+        for i in rng.permutation(n):
             t0 = time.perf_counter()
             callables[i]()
             out[i, r] = (time.perf_counter() - t0) * 1e3
             if on_step is not None:
-                on_step(r, i)
+                on_step(r, int(i))
     return out
 
 

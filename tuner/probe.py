@@ -16,7 +16,7 @@ Backends:
   against the SM count come with each result. torch is imported only here, and a machine
   without a GPU gets a BadInput that says so.
 
-Timing is interleaved: every round times every shape once (in a rotated order), so a drift in
+Timing is interleaved: every round times every shape once (in a random order), so a drift in
 machine load hits all shapes alike; each result keeps its per-round samples, and round r of
 every shape belongs together (tuner.design.measure sums them into whole-model samples).
 """
@@ -346,9 +346,11 @@ def probe(shapes: Sequence[GemmShape], backend: str = "ort-cpu", rounds: int = 7
         timers[key] = (timer, _calibrate(timer, max(1, warmup), min_s))
     samples: dict[tuple, list[float]] = {key: [] for key in unique}
     keys = list(unique)
+    order = np.random.default_rng(seed + 1)
     for r in range(rounds):
-        # rotate the order each round so no shape always runs first (after an idle gap)
-        for key in keys[r % len(keys):] + keys[:r % len(keys)]:
+        # a fresh random order each round, as tuner.bench.interleave does: no shape always
+        # runs first (after an idle gap) or always behind the same other shape
+        for key in (keys[i] for i in order.permutation(len(keys))):
             timer, reps = timers[key]
             samples[key].append(timer(reps) * 1e3)
             tick(f"round {r + 1}/{rounds}: {unique[key].label or 'gemm'} {unique[key].describe()}")
