@@ -79,7 +79,7 @@ def batch_limit(latency: Mapping[str, Latency], batch_buckets: Sequence[int],
     verdict = (f"batching up to {best} pays" if best > 1
                else "batching does not pay here: requests run one at a time")
     return best, (f"{verdict} (time per request in a batch / alone, by batch size: "
-                  f"{', '.join(ratios)})")
+                  f"{', '.join(ratios)}; a batch size pays at <= {1 - margin:.2f})")
 
 
 def _shape_text(shape: Sequence[int]) -> str:

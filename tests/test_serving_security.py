@@ -199,3 +199,17 @@ def test_a_port_in_use_is_a_clear_error(artifact) -> None:
                    say=lambda line: None).start(load=False)
     finally:
         first.stop(1)
+
+
+def test_serve_refuses_an_unusable_backend_before_opening_a_port(tmp_path, reference_model, capsys):
+    """A backend that cannot run here (no GPU) is bad input: exit 2 with the reason, and no
+    "listening" line first (the server binds before it loads, so the check comes earlier)."""
+    from serving_support import make_artifact
+
+    from tuner.cli import main
+
+    out = make_artifact(tmp_path / "art", reference_model("bert"))
+    assert main(["serve", str(out), "--backend", "ort-cuda", "--port", "0"]) == 2
+    captured = capsys.readouterr()
+    assert "listening" not in captured.out + captured.err
+    assert "backend ort-cuda cannot run here" in captured.err

@@ -80,6 +80,20 @@ def serve(
         model_name=model_name, backend=backend, engine=engine, settings=settings,
         tls_cert=tls_cert, tls_key=tls_key, token=token,
         max_message_bytes=max_message_mb * 1024 * 1024, drain_timeout_s=drain_timeout_s)
+    _check_before_binding(out, backend)
     code = run(out, options, say=_say)
     if code:
         raise typer.Exit(code)
+
+
+def _check_before_binding(out: Path, backend: str | None) -> None:
+    """Refuse a bad artifact, or a backend that cannot run here, before any port opens: the
+    server binds first (live, not ready) and loads after, so these would otherwise show up
+    only after "listening"."""
+    from tuner.artifact import read_manifest
+    from tuner.runtime.registry import get_backend
+
+    name = backend or read_manifest(out).backend
+    ok, reason = get_backend(name).available()
+    if not ok:
+        raise BadInput(f"backend {name} cannot run here: {reason}")
