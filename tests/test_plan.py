@@ -70,9 +70,19 @@ def test_predict_with_the_real_probe():
     s = shape(num_layers=1, hidden_size=64, num_heads=2, head_dim=32, ffn_size=200, vocab_size=1000)
     cands = [Candidate("original", ()), Candidate("vocab-1024", (Transform("vocab", 1000, 1024),))]
     out = predict(s, cands, 1, 16,
-                  lambda g: [r.median_ms for r in probe(g, "ort-cpu", rounds=3, warmup=1, min_sample_ms=1)])
+                  lambda g: [r.samples_ms for r in probe(g, "ort-cpu", rounds=5, warmup=1, min_sample_ms=1)])
     assert out[0].predicted == pytest.approx(1.0)
     assert 0.2 < out[1].predicted < 5  # a measured ratio, not a constant
+    assert out[1].predicted_high >= out[1].predicted  # with its interval from paired rounds
+
+
+def test_prune_keeps_a_candidate_whose_slowdown_is_inside_the_noise():
+    noisy = Candidate("vocab-1024", (Transform("vocab", 1000, 1024),), predicted=0.90,
+                      predicted_high=1.04)
+    sure = Candidate("ffn-256", (Transform("ffn", 200, 256),), predicted=0.90, predicted_high=0.95)
+    kept, notes = prune([Candidate("original", (), predicted=1.0), noisy, sure], max_variants=4)
+    assert [c.name for c in kept] == ["original", "vocab-1024"]
+    assert notes == ["pruned ffn-256: the GEMM probe predicts 0.900x (95% interval up to 0.950x)"]
 
 
 def _c(name: str, kind: str, new: int, pred: float | None) -> Candidate:

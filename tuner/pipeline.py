@@ -86,15 +86,20 @@ def _cached_probe(cache, key_parts, threads, backend: str = "ort-cpu"):
     from tuner.cache import entry_key
     from tuner.probe import probe
 
+    rounds = 5
+
     def fn(gemms):
         key = entry_key(*key_parts, (0, 0), {"probe": [g.describe() + g.label for g in gemms],
-                                              "threads": threads}, 5, 1)
+                                              "threads": threads, "samples": "per-round"},
+                        rounds, 1)
         hit = cache.get(key)
-        if hit is not None and len(hit.samples_ms) == len(gemms):
-            return list(hit.samples_ms)
-        times = [r.median_ms for r in probe(gemms, backend, rounds=5, warmup=1, threads=threads)]
-        cache.put_group({key: tuple(times)}, "probe")
-        return times
+        if hit is not None and len(hit.samples_ms) == len(gemms) * rounds:
+            flat = list(hit.samples_ms)
+        else:  # per-round samples, so predictions carry their own noise (plan.predict)
+            results = probe(gemms, backend, rounds=rounds, warmup=1, threads=threads)
+            flat = [t for r in results for t in r.samples_ms]
+            cache.put_group({key: tuple(flat)}, "probe")
+        return [flat[i * rounds:(i + 1) * rounds] for i in range(len(gemms))]
     return fn
 
 

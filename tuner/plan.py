@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
+import numpy as np
+
 from tuner.artifact import Transform
 from tuner.hardware import DeviceFacts, next_multiple
 
@@ -36,6 +38,7 @@ class Candidate:
     exact: bool = True
     reason: str = ""
     predicted: float | None = None  # probe's predicted speedup over the original
+    predicted_high: float | None = None  # upper end of its 95% interval (paired rounds)
 
     @property
     def pads(self) -> dict[str, int]:
@@ -115,13 +118,17 @@ def with_fusion(best: Candidate) -> Candidate:
     return _make([*best.transforms, Transform("fuse")], f"{best.name}, then fused")
 
 
-# A probe takes GEMM shapes and returns their median times in ms, in order.
-ProbeFn = Callable[[list], list[float]]
+# A probe takes GEMM shapes and returns, per shape in order, its times in ms: one per
+# interleaved round (round r of every shape belongs together), or a single number.
+ProbeFn = Callable[[list], list]
 
 
 def predict(shape, cands: Sequence[Candidate], batch: int, seq: int, probe_fn: ProbeFn) -> list[Candidate]:
-    """Each candidate with `predicted` = (time of the GEMMs it changes, original) / (same,
-    candidate), counting every layer's GEMMs and the LM head once. Fusion is not predicted."""
+    """Each candidate with `predicted` = the median over rounds of (time of the model's GEMMs,
+    original) / (same, candidate), every layer's GEMMs and the LM head once, and
+    `predicted_high`, the top of its bootstrap interval: pruning uses that, so a candidate is
+    dropped only when the probe says it is slower beyond its own noise. Fusion is not predicted."""
+    from tuner.bench import paired_ratio_ci
     from tuner.probe import model_gemms
 
     def gemms(c: Candidate):
@@ -130,20 +137,21 @@ def predict(shape, cands: Sequence[Candidate], batch: int, seq: int, probe_fn: P
 
     base = gemms(cands[0] if cands and cands[0].name == "original" else Candidate("original", ()))
     lists = [base] + [gemms(c) for c in cands]
-    flat = [g for lst in lists for g in lst]
-    times = probe_fn(flat)
-    per, i = [], 0
-    for lst in lists:
-        per.append({g.label: t for g, t in zip(lst, times[i:i + len(lst)])})
-        i += len(lst)
+    samples = [np.atleast_1d(np.asarray(t, dtype=np.float64))
+               for t in probe_fn([g for lst in lists for g in lst])]
     layers = max(shape.num_layers, 1)
-
-    def total(t: dict[str, float]) -> float:
-        return sum(v * (1 if k == "lm_head" else layers) for k, v in t.items())
-
+    totals, i = [], 0  # whole-model GEMM time per round, per list
+    for lst in lists:
+        totals.append(sum(t * (1 if g.label == "lm_head" else layers)
+                          for g, t in zip(lst, samples[i:i + len(lst)])))
+        i += len(lst)
     out = []
-    for c, t in zip(cands, per[1:]):
-        out.append(replace(c, predicted=None if c.fused else total(per[0]) / total(t)))
+    for c, t in zip(cands, totals[1:]):
+        if c.fused:
+            out.append(replace(c, predicted=None, predicted_high=None))
+            continue
+        ci = paired_ratio_ci(totals[0], t)
+        out.append(replace(c, predicted=ci.ratio, predicted_high=ci.high))
     return out
 
 
@@ -161,8 +169,10 @@ def prune(cands: Sequence[Candidate], max_variants: int, prune_below: float = 0.
     original = [c for c in cands if c.name == "original"]
     notes, keep, best_of = [], [], {}
     for c in (c for c in cands if c.name != "original"):
-        if c.predicted is not None and c.predicted < prune_below:
-            notes.append(f"pruned {c.name}: the GEMM probe predicts {c.predicted:.3f}x")
+        high = c.predicted_high if c.predicted_high is not None else c.predicted
+        if high is not None and high < prune_below:
+            notes.append(f"pruned {c.name}: the GEMM probe predicts {c.predicted:.3f}x"
+                         + (f" (95% interval up to {high:.3f}x)" if c.predicted_high is not None else ""))
         elif len(c.transforms) == 1 and c.transforms[0].kind in _FIELD:
             kind = c.transforms[0].kind
             if kind not in best_of or _rank(c) < _rank(best_of[kind]):
