@@ -21,7 +21,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 EXPORTERS = ("torchscript", "dynamo")
 IR_VERSION = 10  # onnxruntime >= 1.20 reads IR 10; newer onnx helpers may write 11+.

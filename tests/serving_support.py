@@ -95,3 +95,36 @@ def assert_close_where_valid(got: np.ndarray, want: np.ndarray, mask: np.ndarray
     keep = mask.astype(bool)  # (B, S): outputs are (B, S, ...)
     assert keep.any(), what
     np.testing.assert_allclose(got[keep], want[keep], atol=atol, rtol=rtol, err_msg=what)
+
+
+def infer_inputs(feeds: dict[str, np.ndarray], datatype: str = "INT64") -> list:
+    """tritonclient InferInputs for a feed dict."""
+    import tritonclient.grpc as tg
+
+    out = []
+    for name, array in feeds.items():
+        i = tg.InferInput(name, list(array.shape), datatype)
+        i.set_data_from_numpy(array)
+        out.append(i)
+    return out
+
+
+class Answers:
+    """Collects tritonclient async_infer callbacks: `answers.callback(i)` for request i, then
+    `answers.wait(n, timeout)` until n have come back (results or errors, by request index)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.results: dict[int, object] = {}
+        self._done = threading.Semaphore(0)
+
+    def callback(self, i: int):
+        def on_result(result, error):
+            self.results[i] = error if error is not None else result
+            self._done.release()
+        return on_result
+
+    def wait(self, n: int, timeout: float) -> None:
+        for _ in range(n):
+            assert self._done.acquire(timeout=timeout), f"only {len(self.results)} of {n} answered"

@@ -17,7 +17,7 @@ from serving import protocol
 from serving._generated import inference_pb2 as pb
 from serving._generated import inference_pb2_grpc as pb_grpc
 from serving.server import Server, ServerOptions
-from serving_support import feeds_for, make_artifact
+from serving_support import feeds_for, infer_inputs, make_artifact
 from tuner.errors import BadInput
 
 TOKEN = "s3cret-token"
@@ -57,27 +57,18 @@ def _client(server, cert) -> tg.InferenceServerClient:
                                     root_certificates=str(cert))
 
 
-def _inputs(feeds):
-    out = []
-    for name, a in feeds.items():
-        i = tg.InferInput(name, list(a.shape), "INT64")
-        i.set_data_from_numpy(a)
-        out.append(i)
-    return out
-
-
 def test_token_is_required_on_every_call(secure) -> None:
     server, cert = secure
     client = _client(server, cert)
     with pytest.raises(InferenceServerException, match="bearer token"):
         client.is_server_live()
     with pytest.raises(InferenceServerException, match="bearer token"):
-        client.infer(server.slot.name, _inputs(feeds_for(4)))
+        client.infer(server.slot.name, infer_inputs(feeds_for(4)))
     with pytest.raises(InferenceServerException, match="bearer token"):
         client.is_server_live(headers={"authorization": "Bearer wrong"})
     good = {"authorization": f"Bearer {TOKEN}"}
     assert client.is_server_live(headers=good)
-    result = client.infer(server.slot.name, _inputs(feeds_for(4)), headers=good)
+    result = client.infer(server.slot.name, infer_inputs(feeds_for(4)), headers=good)
     assert result.as_numpy("last_hidden_state").shape == (1, 4, 64)
 
 
@@ -116,7 +107,7 @@ def test_messages_over_the_limit_are_refused_and_the_server_lives_on(secure) -> 
     big = {"input_ids": np.zeros((8, 32), np.int64), "attention_mask": np.ones((8, 32), np.int64)}
     big["pad"] = np.zeros(10_000, np.int64)  # 80 kB: over the 64 KiB limit
     with pytest.raises(InferenceServerException) as info:
-        client.infer(server.slot.name, _inputs(big), headers=good)
+        client.infer(server.slot.name, infer_inputs(big), headers=good)
     assert "RESOURCE_EXHAUSTED" in str(info.value.status())
     assert client.is_server_live(headers=good)
 

@@ -19,7 +19,8 @@ from serving._generated import inference_pb2 as pb
 from serving._generated import inference_pb2_grpc as pb_grpc
 from serving.engine import EngineOptions
 from serving.server import Server, ServerOptions
-from serving_support import assert_close_where_valid, feeds_for, make_artifact, perturbed_copy
+from serving_support import (Answers, assert_close_where_valid, feeds_for, infer_inputs,
+                             make_artifact, perturbed_copy)
 
 ATOL, RTOL = 1e-4, 1e-4
 
@@ -52,15 +53,6 @@ def _client(server: Server) -> tg.InferenceServerClient:
     return tg.InferenceServerClient(f"127.0.0.1:{server.port}")
 
 
-def _inputs(feeds: dict[str, np.ndarray], datatype: str = "INT64") -> list[tg.InferInput]:
-    out = []
-    for name, array in feeds.items():
-        i = tg.InferInput(name, list(array.shape), datatype)
-        i.set_data_from_numpy(array)
-        out.append(i)
-    return out
-
-
 def _direct(model, feeds) -> dict[str, np.ndarray]:
     session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
     return dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
@@ -89,7 +81,7 @@ def test_health_metadata_and_config(bert) -> None:
 def test_infer_equals_the_onnx_run_directly(which, length, pad_right, request) -> None:
     server, model = request.getfixturevalue(which)
     feeds = feeds_for(length, rows=2, vocab=1000, seed=length, pad_right=pad_right)
-    result = _client(server).infer(server.slot.name, _inputs(feeds))
+    result = _client(server).infer(server.slot.name, infer_inputs(feeds))
     for name, expected in _direct(model, feeds).items():
         assert_close_where_valid(result.as_numpy(name), expected, feeds["attention_mask"],
                                  ATOL, RTOL)
@@ -168,7 +160,7 @@ def test_every_invalid_request_gets_its_code_and_the_server_lives_on(bert) -> No
         assert text in error.details(), f"{case}: {error.details()!r}"
     assert server.stats.fail.count > failures_before
     feeds = feeds_for(4)
-    result = _client(server).infer(server.slot.name, _inputs(feeds))
+    result = _client(server).infer(server.slot.name, infer_inputs(feeds))
     np.testing.assert_allclose(result.as_numpy("last_hidden_state"),
                                _direct(model, feeds)["last_hidden_state"], atol=ATOL, rtol=RTOL)
 
@@ -177,10 +169,10 @@ def test_tritonclient_sees_the_same_codes(bert) -> None:
     server, _ = bert
     client = _client(server)
     with pytest.raises(InferenceServerException) as info:
-        client.infer("no-such-model", _inputs(feeds_for(4)))
+        client.infer("no-such-model", infer_inputs(feeds_for(4)))
     assert "NOT_FOUND" in str(info.value.status())
     with pytest.raises(InferenceServerException) as info:
-        client.infer(server.slot.name, _inputs(feeds_for(40)))
+        client.infer(server.slot.name, infer_inputs(feeds_for(40)))
     assert "INVALID_ARGUMENT" in str(info.value.status())
 
 
@@ -191,21 +183,11 @@ def test_200_concurrent_requests_of_mixed_lengths_are_each_exact(bert) -> None:
     requests = [feeds_for(int(rng.integers(1, 33)), rows=int(rng.integers(1, 3)), seed=i,
                           pad_right=int(rng.integers(0, 2))) for i in range(200)]
     executions_before = server.stats.execution_count
-    results: dict[int, object] = {}
-    import threading
-
-    done = threading.Semaphore(0)
-
-    def callback(i):
-        def on_result(result, error):
-            results[i] = error if error is not None else result
-            done.release()
-        return on_result
-
+    answers = Answers()
     for i, feeds in enumerate(requests):
-        client.async_infer(server.slot.name, _inputs(feeds), callback(i))
-    for _ in requests:
-        assert done.acquire(timeout=120), f"only {len(results)} of 200 answered"
+        client.async_infer(server.slot.name, infer_inputs(feeds), answers.callback(i))
+    answers.wait(len(requests), timeout=120)
+    results = answers.results
     runs = server.stats.execution_count - executions_before
     assert runs < 200, "no two requests shared a model run: batching did not happen"
     session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
@@ -237,9 +219,9 @@ def test_stream_infer_answers_in_order_and_survives_a_bad_request(bert) -> None:
     client.start_stream(on_answer)
     try:
         good = [feeds_for(n, seed=n) for n in (3, 9)]
-        client.async_stream_infer(server.slot.name, _inputs(good[0]))
-        client.async_stream_infer(server.slot.name, _inputs(feeds_for(50)))
-        client.async_stream_infer(server.slot.name, _inputs(good[1]))
+        client.async_stream_infer(server.slot.name, infer_inputs(good[0]))
+        client.async_stream_infer(server.slot.name, infer_inputs(feeds_for(50)))
+        client.async_stream_infer(server.slot.name, infer_inputs(good[1]))
         for _ in range(3):
             assert done.acquire(timeout=60)
     finally:
@@ -255,7 +237,7 @@ def test_stream_infer_answers_in_order_and_survives_a_bad_request(bert) -> None:
 def test_statistics_and_prometheus_metrics(bert) -> None:
     server, _ = bert
     client = _client(server)
-    client.infer(server.slot.name, _inputs(feeds_for(4)))
+    client.infer(server.slot.name, infer_inputs(feeds_for(4)))
     stats = client.get_inference_statistics(server.slot.name).model_stats[0]
     assert stats.inference_stats.success.count >= 1 and stats.execution_count >= 1
     text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics",
@@ -297,7 +279,7 @@ def test_gate_failure_serves_the_original(reference_model, tmp_path) -> None:
         assert server.slot.engine.model.served == "original"
         assert any("FAILED the accuracy gate" in line for line in lines)
         feeds = feeds_for(7, seed=1)
-        got = _client(server).infer(server.slot.name, _inputs(feeds))
+        got = _client(server).infer(server.slot.name, infer_inputs(feeds))
         np.testing.assert_allclose(got.as_numpy("last_hidden_state"),
                                    _direct(model, feeds)["last_hidden_state"], atol=ATOL,
                                    rtol=RTOL)
@@ -320,7 +302,7 @@ def test_exact_variant_is_served_and_shadow_checks_agree(reference_model, tmp_pa
         client = _client(server)
         for n in (4, 9, 16):
             feeds = feeds_for(n, seed=n)
-            got = client.infer(server.slot.name, _inputs(feeds)).as_numpy("logits")
+            got = client.infer(server.slot.name, infer_inputs(feeds)).as_numpy("logits")
             np.testing.assert_allclose(got, _direct(model, feeds)["logits"], atol=ATOL,
                                        rtol=1e-3)
         server.slot.engine._shadow.submit(lambda: None).result(60)  # shadow queue flushed
@@ -340,7 +322,7 @@ def test_not_ready_until_the_model_is_loaded_and_checked(reference_model, tmp_pa
         assert client.is_server_live()
         assert not client.is_server_ready() and not client.is_model_ready(name)
         with pytest.raises(InferenceServerException) as info:
-            client.infer(name, _inputs(feeds_for(4)))
+            client.infer(name, infer_inputs(feeds_for(4)))
         assert "UNAVAILABLE" in str(info.value.status()) and "is not ready" in str(info.value)
         with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
             health = health_pb2_grpc.HealthStub(channel)
@@ -351,7 +333,7 @@ def test_not_ready_until_the_model_is_loaded_and_checked(reference_model, tmp_pa
             assert health.Check(request, timeout=10).status == \
                 health_pb2.HealthCheckResponse.SERVING
         assert client.is_model_ready(name)
-        assert client.infer(name, _inputs(feeds_for(4))).as_numpy("last_hidden_state") is not None
+        assert client.infer(name, infer_inputs(feeds_for(4))).as_numpy("last_hidden_state") is not None
     finally:
         server.stop(5)
 
@@ -405,7 +387,7 @@ def test_batching_that_does_not_pay_still_takes_batched_requests(reference_model
         assert config.max_batch_size == 8
         assert list(config.dynamic_batching.preferred_batch_size) == [1]
         feeds = feeds_for(6, rows=4)
-        got = _client(server).infer(server.slot.name, _inputs(feeds))
+        got = _client(server).infer(server.slot.name, infer_inputs(feeds))
         np.testing.assert_allclose(got.as_numpy("last_hidden_state"),
                                    _direct(model, feeds)["last_hidden_state"], atol=ATOL,
                                    rtol=RTOL)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import numpy as np
@@ -16,16 +15,8 @@ import pytest
 import tritonclient.grpc as tg
 from tritonclient.utils import InferenceServerException
 
-from serving_support import assert_close_where_valid, feeds_for, free_port, make_artifact
-
-
-def _inputs(feeds):
-    out = []
-    for name, a in feeds.items():
-        i = tg.InferInput(name, list(a.shape), "INT64")
-        i.set_data_from_numpy(a)
-        out.append(i)
-    return out
+from serving_support import (Answers, assert_close_where_valid, feeds_for, free_port,
+                             infer_inputs, make_artifact)
 
 
 @pytest.fixture()
@@ -62,28 +53,20 @@ def test_sigterm_answers_every_accepted_request(served) -> None:
     proc, client, model = served
     rng = np.random.default_rng(3)
     requests = [feeds_for(int(rng.integers(2, 33)), seed=i) for i in range(40)]
-    results: dict[int, object] = {}
-    done = threading.Semaphore(0)
-
-    def callback(i):
-        def on_result(result, error):
-            results[i] = error if error is not None else result
-            done.release()
-        return on_result
-
+    answers = Answers()
+    results = answers.results
     for i, feeds in enumerate(requests):
-        client.async_infer("bert", _inputs(feeds), callback(i), client_timeout=60)
+        client.async_infer("bert", infer_inputs(feeds), answers.callback(i), client_timeout=60)
     time.sleep(0.5)  # all 40 are now queued in the server, waiting for a fuller batch
     assert not results, "requests were answered before the signal: the test proves nothing"
     proc.send_signal(signal.SIGTERM)
     time.sleep(0.2)
     try:  # a call after the signal is refused, not accepted and dropped
-        client.infer("bert", _inputs(feeds_for(4)), client_timeout=10)
+        client.infer("bert", infer_inputs(feeds_for(4)), client_timeout=10)
         late = None
     except InferenceServerException as e:
         late = e
-    for _ in requests:
-        assert done.acquire(timeout=60), f"only {len(results)} of 40 answered"
+    answers.wait(len(requests), timeout=60)
     code = proc.wait(timeout=60)
     stderr = proc.stderr.read()
     assert code == 0, stderr
