@@ -58,6 +58,13 @@ def _direct(model, feeds) -> dict[str, np.ndarray]:
     return dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
 
 
+def _assert_served_as_direct(server, model, feeds) -> None:
+    """One request through gRPC gives what running the ONNX file directly gives."""
+    got = _client(server).infer(server.slot.name, infer_inputs(feeds))
+    np.testing.assert_allclose(got.as_numpy("last_hidden_state"),
+                               _direct(model, feeds)["last_hidden_state"], atol=ATOL, rtol=RTOL)
+
+
 def test_health_metadata_and_config(bert) -> None:
     server, _ = bert
     client, name = _client(server), server.slot.name
@@ -279,10 +286,7 @@ def test_gate_failure_serves_the_original(reference_model, tmp_path) -> None:
         assert server.slot.engine.model.served == "original"
         assert any("FAILED the accuracy gate" in line for line in lines)
         feeds = feeds_for(7, seed=1)
-        got = _client(server).infer(server.slot.name, infer_inputs(feeds))
-        np.testing.assert_allclose(got.as_numpy("last_hidden_state"),
-                                   _direct(model, feeds)["last_hidden_state"], atol=ATOL,
-                                   rtol=RTOL)
+        _assert_served_as_direct(server, model, feeds)
     finally:
         server.stop(5)
 
@@ -387,9 +391,6 @@ def test_batching_that_does_not_pay_still_takes_batched_requests(reference_model
         assert config.max_batch_size == 8
         assert list(config.dynamic_batching.preferred_batch_size) == [1]
         feeds = feeds_for(6, rows=4)
-        got = _client(server).infer(server.slot.name, infer_inputs(feeds))
-        np.testing.assert_allclose(got.as_numpy("last_hidden_state"),
-                                   _direct(model, feeds)["last_hidden_state"], atol=ATOL,
-                                   rtol=RTOL)
+        _assert_served_as_direct(server, model, feeds)
     finally:
         server.stop(5)
