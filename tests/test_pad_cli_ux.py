@@ -33,3 +33,15 @@ def test_zero_targets_are_refused(reference_model, tmp_path, capsys, flag):
     assert main(["pad", str(src), "-o", str(tmp_path / "x.onnx"), flag, "0"]) == 2
     assert "must be a positive integer, not 0" in capsys.readouterr().err
     assert not (tmp_path / "x.onnx").exists()
+
+
+def test_an_existing_output_is_kept_unless_force(reference_model, tmp_path, capsys):
+    src = reference_model("bert", "small", "torchscript")
+    out = tmp_path / "padded.onnx"
+    out.write_bytes(b"the model being served")
+    assert main(["pad", str(src), "-o", str(out), "--head-dim", "32"]) == 2
+    err = capsys.readouterr().err
+    assert "exists; pass --force to replace it" in err and len(err.strip().splitlines()) == 1
+    assert out.read_bytes() == b"the model being served"
+    assert main(["pad", str(src), "-o", str(out), "--head-dim", "32", "--force"]) == 0
+    assert out.read_bytes().startswith(b"\x08")  # a ModelProto now: field 1 (ir_version)

@@ -276,5 +276,10 @@ def detect(gpu_index: int = 0) -> DeviceInfo:
 
 if __name__ == "__main__":  # python -m tuner.device
     import json
+    import os
+    import sys
 
-    print(json.dumps(detect().to_json(), indent=2))
+    try:
+        print(json.dumps(detect().to_json(), indent=2), flush=True)
+    except BrokenPipeError:  # `| head`: the reader left, which is fine
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -35,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("tuner: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        return _reader_went_away()
     except SystemExit as e:  # typer.Exit / click usage errors raised in standalone-free mode
         return int(e.code or 0)
     except Exception as e:  # noqa: BLE001 - the last line of defence: exit 1, say what broke
@@ -65,6 +67,19 @@ def _handle_other(e: Exception) -> int:
     traceback.print_exc()
     print(f"tuner: internal error: {type(e).__name__}: {e}", file=sys.stderr)
     return EXIT_INTERNAL
+
+
+def _reader_went_away() -> int:
+    """`tuner ... | head`: the reader closed the pipe, which is no error of ours. Point stdout
+    at /dev/null so the interpreter's final flush cannot raise again, and exit as a program
+    killed by SIGPIPE would (128 + 13), as `cat` and friends do."""
+    import os
+
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout is not a real file (captured): nothing to flush
+        pass
+    return 141
 
 
 def _one_line(message: str) -> str:

@@ -29,6 +29,7 @@ def pad_cmd(
     atol: float = typer.Option(1e-4, "--atol", help="absolute tolerance of the accuracy gate"),
     rtol: float = typer.Option(1e-3, "--rtol", help="relative tolerance of the accuracy gate"),
     as_json: bool = typer.Option(False, "--json", help="print the result as one JSON object"),
+    force: bool = typer.Option(False, "--force", help="replace OUT if it exists"),
 ) -> None:
     """Pad the model's GEMM dimensions with zeros so that outputs stay the same, check that on
     ONNX Runtime (several batch/sequence shapes with padded masks), and only then write OUT."""
@@ -38,6 +39,9 @@ def pad_cmd(
     from tuner.rewrite.compose import NotExact, PadRequest, pad_file
     from tuner.verify import Tolerance
 
+    if output.is_file() and not force and output.resolve() != model.resolve():
+        # a padded model is minutes of work to redo and may be the one being served
+        raise BadInput(f"{output} exists; pass --force to replace it")
     try:
         tol = Tolerance(atol=atol, rtol=rtol)
     except ValueError as e:
