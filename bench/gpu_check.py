@@ -16,13 +16,26 @@ Parts, each run where its libraries are present (the others print why they were 
    a GPT-2-small-shaped model exported with vocab 50257 and with 50304 (random weights: this
    compares time only), timed interleaved at one bucket on ort-cuda, ort-cuda-fp16, ort-trt,
    trt, trt-fp16.
+3. End to end in torch (torch with CUDA + transformers; no export, no ONNX Runtime): the
+   models themselves with random weights in fp16, eval, inference mode, SDPA attention, each
+   forward timed with CUDA events, the pair interleaved (alternating which goes first) over
+   the same rounds: GPT-2 small (12 layers + LM head, batch 8 x seq 512) with vocab 50257 vs
+   50304, and a Pythia-2.8B layer stack (h=2560, FFN 10240, 4 of its 32 layers, no head,
+   batch 4 x seq 2048) with 32 heads of 80 vs 20 heads of 128. This is the part that runs on
+   a GPU machine with CPU-only onnxruntime and no TensorRT, where part 2 is skipped.
 
-Works without a package registry: it needs only what is installed.
+Works without a package registry: it needs only what is installed. Time on an H200 (by
+estimate from its ~800 TFLOP/s fp16 GEMMs: part 1 is ~40 unique GEMMs x 16 samples of
+>= 2 ms; part 3 is ~4 ms (GPT-2) and ~25 ms (4 Pythia layers) per forward, samples of
+>= 20 ms, plus building four models on the GPU): about 10 s + 10 s + the CUDA and import
+start-up, so well under a minute when part 2 is skipped; part 2's backends stop starting
+after --budget-s (420 s), which keeps the whole under 8 minutes where they all run.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import tempfile
@@ -30,9 +43,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+NEOX_LAYERS = 4  # of Pythia-2.8B's 32: the ratio is per layer; 4 keep part 3 to seconds
 
 
 @dataclass
@@ -189,6 +204,134 @@ def run_e2e(smoke: bool, rounds: int, deadline: float,
     return rows, skipped
 
 
+# ---------------------------------------------------------------------------------------------
+# Part 3: whole models in torch (transformers, random weights), no export, no ONNX Runtime
+
+
+@dataclass(frozen=True)
+class TorchPair:
+    model: str
+    what: str
+    original: str
+    padded: str
+    build: Callable[[str], Any]  # label (original or padded) -> module, on torch's default device
+    batch: int
+    seq: int
+    vocab: int  # input ids are drawn below this (the smaller vocab of the pair)
+    note: str
+
+
+def torch_pairs(smoke: bool) -> list[TorchPair]:
+    """GPT-2 small with vocab 50257 vs 50304; a Pythia-2.8B layer stack with 32 heads of 80
+    vs 20 heads of 128 (same h, same parameter count). Tiny versions with --smoke."""
+    from transformers import GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXModel
+
+    g_h, g_l, g_a = (64, 2, 4) if smoke else (768, 12, 12)
+    n_h, n_l, n_f, n_v = (64, 2, 256, 1024) if smoke else (2560, NEOX_LAYERS, 10240, 50304)
+    heads = ("4", "2") if smoke else ("32", "20")
+    vocabs = ("1000", "1024") if smoke else ("50257", "50304")
+
+    def gpt2(v: str):
+        return GPT2LMHeadModel(GPT2Config(vocab_size=int(v), n_embd=g_h, n_layer=g_l, n_head=g_a,
+                                          n_positions=1024, attn_implementation="sdpa"))
+
+    def neox(a: str):
+        return GPTNeoXModel(GPTNeoXConfig(
+            vocab_size=n_v, hidden_size=n_h, num_hidden_layers=n_l, num_attention_heads=int(a),
+            intermediate_size=n_f, max_position_embeddings=2048, attn_implementation="sdpa"))
+
+    gb, gs = (1, 16) if smoke else (8, 512)
+    nb, ns = (1, 32) if smoke else (4, 2048)
+    return [
+        TorchPair("tiny" if smoke else "gpt2-small", "vocab, whole LM", *vocabs, gpt2, gb, gs,
+                  int(vocabs[0]), f"{g_l} layers + head"),
+        TorchPair("tiny" if smoke else "pythia-2.8b", "heads (head dim), layer stack",
+                  f"{heads[0]}x{n_h // int(heads[0])}", f"{heads[1]}x{n_h // int(heads[1])}",
+                  lambda label: neox(label.split("x")[0]), nb, ns, n_v,
+                  f"{n_l} layers, no head" if smoke else f"{n_l} of its 32 layers, no head"),
+    ]
+
+
+def _forward_timer(model, ids, cuda: bool) -> Callable[[int], float]:
+    """ms per forward over `reps` calls: CUDA events on the GPU, the wall clock on the CPU."""
+    import torch
+
+    if cuda:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def run(reps: int) -> float:
+        if not cuda:
+            t0 = time.perf_counter()
+        else:
+            start.record()
+        for _ in range(reps):
+            model(input_ids=ids, use_cache=False)
+        if not cuda:
+            return (time.perf_counter() - t0) * 1e3 / reps
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / reps
+
+    return run
+
+
+def _time_pair(pair: TorchPair, device, dtype, rounds: int, min_sample_ms: float) -> Row:
+    import torch
+
+    cuda = device.type == "cuda"
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, pair.vocab, (pair.batch, pair.seq), generator=gen).to(device)
+    timers, impl = [], ""
+    for label in (pair.original, pair.padded):
+        torch.manual_seed(0)
+        with device:  # initialise the random weights where they will run (fast on a GPU)
+            model = pair.build(label)
+        model = model.to(dtype=dtype).eval()
+        impl = getattr(model.config, "_attn_implementation", "") or ""
+        timers.append(_forward_timer(model, ids, cuda))
+    per_call = min(timers[0](1) for _ in range(3))  # warm-up (kernels picked, memory pooled)
+    for _ in range(3):
+        timers[1](1)
+    reps = max(1, math.ceil(min_sample_ms / max(per_call, 1e-6)))
+    o_s, p_s = [], []
+    for r in range(rounds):  # alternate which goes first
+        order = [(timers[0], o_s), (timers[1], p_s)]
+        for timer, out in (order if r % 2 == 0 else order[::-1]):
+            out.append(timer(reps))
+    tokens = pair.batch * pair.seq
+    o_ms, p_ms = statistics.median(o_s), statistics.median(p_s)
+    note = (f"{'fp16 CUDA events' if cuda else 'fp32 CPU clock'}, batch {pair.batch}x{pair.seq}, "
+            f"{pair.note}, attn {impl}; tok/s {tokens / o_ms * 1e3:.4g} -> {tokens / p_ms * 1e3:.4g}")
+    return Row("torch", pair.model, pair.what, pair.original, pair.padded, o_ms, p_ms,
+               _ratio(o_s, p_s), note)
+
+
+def run_torch(smoke: bool, rounds: int) -> tuple[list[Row], list[str]]:
+    try:
+        import torch
+        import transformers  # noqa: F401
+    except ImportError as e:
+        return [], [f"skipped torch end to end: needs torch and transformers ({e.name} missing)"]
+    if smoke:
+        device, dtype, min_ms = torch.device("cpu"), torch.float32, 5.0
+    elif torch.cuda.is_available():
+        device, dtype, min_ms = torch.device("cuda"), torch.float16, 20.0
+    else:
+        return [], [f"skipped torch end to end: no CUDA GPU visible to torch {torch.__version__}"]
+    rows, skipped = [], []
+    for pair in torch_pairs(smoke):
+        try:
+            with torch.inference_mode():
+                rows.append(_time_pair(pair, device, dtype, rounds, min_ms))
+        except Exception as e:  # noqa: BLE001 - report (e.g. out of memory) and go on
+            skipped.append(f"failed torch end to end {pair.model} {pair.what}: "
+                           f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
+        finally:
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return rows, skipped
+
+
 def render(rows: list[Row], skipped: list[str], header: str) -> str:
     cols = ["part", "model", "what", "orig", "padded", "orig ms", "padded ms",
             "speedup [min, max]", "note"]
@@ -223,13 +366,14 @@ def main(argv: list[str] | None = None) -> int:
     dev = detect()
     rows, skipped = run_probe(a.smoke, rounds)
     backends = ["ort-cpu"] if a.smoke else [b.strip() for b in a.backends.split(",") if b.strip()]
+    torch_rows, torch_skipped = run_torch(a.smoke, rounds)
     e2e_rows, e2e_skipped = run_e2e(a.smoke, rounds, start + a.budget_s, backends)
     when = time.strftime("%Y-%m-%d")
     header = (f"GPU check {when} on {dev.label}; driver {dev.driver}, CUDA {dev.cuda_driver}, "
               f"onnxruntime {dev.onnxruntime}, tensorrt {dev.tensorrt}, torch {dev.torch}; "
               f"{rounds} rounds, {time.monotonic() - start:.0f} s"
               + (" (SMOKE: tiny shapes on the CPU, not a measurement)" if a.smoke else ""))
-    print(render(rows + e2e_rows, skipped + e2e_skipped, header))
+    print(render(rows + torch_rows + e2e_rows, skipped + torch_skipped + e2e_skipped, header))
     return 0
 
 
