@@ -236,6 +236,9 @@ def test_engine_path_changes_with_profiles_device_and_version(tmp_path):
     p2 = [{"x": ((1, 64), (8, 64), (8, 64))}]
     base = engine_path(tmp_path / "trt", path, p1, "NVIDIA H100", "10.13.0")
     assert base == engine_path(tmp_path / "trt", path, p1, "NVIDIA H100", "10.13.0")
+    # an engine built with TF32 allowed is another engine
+    assert engine_path(tmp_path / "trt", path, p1, "NVIDIA H100", "10.13.0", BuildOptions()) != \
+        engine_path(tmp_path / "trt", path, p1, "NVIDIA H100", "10.13.0", BuildOptions(tf32=True))
     assert base.name.startswith("m-") and base.suffix == ".engine"
     others = {engine_path(tmp_path / "trt", path, p2, "NVIDIA H100", "10.13.0"),
               engine_path(tmp_path / "trt", path, p1, "NVIDIA A100", "10.13.0"),
@@ -323,6 +326,200 @@ def test_a_session_that_fell_back_to_the_cpu_is_refused(reference_model):
     with pytest.raises(BadInput, match=r"onnxruntime did not start CUDAExecutionProvider"):
         make_session(reference_model("gpt2"), SessionSettings(),
                      ["CUDAExecutionProvider", "CPUExecutionProvider"], "CUDAExecutionProvider")
+
+
+# ---------------------------------------------------------------------------------------------
+# ONNX Runtime's own checks of our options and runners: the installed onnxruntime-gpu provider
+# libraries, loaded on no-op CUDA/TensorRT stubs (tests/cuda_stubs.py) in a child process. They
+# judge what ORT accepts, refuses and reports; the stubs compute nothing, so no value is checked.
+
+
+def _ep_library(name: str) -> bytes:
+    import onnxruntime as ort
+
+    lib = Path(ort.__file__).parent / "capi" / name
+    if not lib.exists():
+        pytest.skip(f"onnxruntime {ort.__version__} has no {name}")
+    return lib.read_bytes()
+
+
+def test_option_names_are_the_ones_the_installed_providers_know(tmp_path):
+    cuda = _ep_library("libonnxruntime_providers_cuda.so")
+    trt = _ep_library("libonnxruntime_providers_tensorrt.so")
+    profiles = [{"x": ((1, 1), (2, 8), (2, 8))}]
+    known = lambda lib, key: b"\0" + key.encode() + b"\0" in lib  # noqa: E731 - a C string
+    for key in CudaOptions(gpu_mem_limit=2**30).provider_options(True):
+        assert known(cuda, key), key
+    for key in provider_options(tmp_path, tmp_path, profiles):
+        assert known(trt, key), key
+    assert not known(cuda, "enable_cuda_graphs") and not known(trt, "trt_profile_shapes")
+
+
+@pytest.fixture(scope="module")
+def stub_libs(tmp_path_factory):
+    import onnxruntime as ort
+    from cuda_stubs import build
+
+    libs = build(tmp_path_factory.mktemp("cuda-stubs"), Path(ort.__file__).parent / "capi")
+    if libs is None:
+        pytest.skip("needs gcc, nm and readelf, and onnxruntime-gpu's provider libraries")
+    return libs
+
+
+def _result(proc) -> dict:
+    import json
+
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert lines, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+_CUDA_OPTIONS_CHILD = """
+import json
+import onnxruntime as ort
+from tuner.runtime.gpu import _tiny_model
+from tuner.runtime.ort_gpu import CudaOptions
+so = ort.SessionOptions()
+so.log_severity_level = 3
+out = {}
+for name, opts in [("minimal", {"device_id": "0"}),
+                   ("graph", CudaOptions(gpu_mem_limit=2**30).provider_options(True)),
+                   ("plain", CudaOptions().provider_options(False)),
+                   ("misspelt", {"device_id": "0", "enable_cuda_graphs": "1"})]:
+    s = ort.InferenceSession(_tiny_model(), so, providers=[("CUDAExecutionProvider", opts),
+                                                          "CPUExecutionProvider"])
+    out[name] = [s.get_providers()[0], s.get_provider_options().get("CUDAExecutionProvider", {})]
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_onnxruntime_parses_our_cuda_options(stub_libs):
+    from cuda_stubs import run_child
+
+    out = _result(run_child(stub_libs, _CUDA_OPTIONS_CHILD))
+    if out["minimal"][0] != "CUDAExecutionProvider":
+        pytest.skip(f"this onnxruntime build does not start on the stubs: {out['minimal']}")
+    provider, parsed = out["graph"]
+    assert provider == "CUDAExecutionProvider"
+    assert {k: parsed[k] for k in ("device_id", "enable_cuda_graph", "use_tf32",
+                                   "arena_extend_strategy", "gpu_mem_limit")} == {
+        "device_id": "0", "enable_cuda_graph": "1", "use_tf32": "0",
+        "arena_extend_strategy": "kSameAsRequested", "gpu_mem_limit": str(2**30)}
+    assert out["plain"][0] == "CUDAExecutionProvider"
+    assert out["plain"][1]["enable_cuda_graph"] == "0"
+    # a misspelt option is not an error: ORT prints it and quietly runs on the CPU instead
+    # (which is why make_session checks get_providers())
+    assert out["misspelt"][0] == "CPUExecutionProvider"
+
+
+_TRT_OPTIONS_CHILD = """
+import onnxruntime as ort
+from tuner.runtime.gpu import _tiny_model
+ort.set_default_logger_severity(0)  # the EP logs every option as it parsed it, at VERBOSE
+so = ort.SessionOptions()
+ort.InferenceSession(_tiny_model(), so, providers=[("TensorrtExecutionProvider", {opts!r}),
+                                                   "CPUExecutionProvider"])
+"""
+
+
+def _trt_ep_log(stub_libs, opts: dict) -> str:
+    from cuda_stubs import run_child
+
+    proc = run_child(stub_libs, _TRT_OPTIONS_CHILD.format(opts=opts))
+    return proc.stdout + proc.stderr
+
+
+def test_onnxruntime_parses_our_trt_ep_options(stub_libs, tmp_path):
+    profiles = [{"x": ((1, 4), (1, 4), (1, 4))}, {"x": ((1, 4), (1, 4), (1, 4))}]
+    opts = provider_options(tmp_path / "e", tmp_path / "t", profiles,
+                            TrtEpOptions(workspace_bytes=3 << 30))
+    log = _trt_ep_log(stub_libs, opts)
+    line = next((ln for ln in log.splitlines() if "TensorRT provider options: " in ln), None)
+    if line is None:
+        pytest.skip(f"the TensorRT EP did not start on the stubs: {log[-1500:]}")
+    parsed = dict(kv.split(": ", 1) for kv in
+                  line.split("TensorRT provider options: ", 1)[1].split(", ") if ": " in kv)
+    assert {k: parsed[k] for k in ("device_id", "trt_max_workspace_size", "trt_engine_cache_enable",
+                                   "trt_cache_path", "trt_global_cache_path",
+                                   "trt_builder_optimization_level", "trt_profile_min_shapes",
+                                   "trt_profile_opt_shapes", "trt_profile_max_shapes")} == {
+        "device_id": "0", "trt_max_workspace_size": str(3 << 30), "trt_engine_cache_enable": "1",
+        "trt_cache_path": str(tmp_path / "e"), "trt_global_cache_path": str(tmp_path / "t"),
+        "trt_builder_optimization_level": "3", "trt_profile_min_shapes": "x:1x4,x:1x4",
+        "trt_profile_opt_shapes": "x:1x4,x:1x4", "trt_profile_max_shapes": "x:1x4,x:1x4"}
+    assert "is wrong" not in log and "Invalid TensorRT EP option" not in log
+    # what the EP says about options it does not take: booleans are "True"/"False" only
+    assert "should be 'True' or 'False'" in _trt_ep_log(stub_libs, {"trt_engine_cache_enable": "1"})
+    assert "The format of provider option 'trt_profile_min_shapes' is wrong" in _trt_ep_log(
+        stub_libs, {"trt_profile_min_shapes": "x=1x4", "trt_profile_opt_shapes": "x=1x4",
+                    "trt_profile_max_shapes": "x=1x4"})
+
+
+_RUNNERS_CHILD = """
+import json
+from tuner.feeds import make_feeds
+from tuner.runtime.base import SessionSettings
+from tuner.runtime.ort_gpu import load_ort_cuda
+out = {{}}
+for name, src in {models!r}.items():
+    r = load_ort_cuda(src, SessionSettings(), [(1, 16), (2, 16)], None)
+    shapes = [{{k: [list(v.shape), str(v.dtype)] for k, v in r.infer(f).items()}}
+              for f in make_feeds(src, 1024, [(2, 16), (1, 7)])]
+    out[name] = [type(r).__name__, r.info, shapes]
+print("RESULT " + json.dumps(out, default=str))
+"""
+
+
+def test_preloading_gpu_libraries_prints_nothing(capsys):
+    """onnxruntime.preload_dlls prints every library it cannot find to stdout, which would
+    break `tuner optimize --json`; preload_libraries swallows that."""
+    from tuner.runtime.gpu import TRT_EP, preload_libraries
+
+    preload_libraries.cache_clear()
+    preload_libraries(TRT_EP)
+    assert capsys.readouterr().out == ""
+
+
+def test_trt_ep_names_the_libnvinfer_it_was_built_against():
+    import re
+
+    from tuner.runtime.gpu import trt_ep_needs
+
+    lib = _ep_library("libonnxruntime_providers_tensorrt.so")
+    needs = trt_ep_needs()
+    assert re.fullmatch(r"libnvinfer\.so\.\d+", needs) and needs.encode() in lib
+
+
+def test_a_libcuda_without_cuinit_is_no_gpu(stub_libs):
+    from cuda_stubs import run_child
+
+    proc = run_child(stub_libs, "from tuner.device import gpu_count, detect\n"
+                                "print('RESULT', __import__('json').dumps([gpu_count(), "
+                                "detect().kind]))")
+    assert _result(proc) == [[0, "libcuda.so.1 has no cuInit: not an NVIDIA driver library"],
+                             "cpu"]
+
+
+def test_cuda_runners_drive_the_real_cuda_ep(stub_libs, reference_model):
+    """load_ort_cuda against ORT's CUDA EP code: graph capture per bucket (ids, warm-up, fixed
+    OrtValues updated in place) on the dynamo export; ORT's own refusal of graph capture on the
+    TorchScript export (shape nodes on the CPU), caught and reported in info."""
+    from cuda_stubs import run_child
+
+    from tuner.runtime.ort import OrtRunner, load_cpu
+
+    models = {e: str(reference_model("gpt2", exporter=e)) for e in ("torchscript", "dynamo")}
+    out = _result(run_child(stub_libs, _RUNNERS_CHILD.format(models=models)))
+    kind, info, _ = out["torchscript"]
+    assert kind == "IoBindingRunner" and info["cuda_graph"] is False
+    assert "cannot use the graph capture feature" in info["cuda_graph_off"]
+    kind, info, _ = out["dynamo"]
+    assert kind == "CudaGraphRunner" and info["cuda_graph"] is True and info["graphs"] == 2
+    for name, src in models.items():
+        cpu = OrtRunner(load_cpu(Path(src)))
+        want = [{k: [list(v.shape), str(v.dtype)] for k, v in cpu.infer(f).items()}
+                for f in make_feeds(Path(src), 1024, [(2, 16), (1, 7)])]
+        assert out[name][2] == want  # a bucket (graph replay) and another shape (plain path)
 
 
 # ---------------------------------------------------------------------------------------------

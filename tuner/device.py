@@ -156,9 +156,11 @@ def _libcuda() -> tuple[ctypes.CDLL | None, str]:
     """The CUDA driver library, initialised; or None and why not."""
     try:
         lib = ctypes.CDLL("libcuda.so.1")
+        rc = lib.cuInit(0)
     except OSError:
         return None, "no NVIDIA driver: libcuda.so.1 cannot be loaded"
-    rc = lib.cuInit(0)
+    except AttributeError:  # a libcuda.so.1 that is not the driver (a stub in a build image)
+        return None, "libcuda.so.1 has no cuInit: not an NVIDIA driver library"
     if rc != 0:
         return None, f"the CUDA driver failed to initialise (cuInit error {rc})"
     return lib, "ok"
@@ -256,7 +258,9 @@ def detect(gpu_index: int = 0) -> DeviceInfo:
     """This machine's device facts. The GPU when the CUDA driver sees one, else the CPU."""
     cpu_model, cores = _cpu()
     versions = dict(
-        tensorrt=_dist_version("tensorrt", "tensorrt-cu13", "tensorrt-cu12", "tensorrt-cu11"),
+        # the `tensorrt` metapackage, or the wheels it pulls (the module comes from *-bindings)
+        tensorrt=_dist_version("tensorrt", "tensorrt-cu13", "tensorrt-cu12", "tensorrt-cu11",
+                               "tensorrt-cu13-bindings", "tensorrt-cu12-bindings"),
         onnxruntime=_dist_version("onnxruntime-gpu", "onnxruntime"),
         torch=_dist_version("torch"),
     )

@@ -10,10 +10,13 @@ are cached for the life of the process.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
+import io
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
@@ -64,6 +67,37 @@ def _tiny_model() -> bytes:
     return model.SerializeToString()
 
 
+@functools.lru_cache(maxsize=2)
+def preload_libraries(provider: str) -> None:
+    """Load CUDA/cuDNN (and TensorRT) libraries installed from PyPI into this process, so the
+    EP's provider library finds them by soname: onnxruntime's provider .so files carry no
+    RUNPATH to the nvidia-* or tensorrt_libs wheels. Best effort, once; called only where the
+    driver sees a GPU."""
+    import onnxruntime as ort
+
+    preload = getattr(ort, "preload_dlls", None)  # onnxruntime >= 1.21
+    if preload is not None:
+        with contextlib.redirect_stdout(io.StringIO()):  # it prints what it cannot find
+            with contextlib.suppress(Exception):
+                preload()
+    if provider == TRT_EP:
+        with contextlib.suppress(Exception):
+            import tensorrt  # noqa: F401 - its tensorrt_libs wheel loads libnvinfer on import
+
+
+def trt_ep_needs() -> str | None:
+    """The libnvinfer soname onnxruntime's TensorRT EP was linked against ("libnvinfer.so.10"
+    for onnxruntime-gpu 1.31), read from the provider library itself; None if unknown."""
+    import onnxruntime as ort
+
+    lib = Path(ort.__file__).parent / "capi" / "libonnxruntime_providers_tensorrt.so"
+    try:
+        m = re.search(rb"libnvinfer\.so\.\d+", lib.read_bytes())
+    except OSError:
+        return None
+    return m.group().decode() if m else None
+
+
 @functools.lru_cache(maxsize=4)
 def ep_reason(provider: str) -> str | None:
     """None when ONNX Runtime really runs `provider` on a GPU here, else the reason."""
@@ -78,6 +112,7 @@ def ep_reason(provider: str) -> str | None:
     if provider not in available:
         return (f"onnxruntime {ort.__version__} has no {provider} (providers: "
                 f"{', '.join(available)}); install onnxruntime-gpu")
+    preload_libraries(provider)
     so = ort.SessionOptions()
     so.log_severity_level = 3
     try:
@@ -88,7 +123,9 @@ def ep_reason(provider: str) -> str | None:
         return f"onnxruntime could not start {provider}: {str(e).splitlines()[0][:300]}"
     used = sess.get_providers()
     if not used or used[0] != provider:
-        lib = "TensorRT" if provider == TRT_EP else "CUDA/cuDNN"
+        lib = "CUDA/cuDNN"
+        if provider == TRT_EP:  # e.g. tensorrt 11 installed, but the EP needs libnvinfer.so.10
+            lib = f"TensorRT ({trt_ep_needs() or 'libnvinfer'}) or CUDA/cuDNN"
         return (f"onnxruntime fell back from {provider} to {used} ({lib} libraries missing or "
                 f"of the wrong version for onnxruntime {ort.__version__}?)")
     return None

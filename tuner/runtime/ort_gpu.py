@@ -81,8 +81,10 @@ def make_session(model: Path, settings: SessionSettings, providers: list, expect
     the CPU silently, and every timing would be a lie."""
     import onnxruntime as ort
 
+    from tuner.runtime.gpu import preload_libraries
     from tuner.runtime.ort import session_options
 
+    preload_libraries(expect)
     sess = ort.InferenceSession(str(model), sess_options=session_options(settings),
                                 providers=providers)
     if sess.get_providers()[0] != expect:

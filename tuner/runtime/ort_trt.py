@@ -96,7 +96,10 @@ def load_ort_trt(model_path: Path, settings: SessionSettings,
                          "CPUExecutionProvider"], TRT_EP)
     runner = IoBindingRunner(sess, "ort-trt", options.device_id,
                              {"provider": TRT_EP, "profiles": len(profiles),
-                              "engine_cache": str(engine_dir), "timing_cache": str(timing_dir)})
+                              "engine_cache": str(engine_dir), "timing_cache": str(timing_dir),
+                              # TensorRT allows TF32 for fp32 by default and onnxruntime's TRT
+                              # EP has no option to clear it (the trt backend clears it)
+                              "tf32": "TensorRT default (allowed)"})
     # build (or load) every profile's engine now, not inside the first timed run
     from tuner.runtime.ort_gpu import input_specs as session_specs
 

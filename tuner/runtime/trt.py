@@ -5,9 +5,11 @@ kernels are chosen for the exact shapes the server pads to). The engine is saved
 `cache_dir/trt/` and loaded from there by the next process (`tuner serve`) without a rebuild;
 the timing cache `cache_dir/trt/timing.cache` is shared by every variant's build.
 
-Networks are built strongly typed (TensorRT 11 accepts nothing else and 10.12+ supports it),
-so precision lives in the ONNX graph: `trt-fp16` builds from the fp16 copy of the variant
-that `ort-cuda-fp16` uses too.
+Networks are strongly typed (TensorRT 10.x needs NetworkDefinitionCreationFlag.STRONGLY_TYPED,
+which every 10.x has; 11.x removed weak typing, BuilderFlag.FP16 with it, and ignores the now
+deprecated flag), so precision lives in the ONNX graph: `trt-fp16` builds from the fp16 copy
+of the variant that `ort-cuda-fp16` uses too. TF32 is cleared (TensorRT enables it by default
+for fp32 tensors): the fp32 backend must give fp32 results, as ort-cuda does with use_tf32=0.
 
 Device memory and copies use ONNX Runtime's CUDA OrtValues (onnxruntime-gpu is a dependency
 already), so no pycuda/cuda-python is needed. Engines run on the default stream: TensorRT
@@ -17,6 +19,7 @@ Engine files are compiled code: load only artifacts you built or trust.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 from dataclasses import dataclass
@@ -52,6 +55,7 @@ def trt_reason() -> str | None:
 class BuildOptions:
     workspace_bytes: int = 4 << 30
     builder_optimization_level: int = 3
+    tf32: bool = False  # TensorRT's default is on; off keeps fp32 engines at fp32 accuracy
 
     def __post_init__(self) -> None:
         if self.workspace_bytes < (1 << 20):
@@ -62,18 +66,40 @@ class BuildOptions:
 
 
 def engine_path(cache_dir: Path, model_path: Path, profiles: Sequence[Mapping[str, ShapeRange]],
-                device_name: str, trt_version: str) -> Path:
-    """Where the engine for this model, these profiles, this GPU and TensorRT lives: any change
-    to one of them is another file, so a stale engine is never loaded."""
+                device_name: str, trt_version: str, options: BuildOptions | None = None) -> Path:
+    """Where the engine for this model, these profiles, this GPU, TensorRT (and build options)
+    lives: any change to one of them is another file, so a stale engine is never loaded."""
+    extra = {} if options is None else {"build": dataclasses.asdict(options)}
     key = cache_key(model_path, profiles=[{n: list(map(list, r)) for n, r in p.items()}
                                           for p in profiles],
-                    device=device_name, tensorrt=trt_version)
+                    device=device_name, tensorrt=trt_version, **extra)
     return Path(cache_dir) / f"{model_path.stem}-{key}{ENGINE_SUFFIX}"
 
 
+def _major(version: str) -> int:
+    try:
+        return int(version.split(".")[0])
+    except ValueError:
+        return 0
+
+
 def _network_flags(trt) -> int:
+    """STRONGLY_TYPED on 10.x (enum value 1 there); 0 from 11.x, where every network is strongly
+    typed and the flag (enum value 0 there) is deprecated and ignored."""
     flag = getattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED", None)
-    return 0 if flag is None else 1 << int(flag)
+    if flag is None or _major(trt.__version__) >= 11:
+        return 0
+    return 1 << int(flag)
+
+
+def numpy_dtype(trt, trt_dtype, name: str) -> np.dtype:
+    """The numpy dtype of an engine's I/O tensor. trt.nptype knows float32/16, int8/32/64, bool
+    and uint8 (10.x and 11.x alike); bf16, fp8 and fp4 I/O raise TypeError there."""
+    try:
+        return np.dtype(trt.nptype(trt_dtype))
+    except TypeError:
+        raise BadInput(f"engine tensor {name!r} has type {trt_dtype}, which numpy cannot hold; "
+                       "keep the model's inputs and outputs in float32/float16/int types") from None
 
 
 def build_engine(model_path: Path, profiles: Sequence[Mapping[str, ShapeRange]],
@@ -92,6 +118,8 @@ def build_engine(model_path: Path, profiles: Sequence[Mapping[str, ShapeRange]],
     config = builder.create_builder_config()
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, options.workspace_bytes)
     config.builder_optimization_level = options.builder_optimization_level
+    if not options.tf32:
+        config.clear_flag(trt.BuilderFlag.TF32)
     cache = config.create_timing_cache(timing_cache.read_bytes() if timing_cache.exists() else b"")
     if not config.set_timing_cache(cache, ignore_mismatch=False):
         # a cache from another GPU or TensorRT: start a fresh one rather than mix timings
@@ -128,7 +156,7 @@ class TrtRunner:
         self.input_names = [n for n in names
                             if engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
         self.output_names = [n for n in names if n not in self.input_names]
-        self.dtypes = {n: np.dtype(trt.nptype(engine.get_tensor_dtype(n))) for n in names}
+        self.dtypes = {n: numpy_dtype(trt, engine.get_tensor_dtype(n), n) for n in names}
         self.profiles = [{n: tuple(tuple(int(v) for v in s)
                                    for s in engine.get_tensor_profile_shape(n, k))
                           for n in self.input_names}
@@ -178,7 +206,8 @@ class TrtRunner:
         for n in self.input_names:
             bufs[n].update_inplace(np.ascontiguousarray(feeds[n], dtype=self.dtypes[n]))
         for n, v in bufs.items():
-            self.context.set_tensor_address(n, v.data_ptr())
+            if not self.context.set_tensor_address(n, v.data_ptr()):
+                raise RuntimeError(f"TensorRT refused the device address for tensor {n}")
         if not self.context.execute_async_v3(0):
             raise RuntimeError("TensorRT execution failed (its log above says why)")
         # OrtValue.numpy() copies with cudaMemcpy on the legacy default stream, which waits for
@@ -202,7 +231,7 @@ def load_trt(model_path: Path, settings: SessionSettings,
     buckets = check_buckets(shapes) or list(DEFAULT_BUCKETS)
     profiles = profiles_for(input_specs(source), buckets)
     root = work_dir(cache_dir, "trt")
-    path = engine_path(root, source, profiles, detect(device_id).name, trt.__version__)
+    path = engine_path(root, source, profiles, detect(device_id).name, trt.__version__, options)
     runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
     engine, built = None, False
     if path.exists():
@@ -217,5 +246,6 @@ def load_trt(model_path: Path, settings: SessionSettings,
     if engine is None:
         raise RuntimeError(f"TensorRT could not deserialize the engine it built for {source.name}")
     info = {"engine": str(path), "built": built, "profiles": len(profiles),
-            "precision": "fp16" if fp16 else "fp32", "tensorrt": trt.__version__}
+            "precision": "fp16" if fp16 else "fp32", "tf32": options.tf32,
+            "tensorrt": trt.__version__}
     return TrtRunner(engine, name, info, device_id)
