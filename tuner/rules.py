@@ -37,9 +37,9 @@ def _head_dim(shape: ModelShape) -> list[Finding]:
                            "columns in Q/K/V, scale kept at 1/sqrt(d))"))
     elif d % 64:
         out.append(Finding("head-dim-multiple-64", "warning",
-                           f"head dim {d} (h/a) is a multiple of only "
+                           f"head dim {d} is a multiple of only "
                            f"{largest_power_of_two_dividing(d)}: GEMM efficiency rises with powers "
-                           f"of two up to 64; candidate: pad heads to {next_multiple(d, 64)} "
+                           f"of two up to 64; candidate: pad each head to {next_multiple(d, 64)} "
                            "(exact) and measure"))
     if d not in ORT_FUSED_HEAD_DIMS:
         better = next((x for x in ORT_FUSED_HEAD_DIMS if x > d), None)

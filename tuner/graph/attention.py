@@ -19,12 +19,12 @@ import onnx_ir as ir
 
 from tuner.graph.dims import Dims
 from tuner.graph.shape import AttentionSite, ScaleSite
-from tuner.graph.walk import (DATA_INPUTS, Linear, as_linear, const_array, consumers, is_const,
-                              op, source, walk_back)
+from tuner.graph.walk import (DATA_INPUTS, Linear, as_linear, const_array, const_tensor, consumers,
+                              is_const, op, source, walk_back)
 
 _SCORES_PATH = {"Add": None, "Sub": None, "Mul": None, "Div": None, "Where": (1, 2),
                 "Cast": (0,), "Reshape": (0,), "Tanh": (0,), "Identity": (0,)}
-_PROBS_PATH = {"Where", "IsNaN", "Cast", "Dropout", "Identity"}
+_PROBS_PATH = {"Where", "IsNaN", "Cast", "Dropout", "Identity", "Reshape"}  # BLOOM: (B*a, S, S)
 _MERGE_PATH = {"Transpose", "Reshape", "Identity", "Cast"}
 _HEAD_PLUMBING = {"Reshape", "Split", "Slice"}
 
@@ -84,11 +84,13 @@ class _Path:
     rotary: list[ir.Node]  # Mul nodes by cos/sin tables
 
 
-def operand_kind(v: ir.Value, depth: int = 12) -> str:
+def operand_kind(v: ir.Value, depth: int = 32) -> str:
     """What a non-constant Mul/Div operand beside the Q/K data is made of: "data" (it comes
     from a projection), "rotary" (a cos/sin table), "computed" (a scalar computed from a
     shape, TorchScript's 1/sqrt(d)), or "other". Walks producers without entering Shape's
-    input, so a scale computed from q's own shape does not count as q."""
+    input, so a scale computed from q's own shape does not count as q, nor Cos/Sin's input
+    (HF builds the tables from a MatMul of inv_freq by the positions, not from the data).
+    Deep enough for Gemma 3's K: projection, q/k RMSNorm, rotary, GQA repeat, scale."""
     kinds: set[str] = set()
     frontier, seen = [v], set()
     for _ in range(depth):
@@ -101,7 +103,10 @@ def operand_kind(v: ir.Value, depth: int = 12) -> str:
             if as_linear(node) is not None or _is_activation_matmul(node):
                 return "data"
             kinds.add(op(node))
-            if op(node) != "Shape":
+            if _table_lookup(node):
+                kinds.add("Cos")  # GPT-J: sin/cos precomputed as a table, gathered by position
+                continue
+            if op(node) not in ("Shape", "Cos", "Sin"):
                 nxt.extend(i for i in node.inputs if i is not None)
         frontier = nxt
     if kinds & {"Cos", "Sin"}:
@@ -109,6 +114,15 @@ def operand_kind(v: ir.Value, depth: int = 12) -> str:
     if "Sqrt" in kinds and "Shape" in kinds:
         return "computed"
     return "other"
+
+
+def _table_lookup(node: ir.Node) -> bool:
+    """A Gather of rows from a 2-D float constant (a precomputed sin/cos position table;
+    dynamo writes GatherND)."""
+    if op(node) not in ("Gather", "GatherND") or len(node.inputs) < 2:
+        return False
+    t = const_tensor(node.inputs[0])
+    return t is not None and len(t.shape) == 2 and t.dtype.is_floating_point()
 
 
 def _factor(node: ir.Node) -> tuple[str, float | None]:
@@ -140,6 +154,12 @@ def _projection_follow(node: ir.Node):
     """DATA_INPUTS, except that a Mul/Div does not lead into its cos/sin or scale operand."""
     kind = op(node)
     if kind in ROTARY_OPS:
+        return (0,)
+    if kind in ("LayerNormalization", "RMSNormalization"):
+        return (0,)  # q/k LayerNorm over the head dim (Phi and StableLM with qk_layernorm)
+    if kind in ("Gather", "GatherND") and is_const(node.inputs[1]):
+        # Falcon picks k and v out of the fused qkv by constant index: qkv[..., [-2], :]
+        # (TorchScript: Gather; dynamo: Transpose, GatherND, Transpose).
         return (0,)
     if kind not in DATA_INPUTS:
         return None

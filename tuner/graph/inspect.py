@@ -34,10 +34,12 @@ def _ffn_site(m: FfnMatch) -> FfnSite:
 
 
 def _hidden(emb: Embedding | None, ffns: list[FfnMatch], lins: list[Linear]) -> int:
+    """The residual stream's width: what the FFN writes back. Not the embedding's width first:
+    OPT-350m embeds at 512 and projects in to h=1024 (and back out before the LM head)."""
+    if ffns:
+        return Counter(f.down.out_dim for f in ffns).most_common(1)[0][0]
     if emb is not None:
         return emb.hidden
-    if ffns:
-        return ffns[0].down.out_dim
     if lins:
         return Counter(lin.in_dim for lin in lins).most_common(1)[0][0]
     return 0
@@ -77,6 +79,8 @@ def inspect_model(model: ir.Model, device: str = "cpu", tokens: int = 4096) -> M
     taken |= {id(n) for a in attns for n in a.projection_nodes}
     hidden = _hidden(emb, ffns, lins) or fusion.hidden or 0
     head = lm_head(lins, taken, emb, hidden or None)
+    if head is None and emb is not None and emb.hidden != hidden:
+        head = lm_head(lins, taken, emb, emb.hidden)  # after a project-out to the embedding width
     tied = head is not None and emb is not None and is_tied(head, emb)
     num_layers = max(len(attns), len(ffns))
     layers = tuple(

@@ -38,7 +38,9 @@ from tuner.rewrite.shapemath import ShapeMath, is_int, scalar
 ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Where", "Neg", "Cast", "Identity",
                "IsNaN", "Equal", "Sigmoid", "Tanh", "Relu", "Erf", "Cos", "Sin", "Abs", "Sqrt",
                "Exp", "Not", "And", "Or", "Less", "Greater", "LessOrEqual", "GreaterOrEqual",
-               "CastLike", "Dropout"}
+               "CastLike", "Dropout", "Reciprocal", "Log", "Softplus", "Softsign", "Sign", "Floor",
+               "Ceil", "Round", "Gelu", "Elu", "Selu", "LeakyRelu", "HardSwish", "HardSigmoid",
+               "Mish"}
 # ONNX Runtime's fused activations (after its transformer optimizer): elementwise, a bias
 # operand broadcast along the last axis.
 MS_ELEMENTWISE = {"BiasGelu", "FastGelu", "Gelu", "QuickGelu", "BiasAdd"}
@@ -327,6 +329,19 @@ class Widen:
         k_out = k - 1 + r_idx if axis < k else k
         return [t.moved(axis=k_out - r_out, rank=r_out)]
 
+    def _op_GatherND(self, node: ir.Node, tin: list) -> list:
+        """Constant indices into leading axes (dynamo's qkv[..., [-2], :] for Falcon's k and v):
+        the trailing axes, the widened one among them, keep their place from the end."""
+        t = tin[0]
+        if t is None or tin[1] is not None or const_array(node.inputs[1]) is None:
+            raise self.refuse(node, "gathers with widened or computed indices")
+        idx = const_array(node.inputs[1])
+        b = node.attributes["batch_dims"].value if "batch_dims" in node.attributes else 0
+        if t.rank + t.axis < b + idx.shape[-1]:
+            raise self.refuse(node, "gathers along the widened axis")
+        r_out = idx.ndim - 1 + t.rank - b - idx.shape[-1]
+        return [t.moved(rank=r_out)]
+
 
 # The handlers of shape vectors and slicing register themselves on import.
-from tuner.rewrite import axis_fused, axis_reshape, axis_slice  # noqa: E402,F401
+from tuner.rewrite import axis_fused, axis_reduce, axis_reshape, axis_slice  # noqa: E402,F401

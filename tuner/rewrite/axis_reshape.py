@@ -225,14 +225,35 @@ def _fix_product(w: Widen, e: Entry, t: Track) -> bool:
     return False
 
 
+def _kept_axis(w: Widen, node: ir.Node, t: Track, r_out: int) -> int:
+    """Where a Reshape that neither splits nor merges the tracked axis puts it (negative).
+    Counted from the end unless the axes after it are regrouped and those before it are
+    not: GPT-J's rotate_every_two stacks (.., heads, r/2, 2) and flattens it to
+    (.., heads, r), which keeps the heads axis third from the front, not from the end."""
+    si, so = w.dims.shape(node.inputs[0]), w.dims.shape(node.outputs[0])
+    if si is None or so is None or len(si) != t.rank or len(so) != r_out:
+        return t.axis
+    k, back = t.rank + t.axis, r_out + t.axis
+
+    def same(a, b) -> bool:
+        return a is not None and a == b  # an int, or the same symbolic dim name
+
+    if back >= 0 and all(same(si[k + i], so[back + i]) for i in range(-t.axis)):
+        return t.axis
+    if k < r_out and all(same(si[i], so[i]) for i in range(k + 1)):
+        return k - r_out
+    return t.axis
+
+
 def _same_axis(w: Widen, node: ir.Node, ents: list[Entry], t: Track, r_out: int) -> Track:
-    e = ents[r_out + t.axis]
+    axis = _kept_axis(w, node, t, r_out)
+    e = ents[r_out + axis]
     val = _entry_value(w, e, "old")
     if val == t.old and e.value is not None:
         e.setter(t.new)
     elif val not in (None, -1, 0, t.old):
         raise w.refuse(node, f"target puts {val} where the widened axis of {t.old} was")
-    return t.moved(rank=r_out)
+    return t.moved(rank=r_out, axis=axis)
 
 
 def _split(w: Widen, node: ir.Node, ents: list[Entry], t: Track, n: int, e: int, r_out: int) -> Track:

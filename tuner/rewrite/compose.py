@@ -153,6 +153,10 @@ def _check_destination(dst: Path) -> None:
     ensure_writable_dir(dst.parent, f"padded model {dst.name}")
 
 
+def _first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
 def pad_file(src: str | os.PathLike, dst: str | os.PathLike, req: PadRequest, verify: bool = True,
              tolerance: Tolerance = Tolerance(), feeds: Sequence[dict] | None = None,
              shapes: Sequence[tuple[int, int]] = ((1, 7), (2, 16), (3, 33))) -> PadResult:
@@ -181,11 +185,16 @@ def pad_file(src: str | os.PathLike, dst: str | os.PathLike, req: PadRequest, ve
             backend = get_backend("ort-cpu")
             feeds = list(feeds) if feeds is not None else make_feeds(src, vocab, shapes)
             try:
+                reference = backend.load(src)
+            except Exception as e:  # noqa: BLE001 - the user's graph: bad input, not our bug
+                raise BadInput(f"{src}: ONNX Runtime cannot load the original model, so no "
+                               f"variant of it can be verified: {_first_line(e)}") from None
+            try:
                 candidate = backend.load(staged)
             except Exception as e:  # noqa: BLE001 - a graph ORT rejects is our rewrite's bug
                 raise NotExact(VerifyResult((), len(feeds), "-", (
-                    f"the padded model does not load: {str(e).splitlines()[0]}",))) from None
-            result = run_gate(backend.load(src), candidate, feeds, tolerance)
+                    f"the padded model does not load: {_first_line(e)}",))) from None
+            result = run_gate(reference, candidate, feeds, tolerance)
             if not result:
                 raise NotExact(result)
         data = staged.parent / (dst.name + ".data")

@@ -10,8 +10,11 @@ refuses what it does not understand). Details that make it exact:
   (length d/2) grows to d'/2 with zeros: cos/sin tables then follow the same layout.
 - Partial rotary (GPT-NeoX): the rotated dims come first and keep their place; the padding
   goes after the pass-through dims.
-- Fused QKV: GPT-2's [q | k | v] blocks and GPT-NeoX's per-head [q_h k_h v_h] are both
-  padded per head inside each block; grouped-query attention pads kv heads by their count.
+- Fused QKV: every d-wide block (GPT-2's [q | k | v], GPT-NeoX's per-head [q_h k_h v_h],
+  Falcon's kv groups [q.. k v]) is padded alike, so the block order never matters; grouped-
+  query attention pads kv heads by their count.
+- q/k norms over the head dim (Gemma 3's RMSNorm, Phi's LayerNorm) run on the original
+  entries (tuner.rewrite.axis_reduce), so their statistics do not see the padding.
 - The softmax scale stays 1/sqrt(d): a scale computed from the query's shape at run time
   (TorchScript) is pinned to the constant it evaluated to; constant scales are kept.
 - ONNX's Attention op (opset 23) gets its scale attribute written (its default would be
@@ -84,12 +87,12 @@ def _seed_block(graph: ir.Graph, widen: Widen, site: AttentionSite, layer: int, 
         kv_f = (width // d - heads) // 2
         if (heads + 2 * kv_f) * d != width:
             raise RewriteRefused(f"node {site.qkv!r}: {width} outputs are not (heads + 2 kv) * {d}")
-        if neox_layout(proj, widen, d):
-            pos = [h * 3 * new + b * new + p for h in range(heads)
-                   for b, lay in enumerate((qk, qk, vv)) for p in lay]
-        else:
-            pos = (_flat(qk, heads, new) + _flat(qk, kv_f, new, heads * new)
-                   + _flat(vv, kv_f, new, (heads + kv_f) * new))
+        # Every d-wide block of the fused output (q, k or v, in whatever order the family
+        # stores them: GPT-2's [q | k | v], GPT-NeoX's per head [q_h k_h v_h], Falcon's per
+        # kv group [q.. k v]) gets the same layout. Per-half padding is exact for V as well
+        # (its padded dims are zero and meet zero rows of the output projection), so the
+        # block order never needs to be known.
+        pos = _flat(qk, width // d, new)
         rank = output_rank(widen, proj)
         new_width = (heads + 2 * kv_f) * new
         widen_outputs(graph, proj, new_width, tag, np.array(pos))
@@ -179,7 +182,8 @@ def pad_head_dim(model: ir.Model, shape: ModelShape, new: int) -> int:
     if any(site.rotary == "full" for _, site in sites):
         if not _seed_rotary(graph, widen, d, new):
             raise RewriteRefused("full rotary, but no inverse-frequency table of length "
-                                 f"{d // 2} upstream of Cos/Sin")
+                                 f"{d // 2} upstream of Cos/Sin (sin/cos tables precomputed "
+                                 "as constants, as GPT-J stores them, are not padded)")
     widen.run()
     missing = [name for name, hit in sinks.items() if not hit]
     if missing:

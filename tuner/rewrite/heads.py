@@ -117,6 +117,12 @@ def _seed(graph: ir.Graph, widen: Widen, site: AttentionSite, a: int, new: int, 
     _sink(graph, widen, site, a, d, new, reached)
 
 
+FUSED_LAYOUTS = ("the fused qkv projection {!r} may keep its heads in a layout this rewrite does "
+                 "not follow: it knows [q | k | v] blocks (GPT-2) and per-head [q k v] reshaped "
+                 "to 3*d (GPT-NeoX), not kv groups [q.. k v] (Falcon) nor (heads, 3, d) read by "
+                 "Gather (BLOOM, whose ALiBi bias would also need the new heads)")
+
+
 def pad_heads(model: ir.Model, shape: ModelShape, new: int) -> int:
     """Pad every attention block to `new` heads; returns the old head count."""
     from tuner.graph.dims import Dims
@@ -143,12 +149,18 @@ def pad_heads(model: ir.Model, shape: ModelShape, new: int) -> int:
     dims.inferred()  # shapes of the original graph, before any edit
     widen = Widen(model, dims, f"heads {a}->{new}")
     reached: dict[str, bool] = {}
-    for _, site in sites:
-        if kv != a:
-            _seed_gqa(model.graph, widen, site, a, kv, new, d, reached)
-        else:
-            _seed(model.graph, widen, site, a, new, d, reached)
-    widen.run()
+    try:
+        for _, site in sites:
+            if kv != a:
+                _seed_gqa(model.graph, widen, site, a, kv, new, d, reached)
+            else:
+                _seed(model.graph, widen, site, a, new, d, reached)
+        widen.run()
+    except RewriteRefused as e:
+        fused = [site.qkv for _, site in sites if site.qkv]
+        if not fused:
+            raise
+        raise RewriteRefused(f"{e}; {FUSED_LAYOUTS.format(fused[0])}") from None
     missing = [name for name, hit in reached.items() if not hit]
     if missing:
         raise RewriteRefused(f"the new heads never reached output projection(s) {missing}")
