@@ -18,8 +18,9 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from tuner.bench import paired_ratio_ci, rich_progress
 from tuner.design.search import DesignRequest, run
+from tuner.measure.stats import paired_ratio_ci
+from tuner.util.progress import rich_progress
 
 
 def separated(ci, margin: float) -> int:

@@ -5,7 +5,7 @@
 
 Parts, each run where its libraries are present (the others print why they were skipped):
 
-1. GEMM probe (torch with CUDA; tuner.probe, torch.matmul timed with CUDA events, fp16): the
+1. GEMM probe (torch with CUDA; tuner.plan.probe, torch.matmul timed with CUDA events, fp16): the
    GEMMs of GPT-2 small and of a Pythia-2.8B-shaped model, original against padded dims:
    vocab 50257 vs 50304, head dim 80 vs 128 (Pythia-2.8B: h=2560, a=32), FFN widths
    (SwiGLU 8/3*h for h=4096: 10922 vs 10944 vs 11008). Shapes are timed interleaved in
@@ -75,7 +75,7 @@ def _shape(h, a, d, f, v, gated=False):
 
 def probe_pairs(smoke: bool):
     """(model, what, original label, padded label, [gemms orig], [gemms padded]) per pair."""
-    from tuner.probe import model_gemms
+    from tuner.plan.probe import model_gemms
 
     b, s = (1, 16) if smoke else (8, 512)
     pairs = []
@@ -109,9 +109,9 @@ def probe_pairs(smoke: bool):
 
 def run_probe(smoke: bool, rounds: int) -> tuple[list[Row], list[str]]:
     try:
-        from tuner.probe import backend_unavailable, probe
+        from tuner.plan.probe import backend_unavailable, probe
     except ImportError as e:
-        return [], [f"skipped GEMM probe: tuner.probe not importable ({e})"]
+        return [], [f"skipped GEMM probe: tuner.plan.probe not importable ({e})"]
     backend = "ort-cpu" if smoke else "torch-cuda"
     reason = backend_unavailable(backend)
     if reason:
@@ -161,7 +161,7 @@ def run_e2e(smoke: bool, rounds: int, deadline: float,
         import transformers  # noqa: F401
     except ImportError as e:
         return [], [f"skipped end to end: exporting needs torch and transformers ({e.name} missing)"]
-    from tuner.feeds import make_feeds
+    from tuner.gate.feeds import make_feeds
     from tuner.runtime.base import SessionSettings
     from tuner.runtime.registry import get_backend
 
@@ -361,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     start = time.monotonic()
     rounds = a.rounds or (3 if a.smoke else 15)
-    from tuner.device import detect
+    from tuner.hardware.detect import detect
 
     dev = detect()
     rows, skipped = run_probe(a.smoke, rounds)

@@ -8,7 +8,7 @@
 #
 # Steps, each under its own time limit, each allowed to fail without stopping the next (its
 # exit code goes into summary.txt; 124 means it ran past its limit):
-#   facts     nvidia-smi, Python and library versions, python -m tuner.device
+#   facts     nvidia-smi, Python and library versions, python -m tuner.hardware.detect
 #   pytest    the tests marked gpu (python -m pytest -m gpu over the files that have them)
 #   gpu_check bench/gpu_check.py: GEMM probe, torch end to end, ORT/TensorRT where present
 #   design    tuner design for the GPT-3 2.7B / Pythia-2.8B shape at seq 2048, batch 8
@@ -102,8 +102,8 @@ try:
 except Exception as e:  # noqa: BLE001
     print("torch/onnxruntime facts failed:", type(e).__name__, e)
 EOF
-    echo "--- python -m tuner.device"
-    "$PY" -m tuner.device
+    echo "--- python -m tuner.hardware.detect"
+    "$PY" -m tuner.hardware.detect
 }
 
 # The test files with gpu-marked tests; --continue-on-collection-errors so that one module

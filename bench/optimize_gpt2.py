@@ -51,10 +51,12 @@ def part_optimize(model: Path, work: Path, extra: list[str]) -> None:
 
 
 def part_vocab(model: Path, work: Path, rounds: int, shapes: list[tuple[int, int]]) -> None:
-    from tuner.bench import Target, measure, paired_ratio_ci, summarize
-    from tuner.cache import ResultsCache
-    from tuner.feeds import make_feeds
-    from tuner.rewrite.compose import PadRequest, pad_file
+    from tuner.gate.feeds import make_feeds
+    from tuner.jobs.pad import pad_file
+    from tuner.measure.bench import Target, measure
+    from tuner.measure.cache import ResultsCache
+    from tuner.measure.stats import paired_ratio_ci, summarize
+    from tuner.rewrite.compose import PadRequest
     from tuner.runtime.base import SessionSettings
     from tuner.runtime.registry import get_backend
 

@@ -17,10 +17,11 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from serving import protocol
-from serving._generated import inference_pb2 as pb
-from serving._generated import inference_pb2_grpc as pb_grpc
-from tuner.artifact import Accuracy, Buckets, Manifest, Variant, write_manifest
+from serving.wire import protocol
+from serving.wire._generated import inference_pb2 as pb
+from serving.wire._generated import inference_pb2_grpc as pb_grpc
+from tuner.artifact.records import Accuracy, Buckets, Manifest, Variant
+from tuner.artifact.store import write_manifest
 from tuner.runtime.base import SessionSettings
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -23,9 +23,9 @@ import grpc
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script
-from serving._generated import inference_pb2 as pb  # noqa: E402
-from serving._generated import inference_pb2_grpc as pb_grpc  # noqa: E402
 from serving.datatypes import DATATYPES, datatype_of  # noqa: E402
+from serving.wire._generated import inference_pb2 as pb  # noqa: E402
+from serving.wire._generated import inference_pb2_grpc as pb_grpc  # noqa: E402
 from tuner.runtime.base import SessionSettings  # noqa: E402
 from tuner.runtime.ort import load_cpu  # noqa: E402
 

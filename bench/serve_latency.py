@@ -45,12 +45,13 @@ import grpc
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or with -m
-from serve_common import MODEL_NAME, encoded, free_port, load_note, make_artifact, \
-    start_tuner, stop, wait_ready
-from serving import protocol
-from serving._generated import inference_pb2 as pb
-from serving._generated import inference_pb2_grpc as pb_grpc
-from tuner.bench import summarize
+from serve_common import (MODEL_NAME, encoded, free_port, load_note, make_artifact, start_tuner,
+                          stop, wait_ready)
+
+from serving.wire import protocol
+from serving.wire._generated import inference_pb2 as pb
+from serving.wire._generated import inference_pb2_grpc as pb_grpc
+from tuner.measure.stats import summarize
 from tuner.runtime.base import SessionSettings
 from tuner.runtime.registry import get_backend
 
@@ -122,6 +123,7 @@ def _table(title: str, ms: list[np.ndarray], served_ms: float) -> list[str]:
 def bench_model(key: str, seqs: list[int], rounds: int, settings: SessionSettings,
                 server_args: list[str], floor_first: bool = False) -> list[str]:
     import tritonclient.grpc as tg
+
     from models.build import cached
 
     family, shape, vocab = MODELS[key]

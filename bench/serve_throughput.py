@@ -39,10 +39,11 @@ import grpc
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or with -m
-from serve_common import (MODEL_NAME, ROOT, encoded, free_port, lengths, load_note,
-                                make_artifact, start_tuner, stop, wait_ready)
-from serving._generated import inference_pb2 as pb
-from serving._generated import inference_pb2_grpc as pb_grpc
+from serve_common import (MODEL_NAME, ROOT, encoded, free_port, lengths, load_note, make_artifact,
+                          start_tuner, stop, wait_ready)
+
+from serving.wire._generated import inference_pb2 as pb
+from serving.wire._generated import inference_pb2_grpc as pb_grpc
 
 MODELS = {"bert": ("bert", "small", 1000), "minilm": ("minilm", "real", 30522)}
 CONCURRENCY = 32

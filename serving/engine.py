@@ -14,12 +14,13 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from serving.batcher import Batcher, BatchPolicy, Result
+from serving.datatypes import DATATYPES, datatype_of
 from serving.errors import InvalidArgument, ServingError, Unavailable
 from serving.metrics import Metrics, Stats
 from serving.model import LoadedModel, TensorSpec
-from serving.datatypes import DATATYPES, datatype_of
-from tuner.artifact import Latency, parse_shape_key
-from tuner.verify import Tolerance
+from tuner.artifact.records import Latency, parse_shape_key
+from tuner.gate.verify import Tolerance
+from tuner.graph.io import mask_in
 
 log = logging.getLogger("serving")
 
@@ -241,7 +242,7 @@ class Engine:
         client got from the served variant through batching and padding."""
         try:
             reference = self.model.original.infer(feeds)
-            mask = next((a for n, a in feeds.items() if "attention_mask" in n.lower()), None)
+            mask = mask_in(feeds)
             agree = all(self._agrees(n, reference[n], served[n], mask) for n in served)
             self.stats.record_shadow("agree" if agree else "disagree")
             if not agree:

@@ -1,5 +1,5 @@
 """What can go wrong with a request, as exceptions that carry no transport: the batcher and
-the engine raise these (they never import grpc); serving.protocol maps them to status codes
+the engine raise these (they never import grpc); serving.wire.protocol maps them to status codes
 in one table."""
 
 

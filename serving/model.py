@@ -1,8 +1,8 @@
 """The model a server serves: read the artifact, load the selected variant and the original
 through tuner.runtime, re-run the accuracy gate here, and find the tensors' layout.
 
-No grpc here. Everything reaches the model through tuner.artifact (what to load),
-tuner.runtime.registry (how to run it) and tuner.verify / tuner.feeds (whether it is exact).
+No grpc here. Everything reaches the model through tuner.artifact.records (what to load),
+tuner.runtime.registry (how to run it) and tuner.gate.verify / tuner.gate.feeds (whether it is exact).
 """
 
 from __future__ import annotations
@@ -15,13 +15,15 @@ import numpy as np
 import onnx
 
 from serving.batcher import Layout
-from tuner.artifact import Buckets, Latency, Manifest, read_manifest, variant_path
+from tuner.artifact.records import Buckets, Latency, Manifest
+from tuner.artifact.store import read_manifest, variant_path
 from tuner.errors import BadInput
-from tuner.feeds import make_feeds
-from tuner.graph.load import check_external_data, read_proto
+from tuner.gate.feeds import make_feeds
+from tuner.gate.verify import Tolerance, VerifyResult, verify
+from tuner.graph.io import ATTENTION_MASK, embedding_rows, role_of, token_input
+from tuner.graph.load import check_external_data, load_model, read_proto
 from tuner.runtime.base import Runner, SessionSettings
 from tuner.runtime.registry import get_backend
-from tuner.verify import Tolerance, VerifyResult, verify
 
 # ONNX element types -> KServe v2 datatype names.
 _ONNX_DATATYPES = {
@@ -33,8 +35,6 @@ _ONNX_DATATYPES = {
     onnx.TensorProto.FLOAT: "FP32", onnx.TensorProto.DOUBLE: "FP64",
     onnx.TensorProto.STRING: "BYTES",
 }
-# Ops a token id passes through unchanged on its way to the embedding Gather.
-_PASS_THROUGH = {"Reshape", "Cast", "Identity", "Flatten", "Squeeze", "Unsqueeze"}
 
 
 @dataclass(frozen=True)
@@ -90,26 +90,6 @@ def _spec(value: onnx.ValueInfoProto) -> TensorSpec:
     return TensorSpec(value.name, datatype, dims)
 
 
-def _vocab(graph: onnx.GraphProto, token_input: str) -> int | None:
-    """Rows of the embedding table that `token_input` indexes (Gather on an initializer),
-    following the input through reshapes and casts. None when no such Gather is found."""
-    tables = {i.name: list(i.dims) for i in graph.initializer}
-    frontier, seen = [token_input], set()
-    while frontier:
-        name = frontier.pop()
-        seen.add(name)
-        for node in graph.node:
-            if name not in node.input:
-                continue
-            if node.op_type == "Gather" and node.input[1] == name and node.input[0] in tables:
-                dims = tables[node.input[0]]
-                if len(dims) == 2:
-                    return int(dims[0])
-            elif node.op_type in _PASS_THROUGH and node.input[0] == name:
-                frontier.extend(o for o in node.output if o not in seen)
-    return None
-
-
 def _checked(path: Path) -> onnx.ModelProto:
     """The graph's structure through the project's safe loader: BadInput (exit 2) for a
     corrupt file or external data that is missing or points outside the artifact."""
@@ -124,8 +104,9 @@ def read_signature(path: Path) -> Signature:
     inits = {i.name for i in graph.initializer}
     inputs = tuple(_spec(v) for v in graph.input if v.name not in inits)
     outputs = tuple(_spec(v) for v in graph.output)
-    token = next((s.name for s in inputs if "input_ids" in s.name.lower()), None)
-    return Signature(inputs, outputs, token, _vocab(graph, token) if token else None)
+    token = token_input(s.name for s in inputs)
+    vocab = embedding_rows(load_model(path), token) if token else None
+    return Signature(inputs, outputs, token, vocab)
 
 
 def _probe_layout(runner: Runner, path: Path, signature: Signature, vocab: int) -> Layout:
@@ -133,7 +114,7 @@ def _probe_layout(runner: Runner, path: Path, signature: Signature, vocab: int) 
     changes with it (names of symbolic dims differ between exporters; running does not)."""
     seq_inputs = tuple(s.name for s in signature.inputs
                        if len(s.shape) >= 2 and s.shape[0] == -1 and s.shape[1] == -1)
-    mask = next((n for n in seq_inputs if "attention_mask" in n.lower()), None)
+    mask = next((n for n in seq_inputs if role_of(n) == ATTENTION_MASK), None)
     axes: dict[str, int | None] = {}
     if seq_inputs:
         a, b = (runner.infer(f) for f in make_feeds(path, vocab, [(2, 3), (2, 5)], seed=1))

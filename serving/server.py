@@ -24,13 +24,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
-from serving._generated import POOL
-from serving._generated import inference_pb2_grpc as pb_grpc
 from serving.engine import Engine, EngineOptions
 from serving.metrics import Stats, make_metrics, start_metrics_server
 from serving.model import load_artifact
-from serving.service import InferenceServicer, Slot
-from tuner.artifact import read_manifest
+from serving.wire._generated import POOL
+from serving.wire._generated import inference_pb2_grpc as pb_grpc
+from serving.wire.servicer import InferenceServicer, Slot
+from tuner.artifact.store import read_manifest
 from tuner.errors import BadInput
 from tuner.runtime.base import SessionSettings
 

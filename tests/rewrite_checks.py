@@ -8,12 +8,13 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from tuner.feeds import make_feeds
+from tuner.gate.feeds import make_feeds
+from tuner.gate.verify import Tolerance, verify
 from tuner.graph.inspect import inspect_path
 from tuner.graph.shape import ModelShape
-from tuner.rewrite.compose import PadRequest, PadResult, pad_file
+from tuner.jobs.pad import PadResult, pad_file
+from tuner.rewrite.compose import PadRequest
 from tuner.runtime.registry import get_backend
-from tuner.verify import Tolerance, verify
 
 GATE_SHAPES = ((1, 5), (2, 9))
 OTHER_SHAPES = ((4, 3), (1, 40))

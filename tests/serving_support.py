@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from tuner.artifact import Accuracy, Buckets, Manifest, Variant, write_manifest
+from tuner.artifact.records import Accuracy, Buckets, Manifest, Variant
+from tuner.artifact.store import write_manifest
 
 BUCKETS = Buckets(batch=(1, 4, 8), seq=(8, 16, 32))
 
@@ -35,7 +36,7 @@ def make_artifact(out: Path, model: Path, buckets: Buckets = BUCKETS,
                   variant: Path | None = None, variant_name: str = "padded",
                   settings: dict | None = None) -> Path:
     """OUT with the original (and optionally one more variant, selected) and manifest.json,
-    written through tuner.artifact as `tuner optimize` does."""
+    written through tuner.artifact.records as `tuner optimize` does."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "variants" / "original").mkdir(parents=True, exist_ok=True)
     shutil.copyfile(model, out / "variants" / "original" / "model.onnx")

@@ -7,10 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from tuner.artifact import (Accuracy, Advice, Buckets, ExpectedLatency, Latency, Manifest, Speedup,
-                            Transform, Variant, parse_shape_key, read_manifest, shape_key,
-                            variant_path, write_manifest)
+from tuner.artifact.codec import manifest_to_json
+from tuner.artifact.records import (Accuracy, Advice, Buckets, ExpectedLatency, Latency, Manifest,
+                                    Speedup, Variant, parse_shape_key, shape_key)
+from tuner.artifact.store import read_manifest, variant_path, write_manifest
 from tuner.errors import BadInput
+from tuner.graph.paddable import Transform
 
 SHA = "ab" * 32
 
@@ -136,7 +138,7 @@ def test_read_rejects_bad_files(tmp_path):
 def test_read_names_the_bad_field(tmp_path):
     m = _manifest()
     _touch_graphs(tmp_path, m)
-    good = m.to_json()
+    good = manifest_to_json(m)
 
     def broken(edit):
         obj = json.loads(json.dumps(good))

@@ -14,7 +14,7 @@ import onnx
 import pytest
 
 from tuner.errors import BadInput
-from tuner.feeds import input_specs, make_feeds
+from tuner.gate.feeds import input_specs, make_feeds
 from tuner.runtime import registry
 from tuner.runtime.gpu import (bucket_shape, cache_key, check_buckets, ep_reason, fp16_model,
                                gpu_reason, pick_profile, profiles_for, work_dir)
@@ -457,7 +457,7 @@ def test_onnxruntime_parses_our_trt_ep_options(stub_libs, tmp_path):
 
 _RUNNERS_CHILD = """
 import json
-from tuner.feeds import make_feeds
+from tuner.gate.feeds import make_feeds
 from tuner.runtime.base import SessionSettings
 from tuner.runtime.ort_gpu import load_ort_cuda
 out = {{}}
@@ -493,7 +493,7 @@ def test_trt_ep_names_the_libnvinfer_it_was_built_against():
 def test_a_libcuda_without_cuinit_is_no_gpu(stub_libs):
     from cuda_stubs import run_child
 
-    proc = run_child(stub_libs, "from tuner.device import gpu_count, detect\n"
+    proc = run_child(stub_libs, "from tuner.hardware.detect import gpu_count, detect\n"
                                 "print('RESULT', __import__('json').dumps([gpu_count(), "
                                 "detect().kind]))")
     assert _result(proc) == [[0, "libcuda.so.1 has no cuInit: not an NVIDIA driver library"],

@@ -7,10 +7,14 @@ import json
 import numpy as np
 import pytest
 
-from tuner.bench import (Progress, RatioCI, Target, interleave, measure, paired_ratio_ci, select,
-                         summarize, weighted_totals)
-from tuner.cache import ResultsCache, entry_key, file_sha256
+from tuner.measure.bench import Target, measure
+from tuner.measure.cache import ResultsCache, entry_key
+from tuner.measure.select import select
+from tuner.measure.stats import RatioCI, paired_ratio_ci, summarize, weighted_totals
+from tuner.measure.timing import interleave
 from tuner.runtime.registry import get_backend
+from tuner.util.files import sha256_files
+from tuner.util.progress import Progress
 
 
 def test_summarize_percentiles():
@@ -115,8 +119,8 @@ class Counting(Progress):
 
 def test_measure_uses_cache_only_for_whole_groups(reference_model, tmp_path):
     gpt2, llama = reference_model("gpt2"), reference_model("llama")
-    targets = [Target("original", _runner(gpt2), file_sha256([gpt2])),
-               Target("other", _runner(llama), file_sha256([llama]))]
+    targets = [Target("original", _runner(gpt2), sha256_files([gpt2])),
+               Target("other", _runner(llama), sha256_files([llama]))]
     shapes = [(1, 8), (2, 16)]
     args = dict(rounds=3, warmup=1, backend="ort-cpu", device="test", settings={"t": 1})
     cache = ResultsCache.in_dir(tmp_path)

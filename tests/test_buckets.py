@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from tuner.buckets import (Requests, batch_buckets, choose, default_seq_buckets, interpolate,
-                           load_requests, seq_grid, uniform_requests)
 from tuner.errors import BadInput
+from tuner.measure.buckets import (Requests, batch_buckets, choose, default_seq_buckets,
+                                   interpolate, load_requests, seq_grid, uniform_requests)
 
 
 def linear_latency(b: int, s: int) -> float:

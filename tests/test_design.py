@@ -9,15 +9,14 @@ import numpy as np
 import pytest
 
 from tuner.cli import main
-from tuner.design.candidates import (SearchSpace, enumerate_candidates, ffn_widths,
-                                     natural_layers)
+from tuner.design.candidates import SearchSpace, enumerate_candidates, ffn_widths, natural_layers
 from tuner.design.measure import MeasureSettings, ShapeCost
 from tuner.design.params import FAMILIES, DesignShape, count_params
 from tuner.design.rank import rank
 from tuner.design.search import DesignRequest, parse_layers, plan, start_from_flags
 from tuner.errors import BadInput
-from tuner.hardware import DEVICES
-from tuner.probe import GemmResult, backend_unavailable, model_gemms
+from tuner.hardware.facts import DEVICES
+from tuner.plan.probe import GemmResult, backend_unavailable, model_gemms
 
 NEOX, LLAMA = FAMILIES["gpt_neox"], FAMILIES["llama"]
 PYTHIA_2_8B = DesignShape(32, 2560, 32, 32, 80, 10240, 50257, NEOX)
@@ -243,7 +242,7 @@ def test_explanations_in_the_papers_terms():
     costs = [_cost(cands, 0, base), _cost(cands, 1, base / 1.2)]
     # GEMM results as a GPU run would give them: with waves on an H100
     h100 = DEVICES["h100"]
-    from tuner.probe import batched_waves
+    from tuner.plan.probe import batched_waves
     gpu_costs = [ShapeCost(c.candidate, tuple(GemmResult(g.shape, "torch-cuda", h100.name,
                                                          g.samples_ms, batched_waves(g.shape, h100))
                                               for g in c.gemms), c.layer_ms, c.head_ms)

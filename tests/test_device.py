@@ -1,4 +1,4 @@
-"""tuner.device: device facts for the manifest. The parsers and the name mapping are pure and
+"""tuner.hardware.detect: device facts for the manifest. The parsers and the name mapping are pure and
 tested on real outputs of the tools; detect() is tested on this machine as it is."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import os
 
 import pytest
 
-from tuner.device import (DeviceInfo, cuda_version_string, detect, facts_key_for, gpu_count,
-                          parse_cpuinfo, parse_nvidia_smi)
-from tuner.hardware import DEVICES
+from tuner.hardware.detect import (DeviceInfo, cuda_version_string, detect, facts_key_for,
+                                   gpu_count, parse_cpuinfo, parse_nvidia_smi)
+from tuner.hardware.facts import DEVICES
 
 X86_CPUINFO = """processor\t: 0
 vendor_id\t: GenuineIntel

@@ -16,12 +16,13 @@ What each family adds to the patterns the reference models show:
 from __future__ import annotations
 
 import pytest
+from rewrite_checks import pad_and_check
 
 from models.build import spec
-from rewrite_checks import pad_and_check
 from tuner.errors import BadInput, RewriteRefused
 from tuner.graph.inspect import inspect_path
-from tuner.rewrite.compose import PadRequest, pad_file, round_up
+from tuner.jobs.pad import pad_file
+from tuner.rewrite.compose import PadRequest, round_up
 
 FAMILIES = ("mistral", "gemma", "gemma2", "gemma3", "opt", "falcon", "gptj", "bloom", "roberta",
             "distilbert", "stablelm", "phi")

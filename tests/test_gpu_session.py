@@ -42,7 +42,7 @@ def test_smoke_runs_every_step_and_writes_the_flat_files(tmp_path):
     assert (out / "session.log").read_text() == r.stdout
 
     facts = (out / "facts.txt").read_text()
-    assert '"kind": "cpu"' in facts and "onnxruntime " in facts  # python -m tuner.device ran
+    assert '"kind": "cpu"' in facts and "onnxruntime " in facts  # python -m tuner.hardware.detect ran
     tests = (out / "pytest_gpu.txt").read_text()
     assert "tests/test_probe.py" in tests and re.search(r"\d+ skipped, \d+ deselected", tests)
     check = (out / "gpu_check.txt").read_text()

@@ -21,6 +21,7 @@ from models.build import spec
 from tuner.cli import main
 from tuner.graph.inspect import inspect_model, inspect_path
 from tuner.graph.load import load_model
+from tuner.plan.findings import audited
 
 CASES = [(name, shape, exporter)
          for name in ("gpt2", "bert", "llama", "gpt_neox", "qwen2")
@@ -134,7 +135,7 @@ def ort_optimized(reference_model, tmp_path_factory):
 
 @pytest.mark.parametrize("name", ["bert", "gpt2"])
 def test_ort_optimized_graph_is_recognised(ort_optimized, name):
-    found = inspect_path(ort_optimized[name])
+    found = audited(inspect_path(ort_optimized[name]))
     assert found.optimized
     assert "com.microsoft.SkipLayerNormalization" in found.fused_ops
     expect = spec(name).expect
@@ -426,6 +427,6 @@ def test_int4_quantized_graph_is_read_from_matmulnbits_attributes(reference_mode
     expect = spec("llama", "small").expect
     assert {k: getattr(found, k) for k in expect} == expect
     assert "com.microsoft.MatMulNBits" in found.fused_ops and not found.optimized
-    assert any(f.rule == "quantized-weights" for f in found.findings)
+    assert any(f.rule == "quantized-weights" for f in audited(found).findings)
     nodes = {n.name: n for n in load_model(path).graph}
     assert nodes[found.sites.layers[0].ffn.down].op_type == "MatMulNBits"

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tuner.artifact import read_manifest, variant_path
+from tuner.artifact.store import read_manifest, variant_path
 from tuner.cli import main
 
 FAST = ["--rounds", "2", "--warmup", "1", "--bucket-rounds", "1", "--quiet"]

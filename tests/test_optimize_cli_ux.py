@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from tuner.artifact import read_manifest
+from tuner.artifact.store import read_manifest
 from tuner.cli import main
 
 TINY = ["--rounds", "2", "--warmup", "1", "--bucket-rounds", "1", "--max-variants", "1",

@@ -7,7 +7,7 @@ import pytest
 
 from tuner.cli import main
 from tuner.errors import BadInput
-from tuner.paths import ensure_writable_dir
+from tuner.util.files import ensure_writable_dir
 
 
 def test_ensure_writable_dir(tmp_path):

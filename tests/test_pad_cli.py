@@ -11,7 +11,8 @@ import pytest
 
 from tuner.cli import main
 from tuner.graph.inspect import inspect_path
-from tuner.rewrite.compose import NotExact, PadRequest, pad_file
+from tuner.jobs.pad import NotExact, pad_file
+from tuner.rewrite.compose import PadRequest
 
 
 def test_pad_then_verify(reference_model, tmp_path, capsys):

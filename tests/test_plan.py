@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from tuner.artifact import Transform
+from tuner.graph.paddable import Transform
 from tuner.graph.shape import ModelShape
-from tuner.hardware import DEVICES
-from tuner.plan import Candidate, dim_options, predict, propose, prune, with_fusion
+from tuner.hardware.facts import DEVICES
+from tuner.plan.propose import Candidate, dim_options, predict, propose, prune, with_fusion
 
 GPU, CPU = DEVICES["a100"], DEVICES["cpu"]
 
@@ -63,7 +63,7 @@ def test_predict_with_a_cost_model():
 
 
 def test_predict_with_the_real_probe():
-    from tuner.probe import probe
+    from tuner.plan.probe import probe
 
     s = shape(num_layers=1, hidden_size=64, num_heads=2, head_dim=32, ffn_size=200, vocab_size=1000)
     cands = [Candidate("original", ()), Candidate("vocab-1024", (Transform("vocab", 1000, 1024),))]
@@ -105,8 +105,8 @@ def test_prune():
 
 
 def test_advice_reshapes_and_measurement():
-    from tuner.advise import measure_advice, reshapes
-    from tuner.probe import probe
+    from tuner.plan.advise import measure_advice, reshapes
+    from tuner.plan.probe import probe
 
     # GPT-3 2.7B / Pythia-2.8B: h=2560, a=32, d=80 -> fewer, wider heads
     names = [r.name for r in reshapes(shape(hidden_size=2560, num_heads=32, num_kv_heads=32, head_dim=80))]

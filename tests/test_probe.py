@@ -7,12 +7,12 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from tuner.bench import Progress
 from tuner.design.params import FAMILIES, DesignShape, layer_params
 from tuner.errors import BadInput
-from tuner.hardware import DEVICES
-from tuner.probe import (IR_VERSION, GemmShape, backend_unavailable, batched_waves, gemm_model,
-                         model_gemms, pool_elements, pool_views, probe, steps)
+from tuner.hardware.facts import DEVICES
+from tuner.plan.probe import (IR_VERSION, GemmShape, backend_unavailable, batched_waves, gemm_model,
+                              model_gemms, pool_elements, pool_views, probe, steps)
+from tuner.util.progress import Progress
 
 GPU_REASON = backend_unavailable("torch-cuda")
 

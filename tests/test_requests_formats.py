@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from tuner.buckets import load_requests
 from tuner.errors import BadInput
+from tuner.measure.buckets import load_requests
 
 
 @pytest.mark.parametrize("name, text, message", [

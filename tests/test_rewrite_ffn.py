@@ -10,15 +10,15 @@ from onnx import TensorProto, helper
 from rewrite_checks import pad_and_check, weight
 
 from tuner.errors import RewriteRefused
+from tuner.gate.feeds import make_feeds
+from tuner.gate.verify import verify
 from tuner.graph.inspect import inspect_path
-from tuner.graph.load import load_model
+from tuner.graph.load import load_model, save_model
 from tuner.graph.shape import FfnSite
-from tuner.rewrite.common import remove_unused, save_atomic
+from tuner.rewrite.common import remove_unused
 from tuner.rewrite.compose import PadRequest
 from tuner.rewrite.ffn import pad_ffn
 from tuner.runtime.registry import get_backend
-from tuner.feeds import make_feeds
-from tuner.verify import verify
 
 CASES = [(fam, exp) for fam in ("gpt2", "bert", "llama") for exp in ("torchscript", "dynamo")]
 CASES += [("gpt_neox", "torchscript"), ("qwen2", "dynamo")]
@@ -49,7 +49,7 @@ def test_shared_bias_is_copied_not_edited(reference_model, tmp_path):
     model = load_model(src)
     assert pad_ffn(model, shape.sites.layers[0].ffn, 640, 0) == 600
     remove_unused(model)
-    out = save_atomic(model, tmp_path / "one_layer.onnx")
+    out = save_model(model, tmp_path / "one_layer.onnx")
     onnx.checker.check_model(str(out))
     backend = get_backend("ort-cpu")
     result = verify(backend.load(src), backend.load(out), make_feeds(src, 50257, [(2, 6)]))
@@ -100,7 +100,7 @@ def test_save_is_atomic(tmp_path):
     model.graph.initializers["w1"].const_value = ir.LazyTensor(
         interrupted, dtype=ir.DataType.FLOAT, shape=ir.Shape([4, 6]), name="w1")
     with pytest.raises(KeyboardInterrupt):
-        save_atomic(model, dst)
+        save_model(model, dst)
     assert dst.read_bytes() == b"old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.onnx", "toy.onnx"]
 
@@ -110,7 +110,7 @@ def test_save_is_atomic(tmp_path):
 def test_ffn_padding_after_ort_fusion(reference_model, tmp_path, family, exporter, fused_op):
     """ONNX Runtime's optimizer folds bias + GELU into one com.microsoft op: its bias is
     padded like any elementwise constant."""
-    from tuner.fuse import fuse_file
+    from tuner.runtime.ort_fusion import fuse_file
 
     fused = tmp_path / "fused.onnx"
     assert fuse_file(reference_model(family, "awkward", exporter), fused, 2, 160).get(fused_op)

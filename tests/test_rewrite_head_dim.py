@@ -9,13 +9,14 @@ import pytest
 from rewrite_checks import pad_and_check, weight
 
 from tuner.errors import RewriteRefused
-from tuner.feeds import make_feeds
+from tuner.gate.feeds import make_feeds
+from tuner.gate.verify import verify
 from tuner.graph.inspect import inspect_model, inspect_path
-from tuner.graph.load import load_model
-from tuner.rewrite.common import const_array, find_node, new_initializer, save_atomic
-from tuner.rewrite.compose import PadRequest, apply, pad_file
+from tuner.graph.load import load_model, save_model
+from tuner.jobs.pad import pad_file
+from tuner.rewrite.common import const_array, find_node, new_initializer
+from tuner.rewrite.compose import PadRequest, apply
 from tuner.runtime.registry import get_backend
-from tuner.verify import verify
 
 CASES = [(fam, exp) for fam in ("gpt2", "bert", "llama") for exp in ("torchscript", "dynamo")]
 CASES += [("gpt_neox", "torchscript"), ("gpt_neox", "dynamo"), ("qwen2", "torchscript")]
@@ -101,7 +102,7 @@ def _with_computed_scale(src, dst, on_scores: bool = False):
             scores.outputs[0].replace_all_uses_with(div.outputs[0])
             div.replace_input_with(0, scores.outputs[0])
             graph.insert_after(scores, [*chain, div])
-    return save_atomic(model, dst)
+    return save_model(model, dst)
 
 
 @pytest.mark.parametrize("on_scores", [False, True])
@@ -132,7 +133,7 @@ def test_the_gate_catches_a_scale_left_at_the_padded_dim(reference_model, tmp_pa
                 if c is not None and c.size == 1:
                     wrong = np.array(96 ** -0.25, dtype=c.dtype).reshape(c.shape)
                     node.replace_input_with(j, new_initializer(graph, f"{name}.wrong", wrong))
-    wrong = save_atomic(model, tmp_path / "wrong.onnx")
+    wrong = save_model(model, tmp_path / "wrong.onnx")
     backend = get_backend("ort-cpu")
     result = verify(backend.load(src), backend.load(wrong), make_feeds(src, 1003, [(2, 9)]))
     assert not result
@@ -156,7 +157,7 @@ def test_onnx_attention_op_gets_its_scale_written(llama_opset23, tmp_path):
     for node in model.graph:
         if node.op_type == "Attention":
             node.attributes.pop("scale")
-    implicit = save_atomic(model, tmp_path / "implicit.onnx")
+    implicit = save_model(model, tmp_path / "implicit.onnx")
     shapes = [(1, 5), (1, 12)]  # ORT's RotaryEmbedding runs this export at batch 1 only
     backend = get_backend("ort-cpu")
     feeds = make_feeds(llama_opset23, 1024, shapes)

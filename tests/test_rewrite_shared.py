@@ -8,9 +8,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from tuner.graph.load import load_model
+from tuner.graph.load import load_model, save_model
 from tuner.graph.shape import FfnSite
-from tuner.rewrite.common import const_array, find_node, remove_unused, save_atomic
+from tuner.rewrite.common import const_array, find_node, remove_unused
 from tuner.rewrite.ffn import pad_ffns
 from tuner.runtime.registry import get_backend
 
@@ -75,7 +75,7 @@ def test_shared_shape_concat_and_bias_are_copied_per_node(tmp_path):
     sites = [(i, FfnSite(up=f"up{i}", down=f"down{i}")) for i in range(2)]
     assert pad_ffns(model, sites, 8) == [6, 6]
     remove_unused(model)
-    out = save_atomic(model, tmp_path / "padded.onnx")
+    out = save_model(model, tmp_path / "padded.onnx")
     onnx.checker.check_model(str(out))
     rng = np.random.default_rng(2)
     for shape in ((2, 3, 4), (1, 7, 4)):

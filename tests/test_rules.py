@@ -7,8 +7,8 @@ import pytest
 
 from tuner.errors import BadInput
 from tuner.graph.shape import Finding, ModelShape
-from tuner.hardware import device_facts
-from tuner.rules import audit, gemm_shapes
+from tuner.hardware.facts import device_facts
+from tuner.plan.findings import audit, gemm_shapes
 
 
 def shape(**kw) -> ModelShape:

@@ -188,7 +188,7 @@ def test_padding_to_the_longest_request_only(runner) -> None:
 
 
 def _lat(ms: float):
-    from tuner.artifact import Latency
+    from tuner.artifact.records import Latency
 
     return Latency(ms, ms, ms, ms, ms, 5)
 

@@ -1,4 +1,4 @@
-"""serving.protocol alone: protobuf <-> numpy, and the one error table."""
+"""serving.wire.protocol alone: protobuf <-> numpy, and the one error table."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import grpc
 import numpy as np
 import pytest
 
-from serving import protocol
-from serving._generated import inference_pb2 as pb
 from serving.datatypes import datatype_of, triton_type
 from serving.errors import InvalidArgument, NotFound, Unauthenticated, Unavailable
+from serving.wire import protocol
+from serving.wire._generated import inference_pb2 as pb
 from tuner.errors import BadInput
 
 

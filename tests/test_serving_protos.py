@@ -1,4 +1,4 @@
-"""protos/inference.proto: the committed stubs are what `python -m serving.gen_protos` writes,
+"""protos/inference.proto: the committed stubs are what `python -m serving.wire.gen_protos` writes,
 and every message, field and RPC we declare matches Triton's own (as shipped in tritonclient)
 by name, number, type and label: the wire compatibility that existing clients rely on."""
 
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from serving import gen_protos
-from serving._generated import POOL
-from serving._generated import inference_pb2 as pb
+from serving.wire import gen_protos
+from serving.wire._generated import POOL
+from serving.wire._generated import inference_pb2 as pb
 
 triton_service = pytest.importorskip("tritonclient.grpc.service_pb2")
 
@@ -39,7 +39,7 @@ def _read(folder: Path) -> tuple[bytes, list[str]]:
 def test_committed_stubs_are_current(tmp_path: Path) -> None:
     gen_protos.generate(tmp_path)
     assert _read(gen_protos.OUT_DIR) == _read(tmp_path), (
-        "serving/_generated/ is stale: run `python -m serving.gen_protos`")
+        "serving/wire/_generated/ is stale: run `python -m serving.wire.gen_protos`")
 
 
 def test_stale_stubs_are_detected(tmp_path: Path) -> None:

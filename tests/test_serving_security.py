@@ -11,13 +11,13 @@ import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as tg
+from serving_support import feeds_for, infer_inputs, make_artifact
 from tritonclient.utils import InferenceServerException
 
-from serving import protocol
-from serving._generated import inference_pb2 as pb
-from serving._generated import inference_pb2_grpc as pb_grpc
 from serving.server import Server, ServerOptions
-from serving_support import feeds_for, infer_inputs, make_artifact
+from serving.wire import protocol
+from serving.wire._generated import inference_pb2 as pb
+from serving.wire._generated import inference_pb2_grpc as pb_grpc
 from tuner.errors import BadInput
 
 TOKEN = "s3cret-token"

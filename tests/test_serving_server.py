@@ -12,15 +12,15 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import tritonclient.grpc as tg
-from tritonclient.utils import InferenceServerException
-
-from serving import protocol
-from serving._generated import inference_pb2 as pb
-from serving._generated import inference_pb2_grpc as pb_grpc
-from serving.engine import EngineOptions
-from serving.server import Server, ServerOptions
 from serving_support import (Answers, assert_close_where_valid, feeds_for, infer_inputs,
                              make_artifact, perturbed_copy)
+from tritonclient.utils import InferenceServerException
+
+from serving.engine import EngineOptions
+from serving.server import Server, ServerOptions
+from serving.wire import protocol
+from serving.wire._generated import inference_pb2 as pb
+from serving.wire._generated import inference_pb2_grpc as pb_grpc
 
 ATOL, RTOL = 1e-4, 1e-4
 
@@ -260,8 +260,8 @@ def test_statistics_and_prometheus_metrics(bert) -> None:
 
 def test_health_and_reflection_services(bert) -> None:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
-    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
-        ProtoReflectionDescriptorDatabase)
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import \
+        ProtoReflectionDescriptorDatabase
 
     server, _ = bert
     with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
@@ -292,7 +292,8 @@ def test_gate_failure_serves_the_original(reference_model, tmp_path) -> None:
 
 
 def test_exact_variant_is_served_and_shadow_checks_agree(reference_model, tmp_path) -> None:
-    from tuner.rewrite.compose import PadRequest, pad_file
+    from tuner.jobs.pad import pad_file
+    from tuner.rewrite.compose import PadRequest
 
     model = reference_model("gpt2", "small", "torchscript")
     out = tmp_path / "art"
@@ -374,7 +375,8 @@ def test_batching_that_does_not_pay_still_takes_batched_requests(reference_model
     a client may still send several rows in one request, up to the largest batch bucket."""
     import dataclasses
 
-    from tuner.artifact import Latency, read_manifest, write_manifest
+    from tuner.artifact.records import Latency
+    from tuner.artifact.store import read_manifest, write_manifest
 
     model = reference_model("bert", "small", "torchscript")
     out = make_artifact(tmp_path / "art", model)

@@ -13,10 +13,9 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import tritonclient.grpc as tg
+from serving_support import (Answers, assert_close_where_valid, feeds_for, free_port, infer_inputs,
+                             make_artifact)
 from tritonclient.utils import InferenceServerException
-
-from serving_support import (Answers, assert_close_where_valid, feeds_for, free_port,
-                             infer_inputs, make_artifact)
 
 
 @pytest.fixture()

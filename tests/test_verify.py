@@ -8,9 +8,9 @@ import pytest
 from onnx import TensorProto, helper
 
 from tuner.errors import BadInput
-from tuner.feeds import InputSpec, check_feed, load_npz, make_feeds, padded_mask
+from tuner.gate.feeds import InputSpec, check_feed, load_npz, make_feeds, padded_mask
+from tuner.gate.verify import Tolerance, verify
 from tuner.runtime.registry import get_backend
-from tuner.verify import Tolerance, verify
 
 
 def _tiny(path, masked_bias: float, real_bias: float, extra_output: bool = True):

@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import sys
 
-from tuner.cli.app import app
-from tuner.errors import BadInput
-
 # Each module registers its subcommands on `app` when imported, in the order --help lists
 # them: the data flow (inspect -> pad/verify -> optimize -> serve), then design.
+from tuner.cli import design_cmd  # noqa: F401,E402
 from tuner.cli import inspect_cmd  # noqa: F401,E402
-from tuner.cli import pad_cmd, verify_cmd  # noqa: F401,E402
 from tuner.cli import optimize_cmd  # noqa: F401,E402
 from tuner.cli import serve_cmd  # noqa: F401,E402
-from tuner.cli import design_cmd  # noqa: F401,E402
+from tuner.cli import pad_cmd, verify_cmd  # noqa: F401,E402
+from tuner.cli.app import app
+from tuner.errors import BadInput
 
 EXIT_OK, EXIT_INTERNAL, EXIT_BAD_INPUT = 0, 1, 2
 

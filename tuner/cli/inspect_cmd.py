@@ -87,10 +87,11 @@ def inspect(
 ) -> None:
     """Find the transformer's dimensions, where each lives in the graph, and shape findings."""
     from tuner.graph.inspect import inspect_path
-    from tuner.hardware import device_facts
+    from tuner.hardware.facts import device_facts
+    from tuner.plan.findings import audited
 
     device_facts(device)  # an unknown device is bad input before any file is read
-    shape = inspect_path(model, device=device, tokens=tokens)
+    shape = audited(inspect_path(model), device=device, tokens=tokens)
     if as_json:
         typer.echo(json.dumps(shape.to_json(), indent=2))
     else:

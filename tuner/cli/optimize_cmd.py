@@ -1,5 +1,5 @@
 """`tuner optimize MODEL.onnx -o OUT` (or `--demo gpt2|bert|llama`): parsing and printing only;
-the work is tuner.optimize."""
+the work is tuner.jobs.optimize."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Optional
 import typer
 
 from tuner.cli.app import app
+from tuner.artifact.codec import manifest_to_json
 from tuner.errors import BadInput
 
 DEMOS = {"gpt2": ("gpt2", "awkward"), "bert": ("bert", "awkward"), "llama": ("llama", "awkward")}
@@ -65,8 +66,9 @@ def optimize(
 ) -> None:
     """Build exact padded variants, verify them, time them against the original in
     interleaved rounds, choose buckets for the traffic, and write the artifact folder."""
-    from tuner.cache import default_cache_dir
-    from tuner.optimize import OptimizeConfig, optimize as run
+    from tuner.jobs.optimize import OptimizeConfig
+    from tuner.jobs.optimize import optimize as run
+    from tuner.measure.cache import default_cache_dir
 
     if (model is None) == (demo is None):
         raise BadInput("give a MODEL.onnx or --demo gpt2|bert|llama (one of them)")
@@ -82,7 +84,7 @@ def optimize(
     if as_json:
         # docs/pipeline.md: the same object as OUT/manifest.json, so that a pipeline reads
         # `source`, `device.name`, `variants[].accuracy.passed` without opening the file
-        print(json.dumps(result.manifest.to_json(), indent=2, allow_nan=False))
+        print(json.dumps(manifest_to_json(result.manifest), indent=2, allow_nan=False))
         return
     s = result.summary()
     print(f"selected {s['selected']}: {s['selection']}")

@@ -10,6 +10,12 @@ from typing import Optional
 import typer
 
 from tuner.cli.app import app
+from tuner.errors import BadInput
+from tuner.gate.verify import Tolerance
+from tuner.graph.inspect import inspect_model
+from tuner.graph.load import load_model
+from tuner.jobs.pad import NotExact, pad_file
+from tuner.rewrite.compose import PadRequest
 
 
 @app.command("pad")
@@ -33,11 +39,6 @@ def pad_cmd(
 ) -> None:
     """Pad the model's GEMM dimensions with zeros so that outputs stay the same, check that on
     ONNX Runtime (several batch/sequence shapes with padded masks), and only then write OUT."""
-    from tuner.errors import BadInput
-    from tuner.graph.inspect import inspect_model
-    from tuner.graph.load import load_model
-    from tuner.rewrite.compose import NotExact, PadRequest, pad_file
-    from tuner.verify import Tolerance
 
     if output.is_file() and not force and output.resolve() != model.resolve():
         # a padded model is minutes of work to redo and may be the one being served

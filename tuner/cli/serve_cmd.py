@@ -65,7 +65,8 @@ def serve(
     import logging
 
     from serving.engine import EngineOptions
-    from serving.server import ServerOptions, serve as run
+    from serving.server import ServerOptions
+    from serving.server import serve as run
     from tuner.runtime.base import SessionSettings
 
     logging.basicConfig(level=logging.WARNING, format="tuner serve: %(levelname)s %(message)s")
@@ -90,7 +91,7 @@ def _check_before_binding(out: Path, backend: str | None) -> None:
     """Refuse a bad artifact, or a backend that cannot run here, before any port opens: the
     server binds first (live, not ready) and loads after, so these would otherwise show up
     only after "listening"."""
-    from tuner.artifact import read_manifest
+    from tuner.artifact.store import read_manifest
     from tuner.runtime.registry import get_backend
 
     name = backend or read_manifest(out).backend

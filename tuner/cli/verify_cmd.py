@@ -29,10 +29,10 @@ def verify_cmd(
     """Run both models on the same inputs and compare every output (max abs/rel error, cosine,
     top-1 agreement); positions masked out by attention_mask are not compared."""
     from tuner.errors import BadInput
-    from tuner.feeds import check_feed, input_specs, load_npz, make_feeds
+    from tuner.gate.feeds import check_feed, input_specs, load_npz, make_feeds
+    from tuner.gate.verify import Tolerance, verify
     from tuner.graph.load import load_model
     from tuner.runtime.registry import get_backend
-    from tuner.verify import Tolerance, verify
 
     try:
         tol = Tolerance.fp16() if fp16 else Tolerance(atol=atol, rtol=rtol)
@@ -86,7 +86,7 @@ def _vocab(model) -> int:
     fed by an input would be too clever; inspect knows best, else the biggest Gather table)."""
     try:
         from tuner.graph.inspect import inspect_model
-        from tuner.rewrite.compose import vocab_for_feeds
+        from tuner.graph.io import vocab_for_feeds
 
         return vocab_for_feeds(model, inspect_model(model))
     except Exception:  # noqa: BLE001 - not a transformer inspect understands: any Gather table

@@ -20,7 +20,7 @@ from typing import Literal
 
 from tuner.design.params import DesignShape, Family, count_params
 from tuner.errors import BadInput
-from tuner.hardware import next_multiple
+from tuner.hardware.facts import next_multiple
 
 Origin = Literal["start", "search"]
 MAX_TARGET = 10**12  # a trillion parameters: beyond it the enumeration is not worth its time

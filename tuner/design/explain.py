@@ -6,10 +6,9 @@ with the starting shape. Plain strings, one fact each, for the table and the mar
 from __future__ import annotations
 
 from tuner.design.measure import MeasureSettings, ShapeCost
-from tuner.hardware import DeviceFacts, largest_power_of_two_dividing
+from tuner.hardware.facts import ORT_FUSED_HEAD_DIMS, DeviceFacts, largest_power_of_two_dividing
 
 # ONNX Runtime's fused attention kernels exist for these head dims (DESIGN.md).
-ORT_FUSED_HEAD_DIMS = (16, 32, 40, 64, 80, 128, 160, 256)
 GROUPS = {"attention": ("scores", "context"), "qkv+out": ("qkv", "out"),
           "ffn": ("up", "gate", "down"), "lm head": ("lm_head",)}
 

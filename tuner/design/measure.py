@@ -1,10 +1,10 @@
 """Whole-model forward cost of each candidate shape, from its real GEMMs on the device.
 
 Every candidate's GEMMs (QKV, attention scores and context, output projection, FFN, and the
-LM head) at M = batch x seq go into one interleaved probe (tuner.probe), where shapes shared by
+LM head) at M = batch x seq go into one interleaved probe (tuner.plan.probe), where shapes shared by
 several candidates are timed once. Round r of every GEMM was timed in the same sweep, so a
 candidate's round-r model time, L x (its layer GEMMs in round r) + its LM head in round r, is
-paired with every other candidate's round-r time: tuner.bench.paired_ratio_ci turns those
+paired with every other candidate's round-r time: tuner.measure.bench.paired_ratio_ci turns those
 pairs into a speedup with an interval that a drifting machine load cannot fake.
 
 What is left out, on purpose and said in the report: element-wise work (norms, activations,
@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tuner.bench import Progress
 from tuner.design.candidates import Candidate
 from tuner.errors import BadInput
-from tuner.probe import BACKENDS, GemmResult, GemmShape, model_gemms, pool_elements, probe
+from tuner.plan.probe import BACKENDS, GemmResult, GemmShape, model_gemms, pool_elements, probe
+from tuner.util.progress import Progress
 
 # Bytes of operands the CPU probe may hold at once. ORT keeps a prepacked copy of each weight,
 # so the process peaks near 3x this (125M searches: ~0.4 GiB of operands, 1.3-1.5 GB RSS).
@@ -97,7 +97,7 @@ def operand_bytes(shapes: list[GemmShape], element_bytes: int) -> int:
 def _memory_check(shapes: list[GemmShape], settings: MeasureSettings) -> None:
     if settings.backend == "ort-cpu":
         limit, need = CPU_MEMORY_LIMIT, operand_bytes(shapes, 4)
-    else:  # the GPU probe shares two buffers among all shapes (tuner.probe.pool_elements)
+    else:  # the GPU probe shares two buffers among all shapes (tuner.plan.probe.pool_elements)
         import torch
 
         limit = int(0.8 * torch.cuda.mem_get_info()[0])

@@ -2,7 +2,7 @@
 
 tokens/s = batch x seq / median(L x layer time + LM head time). Each shape's speedup over the
 baseline (the starting shape; without one, the slowest shape measured) is the median of paired
-per-round ratios with a bootstrap interval (tuner.bench.paired_ratio_ci). Neighbours in the
+per-round ratios with a bootstrap interval (tuner.measure.bench.paired_ratio_ci). Neighbours in the
 ranking are compared the same way: when their interval contains 1 the order between them is
 noise (or under `margin`, 1% by default: a difference too small to design a model for), and
 the row says so (`tied_with_next`); two runs are expected to agree on every order not marked.
@@ -13,10 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from tuner.bench import RatioCI, Stats, paired_ratio_ci, summarize
 from tuner.design.explain import explain
 from tuner.design.measure import MeasureSettings, ShapeCost
-from tuner.hardware import DeviceFacts
+from tuner.hardware.facts import DeviceFacts
+from tuner.measure.stats import RatioCI, Stats, paired_ratio_ci, summarize
 
 BaselineKind = Literal["start", "slowest"]
 

@@ -4,12 +4,11 @@ parameter count with the starting shape marked. Rendering only: no measuring her
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from tuner.design.rank import RankedShape, Ranking
+from tuner.util.files import atomic_write
 
 COLUMNS = ("#", "shape", "d", "v", "params", "tokens/s", "TFLOP/s", "forward ms [q1, q3]",
            "speedup [95% CI]", "")
@@ -140,19 +139,12 @@ def plot(ranking: Ranking, path: Path, target: int | None = None) -> None:
     plt.close(fig)
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 def write(ranking: Ranking, out_dir: Path, meta: dict[str, Any], top: int) -> dict[str, Path]:
     """design.json, design.md and design.png under out_dir; returns their paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"json": out_dir / "design.json", "markdown": out_dir / "design.md",
              "plot": out_dir / "design.png"}
-    _atomic_write(paths["json"], json.dumps({**meta, **ranking.to_json()}, indent=2) + "\n")
-    _atomic_write(paths["markdown"], markdown(ranking, meta, top))
+    atomic_write(paths["json"], json.dumps({**meta, **ranking.to_json()}, indent=2) + "\n")
+    atomic_write(paths["markdown"], markdown(ranking, meta, top))
     plot(ranking, paths["plot"], meta.get("target"))
     return paths

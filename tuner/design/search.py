@@ -11,14 +11,14 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from tuner.bench import Progress
 from tuner.design.candidates import SearchSpace, default_layers, enumerate_candidates
 from tuner.design.measure import MeasureSettings, measure
 from tuner.design.params import FAMILIES, FAMILY_FOR_FFN, DesignShape, Family, count_params
 from tuner.design.rank import Ranking, rank
 from tuner.errors import BadInput
-from tuner.hardware import DEVICES, DeviceFacts
-from tuner.probe import backend_unavailable, gpu_facts
+from tuner.hardware.facts import DEVICES, DeviceFacts
+from tuner.plan.probe import backend_unavailable, gpu_facts
+from tuner.util.progress import Progress
 
 DEFAULT_VOCAB = 50257
 # (batch, seq, rounds) per backend: the paper's setting on a GPU; on a CPU, small enough that a

@@ -18,7 +18,7 @@ import onnx_ir as ir
 
 from tuner.errors import BadInput
 from tuner.graph import attention as attn_mod
-from tuner.graph import fused
+from tuner.graph import ort_fused
 from tuner.graph.dims import Dims
 from tuner.graph.ffn import FfnMatch, find_ffns
 from tuner.graph.lm_head import Embedding, is_tied, lm_head, token_embedding
@@ -52,24 +52,21 @@ def _one(values: list[int]) -> int:
     return Counter(values).most_common(1)[0][0]
 
 
-def inspect_model(model: ir.Model, device: str = "cpu", tokens: int = 4096) -> ModelShape:
-    """Dimensions, sites and findings of a loaded model (see tuner.graph.load.load_model).
-    Nodes without a unique name are named first (in place), as load_model does.
+def inspect_model(model: ir.Model) -> ModelShape:
+    """Dimensions and sites of a loaded model (see tuner.graph.load.load_model): structure
+    only; the hardware rules a shape breaks are tuner.plan.findings.audited's. Nodes without a
+    unique name are named first (in place), as load_model does.
 
     Raises BadInput when the graph is not a transformer (no attention block found)."""
-    from tuner.hardware import device_facts
-    from tuner.rules import audit
-
-    facts = device_facts(device)
     name_nodes(model)  # idempotent; Sites need unique node names even for models not from load_model
     graph = model.graph
     lins = linears(graph)
     ffns = find_ffns(lins)
     emb = token_embedding(graph)
-    fusion = fused.scan(graph)
+    fusion = ort_fused.scan(graph)
     emb_weight = emb.weight if emb is not None else fusion.embedding
     dims = Dims(model)
-    attns = attn_mod.find_attention(graph, lins, dims) + fused.attention_blocks(graph, lins, dims)
+    attns = attn_mod.find_attention(graph, lins, dims) + ort_fused.attention_blocks(graph, lins, dims)
     attns.sort(key=lambda a: a.order)
     if not attns:
         what = f"{len(ffns)} feed-forward blocks but " if ffns else ""
@@ -93,7 +90,7 @@ def inspect_model(model: ir.Model, device: str = "cpu", tokens: int = 4096) -> M
     if not head_dim and heads and hidden:
         head_dim = hidden // heads
     activation = ffns[0].activation if ffns else fusion.activation
-    shape = ModelShape(
+    return ModelShape(
         num_layers=num_layers,
         hidden_size=hidden,
         num_heads=heads,
@@ -104,7 +101,7 @@ def inspect_model(model: ir.Model, device: str = "cpu", tokens: int = 4096) -> M
         vocab_size=head.out_dim if head is not None else None,
         activation=activation,
         kind="decoder" if head is not None else "encoder",
-        optimized=any(k.startswith(f"{fused.MS}.") and k not in fused.QUANTIZED
+        optimized=any(k.startswith(f"{ort_fused.MS}.") and k not in ort_fused.QUANTIZED
                       for k in fusion.fused_ops),
         fused_ops=fusion.fused_ops,
         sites=Sites(
@@ -115,10 +112,8 @@ def inspect_model(model: ir.Model, device: str = "cpu", tokens: int = 4096) -> M
             tied=tied,
         ),
     )
-    findings = audit(shape, facts, tokens)
-    return ModelShape(**{**shape.__dict__, "findings": findings})
 
 
-def inspect_path(path: str | os.PathLike, device: str = "cpu", tokens: int = 4096) -> ModelShape:
+def inspect_path(path: str | os.PathLike) -> ModelShape:
     """load_model + inspect_model."""
-    return inspect_model(load_model(path), device=device, tokens=tokens)
+    return inspect_model(load_model(path))

@@ -11,6 +11,7 @@ little memory.
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import onnx
@@ -45,6 +46,12 @@ def _external_entries(proto: onnx.ModelProto):
         for node in fn.node:
             yield from (t for t in _tensors_of_node(node)
                         if t.data_location == onnx.TensorProto.EXTERNAL)
+
+
+def external_locations(proto: onnx.ModelProto) -> list[str]:
+    """The external-data files a model names (relative locations, sorted, each once)."""
+    return sorted({e.value for t in _external_entries(proto) for e in t.external_data
+                   if e.key == "location"})
 
 
 def check_external_data(proto: onnx.ModelProto, model_dir: Path) -> None:
@@ -129,3 +136,33 @@ def name_nodes(model: ir.Model) -> None:
     exporters leave names empty or repeat them. Names already unique are kept, so the same
     file always loads with the same names."""
     NameFixPass(_Names())(model)
+
+
+# Models past this many bytes of weights are saved with external data (protobuf's 2 GB cap).
+EXTERNAL_DATA_BYTES = 1_500_000_000
+
+
+def save_model(model: ir.Model, dst: str | os.PathLike) -> Path:
+    """Write `model` to `dst` so that `dst` is either the old file or the complete new one.
+
+    Writes into a temporary folder beside `dst`, then renames (atomic on one file system);
+    a failure or Ctrl-C leaves no half-written file. Large models (and models read with
+    external data) get their weights in `dst.name + ".data"` beside it (renamed first, so the
+    .onnx never points at nothing)."""
+    dst = Path(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tensors = [v.const_value for v in model.graph.initializers.values() if v.const_value is not None]
+    # Weights still mapped from the source's external data must be copied into our own data
+    # file: a plain save would keep pointing at the source's file, relative to the new folder.
+    big = (sum(t.nbytes for t in tensors) > EXTERNAL_DATA_BYTES
+           or any(isinstance(t, ir.ExternalTensor) for t in tensors))
+    data_name = dst.name + ".data"
+    with tempfile.TemporaryDirectory(dir=dst.parent, prefix=f".{dst.name}.") as tmp:
+        tmp_path = Path(tmp) / dst.name
+        if big:
+            ir.save(model, tmp_path, external_data=data_name)
+            os.replace(Path(tmp) / data_name, dst.parent / data_name)
+        else:
+            ir.save(model, tmp_path)
+        os.replace(tmp_path, dst)
+    return dst

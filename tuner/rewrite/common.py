@@ -8,11 +8,8 @@ node that uses it, and only that node's input is rewired.
 
 from __future__ import annotations
 
-import os
 import re
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import onnx_ir as ir
@@ -22,9 +19,6 @@ from tuner.errors import RewriteRefused
 # constant is
 from tuner.graph.walk import const_tensor
 from tuner.graph.walk import source as source_through_identity  # noqa: F401 (re-exported)
-
-# Models whose weights pass this many bytes are saved with external data (protobuf's 2 GB cap).
-EXTERNAL_DATA_BYTES = 1_500_000_000
 
 
 def find_node(graph: ir.Graph, name: str) -> ir.Node:
@@ -249,29 +243,3 @@ def remove_unused(model: ir.Model) -> None:
     graph = model.graph
     for name in [n for n, v in graph.initializers.items() if not v.uses() and not v.is_graph_output()]:
         graph.initializers.pop(name)
-
-
-def save_atomic(model: ir.Model, dst: str | os.PathLike) -> Path:
-    """Write `model` to `dst` so that `dst` is either the old file or the complete new one.
-
-    Writes into a temporary folder beside `dst`, then renames (atomic on one file system);
-    a failure or Ctrl-C leaves no half-written file. Large models (and models read with
-    external data) get their weights in `dst.name + ".data"` beside it (renamed first, so the
-    .onnx never points at nothing)."""
-    dst = Path(dst)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tensors = [v.const_value for v in model.graph.initializers.values() if v.const_value is not None]
-    # Weights still mapped from the source's external data must be copied into our own data
-    # file: a plain save would keep pointing at the source's file, relative to the new folder.
-    big = (sum(t.nbytes for t in tensors) > EXTERNAL_DATA_BYTES
-           or any(isinstance(t, ir.ExternalTensor) for t in tensors))
-    data_name = dst.name + ".data"
-    with tempfile.TemporaryDirectory(dir=dst.parent, prefix=f".{dst.name}.") as tmp:
-        tmp_path = Path(tmp) / dst.name
-        if big:
-            ir.save(model, tmp_path, external_data=data_name)
-            os.replace(Path(tmp) / data_name, dst.parent / data_name)
-        else:
-            ir.save(model, tmp_path)
-        os.replace(tmp_path, dst)
-    return dst

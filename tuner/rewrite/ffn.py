@@ -5,7 +5,7 @@ projection zero input rows: each extra unit computes act(0) (or act(0) * 0 when 
 finite number that meets a zero row and adds nothing. Between the projections the widened
 tensor may pass through activations, bias Adds, casts, Reshapes whose shape constants spell f
 (TorchScript's Gemm form reshapes to (B, S, f)) and the Slice/Split that cuts a fused gate+up
-projection in halves (Phi-3; bounds constant or computed from the shape); tuner.rewrite.axis
+projection in halves (Phi-3; bounds constant or computed from the shape); tuner.rewrite.axis.engine
 carries the widened axis through them and refuses, naming the node, whatever else it meets.
 
 Fused gate+up projections (one weight of 2f output columns) are padded per half, so that each

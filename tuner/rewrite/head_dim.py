@@ -2,7 +2,7 @@
 
 Per head, Q/K/V projections get zero output columns and the output projection zero input
 rows; from the projections to the attention core, every Reshape/Split/Slice/Expand constant
-that encodes d (or heads * d) moves with it (tuner.rewrite.axis carries the widened axis and
+that encodes d (or heads * d) moves with it (tuner.rewrite.axis.engine carries the widened axis and
 refuses what it does not understand). Details that make it exact:
 
 - Full rotary (Llama): rotate_half pairs dim i with i + d/2, so each half of the head is
@@ -14,7 +14,7 @@ refuses what it does not understand). Details that make it exact:
   Falcon's kv groups [q.. k v]) is padded alike, so the block order never matters; grouped-
   query attention pads kv heads by their count.
 - q/k norms over the head dim (Gemma 3's RMSNorm, Phi's LayerNorm) run on the original
-  entries (tuner.rewrite.axis_reduce), so their statistics do not see the padding.
+  entries (tuner.rewrite.axis.reduce), so their statistics do not see the padding.
 - The softmax scale stays 1/sqrt(d): a scale computed from the query's shape at run time
   (TorchScript) is pinned to the constant it evaluated to; constant scales are kept.
 - ONNX's Attention op (opset 23) gets its scale attribute written (its default would be
@@ -30,7 +30,7 @@ import onnx_ir as ir
 from tuner.errors import RewriteRefused
 from tuner.graph.shape import AttentionSite, ModelShape
 from tuner.rewrite.axis import Track, Widen, identity, scatter
-from tuner.rewrite.axis_reshape import entries
+from tuner.rewrite.axis.reshape import entries
 from tuner.rewrite.common import (Projection, const_array, new_initializer, projection,
                                   widen_inputs, widen_outputs)
 

@@ -3,7 +3,7 @@
 The new heads are all zeros: zero Q/K/V columns give them zero queries, keys and values, so
 each new head attends uniformly to zero vectors and outputs zeros; zero output-projection rows
 make sure they add nothing in any case. Every Reshape that splits (.., a*d) into (.., a, d)
-or merges it back gets a' (tuner.rewrite.axis carries the heads axis through transposes, the
+or merges it back gets a' (tuner.rewrite.axis.engine carries the heads axis through transposes, the
 scores and the softmax, which runs over keys, not heads).
 
 Grouped-query attention (kv heads < heads): head h reads kv head h // (a/kv), so the new
@@ -19,7 +19,7 @@ import onnx_ir as ir
 from tuner.errors import RewriteRefused
 from tuner.graph.shape import AttentionSite, ModelShape
 from tuner.rewrite.axis import Track, Widen
-from tuner.rewrite.axis_reshape import entries
+from tuner.rewrite.axis.reshape import entries
 from tuner.rewrite.common import projection, widen_inputs, widen_outputs
 from tuner.rewrite.head_dim import neox_layout, output_rank
 

@@ -14,8 +14,8 @@ import onnx_ir as ir
 
 from tuner.errors import RewriteRefused
 from tuner.graph.shape import Sites
-from tuner.rewrite.common import (clear_shapes, const_array, new_initializer,
-                                  pad_axis, projection, set_const_input, source_through_identity)
+from tuner.rewrite.common import (clear_shapes, const_array, new_initializer, pad_axis, projection,
+                                  set_const_input, source_through_identity)
 
 
 def _weight_chain(node: ir.Node, index: int) -> tuple[ir.Value, list[ir.Value], bool]:

@@ -29,8 +29,12 @@ class SessionSettings:
 
 
 class Runner(Protocol):
-    """Runs one loaded model. `infer` takes and returns numpy arrays keyed by graph names."""
+    """Runs one loaded model. `infer` takes and returns numpy arrays keyed by graph names;
+    `close` releases the session (its weights and arenas) now rather than at garbage
+    collection, so that a job holds one model at a time where it can."""
 
     name: str
 
     def infer(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]: ...
+
+    def close(self) -> None: ...

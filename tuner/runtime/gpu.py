@@ -24,6 +24,7 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 
 from tuner.errors import BadInput
+from tuner.graph.io import model_files
 
 CUDA_EP = "CUDAExecutionProvider"
 TRT_EP = "TensorrtExecutionProvider"
@@ -42,7 +43,7 @@ def _ort_providers() -> list[str]:
 def gpu_reason() -> str | None:
     """None when the CUDA driver sees an NVIDIA GPU, else why not (with ORT's provider list,
     since that list is what misleads people into thinking the GPU is there)."""
-    from tuner.device import gpu_count
+    from tuner.hardware.detect import gpu_count
 
     n, why = gpu_count()
     if n > 0:
@@ -152,7 +153,7 @@ def check_buckets(shapes: Iterable[Sequence[int]] | None) -> list[tuple[int, int
 def bucket_shape(name: str, dims: Sequence[int | str | None], batch: int, seq: int,
                  *, dynamic_value: int | None = None) -> tuple[int, ...]:
     """The concrete shape of one input at a bucket: the first dynamic axis is the batch, the
-    second the sequence (tuner.feeds uses the same rule); fixed axes stay. With
+    second the sequence (tuner.gate.feeds uses the same rule); fixed axes stay. With
     `dynamic_value`, every dynamic axis gets that value instead (a profile's minimum)."""
     out, dynamic = [], [batch, seq]
     for i, d in enumerate(dims):
@@ -170,7 +171,7 @@ def bucket_shape(name: str, dims: Sequence[int | str | None], batch: int, seq: i
 def profiles_for(specs: Sequence, buckets: Sequence[tuple[int, int]]) -> list[dict[str, ShapeRange]]:
     """One optimisation profile per bucket: opt = max = the bucket's shape (the kernels are
     chosen for exactly the shape the server pads to), min = 1 on every dynamic axis (so any
-    smaller request still fits). `specs`: objects with `name` and `dims` (tuner.feeds.InputSpec)."""
+    smaller request still fits). `specs`: objects with `name` and `dims` (tuner.gate.feeds.InputSpec)."""
     if not buckets:
         raise BadInput("TensorRT needs at least one (batch, seq) bucket for its profiles")
     profiles = []
@@ -208,21 +209,6 @@ def pick_profile(profiles: Sequence[Mapping[str, ShapeRange]],
 # Caches
 
 
-def model_files(model_path: Path) -> list[Path]:
-    """The .onnx file and the external-data files it names, in a stable order. The locations
-    are checked first (inside the model's folder, present, long enough): a crafted entry must
-    not make us read /dev/zero or a file elsewhere on the machine."""
-    import onnx
-
-    from tuner.graph.load import _external_entries, check_external_data
-
-    proto = onnx.load(str(model_path), load_external_data=False)
-    check_external_data(proto, model_path.parent)
-    locations = sorted({e.value for t in _external_entries(proto) for e in t.external_data
-                        if e.key == "location"})
-    return [model_path] + [model_path.parent / loc for loc in locations]
-
-
 def cache_key(model_path: Path, **extra) -> str:
     """A key that changes when the model's bytes (graph and weights) or `extra` change."""
     h = hashlib.sha256()
@@ -233,18 +219,6 @@ def cache_key(model_path: Path, **extra) -> str:
                 h.update(chunk)
     h.update(json.dumps(extra, sort_keys=True, default=str).encode())
     return h.hexdigest()[:16]
-
-
-def atomic_write(path: Path, data: bytes | memoryview) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 _TMP_DIRS: list[tempfile.TemporaryDirectory] = []

@@ -1,4 +1,5 @@
-"""Registers the GPU backends with tuner.runtime.registry (imported at the end of it).
+"""The GPU backends (ort-cuda, ort-cuda-fp16, ort-trt, trt, trt-fp16); tuner.runtime.registry
+lists them after the CPU.
 
 Nothing GPU-specific is imported here: each backend's check says, cheaply and once per
 process, why it cannot run on this machine, and its loader imports its runtime only when
@@ -10,9 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
+from tuner.runtime.backend import Backend
 from tuner.runtime.base import Runner, SessionSettings
 from tuner.runtime.gpu import CUDA_EP, TRT_EP, ep_reason, gpu_reason
-from tuner.runtime.registry import Backend, register
 
 
 def _ort_cuda_check() -> str | None:
@@ -70,6 +71,3 @@ GPU_BACKENDS = (
     Backend("trt-fp16", "TensorRT on the fp16 copy of the variant", _trt_check, _trt(True),
             precision="fp16"),
 )
-
-for _b in GPU_BACKENDS:
-    register(_b)

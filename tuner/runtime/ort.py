@@ -8,7 +8,8 @@ from typing import Mapping
 
 import numpy as np
 
-from tuner.runtime.base import SessionSettings
+from tuner.runtime.backend import Backend
+from tuner.runtime.base import Runner, SessionSettings
 
 _LEVELS = {"disable": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC",
            "extended": "ORT_ENABLE_EXTENDED", "all": "ORT_ENABLE_ALL"}
@@ -47,3 +48,22 @@ class OrtRunner:
     def infer(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         outs = self.session.run(self.output_names, dict(feeds))
         return dict(zip(self.output_names, outs))
+
+    def close(self) -> None:
+        self.session = None
+
+
+def _ort_cpu_check() -> str | None:
+    try:
+        import onnxruntime  # noqa: F401
+    except ImportError as e:  # pragma: no cover - a dependency of the package
+        return f"onnxruntime is not importable ({e})"
+    return None
+
+
+def _ort_cpu_load(path: Path, settings: SessionSettings, shapes, cache_dir) -> Runner:
+    return OrtRunner(load_cpu(path, settings), name="ort-cpu")
+
+
+CPU_BACKEND = Backend("ort-cpu", "ONNX Runtime, CPU execution provider", _ort_cpu_check,
+                      _ort_cpu_load)

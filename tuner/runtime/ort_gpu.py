@@ -58,8 +58,8 @@ class CudaOptions:
 
 
 def input_specs(session) -> list:
-    """tuner.feeds.InputSpec for every input of an ORT session."""
-    from tuner.feeds import InputSpec
+    """tuner.gate.feeds.InputSpec for every input of an ORT session."""
+    from tuner.gate.feeds import InputSpec
 
     return [InputSpec(i.name, _ORT_TYPES.get(i.type, "float32"), tuple(i.shape))
             for i in session.get_inputs()]
@@ -67,7 +67,7 @@ def input_specs(session) -> list:
 
 def dummy_feed(specs: Sequence, batch: int, seq: int) -> dict[str, np.ndarray]:
     """Valid inputs at one bucket (token id 0, a padded mask) for warm-up and capture."""
-    from tuner.feeds import make_feed
+    from tuner.gate.feeds import make_feed
 
     return make_feed(specs, 1, batch, seq, np.random.default_rng(0))
 
@@ -119,6 +119,9 @@ class IoBindingRunner:
         self.session.run_with_iobinding(io, self._run_options)
         io.synchronize_outputs()
         return dict(zip(self.output_names, io.copy_outputs_to_cpu()))
+
+    def close(self) -> None:
+        self.session = None
 
 
 class _Graph:
@@ -187,6 +190,11 @@ class CudaGraphRunner:
                 graph.run(feed)
             self._graphs[_shape_key(feed)] = graph
         self.info = dict(info or {}, cuda_graph=True, graphs=len(self._graphs))
+
+    def close(self) -> None:
+        self._graphs.clear()
+        self._plain.close()
+        self.session = None
 
     def infer(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         graph = self._graphs.get(_shape_key(feeds))

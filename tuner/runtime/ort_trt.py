@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from tuner.runtime.base import SessionSettings
-from tuner.runtime.gpu import (CUDA_EP, TRT_EP, ShapeRange, cache_key, check_buckets,
-                               profiles_for, work_dir)
+from tuner.runtime.gpu import (CUDA_EP, TRT_EP, ShapeRange, cache_key, check_buckets, profiles_for,
+                               work_dir)
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,7 @@ def load_ort_trt(model_path: Path, settings: SessionSettings,
                  options: TrtEpOptions = TrtEpOptions()):
     """The `ort-trt` loader (tuner.runtime.registry.Loader signature). Without buckets the EP
     builds engines for the shapes it meets at run time (and rebuilds when they grow)."""
-    from tuner.feeds import input_specs
+    from tuner.gate.feeds import input_specs
     from tuner.runtime.ort_gpu import IoBindingRunner, dummy_feed, make_session
 
     model_path = Path(model_path)

@@ -3,69 +3,21 @@
     get_backend("ort-cpu").load(path, settings)          # always works
     resolve("auto")  -> (backends that can run here, one line per backend skipped and why)
 
-GPU backends register here too; each says in `available()` why it cannot run on this machine
+The list is explicit (CPU, then gpu_backends.GPU_BACKENDS); each backend says in `available()` why it cannot run on this machine
 (no GPU, library missing), so asking for one explicitly is a clear BadInput (exit 2) and
 `auto` skips it with a line in the report.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Callable, Sequence
-
 from tuner.errors import BadInput
-from tuner.runtime.base import Runner, SessionSettings
+from tuner.runtime.backend import Backend
+from tuner.runtime.gpu_backends import GPU_BACKENDS
+from tuner.runtime.ort import CPU_BACKEND
 
-# load(model_path, settings, shapes, cache_dir) -> Runner. `shapes` are the (batch, seq)
-# bucket shapes the runner will see (TensorRT builds one optimisation profile per bucket);
-# `cache_dir` is where engines and timing caches may be kept (inside the artifact).
-Loader = Callable[[Path, SessionSettings, Sequence[tuple[int, int]] | None, Path | None], Runner]
-
-
-@dataclass(frozen=True)
-class Backend:
-    name: str
-    description: str
-    check: Callable[[], str | None]  # None when usable here, else the reason it is not
-    loader: Loader
-    precision: str = "fp32"  # "fp16": outputs must be judged at fp16 tolerances
-
-    def available(self) -> tuple[bool, str]:
-        reason = self.check()
-        return (reason is None, reason or "available")
-
-    def load(self, model_path: str | Path, settings: SessionSettings = SessionSettings(),
-             shapes: Sequence[tuple[int, int]] | None = None,
-             cache_dir: Path | None = None) -> Runner:
-        reason = self.check()
-        if reason is not None:
-            raise BadInput(f"backend {self.name} cannot run here: {reason}")
-        return self.loader(Path(model_path), settings, shapes, cache_dir)
-
-
-def _ort_cpu_check() -> str | None:
-    try:
-        import onnxruntime  # noqa: F401
-    except ImportError as e:  # pragma: no cover - a dependency of the package
-        return f"onnxruntime is not importable ({e})"
-    return None
-
-
-def _ort_cpu_load(path: Path, settings: SessionSettings, shapes, cache_dir) -> Runner:
-    from tuner.runtime.ort import OrtRunner, load_cpu
-
-    return OrtRunner(load_cpu(path, settings), name="ort-cpu")
-
-
-_BACKENDS: dict[str, Backend] = {}
-
-
-def register(backend: Backend) -> None:
-    _BACKENDS[backend.name] = backend
-
-
-register(Backend("ort-cpu", "ONNX Runtime, CPU execution provider", _ort_cpu_check, _ort_cpu_load))
+# Every backend, in the order `auto` tries them: the CPU first (it always works), then the
+# GPU ones, each of which says in its check why it cannot run on this machine.
+_BACKENDS: dict[str, Backend] = {b.name: b for b in (CPU_BACKEND, *GPU_BACKENDS)}
 
 
 def names() -> list[str]:
@@ -98,7 +50,3 @@ def resolve(spec: str) -> tuple[list[Backend], list[str]]:
     if not chosen:
         raise BadInput("no backend given")
     return chosen, []
-
-
-# GPU backends (ort-cuda, ort-cuda-fp16, ort-trt, trt, trt-fp16) register themselves.
-from tuner.runtime import gpu_backends  # noqa: E402,F401

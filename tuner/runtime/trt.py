@@ -30,8 +30,9 @@ import numpy as np
 
 from tuner.errors import BadInput
 from tuner.runtime.base import SessionSettings
-from tuner.runtime.gpu import (ShapeRange, atomic_write, cache_key, check_buckets, fp16_model,
-                               pick_profile, profiles_for, work_dir)
+from tuner.runtime.gpu import (ShapeRange, cache_key, check_buckets, fp16_model, pick_profile,
+                               profiles_for, work_dir)
+from tuner.util.files import atomic_write
 
 TIMING_CACHE = "timing.cache"
 ENGINE_SUFFIX = ".engine"
@@ -184,6 +185,10 @@ class TrtRunner:
             self._buffers[key] = bufs
         return self._buffers[key]
 
+    def close(self) -> None:
+        self._buffers.clear()
+        self.context = self.engine = None
+
     def infer(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         missing = [n for n in self.input_names if n not in feeds]
         if missing:
@@ -222,8 +227,8 @@ def load_trt(model_path: Path, settings: SessionSettings,
     engine when there is one for exactly these profiles, else build and save it."""
     import tensorrt as trt
 
-    from tuner.device import detect
-    from tuner.feeds import input_specs
+    from tuner.gate.feeds import input_specs
+    from tuner.hardware.detect import detect
 
     name = "trt-fp16" if fp16 else "trt"
     source = fp16_model(Path(model_path), cache_dir) if fp16 else Path(model_path)

@@ -1,0 +1,188 @@
+"""The gRPC servicer: convert the request, delegate to the engine, convert back. Every error
+leaves through serving.wire.protocol.status_for, so no exception ever reaches grpc unmapped."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+
+import grpc
+
+import serving
+from serving.datatypes import triton_type
+from serving.engine import Engine
+from serving.errors import NotFound, ServingError, Unavailable
+from serving.wire import protocol
+from serving.wire._generated import inference_pb2 as pb
+from serving.wire._generated import inference_pb2_grpc as pb_grpc
+
+log = logging.getLogger("serving")
+
+SERVER_NAME = "shapetuner"
+EXTENSIONS = ("model_configuration", "statistics")
+PLATFORM = "onnxruntime_onnx"
+
+
+@dataclass
+class Slot:
+    """The one model this server serves: its name from the start, its engine once it is
+    loaded and has passed (or failed over from) the accuracy gate."""
+
+    name: str
+    engine: Engine | None = None
+    status: str = "loading and checking accuracy"
+    draining: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def ready(self) -> bool:
+        return self.engine is not None and not self.draining
+
+
+def _unknown(name: str) -> NotFound:
+    return NotFound(f"Request for unknown model: '{name}' is not found")
+
+
+class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
+    def __init__(self, slot: Slot) -> None:
+        self.slot = slot
+
+    # --------------------------------------------------------------------------- helpers
+
+    def _engine(self, name: str, version: str) -> Engine:
+        if name != self.slot.name:
+            raise _unknown(name)
+        if version not in ("", "1"):
+            raise NotFound(f"Request for unknown model: '{name}' version {version} is not found")
+        engine = self.slot.engine
+        if engine is None:
+            raise Unavailable(f"model '{name}' is not ready: {self.slot.status}")
+        return engine
+
+    @staticmethod
+    def _abort(context: grpc.ServicerContext, error: Exception):
+        code, message = protocol.status_for(error)
+        if code == grpc.StatusCode.INTERNAL:
+            log.error("internal error answering a request", exc_info=error)
+        context.abort(code, message)
+
+    # ---------------------------------------------------------------------------- health
+
+    def ServerLive(self, request, context):
+        return pb.ServerLiveResponse(live=True)
+
+    def ServerReady(self, request, context):
+        return pb.ServerReadyResponse(ready=self.slot.ready())
+
+    def ModelReady(self, request, context):
+        ok = request.name == self.slot.name and request.version in ("", "1") and self.slot.ready()
+        return pb.ModelReadyResponse(ready=ok)
+
+    def ServerMetadata(self, request, context):
+        return pb.ServerMetadataResponse(name=SERVER_NAME, version=serving.__version__,
+                                         extensions=EXTENSIONS)
+
+    # ------------------------------------------------------------------------- metadata
+
+    def ModelMetadata(self, request, context):
+        try:
+            engine = self._engine(request.name, request.version)
+        except Exception as e:  # noqa: BLE001
+            return self._abort(context, e)
+        sig = engine.model.signature
+        meta = pb.ModelMetadataResponse(name=engine.name, versions=[engine.version],
+                                        platform=PLATFORM)
+        for spec in sig.inputs:
+            meta.inputs.add(name=spec.name, datatype=spec.datatype, shape=spec.shape)
+        for spec in sig.outputs:
+            meta.outputs.add(name=spec.name, datatype=spec.datatype, shape=spec.shape)
+        return meta
+
+    def ModelConfig(self, request, context):
+        try:
+            engine = self._engine(request.name, request.version)
+        except Exception as e:  # noqa: BLE001
+            return self._abort(context, e)
+        return pb.ModelConfigResponse(config=model_config(engine))
+
+    def ModelStatistics(self, request, context):
+        try:
+            engines = ([self._engine(request.name, request.version)] if request.name
+                       else [e for e in [self.slot.engine] if e is not None])
+        except Exception as e:  # noqa: BLE001
+            return self._abort(context, e)
+        return pb.ModelStatisticsResponse(model_stats=[model_statistics(e) for e in engines])
+
+    # ------------------------------------------------------------------------- inference
+
+    def _infer(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
+        engine = self._engine(request.model_name, request.model_version)
+        feeds = protocol.decode_inputs(request)
+        outputs, _ = engine.infer(feeds, protocol.requested_outputs(request))
+        return protocol.encode_response(engine.name, engine.version, request.id, outputs,
+                                        list(outputs))
+
+    def ModelInfer(self, request, context):
+        try:
+            return self._infer(request)
+        except Exception as e:  # noqa: BLE001 - mapped to a status; the server lives on
+            return self._abort(context, e)
+
+    def ModelStreamInfer(self, request_iterator, context):
+        """Triton's streaming extension: one response per request, in order; a failed request
+        answers with `error_message` and the stream goes on."""
+        for request in request_iterator:
+            try:
+                yield pb.ModelStreamInferResponse(infer_response=self._infer(request))
+            except Exception as e:  # noqa: BLE001
+                code, message = protocol.status_for(e)
+                if not isinstance(e, ServingError):
+                    log.error("internal error answering a stream request", exc_info=e)
+                yield pb.ModelStreamInferResponse(error_message=message)
+
+
+def model_config(engine: Engine) -> pb.ModelConfig:
+    """Triton's model configuration for the served model (what perf_analyzer reads)."""
+    sig = engine.model.signature
+    batching = all(s.shape and s.shape[0] == -1 for s in sig.inputs)
+    cut = 1 if batching else 0  # with max_batch_size > 0 the batch axis is left out of dims
+    config = pb.ModelConfig(name=engine.name, platform=PLATFORM, backend="onnxruntime",
+                            max_batch_size=engine.max_batch if batching else 0)
+    for spec in sig.inputs:
+        config.input.add(name=spec.name, data_type=triton_type(spec.datatype),
+                         dims=spec.shape[cut:])
+    for spec in sig.outputs:
+        config.output.add(name=spec.name, data_type=triton_type(spec.datatype),
+                          dims=spec.shape[cut:])
+    if batching:
+        config.dynamic_batching.preferred_batch_size.extend(
+            b for b in engine.model.buckets.batch if b <= engine.join_rows)
+        config.dynamic_batching.max_queue_delay_microseconds = int(
+            engine.options.max_queue_delay_ms * 1e3)
+    config.instance_group.add(name=engine.name, kind="KIND_CPU", count=engine.options.workers)
+    config.parameters["served_variant"].string_value = engine.model.served
+    config.parameters["sequence_buckets"].string_value = ",".join(
+        str(s) for s in engine.model.buckets.seq)
+    config.parameters["runtime_backend"].string_value = engine.model.backend
+    config.parameters["pad_to"].string_value = engine.pad_to
+    return config
+
+
+def model_statistics(engine: Engine) -> pb.ModelStatistics:
+    s = engine.stats
+    with s.lock:
+        n = s.success.count
+        stats = pb.ModelStatistics(
+            name=engine.name, version=engine.version, last_inference=s.last_inference_ms,
+            inference_count=s.inference_count, execution_count=s.execution_count)
+        inf = stats.inference_stats
+        inf.success.count, inf.success.ns = n, s.success.ns
+        inf.fail.count, inf.fail.ns = s.fail.count, s.fail.ns
+        inf.queue.count, inf.queue.ns = s.queue.count, s.queue.ns
+        inf.compute_infer.count, inf.compute_infer.ns = s.compute_infer.count, s.compute_infer.ns
+        inf.compute_input.count = inf.compute_output.count = n  # not measured apart: 0 ns
+        for rows, d in sorted(s.batches.items()):
+            b = stats.batch_stats.add(batch_size=rows)
+            b.compute_infer.count, b.compute_infer.ns = d.count, d.ns
+            b.compute_input.count = b.compute_output.count = d.count
+    return stats

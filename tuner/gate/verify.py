@@ -1,0 +1,193 @@
+"""The accuracy gate: run a reference and a candidate on the same feeds, compare every output.
+
+    result = verify(ref_runner, cand_runner, feeds, Tolerance())   # truthy when it passes
+    result.print()
+
+Per output it reports the max absolute and relative error, the cosine similarity and, for
+float outputs of rank >= 2 (logits), the top-1 agreement over the last axis. Positions where
+the feed's attention mask is 0 are padding, whose values no one reads: they are left out of
+the comparison (for outputs whose leading axes are (batch, seq)). An element passes when
+|cand - ref| <= atol + rtol * |ref| (numpy's allclose, Polygraphy's --atol/--rtol).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+
+from tuner.graph.io import mask_in
+from tuner.runtime.base import Runner
+
+# (output name, reference array, candidate array) -> passes
+TolerancePolicy = Callable[[str, np.ndarray, np.ndarray], bool]
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """Elementwise |cand - ref| <= atol + rtol * |ref|; `per_output` overrides by name."""
+
+    atol: float = 1e-4
+    rtol: float = 1e-3
+    per_output: tuple[tuple[str, float, float], ...] = ()  # (name, atol, rtol)
+
+    def __post_init__(self) -> None:
+        for name, a, r in ((None, self.atol, self.rtol), *self.per_output):
+            if not (a >= 0 and r >= 0) or not np.isfinite(a) or not np.isfinite(r):
+                raise ValueError(f"tolerances must be finite and >= 0, not atol={a} rtol={r}"
+                                 + (f" for output {name!r}" if name else ""))
+
+    @classmethod
+    def fp16(cls) -> "Tolerance":
+        """Half precision: about three significant digits."""
+        return cls(atol=1e-2, rtol=1e-2)
+
+    def limits(self, name: str) -> tuple[float, float]:
+        for n, a, r in self.per_output:
+            if n == name:
+                return a, r
+        return self.atol, self.rtol
+
+    def __call__(self, name: str, ref: np.ndarray, cand: np.ndarray) -> bool:
+        atol, rtol = self.limits(name)
+        return bool(np.all(np.abs(cand - ref) <= atol + rtol * np.abs(ref)))
+
+
+@dataclass(frozen=True)
+class OutputReport:
+    """The comparison of one output over all feeds."""
+
+    name: str
+    passed: bool
+    max_abs: float
+    max_rel: float
+    cosine: float  # the lowest over the feeds
+    top1: float | None  # agreement of the argmax over the last axis, None when not meaningful
+    compared: int  # elements compared (padding excluded)
+    reason: str = ""  # why it failed, when not by tolerance alone
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """Truthy when every output passed. `table()` renders it; `to_json()` is for manifests."""
+
+    outputs: tuple[OutputReport, ...]
+    feeds: int
+    tolerance: str
+    errors: tuple[str, ...] = field(default=())
+
+    @property
+    def passed(self) -> bool:
+        return not self.errors and bool(self.outputs) and all(o.passed for o in self.outputs)
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    def table(self) -> str:
+        head = f"{'output':24s} {'max abs':>10s} {'max rel':>10s} {'cosine':>10s} {'top-1':>7s} " \
+               f"{'compared':>9s}  result"
+        lines = [f"accuracy over {self.feeds} feed(s), tolerance {self.tolerance}", head]
+        for o in self.outputs:
+            top1 = f"{o.top1:7.2%}" if o.top1 is not None else f"{'-':>7s}"
+            verdict = "pass" if o.passed else "FAIL" + (f" ({o.reason})" if o.reason else "")
+            # nothing compared (missing output, other shape): errors of 0 and a cosine of 1
+            # would read as a perfect match, so print dashes
+            stats = (f"{o.max_abs:10.3g} {o.max_rel:10.3g} {o.cosine:10.6f}" if o.compared
+                     else f"{'-':>10s} {'-':>10s} {'-':>10s}")
+            lines.append(f"{o.name[:24]:24s} {stats} {top1} {o.compared:9d}  {verdict}")
+        lines.extend(f"error: {e}" for e in self.errors)
+        lines.append("PASS" if self.passed else "FAIL")
+        return "\n".join(lines)
+
+    def print(self) -> None:
+        print(self.table())
+
+    def to_json(self) -> dict:
+        return {"passed": self.passed, "feeds": self.feeds, "tolerance": self.tolerance,
+                "errors": list(self.errors), "outputs": [asdict(o) for o in self.outputs]}
+
+
+def _valid_positions(arr: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
+    """A boolean array over `arr` that is False where the attention mask marks padding."""
+    if mask is None or arr.ndim < 2 or arr.shape[:2] != mask.shape:
+        return np.ones(arr.shape, dtype=bool)
+    keep = mask.astype(bool).reshape(mask.shape + (1,) * (arr.ndim - 2))
+    return np.broadcast_to(keep, arr.shape)
+
+
+class _Acc:
+    """Running statistics for one output."""
+
+    def __init__(self) -> None:
+        self.max_abs = self.max_rel = 0.0
+        self.cosine = 1.0
+        self.agree = self.rows = self.compared = 0
+        self.passed, self.reason, self.top1 = True, "", False
+
+
+def _compare(acc: _Acc, name: str, ref: np.ndarray, cand: np.ndarray, mask, policy) -> None:
+    if ref.shape != cand.shape or ref.dtype != cand.dtype:
+        acc.passed = False
+        acc.reason = f"shape/dtype {cand.shape} {cand.dtype} != {ref.shape} {ref.dtype}"
+        return
+    keep = _valid_positions(ref, mask)
+    r = ref[keep].astype(np.float64)
+    c = cand[keep].astype(np.float64)
+    acc.compared += r.size
+    if r.size == 0:
+        return
+    bad_nan = np.isnan(r) != np.isnan(c)
+    if bad_nan.any():
+        acc.passed, acc.reason = False, "NaN where the reference has none (or the reverse)"
+    fin = np.isfinite(r) & np.isfinite(c)
+    diff = np.abs(r[fin] - c[fin])
+    if diff.size:
+        acc.max_abs = max(acc.max_abs, float(diff.max()))
+        acc.max_rel = max(acc.max_rel, float((diff / np.maximum(np.abs(r[fin]), 1e-12)).max()))
+        denom = np.linalg.norm(r[fin]) * np.linalg.norm(c[fin])
+        cos = float(r[fin] @ c[fin] / denom) if denom > 0 else float(np.array_equal(r[fin], c[fin]))
+        acc.cosine = min(acc.cosine, cos)
+    if not policy(name, ref[keep], cand[keep]):
+        acc.passed = False
+    if ref.dtype.kind == "f" and ref.ndim >= 2 and ref.shape[-1] > 1:
+        rows = keep[..., 0]
+        acc.top1 = True
+        acc.agree += int((ref.argmax(-1)[rows] == cand.argmax(-1)[rows]).sum())
+        acc.rows += int(rows.sum())
+
+
+def verify(reference: Runner, candidate: Runner, feeds: Sequence[Mapping[str, np.ndarray]],
+           tolerance: Tolerance | TolerancePolicy = Tolerance()) -> VerifyResult:
+    """Run both runners on every feed and compare every output of the reference."""
+    policy = tolerance
+    label = (f"atol={tolerance.atol:g} rtol={tolerance.rtol:g}" if isinstance(tolerance, Tolerance)
+             else getattr(tolerance, "__name__", "custom"))
+    accs: dict[str, _Acc] = {}
+    errors: list[str] = []
+    for i, feed in enumerate(feeds):
+        shapes = {k: tuple(v.shape) for k, v in feed.items()}
+        try:
+            ref_out = reference.infer(feed)
+        except Exception as e:  # noqa: BLE001 - nothing to compare against: the gate fails
+            errors.append(f"feed {i} {shapes}: the reference failed to run: {type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}")
+            continue
+        try:
+            cand_out = candidate.infer(feed)
+        except Exception as e:  # noqa: BLE001 - a candidate that cannot run fails the gate
+            errors.append(f"feed {i} {shapes}: candidate failed to run: {type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}")
+            continue
+        mask = mask_in(feed)
+        for name, ref in ref_out.items():
+            acc = accs.setdefault(name, _Acc())
+            if name not in cand_out:
+                acc.passed, acc.reason = False, "missing in the candidate"
+                continue
+            _compare(acc, name, np.asarray(ref), np.asarray(cand_out[name]), mask, policy)
+    reports = tuple(
+        OutputReport(name, a.passed, a.max_abs, a.max_rel, a.cosine,
+                     (a.agree / a.rows if a.rows else 1.0) if a.top1 else None, a.compared, a.reason)
+        for name, a in accs.items())
+    return VerifyResult(reports, len(feeds), label, tuple(errors))

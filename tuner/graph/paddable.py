@@ -1,0 +1,51 @@
+"""The dimensions an exact rewrite can pad, in one table, and the record of one rewrite.
+
+A new padded dimension is a row here (its transform kind, the ModelShape / PadRequest field it
+changes, the GEMMs of the probe it moves), its rewrite module, and that module's test.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Paddable:
+    """One dimension an exact rewrite can pad."""
+
+    kind: str  # the Transform kind, and the name's prefix of a variant ("ffn-640")
+    field: str  # the tuner.graph.shape.ModelShape field, and the PadRequest field
+    gemms: tuple[str, ...]  # the GEMM labels of tuner.plan.probe.model_gemms it changes
+
+
+PADDABLE = (
+    Paddable("ffn", "ffn_size", ("up", "gate", "down")),
+    Paddable("vocab", "vocab_size", ("lm_head",)),
+    Paddable("head_dim", "head_dim", ("qkv", "scores", "context", "out")),
+    Paddable("heads", "num_heads", ("qkv", "scores", "context", "out")),
+)
+BY_KIND = {d.kind: d for d in PADDABLE}
+# Every Transform kind, in the order a variant's name lists them: the paddable ones, the hidden
+# size (never padded exactly; advice only) and ONNX Runtime's fusions.
+KINDS = (*BY_KIND, "hidden", "fuse")
+
+
+@dataclass(frozen=True)
+class Transform:
+    """One rewrite applied to the source: kind in ffn | vocab | head_dim | heads | hidden |
+    fuse; `old`/`new` are the dimension before and after (None for fuse)."""
+
+    kind: str
+    old: int | None = None
+    new: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"transform kind must be {'|'.join(KINDS)}, not {self.kind!r}")
+        for k in ("old", "new"):
+            v = getattr(self, k)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"transform {k} must be a positive integer or null, not {v!r}")
+
+    def label(self) -> str:
+        return self.kind if self.old is None else f"{self.kind} {self.old}->{self.new}"

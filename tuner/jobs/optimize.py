@@ -1,0 +1,118 @@
+"""`tuner optimize` as a job: check the input and OUT, stage the artifact in a temporary folder
+beside OUT, run the pipeline (tuner.jobs.pipeline) into it, and swap it into place.
+
+Everything is built in a temporary folder beside OUT and renamed into place at the end, so
+Ctrl-C or a failure leaves no half-written OUT. Timings go to the results cache (outside OUT)
+as each shape finishes, so a rerun after an interruption measures only what is missing.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tuner.artifact.records import Manifest
+from tuner.errors import BadInput
+from tuner.graph.load import load_model
+from tuner.jobs.pipeline import run_pipeline
+from tuner.util.files import ensure_writable_dir, swap_dir_into_place
+
+
+@dataclass(frozen=True)
+class OptimizeConfig:
+    model: Path
+    out: Path
+    backend: str = "ort-cpu"
+    requests: Path | None = None
+    max_seq: int | None = None
+    max_batch: int = 2
+    rounds: int = 7
+    warmup: int = 2
+    bucket_rounds: int = 3
+    margin: float = 0.03
+    max_variants: int = 4
+    max_buckets: int = 4
+    fuse: bool = True
+    probe: bool = True
+    advise: bool = False
+    threads: int = 0  # 0: the cores this process may use
+    graph_optimization: str = "all"
+    atol: float = 1e-4
+    rtol: float = 1e-3
+    cache_dir: Path | None = None  # None: no results cache
+    force: bool = False
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        checks = [(self.rounds >= 2, "--rounds must be >= 2 (a ratio needs pairs)"),
+                  (self.warmup >= 0, "--warmup must be >= 0"),
+                  (self.bucket_rounds >= 1, "--bucket-rounds must be >= 1"),
+                  (0 <= self.margin < 1, "--margin must be in [0, 1)"),
+                  (self.max_variants >= 1, "--max-variants must be >= 1"),
+                  (1 <= self.max_buckets <= 16, "--max-buckets must be in 1..16"),
+                  (self.max_batch >= 1, "--max-batch must be >= 1"),
+                  (self.max_seq is None or self.max_seq >= 1, "--max-seq must be >= 1"),
+                  (self.threads >= 0, "--threads must be >= 0"),
+                  (self.atol >= 0 and self.rtol >= 0, "tolerances must be >= 0")]
+        for ok, msg in checks:
+            if not ok:
+                raise BadInput(msg)
+
+
+@dataclass(frozen=True)
+class OptimizeResult:
+    out: Path
+    manifest: Manifest
+    notes: tuple[str, ...] = field(default=())
+
+    def summary(self) -> dict[str, Any]:
+        m = self.manifest
+        sel = m.selected_variant()
+        return {
+            "out": str(self.out), "selected": m.selected, "selection": m.selection,
+            "backend": m.backend, "device": m.device_label,
+            "buckets": {"batch": list(m.buckets.batch), "seq": list(m.buckets.seq)},
+            "expected_latency_ms": None if m.buckets.expected is None else {
+                "chosen": m.buckets.expected.chosen_ms,
+                "pad_to_max": m.buckets.expected.pad_to_max_ms,
+                "no_buckets": m.buckets.expected.no_buckets_ms},
+            "variants": [{"name": v.name, "exact": v.exact, "passed": v.accuracy.passed,
+                          "speedup": None if v.speedup is None else
+                          [v.speedup.ratio, v.speedup.low, v.speedup.high]} for v in m.variants],
+            "path": sel.path, "notes": list(m.notes),
+        }
+
+
+def _check_out(cfg: OptimizeConfig) -> None:
+    out = cfg.out
+    if out.exists() and not out.is_dir():
+        raise BadInput(f"{out}: exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not cfg.force:
+        raise BadInput(f"{out}: exists and is not empty (use --force to replace it)")
+    if out.resolve() == cfg.model.resolve().parent:
+        raise BadInput(f"{out}: is the model's own folder; choose another output folder")
+    # OUT is staged beside itself and renamed at the end: its parent must take files
+    ensure_writable_dir(out.resolve().parent, f"artifact {out.name}/")
+    if cfg.cache_dir is not None:
+        ensure_writable_dir(cfg.cache_dir, "results cache", " (choose --cache-dir, or --no-cache)")
+
+
+def optimize(cfg: OptimizeConfig) -> OptimizeResult:
+    """Run the whole job; BadInput on unusable input (exit 2)."""
+    if not cfg.model.is_file():
+        raise BadInput(f"{cfg.model}: no such model file")
+    _check_out(cfg)
+    model = load_model(cfg.model)  # BadInput on anything that is not a readable ONNX model
+    cfg.out.resolve().parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{cfg.out.name}.tmp-", dir=cfg.out.resolve().parent))
+    try:
+        manifest, notes = run_pipeline(cfg, model, tmp)
+        del model
+        swap_dir_into_place(tmp, cfg.out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return OptimizeResult(cfg.out, manifest, tuple(notes))

@@ -1,0 +1,146 @@
+"""`tuner pad` as a job: rewrite a model exactly, gate it against the original on ONNX Runtime
+(CPU), and only then write it, atomically.
+
+    result = pad_file("in.onnx", "out.onnx", PadRequest(vocab_size=50304))
+    result = pad_model(model.clone(), shape, req, dst, reference, feeds, tolerance)
+
+`pad_model` is what `tuner optimize` uses for each candidate: the model it already holds (a
+copy: the rewrite edits in place), the shape it already inspected, one reference runner for all
+candidates. `pad_file` is the whole command for one file.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import numpy as np
+import onnx_ir as ir
+
+from tuner.errors import BadInput
+from tuner.gate.feeds import DEFAULT_SHAPES, make_feeds
+from tuner.gate.verify import Tolerance, VerifyResult, verify
+from tuner.graph.inspect import inspect_model
+from tuner.graph.io import vocab_for_feeds
+from tuner.graph.load import load_model, save_model
+from tuner.graph.paddable import Transform
+from tuner.graph.shape import ModelShape
+from tuner.rewrite.compose import PadRequest, apply
+from tuner.runtime.base import Runner, SessionSettings
+from tuner.runtime.registry import get_backend
+from tuner.util.files import ensure_writable_dir
+
+Feeds = Sequence[Mapping[str, np.ndarray]]
+
+
+class NotExact(RuntimeError):
+    """The rewritten graph failed the accuracy gate: nothing was written (exit 1: our bug)."""
+
+    def __init__(self, result: VerifyResult) -> None:
+        super().__init__("the padded model does not match the original within tolerance; "
+                         "nothing was written\n" + result.table())
+        self.result = result
+
+
+@dataclass(frozen=True)
+class PadResult:
+    src: str
+    dst: str
+    records: tuple[Transform, ...]
+    accuracy: VerifyResult | None  # None when verification was skipped
+
+    @property
+    def transforms(self) -> tuple[str, ...]:
+        """The rewrites as people read them: "vocab 50257->50304"."""
+        return tuple(t.label() for t in self.records)
+
+    def to_json(self) -> dict:
+        return {"src": self.src, "dst": self.dst, "transforms": list(self.transforms),
+                "accuracy": self.accuracy.to_json() if self.accuracy is not None else None}
+
+
+def _first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def _check_destination(src: Path, dst: Path) -> None:
+    """Fail before the rewrite and the gate, not at the final rename: a folder or a place we
+    cannot write is bad input."""
+    if dst.resolve() == src.resolve():
+        raise BadInput(f"{dst}: refusing to overwrite the input model")
+    if dst.is_dir():
+        raise BadInput(f"{dst}: is a folder; give the path of the .onnx file to write")
+    ensure_writable_dir(dst.parent, f"padded model {dst.name}")
+
+
+def load_reference(src: Path, settings: SessionSettings = SessionSettings()) -> Runner:
+    """The original on ONNX Runtime CPU: what every variant is compared against."""
+    try:
+        return get_backend("ort-cpu").load(src, settings)
+    except BadInput:
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's graph: bad input, not our bug
+        raise BadInput(f"{src}: ONNX Runtime cannot load the original model, so no "
+                       f"variant of it can be verified: {_first_line(e)}") from None
+
+
+def gate(reference: Runner, staged: Path, feeds: Feeds, tolerance: Tolerance) -> VerifyResult:
+    """The staged variant against the reference; NotExact unless it passes."""
+    try:
+        candidate = get_backend("ort-cpu").load(staged)
+    except Exception as e:  # noqa: BLE001 - a graph ORT rejects is our rewrite's bug
+        raise NotExact(VerifyResult((), len(feeds), "-", (
+            f"the padded model does not load: {_first_line(e)}",))) from None
+    try:
+        result = verify(reference, candidate, feeds, tolerance)
+    finally:
+        candidate.close()
+    if not result:
+        raise NotExact(result)
+    return result
+
+
+def _move_into_place(staged: Path, dst: Path) -> None:
+    data = staged.parent / (dst.name + ".data")
+    if data.exists():  # the weights first, so the .onnx never points at nothing
+        os.replace(data, dst.parent / data.name)
+    os.replace(staged, dst)
+
+
+def pad_model(model: ir.Model, shape: ModelShape, req: PadRequest, dst: Path,
+              reference: Runner | None, feeds: Feeds, tolerance: Tolerance = Tolerance(),
+              src: str = "") -> PadResult:
+    """Rewrite `model` (edited in place), gate it against `reference` on `feeds` (skipped when
+    `reference` is None), then write `dst` atomically. NotExact: nothing was written."""
+    model, records = apply(model, shape, req)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dst.parent, prefix=f".{dst.name}.") as tmp:
+        staged = save_model(model, Path(tmp) / dst.name)
+        del model  # the gate's session holds its own copy of the weights
+        result = gate(reference, staged, feeds, tolerance) if reference is not None else None
+        _move_into_place(staged, dst)
+    return PadResult(src, str(dst), tuple(records), result)
+
+
+def pad_file(src: str | os.PathLike, dst: str | os.PathLike, req: PadRequest, verify: bool = True,
+             tolerance: Tolerance = Tolerance(), feeds: Feeds | None = None,
+             shapes: Sequence[tuple[int, int]] = DEFAULT_SHAPES) -> PadResult:
+    """Load, rewrite, verify against the original on ONNX Runtime CPU, then write `dst`
+    atomically. Raises NotExact (nothing written) when the gate fails."""
+    src, dst = Path(src), Path(dst)
+    _check_destination(src, dst)
+    model = load_model(src)
+    shape = inspect_model(model)
+    reference = None
+    if verify:
+        feeds = list(feeds) if feeds is not None else make_feeds(src, vocab_for_feeds(model, shape),
+                                                                 shapes)
+        reference = load_reference(src)
+    try:
+        return pad_model(model, shape, req, dst, reference, feeds or (), tolerance, src=str(src))
+    finally:
+        if reference is not None:
+            reference.close()

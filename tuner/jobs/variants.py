@@ -1,0 +1,132 @@
+"""Build the candidate variants into the artifact folder, each through the accuracy gate.
+
+    OUT/variants/original/model.onnx      a copy of the input (and its external data)
+    OUT/variants/<name>/model.onnx        padded (tuner.jobs.pad), or fused (tuner.runtime.ort_fusion)
+
+The rewrites and the gate are the project's own (tuner.jobs.pad, tuner.gate.verify); this
+module only decides where files go and turns their results into manifest records.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import numpy as np
+import onnx_ir as ir
+
+from tuner.artifact.records import Accuracy
+from tuner.errors import BadInput
+from tuner.gate.verify import Tolerance, VerifyResult, verify
+from tuner.graph.load import check_external_data, external_locations, read_proto
+from tuner.graph.paddable import Transform
+from tuner.graph.shape import ModelShape
+from tuner.jobs.pad import NotExact, pad_model
+from tuner.plan.propose import Candidate
+from tuner.rewrite.compose import PadRequest
+from tuner.runtime.base import Runner
+from tuner.runtime.ort_fusion import fuse_file
+
+MODEL_FILE = "model.onnx"
+
+
+@dataclass(frozen=True)
+class Built:
+    """A variant graph written inside the artifact, with what the gate said about it."""
+
+    name: str
+    path: Path  # absolute
+    rel: str  # relative to the artifact folder
+    exact: bool
+    transforms: tuple[Transform, ...]
+    accuracy: Accuracy
+    note: str = ""
+
+
+def accuracy_of(result: VerifyResult) -> Accuracy:
+    """A tuner.gate.verify.VerifyResult as the manifest's accuracy record."""
+    outs = result.outputs
+    worst = max(outs, key=lambda o: o.max_abs, default=None)
+    detail = f"{result.feeds} feeds, {result.tolerance}"
+    if worst is not None:
+        detail += f"; worst output {worst.name}: max abs {worst.max_abs:.3g}, cosine {worst.cosine:.6f}"
+    if result.errors:
+        detail += "; " + "; ".join(result.errors)
+    fin = [o for o in outs if np.isfinite(o.max_abs) and np.isfinite(o.max_rel)]
+    return Accuracy(bool(result.passed),
+                    max((o.max_abs for o in fin), default=None),
+                    max((o.max_rel for o in fin), default=None), detail)
+
+
+def variant_dir(root: Path, name: str) -> tuple[Path, str]:
+    rel = f"variants/{name}/{MODEL_FILE}"
+    return root / rel, rel
+
+
+def copy_original(src: Path, root: Path) -> Built:
+    """Copy the input and every external-data file it names, keeping their relative places."""
+    dst, rel = variant_dir(root, "original")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    proto = read_proto(src)
+    check_external_data(proto, src.parent)  # every location stays inside src's folder
+    locations = external_locations(proto)
+    del proto
+    shutil.copyfile(src, dst)
+    for loc in locations:
+        target = dst.parent / loc
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src.parent / loc, target)
+    return Built("original", dst, rel, True, (), Accuracy(True, 0.0, 0.0, "the reference itself"))
+
+
+def build_padded(model: ir.Model, shape: ModelShape, root: Path, cand: Candidate,
+                 reference: Runner, feeds: Sequence[Mapping[str, np.ndarray]],
+                 tolerance: Tolerance) -> Built:
+    """Pad a copy of `model` (already loaded and inspected as `shape`) as the candidate asks,
+    gated against `reference` before it is written. BadInput (a refused rewrite, or a failed
+    gate) propagates, with nothing left behind."""
+    dst, rel = variant_dir(root, cand.name)
+    try:
+        res = pad_model(model.clone(), shape, PadRequest.from_pads(cand.pads), dst, reference,
+                        feeds, tolerance)
+    except NotExact as e:
+        shutil.rmtree(dst.parent, ignore_errors=True)
+        raise BadInput(f"{cand.name} failed the accuracy gate: "
+                       f"{accuracy_of(e.result).detail}") from None
+    except BadInput:
+        shutil.rmtree(dst.parent, ignore_errors=True)
+        raise
+    if not res.records:
+        shutil.rmtree(dst.parent, ignore_errors=True)
+        raise BadInput(f"{cand.name}: the rewrite changed nothing")
+    return Built(cand.name, dst, rel, True, res.records, accuracy_of(res.accuracy))
+
+
+def build_fused(base: Built, root: Path, cand: Candidate, shape, reference, feeds, tolerance,
+                backend, settings) -> Built:
+    """Run ORT's transformer optimizer on an already-built variant, then gate it against the
+    original (`reference`, a runner) on the same feeds."""
+    dst, rel = variant_dir(root, cand.name)
+    try:
+        stats = fuse_file(base.path, dst, shape.num_heads, shape.hidden_size)
+        if not stats:
+            raise BadInput(f"{cand.name}: ONNX Runtime's optimizer found nothing to fuse")
+        result = verify(reference, backend.load(dst, settings), feeds, tolerance)
+    except BaseException:
+        shutil.rmtree(dst.parent, ignore_errors=True)
+        raise
+    acc = accuracy_of(result)
+    if not acc.passed:
+        shutil.rmtree(dst.parent, ignore_errors=True)
+        raise BadInput(f"{cand.name} failed the accuracy gate: {acc.detail}")
+    fused = ", ".join(f"{k} x{v}" for k, v in sorted(stats.items()))
+    return Built(cand.name, dst, rel, True, (*base.transforms, Transform("fuse")), acc,
+                 note=f"fused: {fused}")
+
+
+def graph_files(built: Built) -> list[Path]:
+    """The files that make up a variant (its graph first): what the cache key hashes."""
+    folder = built.path.parent
+    return [built.path] + sorted(p for p in folder.rglob("*") if p.is_file() and p != built.path)

@@ -1,0 +1,2 @@
+"""Small helpers with no knowledge of models: files (checked folders, atomic writes, hashes)
+and progress bars."""
