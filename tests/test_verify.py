@@ -8,8 +8,9 @@ import pytest
 from onnx import TensorProto, helper
 
 from tuner.errors import BadInput
-from tuner.gate.feeds import InputSpec, check_feed, load_npz, make_feeds, padded_mask
+from tuner.gate.feeds import check_feed, load_npz, make_feeds, padded_mask
 from tuner.gate.verify import Tolerance, verify
+from tuner.graph.io import InputSpec
 from tuner.runtime.registry import get_backend
 
 

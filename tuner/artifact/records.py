@@ -19,6 +19,7 @@ from typing import Any, Mapping
 
 from tuner.errors import BadInput
 from tuner.graph.paddable import Transform
+from tuner.runtime.base import SessionSettings
 
 FORMAT = "shapetuner-artifact"
 VERSION = 1
@@ -233,7 +234,6 @@ class Manifest:
     def session_settings(self):
         """The tuner.runtime.base.SessionSettings the latencies were measured with (serve
         should run with the same); BadInput if the recorded values are unusable."""
-        from tuner.runtime.base import SessionSettings
 
         try:
             return SessionSettings(**self.settings)

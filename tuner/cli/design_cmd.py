@@ -8,7 +8,12 @@ from typing import Optional
 import typer
 
 from tuner.cli.app import app
+from tuner.design import report
+from tuner.design.search import (DEFAULT_VOCAB, DesignRequest, family_for, parse_layers, run,
+                                 start_from_flags, start_from_model)
 from tuner.errors import BadInput
+from tuner.util.files import ensure_writable_dir
+from tuner.util.progress import rich_progress
 
 
 def _parse_params(text: str) -> int:
@@ -51,10 +56,6 @@ def design(
     import json
     import sys
 
-    from tuner.design import report
-    from tuner.design.search import (DEFAULT_VOCAB, DesignRequest, family_for, parse_layers, run,
-                                     start_from_flags, start_from_model)
-    from tuner.util.progress import rich_progress
 
     if top < 1:
         raise BadInput(f"--top must be >= 1, not {top}")
@@ -76,7 +77,6 @@ def design(
                                  vocab or DEFAULT_VOCAB, fam, kv_heads, target=target)
     req = DesignRequest(target, start, depths, vocab, ffn, family, tolerance, max_candidates)
     if out is not None:  # before minutes of measuring, not at the end
-        from tuner.util.files import ensure_writable_dir
 
         ensure_writable_dir(out, "design report")
     with rich_progress(enabled=not quiet and not json_out, title="design") as bar:

@@ -10,7 +10,10 @@ from rich.console import Console
 from rich.table import Table
 
 from tuner.cli.app import app
+from tuner.graph.inspect import inspect_path
 from tuner.graph.shape import ModelShape
+from tuner.hardware.facts import device_facts
+from tuner.plan.findings import audited
 
 
 def _where(shape: ModelShape) -> dict[str, str]:
@@ -86,9 +89,6 @@ def inspect(
                                help="rows per GEMM (batch x sequence) for the wave findings"),
 ) -> None:
     """Find the transformer's dimensions, where each lives in the graph, and shape findings."""
-    from tuner.graph.inspect import inspect_path
-    from tuner.hardware.facts import device_facts
-    from tuner.plan.findings import audited
 
     device_facts(device)  # an unknown device is bad input before any file is read
     shape = audited(inspect_path(model), device=device, tokens=tokens)

@@ -11,8 +11,14 @@ from typing import Optional
 
 import typer
 
+from serving.engine import EngineOptions
+from serving.server import ServerOptions
+from serving.server import serve as run
+from tuner.artifact.store import read_manifest
 from tuner.cli.app import app
 from tuner.errors import BadInput
+from tuner.runtime.base import SessionSettings
+from tuner.runtime.registry import get_backend
 
 
 def _say(line: str) -> None:
@@ -64,10 +70,6 @@ def serve(
     bucket are refused with INVALID_ARGUMENT."""
     import logging
 
-    from serving.engine import EngineOptions
-    from serving.server import ServerOptions
-    from serving.server import serve as run
-    from tuner.runtime.base import SessionSettings
 
     logging.basicConfig(level=logging.WARNING, format="tuner serve: %(levelname)s %(message)s")
     try:
@@ -91,8 +93,6 @@ def _check_before_binding(out: Path, backend: str | None) -> None:
     """Refuse a bad artifact, or a backend that cannot run here, before any port opens: the
     server binds first (live, not ready) and loads after, so these would otherwise show up
     only after "listening"."""
-    from tuner.artifact.store import read_manifest
-    from tuner.runtime.registry import get_backend
 
     name = backend or read_manifest(out).backend
     ok, reason = get_backend(name).available()

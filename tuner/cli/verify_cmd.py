@@ -11,6 +11,13 @@ from typing import Optional
 import typer
 
 from tuner.cli.app import app
+from tuner.errors import BadInput
+from tuner.gate.feeds import check_feed, load_npz, make_feeds
+from tuner.gate.verify import Tolerance, verify
+from tuner.graph.inspect import inspect_model
+from tuner.graph.io import input_specs, vocab_for_feeds
+from tuner.graph.load import load_model
+from tuner.runtime.registry import get_backend
 
 
 @app.command("verify")
@@ -28,11 +35,6 @@ def verify_cmd(
 ) -> None:
     """Run both models on the same inputs and compare every output (max abs/rel error, cosine,
     top-1 agreement); positions masked out by attention_mask are not compared."""
-    from tuner.errors import BadInput
-    from tuner.gate.feeds import check_feed, input_specs, load_npz, make_feeds
-    from tuner.gate.verify import Tolerance, verify
-    from tuner.graph.load import load_model
-    from tuner.runtime.registry import get_backend
 
     try:
         tol = Tolerance.fp16() if fp16 else Tolerance(atol=atol, rtol=rtol)
@@ -71,7 +73,6 @@ def verify_cmd(
 def _check_reference_runs(ref, feeds, what: str) -> None:
     """Inputs the user chose (--inputs, or --vocab past the embedding) must run on the
     original: when they do not, that is bad input, not a failed comparison of the variant."""
-    from tuner.errors import BadInput
 
     for feed in feeds:
         try:
@@ -85,8 +86,6 @@ def _vocab(model) -> int:
     """Token ids must stay inside the embedding: its row count (the smallest 2-D Gather table
     fed by an input would be too clever; inspect knows best, else the biggest Gather table)."""
     try:
-        from tuner.graph.inspect import inspect_model
-        from tuner.graph.io import vocab_for_feeds
 
         return vocab_for_feeds(model, inspect_model(model))
     except Exception:  # noqa: BLE001 - not a transformer inspect understands: any Gather table

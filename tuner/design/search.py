@@ -16,6 +16,7 @@ from tuner.design.measure import MeasureSettings, measure
 from tuner.design.params import FAMILIES, FAMILY_FOR_FFN, DesignShape, Family, count_params
 from tuner.design.rank import Ranking, rank
 from tuner.errors import BadInput
+from tuner.graph.inspect import inspect_path
 from tuner.hardware.facts import DEVICES, DeviceFacts
 from tuner.plan.probe import backend_unavailable, gpu_facts
 from tuner.util.progress import Progress
@@ -104,7 +105,6 @@ def start_from_flags(hidden: int, heads: int, ffn_size: int, layers: int | None,
 
 def start_from_model(path: str | os.PathLike, family: Family | None = None) -> DesignShape:
     """The starting shape read by `tuner inspect` (tuner.graph.inspect.inspect_path)."""
-    from tuner.graph.inspect import inspect_path
 
     ms = inspect_path(path)
     if ms.vocab_size is None or ms.kind != "decoder":

@@ -11,52 +11,15 @@ from __future__ import annotations
 
 import os
 import zipfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
 import numpy as np
 
 from tuner.errors import BadInput
-from tuner.graph.io import ATTENTION_MASK, POSITION_IDS, TOKEN_IDS, role_of
-from tuner.graph.load import load_model
+from tuner.graph.io import ATTENTION_MASK, POSITION_IDS, TOKEN_IDS, InputSpec, input_specs, role_of
 
 DEFAULT_SHAPES: tuple[tuple[int, int], ...] = ((1, 7), (2, 16), (3, 33))
-
-_NP_DTYPES = {"INT64": np.int64, "INT32": np.int32, "FLOAT": np.float32, "FLOAT16": np.float16,
-              "DOUBLE": np.float64, "BOOL": np.bool_, "BFLOAT16": np.float32}
-
-
-@dataclass(frozen=True)
-class InputSpec:
-    """One graph input: name, numpy dtype name, dims (int, or a str/None for a dynamic axis)."""
-
-    name: str
-    dtype: str
-    dims: tuple[int | str | None, ...]
-
-    def __post_init__(self) -> None:
-        if not self.name:
-            raise ValueError("input spec needs a name")
-        np.dtype(self.dtype)  # raises TypeError on an unknown dtype
-
-
-def input_specs(model) -> list[InputSpec]:
-    """The input specs of an onnx_ir.Model, a path to a .onnx file, or a list of InputSpec."""
-    if isinstance(model, (list, tuple)) and all(isinstance(s, InputSpec) for s in model):
-        return list(model)
-    if isinstance(model, (str, os.PathLike)):
-        model = load_model(model)
-    specs = []
-    initializers = set(model.graph.initializers)
-    for v in model.graph.inputs:
-        if v.name in initializers:
-            continue
-        dtype = _NP_DTYPES.get(v.dtype.name if v.dtype is not None else "FLOAT", np.float32)
-        dims = tuple(d if isinstance(d, int) else (str(d) if d is not None else None)
-                     for d in (v.shape.dims if v.shape is not None else ()))
-        specs.append(InputSpec(v.name, np.dtype(dtype).name, dims))
-    return specs
 
 
 def padded_mask(batch: int, seq: int, rng: np.random.Generator) -> np.ndarray:

@@ -7,13 +7,15 @@ ask here instead of guessing on their own.
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
 import numpy as np
 import onnx_ir as ir
 
-from tuner.graph.load import check_external_data, external_locations, read_proto
+from tuner.graph.load import check_external_data, external_locations, load_model, read_proto
 from tuner.graph.shape import ModelShape
 
 # Roles of a graph input, recognised by name today (`*input_ids*`, `*attention_mask*`, ...).
@@ -22,6 +24,42 @@ TOKEN_IDS, ATTENTION_MASK, POSITION_IDS, TOKEN_TYPE_IDS, OTHER = (
 # Ops a token id passes through unchanged on its way to the embedding Gather.
 _PASS_THROUGH = {"Reshape", "Cast", "Identity", "Flatten", "Squeeze", "Unsqueeze"}
 FALLBACK_VOCAB = 100  # token ids to draw when no table says how many there are
+
+
+_NP_DTYPES = {"INT64": np.int64, "INT32": np.int32, "FLOAT": np.float32, "FLOAT16": np.float16,
+              "DOUBLE": np.float64, "BOOL": np.bool_, "BFLOAT16": np.float32}
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """One graph input: name, numpy dtype name, dims (int, or a str/None for a dynamic axis)."""
+
+    name: str
+    dtype: str
+    dims: tuple[int | str | None, ...]
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("input spec needs a name")
+        np.dtype(self.dtype)  # raises TypeError on an unknown dtype
+
+
+def input_specs(model) -> list[InputSpec]:
+    """The input specs of an onnx_ir.Model, a path to a .onnx file, or a list of InputSpec."""
+    if isinstance(model, (list, tuple)) and all(isinstance(s, InputSpec) for s in model):
+        return list(model)
+    if isinstance(model, (str, os.PathLike)):
+        model = load_model(model)
+    specs = []
+    initializers = set(model.graph.initializers)
+    for v in model.graph.inputs:
+        if v.name in initializers:
+            continue
+        dtype = _NP_DTYPES.get(v.dtype.name if v.dtype is not None else "FLOAT", np.float32)
+        dims = tuple(d if isinstance(d, int) else (str(d) if d is not None else None)
+                     for d in (v.shape.dims if v.shape is not None else ()))
+        specs.append(InputSpec(v.name, np.dtype(dtype).name, dims))
+    return specs
 
 
 def role_of(name: str) -> str:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import onnx_ir as ir
 
+from tuner.graph.attention import AttnMatch, linears_by_output, rotary_of, walk_projection
 from tuner.graph.dims import Dims
 from tuner.graph.shape import AttentionSite, ScaleSite
 from tuner.graph.walk import MS, Linear, const_shape, consumers, op, source
@@ -80,7 +81,6 @@ def _o_proj(node: ir.Node, by_output: dict[int, Linear]) -> ir.Node | None:
 def attention_blocks(graph: ir.Graph, lins: list[Linear], dims: Dims):
     """AttnMatch for each fused attention op: heads from its attributes (or its inputs'
     shapes), head dim from the projection widths, scale from its attribute."""
-    from tuner.graph.attention import AttnMatch, linears_by_output, rotary_of, walk_projection
 
     by_output = linears_by_output(lins)
     found = []

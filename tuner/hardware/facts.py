@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from tuner.errors import BadInput
+
 # Head dims for which ONNX Runtime has fused attention kernels (DESIGN.md): another head dim
 # runs the unfused path, so the head dim decides which attention kernel runs at all.
 ORT_FUSED_HEAD_DIMS = (16, 32, 40, 64, 80, 128, 160, 256)
@@ -43,7 +45,6 @@ DEVICES: dict[str, DeviceFacts] = {
 def device_facts(name: str) -> DeviceFacts:
     key = name.lower()
     if key not in DEVICES:
-        from tuner.errors import BadInput
 
         raise BadInput(f"unknown device {name!r}; choose one of: {', '.join(DEVICES)}")
     return DEVICES[key]

@@ -21,10 +21,10 @@ from tuner.artifact.records import (Advice, Buckets, ExpectedLatency, Latency, M
 from tuner.artifact.report import write_report
 from tuner.artifact.store import write_manifest
 from tuner.errors import BadInput
-from tuner.gate.feeds import input_specs, make_feeds
+from tuner.gate.feeds import make_feeds
 from tuner.gate.verify import Tolerance, verify
 from tuner.graph.inspect import inspect_model, inspect_path
-from tuner.graph.io import max_positions, vocab_for_feeds
+from tuner.graph.io import input_specs, max_positions, vocab_for_feeds
 from tuner.graph.paddable import BY_KIND
 from tuner.hardware.detect import detect
 from tuner.jobs.pad import load_reference

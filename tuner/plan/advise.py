@@ -18,6 +18,7 @@ from tuner.artifact.records import Speedup
 from tuner.graph.paddable import Transform
 from tuner.hardware.facts import next_multiple
 from tuner.measure.stats import paired_ratio_ci
+from tuner.plan.probe import model_gemms
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,6 @@ class Advice:
 def measure_advice(shape, batch: int, seq: int, probe: Callable, rounds: int = 7) -> list[Advice]:
     """Time the original's GEMMs and each reshape's together; speedup from paired rounds.
     `probe(gemms, rounds)` returns tuner.plan.probe GemmResults (per-round samples_ms)."""
-    from tuner.plan.probe import model_gemms
 
     options = reshapes(shape)
     if not options:

@@ -18,6 +18,8 @@ import numpy as np
 
 from tuner.graph.paddable import BY_KIND, KINDS, Transform
 from tuner.hardware.facts import ORT_FUSED_HEAD_DIMS, DeviceFacts, next_multiple
+from tuner.measure.stats import paired_ratio_ci
+from tuner.plan.probe import model_gemms
 
 MULTIPLES = (8, 16, 32, 64, 128)
 # Growth budgets: padding costs FLOPs; beyond these the extra work cannot pay on any device.
@@ -127,8 +129,6 @@ def predict(shape, cands: Sequence[Candidate], batch: int, seq: int, probe_fn: P
     original) / (same, candidate), every layer's GEMMs and the LM head once, and
     `predicted_high`, the top of its bootstrap interval: pruning uses that, so a candidate is
     dropped only when the probe says it is slower beyond its own noise. Fusion is not predicted."""
-    from tuner.measure.stats import paired_ratio_ci
-    from tuner.plan.probe import model_gemms
 
     def gemms(c: Candidate):
         s = replace(shape, **{BY_KIND[k].field: v for k, v in c.pads.items()}) if c.pads else shape

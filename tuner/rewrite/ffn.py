@@ -18,6 +18,7 @@ import numpy as np
 import onnx_ir as ir
 
 from tuner.errors import RewriteRefused
+from tuner.graph.dims import Dims
 from tuner.graph.shape import FfnSite
 from tuner.rewrite.axis import Track, Widen
 from tuner.rewrite.common import projection, widen_inputs, widen_outputs
@@ -26,7 +27,6 @@ from tuner.rewrite.common import projection, widen_inputs, widen_outputs
 def pad_ffns(model: ir.Model, sites: list[tuple[int, FfnSite]], new_size: int) -> list[int]:
     """Widen the FFN blocks `sites` ((layer, site) pairs) to `new_size` units; returns the
     old width of each."""
-    from tuner.graph.dims import Dims
 
     dims = Dims(model)
     dims.inferred()  # shapes of the original graph, before any edit

@@ -28,6 +28,7 @@ import numpy as np
 import onnx_ir as ir
 
 from tuner.errors import RewriteRefused
+from tuner.graph.dims import Dims
 from tuner.graph.shape import AttentionSite, ModelShape
 from tuner.rewrite.axis import Track, Widen, identity, scatter
 from tuner.rewrite.axis.reshape import entries
@@ -154,7 +155,6 @@ def _seed_rotary(graph: ir.Graph, widen: Widen, d: int, new: int) -> int:
 
 def pad_head_dim(model: ir.Model, shape: ModelShape, new: int) -> int:
     """Pad every attention block's head dim to `new`; returns the old head dim."""
-    from tuner.graph.dims import Dims
 
     d = shape.head_dim
     if not d:

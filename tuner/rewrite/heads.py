@@ -17,6 +17,7 @@ import numpy as np
 import onnx_ir as ir
 
 from tuner.errors import RewriteRefused
+from tuner.graph.dims import Dims
 from tuner.graph.shape import AttentionSite, ModelShape
 from tuner.rewrite.axis import Track, Widen
 from tuner.rewrite.axis.reshape import entries
@@ -125,7 +126,6 @@ FUSED_LAYOUTS = ("the fused qkv projection {!r} may keep its heads in a layout t
 
 def pad_heads(model: ir.Model, shape: ModelShape, new: int) -> int:
     """Pad every attention block to `new` heads; returns the old head count."""
-    from tuner.graph.dims import Dims
 
     a, d = shape.num_heads, shape.head_dim
     if not a or not d:

@@ -25,6 +25,7 @@ import numpy as np
 
 from tuner.errors import BadInput
 from tuner.graph.io import model_files
+from tuner.hardware.detect import gpu_count
 
 CUDA_EP = "CUDAExecutionProvider"
 TRT_EP = "TensorrtExecutionProvider"
@@ -43,7 +44,6 @@ def _ort_providers() -> list[str]:
 def gpu_reason() -> str | None:
     """None when the CUDA driver sees an NVIDIA GPU, else why not (with ORT's provider list,
     since that list is what misleads people into thinking the GPU is there)."""
-    from tuner.hardware.detect import gpu_count
 
     n, why = gpu_count()
     if n > 0:

@@ -14,6 +14,9 @@ from typing import Sequence
 from tuner.runtime.backend import Backend
 from tuner.runtime.base import Runner, SessionSettings
 from tuner.runtime.gpu import CUDA_EP, TRT_EP, ep_reason, gpu_reason
+from tuner.runtime.ort_gpu import load_ort_cuda
+from tuner.runtime.ort_trt import load_ort_trt
+from tuner.runtime.trt import load_trt, trt_reason
 
 
 def _ort_cuda_check() -> str | None:
@@ -25,7 +28,6 @@ def _ort_trt_check() -> str | None:
 
 
 def _trt_check() -> str | None:
-    from tuner.runtime.trt import trt_reason
 
     reasons = [r for r in (gpu_reason(), trt_reason()) if r]
     if reasons:
@@ -37,7 +39,6 @@ def _trt_check() -> str | None:
 def _ort_cuda(fp16: bool):
     def load(path: Path, settings: SessionSettings, shapes: Sequence[tuple[int, int]] | None,
              cache_dir: Path | None) -> Runner:
-        from tuner.runtime.ort_gpu import load_ort_cuda
 
         return load_ort_cuda(path, settings, shapes, cache_dir, fp16=fp16)
     return load
@@ -45,7 +46,6 @@ def _ort_cuda(fp16: bool):
 
 def _ort_trt(path: Path, settings: SessionSettings, shapes: Sequence[tuple[int, int]] | None,
              cache_dir: Path | None) -> Runner:
-    from tuner.runtime.ort_trt import load_ort_trt
 
     return load_ort_trt(path, settings, shapes, cache_dir)
 
@@ -53,7 +53,6 @@ def _ort_trt(path: Path, settings: SessionSettings, shapes: Sequence[tuple[int, 
 def _trt(fp16: bool):
     def load(path: Path, settings: SessionSettings, shapes: Sequence[tuple[int, int]] | None,
              cache_dir: Path | None) -> Runner:
-        from tuner.runtime.trt import load_trt
 
         return load_trt(path, settings, shapes, cache_dir, fp16=fp16)
     return load

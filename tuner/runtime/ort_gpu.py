@@ -23,8 +23,10 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from tuner.errors import BadInput
+from tuner.graph.io import ATTENTION_MASK, POSITION_IDS, InputSpec, role_of
 from tuner.runtime.base import SessionSettings
-from tuner.runtime.gpu import CUDA_EP, check_buckets, fp16_model
+from tuner.runtime.gpu import CUDA_EP, check_buckets, fp16_model, preload_libraries
+from tuner.runtime.ort import session_options
 
 _ORT_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(double)": "float64",
               "tensor(int64)": "int64", "tensor(int32)": "int32", "tensor(bool)": "bool",
@@ -57,19 +59,28 @@ class CudaOptions:
         return opts
 
 
-def input_specs(session) -> list:
-    """tuner.gate.feeds.InputSpec for every input of an ORT session."""
-    from tuner.gate.feeds import InputSpec
-
+def session_specs(session) -> list[InputSpec]:
+    """tuner.graph.io.InputSpec for every input of an ORT session."""
     return [InputSpec(i.name, _ORT_TYPES.get(i.type, "float32"), tuple(i.shape))
             for i in session.get_inputs()]
 
 
-def dummy_feed(specs: Sequence, batch: int, seq: int) -> dict[str, np.ndarray]:
-    """Valid inputs at one bucket (token id 0, a padded mask) for warm-up and capture."""
-    from tuner.gate.feeds import make_feed
-
-    return make_feed(specs, 1, batch, seq, np.random.default_rng(0))
+def dummy_feed(specs: Sequence[InputSpec], batch: int, seq: int) -> dict[str, np.ndarray]:
+    """Valid inputs at one bucket for warm-up and capture: token id 0, a full mask, positions
+    0..seq-1, zeros or ones elsewhere. Values do not matter here, shapes do."""
+    feed = {}
+    for s in specs:
+        dims = tuple(d if isinstance(d, int) and d > 0 else (batch if i == 0 else seq)
+                     for i, d in enumerate(s.dims)) or (batch, seq)
+        role = role_of(s.name)
+        if role == POSITION_IDS and len(dims) == 2:
+            arr = np.broadcast_to(np.arange(dims[1]), dims)
+        elif role == ATTENTION_MASK:
+            arr = np.ones(dims)
+        else:
+            arr = np.zeros(dims)
+        feed[s.name] = np.ascontiguousarray(arr.astype(s.dtype))
+    return feed
 
 
 def _shape_key(feeds: Mapping[str, np.ndarray]) -> tuple:
@@ -80,9 +91,6 @@ def make_session(model: Path, settings: SessionSettings, providers: list, expect
     """An InferenceSession that must really run on `expect`: ORT would otherwise fall back to
     the CPU silently, and every timing would be a lie."""
     import onnxruntime as ort
-
-    from tuner.runtime.gpu import preload_libraries
-    from tuner.runtime.ort import session_options
 
     preload_libraries(expect)
     sess = ort.InferenceSession(str(model), sess_options=session_options(settings),
@@ -178,7 +186,7 @@ class CudaGraphRunner:
         no_graph.add_run_config_entry("gpu_graph_id", "-1")  # -1: this run neither captures nor replays
         self._plain = IoBindingRunner(session, name, device_id, run_options=no_graph,
                                       device=device)
-        specs = input_specs(session)
+        specs = session_specs(session)
         self._graphs: dict[tuple, _Graph] = {}
         # ids from 1: ONNX Runtime reserves 0 for its own single-graph mode
         for graph_id, (b, s) in enumerate(buckets, start=1):

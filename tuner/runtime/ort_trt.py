@@ -15,9 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from tuner.errors import BadInput
+from tuner.graph.io import input_specs
 from tuner.runtime.base import SessionSettings
 from tuner.runtime.gpu import (CUDA_EP, TRT_EP, ShapeRange, cache_key, check_buckets, profiles_for,
                                work_dir)
+from tuner.runtime.ort_gpu import IoBindingRunner, dummy_feed, make_session, session_specs
 
 
 @dataclass(frozen=True)
@@ -46,7 +49,6 @@ def profile_shape_options(profiles: Sequence[Mapping[str, ShapeRange]]) -> dict[
     for prof in profiles:
         for name, (lo, opt, hi) in prof.items():
             if ":" in name or "," in name:
-                from tuner.errors import BadInput
 
                 raise BadInput(f"input name {name!r} contains ':' or ',', which the TensorRT "
                                "EP's profile syntax cannot express; use the trt backend")
@@ -79,9 +81,6 @@ def load_ort_trt(model_path: Path, settings: SessionSettings,
                  options: TrtEpOptions = TrtEpOptions()):
     """The `ort-trt` loader (tuner.runtime.registry.Loader signature). Without buckets the EP
     builds engines for the shapes it meets at run time (and rebuilds when they grow)."""
-    from tuner.gate.feeds import input_specs
-    from tuner.runtime.ort_gpu import IoBindingRunner, dummy_feed, make_session
-
     model_path = Path(model_path)
     buckets = check_buckets(shapes)
     profiles = profiles_for(input_specs(model_path), buckets) if buckets else []
@@ -101,8 +100,6 @@ def load_ort_trt(model_path: Path, settings: SessionSettings,
                               # EP has no option to clear it (the trt backend clears it)
                               "tf32": "TensorRT default (allowed)"})
     # build (or load) every profile's engine now, not inside the first timed run
-    from tuner.runtime.ort_gpu import input_specs as session_specs
-
     specs = session_specs(sess)
     for b, s in buckets:
         runner.infer(dummy_feed(specs, b, s))

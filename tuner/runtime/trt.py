@@ -29,6 +29,8 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from tuner.errors import BadInput
+from tuner.graph.io import input_specs
+from tuner.hardware.detect import detect
 from tuner.runtime.base import SessionSettings
 from tuner.runtime.gpu import (ShapeRange, cache_key, check_buckets, fp16_model, pick_profile,
                                profiles_for, work_dir)
@@ -226,9 +228,6 @@ def load_trt(model_path: Path, settings: SessionSettings,
     """The `trt` / `trt-fp16` loader (tuner.runtime.registry.Loader signature): load the saved
     engine when there is one for exactly these profiles, else build and save it."""
     import tensorrt as trt
-
-    from tuner.gate.feeds import input_specs
-    from tuner.hardware.detect import detect
 
     name = "trt-fp16" if fp16 else "trt"
     source = fp16_model(Path(model_path), cache_dir) if fp16 else Path(model_path)
