@@ -21,6 +21,7 @@ from tuner.graph import attention as attn_mod
 from tuner.graph import fused
 from tuner.graph.dims import Dims
 from tuner.graph.ffn import FfnMatch, find_ffns
+from tuner.graph.kv_cache import find_kv_cache, with_dims
 from tuner.graph.lm_head import Embedding, is_tied, lm_head, token_embedding
 from tuner.graph.load import load_model, name_nodes
 from tuner.graph.shape import FfnSite, LayerSites, ModelShape, Sites
@@ -93,6 +94,7 @@ def inspect_model(model: ir.Model, device: str = "cpu", tokens: int = 4096) -> M
     if not head_dim and heads and hidden:
         head_dim = hidden // heads
     activation = ffns[0].activation if ffns else fusion.activation
+    cache = find_kv_cache(graph)
     shape = ModelShape(
         num_layers=num_layers,
         hidden_size=hidden,
@@ -114,6 +116,7 @@ def inspect_model(model: ir.Model, device: str = "cpu", tokens: int = 4096) -> M
             embedding=emb_weight.name if emb_weight is not None else None,
             tied=tied,
         ),
+        cache=with_dims(cache, kv, head_dim) if cache is not None else None,
     )
     findings = audit(shape, facts, tokens)
     return ModelShape(**{**shape.__dict__, "findings": findings})
