@@ -51,7 +51,7 @@ def test_cache_and_dims_found(family, exporter):
     assert _names(c) == _expected_layers(layers)
     nodes = {n.name: n for n in model.graph}
     for layer in c.layers:  # the sites name real Concat nodes
-        assert nodes[layer.concat_key].op_type == nodes[layer.concat_value].op_type == "Concat"
+        assert nodes[layer.join_key].op_type == nodes[layer.join_value].op_type == "Concat"
 
 
 def _rename(model: ir.Model, mapping: dict[str, str]) -> None:
@@ -154,3 +154,72 @@ def test_cache_record_is_validated():
         KvCache(num_layers=2, layout="bhsd", **args)
     with pytest.raises(ValueError, match="layout must order the letters b, h, s, d, not 'bhs'"):
         KvCache(num_layers=1, layout="bhs", **args)
+
+
+@pytest.fixture(scope="module")
+def llama_kv_opset23():
+    """llama-kv through dynamo at opset 23: the Concats feed ONNX's own Attention op."""
+    from models.build import IR_VERSION, _cache_dir, _spec_key, build_torch_model
+    from models.kv import export_kv
+
+    path = _cache_dir() / f"llama-kv-dynamo23-{_spec_key('llama-kv', 'awkward', 'dynamo')}.onnx"
+    if not path.exists():
+        export_kv(build_torch_model(spec("llama-kv", "awkward")), "dynamo", path,
+                  {"dynamo": 23, "torchscript": 17}, IR_VERSION)
+    return path
+
+
+def test_onnx_attention_op_from_opset_23_tells_k_from_v_by_its_slots(llama_kv_opset23):
+    import onnxruntime as ort
+
+    model = load_model(llama_kv_opset23)
+    assert "Attention" in {n.op_type for n in model.graph}
+    c = inspect_model(model).cache
+    assert c is not None and c.named_by == "structure"
+    assert _names(c) == _expected_layers(2)
+    # and it runs the first step with past 0, like its opset-18 sibling
+    feeds = {"input_ids": np.array([[5, 6, 7]]), "attention_mask": np.ones((1, 3), np.int64),
+             "position_ids": np.arange(3)[None]}
+    feeds |= {n: np.zeros((1, 1, 0, 80), np.float32) for n in io_names(2)[0][3:]}
+    got, want = (ort.InferenceSession(str(p), providers=["CPUExecutionProvider"])
+                 .run(["logits"], feeds)[0]
+                 for p in (llama_kv_opset23, cached("llama-kv", "awkward", "dynamo")))
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-3)
+
+
+def _gqa_graph() -> ir.Model:
+    """ORT's fused form: GroupQueryAttention takes past_key/past_value itself (slots 3, 4)
+    and returns present (outputs 1, 2); no Concat. Inputs named so names would say nothing."""
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal(s).astype(np.float32), n)
+             for n, s in (("wq", (8, 8)), ("wk", (8, 4)), ("wv", (8, 4)), ("wo", (8, 8)))]
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", "s", 8]),
+              helper.make_tensor_value_info("lens", TensorProto.INT32, ["b"]),
+              helper.make_tensor_value_info("total", TensorProto.INT32, [])]
+    outputs, nodes, h = [], [], "x"
+    for i in range(2):
+        inputs += [helper.make_tensor_value_info(f"in{2 * i + j}", TensorProto.FLOAT,
+                                                 ["b", 1, "p", 4]) for j in (0, 1)]
+        outputs += [helper.make_tensor_value_info(f"out{2 * i + j}", TensorProto.FLOAT,
+                                                  ["b", 1, "t", 4]) for j in (0, 1)]
+        nodes += [helper.make_node("MatMul", [h, w], [f"{w}{i}"]) for w in ("wq", "wk", "wv")]
+        nodes.append(helper.make_node(
+            "GroupQueryAttention", [f"wq{i}", f"wk{i}", f"wv{i}", f"in{2 * i}", f"in{2 * i + 1}",
+                                    "lens", "total"],
+            [f"attn{i}", f"out{2 * i}", f"out{2 * i + 1}"], domain="com.microsoft",
+            num_heads=2, kv_num_heads=1, name=f"gqa{i}"))
+        nodes.append(helper.make_node("MatMul", [f"attn{i}", "wo"], [f"h{i}"]))
+        h = f"h{i}"
+    outputs.insert(0, helper.make_tensor_value_info(h, TensorProto.FLOAT, ["b", "s", 8]))
+    graph = helper.make_graph(nodes, "g", inputs, outputs, initializer=inits)
+    opsets = [helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)]
+    return ir.from_proto(helper.make_model(graph, opset_imports=opsets))
+
+
+def test_ort_fused_attention_takes_the_past_itself():
+    c = find_kv_cache(_gqa_graph().graph)
+    assert c is not None and c.named_by == "structure"
+    assert [(l.past_key, l.past_value, l.present_key, l.present_value, l.join_key)
+            for l in c.layers] == [("in0", "in1", "out0", "out1", "gqa0"),
+                                   ("in2", "in3", "out2", "out3", "gqa1")]
+    assert (c.num_kv_heads, c.head_dim, c.layout, c.past_dim, c.present_dim) == (1, 4, "bhsd", "p", "t")

@@ -12,9 +12,11 @@ projected ones along the sequence axis, and returns the result as `present`:
 
 So: a past tensor is a graph input that a Concat joins with a projection's output; it is a
 key when the Concat's result is multiplied into scores that reach a Softmax, a value when it
-is multiplied by a Softmax's output; K and V of one layer meet at the same Softmax. Layers
-are numbered in graph order. Names only break ties the structure leaves open (a fused
-attention op between the Concat and the Softmax), never override it.
+is multiplied by a Softmax's output; K and V of one layer meet at the same Softmax. When the
+Concat feeds a fused attention op instead (ONNX's opset-23 Attention), the op's input slot
+says K or V. Graphs after ONNX Runtime's fusions have no Concat: the past goes straight into
+the op's past_key/past_value slots and present comes out of it. Layers are numbered in
+graph order. Names only break ties the structure leaves open, never override it.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Literal
 
 import onnx_ir as ir
 
-from tuner.graph.walk import DATA_INPUTS, consumers, is_const, op, source, walk_back
+from tuner.graph.walk import DATA_INPUTS, MS, consumers, is_const, op, walk_back
 
 Role = Literal["key", "value"]
 # Ops between a cache Concat and the attention MatMuls: head transposes, GQA's repeat_kv
@@ -41,6 +43,15 @@ _TO_SOFTMAX = {"Mul", "Div", "Add", "Sub", "Where", "Cast", "Identity", "Tanh", 
 _PROBS_THROUGH = {"Cast": (0,), "Identity": (0,), "Reshape": (0,), "Dropout": (0,),
                   "Where": (1, 2)}
 _WALK_LIMIT = 24  # nodes per walk: the patterns above are a handful of ops deep
+# Fused attention ops: (K slot, V slot) of their inputs.
+_FUSED_KV = {"Attention": (1, 2), f"{MS}.MultiHeadAttention": (1, 2),
+             f"{MS}.GroupQueryAttention": (1, 2)}
+# Fused ops that append to the cache themselves: (past_key, past_value) input slots and
+# (present_key, present_value) output slots; their caches are (B, kv_heads, P, d).
+_FUSED_PAST = {"Attention": ((4, 5), (1, 2)), f"{MS}.MultiHeadAttention": ((6, 7), (1, 2)),
+               f"{MS}.GroupQueryAttention": ((3, 4), (1, 2))}
+# Besides walk.DATA_INPUTS, ops the new keys pass through after their projection.
+_ROTARY = {"RotaryEmbedding": (0,), f"{MS}.RotaryEmbedding": (0,)}
 
 
 @dataclass(frozen=True)
@@ -52,8 +63,10 @@ class CacheLayer:
     past_value: str
     present_key: str | None  # None: the graph does not return this layer's cache
     present_value: str | None
-    concat_key: str  # node names, so a rewrite can find them again in its own copy
-    concat_value: str
+    # The nodes that append the new positions (a Concat, or a fused attention op that takes
+    # the past itself), by name, so a rewrite can find them again in its own copy.
+    join_key: str
+    join_value: str
 
 
 @dataclass(frozen=True)
@@ -83,14 +96,15 @@ class KvCache:
 
 @dataclass(frozen=True)
 class _Join:
-    """A Concat of a past input with new keys/values; role/softmax filled in when found."""
+    """A node appending new keys/values to a past input; role and the attention it feeds
+    (a Softmax, or the fused op) filled in when found."""
 
-    concat: ir.Node
+    node: ir.Node  # the Concat, or a fused attention op with a past slot
     past: ir.Value  # the graph input
     present: ir.Value | None  # the graph output it becomes
     axis: int  # the sequence axis, non-negative
     role: Role | None
-    softmax: ir.Node | None
+    attention: ir.Node | None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -113,6 +127,8 @@ def _is_projected(v: ir.Value) -> bool:
     """Whether `v` is computed from a MatMul/Gemm (the new keys/values, after any rotary)."""
     def follow(node: ir.Node):
         kind = op(node)
+        if kind in _ROTARY:
+            return _ROTARY[kind]
         if kind not in DATA_INPUTS:
             return None
         return DATA_INPUTS[kind] or range(len(node.inputs))  # None there: every input
@@ -153,6 +169,21 @@ def _join(node: ir.Node, inputs: set[int], outputs: set[int]) -> _Join | None:
     return _Join(node, past, _present(node.outputs[0], outputs), axis % rank, None, None)
 
 
+def _fused_joins(node: ir.Node, inputs: set[int], outputs: set[int]) -> list[_Join]:
+    """The past_key/past_value slots of a fused attention op that graph inputs fill."""
+    slots = _FUSED_PAST.get(op(node))
+    if slots is None:
+        return []
+    joins = []
+    for role, i, o in zip(("key", "value"), *slots):
+        past = _graph_input(node.inputs[i], inputs) if i < len(node.inputs) else None
+        if past is None or past.shape is None or len(past.shape) != 4:
+            continue
+        present = _present(node.outputs[o], outputs) if o < len(node.outputs) else None
+        joins.append(_Join(node, past, present, 2, role, node))  # type: ignore[arg-type]
+    return joins
+
+
 # ---------------------------------------------------------------------------------------------
 # Key or value: what the joined tensor meets on its way to the Softmax
 
@@ -183,25 +214,37 @@ def _softmax_before(v: ir.Value) -> ir.Node | None:
 
 
 def _classify(j: _Join) -> _Join:
-    """The role the structure shows, and the Softmax of the attention it feeds."""
-    for mm in _forward(j.concat.outputs[0], _TO_ATTENTION, lambda n: op(n) == "MatMul"):
-        other = next((i for i in mm.inputs if i is not None and not _reaches(i, j.concat)), None)
+    """The role the structure shows, and the attention (Softmax or fused op) it feeds."""
+    if j.role is not None:
+        return j  # a fused op's past slot said so already
+    want = {"MatMul", *_FUSED_KV}
+    for mm in _forward(j.node.outputs[0], _TO_ATTENTION, lambda n: op(n) in want):
+        if op(mm) in _FUSED_KV:
+            k_slot, v_slot = _FUSED_KV[op(mm)]
+            if len(mm.inputs) > v_slot and _reaches(mm.inputs[v_slot], j.node):
+                return replace(j, role="value", attention=mm)
+            if len(mm.inputs) > k_slot and _reaches(mm.inputs[k_slot], j.node):
+                return replace(j, role="key", attention=mm)
+            continue
+        other = next((i for i in mm.inputs if i is not None and not _reaches(i, j.node)), None)
         soft = _softmax_before(other) if other is not None else None
-        if soft is not None:
-            return replace(j, role="value", softmax=soft)
+        if soft is not None:  # probabilities @ v
+            return replace(j, role="value", attention=soft)
         after = _forward(mm.outputs[0], _TO_SOFTMAX, lambda n: op(n) == "Softmax")
-        if after:
-            return replace(j, role="key", softmax=after[0])
+        if after:  # q @ k^T -> Softmax
+            return replace(j, role="key", attention=after[0])
     return j
 
 
-def _reaches(v: ir.Value, concat: ir.Node) -> bool:
-    """Whether `v` comes from `concat` through the ops _forward follows (the cache side of a
+def _reaches(v: ir.Value | None, join: ir.Node) -> bool:
+    """Whether `v` comes from `join` through the ops _forward follows (the cache side of a
     MatMul, as opposed to the query or the probabilities)."""
     def follow(node: ir.Node):
         return (0,) if op(node) in _TO_ATTENTION else None
 
-    hits, _ = walk_back(v, follow, lambda x: x.producer() is concat, limit=_WALK_LIMIT)
+    if v is None:
+        return False
+    hits, _ = walk_back(v, follow, lambda x: x.producer() is join, limit=_WALK_LIMIT)
     return bool(hits)
 
 
@@ -236,9 +279,9 @@ def _pair(joins: list[_Join], order: dict[int, int]) -> tuple[list[tuple[_Join, 
     keys = [j for j in typed if j.role == "key"]
     values = [j for j in typed if j.role == "value"]
     pairs: list[tuple[_Join, _Join]] = []
-    for k in sorted(keys, key=lambda j: order[id(j.concat)]):
-        match = [v for v in values if k.softmax is not None and v.softmax is k.softmax]
-        if not match:  # no shared Softmax seen: the same layer number in the names
+    for k in sorted(keys, key=lambda j: order[id(j.node)]):
+        match = [v for v in values if k.attention is not None and v.attention is k.attention]
+        if not match:  # no shared attention seen: the same layer number in the names
             layer = _name_layer(k.past.name or "")
             match = [v for v in values if layer is not None and _name_layer(v.past.name or "") == layer]
             named = named or bool(match)
@@ -283,14 +326,14 @@ def _layer(index: int, k: _Join, v: _Join) -> CacheLayer:
     return CacheLayer(index, k.past.name or "", v.past.name or "",
                       k.present.name if k.present is not None else None,
                       v.present.name if v.present is not None else None,
-                      k.concat.name or "", v.concat.name or "")
+                      k.node.name or "", v.node.name or "")
 
 
 def _cache(pairs: list[tuple[_Join, _Join]], named: bool) -> KvCache:
     k0, v0 = pairs[0]
     layout = _layout(v0.axis)  # the value's: a transposed key (bhds) still holds the same sizes
     heads_axis, dim_axis = layout.index("h"), layout.index("d")
-    tensors = [v0.past, v0.present, v0.concat.outputs[0]]
+    tensors = [v0.past, v0.present]
     heads, head_dim = _static(tensors, heads_axis), _static(tensors, dim_axis)
     dtype = v0.past.dtype
     assert dtype is not None  # _join kept floating-point inputs only
@@ -306,11 +349,13 @@ def _cache(pairs: list[tuple[_Join, _Join]], named: bool) -> KvCache:
 
 
 def find_kv_cache(graph: ir.Graph) -> KvCache | None:
-    """The graph's KV cache, or None when it has none (no past input joined by a Concat)."""
+    """The graph's KV cache, or None when it has none (no past input that a Concat or a
+    fused attention op appends to)."""
     inputs = {id(v) for v in graph.inputs}
     outputs = {id(v) for v in graph.outputs}
     order = {id(node): i for i, node in enumerate(graph)}
     joins = [_classify(j) for node in graph if (j := _join(node, inputs, outputs)) is not None]
+    joins += [j for node in graph for j in _fused_joins(node, inputs, outputs)]
     pairs, named = _pair(joins, order)
     return _cache(pairs, named) if pairs else None
 
