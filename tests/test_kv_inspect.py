@@ -102,7 +102,7 @@ def _no_attention_graph() -> ir.Model:
     w = numpy_helper.from_array(np.ones((4, 4), np.float32), "w")
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 2, "s", 4])
     inputs, outputs, nodes = [x], [], [helper.make_node("MatMul", ["x", "w"], ["new"])]
-    for i in (1, 0):  # graph order backwards: the layer number comes from the name
+    for i in (1, 0):  # names number the layers backwards: only names can pair them
         for kv in ("v", "k"):
             inputs.append(helper.make_tensor_value_info(f"past_{i}_{kv}", TensorProto.FLOAT,
                                                         ["b", 2, "p", 4]))
@@ -117,8 +117,8 @@ def _no_attention_graph() -> ir.Model:
 def test_names_break_ties_the_structure_leaves_open():
     c = find_kv_cache(_no_attention_graph().graph)
     assert c is not None and c.named_by == "names"
-    assert {(l.past_key, l.past_value, l.present_key) for l in c.layers} == {
-        ("past_1_k", "past_1_v", "present_1_k"), ("past_0_k", "past_0_v", "present_0_k")}
+    assert [(l.past_key, l.past_value, l.present_key) for l in c.layers] == [  # graph order
+        ("past_1_k", "past_1_v", "present_1_k"), ("past_0_k", "past_0_v", "present_0_k")]
     assert (c.num_kv_heads, c.head_dim, c.layout, c.bytes_per_token) == (2, 4, "bhsd", 2 * 2 * 2 * 4 * 4)
     assert (c.batch_dim, c.past_dim, c.present_dim) == ("b", "p", "t")
 

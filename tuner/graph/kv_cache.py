@@ -56,7 +56,8 @@ _ROTARY = {"RotaryEmbedding": (0,), f"{MS}.RotaryEmbedding": (0,)}
 
 @dataclass(frozen=True)
 class CacheLayer:
-    """One layer's cache tensors (graph input/output names) and the Concat nodes joining them."""
+    """One layer's cache tensors (graph input/output names) and the nodes appending to them.
+    `index` is the layer's place in graph order."""
 
     index: int
     past_key: str
