@@ -223,3 +223,18 @@ def test_ort_fused_attention_takes_the_past_itself():
             for l in c.layers] == [("in0", "in1", "out0", "out1", "gqa0"),
                                    ("in2", "in3", "out2", "out3", "gqa1")]
     assert (c.num_kv_heads, c.head_dim, c.layout, c.past_dim, c.present_dim) == (1, 4, "bhsd", "p", "t")
+
+
+def test_cache_survives_ort_transformer_fusions(tmp_path):
+    """After ONNX Runtime's transformer optimizer (SkipLayerNorm, FastGelu fused; the cache
+    Concats kept), the cache and every dim read the same."""
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    expect = spec("gpt2-kv", "awkward").expect
+    fused = optimize_model(str(cached("gpt2-kv", "awkward", "torchscript")), model_type="gpt2",
+                           num_heads=expect["num_heads"], hidden_size=expect["hidden_size"])
+    path = tmp_path / "gpt2-kv-fused.onnx"
+    fused.save_model_to_file(str(path))
+    shape = inspect_path(path)
+    assert shape.optimized and {k: getattr(shape, k) for k in DIMS} == expect
+    assert shape.cache is not None and _names(shape.cache) == _expected_layers(2)
