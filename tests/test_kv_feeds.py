@@ -140,3 +140,18 @@ def test_a_near_tie_that_flips_a_token_fails_with_that_reason():
     flipped = type(ref)(ref.logits, ref.query_masks, ref.tokens + 1, ref.cache)
     check = compare_rollouts(ref, flipped)
     assert not check and check.reason == "step 0: greedy tokens differ"
+
+
+def test_the_gates_tolerance_objects_are_policies_here():
+    """tuner.verify.Tolerance (per-output limits) plugs in as the rollout's policy."""
+    try:  # tuner/verify.py is moving to tuner/gate/verify.py
+        from tuner.gate.verify import Tolerance
+    except ImportError:
+        from tuner.verify import Tolerance
+
+    roles = _roles("llama", "torchscript")
+    run = greedy_rollout(_runner(cached("llama-kv", "awkward", "torchscript")).infer,
+                         prefill_feeds(roles, np.array([[1, 2, 3]])), steps=2)
+    noisy = type(run)(tuple(x + 1e-3 for x in run.logits), run.query_masks, run.tokens, run.cache)
+    assert not compare_rollouts(run, noisy, Tolerance(atol=1e-4, rtol=0))
+    assert compare_rollouts(run, noisy, Tolerance(atol=1e-4, rtol=0, per_output=(("logits", 1e-2, 0),)))

@@ -28,8 +28,9 @@ from tuner.graph.lm_head import token_embedding
 from tuner.graph.walk import DATA_INPUTS, walk_back
 
 Infer = Callable[[Mapping[str, np.ndarray]], Mapping[str, np.ndarray]]
-# (output name, reference array, candidate array) -> passes; the same shape as the gate's.
-Tolerance = Callable[[str, np.ndarray, np.ndarray], bool]
+# (output name, reference array, candidate array) -> passes: the accuracy gate's policy type
+# (tuner.verify.TolerancePolicy; its Tolerance objects fit), not imported while it moves.
+TolerancePolicy = Callable[[str, np.ndarray, np.ndarray], bool]
 
 
 @dataclass(frozen=True)
@@ -103,7 +104,7 @@ def _side_roles(others: list[ir.Value], ids: ir.Value, cache: KvCache) -> dict[s
         length = _axis_name(v, 1)
         if cache.present_dim is not None and length == cache.present_dim:
             role = "mask"
-        elif seq is not None and length == seq and isinstance(seq, str):
+        elif isinstance(seq, str) and length == seq:
             role = "position"
         else:
             role = _by_name(v.name or "")
@@ -262,7 +263,7 @@ def greedy_rollout(infer: Infer, feeds: StepFeeds, steps: int) -> Rollout:
     return Rollout(tuple(logits), tuple(query_masks), np.stack(tokens, axis=1), cache)
 
 
-def allclose(atol: float = 1e-4, rtol: float = 1e-3) -> Tolerance:
+def allclose(atol: float = 1e-4, rtol: float = 1e-3) -> TolerancePolicy:
     """|cand - ref| <= atol + rtol * |ref| everywhere (numpy's allclose, the gate's default)."""
     def policy(name: str, ref: np.ndarray, cand: np.ndarray) -> bool:
         return bool(np.all(np.abs(cand - ref) <= atol + rtol * np.abs(ref)))
@@ -289,7 +290,8 @@ def _step_error(ref: np.ndarray, got: np.ndarray, mask: np.ndarray) -> np.ndarra
     return np.abs(got[keep].astype(np.float64) - ref[keep].astype(np.float64))
 
 
-def compare_rollouts(ref: Rollout, got: Rollout, tolerance: Tolerance = allclose()) -> RolloutCheck:
+def compare_rollouts(ref: Rollout, got: Rollout,
+                     tolerance: TolerancePolicy = allclose()) -> RolloutCheck:
     """Compare a candidate's rollout with the reference's, step by step (fails closed)."""
     errors: list[float] = []
     for step, (r, g, m) in enumerate(zip(ref.logits, got.logits, ref.query_masks)):
@@ -312,7 +314,7 @@ def compare_rollouts(ref: Rollout, got: Rollout, tolerance: Tolerance = allclose
 
 
 def _compare_cache(ref: Rollout, got: Rollout, errors: tuple[float, ...],
-                   tolerance: Tolerance) -> RolloutCheck:
+                   tolerance: TolerancePolicy) -> RolloutCheck:
     worst = 0.0
     for name, r in ref.cache.items():
         g = got.cache.get(name)
