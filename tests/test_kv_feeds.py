@@ -155,3 +155,12 @@ def test_the_gates_tolerance_objects_are_policies_here():
     noisy = type(run)(tuple(x + 1e-3 for x in run.logits), run.query_masks, run.tokens, run.cache)
     assert not compare_rollouts(run, noisy, Tolerance(atol=1e-4, rtol=0))
     assert compare_rollouts(run, noisy, Tolerance(atol=1e-4, rtol=0, per_output=(("logits", 1e-2, 0),)))
+
+
+def test_a_static_batch_is_kept():
+    from dataclasses import replace
+
+    roles = replace(_roles("gpt2", "torchscript"), batch=1)
+    assert decode_feeds(roles, batch=1, past=2, seq=1, vocab_size=10).arrays["input_ids"].shape == (1, 1)
+    with pytest.raises(BadInput, match="batch is fixed to 1; feeds of batch 2"):
+        decode_feeds(roles, batch=2, past=2, seq=1, vocab_size=10)

@@ -43,6 +43,7 @@ class CacheRoles:
     logits: str
     cache: KvCache
     dtypes: Mapping[str, str] = field(default_factory=dict)  # input name -> numpy dtype name
+    batch: int | None = None  # the graph's batch when it is static (STYLE.md: static dims are real)
 
     @property
     def past_to_present(self) -> dict[str, str]:
@@ -137,9 +138,11 @@ def cache_roles(model: ir.Model) -> CacheRoles:
     others = [v for v in inputs if v is not ids and v.name not in past]
     side = _side_roles(others, ids, cache)
     mask, pos = side.get("mask"), side.get("position")
+    batch = _axis_name(ids, 0)
     return CacheRoles(ids.name or "", mask.name if mask is not None else None,
                       pos.name if pos is not None else None, _logits(graph, cache), cache,
-                      {v.name or "": _dtype(v) for v in inputs})
+                      {v.name or "": _dtype(v) for v in inputs},
+                      batch if isinstance(batch, int) else None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -181,7 +184,10 @@ def positions(mask: np.ndarray) -> np.ndarray:
 
 def _feeds(roles: CacheRoles, ids: np.ndarray, mask: np.ndarray,
            past: Mapping[str, np.ndarray]) -> StepFeeds:
-    seq = ids.shape[1]
+    batch, seq = ids.shape
+    if roles.batch is not None and batch != roles.batch:
+        raise BadInput(f"the graph's batch is fixed to {roles.batch}; feeds of batch {batch} "
+                       "would not run")
     arrays = {roles.input_ids: ids.astype(roles.dtypes[roles.input_ids])}
     if roles.attention_mask is not None:
         arrays[roles.attention_mask] = mask.astype(roles.dtypes[roles.attention_mask])
