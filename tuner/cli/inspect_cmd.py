@@ -43,6 +43,29 @@ def _where(shape: ModelShape) -> dict[str, str]:
     return out
 
 
+def _cache_lines(shape: ModelShape) -> list[str]:
+    """The KV cache in a few lines: what a serving engine must allocate, and its names."""
+    c = shape.cache
+    if c is None:
+        return ["KV cache: none (no past key/value inputs)"]
+    per_token = f"{c.bytes_per_token} bytes per token" if c.bytes_per_token else "size unknown"
+    first, last = c.layers[0], c.layers[-1]
+    lines = [
+        f"KV cache: {c.num_layers} layers x {c.num_kv_heads} kv heads x head dim {c.head_dim}, "
+        f"layout {c.layout}, {c.dtype}, {per_token} (K and V)",
+        f"  axes: batch {c.batch_dim or '-'}, past {c.past_dim or '-'}, "
+        f"present {c.present_dim or '-'}",
+        f"  layer 0: {first.past_key}, {first.past_value} -> "
+        f"{first.present_key or '-'}, {first.present_value or '-'}",
+    ]
+    if c.num_layers > 1:
+        lines.append(f"  layer {last.index}: {last.past_key}, {last.past_value} -> "
+                     f"{last.present_key or '-'}, {last.present_value or '-'}")
+    if c.named_by == "names":
+        lines.append("  (key/value told apart by input names: the structure left it open)")
+    return lines
+
+
 def render(shape: ModelShape, console: Console) -> None:
     where = _where(shape)
     kind = shape.kind + (" (ORT-optimized: " + ", ".join(shape.fused_ops) + ")"
@@ -67,6 +90,9 @@ def render(shape: ModelShape, console: Console) -> None:
     for name, value, place in rows:
         table.add_row(name, str(value), place)
     console.print(table)
+    if shape.kind == "decoder":
+        for line in _cache_lines(shape):
+            console.print(line, highlight=False, markup=False)
     if not shape.findings:
         console.print("findings: none")
         return

@@ -21,6 +21,7 @@ from tuner.graph import attention as attn_mod
 from tuner.graph import ort_fused
 from tuner.graph.dims import Dims
 from tuner.graph.ffn import FfnMatch, find_ffns
+from tuner.graph.kv_cache import find_kv_cache, with_dims
 from tuner.graph.lm_head import Embedding, is_tied, lm_head, token_embedding
 from tuner.graph.load import load_model, name_nodes
 from tuner.graph.shape import FfnSite, LayerSites, ModelShape, Sites
@@ -90,6 +91,7 @@ def inspect_model(model: ir.Model) -> ModelShape:
     if not head_dim and heads and hidden:
         head_dim = hidden // heads
     activation = ffns[0].activation if ffns else fusion.activation
+    cache = find_kv_cache(graph)
     return ModelShape(
         num_layers=num_layers,
         hidden_size=hidden,
@@ -111,6 +113,7 @@ def inspect_model(model: ir.Model) -> ModelShape:
             embedding=emb_weight.name if emb_weight is not None else None,
             tied=tied,
         ),
+        cache=with_dims(cache, kv, head_dim) if cache is not None else None,
     )
 
 

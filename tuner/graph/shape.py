@@ -9,7 +9,10 @@ looks the names up in its own copy of the graph. `ModelShape.to_json()` is DESIG
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from tuner.graph.kv_cache import KvCache
 
 Severity = Literal["info", "warning", "error"]
 ScaleKind = Literal["constant", "computed", "attribute", "none", "unknown"]
@@ -104,6 +107,7 @@ class ModelShape:
     fused_ops: tuple[str, ...] = ()
     findings: tuple[Finding, ...] = ()
     sites: Sites = field(default_factory=Sites)
+    cache: KvCache | None = None  # the KV cache of a decoder exported with one (kv_cache.py)
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)

@@ -1,0 +1,371 @@
+"""The KV cache of a decoder export, found from the graph's structure (read-only).
+
+A cache export concatenates each layer's past keys/values (graph inputs) with the newly
+projected ones along the sequence axis, and returns the result as `present`:
+
+    past_k (graph input) ---------------\\
+    x -> MatMul(Wk) -> ... (rotary) ---> Concat(axis=seq) --> present_k (graph output)
+                                                          \\-> ... -> MatMul(q, k^T) -> Softmax
+    past_v (graph input) ---------------\\
+    x -> MatMul(Wv) -> ... ------------> Concat(axis=seq) --> present_v (graph output)
+                                                          \\-> ... -> MatMul(Softmax, v)
+
+So: a past tensor is a graph input that a Concat joins with a projection's output; it is a
+key when the Concat's result is multiplied into scores that reach a Softmax, a value when it
+is multiplied by a Softmax's output; K and V of one layer meet at the same Softmax. When the
+Concat feeds a fused attention op instead (ONNX's opset-23 Attention), the op's input slot
+says K or V. Graphs after ONNX Runtime's fusions have no Concat: the past goes straight into
+the op's past_key/past_value slots and present comes out of it. Layers are numbered in
+graph order. Names only break ties the structure leaves open, never override it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import deque
+from dataclasses import dataclass, replace
+from typing import Literal
+
+import onnx_ir as ir
+
+from tuner.graph.walk import DATA_INPUTS, MS, consumers, is_const, op, walk_back
+
+Role = Literal["key", "value"]
+# Ops between a cache Concat and the attention MatMuls: head transposes, GQA's repeat_kv
+# (Unsqueeze -> Expand -> Reshape), TorchScript's sqrt(scale) Mul on k, casts.
+_TO_ATTENTION = {"Transpose", "Reshape", "Unsqueeze", "Squeeze", "Expand", "Tile", "Mul", "Div",
+                 "Cast", "Identity", "Slice", "Gather"}
+# Ops between the score MatMul and the Softmax: scale, mask Add/Where, soft-capping.
+_TO_SOFTMAX = {"Mul", "Div", "Add", "Sub", "Where", "Cast", "Identity", "Tanh", "Slice",
+               "Reshape", "Transpose"}
+# Ops between a Softmax and the MatMul with v (positions of the data input): sdpa's
+# Where(isnan(p), 0, p) guard for fully masked rows, dropout, casts.
+_PROBS_THROUGH = {"Cast": (0,), "Identity": (0,), "Reshape": (0,), "Dropout": (0,),
+                  "Where": (1, 2)}
+_WALK_LIMIT = 24  # nodes per walk: the patterns above are a handful of ops deep
+# Fused attention ops: (K slot, V slot) of their inputs.
+_FUSED_KV = {"Attention": (1, 2), f"{MS}.MultiHeadAttention": (1, 2),
+             f"{MS}.GroupQueryAttention": (1, 2)}
+# Fused ops that append to the cache themselves: (past_key, past_value) input slots and
+# (present_key, present_value) output slots; their caches are (B, kv_heads, P, d).
+_FUSED_PAST = {"Attention": ((4, 5), (1, 2)), f"{MS}.MultiHeadAttention": ((6, 7), (1, 2)),
+               f"{MS}.GroupQueryAttention": ((3, 4), (1, 2))}
+# Besides walk.DATA_INPUTS, ops the new keys pass through after their projection.
+_ROTARY = {"RotaryEmbedding": (0,), f"{MS}.RotaryEmbedding": (0,)}
+
+
+@dataclass(frozen=True)
+class CacheLayer:
+    """One layer's cache tensors (graph input/output names) and the nodes appending to them.
+    `index` is the layer's place in graph order."""
+
+    index: int
+    past_key: str
+    past_value: str
+    present_key: str | None  # None: the graph does not return this layer's cache
+    present_value: str | None
+    # The nodes that append the new positions (a Concat, or a fused attention op that takes
+    # the past itself), by name, so a rewrite can find them again in its own copy.
+    join_key: str
+    join_value: str
+
+
+@dataclass(frozen=True)
+class KvCache:
+    """What `tuner inspect` reports as `cache`. Layout letters: b batch, h kv heads, s
+    sequence (past), d head dim, in axis order; "bhsd" is the Hugging Face layout."""
+
+    num_layers: int
+    num_kv_heads: int | None  # None: not static in the graph
+    head_dim: int | None
+    layout: str
+    dtype: str  # numpy name, e.g. "float32"
+    itemsize: int  # bytes per element
+    bytes_per_token: int | None  # 2 (K and V) * layers * kv heads * head dim * itemsize
+    batch_dim: str | None  # symbolic dim names (dim_param); None when static or unnamed
+    past_dim: str | None
+    present_dim: str | None  # past + seq, on present
+    layers: tuple[CacheLayer, ...]
+    named_by: Literal["structure", "names"] = "structure"  # did names decide a K/V role?
+
+    def __post_init__(self) -> None:
+        if self.num_layers != len(self.layers):
+            raise ValueError(f"num_layers {self.num_layers} != {len(self.layers)} layers listed")
+        if sorted(self.layout) != sorted("bhsd"):
+            raise ValueError(f"layout must order the letters b, h, s, d, not {self.layout!r}")
+
+
+@dataclass(frozen=True)
+class _Join:
+    """A node appending new keys/values to a past input; role and the attention it feeds
+    (a Softmax, or the fused op) filled in when found."""
+
+    node: ir.Node  # the Concat, or a fused attention op with a past slot
+    past: ir.Value  # the graph input
+    present: ir.Value | None  # the graph output it becomes
+    axis: int  # the sequence axis, non-negative
+    role: Role | None
+    attention: ir.Node | None
+
+
+# ---------------------------------------------------------------------------------------------
+# Finding the joins
+
+
+def _graph_input(v: ir.Value | None, inputs: set[int]) -> ir.Value | None:
+    """The graph input behind `v` (through Identity/Cast: a fp16 cache fed to a fp32 graph)."""
+    while v is not None:
+        if id(v) in inputs:
+            return v
+        p = v.producer()
+        if p is None or op(p) not in ("Identity", "Cast"):
+            return None
+        v = p.inputs[0]
+    return None
+
+
+def _is_projected(v: ir.Value) -> bool:
+    """Whether `v` is computed from a MatMul/Gemm (the new keys/values, after any rotary)."""
+    def follow(node: ir.Node):
+        kind = op(node)
+        if kind in _ROTARY:
+            return _ROTARY[kind]
+        if kind not in DATA_INPUTS:
+            return None
+        return DATA_INPUTS[kind] or range(len(node.inputs))  # None there: every input
+
+    hits, _ = walk_back(v, follow, lambda x: op(x.producer()) in ("MatMul", "Gemm"),
+                        limit=_WALK_LIMIT * 4)
+    return bool(hits)
+
+
+def _present(v: ir.Value, outputs: set[int]) -> ir.Value | None:
+    """The graph output `v` is, directly or through Identity/Cast."""
+    queue, seen = deque([v]), set()
+    while queue:
+        x = queue.popleft()
+        if id(x) in outputs:
+            return x
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
+        queue.extend(n.outputs[0] for n in consumers(x) if op(n) in ("Identity", "Cast"))
+    return None
+
+
+def _join(node: ir.Node, inputs: set[int], outputs: set[int]) -> _Join | None:
+    if op(node) != "Concat" or len(node.inputs) != 2 or any(is_const(i) for i in node.inputs):
+        return None
+    pasts = [_graph_input(i, inputs) for i in node.inputs]
+    if sum(p is not None for p in pasts) != 1:
+        return None
+    past = next(p for p in pasts if p is not None)
+    new = node.inputs[1] if pasts[0] is not None else node.inputs[0]
+    rank = len(past.shape) if past.shape is not None else 0
+    if rank != 4 or past.dtype is None or not past.dtype.is_floating_point():
+        return None
+    if new is None or not _is_projected(new):
+        return None
+    axis = node.attributes["axis"].as_int() if "axis" in node.attributes else 0
+    return _Join(node, past, _present(node.outputs[0], outputs), axis % rank, None, None)
+
+
+def _fused_joins(node: ir.Node, inputs: set[int], outputs: set[int]) -> list[_Join]:
+    """The past_key/past_value slots of a fused attention op that graph inputs fill."""
+    slots = _FUSED_PAST.get(op(node))
+    if slots is None:
+        return []
+    joins = []
+    for role, i, o in zip(("key", "value"), *slots):
+        past = _graph_input(node.inputs[i], inputs) if i < len(node.inputs) else None
+        if past is None or past.shape is None or len(past.shape) != 4:
+            continue
+        present = _present(node.outputs[o], outputs) if o < len(node.outputs) else None
+        joins.append(_Join(node, past, present, 2, role, node))  # type: ignore[arg-type]
+    return joins
+
+
+# ---------------------------------------------------------------------------------------------
+# Key or value: what the joined tensor meets on its way to the Softmax
+
+
+def _forward(start: ir.Value, through: set[str], want) -> list[ir.Node]:
+    """Nodes `want(node)` reached from `start` through ops in `through` (bounded BFS)."""
+    found, queue, seen = [], deque([start]), set()
+    while queue and len(seen) < _WALK_LIMIT:
+        v = queue.popleft()
+        for node in consumers(v):
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+            if want(node):
+                found.append(node)
+            elif op(node) in through:
+                queue.extend(node.outputs)
+    return found
+
+
+def _softmax_before(v: ir.Value) -> ir.Node | None:
+    """The Softmax whose output `v` is (through casts/reshapes/dropout)."""
+    def follow(node: ir.Node):
+        return _PROBS_THROUGH.get(op(node))
+
+    hits, _ = walk_back(v, follow, lambda x: op(x.producer()) == "Softmax", limit=8)
+    return hits[0].producer() if hits else None
+
+
+def _classify(j: _Join) -> _Join:
+    """The role the structure shows, and the attention (Softmax or fused op) it feeds."""
+    if j.role is not None:
+        return j  # a fused op's past slot said so already
+    want = {"MatMul", *_FUSED_KV}
+    for mm in _forward(j.node.outputs[0], _TO_ATTENTION, lambda n: op(n) in want):
+        if op(mm) in _FUSED_KV:
+            k_slot, v_slot = _FUSED_KV[op(mm)]
+            if len(mm.inputs) > v_slot and _reaches(mm.inputs[v_slot], j.node):
+                return replace(j, role="value", attention=mm)
+            if len(mm.inputs) > k_slot and _reaches(mm.inputs[k_slot], j.node):
+                return replace(j, role="key", attention=mm)
+            continue
+        other = next((i for i in mm.inputs if i is not None and not _reaches(i, j.node)), None)
+        soft = _softmax_before(other) if other is not None else None
+        if soft is not None:  # probabilities @ v
+            return replace(j, role="value", attention=soft)
+        after = _forward(mm.outputs[0], _TO_SOFTMAX, lambda n: op(n) == "Softmax")
+        if after:  # q @ k^T -> Softmax
+            return replace(j, role="key", attention=after[0])
+    return j
+
+
+def _reaches(v: ir.Value | None, join: ir.Node) -> bool:
+    """Whether `v` comes from `join` through the ops _forward follows (the cache side of a
+    MatMul, as opposed to the query or the probabilities)."""
+    def follow(node: ir.Node):
+        return (0,) if op(node) in _TO_ATTENTION else None
+
+    if v is None:
+        return False
+    hits, _ = walk_back(v, follow, lambda x: x.producer() is join, limit=_WALK_LIMIT)
+    return bool(hits)
+
+
+# ---------------------------------------------------------------------------------------------
+# Names: the tie-breaker
+
+
+def _name_role(name: str) -> Role | None:
+    """"key"/"value" from names like past_key_values.0.key, past.0.k, pkv_0_v, cache_v_3."""
+    words = set(re.split(r"[^a-z]+", name.lower()))
+    is_key, is_value = bool(words & {"key", "k", "keys"}), bool(words & {"value", "v", "values"})
+    return ("key" if is_key else "value") if is_key != is_value else None
+
+
+def _name_layer(name: str) -> int | None:
+    digits = re.findall(r"\d+", name)
+    return int(digits[0]) if digits else None
+
+
+def _pair(joins: list[_Join], order: dict[int, int]) -> tuple[list[tuple[_Join, _Join]], bool]:
+    """(key, value) pairs in graph order, and whether names had to decide any of them."""
+    named = False
+    typed: list[_Join] = []
+    for j in joins:
+        if j.role is None:
+            role = _name_role(j.past.name or "")
+            if role is None:
+                continue  # neither structure nor name says: not reported as cache
+            named = True
+            j = replace(j, role=role)
+        typed.append(j)
+    keys = [j for j in typed if j.role == "key"]
+    values = [j for j in typed if j.role == "value"]
+    pairs: list[tuple[_Join, _Join]] = []
+    for k in sorted(keys, key=lambda j: order[id(j.node)]):
+        match = [v for v in values if k.attention is not None and v.attention is k.attention]
+        if not match:  # no shared attention seen: the same layer number in the names
+            layer = _name_layer(k.past.name or "")
+            match = [v for v in values if layer is not None and _name_layer(v.past.name or "") == layer]
+            named = named or bool(match)
+        if match:
+            values.remove(match[0])
+            pairs.append((k, match[0]))
+    return pairs, named
+
+
+# ---------------------------------------------------------------------------------------------
+# Dims
+
+
+def _layout(axis: int) -> str:
+    """Letters per axis: batch first, the Concat axis is the sequence; of the two left, the
+    earlier is heads and the later the head dim (bhsd, bshd, and GPT-2's old bhds key)."""
+    letters = ["b", "", "", ""]
+    letters[axis] = "s"
+    rest = [i for i in range(1, 4) if i != axis]
+    letters[rest[0]], letters[rest[1]] = "h", "d"
+    return "".join(letters)
+
+
+def _static(values: list[ir.Value | None], axis: int) -> int | None:
+    """A static size of `axis` from the first of `values` whose shape knows it."""
+    for v in values:
+        if v is not None and v.shape is not None and len(v.shape) > axis:
+            d = v.shape[axis]
+            if isinstance(d, int):
+                return d
+    return None
+
+
+def _symbol(v: ir.Value | None, axis: int) -> str | None:
+    if v is None or v.shape is None or len(v.shape) <= axis:
+        return None
+    d = v.shape[axis]
+    return d.value if isinstance(d, ir.SymbolicDim) else None
+
+
+def _layer(index: int, k: _Join, v: _Join) -> CacheLayer:
+    return CacheLayer(index, k.past.name or "", v.past.name or "",
+                      k.present.name if k.present is not None else None,
+                      v.present.name if v.present is not None else None,
+                      k.node.name or "", v.node.name or "")
+
+
+def _cache(pairs: list[tuple[_Join, _Join]], named: bool) -> KvCache:
+    k0, v0 = pairs[0]
+    layout = _layout(v0.axis)  # the value's: a transposed key (bhds) still holds the same sizes
+    heads_axis, dim_axis = layout.index("h"), layout.index("d")
+    tensors = [v0.past, v0.present]
+    heads, head_dim = _static(tensors, heads_axis), _static(tensors, dim_axis)
+    dtype = v0.past.dtype
+    assert dtype is not None  # _join kept floating-point inputs only
+    per_token = (2 * len(pairs) * heads * head_dim * int(dtype.itemsize)
+                 if heads and head_dim else None)
+    return KvCache(
+        num_layers=len(pairs), num_kv_heads=heads, head_dim=head_dim, layout=layout,
+        dtype=str(dtype.numpy()), itemsize=int(dtype.itemsize), bytes_per_token=per_token,
+        batch_dim=_symbol(v0.past, 0), past_dim=_symbol(v0.past, v0.axis),
+        present_dim=_symbol(v0.present, v0.axis),
+        layers=tuple(_layer(i, k, v) for i, (k, v) in enumerate(pairs)),
+        named_by="names" if named else "structure")
+
+
+def find_kv_cache(graph: ir.Graph) -> KvCache | None:
+    """The graph's KV cache, or None when it has none (no past input that a Concat or a
+    fused attention op appends to)."""
+    inputs = {id(v) for v in graph.inputs}
+    outputs = {id(v) for v in graph.outputs}
+    order = {id(node): i for i, node in enumerate(graph)}
+    joins = [_classify(j) for node in graph if (j := _join(node, inputs, outputs)) is not None]
+    joins += [j for node in graph for j in _fused_joins(node, inputs, outputs)]
+    pairs, named = _pair(joins, order)
+    return _cache(pairs, named) if pairs else None
+
+
+def with_dims(cache: KvCache, kv_heads: int, head_dim: int) -> KvCache:
+    """Fill dims the graph leaves symbolic from what inspect found in the attention blocks."""
+    heads = cache.num_kv_heads or kv_heads or None
+    dim = cache.head_dim or head_dim or None
+    if heads == cache.num_kv_heads and dim == cache.head_dim:
+        return cache
+    per_token = 2 * cache.num_layers * heads * dim * cache.itemsize if heads and dim else None
+    return replace(cache, num_kv_heads=heads, head_dim=dim, bytes_per_token=per_token)
