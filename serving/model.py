@@ -7,7 +7,7 @@ tuner.runtime.registry (how to run it) and tuner.gate.verify / tuner.gate.feeds 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping
 
@@ -131,15 +131,6 @@ def _gate_feeds(path: Path, vocab: int, buckets: Buckets) -> list[dict[str, np.n
     return make_feeds(path, vocab, shapes, seed=0)
 
 
-def _recorded_settings(manifest: Manifest) -> SessionSettings:
-    """The session settings the artifact was timed with (unknown keys ignored)."""
-    known = {f.name for f in fields(SessionSettings)}
-    try:
-        return SessionSettings(**{k: v for k, v in manifest.settings.items() if k in known})
-    except (TypeError, ValueError) as e:
-        raise BadInput(f"manifest: settings: {e}") from None
-
-
 def load_artifact(out_dir: str | Path, backend: str | None = None,
                   settings: SessionSettings | None = None, model_name: str | None = None,
                   tolerance: Tolerance = Tolerance(),
@@ -149,7 +140,7 @@ def load_artifact(out_dir: str | Path, backend: str | None = None,
     out = Path(out_dir)
     manifest: Manifest = read_manifest(out)
     backend = backend or manifest.backend
-    settings = settings or _recorded_settings(manifest)
+    settings = settings or manifest.session_settings(ignore_unknown=True)
     name = model_name or Path(manifest.source_path).stem
     loader = get_backend(backend)
     shapes = [(b, s) for b in manifest.buckets.batch for s in manifest.buckets.seq]

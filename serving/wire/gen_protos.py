@@ -85,7 +85,7 @@ def main() -> int:
               f"protobuf runtime at least as new as its gencode (see this module's docstring)",
               file=sys.stderr)
     for path in generate(OUT_DIR):
-        print(f"wrote {path.relative_to(ROOT)}")
+        print(f"wrote {path.relative_to(ROOT)}", file=sys.stderr)
     return 0
 
 

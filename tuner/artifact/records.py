@@ -13,7 +13,7 @@ BadInput with the field's JSON path in the message.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -231,14 +231,16 @@ class Manifest:
     def selected_variant(self) -> Variant:
         return self.variant(self.selected)
 
-    def session_settings(self):
+    def session_settings(self, ignore_unknown: bool = False) -> SessionSettings:
         """The tuner.runtime.base.SessionSettings the latencies were measured with (serve
-        should run with the same); BadInput if the recorded values are unusable."""
-
+        runs with the same); BadInput if the recorded values are unusable. `ignore_unknown`
+        skips keys this version does not know (a manifest from a newer tuner)."""
+        known = {f.name for f in fields(SessionSettings)}
+        given = {k: v for k, v in self.settings.items() if k in known or not ignore_unknown}
         try:
-            return SessionSettings(**self.settings)
+            return SessionSettings(**given)
         except (TypeError, ValueError) as e:
-            raise BadInput(f"manifest: settings are not usable session settings ({e})") from None
+            raise BadInput(f"manifest: settings: {e} (not usable session settings)") from None
 
     @property
     def device_label(self) -> str:

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.console import Console
 
 from tuner.cli.app import app
 from tuner.design import report
@@ -84,7 +85,19 @@ def design(
     if json_out:
         print(json.dumps({**meta, **ranking.to_json()}, indent=2))
     else:
-        report.print_table(ranking, meta, top)
+        print_ranking(ranking, meta, top)
     if out is not None:
         paths = report.write(ranking, out, meta, top)
         print(f"wrote {', '.join(str(p) for p in paths.values())}", file=sys.stderr)
+
+
+def print_ranking(ranking, meta: dict, top: int) -> None:
+    console = Console()
+    if not console.is_terminal:  # a file or a pipe: do not wrap the table at 80 columns
+        console = Console(width=160)
+    console.print(report.rich_table(ranking, top))
+    for line in report.header_lines(ranking, meta):
+        console.print(line, style="dim", highlight=False)
+    console.print(report.verdict(ranking), highlight=False)
+    for note in ranking.best.notes:
+        console.print(f"  - {note}", highlight=False)

@@ -60,13 +60,13 @@ def pad_cmd(
         if as_json:
             print(json.dumps({"written": False, "accuracy": e.result.to_json()}))
         else:
-            e.result.print()
+            print(e.result.table())
             typer.echo("tuner: the padded model is not exact; nothing was written", err=True)
         raise SystemExit(1) from None  # not typer.Exit: click would drop the code
     if as_json:
         print(json.dumps({"written": True, **result.to_json()}))
         return
     if result.accuracy is not None:
-        result.accuracy.print()
+        print(result.accuracy.table())
     done = ", ".join(result.transforms) or "nothing (already aligned)"
     typer.echo(f"padded {model} -> {output}: {done}")

@@ -65,7 +65,7 @@ def verify_cmd(
         _check_reference_runs(ref, feeds, f"{inputs}" if inputs is not None
                               else f"token ids below --vocab {vocab}")
     result = verify(ref, cand, feeds, tol)
-    result.print()
+    print(result.table())
     # SystemExit, not typer.Exit: with standalone_mode=False click returns (drops) Exit codes.
     raise SystemExit(0 if result else 1)
 

@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from rich.table import Table
+
 from tuner.design.rank import RankedShape, Ranking
 from tuner.util.files import atomic_write
 
@@ -70,27 +72,15 @@ def verdict(ranking: Ranking) -> str:
     return line
 
 
-def print_table(ranking: Ranking, meta: dict[str, Any], top: int, console=None) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    if console is None:
-        console = Console()
-        if not console.is_terminal:  # a file or a pipe: do not wrap the table at 80 columns
-            console = Console(width=160)
+def rich_table(ranking: Ranking, top: int) -> Table:
+    """The ranking as a rich table (the CLI prints it, with header_lines and verdict)."""
     table = Table(title="tuner design: shapes ranked by measured throughput")
     for col in COLUMNS:
         table.add_column(col, justify="right" if col not in ("shape", "") else "left")
     for i, r in shown_rows(ranking, top):
         style = "bold green" if i == 1 else ("yellow" if r.name == ranking.baseline else None)
         table.add_row(*_cells(i, r, ranking), style=style)
-    console.print(table)
-    for line in header_lines(ranking, meta):
-        console.print(line, style="dim", highlight=False)
-    best = ranking.best
-    console.print(verdict(ranking), highlight=False)
-    for note in best.notes:
-        console.print(f"  - {note}", highlight=False)
+    return table
 
 
 def markdown(ranking: Ranking, meta: dict[str, Any], top: int) -> str:

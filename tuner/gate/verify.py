@@ -1,7 +1,7 @@
 """The accuracy gate: run a reference and a candidate on the same feeds, compare every output.
 
     result = verify(ref_runner, cand_runner, feeds, Tolerance())   # truthy when it passes
-    result.print()
+    print(result.table())
 
 Per output it reports the max absolute and relative error, the cosine similarity and, for
 float outputs of rank >= 2 (logits), the top-1 agreement over the last axis. Positions where
@@ -99,9 +99,6 @@ class VerifyResult:
         lines.extend(f"error: {e}" for e in self.errors)
         lines.append("PASS" if self.passed else "FAIL")
         return "\n".join(lines)
-
-    def print(self) -> None:
-        print(self.table())
 
     def to_json(self) -> dict:
         return {"passed": self.passed, "feeds": self.feeds, "tolerance": self.tolerance,

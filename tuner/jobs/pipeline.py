@@ -144,7 +144,7 @@ def _advise(cfg, shape, sel_shape, threads, say, pb: str = "ort-cpu"):
     found = measure_advice(shape, sel_shape[0], sel_shape[1],
                            lambda g, rounds: probe(g, pb, rounds=rounds, warmup=1,
                                                    threads=threads), rounds=cfg.rounds)
-    return tuple(Advice(a.name, a.transforms, a.speedup, a.note) for a in found)
+    return tuple(Advice(a.name, a.transforms, _speed(a.speedup), a.note) for a in found)
 
 
 def _gate_on_backend(built, targets, reference, feeds, tol, backend):

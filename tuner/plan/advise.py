@@ -14,10 +14,9 @@ from typing import Callable
 
 import numpy as np
 
-from tuner.artifact.records import Speedup
 from tuner.graph.paddable import Transform
 from tuner.hardware.facts import next_multiple
-from tuner.measure.stats import paired_ratio_ci
+from tuner.measure.stats import RatioCI, paired_ratio_ci
 from tuner.plan.probe import model_gemms
 
 
@@ -57,7 +56,7 @@ def reshapes(shape) -> list[Reshape]:
 class Advice:
     name: str
     transforms: tuple[Transform, ...]
-    speedup: Speedup
+    speedup: RatioCI
     note: str
 
 
@@ -80,7 +79,7 @@ def measure_advice(shape, batch: int, seq: int, probe: Callable, rounds: int = 7
     out = []
     for r, t in zip(options, totals[1:]):
         ci = paired_ratio_ci(totals[0], t)
-        out.append(Advice(r.name, r.transforms, Speedup(ci.ratio, ci.low, ci.high, ci.confidence),
+        out.append(Advice(r.name, r.transforms, ci,
                           f"needs retraining; GEMM-level estimate at {batch}x{seq} "
                           f"(every layer's GEMMs and the LM head, random weights)"))
     return out

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Callable
 
 import onnx_ir as ir
 
 from tuner.errors import BadInput, RewriteRefused
-from tuner.graph.paddable import BY_KIND, Transform
+from tuner.graph.paddable import BY_KIND, PADDABLE, Transform
 from tuner.graph.shape import ModelShape
 from tuner.rewrite.common import remove_unused
 from tuner.rewrite.ffn import pad_ffns
@@ -82,31 +83,39 @@ class PadRequest:
         return cls(**{BY_KIND[kind].field: size for kind, size in pads.items()})
 
 
+def _vocab(model: ir.Model, shape: ModelShape, new: int) -> int:
+    return pad_vocab(model.graph, shape.sites, new)
+
+
+def _ffn(model: ir.Model, shape: ModelShape, new: int) -> int:
+    ffns = [(i, layer.ffn) for i, layer in enumerate(shape.sites.layers) if layer.ffn]
+    if not ffns:
+        raise RewriteRefused("no FFN block found to pad")
+    olds = sorted(set(pad_ffns(model, ffns, new)))
+    return new if olds == [new] else olds[0]  # the narrowest, if layers differ
+
+
+# One exact rewrite per padded dimension (tuner.graph.paddable.PADDABLE), applied in that
+# table's order: each takes the model, its shape so far and the new size, edits the model in
+# place and returns the old size.
+Rewrite = Callable[[ir.Model, ModelShape, int], int]
+REWRITES: dict[str, Rewrite] = {"ffn": _ffn, "vocab": _vocab, "head_dim": pad_head_dim,
+                                "heads": pad_heads}
+
+
 def apply(model: ir.Model, shape: ModelShape, req: PadRequest) -> tuple[ir.Model, list[Transform]]:
     """Apply the requested rewrites to `model` (edited in place and returned) and list them.
 
     Raises RewriteRefused (naming the node) on a pattern a rewrite does not understand."""
-    graph = model.graph
     done: list[Transform] = []
-    if req.vocab_size is not None:
-        old = pad_vocab(graph, shape.sites, req.vocab_size)
-        if old != req.vocab_size:
-            done.append(Transform("vocab", old, req.vocab_size))
-    if req.ffn_size is not None:
-        ffns = [(i, layer.ffn) for i, layer in enumerate(shape.sites.layers) if layer.ffn]
-        if not ffns:
-            raise RewriteRefused("no FFN block found to pad")
-        olds = sorted(set(pad_ffns(model, ffns, req.ffn_size)))
-        if olds != [req.ffn_size]:
-            done.append(Transform("ffn", olds[0], req.ffn_size))  # the narrowest, if layers differ
-    if req.head_dim is not None:
-        old = pad_head_dim(model, shape, req.head_dim)
-        if old != req.head_dim:
-            done.append(Transform("head_dim", old, req.head_dim))
-        shape = dataclasses.replace(shape, head_dim=req.head_dim)  # node names are unchanged
-    if req.num_heads is not None:
-        old = pad_heads(model, shape, req.num_heads)
-        if old != req.num_heads:
-            done.append(Transform("heads", old, req.num_heads))
+    for dim in PADDABLE:
+        new = getattr(req, dim.field)
+        if new is None:
+            continue
+        old = REWRITES[dim.kind](model, shape, new)
+        if old != new:
+            done.append(Transform(dim.kind, old, new))
+        # later rewrites see the padded size (node names are unchanged)
+        shape = dataclasses.replace(shape, **{dim.field: new})
     remove_unused(model)
     return model, done

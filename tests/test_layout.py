@@ -1,0 +1,235 @@
+"""The shape of the house (DESIGN.md, Architecture): stage packages, data flowing one way, no
+import circles. Read from the code's own imports (function-level ones included), so that a
+change that breaks a rule fails here with the offending import named."""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# What each package of tuner/ may import from the others. A package absent from a set may not
+# be imported; the order of the stages is inspect (graph) -> plan -> rewrite -> gate -> measure
+# -> select -> serve, and the foundations (errors, util, hardware facts) sit under everything.
+ALLOWED: dict[str, set[str]] = {
+    "errors": set(),
+    "util": {"errors"},
+    "hardware": {"errors"},
+    "graph": {"errors"},
+    "rewrite": {"errors", "graph"},
+    "runtime": {"errors", "util", "graph", "hardware"},
+    "gate": {"errors", "util", "graph", "runtime"},
+    "measure": {"errors", "util"},
+    "plan": {"errors", "util", "graph", "hardware", "measure"},
+    "artifact": {"errors", "util", "graph", "runtime"},
+    "design": {"errors", "util", "graph", "hardware", "measure", "plan"},
+    "jobs": {"errors", "util", "graph", "hardware", "rewrite", "runtime", "gate", "measure",
+             "plan", "artifact"},
+    "cli": {"errors", "util", "graph", "hardware", "rewrite", "runtime", "gate", "measure",
+            "plan", "artifact", "design", "jobs", "serving"},
+}
+# serving reads an artifact and runs it; never the planning, rewriting or measuring code.
+SERVING_MAY_USE = {"errors", "util", "graph", "artifact", "runtime", "gate"}
+LOOSE_MODULES_ALLOWED = {"__init__.py", "__main__.py", "errors.py"}
+GRPC = ("grpc", "grpc_health", "grpc_reflection")
+
+
+def _modules(root: Path = ROOT) -> dict[str, Path]:
+    out = {}
+    for top in ("tuner", "serving"):
+        for p in sorted((root / top).rglob("*.py")):
+            parts = list(p.relative_to(root).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join(parts)] = p
+    return out
+
+
+MODULES = _modules()
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path] = MODULES) -> list[tuple[str, int]]:
+    """(imported module, line) for every import in the file, relative ones resolved."""
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(a.name, node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            found.append((module, node.lineno))
+            # `from tuner.graph import io`: the submodule is what is imported
+            found += [(f"{module}.{a.name}", node.lineno) for a in node.names
+                      if f"{module}.{a.name}" in modules]
+    return found
+
+
+def _project_edges(modules: dict[str, Path] = MODULES) -> dict[str, set[str]]:
+    edges: dict[str, set[str]] = defaultdict(set)
+    for name, path in modules.items():
+        for module, _ in _imports(name, path, modules):
+            if module in modules and module != name:
+                edges[name].add(module)
+    return edges
+
+
+def _package(module: str) -> str:
+    parts = module.split(".")
+    if parts[0] == "serving":
+        return "serving"
+    return parts[1] if len(parts) > 1 else "tuner"
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one node (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(edges.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(set(edges) | {w for ws in edges.values() for w in ws}):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circle_between_modules():
+    assert _cycles(_project_edges()) == []
+
+
+def test_no_import_circle_between_packages():
+    packages: dict[str, set[str]] = defaultdict(set)
+    for a, bs in _project_edges().items():
+        for b in bs:
+            if _package(a) != _package(b):
+                packages[_package(a)].add(_package(b))
+    assert _cycles(packages) == []
+
+
+def _against_the_flow(modules: dict[str, Path] = MODULES) -> list[str]:
+    wrong = []
+    for name, path in modules.items():
+        if not name.startswith("tuner.") or _package(name) not in ALLOWED:
+            continue
+        mine = _package(name)
+        for module, line in _imports(name, path, modules):
+            if module.startswith("serving") and mine != "cli":
+                wrong.append(f"{path.name}:{line} imports {module}")
+            elif module.startswith("tuner.") and _package(module) != mine \
+                    and _package(module) not in ALLOWED[mine]:
+                wrong.append(f"{path.name}:{line} imports {module} "
+                             f"({mine} may use {sorted(ALLOWED[mine])})")
+    return wrong
+
+
+def test_each_package_imports_only_what_its_stage_may():
+    assert _against_the_flow() == []
+
+
+def test_serving_runs_an_artifact_through_artifact_runtime_and_gate_only():
+    wrong = [f"{path.relative_to(ROOT)}:{line} imports {module}"
+             for name, path in MODULES.items() if name.startswith("serving")
+             for module, line in _imports(name, path)
+             if module.startswith("tuner.") and _package(module) not in SERVING_MAY_USE]
+    assert wrong == []
+
+
+def test_nothing_under_tuner_imports_grpc():
+    wrong = [f"{path.relative_to(ROOT)}:{line} imports {module}"
+             for name, path in MODULES.items() if name.startswith("tuner.")
+             for module, line in _imports(name, path)
+             if module.startswith(GRPC) and _package(name) != "cli"]
+    assert wrong == []
+
+
+def test_only_the_wire_layer_and_the_server_import_grpc():
+    wrong = [f"{path.relative_to(ROOT)}:{line} imports {module}"
+             for name, path in MODULES.items() if name.startswith("serving")
+             and not name.startswith(("serving.wire", "serving.server"))
+             for module, line in _imports(name, path) if module.startswith(GRPC)]
+    assert wrong == []
+
+
+def test_tuner_holds_stage_packages_not_loose_modules():
+    loose = sorted(p.name for p in (ROOT / "tuner").glob("*.py")
+                   if p.name not in LOOSE_MODULES_ALLOWED)
+    assert loose == []
+    assert set(ALLOWED) == {p.name for p in (ROOT / "tuner").iterdir()
+                            if (p / "__init__.py").is_file()} | {"errors"}
+
+
+def _in_main_block(tree: ast.Module) -> set[int]:
+    lines: set[int] = set()
+    for node in tree.body:
+        if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test):
+            lines |= set(range(node.lineno, node.end_lineno + 1))
+    return lines
+
+
+def test_only_the_cli_and_the_server_touch_argv_stdout_and_signals():
+    """Libraries return values; the commands print them. A `python -m` block may print."""
+    wrong = []
+    for name, path in MODULES.items():
+        if name.startswith(("tuner.cli", "serving.server")) or name == "tuner.__main__":
+            continue
+        tree = ast.parse(path.read_text())
+        main = _in_main_block(tree)
+        for node in ast.walk(tree):
+            where = f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', 0)}"
+            if getattr(node, "lineno", 0) in main:
+                continue
+            if isinstance(node, ast.Attribute) and ast.unparse(node) == "sys.argv":
+                wrong.append(f"{where} reads sys.argv")
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and any(
+                    (a.name if isinstance(node, ast.Import) else node.module) == "signal"
+                    for a in node.names):
+                wrong.append(f"{where} imports signal")
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == "print" \
+                    and not any(k.arg == "file" for k in node.keywords):
+                wrong.append(f"{where} prints to stdout")
+    assert wrong == []
+
+
+def test_the_rules_catch_a_circle_and_an_import_against_the_flow(tmp_path):
+    """The checks above can fail: a small tree with a circle (plan.a <-> plan.b) and a graph
+    module that imports a job is caught by both."""
+    files = {"tuner/__init__.py": "", "tuner/plan/__init__.py": "", "tuner/graph/__init__.py": "",
+             "tuner/jobs/__init__.py": "", "tuner/jobs/run.py": "",
+             "tuner/plan/a.py": "from tuner.plan import b\n",
+             "tuner/plan/b.py": "def f():\n    from tuner.plan.a import x\n",
+             "tuner/graph/walk.py": "from tuner.jobs.run import go\n"}
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    fake = _modules(tmp_path)
+    assert _cycles(_project_edges(fake)) == [["tuner.plan.a", "tuner.plan.b"]]
+    assert [w.split(" (")[0] for w in _against_the_flow(fake)] == [
+        "walk.py:1 imports tuner.jobs.run"]
