@@ -1,9 +1,9 @@
 """`tuner serve`: the KServe v2 / Open Inference Protocol gRPC server (see serving/server.py).
 
-Layers, each importable alone: protocol (protobuf <-> numpy, error table), batcher (dynamic
-batching into buckets), model (artifact -> runners, accuracy gate), engine (validation,
-batching, shadow checks), metrics, service (the thin servicer), server (process, signals).
-Only protocol, service and server import grpc.
+Layers, each importable alone: wire/ (protocol: protobuf <-> numpy and the error table;
+servicer: the thin KServe v2 servicer; the generated stubs), batcher (dynamic batching into
+buckets), model (artifact -> runners, accuracy gate), engine (validation, batching, shadow
+checks), metrics, server (process, signals). Only wire/ and server import grpc.
 """
 
 try:
