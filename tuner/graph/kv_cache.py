@@ -21,6 +21,7 @@ graph order. Names only break ties the structure leaves open, never override it.
 
 from __future__ import annotations
 
+import json
 import re
 from collections import deque
 from dataclasses import dataclass, replace
@@ -369,3 +370,24 @@ def with_dims(cache: KvCache, kv_heads: int, head_dim: int) -> KvCache:
         return cache
     per_token = 2 * cache.num_layers * heads * dim * cache.itemsize if heads and dim else None
     return replace(cache, num_kv_heads=heads, head_dim=dim, bytes_per_token=per_token)
+
+
+# ---------------------------------------------------------------------------------------------
+# A widened cache interface (DESIGN.md's `widen` policy), as the rewrite records it
+
+# metadata_props key: JSON {tensor name: [[axis, [new index of each old entry], new size], ..]}
+# for every past input and present output whose shape the rewrite widened (one entry per
+# widened axis: head dim, kv heads). Feeds of the original shape are scattered by it (zeros in
+# the new entries), and presents are compared on the original entries through it.
+WIDENED_KEY = "shapetuner.cache_widened"
+CachePads = dict[str, tuple[tuple[int, tuple[int, ...], int], ...]]
+
+
+def widened_cache(model: ir.Model) -> CachePads:
+    """The widened cache tensors of a padded model ({} when its cache kept its shape)."""
+    raw = model.metadata_props.get(WIDENED_KEY)
+    if not raw:
+        return {}
+    return {name: tuple((int(a), tuple(int(p) for p in pos), int(n)) for a, pos, n in entries)
+            for name, entries in json.loads(raw).items()}
+
