@@ -17,6 +17,7 @@ import onnx_ir as ir
 from tuner.errors import BadInput, RewriteRefused
 from tuner.graph.paddable import BY_KIND, Transform
 from tuner.graph.shape import ModelShape
+from tuner.rewrite.axis.cache import POLICIES as CACHE_POLICIES
 from tuner.rewrite.common import remove_unused
 from tuner.rewrite.ffn import pad_ffns
 from tuner.rewrite.head_dim import pad_head_dim
@@ -44,15 +45,22 @@ class PadRequest:
     vocab_size: int | None = None
     head_dim: int | None = None
     num_heads: int | None = None
+    # What head-dim / head-count padding does to a KV cache (DESIGN.md): "keep" its shape
+    # (padded inside the graph, present sliced back) or "widen" the cache interface.
+    cache_policy: str = "keep"
 
     def __post_init__(self) -> None:
         for dim in BY_KIND.values():
             _check_positive(dim.field, getattr(self, dim.field))
+        if self.cache_policy not in CACHE_POLICIES:
+            raise BadInput(f"cache policy must be one of {'|'.join(CACHE_POLICIES)}, "
+                           f"not {self.cache_policy!r}")
 
     @classmethod
     def from_multiples(cls, shape: ModelShape, ffn_multiple: int | None = None,
                        vocab_multiple: int | None = None, head_dim: int | None = None,
-                       heads: int | None = None, hidden_multiple: int | None = None) -> "PadRequest":
+                       heads: int | None = None, hidden_multiple: int | None = None,
+                       cache_policy: str = "keep") -> "PadRequest":
         """Round the model's FFN width and vocabulary up to multiples; head dim and head count
         are absolute targets. Sizes already aligned stay None (nothing to do)."""
         for name, v in (("ffn_multiple", ffn_multiple), ("vocab_multiple", vocab_multiple),
@@ -70,16 +78,18 @@ class PadRequest:
                    vocab_size=vocab if vocab and vocab != shape.vocab_size else None,
                    head_dim=head_dim if head_dim is not None and head_dim != shape.head_dim
                    else None,
-                   num_heads=heads if heads is not None and heads != shape.num_heads else None)
+                   num_heads=heads if heads is not None and heads != shape.num_heads else None,
+                   cache_policy=cache_policy)
 
     @property
     def empty(self) -> bool:
         return all(getattr(self, dim.field) is None for dim in BY_KIND.values())
 
     @classmethod
-    def from_pads(cls, pads: dict[str, int]) -> "PadRequest":
+    def from_pads(cls, pads: dict[str, int], cache_policy: str = "keep") -> "PadRequest":
         """From {transform kind: new size}, as a planned candidate carries them."""
-        return cls(**{BY_KIND[kind].field: size for kind, size in pads.items()})
+        return cls(**{BY_KIND[kind].field: size for kind, size in pads.items()},
+                   cache_policy=cache_policy)
 
 
 def apply(model: ir.Model, shape: ModelShape, req: PadRequest) -> tuple[ir.Model, list[Transform]]:
@@ -100,12 +110,12 @@ def apply(model: ir.Model, shape: ModelShape, req: PadRequest) -> tuple[ir.Model
         if olds != [req.ffn_size]:
             done.append(Transform("ffn", olds[0], req.ffn_size))  # the narrowest, if layers differ
     if req.head_dim is not None:
-        old = pad_head_dim(model, shape, req.head_dim)
+        old = pad_head_dim(model, shape, req.head_dim, req.cache_policy)
         if old != req.head_dim:
             done.append(Transform("head_dim", old, req.head_dim))
         shape = dataclasses.replace(shape, head_dim=req.head_dim)  # node names are unchanged
     if req.num_heads is not None:
-        old = pad_heads(model, shape, req.num_heads)
+        old = pad_heads(model, shape, req.num_heads, req.cache_policy)
         if old != req.num_heads:
             done.append(Transform("heads", old, req.num_heads))
     remove_unused(model)
