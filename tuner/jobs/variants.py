@@ -19,7 +19,8 @@ import onnx_ir as ir
 
 from tuner.artifact.records import Accuracy
 from tuner.errors import BadInput
-from tuner.gate.verify import Tolerance, VerifyResult, verify
+from tuner.gate.kv_gate import check
+from tuner.gate.verify import Tolerance, VerifyResult
 from tuner.graph.load import check_external_data, external_locations, read_proto
 from tuner.graph.paddable import Transform
 from tuner.graph.shape import ModelShape
@@ -113,7 +114,7 @@ def build_fused(base: Built, root: Path, cand: Candidate, shape, reference, feed
         stats = fuse_file(base.path, dst, shape.num_heads, shape.hidden_size)
         if not stats:
             raise BadInput(f"{cand.name}: ONNX Runtime's optimizer found nothing to fuse")
-        result = verify(reference, backend.load(dst, settings), feeds, tolerance)
+        result = check(reference, backend.load(dst, settings), feeds, tolerance)
     except BaseException:
         shutil.rmtree(dst.parent, ignore_errors=True)
         raise
