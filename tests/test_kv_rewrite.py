@@ -47,6 +47,9 @@ def test_head_dim_padding_with_either_policy_is_exact(family, exporter, policy, 
     assert res.transforms == (f"head_dim {shape.head_dim}->128",)
     assert res.accuracy and max(o.max_abs for o in res.accuracy.outputs) <= 1e-4
     before, after = _cache_io(src), _cache_io(dst)
+    # inspect still finds the cache of the variant (behind the padding, for keep)
+    assert inspect_model(load_model(dst)).cache.head_dim == (
+        shape.head_dim if policy == "keep" else 128)
     if policy == "keep":  # the client-visible cache is untouched
         assert after == before and widened_cache(load_model(dst)) == {}
     else:

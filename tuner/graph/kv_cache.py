@@ -113,15 +113,22 @@ class _Join:
 # Finding the joins
 
 
-def _graph_input(v: ir.Value | None, inputs: set[int]) -> ir.Value | None:
-    """The graph input behind `v` (through Identity/Cast: a fp16 cache fed to a fp32 graph)."""
-    while v is not None:
+def _graph_input(v: ir.Value | None, inputs: set[int], depth: int = 0) -> ir.Value | None:
+    """The graph input behind `v`: through Identity/Cast (a fp16 cache fed to a fp32 graph),
+    and through the zero padding a head-dim/head-count rewrite puts on a kept cache (Pad,
+    Slice, and a Concat of pieces of that one input: tuner.rewrite.axis.cache)."""
+    while v is not None and depth < 16:
         if id(v) in inputs:
             return v
         p = v.producer()
-        if p is None or op(p) not in ("Identity", "Cast"):
+        if p is None:
             return None
-        v = p.inputs[0]
+        if op(p) == "Concat":
+            found = {id(x): x for x in (_graph_input(i, inputs, depth + 1) for i in p.inputs)}
+            return next(iter(found.values())) if len(found) == 1 else None
+        if op(p) not in ("Identity", "Cast", "Pad", "Slice"):
+            return None
+        v, depth = p.inputs[0], depth + 1
     return None
 
 
@@ -150,7 +157,9 @@ def _present(v: ir.Value, outputs: set[int]) -> ir.Value | None:
         if id(x) in seen:
             continue
         seen.add(id(x))
-        queue.extend(n.outputs[0] for n in consumers(x) if op(n) in ("Identity", "Cast"))
+        # (Slice and Concat: a kept cache sliced back to its original entries)
+        queue.extend(n.outputs[0] for n in consumers(x)
+                     if op(n) in ("Identity", "Cast", "Slice", "Concat"))
     return None
 
 
