@@ -139,3 +139,33 @@ def test_serve_checks_the_past_against_the_mask(served):
             _infer(server, {**step, **change})
         assert "INVALID_ARG" in str(e.value.status()) and message in e.value.message(), (
             change.keys(), e.value.message())
+
+
+def test_serve_a_widened_cache_the_client_feeds_wide(tmp_path):
+    """widen: the server gates the variant through its record (zeros in the new entries),
+    then the client feeds the wider past; logits equal the original's."""
+    from tuner.gate.kv_gate import widen_feeds
+    from tuner.graph.kv_cache import widened_cache
+
+    src = _src("gpt2", "torchscript")
+    padded = tmp_path / "wide.onnx"
+    pad_file(src, padded, PadRequest.from_multiples(inspect_model(load_model(src)), head_dim=128,
+                                                    cache_policy="widen"))
+    server = Server(make_artifact(tmp_path / "out", src, variant=padded),
+                    ServerOptions(port=0, metrics_port=0, engine=EngineOptions()),
+                    say=lambda line: None)
+    server.start()
+    try:
+        assert server.wait_ready(120) and server.slot.engine.model.served == "padded"
+        roles = cache_roles(load_model(src))
+        step = decode_feeds(roles, batch=1, past=3, seq=1, vocab_size=50257)
+        wide = dict(widen_feeds(step, widened_cache(load_model(padded))).arrays)
+        got = _infer(server, wide)
+        assert got["present.0.key"].shape == (1, 2, 4, 128)
+        direct = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"])
+        want = direct.run(["logits"], dict(step.arrays))[0]
+        np.testing.assert_allclose(got["logits"], want, atol=1e-4, rtol=1e-4)
+        with pytest.raises(InferenceServerException):  # the original width is refused
+            _infer(server, dict(step.arrays))
+    finally:
+        server.stop(5)

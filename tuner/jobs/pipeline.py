@@ -24,10 +24,12 @@ from tuner.artifact.store import write_manifest
 from tuner.errors import BadInput
 from tuner.gate.feeds import make_feeds
 from tuner.gate.kv_feeds import cache_roles
-from tuner.gate.kv_gate import cache_feeds, check, has_cache
+from tuner.gate.kv_gate import WidenedRunner, cache_feeds, check, has_cache
 from tuner.gate.verify import Tolerance
 from tuner.graph.inspect import inspect_model, inspect_path
 from tuner.graph.io import input_specs, max_positions, vocab_for_feeds
+from tuner.graph.kv_cache import widened_cache
+from tuner.graph.load import load_model
 from tuner.graph.paddable import BY_KIND
 from tuner.hardware.detect import detect
 from tuner.jobs.decoder import (RULE, cache_section, combined_totals, decode_feeds_for,
@@ -161,21 +163,25 @@ def _gate_on_backend(built, targets, reference, feeds, tol, backend):
     tolerance = Tolerance.fp16() if backend.precision == "fp16" else tol
     gated, notes = dict(built), []
     for t in targets:
-        acc = accuracy_of(check(reference, t.runner, feeds, tolerance))
+        raw = t.runner.runner if isinstance(t.runner, WidenedRunner) else t.runner
+        widened = t.runner.widened if isinstance(t.runner, WidenedRunner) else {}
+        acc = accuracy_of(check(reference, raw, feeds, tolerance, widened))
         gated[t.name] = replace(built[t.name], accuracy=acc)
         if not acc.passed:
             notes.append(f"{t.name} failed the accuracy gate on {backend.name}: {acc.detail}")
     return gated, notes
 
 
-def _build(model, kept, fused, shape, root, built, reference, feeds, tol, settings, say):
+def _build(model, kept, fused, shape, root, built, reference, feeds, tol, settings, say,
+           cache_policy="keep"):
     """Every planned variant beside the original already in `built`: padded ones from copies
     of `model`, fused ones from a built variant; each gated against `reference`."""
     notes: list[str] = []
     for c in kept[1:]:
         say(f"building {c.name} (rewrite + accuracy gate)")
         try:
-            built[c.name] = build_padded(model, shape, root, c, reference, feeds, tol)
+            built[c.name] = build_padded(model, shape, root, c, reference, feeds, tol,
+                                         cache_policy)
         except BadInput as e:
             notes.append(f"skipped {c.name}: {e}")
     if fused:
@@ -256,7 +262,7 @@ def run_pipeline(cfg, model, root: Path):
     built = {"original": copy_original(cfg.model, root)}
     reference = load_reference(built["original"].path, settings)  # one, for every gate below
     built, build_notes = _build(model, kept, fused, shape, root, built, reference, feeds, tol,
-                                settings, say)
+                                settings, say, cfg.cache_policy)
     notes += build_notes
 
     say(f"loading {len(built)} variant(s) on {backend.name}")
@@ -267,6 +273,10 @@ def run_pipeline(cfg, model, root: Path):
     engine_dir = None if backend.name == "ort-cpu" else root / "cache" / backend.name
     targets = [bench.Target(n, backend.load(b.path, settings, all_shapes, engine_dir),
                             shas[n]) for n, b in built.items()]
+    if roles is not None:  # a widened cache interface is fed wider pasts (zeros in the new entries)
+        widened = {n: widened_cache(load_model(b.path)) for n, b in built.items()}
+        targets = [replace(t, runner=WidenedRunner(t.runner, widened[t.name]))
+                   if widened[t.name] else t for t in targets]
     if backend.name != "ort-cpu":
         built, gate_notes = _gate_on_backend(built, targets, reference, feeds, tol, backend)
         notes += gate_notes
@@ -349,7 +359,7 @@ def run_pipeline(cfg, model, root: Path):
                         req.source, req.count, past_buckets),
         variants=tuple(variants), selection=sel.reason, margin=cfg.margin, notes=tuple(notes),
         advice=advice,
-        cache=(cache_section(shape.cache, built[sel.name].path, sel.name, "keep")
+        cache=(cache_section(shape.cache, built[sel.name].path, sel.name, cfg.cache_policy)
                if dt is not None else None),
         phases=({"rule": RULE, "mean_output_tokens": dt.mean_output,
                  "prefill": {"shapes": [shape_key(*s) for s in sel_shapes], "weight": 1.0,
