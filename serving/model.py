@@ -189,7 +189,7 @@ def load_artifact(out_dir: str | Path, backend: str | None = None,
         # graph says what the past must look like (a widened cache is wider)
         layout = Layout((), None, {})
         served_path = variant_path(out, manifest.variant(served))
-        kv = cache_spec(load_model(served_path)) if served != "original" else kv
+        kv = (cache_spec(load_model(served_path)) or kv) if served != "original" else kv
         signature = read_signature(served_path) if served != "original" else signature
     else:
         layout = _probe_layout(runner, original_path, signature, vocab)

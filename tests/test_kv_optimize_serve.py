@@ -169,3 +169,23 @@ def test_serve_a_widened_cache_the_client_feeds_wide(tmp_path):
             _infer(server, dict(step.arrays))
     finally:
         server.stop(5)
+
+
+def test_serve_what_optimize_wrote(tmp_path):
+    src = _src("llama", "torchscript")
+    out = tmp_path / "out"
+    assert main(["optimize", str(src), "-o", str(out), *FAST]) == 0
+    server = Server(out, ServerOptions(port=0, metrics_port=0, engine=EngineOptions()),
+                    say=lambda line: None)
+    server.start()
+    try:
+        assert server.wait_ready(120), server.slot.status
+        roles = cache_roles(load_model(src))
+        step = dict(decode_feeds(roles, batch=2, past=6, seq=1, vocab_size=1003).arrays)
+        direct = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"])
+        want = dict(zip([o.name for o in direct.get_outputs()], direct.run(None, step)))
+        got = _infer(server, step)
+        for name, w in want.items():
+            np.testing.assert_allclose(got[name], w, atol=1e-5, rtol=1e-4, err_msg=name)
+    finally:
+        server.stop(5)

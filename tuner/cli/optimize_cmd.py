@@ -97,6 +97,16 @@ def optimize(
     print(f"buckets: batch {s['buckets']['batch']}, seq {s['buckets']['seq']}"
           + (f"; expected {e['chosen']:.2f} ms/request (pad to max {e['pad_to_max']:.2f}, "
              f"each at its own length, unbatched {e['no_buckets']:.2f})" if e else ""))
+    m = result.manifest
+    if m.cache is not None and m.phases is not None:  # a decoder with a KV cache
+        sel = m.selected_variant()
+        (pk,), (dk,) = m.phases["prefill"]["shapes"], m.phases["decode"]["shapes"]
+        p, d = sel.latency.get(pk), sel.latency_decode.get(dk)
+        print(f"decoder: cache {m.cache['served_shape']} per layer x {m.cache['layers']} "
+              f"(policy {m.cache['policy']}), cache-length buckets {list(m.buckets.past)}; "
+              + (f"prefill {pk} {p.median_ms:.2f} ms, decode {dk} {d.median_ms:.3f} ms/token; "
+                 if p and d else "")
+              + f"selection weighs decode x {m.phases['mean_output_tokens']:.1f} tokens/request")
     for n in s["notes"]:
         print(f"note: {n}")
     print(f"wrote {result.out}/manifest.json, report.md, report.html")
