@@ -113,3 +113,18 @@ def test_liars_of_the_widened_gate(tmp_path):
 def test_an_unknown_cache_policy_is_bad_input():
     with pytest.raises(BadInput, match="cache policy must be one of keep|widen"):
         PadRequest(head_dim=128, cache_policy="shrink")
+
+
+def test_every_padding_at_once_keeps_the_cache(tmp_path):
+    """vocab, FFN, head dim and heads together, cache kept: the second widening (heads) meets
+    the first one's in-graph padding and slicing and pads/slices again on its own axis."""
+    src = _src("gpt2", "torchscript")
+    shape = inspect_model(load_model(src))
+    dst = tmp_path / "all.onnx"
+    res = pad_file(src, dst, PadRequest.from_multiples(shape, vocab_multiple=64, ffn_multiple=64,
+                                                       head_dim=128, heads=4))
+    assert res.accuracy and len(res.transforms) == 4
+    assert _cache_io(dst) == _cache_io(src)
+    padded = inspect_model(load_model(dst))
+    assert (padded.head_dim, padded.num_heads, padded.cache.head_dim,
+            padded.cache.num_kv_heads) == (128, 4, 80, 2)
