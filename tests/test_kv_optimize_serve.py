@@ -11,7 +11,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import tritonclient.grpc as tg
-from serving_support import infer_inputs, make_artifact
+from serving_support import make_artifact
 from tritonclient.utils import InferenceServerException
 
 from models.build import EXPORTERS, cached

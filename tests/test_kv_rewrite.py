@@ -32,7 +32,8 @@ def _src(family: str, exporter: str):
 
 def _cache_io(path):
     m = load_model(path)
-    return {v.name: [d if isinstance(d, int) else str(d) for d in v.shape] for v in (*m.graph.inputs, *m.graph.outputs)
+    return {v.name: [d if isinstance(d, int) else str(d) for d in v.shape]
+            for v in (*m.graph.inputs, *m.graph.outputs)
             if v.name.startswith(("past", "present"))}
 
 

@@ -149,9 +149,11 @@ class _Stats:
         diff = np.abs(r[fin] - g[fin])
         if diff.size:
             self.max_abs = max(self.max_abs, float(diff.max()))
-            self.max_rel = max(self.max_rel, float((diff / np.maximum(np.abs(r[fin]), 1e-12)).max()))
+            rel = diff / np.maximum(np.abs(r[fin]), 1e-12)
+            self.max_rel = max(self.max_rel, float(rel.max()))
             denom = np.linalg.norm(r[fin]) * np.linalg.norm(g[fin])
-            cos = float(r[fin] @ g[fin] / denom) if denom > 0 else float(np.array_equal(r[fin], g[fin]))
+            cos = (float(r[fin] @ g[fin] / denom) if denom > 0
+                   else float(np.array_equal(r[fin], g[fin])))
             self.cosine = min(self.cosine, cos)
         if not policy(name, ref, got):
             self.fail("")
@@ -238,7 +240,8 @@ class WidenedRunner:
         out = self.runner.infer(self._memo[1])
         if not self.narrow:
             return out
-        return {n: (_narrow(a, self.widened[n]) if n in self.widened else a) for n, a in out.items()}
+        return {n: (_narrow(a, self.widened[n]) if n in self.widened else a)
+                for n, a in out.items()}
 
     def close(self) -> None:
         self.runner.close()

@@ -96,7 +96,8 @@ def decoder_traffic(requests: Path | None, max_seq: int | None, max_batch: int,
     if rows is None:
         if requests is not None:
             req = load_requests(requests)
-            note = f"{requests.name} has no output_tokens: {DEFAULT_OUTPUT_TOKENS} per request assumed"
+            note = (f"{requests.name} has no output_tokens: {DEFAULT_OUTPUT_TOKENS} per "
+                    "request assumed")
         else:
             top = min(max_seq or positions or 256, 256 if not max_seq else max_seq)
             req = uniform_requests(max(top - DEFAULT_OUTPUT_TOKENS, 1))
