@@ -16,6 +16,7 @@ import numpy as np
 from serving.batcher import Batcher, BatchPolicy, Result
 from serving.datatypes import DATATYPES, datatype_of
 from serving.errors import InvalidArgument, ServingError, Unavailable
+from serving.kv import check_cache_feeds
 from serving.metrics import Metrics, Stats
 from serving.model import LoadedModel, TensorSpec
 from tuner.artifact.records import Latency, parse_shape_key
@@ -101,6 +102,8 @@ class Engine:
         else:
             self.max_batch = max(model.buckets.batch)
             self.join_rows, self.batch_note = batch_limit(model.latency, model.buckets.batch)
+        if model.cache is not None:  # each request brings its own past: never joined
+            self.join_rows, self.batch_note = 1, "a KV-cache model: each request runs alone"
         self.tolerance = tolerance
         self._inputs = {s.name: s for s in model.signature.inputs}
         self._outputs = [s.name for s in model.signature.outputs]
@@ -138,11 +141,16 @@ class Engine:
                                   f"'{datatype_of(array.dtype)}', but model '{self.name}' "
                                   f"expects '{spec.datatype}'")
         bad = array.ndim != len(spec.shape) or any(
-            d != -1 and d != got for d, got in zip(spec.shape, array.shape)) or array.size == 0
+            d != -1 and d != got for d, got in zip(spec.shape, array.shape)) or (
+            array.size == 0 and not self._may_be_empty(spec.name))
         if bad:
             raise InvalidArgument(f"unexpected shape for input '{spec.name}' for model "
                                   f"'{self.name}'. Expected {_shape_text(spec.shape)}, got "
                                   f"{_shape_text(array.shape)}")
+
+    def _may_be_empty(self, name: str) -> bool:
+        """A cache model's past is empty on the first step (past length 0)."""
+        return self.model.cache is not None and name in self.model.cache.past
 
     def _check_batch_and_length(self, feeds: Mapping[str, np.ndarray]) -> None:
         rows = {int(a.shape[0]) for a in feeds.values() if a.ndim}
@@ -186,6 +194,8 @@ class Engine:
         for name, array in feeds.items():
             self._check_tensor(self._inputs[name], array)
         self._check_batch_and_length(feeds)
+        if self.model.cache is not None:
+            check_cache_feeds(self.model.cache, feeds, self.name)
         self._check_tokens(feeds)
         for name in outputs:
             if name not in self._outputs:

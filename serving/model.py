@@ -15,12 +15,15 @@ import numpy as np
 import onnx
 
 from serving.batcher import Layout
+from serving.kv import CacheSpec, cache_spec
 from tuner.artifact.records import Buckets, Latency, Manifest
 from tuner.artifact.store import read_manifest, variant_path
 from tuner.errors import BadInput
 from tuner.gate.feeds import make_feeds
+from tuner.gate.kv_gate import cache_feeds, check
 from tuner.gate.verify import Tolerance, VerifyResult, verify
 from tuner.graph.io import ATTENTION_MASK, embedding_rows, role_of, token_input
+from tuner.graph.kv_cache import widened_cache
 from tuner.graph.load import check_external_data, load_model, read_proto
 from tuner.runtime.base import Runner, SessionSettings
 from tuner.runtime.registry import get_backend
@@ -77,6 +80,7 @@ class LoadedModel:
     backend: str
     gate: VerifyResult | None  # None when the original was selected (nothing to compare)
     latency: Mapping[str, Latency] = field(default_factory=dict)  # the served variant's timings
+    cache: CacheSpec | None = None  # a decoder with a KV cache, served as a plain forward
 
 
 def _spec(value: onnx.ValueInfoProto) -> TensorSpec:
@@ -150,14 +154,19 @@ def load_artifact(out_dir: str | Path, backend: str | None = None,
     original = loader.load(original_path, settings, shapes, cache)
     vocab = signature.vocab_size or manifest.variant("original").shape.get("vocab_size") or 2
     chosen = manifest.selected_variant()
+    kv = cache_spec(load_model(original_path))  # None: no KV cache
     runner, served, gate = original, "original", None
     note = "serving the original (the artifact selected it)"
     if chosen.name != "original":
         candidate_path = variant_path(out, chosen)
         _checked(candidate_path)
         candidate = loader.load(candidate_path, settings, shapes, cache)
-        gate = verify(original, candidate, _gate_feeds(original_path, vocab, manifest.buckets),
-                      tolerance)
+        if kv is not None:  # greedy rollouts, each model fed its own present
+            gate = check(original, candidate, cache_feeds(kv.roles, vocab), tolerance,
+                         widened_cache(load_model(candidate_path)))
+        else:
+            gate = verify(original, candidate, _gate_feeds(original_path, vocab,
+                                                           manifest.buckets), tolerance)
         if gate:
             runner, served = candidate, chosen.name
             note = f"serving variant {chosen.name}: accuracy gate passed on this machine"
@@ -166,6 +175,14 @@ def load_artifact(out_dir: str | Path, backend: str | None = None,
                     "the original instead")
             log(gate.table())
     log(note)
-    layout = _probe_layout(runner, original_path, signature, vocab)
+    if kv is not None:
+        # requests carry their own past: nothing is padded along the sequence, and the served
+        # graph says what the past must look like (a widened cache is wider)
+        layout = Layout((), None, {})
+        served_path = variant_path(out, manifest.variant(served))
+        kv = (cache_spec(load_model(served_path)) or kv) if served != "original" else kv
+        signature = read_signature(served_path) if served != "original" else signature
+    else:
+        layout = _probe_layout(runner, original_path, signature, vocab)
     return LoadedModel(name, served, note, runner, original, signature, layout,
-                       manifest.buckets, backend, gate, manifest.variant(served).latency)
+                       manifest.buckets, backend, gate, manifest.variant(served).latency, kv)

@@ -36,6 +36,8 @@ def _variant_json(v: Variant) -> dict[str, Any]:
         "speedup": _speedup_json(v.speedup),
         "speedup_by_shape": {k: _speedup_json(x) for k, x in v.speedup_by_shape.items()},
         "note": v.note,
+        **({"latency_decode": {k: _latency_json(x) for k, x in v.latency_decode.items()}}
+           if v.latency_decode else {}),
     }
 
 
@@ -49,6 +51,7 @@ def manifest_to_json(m: Manifest) -> dict[str, Any]:
         "buckets": {
             "batch": list(m.buckets.batch), "seq": list(m.buckets.seq),
             "source": m.buckets.source, "requests": m.buckets.requests,
+            **({"past": list(m.buckets.past)} if m.buckets.past else {}),
             "expected_latency": None if e is None else {
                 "chosen_ms": e.chosen_ms, "pad_to_max_ms": e.pad_to_max_ms,
                 "no_buckets_ms": e.no_buckets_ms},
@@ -58,6 +61,8 @@ def manifest_to_json(m: Manifest) -> dict[str, Any]:
                     "transforms": [{"kind": t.kind, "from": t.old, "to": t.new} for t in a.transforms],
                     "speedup": _speedup_json(a.speedup)} for a in m.advice],
         "notes": list(m.notes),
+        **({"cache": dict(m.cache)} if m.cache is not None else {}),
+        **({"phases": dict(m.phases)} if m.phases is not None else {}),
     }
 
 
@@ -133,6 +138,7 @@ def _variant_from(r: _Reader) -> Variant:
     lat = r.sub("latency", {})
     sbs = r.sub("speedup_by_shape", {})
     sp = r.get("speedup", dict, None, nullable=True)
+    dec = r.sub("latency_decode", {})
     return Variant(
         name=r.get("name", str), path=r.get("path", str), exact=r.get("exact", bool),
         transforms=transforms, shape=r.get("shape", dict),
@@ -142,6 +148,7 @@ def _variant_from(r: _Reader) -> Variant:
         speedup=_speedup_from(None if sp is None else _Reader(sp, f"{r.where}.speedup")),
         speedup_by_shape={k: _speedup_from(sbs.sub(k)) for k in sbs.obj},
         note=r.get("note", str, ""),
+        latency_decode={k: _latency_from(dec.sub(k)) for k in dec.obj},
     )
 
 
@@ -171,7 +178,8 @@ def manifest_from_json(obj: Any) -> Manifest:
             None if er is None else ExpectedLatency(er.get("chosen_ms", _NUM),
                                                     er.get("pad_to_max_ms", _NUM),
                                                     er.get("no_buckets_ms", _NUM)),
-            b.get("source", str, "default"), b.get("requests", int, 0))
+            b.get("source", str, "default"), b.get("requests", int, 0),
+            tuple(b.get("past", list, [])))
         return Manifest(
             source_path=src.get("path", str), source_sha256=src.get("sha256", str),
             device=r.get("device", dict), backend=r.get("backend", str),
@@ -179,6 +187,8 @@ def manifest_from_json(obj: Any) -> Manifest:
             buckets=buckets, variants=tuple(variants), selection=r.get("selection", str, ""),
             margin=r.get("margin", _NUM, 0.03), notes=tuple(r.get("notes", list, [])),
             advice=tuple(advice),
-            version=r.get("version", int))
+            version=r.get("version", int),
+            cache=r.get("cache", dict, None, nullable=True),
+            phases=r.get("phases", dict, None, nullable=True))
     except ValueError as e:
         raise BadInput(f"manifest: {e}") from None

@@ -25,6 +25,7 @@ FORMAT = "shapetuner-artifact"
 VERSION = 1
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,79}$")
 _SHAPE_KEY = re.compile(r"^([1-9][0-9]*)x([1-9][0-9]*)$")
+_DECODE_KEY = re.compile(r"^([1-9][0-9]*)x1@([1-9][0-9]*)$")  # batch x 1 at past length
 
 
 def shape_key(batch: int, seq: int) -> str:
@@ -118,6 +119,9 @@ class Variant:
     speedup: Speedup | None = None  # over original, across the measured shapes
     speedup_by_shape: Mapping[str, Speedup] = field(default_factory=dict)
     note: str = ""
+    # a decoder with a KV cache: decode steps (b x 1 against a cache of P), "1x1@128" keys;
+    # `latency` then holds the prefill (b x s, past 0)
+    latency_decode: Mapping[str, Latency] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.match(self.name):
@@ -127,6 +131,10 @@ class Variant:
             raise ValueError("exact must be true or false")
         for k in list(self.latency) + list(self.speedup_by_shape):
             parse_shape_key(k)
+        for k in self.latency_decode:
+            if not _DECODE_KEY.match(k):
+                raise ValueError(f"decode shape key must look like '1x1@128' (batch x 1 at "
+                                 f"past), not {k!r}")
 
 
 def _check_relative(path: str) -> None:
@@ -177,10 +185,13 @@ class Buckets:
     expected: ExpectedLatency | None = None
     source: str = "default"  # the requests file, or "default"
     requests: int = 0  # how many requests the choice was made over
+    past: tuple[int, ...] = ()  # cache-length buckets (decoders with a KV cache)
 
     def __post_init__(self) -> None:
-        for k in ("batch", "seq"):
+        for k in ("batch", "seq", "past"):
             v = getattr(self, k)
+            if k == "past" and not v:
+                continue
             if not v or any(not isinstance(x, int) or isinstance(x, bool) or x < 1 for x in v):
                 raise ValueError(f"buckets.{k} must be a non-empty list of positive integers")
             if list(v) != sorted(set(v)):
@@ -202,6 +213,11 @@ class Manifest:
     notes: tuple[str, ...] = ()  # skipped backends, skipped probe, ...
     advice: tuple[Advice, ...] = ()  # --advise: non-exact reshapes, for a retrain
     version: int = VERSION
+    # decoders with a KV cache (tuner.jobs.decoder): layers, kv heads, head dim, layout,
+    # policy, original and served cache shapes; and the phases (prefill, decode) measured,
+    # with the selection rule that weighs them
+    cache: Mapping[str, Any] | None = None
+    phases: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.device.get("name"), str) or not self.device.get("name"):

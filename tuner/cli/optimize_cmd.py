@@ -57,6 +57,10 @@ def optimize(
     advise: bool = typer.Option(False, help="also measure non-exact reshapes (what a retrain would buy)"),
     threads: int = typer.Option(0, help="intra-op threads (0: the cores this process may use)"),
     graph_opt: str = typer.Option("all", help="ORT graph optimisation level: disable|basic|extended|all"),
+    cache_policy: str = typer.Option(
+        "keep", "--cache-policy", help="decoders with a KV cache, head-dim/head-count variants: "
+        "keep (clients see the original cache shape) or widen (a wider cache interface, for a "
+        "server that owns the cache; recorded in the manifest)"),
     atol: float = typer.Option(1e-4, help="accuracy gate: absolute tolerance"),
     rtol: float = typer.Option(1e-3, help="accuracy gate: relative tolerance"),
     cache_dir: Optional[Path] = typer.Option(None, help="results cache folder (default ~/.cache/shapetuner)"),
@@ -78,6 +82,7 @@ def optimize(
         max_batch=max_batch, rounds=rounds, warmup=warmup, bucket_rounds=bucket_rounds,
         margin=margin, max_variants=max_variants, max_buckets=max_buckets, fuse=fuse,
         probe=probe, advise=advise, threads=threads, graph_optimization=graph_opt, atol=atol, rtol=rtol,
+        cache_policy=cache_policy,
         cache_dir=None if no_cache else (cache_dir or default_cache_dir()), force=force,
         progress=not quiet and not as_json)
     result = run(cfg)
@@ -92,6 +97,16 @@ def optimize(
     print(f"buckets: batch {s['buckets']['batch']}, seq {s['buckets']['seq']}"
           + (f"; expected {e['chosen']:.2f} ms/request (pad to max {e['pad_to_max']:.2f}, "
              f"each at its own length, unbatched {e['no_buckets']:.2f})" if e else ""))
+    m = result.manifest
+    if m.cache is not None and m.phases is not None:  # a decoder with a KV cache
+        sel = m.selected_variant()
+        (pk,), (dk,) = m.phases["prefill"]["shapes"], m.phases["decode"]["shapes"]
+        p, d = sel.latency.get(pk), sel.latency_decode.get(dk)
+        print(f"decoder: cache {m.cache['served_shape']} per layer x {m.cache['layers']} "
+              f"(policy {m.cache['policy']}), cache-length buckets {list(m.buckets.past)}; "
+              + (f"prefill {pk} {p.median_ms:.2f} ms, decode {dk} {d.median_ms:.3f} ms/token; "
+                 if p and d else "")
+              + f"selection weighs decode x {m.phases['mean_output_tokens']:.1f} tokens/request")
     for n in s["notes"]:
         print(f"note: {n}")
     print(f"wrote {result.out}/manifest.json, report.md, report.html")

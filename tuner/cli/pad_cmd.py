@@ -32,6 +32,10 @@ def pad_cmd(
         None, "--heads", help="pad the number of attention heads to N"),
     hidden_multiple: Optional[int] = typer.Option(
         None, "--hidden-multiple", help="refused: the hidden size is never padded (says why)"),
+    cache_policy: str = typer.Option(
+        "keep", "--cache-policy", help="a decoder's KV cache under --head-dim/--heads: keep "
+        "(clients see the original cache shape: past padded inside, present sliced back) or "
+        "widen (the cache inputs/outputs become wider; zeros go in the new entries)"),
     atol: float = typer.Option(1e-4, "--atol", help="absolute tolerance of the accuracy gate"),
     rtol: float = typer.Option(1e-3, "--rtol", help="relative tolerance of the accuracy gate"),
     as_json: bool = typer.Option(False, "--json", help="print the result as one JSON object"),
@@ -50,7 +54,8 @@ def pad_cmd(
     shape = inspect_model(load_model(model))
     req = PadRequest.from_multiples(shape, ffn_multiple=ffn_multiple,
                                     vocab_multiple=vocab_multiple, head_dim=head_dim,
-                                    heads=heads, hidden_multiple=hidden_multiple)
+                                    heads=heads, hidden_multiple=hidden_multiple,
+                                    cache_policy=cache_policy)
     if all(v is None for v in (ffn_multiple, vocab_multiple, head_dim, heads)):
         raise BadInput("nothing to pad: give --ffn-multiple, --vocab-multiple, --head-dim "
                        "or --heads")

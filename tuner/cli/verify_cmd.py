@@ -13,9 +13,12 @@ import typer
 from tuner.cli.app import app
 from tuner.errors import BadInput
 from tuner.gate.feeds import check_feed, load_npz, make_feeds
-from tuner.gate.verify import Tolerance, verify
+from tuner.gate.kv_feeds import cache_roles
+from tuner.gate.kv_gate import CacheFeeds, cache_feeds, check, has_cache
+from tuner.gate.verify import Tolerance
 from tuner.graph.inspect import inspect_model
 from tuner.graph.io import input_specs, vocab_for_feeds
+from tuner.graph.kv_cache import widened_cache
 from tuner.graph.load import load_model
 from tuner.runtime.registry import get_backend
 
@@ -45,7 +48,8 @@ def verify_cmd(
     if seed < 0:
         raise BadInput(f"--seed must be >= 0, not {seed}")
     ref_model = load_model(original)
-    cand_specs = input_specs(load_model(variant))
+    cand_model = load_model(variant)
+    cand_specs = input_specs(cand_model)
     specs = input_specs(ref_model)
     if [(s.name, s.dtype) for s in specs] != [(s.name, s.dtype) for s in cand_specs]:
         raise BadInput(f"the models take different inputs: {[s.name for s in specs]} vs "
@@ -54,6 +58,8 @@ def verify_cmd(
         feed = load_npz(inputs)
         check_feed(feed, specs)
         feeds = [feed]
+    elif has_cache(ref_model):  # greedy rollouts, each model fed its own present
+        feeds = cache_feeds(cache_roles(ref_model), vocab or _vocab(ref_model), seed=seed)
     else:
         feeds = make_feeds(specs, vocab or _vocab(ref_model), seed=seed)
     backend = get_backend("ort-cpu")
@@ -62,9 +68,11 @@ def verify_cmd(
     except Exception as e:  # noqa: BLE001 - ORT's errors on a bad graph are bad input here
         raise BadInput(f"ONNX Runtime cannot load the models: {str(e).splitlines()[0]}") from None
     if inputs is not None or vocab is not None:  # feeds the user chose: theirs to fix
-        _check_reference_runs(ref, feeds, f"{inputs}" if inputs is not None
+        starts = ([s.arrays for s, _ in feeds.starts] if isinstance(feeds, CacheFeeds)
+                  else feeds)
+        _check_reference_runs(ref, starts, f"{inputs}" if inputs is not None
                               else f"token ids below --vocab {vocab}")
-    result = verify(ref, cand, feeds, tol)
+    result = check(ref, cand, feeds, tol, widened_cache(cand_model))
     print(result.table())
     # SystemExit, not typer.Exit: with standalone_mode=False click returns (drops) Exit codes.
     raise SystemExit(0 if result else 1)

@@ -21,6 +21,7 @@ graph order. Names only break ties the structure leaves open, never override it.
 
 from __future__ import annotations
 
+import json
 import re
 from collections import deque
 from dataclasses import dataclass, replace
@@ -112,15 +113,22 @@ class _Join:
 # Finding the joins
 
 
-def _graph_input(v: ir.Value | None, inputs: set[int]) -> ir.Value | None:
-    """The graph input behind `v` (through Identity/Cast: a fp16 cache fed to a fp32 graph)."""
-    while v is not None:
+def _graph_input(v: ir.Value | None, inputs: set[int], depth: int = 0) -> ir.Value | None:
+    """The graph input behind `v`: through Identity/Cast (a fp16 cache fed to a fp32 graph),
+    and through the zero padding a head-dim/head-count rewrite puts on a kept cache (Pad,
+    Slice, and a Concat of pieces of that one input: tuner.rewrite.axis.cache)."""
+    while v is not None and depth < 16:
         if id(v) in inputs:
             return v
         p = v.producer()
-        if p is None or op(p) not in ("Identity", "Cast"):
+        if p is None:
             return None
-        v = p.inputs[0]
+        if op(p) == "Concat":
+            found = {id(x): x for x in (_graph_input(i, inputs, depth + 1) for i in p.inputs)}
+            return next(iter(found.values())) if len(found) == 1 else None
+        if op(p) not in ("Identity", "Cast", "Pad", "Slice"):
+            return None
+        v, depth = p.inputs[0], depth + 1
     return None
 
 
@@ -149,7 +157,9 @@ def _present(v: ir.Value, outputs: set[int]) -> ir.Value | None:
         if id(x) in seen:
             continue
         seen.add(id(x))
-        queue.extend(n.outputs[0] for n in consumers(x) if op(n) in ("Identity", "Cast"))
+        # (Slice and Concat: a kept cache sliced back to its original entries)
+        queue.extend(n.outputs[0] for n in consumers(x)
+                     if op(n) in ("Identity", "Cast", "Slice", "Concat"))
     return None
 
 
@@ -369,3 +379,24 @@ def with_dims(cache: KvCache, kv_heads: int, head_dim: int) -> KvCache:
         return cache
     per_token = 2 * cache.num_layers * heads * dim * cache.itemsize if heads and dim else None
     return replace(cache, num_kv_heads=heads, head_dim=dim, bytes_per_token=per_token)
+
+
+# ---------------------------------------------------------------------------------------------
+# A widened cache interface (DESIGN.md's `widen` policy), as the rewrite records it
+
+# metadata_props key: JSON {tensor name: [[axis, [new index of each old entry], new size], ..]}
+# for every past input and present output whose shape the rewrite widened (one entry per
+# widened axis: head dim, kv heads). Feeds of the original shape are scattered by it (zeros in
+# the new entries), and presents are compared on the original entries through it.
+WIDENED_KEY = "shapetuner.cache_widened"
+CachePads = dict[str, tuple[tuple[int, tuple[int, ...], int], ...]]
+
+
+def widened_cache(model: ir.Model) -> CachePads:
+    """The widened cache tensors of a padded model ({} when its cache kept its shape)."""
+    raw = model.metadata_props.get(WIDENED_KEY)
+    if not raw:
+        return {}
+    return {name: tuple((int(a), tuple(int(p) for p in pos), int(n)) for a, pos, n in entries)
+            for name, entries in json.loads(raw).items()}
+

@@ -42,6 +42,7 @@ class OptimizeConfig:
     graph_optimization: str = "all"
     atol: float = 1e-4
     rtol: float = 1e-3
+    cache_policy: str = "keep"  # head-dim/head-count variants of a KV-cache decoder (DESIGN.md)
     cache_dir: Path | None = None  # None: no results cache
     force: bool = False
     progress: bool = True
@@ -56,7 +57,8 @@ class OptimizeConfig:
                   (self.max_batch >= 1, "--max-batch must be >= 1"),
                   (self.max_seq is None or self.max_seq >= 1, "--max-seq must be >= 1"),
                   (self.threads >= 0, "--threads must be >= 0"),
-                  (self.atol >= 0 and self.rtol >= 0, "tolerances must be >= 0")]
+                  (self.atol >= 0 and self.rtol >= 0, "tolerances must be >= 0"),
+                  (self.cache_policy in ("keep", "widen"), "--cache-policy must be keep or widen")]
         for ok, msg in checks:
             if not ok:
                 raise BadInput(msg)

@@ -21,10 +21,12 @@ import numpy as np
 import onnx_ir as ir
 
 from tuner.errors import BadInput
-from tuner.gate.feeds import DEFAULT_SHAPES, make_feeds
-from tuner.gate.verify import Tolerance, VerifyResult, verify
+from tuner.gate.feeds import DEFAULT_SHAPES
+from tuner.gate.kv_gate import CacheFeeds, check, gate_feeds
+from tuner.gate.verify import Tolerance, VerifyResult
 from tuner.graph.inspect import inspect_model
 from tuner.graph.io import vocab_for_feeds
+from tuner.graph.kv_cache import widened_cache
 from tuner.graph.load import load_model, save_model
 from tuner.graph.paddable import Transform
 from tuner.graph.shape import ModelShape
@@ -87,15 +89,19 @@ def load_reference(src: Path, settings: SessionSettings = SessionSettings()) -> 
                        f"variant of it can be verified: {_first_line(e)}") from None
 
 
-def gate(reference: Runner, staged: Path, feeds: Feeds, tolerance: Tolerance) -> VerifyResult:
-    """The staged variant against the reference; NotExact unless it passes."""
+def gate(reference: Runner, staged: Path, feeds: Feeds | CacheFeeds,
+         tolerance: Tolerance) -> VerifyResult:
+    """The staged variant against the reference; NotExact unless it passes. A cache model's
+    variant (CacheFeeds) is gated through greedy rollouts (tuner.gate.kv_gate), fed a widened
+    past when its rewrite widened the cache interface."""
+    widened = widened_cache(load_model(staged)) if isinstance(feeds, CacheFeeds) else {}
     try:
         candidate = get_backend("ort-cpu").load(staged)
     except Exception as e:  # noqa: BLE001 - a graph ORT rejects is our rewrite's bug
         raise NotExact(VerifyResult((), len(feeds), "-", (
             f"the padded model does not load: {_first_line(e)}",))) from None
     try:
-        result = verify(reference, candidate, feeds, tolerance)
+        result = check(reference, candidate, feeds, tolerance, widened)
     finally:
         candidate.close()
     if not result:
@@ -136,7 +142,7 @@ def pad_file(src: str | os.PathLike, dst: str | os.PathLike, req: PadRequest, ve
     shape = inspect_model(model)
     reference = None
     if verify:
-        feeds = list(feeds) if feeds is not None else make_feeds(src, vocab_for_feeds(model, shape),
+        feeds = list(feeds) if feeds is not None else gate_feeds(model, vocab_for_feeds(model, shape),
                                                                  shapes)
         reference = load_reference(src)
     try:

@@ -16,17 +16,24 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Callable
 
+from tuner.artifact.codec import manifest_to_json
 from tuner.artifact.records import (Advice, Buckets, ExpectedLatency, Latency, Manifest, Speedup,
                                     Variant, shape_key)
 from tuner.artifact.report import write_report
 from tuner.artifact.store import write_manifest
 from tuner.errors import BadInput
 from tuner.gate.feeds import make_feeds
-from tuner.gate.verify import Tolerance, verify
+from tuner.gate.kv_feeds import cache_roles
+from tuner.gate.kv_gate import WidenedRunner, cache_feeds, check, has_cache
+from tuner.gate.verify import Tolerance
 from tuner.graph.inspect import inspect_model, inspect_path
 from tuner.graph.io import input_specs, max_positions, vocab_for_feeds
+from tuner.graph.kv_cache import widened_cache
+from tuner.graph.load import load_model
 from tuner.graph.paddable import BY_KIND
 from tuner.hardware.detect import detect
+from tuner.jobs.decoder import (RULE, cache_section, combined_totals, decode_feeds_for, decode_key,
+                                decode_shape, decoder_traffic, prefill_feeds_for, report_section)
 from tuner.jobs.pad import load_reference
 from tuner.jobs.variants import accuracy_of, build_fused, build_padded, copy_original, graph_files
 from tuner.measure import bench
@@ -34,6 +41,7 @@ from tuner.measure.buckets import (batch_buckets, bucket_of, choose, default_seq
                                    load_requests, seq_grid, uniform_requests)
 from tuner.measure.cache import ResultsCache, entry_key
 from tuner.measure.select import select
+from tuner.measure.stats import paired_ratio_ci
 from tuner.plan import propose as plan
 from tuner.plan.advise import measure_advice
 from tuner.plan.findings import audited
@@ -154,21 +162,25 @@ def _gate_on_backend(built, targets, reference, feeds, tol, backend):
     tolerance = Tolerance.fp16() if backend.precision == "fp16" else tol
     gated, notes = dict(built), []
     for t in targets:
-        acc = accuracy_of(verify(reference, t.runner, feeds, tolerance))
+        raw = t.runner.runner if isinstance(t.runner, WidenedRunner) else t.runner
+        widened = t.runner.widened if isinstance(t.runner, WidenedRunner) else {}
+        acc = accuracy_of(check(reference, raw, feeds, tolerance, widened))
         gated[t.name] = replace(built[t.name], accuracy=acc)
         if not acc.passed:
             notes.append(f"{t.name} failed the accuracy gate on {backend.name}: {acc.detail}")
     return gated, notes
 
 
-def _build(model, kept, fused, shape, root, built, reference, feeds, tol, settings, say):
+def _build(model, kept, fused, shape, root, built, reference, feeds, tol, settings, say,
+           cache_policy="keep"):
     """Every planned variant beside the original already in `built`: padded ones from copies
     of `model`, fused ones from a built variant; each gated against `reference`."""
     notes: list[str] = []
     for c in kept[1:]:
         say(f"building {c.name} (rewrite + accuracy gate)")
         try:
-            built[c.name] = build_padded(model, shape, root, c, reference, feeds, tol)
+            built[c.name] = build_padded(model, shape, root, c, reference, feeds, tol,
+                                         cache_policy)
         except BadInput as e:
             notes.append(f"skipped {c.name}: {e}")
     if fused:
@@ -214,6 +226,7 @@ def run_pipeline(cfg, model, root: Path):
     shape = audited(inspect_model(model), device=device)
     vocab, positions = vocab_for_feeds(model, shape), max_positions(model, shape)
     specs = input_specs(model)
+    roles = cache_roles(model) if has_cache(model) else None  # a decoder with a KV cache
     backends, notes = resolve(cfg.backend)
     backend = next((b for b in backends if b.name != "ort-cpu"), backends[0])
     notes += [f"backend {b.name} usable but not measured (only {backend.name} is)"
@@ -225,7 +238,12 @@ def run_pipeline(cfg, model, root: Path):
         tol = Tolerance(cfg.atol, cfg.rtol)
     except ValueError as e:
         raise BadInput(str(e)) from None
-    req, grid, batch, note = _traffic(cfg, positions)
+    dt = None
+    if roles is not None:  # prompts and decode steps (tuner.jobs.decoder)
+        dt = decoder_traffic(cfg.requests, cfg.max_seq, cfg.max_batch, positions)
+        req, grid, batch, note = dt.prompts, dt.prompt_grid, dt.batch, dt.note
+    else:
+        req, grid, batch, note = _traffic(cfg, positions)
     notes += [note] if note else []
     sel_shapes = _selection_shapes(req, grid, batch)
     source_sha = sha256_file(cfg.model)
@@ -238,11 +256,12 @@ def run_pipeline(cfg, model, root: Path):
     advice = _advise(cfg, shape, sel_shapes[0], threads, say, pb) if cfg.advise else ()
     top = grid[-1]
     verify_shapes = sorted({(b, min(s, top)) for b, s in ((1, 7), (2, 16), (3, 33))})
-    feeds = make_feeds(specs, vocab, verify_shapes)
+    feeds = (cache_feeds(roles, vocab) if roles is not None
+             else make_feeds(specs, vocab, verify_shapes))
     built = {"original": copy_original(cfg.model, root)}
     reference = load_reference(built["original"].path, settings)  # one, for every gate below
     built, build_notes = _build(model, kept, fused, shape, root, built, reference, feeds, tol,
-                                settings, say)
+                                settings, say, cfg.cache_policy)
     notes += build_notes
 
     say(f"loading {len(built)} variant(s) on {backend.name}")
@@ -253,6 +272,10 @@ def run_pipeline(cfg, model, root: Path):
     engine_dir = None if backend.name == "ort-cpu" else root / "cache" / backend.name
     targets = [bench.Target(n, backend.load(b.path, settings, all_shapes, engine_dir),
                             shas[n]) for n, b in built.items()]
+    if roles is not None:  # a widened cache interface is fed wider pasts (zeros in the new entries)
+        widened = {n: widened_cache(load_model(b.path)) for n, b in built.items()}
+        targets = [replace(t, runner=WidenedRunner(t.runner, widened[t.name]))
+                   if widened[t.name] else t for t in targets]
     if backend.name != "ort-cpu":
         built, gate_notes = _gate_on_backend(built, targets, reference, feeds, tol, backend)
         notes += gate_notes
@@ -261,7 +284,8 @@ def run_pipeline(cfg, model, root: Path):
 
     def feeds_for(s):
         if s not in feed_cache:
-            feed_cache[s] = make_feeds(specs, vocab, [s], seed=1)[0]
+            feed_cache[s] = (prefill_feeds_for(roles, vocab, s) if roles is not None
+                             else make_feeds(specs, vocab, [s], seed=1)[0])
         return feed_cache[s]
 
     sjson = asdict(settings)
@@ -270,6 +294,20 @@ def run_pipeline(cfg, model, root: Path):
                              backend.name, dev_key, sjson, p)
     weights = {s: 1.0 for s in sel_shapes}
     speedups = {n: meas.speedup(n, weights) for n in built if n != "original"}
+    if dt is not None:  # decode measured apart; both phases weighed by tokens (decoder.RULE)
+        dec_shapes = [decode_shape(dt, sel_shapes[0])]
+        dsettings = {**sjson, "phase": "decode"}
+
+        def dec_feeds(s):
+            return decode_feeds_for(roles, vocab, s)
+        with rich_progress(cfg.progress, "comparing variants (decode steps)") as p:
+            dmeas = bench.measure(targets, dec_shapes, dec_feeds, cfg.rounds, cfg.warmup, cache,
+                                  backend.name, dev_key, dsettings, p)
+
+        def per_request(n):
+            return combined_totals(meas.by_shape(n), dmeas.by_shape(n), dt.mean_output)
+        speedups = {n: paired_ratio_ci(per_request("original"), per_request(n))
+                    for n in built if n != "original"}
     sel = select(speedups, cfg.margin,
                  eligible=lambda n: built[n].exact and built[n].accuracy.passed)
     winner = next(t for t in targets if t.name == sel.name)
@@ -282,6 +320,20 @@ def run_pipeline(cfg, model, root: Path):
     grid_lat = {s: (st.median if st.n >= 3 else float(gmeas.samples[(sel.name, s)].min()))
                 for s in all_shapes for st in [gmeas.stats(sel.name, s)]}
     choice = choose(req, grid_lat, batch, grid, cfg.max_buckets)
+    dec_lat: dict = {}
+    past_buckets: tuple[int, ...] = ()
+    if dt is not None:
+        dec_grid = [(b, s) for b in batch for s in dt.past_grid]
+        with rich_progress(cfg.progress, f"timing {sel.name} decode steps on the cache grid") as p:
+            dgmeas = bench.measure([winner], dec_grid, dec_feeds, cfg.bucket_rounds, 1, cache,
+                                   backend.name, dev_key, dsettings, p)
+        dgrid = {s: (st.median if st.n >= 3 else float(dgmeas.samples[(sel.name, s)].min()))
+                 for s in dec_grid for st in [dgmeas.stats(sel.name, s)]}
+        past_buckets = choose(dt.past, dgrid, batch, dt.past_grid, cfg.max_buckets).seq
+        dec_lat = {n: {decode_key(*s): _lat(dmeas.stats(n, s)) for s in dec_shapes}
+                   for n in built}
+        dec_lat[sel.name].update({decode_key(*s): _lat(dgmeas.stats(sel.name, s))
+                                  for s in dec_grid if decode_key(*s) not in dec_lat[sel.name]})
     notes += [f"{len(meas.cached_shapes) + len(gmeas.cached_shapes)} shape(s) taken from the "
               "results cache"] if meas.cached_shapes or gmeas.cached_shapes else []
 
@@ -297,15 +349,26 @@ def run_pipeline(cfg, model, root: Path):
             accuracy=b.accuracy, latency=lat,
             speedup=_speed(speedups[n]) if n in speedups else None,
             speedup_by_shape={shape_key(*s): _speed(meas.speedup_at(n, s)) for s in sel_shapes}
-            if n != "original" else {}, note=vnote))
+            if n != "original" else {}, note=vnote, latency_decode=dec_lat.get(n, {})))
     manifest = Manifest(
         source_path=str(cfg.model.resolve()), source_sha256=source_sha,
         device=info.to_json(), backend=backend.name, settings=sjson, selected=sel.name,
         buckets=Buckets(tuple(choice.batch), tuple(choice.seq),
                         ExpectedLatency(choice.expected_ms, choice.pad_to_max_ms, choice.no_buckets_ms),
-                        req.source, req.count),
+                        req.source, req.count, past_buckets),
         variants=tuple(variants), selection=sel.reason, margin=cfg.margin, notes=tuple(notes),
-        advice=advice)
+        advice=advice,
+        cache=(cache_section(shape.cache, built[sel.name].path, sel.name, cfg.cache_policy)
+               if dt is not None else None),
+        phases=({"rule": RULE, "mean_output_tokens": dt.mean_output,
+                 "prefill": {"shapes": [shape_key(*s) for s in sel_shapes], "weight": 1.0,
+                             "per": "request"},
+                 "decode": {"shapes": [decode_key(*s) for s in dec_shapes],
+                            "weight": dt.mean_output, "per": "generated token"}}
+                if dt is not None else None))
     write_manifest(root, manifest)
     write_report(root, manifest, req=req, grid_latency=grid_lat, coverage=choice.coverage)
+    if dt is not None:  # the decoder section: both phases side by side
+        with open(root / "report.md", "a", encoding="utf-8") as f:
+            f.write(report_section(manifest_to_json(manifest)))
     return manifest, notes

@@ -19,8 +19,10 @@ import onnx_ir as ir
 
 from tuner.artifact.records import Accuracy
 from tuner.errors import BadInput
-from tuner.gate.verify import Tolerance, VerifyResult, verify
-from tuner.graph.load import check_external_data, external_locations, read_proto
+from tuner.gate.kv_gate import CacheFeeds, check
+from tuner.gate.verify import Tolerance, VerifyResult
+from tuner.graph.kv_cache import widened_cache
+from tuner.graph.load import check_external_data, external_locations, load_model, read_proto
 from tuner.graph.paddable import Transform
 from tuner.graph.shape import ModelShape
 from tuner.jobs.pad import NotExact, pad_model
@@ -83,13 +85,13 @@ def copy_original(src: Path, root: Path) -> Built:
 
 def build_padded(model: ir.Model, shape: ModelShape, root: Path, cand: Candidate,
                  reference: Runner, feeds: Sequence[Mapping[str, np.ndarray]],
-                 tolerance: Tolerance) -> Built:
+                 tolerance: Tolerance, cache_policy: str = "keep") -> Built:
     """Pad a copy of `model` (already loaded and inspected as `shape`) as the candidate asks,
     gated against `reference` before it is written. BadInput (a refused rewrite, or a failed
     gate) propagates, with nothing left behind."""
     dst, rel = variant_dir(root, cand.name)
     try:
-        res = pad_model(model.clone(), shape, PadRequest.from_pads(cand.pads), dst, reference,
+        res = pad_model(model.clone(), shape, PadRequest.from_pads(cand.pads, cache_policy), dst, reference,
                         feeds, tolerance)
     except NotExact as e:
         shutil.rmtree(dst.parent, ignore_errors=True)
@@ -113,7 +115,8 @@ def build_fused(base: Built, root: Path, cand: Candidate, shape, reference, feed
         stats = fuse_file(base.path, dst, shape.num_heads, shape.hidden_size)
         if not stats:
             raise BadInput(f"{cand.name}: ONNX Runtime's optimizer found nothing to fuse")
-        result = verify(reference, backend.load(dst, settings), feeds, tolerance)
+        widened = widened_cache(load_model(dst)) if isinstance(feeds, CacheFeeds) else {}
+        result = check(reference, backend.load(dst, settings), feeds, tolerance, widened)
     except BaseException:
         shutil.rmtree(dst.parent, ignore_errors=True)
         raise

@@ -18,6 +18,7 @@ import onnx_ir as ir
 from tuner.errors import BadInput, RewriteRefused
 from tuner.graph.paddable import BY_KIND, PADDABLE, Transform
 from tuner.graph.shape import ModelShape
+from tuner.rewrite.axis.cache import POLICIES as CACHE_POLICIES
 from tuner.rewrite.common import remove_unused
 from tuner.rewrite.ffn import pad_ffns
 from tuner.rewrite.head_dim import pad_head_dim
@@ -45,15 +46,22 @@ class PadRequest:
     vocab_size: int | None = None
     head_dim: int | None = None
     num_heads: int | None = None
+    # What head-dim / head-count padding does to a KV cache (DESIGN.md): "keep" its shape
+    # (padded inside the graph, present sliced back) or "widen" the cache interface.
+    cache_policy: str = "keep"
 
     def __post_init__(self) -> None:
         for dim in BY_KIND.values():
             _check_positive(dim.field, getattr(self, dim.field))
+        if self.cache_policy not in CACHE_POLICIES:
+            raise BadInput(f"cache policy must be one of {'|'.join(CACHE_POLICIES)}, "
+                           f"not {self.cache_policy!r}")
 
     @classmethod
     def from_multiples(cls, shape: ModelShape, ffn_multiple: int | None = None,
                        vocab_multiple: int | None = None, head_dim: int | None = None,
-                       heads: int | None = None, hidden_multiple: int | None = None) -> "PadRequest":
+                       heads: int | None = None, hidden_multiple: int | None = None,
+                       cache_policy: str = "keep") -> "PadRequest":
         """Round the model's FFN width and vocabulary up to multiples; head dim and head count
         are absolute targets. Sizes already aligned stay None (nothing to do)."""
         for name, v in (("ffn_multiple", ffn_multiple), ("vocab_multiple", vocab_multiple),
@@ -71,23 +79,25 @@ class PadRequest:
                    vocab_size=vocab if vocab and vocab != shape.vocab_size else None,
                    head_dim=head_dim if head_dim is not None and head_dim != shape.head_dim
                    else None,
-                   num_heads=heads if heads is not None and heads != shape.num_heads else None)
+                   num_heads=heads if heads is not None and heads != shape.num_heads else None,
+                   cache_policy=cache_policy)
 
     @property
     def empty(self) -> bool:
         return all(getattr(self, dim.field) is None for dim in BY_KIND.values())
 
     @classmethod
-    def from_pads(cls, pads: dict[str, int]) -> "PadRequest":
+    def from_pads(cls, pads: dict[str, int], cache_policy: str = "keep") -> "PadRequest":
         """From {transform kind: new size}, as a planned candidate carries them."""
-        return cls(**{BY_KIND[kind].field: size for kind, size in pads.items()})
+        return cls(**{BY_KIND[kind].field: size for kind, size in pads.items()},
+                   cache_policy=cache_policy)
 
 
-def _vocab(model: ir.Model, shape: ModelShape, new: int) -> int:
-    return pad_vocab(model.graph, shape.sites, new)
+def _vocab(model: ir.Model, shape: ModelShape, new: int, cache_policy: str) -> int:
+    return pad_vocab(model.graph, shape.sites, new)  # the KV cache is not touched
 
 
-def _ffn(model: ir.Model, shape: ModelShape, new: int) -> int:
+def _ffn(model: ir.Model, shape: ModelShape, new: int, cache_policy: str) -> int:
     ffns = [(i, layer.ffn) for i, layer in enumerate(shape.sites.layers) if layer.ffn]
     if not ffns:
         raise RewriteRefused("no FFN block found to pad")
@@ -96,9 +106,9 @@ def _ffn(model: ir.Model, shape: ModelShape, new: int) -> int:
 
 
 # One exact rewrite per padded dimension (tuner.graph.paddable.PADDABLE), applied in that
-# table's order: each takes the model, its shape so far and the new size, edits the model in
-# place and returns the old size.
-Rewrite = Callable[[ir.Model, ModelShape, int], int]
+# table's order: each takes the model, its shape so far, the new size and the KV-cache policy
+# (tuner.rewrite.axis.cache), edits the model in place and returns the old size.
+Rewrite = Callable[[ir.Model, ModelShape, int, str], int]
 REWRITES: dict[str, Rewrite] = {"ffn": _ffn, "vocab": _vocab, "head_dim": pad_head_dim,
                                 "heads": pad_heads}
 
@@ -112,7 +122,7 @@ def apply(model: ir.Model, shape: ModelShape, req: PadRequest) -> tuple[ir.Model
         new = getattr(req, dim.field)
         if new is None:
             continue
-        old = REWRITES[dim.kind](model, shape, new)
+        old = REWRITES[dim.kind](model, shape, new, req.cache_policy)
         if old != new:
             done.append(Transform(dim.kind, old, new))
         # later rewrites see the padded size (node names are unchanged)

@@ -31,6 +31,7 @@ from tuner.errors import RewriteRefused
 from tuner.graph.dims import Dims
 from tuner.graph.shape import AttentionSite, ModelShape
 from tuner.rewrite.axis import Track, Widen, identity, scatter
+from tuner.rewrite.axis.cache import CacheInterface
 from tuner.rewrite.axis.reshape import entries
 from tuner.rewrite.common import (Projection, const_array, new_initializer, projection,
                                   widen_inputs, widen_outputs)
@@ -153,8 +154,9 @@ def _seed_rotary(graph: ir.Graph, widen: Widen, d: int, new: int) -> int:
     return count
 
 
-def pad_head_dim(model: ir.Model, shape: ModelShape, new: int) -> int:
-    """Pad every attention block's head dim to `new`; returns the old head dim."""
+def pad_head_dim(model: ir.Model, shape: ModelShape, new: int, cache_policy: str = "keep") -> int:
+    """Pad every attention block's head dim to `new`; returns the old head dim. A KV cache
+    keeps its shape (`keep`) or is widened (`widen`): tuner.rewrite.axis.cache."""
 
     d = shape.head_dim
     if not d:
@@ -174,7 +176,8 @@ def pad_head_dim(model: ir.Model, shape: ModelShape, new: int) -> int:
             raise RewriteRefused(f"layer {i}: full rotary needs even head dims ({d} -> {new})")
     dims = Dims(model)
     dims.inferred()  # shapes of the original graph, before any edit
-    widen = Widen(model, dims, f"head dim {d}->{new}")
+    widen = Widen(model, dims, f"head dim {d}->{new}",
+                  cache=CacheInterface.of(model, shape.cache, cache_policy))
     graph = model.graph
     sinks: dict[str, bool] = {}
     for i, site in sites:

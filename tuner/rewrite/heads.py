@@ -20,6 +20,7 @@ from tuner.errors import RewriteRefused
 from tuner.graph.dims import Dims
 from tuner.graph.shape import AttentionSite, ModelShape
 from tuner.rewrite.axis import Track, Widen
+from tuner.rewrite.axis.cache import CacheInterface
 from tuner.rewrite.axis.reshape import entries
 from tuner.rewrite.common import projection, widen_inputs, widen_outputs
 from tuner.rewrite.head_dim import neox_layout, output_rank
@@ -124,8 +125,9 @@ FUSED_LAYOUTS = ("the fused qkv projection {!r} may keep its heads in a layout t
                  "Gather (BLOOM, whose ALiBi bias would also need the new heads)")
 
 
-def pad_heads(model: ir.Model, shape: ModelShape, new: int) -> int:
-    """Pad every attention block to `new` heads; returns the old head count."""
+def pad_heads(model: ir.Model, shape: ModelShape, new: int, cache_policy: str = "keep") -> int:
+    """Pad every attention block to `new` heads; returns the old head count. A KV cache
+    keeps its shape (`keep`) or is widened (`widen`): tuner.rewrite.axis.cache."""
 
     a, d = shape.num_heads, shape.head_dim
     if not a or not d:
@@ -147,7 +149,8 @@ def pad_heads(model: ir.Model, shape: ModelShape, new: int) -> int:
                                  "attribute and packed weights are not rewritten)")
     dims = Dims(model)
     dims.inferred()  # shapes of the original graph, before any edit
-    widen = Widen(model, dims, f"heads {a}->{new}")
+    widen = Widen(model, dims, f"heads {a}->{new}",
+                  cache=CacheInterface.of(model, shape.cache, cache_policy))
     reached: dict[str, bool] = {}
     try:
         for _, site in sites:

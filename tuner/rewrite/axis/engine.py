@@ -97,8 +97,11 @@ HANDLERS: dict[tuple[str, str], Handler] = {}
 
 
 class Widen:
-    def __init__(self, model: ir.Model, dims, what: str) -> None:
+    def __init__(self, model: ir.Model, dims, what: str, cache=None) -> None:
         self.model, self.graph, self.dims, self.what = model, model.graph, dims, what
+        # A decoder's KV cache met on the way (tuner.rewrite.axis.cache.CacheInterface, or
+        # None): pads or widens the past at its Concat, slices or widens present.
+        self.cache = cache
         self.tracks: dict[ir.Value, Track] = {}
         self.sinks: dict[ir.Node, Sink] = {}
         self.token = next(_RUNS)  # scopes the constants this run replaces
@@ -156,7 +159,8 @@ class Widen:
             outs = handler(self, node, tin)
             for out, t in zip(node.outputs, outs):
                 if t is not None:
-                    if out.is_graph_output():
+                    if out.is_graph_output() and (self.cache is None
+                                                  or not self.cache.output(self, out, t)):
                         raise self.refuse(node, "the widened axis reaches a graph output")
                     self.tracks[out] = t
         for value, t in self.tracks.items():

@@ -117,6 +117,10 @@ def op_Concat(w: Widen, node: ir.Node, tin: list) -> list:
     axis = node.attributes["axis"].value
     k = axis % ref.rank
     if k != ref.rank + ref.axis:
+        if w.cache is not None:  # a KV cache's past joined with widened keys/values
+            tin = [w.cache.join(w, node, i, ref)
+                   if t is None and w.cache.past_behind(v) is not None else t
+                   for i, (v, t) in enumerate(zip(node.inputs, tin))]
         if any(t is None or not t.same(ref) for t in tin):
             raise w.refuse(node, "concatenates widened and plain tensors")
         return [ref]
@@ -124,12 +128,12 @@ def op_Concat(w: Widen, node: ir.Node, tin: list) -> list:
     old_off = new_off = 0
     for v, t in zip(node.inputs, tin):
         if t is None:
-            w = w.dims.static(v, ref.axis)
+            width = w.dims.static(v, ref.axis)
             c = const_array(v)
-            w = c.shape[ref.axis] if c is not None else w
-            if w is None:
+            width = c.shape[ref.axis] if c is not None else width
+            if width is None:
                 raise w.refuse(node, f"width of {v.name!r} unknown")
-            t = Track(ref.axis, ref.rank, identity(w), w)
+            t = Track(ref.axis, ref.rank, identity(width), width)
         pos.extend(new_off + p for p in t.pos)
         old_off += t.old
         new_off += t.new

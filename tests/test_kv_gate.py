@@ -1,0 +1,109 @@
+"""The gate for decoders with a KV cache: `tuner verify m m` passes on every cache export,
+corrupted copies (embedding rows x3, one FFN weight, the LM head's last vocab entry) fail,
+and `tuner pad` gates cache models through the rollouts (vocab and FFN padding exact, the
+cache untouched)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+
+from models.build import EXPORTERS, cached
+from tuner.cli import main
+from tuner.gate.kv_feeds import cache_roles, prefill_feeds
+from tuner.gate.kv_gate import CacheFeeds, cache_feeds, check, widen_feeds
+from tuner.graph.inspect import inspect_model
+from tuner.graph.lm_head import token_embedding
+from tuner.graph.load import load_model
+from tuner.jobs.pad import pad_file
+from tuner.rewrite.common import find_node
+from tuner.rewrite.compose import PadRequest
+from tuner.runtime.ort import OrtRunner, load_cpu
+
+FAMILIES = ("gpt2", "llama", "gpt_neox", "mistral")
+
+
+def _src(family: str, exporter: str):
+    return cached(f"{family}-kv", "awkward", exporter)
+
+
+@pytest.mark.parametrize("exporter", EXPORTERS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_verify_a_cache_model_against_itself_passes(family, exporter, capsys):
+    src = str(_src(family, exporter))
+    assert main(["verify", src, src]) == 0
+    out = capsys.readouterr().out
+    assert "greedy rollouts" in out and "present.1.value" in out and out.strip().endswith("PASS")
+
+
+def _corrupt(model: ir.Model, how: str) -> None:
+    shape = inspect_model(model)
+    if how == "embedding":  # every row x3
+        w = token_embedding(model.graph).weight
+        w.const_value = ir.tensor(w.const_value.numpy() * 3)
+    elif how == "ffn":  # one weight of one FFN
+        w = find_node(model.graph, shape.sites.layers[0].ffn.down).inputs[1]
+        arr = w.const_value.numpy().copy()
+        arr.reshape(-1)[7] += 0.5
+        w.const_value = ir.tensor(arr)
+    else:  # the LM head's last vocab entry
+        w = find_node(model.graph, shape.sites.lm_head).inputs[1]
+        arr = w.const_value.numpy().copy()
+        axis = list(arr.shape).index(shape.vocab_size)
+        last = np.moveaxis(arr, axis, 0)[-1]  # a view: edits arr
+        last += np.random.default_rng(0).standard_normal(last.shape).astype(arr.dtype)
+        # (not a constant: after a LayerNorm the hidden features sum to ~0, hiding a shift)
+        w.const_value = ir.tensor(arr)
+
+
+@pytest.mark.parametrize("how", ["embedding", "ffn", "lm_head"])
+@pytest.mark.parametrize("family,exporter", [("gpt2", "torchscript"), ("llama", "dynamo")])
+def test_corrupted_copies_fail(family, exporter, how, tmp_path, capsys):
+    if how == "lm_head" and family == "gpt2":
+        family = "gpt_neox"  # GPT-2 ties its head to the embedding: the embedding liar covers it
+    src = _src(family, exporter)
+    model = load_model(src)
+    _corrupt(model, how)
+    liar = tmp_path / "liar.onnx"
+    ir.save(model, str(liar))
+    assert main(["verify", str(src), str(liar)]) == 1
+    assert capsys.readouterr().out.strip().endswith("FAIL")
+
+
+@pytest.mark.parametrize("exporter", EXPORTERS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_vocab_and_ffn_padding_leave_the_cache_alone(family, exporter, tmp_path):
+    src = _src(family, exporter)
+    shape = inspect_model(load_model(src))
+    req = PadRequest.from_multiples(shape, ffn_multiple=64, vocab_multiple=64)
+    res = pad_file(src, tmp_path / "p.onnx", req)
+    assert res.accuracy and "greedy rollouts" in res.accuracy.tolerance
+    assert {t.kind for t in res.records} == {"vocab", "ffn"}
+    assert all(o.max_abs <= 1e-4 for o in res.accuracy.outputs)
+    before = inspect_model(load_model(src)).cache
+    after = inspect_model(load_model(tmp_path / "p.onnx")).cache
+    assert (after.num_kv_heads, after.head_dim, after.layout, after.layers) == (
+        before.num_kv_heads, before.head_dim, before.layout, before.layers)
+
+
+def test_a_widened_candidate_is_fed_zeros_in_the_new_entries():
+    roles = cache_roles(load_model(_src("llama", "dynamo")))
+    first = prefill_feeds(roles, np.array([[1, 2, 3]]))
+    name = next(iter(roles.past_to_present))
+    pos = tuple(range(0, 40)) + tuple(range(64, 104))  # per half, 80 -> 128
+    wide = widen_feeds(first, {name: ((3, pos, 128),)})
+    assert wide.arrays[name].shape[3] == 128 and first.arrays[name].shape[3] == 80
+
+
+def test_the_gate_fails_closed_on_a_candidate_that_cannot_run():
+    src = _src("gpt2", "torchscript")
+    feeds = cache_feeds(cache_roles(load_model(src)), 50257)
+    assert isinstance(feeds, CacheFeeds) and len(feeds) == 4
+
+    class Broken:
+        def infer(self, feeds):
+            raise RuntimeError("no")
+
+    result = check(OrtRunner(load_cpu(src)), Broken(), feeds)
+    assert not result and "the candidate failed to run" in result.errors[0]

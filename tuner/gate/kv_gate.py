@@ -1,0 +1,247 @@
+"""The accuracy gate for decoders exported with a KV cache (DESIGN.md, "Decoders with a KV
+cache"): short greedy generations, each model fed its own `present` as its next `past`,
+logits compared at every step (kept positions only) and the cache on the original positions.
+
+    feeds = gate_feeds(model, vocab)        # CacheFeeds for a cache model, plain feeds otherwise
+    result = check(reference, candidate, feeds, Tolerance(), widened={})   # a VerifyResult
+
+`check` is what every gate calls (tuner pad, tuner verify, optimize's variants): plain feed
+dicts go to tuner.gate.verify.verify, CacheFeeds to `verify_cache_model`. A candidate whose
+cache interface was widened (the `widen` policy) is fed the reference's pasts scattered into
+its wider shape (zeros in the new entries; `widened` is the map the rewrite recorded, see
+tuner.graph.kv_cache.widened_cache), and its presents are compared on the original entries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import onnx_ir as ir
+
+from tuner.gate.feeds import DEFAULT_SHAPES, make_feeds
+from tuner.gate.kv_feeds import (CacheRoles, Rollout, StepFeeds, cache_roles, decode_feeds,
+                                 greedy_rollout, prefill_feeds)
+from tuner.gate.verify import OutputReport, Tolerance, TolerancePolicy, VerifyResult, verify
+from tuner.graph.kv_cache import CachePads, find_kv_cache
+
+# (batch, seq, left-padded rows, steps) of the prefill rollouts; (batch, past, seq, steps) of
+# the decode rollouts (seq 1: a decode step; seq 3: a chunk)
+PREFILL = ((2, 6, 1, 4), (1, 3, 0, 3))
+DECODE = ((2, 7, 1, 3), (2, 5, 3, 2))
+
+
+@dataclass(frozen=True)
+class CacheFeeds:
+    """The gate's inputs for a cache model: first steps and how many steps to roll from each.
+    `len()` is the number of rollouts (what the gate's table calls feeds)."""
+
+    roles: CacheRoles
+    starts: tuple[tuple[StepFeeds, int], ...]
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def __post_init__(self) -> None:
+        if not self.starts or any(steps < 1 for _, steps in self.starts):
+            raise ValueError("CacheFeeds needs at least one start of >= 1 steps")
+
+
+def has_cache(model: ir.Model) -> bool:
+    return find_kv_cache(model.graph) is not None
+
+
+def cache_feeds(roles: CacheRoles, vocab_size: int, seed: int = 0) -> CacheFeeds:
+    """Prefill rollouts (past 0, one left-padded row) and decode rollouts from a random cache
+    of past P (seq 1 and seq 3). A graph with a static batch gets that batch."""
+    rng = np.random.default_rng(seed)
+    starts: list[tuple[StepFeeds, int]] = []
+    for batch, seq, padded, steps in PREFILL:
+        batch = roles.batch or batch
+        ids = rng.integers(0, vocab_size, (batch, seq))
+        mask = np.ones_like(ids)
+        for row in range(1, min(1 + padded, batch)):
+            mask[row, :seq // 3] = 0  # left padding: what generate() batches prompts with
+        starts.append((prefill_feeds(roles, ids, mask), steps))
+    for i, (batch, past, seq, steps) in enumerate(DECODE):
+        starts.append((decode_feeds(roles, roles.batch or batch, past, seq, vocab_size,
+                                    seed=seed + 1 + i), steps))
+    return CacheFeeds(roles, tuple(starts))
+
+
+def gate_feeds(model: ir.Model, vocab_size: int, shapes: Sequence[tuple[int, int]] | None = None,
+               seed: int = 0):
+    """What the gate runs `model`'s variants on: CacheFeeds for a cache model, else plain
+    feed dicts (tuner.gate.feeds.make_feeds at `shapes`)."""
+    if has_cache(model):
+        return cache_feeds(cache_roles(model), vocab_size, seed)
+    return make_feeds(model, vocab_size, shapes or DEFAULT_SHAPES, seed=seed)
+
+
+def check(reference, candidate, feeds, tolerance: Tolerance | TolerancePolicy = Tolerance(),
+          widened: CachePads | None = None) -> VerifyResult:
+    """The gate: `verify_cache_model` for CacheFeeds, tuner.gate.verify.verify otherwise."""
+    if isinstance(feeds, CacheFeeds):
+        return verify_cache_model(reference, candidate, feeds, tolerance, widened or {})
+    return verify(reference, candidate, feeds, tolerance)
+
+
+# ---------------------------------------------------------------------------------------------
+# Widened caches
+
+
+def _scatter(arr: np.ndarray, entries) -> np.ndarray:
+    for axis, pos, new in entries:
+        shape = list(arr.shape)
+        shape[axis] = new
+        out = np.zeros(shape, arr.dtype)
+        index = [slice(None)] * arr.ndim
+        index[axis] = list(pos)
+        out[tuple(index)] = arr
+        arr = out
+    return arr
+
+
+def _narrow(arr: np.ndarray, entries) -> np.ndarray:
+    for axis, pos, _ in entries:
+        arr = np.take(arr, list(pos), axis=axis)
+    return arr
+
+
+def widen_feeds(step: StepFeeds, widened: CachePads) -> StepFeeds:
+    """`step` for a model whose cache inputs are wider: pasts scattered, zeros elsewhere."""
+    if not widened:
+        return step
+    arrays = {n: (_scatter(a, widened[n]) if n in widened else a) for n, a in step.arrays.items()}
+    return StepFeeds(step.roles, arrays, step.mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# The comparison
+
+
+class _Stats:
+    def __init__(self) -> None:
+        self.max_abs = self.max_rel = 0.0
+        self.cosine = 1.0
+        self.compared = self.agree = self.rows = 0
+        self.passed, self.reason = True, ""
+
+    def fail(self, reason: str) -> None:
+        if self.passed:
+            self.passed, self.reason = False, reason
+
+    def add(self, name: str, ref: np.ndarray, got: np.ndarray, policy, keep=None) -> None:
+        """Compare `got` with `ref` (same shape) where `keep` (B, S) is true."""
+        if ref.shape != got.shape:
+            self.fail(f"shape {got.shape} != {ref.shape}")
+            return
+        if keep is not None:
+            ref, got = ref[keep.astype(bool)], got[keep.astype(bool)]  # (kept rows, ...)
+        r, g = ref.astype(np.float64), got.astype(np.float64)
+        self.compared += r.size
+        if r.size == 0:
+            return
+        if (np.isnan(r) != np.isnan(g)).any():
+            self.fail("NaN where the reference has none (or the reverse)")
+        fin = np.isfinite(r) & np.isfinite(g)
+        diff = np.abs(r[fin] - g[fin])
+        if diff.size:
+            self.max_abs = max(self.max_abs, float(diff.max()))
+            rel = diff / np.maximum(np.abs(r[fin]), 1e-12)
+            self.max_rel = max(self.max_rel, float(rel.max()))
+            denom = np.linalg.norm(r[fin]) * np.linalg.norm(g[fin])
+            cos = (float(r[fin] @ g[fin] / denom) if denom > 0
+                   else float(np.array_equal(r[fin], g[fin])))
+            self.cosine = min(self.cosine, cos)
+        if not policy(name, ref, got):
+            self.fail("")
+        if keep is not None and ref.ndim >= 2:  # logits rows: top-1 agreement
+            self.agree += int((ref.argmax(-1) == got.argmax(-1)).sum())
+            self.rows += int(np.prod(ref.shape[:-1]))
+
+    def report(self, name: str) -> OutputReport:
+        top1 = (self.agree / self.rows) if self.rows else None
+        return OutputReport(name, self.passed, self.max_abs, self.max_rel, self.cosine, top1,
+                            self.compared, self.reason)
+
+
+def _rollout(runner, start: StepFeeds, steps: int) -> Rollout:
+    return greedy_rollout(runner.infer, start, steps)
+
+
+def _first_line(e: Exception) -> str:
+    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+
+
+def verify_cache_model(reference, candidate, feeds: CacheFeeds,
+                       tolerance: Tolerance | TolerancePolicy = Tolerance(),
+                       widened: CachePads | None = None) -> VerifyResult:
+    """Roll both models greedily from every start in `feeds` and compare logits at every step
+    (positions the mask keeps) and the final cache (on the original entries when `widened`).
+    Fails closed: a model that does not run, a flipped greedy token, a missing output."""
+    widened = widened or {}
+    label = (f"atol={tolerance.atol:g} rtol={tolerance.rtol:g}" if isinstance(tolerance, Tolerance)
+             else getattr(tolerance, "__name__", "custom"))
+    label += f"; {len(feeds)} greedy rollouts, each model fed its own present"
+    roles = feeds.roles
+    presents = list(roles.past_to_present.values())
+    stats = {name: _Stats() for name in [roles.logits, *presents]}
+    errors: list[str] = []
+    for i, (start, steps) in enumerate(feeds.starts):
+        what = f"rollout {i} (batch {start.mask.shape[0]}, past {start.past}, seq {start.seq})"
+        try:
+            ref = _rollout(reference, start, steps)
+        except Exception as e:  # noqa: BLE001 - nothing to compare against: the gate fails
+            errors.append(f"{what}: the reference failed to run: {_first_line(e)}")
+            continue
+        try:
+            got = _rollout(candidate, widen_feeds(start, widened), steps)
+        except Exception as e:  # noqa: BLE001 - a candidate that cannot run fails the gate
+            errors.append(f"{what}: the candidate failed to run: {_first_line(e)}")
+            continue
+        diverged = False
+        for step, (r, g, m) in enumerate(zip(ref.logits, got.logits, ref.query_masks)):
+            stats[roles.logits].add(roles.logits, r, g, tolerance, keep=m)
+            if not np.array_equal(ref.tokens[:, step], got.tokens[:, step]):
+                errors.append(f"{what}: step {step}: greedy tokens differ")
+                diverged = True
+                break
+        if diverged:  # the caches now hold other tokens: comparing them says nothing more
+            continue
+        for name in presents:
+            if name not in got.cache:
+                stats[name].fail("missing in the candidate")
+                continue
+            stats[name].add(name, ref.cache[name], _narrow(got.cache[name], widened.get(name, ())),
+                            tolerance)
+    reports = tuple(s.report(n) for n, s in stats.items())
+    return VerifyResult(reports, len(feeds), label, tuple(errors))
+
+
+
+class WidenedRunner:
+    """A runner for a model whose cache interface was widened, fed feeds of the original
+    cache shape (what the benchmark builds for every variant): pasts are scattered into the
+    wider shape, zeros in the new entries, once per feeds object (timing repeats no copy).
+    With `narrow`, presents come back on the original entries (a copy per call, so the
+    benchmark leaves it off: a server that owns a wide cache never narrows it)."""
+
+    def __init__(self, runner, widened: CachePads, narrow: bool = False) -> None:
+        self.runner, self.widened, self.narrow = runner, widened, narrow
+        self.name = getattr(runner, "name", "widened")
+        self._memo: tuple[object, dict] | None = None
+
+    def infer(self, feeds):
+        if self._memo is None or self._memo[0] is not feeds:
+            self._memo = (feeds, {n: (_scatter(a, self.widened[n]) if n in self.widened else a)
+                                  for n, a in feeds.items()})
+        out = self.runner.infer(self._memo[1])
+        if not self.narrow:
+            return out
+        return {n: (_narrow(a, self.widened[n]) if n in self.widened else a)
+                for n, a in out.items()}
+
+    def close(self) -> None:
+        self.runner.close()

@@ -1,0 +1,202 @@
+"""`tuner optimize` for a decoder exported with its KV cache: two workloads, measured apart
+(DESIGN.md, "Decoders with a KV cache").
+
+- prefill: the prompt, b x s against an empty cache (past 0);
+- decode: one new token per stream, b x 1 against a cache of P positions. Decode is where
+  serving time goes (one step per generated token) and it is memory-bound, so padding and
+  batching act differently on it.
+
+Traffic (`--requests`, JSONL): one object per request, {"prompt_tokens": 120,
+"output_tokens": 40, "batch": 1} ("seq" is taken for the prompt when `prompt_tokens` is
+absent; `output_tokens` defaults to DEFAULT_OUTPUT_TOKENS). Other request formats give the
+prompt lengths, with the default output. The decode steps of a request run at past lengths
+prompt, prompt + 1, ..., prompt + output - 1: their distribution chooses the cache-length
+buckets as prompt lengths choose the sequence buckets.
+
+The selection rule weighs the phases by tokens: the expected time of one request is one
+prefill at its prompt bucket plus (mean output tokens) decode steps at the median cache
+bucket; speedups are paired ratios of that sum, round by round.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+from tuner.errors import BadInput
+from tuner.gate.kv_feeds import CacheRoles, decode_feeds, prefill_feeds
+from tuner.graph.kv_cache import KvCache, widened_cache
+from tuner.graph.load import load_model
+from tuner.measure.buckets import (Requests, batch_buckets, bucket_of, default_seq_buckets,
+                                   load_requests, seq_grid, uniform_requests)
+from tuner.measure.stats import weighted_totals
+
+DEFAULT_OUTPUT_TOKENS = 32
+RULE = ("expected time per request = prefill(batch, prompt bucket) + mean output tokens x "
+        "decode(batch x 1, median cache-length bucket); variants are compared on that sum, "
+        "paired round by round (prefill weighed once per request, decode once per generated "
+        "token)")
+
+
+@dataclass(frozen=True)
+class DecoderTraffic:
+    prompts: Requests  # (batch, prompt tokens)
+    past: Requests  # (batch, cache length) of every decode step
+    mean_output: float  # generated tokens per request
+    prompt_grid: tuple[int, ...]
+    past_grid: tuple[int, ...]
+    batch: tuple[int, ...]
+    note: str | None = None
+
+
+def _subsample(grid: tuple[int, ...], n: int = 8) -> tuple[int, ...]:
+    if len(grid) <= n:
+        return grid
+    return tuple(grid[i] for i in sorted({round(k * (len(grid) - 1) / (n - 1)) for k in range(n)}))
+
+
+def _read_jsonl(path: Path) -> list[tuple[int, int, int]] | None:
+    """(batch, prompt, output) per line when the file is JSONL that names prompt/output
+    tokens; None when it does not (then it is an ordinary requests file)."""
+    if path.suffix.lower() not in (".jsonl", ".ndjson"):
+        return None
+    rows, named = [], False
+    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise BadInput(f"{path.name} line {i}: not JSON ({e.msg})") from None
+        if not isinstance(obj, dict):
+            raise BadInput(f"{path.name} line {i}: expected an object")
+        named = named or "prompt_tokens" in obj or "output_tokens" in obj
+        vals = []
+        for key, default in (("batch", 1), ("prompt_tokens", obj.get("seq")),
+                             ("output_tokens", DEFAULT_OUTPUT_TOKENS)):
+            v = obj.get(key, default)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise BadInput(f"{path.name} line {i}: {key} must be a positive integer, "
+                               f"not {v!r}")
+            vals.append(v)
+        rows.append(tuple(vals))
+    return rows if named else None
+
+
+def decoder_traffic(requests: Path | None, max_seq: int | None, max_batch: int,
+                    positions: int | None) -> DecoderTraffic:
+    """Prompt and cache-length distributions from the traffic file (or uniform prompts up to
+    the model's positions, capped at 256, with DEFAULT_OUTPUT_TOKENS each)."""
+    rows = _read_jsonl(requests) if requests is not None else None
+    note = None
+    if rows is None:
+        if requests is not None:
+            req = load_requests(requests)
+            note = (f"{requests.name} has no output_tokens: {DEFAULT_OUTPUT_TOKENS} per "
+                    "request assumed")
+        else:
+            top = min(max_seq or positions or 256, 256 if not max_seq else max_seq)
+            req = uniform_requests(max(top - DEFAULT_OUTPUT_TOKENS, 1))
+            note = (f"no requests file: prompts uniform up to {req.max_seq}, "
+                    f"{DEFAULT_OUTPUT_TOKENS} output tokens each")
+        rows = [(b, s, DEFAULT_OUTPUT_TOKENS) for (b, s), w in req.weights.items()
+                for _ in range(max(int(round(w)), 1))]
+    prompts: dict[tuple[int, int], float] = {}
+    past: dict[tuple[int, int], float] = {}
+    for b, p, o in rows:
+        prompts[(b, p)] = prompts.get((b, p), 0.0) + 1
+        for k in range(o):
+            past[(b, p + k)] = past.get((b, p + k), 0.0) + 1
+    source = str(requests) if requests is not None else "default"
+    preq, dreq = Requests(prompts, source, len(rows)), Requests(past, source, len(rows))
+    limit = max_seq or positions
+    if limit and dreq.max_seq + 1 > limit:
+        raise BadInput(f"prompt + output tokens reach {dreq.max_seq + 1}, past the model's "
+                       f"{limit} positions")
+    prompt_grid = seq_grid(preq, limit) if requests is not None else _subsample(
+        default_seq_buckets(preq.max_seq))
+    past_grid = _subsample(default_seq_buckets(dreq.max_seq))
+    batch = batch_buckets(max(preq.max_batch, 1) if requests is not None else max_batch)
+    mean_output = float(np.mean([o for _, _, o in rows]))
+    return DecoderTraffic(preq, dreq, mean_output, tuple(prompt_grid), tuple(past_grid),
+                          tuple(batch), note)
+
+
+def decode_shape(t: DecoderTraffic, prefill_shape: tuple[int, int]) -> tuple[int, int]:
+    """(batch, cache length) where variants are compared for decode: the selection's batch,
+    the bucket of the median cache length."""
+    return prefill_shape[0], bucket_of(t.past.seq_quantile(0.5), t.past_grid)
+
+
+def prefill_feeds_for(roles: CacheRoles, vocab: int, shape: tuple[int, int],
+                      seed: int = 1) -> dict[str, np.ndarray]:
+    b, s = shape
+    ids = np.random.default_rng(seed).integers(0, vocab, (b, s))
+    return dict(prefill_feeds(roles, ids).arrays)
+
+
+def decode_feeds_for(roles: CacheRoles, vocab: int, shape: tuple[int, int],
+                     seed: int = 1) -> dict[str, np.ndarray]:
+    b, past = shape
+    return dict(decode_feeds(roles, b, past, 1, vocab, seed=seed).arrays)
+
+
+def decode_key(batch: int, past: int) -> str:
+    """The key of a decode shape in `latency_decode` maps: "1x1@128" (batch x 1 at past)."""
+    return f"{int(batch)}x1@{int(past)}"
+
+
+def combined_totals(prefill: Mapping, decode: Mapping, mean_output: float) -> np.ndarray:
+    """Per-round expected time of one request (ms): prefill totals + mean_output x decode."""
+    p = weighted_totals(prefill, {s: 1.0 for s in prefill})
+    d = weighted_totals(decode, {s: 1.0 for s in decode})
+    return p + mean_output * d
+
+
+def _cache_shape(cache: KvCache, widened: Mapping) -> list:
+    letters = {"b": "batch", "h": cache.num_kv_heads, "s": "past", "d": cache.head_dim}
+    shape = [letters[x] for x in cache.layout]
+    first = cache.layers[0].past_key
+    for axis, _pos, new in widened.get(first, ()):
+        shape[axis] = new
+    return shape
+
+
+def cache_section(cache: KvCache, served_path: Path, served: str, policy: str) -> dict[str, Any]:
+    """The manifest's `cache`: what clients (or a server owning the cache) feed as past."""
+    widened = widened_cache(load_model(served_path)) if served != "original" else {}
+    return {"layers": cache.num_layers, "kv_heads": cache.num_kv_heads,
+            "head_dim": cache.head_dim, "layout": cache.layout, "dtype": cache.dtype,
+            "bytes_per_token": cache.bytes_per_token, "policy": policy,
+            "widened": bool(widened), "original_shape": _cache_shape(cache, {}),
+            "served_shape": _cache_shape(cache, widened), "served_variant": served,
+            "past": [n for layer in cache.layers for n in (layer.past_key, layer.past_value)],
+            "present": [n for layer in cache.layers
+                        for n in (layer.present_key, layer.present_value)]}
+
+
+def report_section(manifest_json: Mapping[str, Any]) -> str:
+    """report.md's decoder part: the cache, both phases per variant, the rule."""
+    c, ph = manifest_json["cache"], manifest_json["phases"]
+    lines = ["", "## Decoder: prefill and decode", "",
+             f"- cache: {c['layers']} layers, {c['kv_heads']} kv heads of {c['head_dim']}, "
+             f"layout {c['layout']}, {c['dtype']}; policy `{c['policy']}`; shape as served "
+             f"{c['served_shape']} (original {c['original_shape']})",
+             f"- selection: {ph['rule']}; mean output tokens {ph['mean_output_tokens']:.1f}",
+             f"- cache-length buckets: {manifest_json['buckets'].get('past', [])}", "",
+             "| variant | prefill shape | prefill ms (median, IQR) | decode shape | decode ms "
+             "(median, IQR) | speedup per request [95% CI] |", "|---|---|---|---|---|---|"]
+    pk, dk = ph["prefill"]["shapes"][0], ph["decode"]["shapes"][0]
+    for v in manifest_json["variants"]:
+        p, d = v["latency"].get(pk), v.get("latency_decode", {}).get(dk)
+        sp = v.get("speedup")
+        lines.append(
+            f"| {v['name']} | {pk} | {p['median_ms']:.3f} ({p['spread_ms']:.3f}) | {dk} | "
+            f"{d['median_ms']:.3f} ({d['spread_ms']:.3f}) | "
+            + (f"{sp['ratio']:.3f}x [{sp['low']:.3f}, {sp['high']:.3f}]" if sp else "-") + " |"
+            if p and d else f"| {v['name']} | {pk} | - | {dk} | - | - |")
+    return "\n".join(lines) + "\n"
