@@ -11,6 +11,7 @@ from rich.table import Table
 
 from tuner.cli.app import app
 from tuner.graph.inspect import inspect_path
+from tuner.graph.io import InputSpec, input_specs
 from tuner.graph.shape import ModelShape
 from tuner.hardware.facts import device_facts
 from tuner.plan.findings import audited
@@ -41,6 +42,18 @@ def _where(shape: ModelShape) -> dict[str, str]:
         tied = " (tied to the embedding)" if sites.tied else ""
         out["vocab_size"] = f"{sites.lm_head}, weight {sites.lm_head_weight}{tied}"
     return out
+
+
+def render_inputs(specs: list[InputSpec], console: Console) -> None:
+    table = Table(title="inputs (roles found from the graph's structure)", title_justify="left")
+    for col in ("input", "role", "dtype", "dims", "batch axis", "seq axis"):
+        table.add_column(col)
+    for s in specs:
+        dims = "(" + ", ".join(str(d) if d is not None else "?" for d in s.dims) + ")"
+        table.add_row(s.name, s.role, s.dtype, dims,
+                      "-" if s.batch_axis is None else str(s.batch_axis),
+                      "-" if s.seq_axis is None else str(s.seq_axis))
+    console.print(table)
 
 
 def render(shape: ModelShape, console: Console) -> None:
@@ -92,7 +105,11 @@ def inspect(
 
     device_facts(device)  # an unknown device is bad input before any file is read
     shape = audited(inspect_path(model), device=device, tokens=tokens)
+    specs = input_specs(model)
     if as_json:
-        typer.echo(json.dumps(shape.to_json(), indent=2))
+        typer.echo(json.dumps({**shape.to_json(), "inputs": [s.to_json() for s in specs]},
+                              indent=2))
     else:
-        render(shape, Console(width=160))
+        console = Console(width=160)
+        render(shape, console)
+        render_inputs(specs, console)

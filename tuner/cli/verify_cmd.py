@@ -15,7 +15,7 @@ from tuner.errors import BadInput
 from tuner.gate.feeds import check_feed, load_npz, make_feeds
 from tuner.gate.verify import Tolerance, verify
 from tuner.graph.inspect import inspect_model
-from tuner.graph.io import input_specs, vocab_for_feeds
+from tuner.graph.io import input_specs, model_precision, vocab_for_feeds
 from tuner.graph.load import load_model
 from tuner.runtime.registry import get_backend
 
@@ -32,9 +32,12 @@ def verify_cmd(
     vocab: Optional[int] = typer.Option(None, "--vocab", help="token ids are drawn below this "
                                         "(default: the model's vocabulary)"),
     seed: int = typer.Option(0, "--seed", help="seed of the random inputs"),
+    min_compared: int = typer.Option(1, "--min-compared", help="an output with fewer compared "
+                                     "elements than this FAILS (nothing compared)"),
 ) -> None:
     """Run both models on the same inputs and compare every output (max abs/rel error, cosine,
-    top-1 agreement); positions masked out by attention_mask are not compared."""
+    top-1 agreement); positions masked out by the attention mask (found from the graph) are not
+    compared, and an output with nothing compared FAILS."""
 
     try:
         tol = Tolerance.fp16() if fp16 else Tolerance(atol=atol, rtol=rtol)
@@ -44,9 +47,12 @@ def verify_cmd(
         raise BadInput(f"--vocab must be >= 1, not {vocab}")
     if seed < 0:
         raise BadInput(f"--seed must be >= 0, not {seed}")
+    if min_compared < 1:
+        raise BadInput(f"--min-compared must be >= 1, not {min_compared}")
     ref_model = load_model(original)
     cand_specs = input_specs(load_model(variant))
     specs = input_specs(ref_model)
+    tol = tol.at_precision(model_precision(ref_model))  # an fp16 model at fp16 tolerances
     if [(s.name, s.dtype) for s in specs] != [(s.name, s.dtype) for s in cand_specs]:
         raise BadInput(f"the models take different inputs: {[s.name for s in specs]} vs "
                        f"{[s.name for s in cand_specs]}")
@@ -64,7 +70,7 @@ def verify_cmd(
     if inputs is not None or vocab is not None:  # feeds the user chose: theirs to fix
         _check_reference_runs(ref, feeds, f"{inputs}" if inputs is not None
                               else f"token ids below --vocab {vocab}")
-    result = verify(ref, cand, feeds, tol)
+    result = verify(ref, cand, feeds, tol, specs, min_compared)
     result.print()
     # SystemExit, not typer.Exit: with standalone_mode=False click returns (drops) Exit codes.
     raise SystemExit(0 if result else 1)

@@ -24,7 +24,7 @@ from tuner.errors import BadInput
 from tuner.gate.feeds import DEFAULT_SHAPES, make_feeds
 from tuner.gate.verify import Tolerance, VerifyResult, verify
 from tuner.graph.inspect import inspect_model
-from tuner.graph.io import vocab_for_feeds
+from tuner.graph.io import InputSpec, input_specs, model_precision, vocab_for_feeds
 from tuner.graph.load import load_model, save_model
 from tuner.graph.paddable import Transform
 from tuner.graph.shape import ModelShape
@@ -87,7 +87,8 @@ def load_reference(src: Path, settings: SessionSettings = SessionSettings()) -> 
                        f"variant of it can be verified: {_first_line(e)}") from None
 
 
-def gate(reference: Runner, staged: Path, feeds: Feeds, tolerance: Tolerance) -> VerifyResult:
+def gate(reference: Runner, staged: Path, feeds: Feeds, tolerance: Tolerance,
+         specs: Sequence[InputSpec] | None = None) -> VerifyResult:
     """The staged variant against the reference; NotExact unless it passes."""
     try:
         candidate = get_backend("ort-cpu").load(staged)
@@ -95,7 +96,7 @@ def gate(reference: Runner, staged: Path, feeds: Feeds, tolerance: Tolerance) ->
         raise NotExact(VerifyResult((), len(feeds), "-", (
             f"the padded model does not load: {_first_line(e)}",))) from None
     try:
-        result = verify(reference, candidate, feeds, tolerance)
+        result = verify(reference, candidate, feeds, tolerance, specs)
     finally:
         candidate.close()
     if not result:
@@ -112,15 +113,17 @@ def _move_into_place(staged: Path, dst: Path) -> None:
 
 def pad_model(model: ir.Model, shape: ModelShape, req: PadRequest, dst: Path,
               reference: Runner | None, feeds: Feeds, tolerance: Tolerance = Tolerance(),
-              src: str = "") -> PadResult:
+              src: str = "", specs: Sequence[InputSpec] | None = None) -> PadResult:
     """Rewrite `model` (edited in place), gate it against `reference` on `feeds` (skipped when
     `reference` is None), then write `dst` atomically. NotExact: nothing was written."""
+    specs = specs if specs is not None else input_specs(model)
+    tolerance = tolerance.at_precision(model_precision(model))
     model, records = apply(model, shape, req)
     dst.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dst.parent, prefix=f".{dst.name}.") as tmp:
         staged = save_model(model, Path(tmp) / dst.name)
         del model  # the gate's session holds its own copy of the weights
-        result = gate(reference, staged, feeds, tolerance) if reference is not None else None
+        result = gate(reference, staged, feeds, tolerance, specs) if reference is not None else None
         _move_into_place(staged, dst)
     return PadResult(src, str(dst), tuple(records), result)
 

@@ -24,7 +24,8 @@ from tuner.errors import BadInput
 from tuner.gate.feeds import make_feeds
 from tuner.gate.verify import Tolerance, verify
 from tuner.graph.inspect import inspect_model, inspect_path
-from tuner.graph.io import input_specs, max_positions, vocab_for_feeds
+from tuner.graph.io import (accepted_shapes, batch_limit, input_specs, max_positions,
+                            model_precision, seq_limit, vocab_for_feeds)
 from tuner.graph.paddable import BY_KIND
 from tuner.hardware.detect import detect
 from tuner.jobs.pad import load_reference
@@ -55,8 +56,31 @@ def _say(enabled: bool) -> Callable[[str], None]:
     return say
 
 
-def _traffic(cfg, positions):
-    """(requests, seq grid, batch buckets, note)."""
+def _traffic(cfg, positions, specs=()):
+    """(requests, seq grid, batch buckets, note), limited to the shapes the model takes: a
+    batch-1 export gets batch bucket [1], a fully static one its one length."""
+    req, grid, batch, note = _traffic_wanted(cfg, positions)
+    b_fix, s_fix = batch_limit(specs), seq_limit(specs)
+    notes = [note] if note else []
+    if b_fix is not None:
+        if tuple(batch) != (b_fix,):
+            notes.append(f"the model takes batch {b_fix} only: batch buckets [{b_fix}]")
+        batch = (b_fix,)
+    if s_fix is not None:
+        if tuple(grid) != (s_fix,):
+            notes.append(f"the model takes sequence length {s_fix} only: sequence buckets "
+                         f"[{s_fix}]")
+        grid = (s_fix,)
+    if b_fix is not None or s_fix is not None:
+        weights: dict = {}
+        for (b, s), w in req.weights.items():
+            shape = (b_fix or b, s_fix or s)
+            weights[shape] = weights.get(shape, 0.0) + w
+        req = replace(req, weights=weights)
+    return req, grid, batch, "; ".join(notes) or None
+
+
+def _traffic_wanted(cfg, positions):
     if cfg.requests is not None:
         req = load_requests(cfg.requests)
         limit = cfg.max_seq or positions
@@ -147,28 +171,29 @@ def _advise(cfg, shape, sel_shape, threads, say, pb: str = "ort-cpu"):
     return tuple(Advice(a.name, a.transforms, a.speedup, a.note) for a in found)
 
 
-def _gate_on_backend(built, targets, reference, feeds, tol, backend):
+def _gate_on_backend(built, targets, reference, feeds, tol, backend, specs=None):
     """Gate every variant again as the measured backend runs it (fp16 conversion, TensorRT
     tactics), against the original on the CPU: a variant exact on the CPU can still be off on
     the backend, and it must then not be selected."""
-    tolerance = Tolerance.fp16() if backend.precision == "fp16" else tol
+    tolerance = tol.at_precision("fp16") if backend.precision == "fp16" else tol
     gated, notes = dict(built), []
     for t in targets:
-        acc = accuracy_of(verify(reference, t.runner, feeds, tolerance))
+        acc = accuracy_of(verify(reference, t.runner, feeds, tolerance, specs))
         gated[t.name] = replace(built[t.name], accuracy=acc)
         if not acc.passed:
             notes.append(f"{t.name} failed the accuracy gate on {backend.name}: {acc.detail}")
     return gated, notes
 
 
-def _build(model, kept, fused, shape, root, built, reference, feeds, tol, settings, say):
+def _build(model, kept, fused, shape, root, built, reference, feeds, tol, settings, say,
+           specs=None):
     """Every planned variant beside the original already in `built`: padded ones from copies
     of `model`, fused ones from a built variant; each gated against `reference`."""
     notes: list[str] = []
     for c in kept[1:]:
         say(f"building {c.name} (rewrite + accuracy gate)")
         try:
-            built[c.name] = build_padded(model, shape, root, c, reference, feeds, tol)
+            built[c.name] = build_padded(model, shape, root, c, reference, feeds, tol, specs)
         except BadInput as e:
             notes.append(f"skipped {c.name}: {e}")
     if fused:
@@ -180,7 +205,7 @@ def _build(model, kept, fused, shape, root, built, reference, feeds, tol, settin
             say(f"building {c.name} (ONNX Runtime fusions + accuracy gate)")
             try:
                 built[c.name] = build_fused(built[base_name], root, c, shape, reference, feeds,
-                                            tol, cpu, settings)
+                                            tol, cpu, settings, specs)
             except BadInput as e:
                 notes.append(f"skipped {c.name}: {e}")
     return built, notes
@@ -214,6 +239,7 @@ def run_pipeline(cfg, model, root: Path):
     shape = audited(inspect_model(model), device=device)
     vocab, positions = vocab_for_feeds(model, shape), max_positions(model, shape)
     specs = input_specs(model)
+    precision = model_precision(model)
     backends, notes = resolve(cfg.backend)
     backend = next((b for b in backends if b.name != "ort-cpu"), backends[0])
     notes += [f"backend {b.name} usable but not measured (only {backend.name} is)"
@@ -222,10 +248,10 @@ def run_pipeline(cfg, model, root: Path):
     try:
         settings = SessionSettings(intra_op_threads=threads, inter_op_threads=1,
                                    graph_optimization=cfg.graph_optimization)
-        tol = Tolerance(cfg.atol, cfg.rtol)
+        tol = Tolerance(cfg.atol, cfg.rtol).at_precision(precision)
     except ValueError as e:
         raise BadInput(str(e)) from None
-    req, grid, batch, note = _traffic(cfg, positions)
+    req, grid, batch, note = _traffic(cfg, positions, specs)
     notes += [note] if note else []
     sel_shapes = _selection_shapes(req, grid, batch)
     source_sha = sha256_file(cfg.model)
@@ -237,12 +263,13 @@ def run_pipeline(cfg, model, root: Path):
     notes += plan_notes
     advice = _advise(cfg, shape, sel_shapes[0], threads, say, pb) if cfg.advise else ()
     top = grid[-1]
-    verify_shapes = sorted({(b, min(s, top)) for b, s in ((1, 7), (2, 16), (3, 33))})
+    verify_shapes = accepted_shapes(
+        specs, sorted({(b, min(s, top)) for b, s in ((1, 7), (2, 16), (3, 33))}))
     feeds = make_feeds(specs, vocab, verify_shapes)
     built = {"original": copy_original(cfg.model, root)}
     reference = load_reference(built["original"].path, settings)  # one, for every gate below
     built, build_notes = _build(model, kept, fused, shape, root, built, reference, feeds, tol,
-                                settings, say)
+                                settings, say, specs)
     notes += build_notes
 
     say(f"loading {len(built)} variant(s) on {backend.name}")
@@ -254,7 +281,8 @@ def run_pipeline(cfg, model, root: Path):
     targets = [bench.Target(n, backend.load(b.path, settings, all_shapes, engine_dir),
                             shas[n]) for n, b in built.items()]
     if backend.name != "ort-cpu":
-        built, gate_notes = _gate_on_backend(built, targets, reference, feeds, tol, backend)
+        built, gate_notes = _gate_on_backend(built, targets, reference, feeds, tol, backend,
+                                             specs)
         notes += gate_notes
     reference.close()
     feed_cache: dict = {}

@@ -83,14 +83,14 @@ def copy_original(src: Path, root: Path) -> Built:
 
 def build_padded(model: ir.Model, shape: ModelShape, root: Path, cand: Candidate,
                  reference: Runner, feeds: Sequence[Mapping[str, np.ndarray]],
-                 tolerance: Tolerance) -> Built:
+                 tolerance: Tolerance, specs=None) -> Built:
     """Pad a copy of `model` (already loaded and inspected as `shape`) as the candidate asks,
     gated against `reference` before it is written. BadInput (a refused rewrite, or a failed
     gate) propagates, with nothing left behind."""
     dst, rel = variant_dir(root, cand.name)
     try:
         res = pad_model(model.clone(), shape, PadRequest.from_pads(cand.pads), dst, reference,
-                        feeds, tolerance)
+                        feeds, tolerance, specs=specs)
     except NotExact as e:
         shutil.rmtree(dst.parent, ignore_errors=True)
         raise BadInput(f"{cand.name} failed the accuracy gate: "
@@ -105,7 +105,7 @@ def build_padded(model: ir.Model, shape: ModelShape, root: Path, cand: Candidate
 
 
 def build_fused(base: Built, root: Path, cand: Candidate, shape, reference, feeds, tolerance,
-                backend, settings) -> Built:
+                backend, settings, specs=None) -> Built:
     """Run ORT's transformer optimizer on an already-built variant, then gate it against the
     original (`reference`, a runner) on the same feeds."""
     dst, rel = variant_dir(root, cand.name)
@@ -113,7 +113,7 @@ def build_fused(base: Built, root: Path, cand: Candidate, shape, reference, feed
         stats = fuse_file(base.path, dst, shape.num_heads, shape.hidden_size)
         if not stats:
             raise BadInput(f"{cand.name}: ONNX Runtime's optimizer found nothing to fuse")
-        result = verify(reference, backend.load(dst, settings), feeds, tolerance)
+        result = verify(reference, backend.load(dst, settings), feeds, tolerance, specs)
     except BaseException:
         shutil.rmtree(dst.parent, ignore_errors=True)
         raise

@@ -23,7 +23,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from tuner.errors import BadInput
-from tuner.graph.io import ATTENTION_MASK, POSITION_IDS, InputSpec, role_of
+from tuner.graph.io import ATTENTION_MASK, POSITION_IDS, InputSpec, np_dtype, role_of
 from tuner.runtime.base import SessionSettings
 from tuner.runtime.gpu import CUDA_EP, check_buckets, fp16_model, preload_libraries
 from tuner.runtime.ort import session_options
@@ -67,19 +67,23 @@ def session_specs(session) -> list[InputSpec]:
 
 def dummy_feed(specs: Sequence[InputSpec], batch: int, seq: int) -> dict[str, np.ndarray]:
     """Valid inputs at one bucket for warm-up and capture: token id 0, a full mask, positions
-    0..seq-1, zeros or ones elsewhere. Values do not matter here, shapes do."""
+    0..seq-1, zeros or ones elsewhere. Values do not matter here, shapes do: static dims are
+    kept, the batch and sequence axes are the specs' own (found from the graph)."""
     feed = {}
     for s in specs:
-        dims = tuple(d if isinstance(d, int) and d > 0 else (batch if i == 0 else seq)
+        b_axis, s_axis = (s.batch_axis, s.seq_axis) if (s.batch_axis, s.seq_axis) != (None, None) \
+            else (0, 1)
+        dims = tuple(d if isinstance(d, int) and d > 0 else
+                     (batch if i == b_axis else seq if i == s_axis else 1)
                      for i, d in enumerate(s.dims)) or (batch, seq)
-        role = role_of(s.name)
+        role = s.role if s.role != "other" else role_of(s.name)
         if role == POSITION_IDS and len(dims) == 2:
             arr = np.broadcast_to(np.arange(dims[1]), dims)
         elif role == ATTENTION_MASK:
             arr = np.ones(dims)
         else:
             arr = np.zeros(dims)
-        feed[s.name] = np.ascontiguousarray(arr.astype(s.dtype))
+        feed[s.name] = np.ascontiguousarray(arr.astype(np_dtype(s.dtype)))
     return feed
 
 

@@ -1,0 +1,154 @@
+"""The gate cannot be fooled by layouts that are not our reference builds (models/layouts.py):
+batch fixed to 1, fully static, renamed inputs, int32 ids, bool mask, inputs_embeds only,
+fp16, bf16 I/O, BERT with token_type_ids. For each: roles found from the structure, `tuner
+verify` passes the true copy and FAILS three corrupted copies (its liars), `pad` runs and
+the padded copy passes, and a served artifact answers exactly after its start-up gate (which
+refuses a corrupted variant and serves the original instead)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+
+from tuner.cli import main
+from tuner.gate.feeds import make_feeds
+from tuner.graph.inspect import inspect_model
+from tuner.graph.io import (ATTENTION_MASK, INPUTS_EMBEDS, TOKEN_IDS, TOKEN_TYPE_IDS,
+                            embedding_table, input_specs, with_role)
+
+ROLES = {  # layout -> {input: role}: what the structure must say, whatever the names
+    "batch1": {"input_ids": TOKEN_IDS, "attention_mask": ATTENTION_MASK},
+    "static": {"input_ids": TOKEN_IDS, "attention_mask": ATTENTION_MASK},
+    "renamed": {"tok": TOKEN_IDS, "m": ATTENTION_MASK},
+    "xnames": {"x0": ATTENTION_MASK, "x1": TOKEN_IDS},
+    "int32": {"input_ids": TOKEN_IDS, "attention_mask": ATTENTION_MASK},
+    "boolmask": {"input_ids": TOKEN_IDS, "attention_mask": ATTENTION_MASK},
+    "embeds": {"inputs_embeds": INPUTS_EMBEDS},
+    "fp16": {"input_ids": TOKEN_IDS, "attention_mask": ATTENTION_MASK},
+    "bf16io": {"inputs_embeds": INPUTS_EMBEDS, "attention_mask": ATTENTION_MASK},
+    "bert": {"input_ids": TOKEN_IDS, "attention_mask": ATTENTION_MASK,
+             "token_type_ids": TOKEN_TYPE_IDS},
+}
+LAYOUTS = tuple(ROLES)
+
+
+@pytest.fixture(scope="module")
+def layout():
+    from models.layouts import cached
+    return cached
+
+
+def _const(model: ir.Model, name: str) -> ir.Value:
+    value = model.graph.initializers.get(name)
+    assert value is not None and value.const_value is not None, name
+    return value
+
+
+def _edit(value: ir.Value, fn) -> None:
+    arr = value.const_value.numpy()
+    new = fn(arr.astype(np.float32)).astype(arr.dtype)
+    value.const_value = ir.Tensor(new, name=value.name)
+
+
+def _node(model: ir.Model, name: str) -> ir.Node:
+    return next(n for n in model.graph if n.name == name)
+
+
+def corrupt(src: Path, dst: Path, kind: str) -> Path:
+    """A copy of `src` with one corruption, written through onnx_ir:
+    embedding: the rows of the table the inputs index (token embedding; the position table
+      for inputs_embeds layouts) other than row 0, scaled x3;
+    ffn: one weight of layer 0's FFN up projection changed;
+    lm_head: the LM head's last vocabulary row changed."""
+    model = ir.load(str(src))
+    shape = inspect_model(model)
+    if kind == "embedding":
+        specs = input_specs(model)
+        token = with_role(specs, TOKEN_IDS)
+        name = embedding_table(model, token.name) if token else next(
+            n.inputs[0].name for n in model.graph if n.op_type == "Gather"
+            and n.inputs[0] is not None and n.inputs[0].const_value is not None
+            and len(n.inputs[0].const_value.shape) == 2)
+        _edit(_const(model, name), lambda a: np.concatenate([a[:1], a[1:] * 3]))
+    elif kind == "ffn":
+        up = _node(model, shape.sites.layers[0].ffn.up)
+        weight = next(i for i in up.inputs if i is not None and i.const_value is not None
+                      and len(i.const_value.shape) == 2)
+
+        def one(a):
+            a = a.copy()
+            a[0, 0] += 4.0
+            return a
+        _edit(weight, one)
+    elif kind == "lm_head":
+        w = _const(model, shape.sites.lm_head_weight)
+        vocab_axis = 0 if w.const_value.shape[0] == shape.vocab_size else 1
+
+        def last(a):  # not a constant shift: a LayerNorm'd hidden state sums to ~0
+            a = a.copy()
+            noise = np.random.default_rng(0).standard_normal(a.shape[1 - vocab_axis])
+            if vocab_axis == 0:
+                a[-1] += noise
+            else:
+                a[:, -1] += noise
+            return a
+        _edit(w, last)
+    ir.save(model, str(dst))
+    return dst
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_roles_are_found_from_structure(layout, name):
+    specs = {s.name: s for s in input_specs(layout(name))}
+    assert {n: s.role for n, s in specs.items()} == ROLES[name]
+    for s in specs.values():
+        assert (s.batch_axis, s.seq_axis) == (0, 1), s
+
+
+def test_feeds_keep_static_dims_and_declared_dtypes(layout):
+    (feed,) = make_feeds(layout("static"), 1003, [(3, 33)])[:1]
+    assert {k: v.shape for k, v in feed.items()} == {"input_ids": (1, 16), "attention_mask": (1, 16)}
+    shapes = [f["input_ids"].shape for f in make_feeds(layout("batch1"), 1003)]
+    assert shapes == [(1, 7), (1, 16), (1, 33)]  # the batch stays 1, the length is honoured
+    int32 = make_feeds(layout("int32"), 1003, [(2, 5)])[0]
+    assert int32["input_ids"].dtype == np.int32 and int32["attention_mask"].dtype == np.int32
+    assert make_feeds(layout("boolmask"), 1003, [(2, 5)])[0]["attention_mask"].dtype == bool
+    ids = make_feeds(layout("xnames"), 1003, [(3, 33)])[0]["x1"]
+    assert len(np.unique(ids)) > 20  # real token ids, not all zeros
+    bf16 = make_feeds(layout("bf16io"), 1003, [(2, 5)])[0]["inputs_embeds"]
+    assert bf16.dtype.name == "bfloat16"
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_verify_passes_the_true_copy_and_fails_every_corruption(layout, name, tmp_path, capsys):
+    src = layout(name)
+    true_copy = tmp_path / "copy.onnx"
+    shutil.copyfile(src, true_copy)
+    assert main(["verify", str(src), str(true_copy)]) == 0
+    text = capsys.readouterr().out
+    assert "PASS" in text and " 0  pass" not in text
+    if name == "fp16":
+        assert "fp16 model: fp16 tolerances" in text
+    for kind in ("embedding", "ffn", "lm_head"):
+        bad = corrupt(src, tmp_path / f"{kind}.onnx", kind)
+        rc = main(["verify", str(src), str(bad)])
+        out = capsys.readouterr().out
+        assert rc == 1 and "FAIL" in out, f"{name}/{kind} passed the gate:\n{out}"
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_pad_runs_or_refuses_with_a_reason(layout, name, tmp_path, capsys):
+    src, out = layout(name), tmp_path / "padded.onnx"
+    rc = main(["pad", str(src), "-o", str(out), "--vocab-multiple", "64", "--ffn-multiple", "64"])
+    captured = capsys.readouterr()
+    if rc == 2:
+        lines = captured.err.strip().splitlines()
+        assert len(lines) == 1 and lines[0], captured.err
+        pytest.skip(f"pad refused {name}: {lines[0]}")
+    assert rc == 0, captured.out + captured.err
+    assert "PASS" in captured.out
+    assert main(["verify", str(src), str(out)]) == 0
