@@ -35,6 +35,7 @@ _ONNX_DATATYPES = {
     onnx.TensorProto.INT16: "INT16", onnx.TensorProto.INT32: "INT32",
     onnx.TensorProto.INT64: "INT64", onnx.TensorProto.FLOAT16: "FP16",
     onnx.TensorProto.FLOAT: "FP32", onnx.TensorProto.DOUBLE: "FP64",
+    onnx.TensorProto.BFLOAT16: "BF16",
     onnx.TensorProto.STRING: "BYTES",
 }
 

@@ -152,3 +152,86 @@ def test_pad_runs_or_refuses_with_a_reason(layout, name, tmp_path, capsys):
     assert rc == 0, captured.out + captured.err
     assert "PASS" in captured.out
     assert main(["verify", str(src), str(out)]) == 0
+
+
+def _request(name: str, src: Path) -> dict[str, np.ndarray]:
+    """A request the layout takes: 1 x 5 (1 x 16 when static), real ids, a full mask."""
+    seq = 16 if name == "static" else 5
+    return make_feeds(src, 1003, [(1, seq)], seed=11)[0]
+
+
+def _served_equals_direct(server, src: Path, feeds: dict[str, np.ndarray]) -> None:
+    import tritonclient.grpc as tg
+
+    from serving.datatypes import datatype_of
+    from tuner.runtime.ort import OrtRunner, load_cpu
+
+    client = tg.InferenceServerClient(f"127.0.0.1:{server.port}")
+    inputs = []
+    for k, v in feeds.items():
+        i = tg.InferInput(k, list(v.shape), datatype_of(v.dtype))
+        i.set_data_from_numpy(v)
+        inputs.append(i)
+    got = client.infer(server.slot.name, inputs).as_numpy("logits")
+    want = OrtRunner(load_cpu(src)).infer(feeds)["logits"]
+    assert got.shape == want.shape and got.dtype == want.dtype
+    np.testing.assert_array_equal(got.astype(np.float32), want.astype(np.float32))
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_serve_gates_at_start_and_answers_exactly(layout, name, tmp_path):
+    from serving_support import make_artifact
+
+    from serving.engine import EngineOptions
+    from serving.server import Server, ServerOptions
+    from tuner.artifact.records import Buckets
+
+    src = layout(name)
+    padded, bad = tmp_path / "padded.onnx", tmp_path / "bad.onnx"
+    assert main(["pad", str(src), "-o", str(padded), "--ffn-multiple", "64"]) == 0
+    corrupt(src, bad, "ffn")
+    buckets = Buckets(batch=(1, 2), seq=(16, 32))
+    for variant, served in ((padded, "padded"), (bad, "original")):
+        out = make_artifact(tmp_path / f"art-{served}", src, buckets, variant=variant)
+        server = Server(out, ServerOptions(port=0, metrics_port=0, engine=EngineOptions()),
+                        say=lambda line: None)
+        server.start()
+        try:
+            assert server.wait_ready(120), server.slot.status
+            model = server.slot.engine.model
+            assert model.served == served, model.note
+            if name in ("batch1", "static"):
+                assert server.slot.engine.max_batch == 1 and server.slot.engine.join_rows == 1
+            _served_equals_direct(server, src, _request(name, src))
+        finally:
+            server.stop(5)
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_optimize_runs_on_shapes_the_model_takes(layout, name, tmp_path, capsys):
+    import json
+
+    src, out = layout(name), tmp_path / "out"
+    rc = main(["optimize", str(src), "-o", str(out), "--rounds", "2", "--warmup", "0",
+               "--bucket-rounds", "1", "--no-probe", "--max-variants", "3", "--max-seq", "32",
+               "--no-cache", "-q", *([] if name == "fp16" else ["--no-fuse"])])
+    captured = capsys.readouterr()
+    if rc == 2:
+        lines = captured.err.strip().splitlines()
+        assert len(lines) == 1 and lines[0], captured.err
+        pytest.skip(f"optimize refused {name}: {lines[0]}")
+    assert rc == 0, captured.err
+    manifest = json.loads((out / "manifest.json").read_text())
+    if name in ("batch1", "static"):
+        assert manifest["buckets"]["batch"] == [1]
+    if name == "static":
+        assert manifest["buckets"]["seq"] == [16]
+    for v in manifest["variants"]:
+        assert v["accuracy"]["passed"], v
+        for key in v["latency"]:
+            b, s = (int(x) for x in key.split("x"))
+            assert name not in ("batch1", "static") or b == 1
+            assert name != "static" or s == 16
+    if name == "fp16":  # its own fusions pass at its own precision
+        fused = [v for v in manifest["variants"] if "fuse" in v["name"]]
+        assert fused and "fp16 model: fp16 tolerances" in fused[0]["accuracy"]["detail"]
