@@ -189,7 +189,8 @@ def load_artifact(out_dir: str | Path, backend: str | None = None,
         _checked(candidate_path)
         candidate = loader.load(candidate_path, settings, shapes, cache)
         gate = verify(original, candidate, _gate_feeds(original_path, vocab, manifest.buckets),
-                      tolerance.at_precision(signature.precision), signature.specs)
+                      tolerance.at_precision(signature.precision)
+                      if isinstance(tolerance, Tolerance) else tolerance, signature.specs)
         if gate:
             runner, served = candidate, chosen.name
             note = f"serving variant {chosen.name}: accuracy gate passed on this machine"

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import io
 import json
+import sys
 from pathlib import Path
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from tuner.cli.app import app
+from tuner.cli.app import app, write_out
 from tuner.graph.inspect import inspect_path
 from tuner.graph.io import InputSpec, input_specs
 from tuner.graph.shape import ModelShape
@@ -107,9 +109,15 @@ def inspect(
     shape = audited(inspect_path(model), device=device, tokens=tokens)
     specs = input_specs(model)
     if as_json:
-        typer.echo(json.dumps({**shape.to_json(), "inputs": [s.to_json() for s in specs]},
-                              indent=2))
+        text = json.dumps({**shape.to_json(), "inputs": [s.to_json() for s in specs]},
+                          indent=2) + "\n"
     else:
-        console = Console(width=160)
+        # rendered to a string, then written in one go: rich would turn a reader that went
+        # away (`tuner inspect X | head`) into its own silent exit 1; a plain write raises
+        # BrokenPipeError, which the entry point answers with 141 like any other command
+        buffer = io.StringIO()
+        console = Console(file=buffer, width=160, force_terminal=sys.stdout.isatty())
         render(shape, console)
         render_inputs(specs, console)
+        text = buffer.getvalue()
+    write_out(text)

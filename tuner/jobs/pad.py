@@ -117,7 +117,8 @@ def pad_model(model: ir.Model, shape: ModelShape, req: PadRequest, dst: Path,
     """Rewrite `model` (edited in place), gate it against `reference` on `feeds` (skipped when
     `reference` is None), then write `dst` atomically. NotExact: nothing was written."""
     specs = specs if specs is not None else input_specs(model)
-    tolerance = tolerance.at_precision(model_precision(model))
+    if isinstance(tolerance, Tolerance):  # a policy function is taken as given
+        tolerance = tolerance.at_precision(model_precision(model))
     model, records = apply(model, shape, req)
     dst.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dst.parent, prefix=f".{dst.name}.") as tmp:
