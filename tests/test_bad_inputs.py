@@ -89,3 +89,38 @@ def test_user_inputs_with_an_all_zero_mask_are_refused(reference_model, tmp_path
              attention_mask=np.zeros((1, 3), np.int64))
     line = _one_line_exit_2(["verify", str(src), str(src), "--inputs", str(npz)], capsys)
     assert "all zeros" in line
+
+
+def test_a_serving_dependency_that_fails_to_import_is_one_line(tmp_path):
+    """What `pip install tritonclient[grpc]` after shapetuner used to leave: protobuf's
+    runtime refusing the generated stubs of grpcio-health-checking. The rest of the CLI works."""
+    import os
+
+    fake = tmp_path / "grpc_health"
+    fake.mkdir()
+    (fake / "__init__.py").write_text(
+        "from google.protobuf.runtime_version import VersionError\n"
+        "raise VersionError('Detected mismatched Protobuf Gencode/Runtime major versions')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    run = [sys.executable, "-c", "import sys; from tuner.cli import main; sys.exit(main())"]
+    serve = subprocess.run([*run, "serve", str(tmp_path)], env=env, capture_output=True,
+                           text=True, timeout=120)
+    lines = serve.stderr.strip().splitlines()
+    assert serve.returncode == 2 and len(lines) == 1, serve.stderr
+    assert "grpcio-health-checking" in lines[0] and "pip install" in lines[0]
+    assert "'protobuf>=6.30.0,<7'" in lines[0]
+    other = subprocess.run([*run, "inspect", "--help"], env=env, capture_output=True, timeout=120)
+    assert other.returncode == 0
+
+
+def test_base_dependencies_bound_protobuf_and_grpc_extras_as_the_test_extra_does():
+    import tomllib
+    from pathlib import Path
+
+    project = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())[
+        "project"]
+    base = set(project["dependencies"])
+    test = set(project["optional-dependencies"]["test"])
+    for dep in ("protobuf>=6.30.0,<7", "grpcio-health-checking>=1.72.2,<1.82",
+                "grpcio-reflection>=1.72.2,<1.82"):
+        assert dep in base and dep in test, dep
