@@ -33,7 +33,7 @@ from tuner.jobs.variants import accuracy_of, build_fused, build_padded, copy_ori
 from tuner.measure import bench
 from tuner.measure.buckets import (batch_buckets, bucket_of, choose, default_seq_buckets,
                                    load_requests, seq_grid, uniform_requests)
-from tuner.measure.cache import ResultsCache, entry_key
+from tuner.measure.cache import ResultsCache, device_key, entry_key
 from tuner.measure.select import select
 from tuner.plan import propose as plan
 from tuner.plan.advise import measure_advice
@@ -123,20 +123,28 @@ def _probe_backend(backend_name: str) -> str:
     return "ort-cpu"
 
 
-def _cached_probe(cache, key_parts, threads, backend: str = "ort-cpu"):
+def probe_dtype(precision: str) -> str:
+    """The GEMM probe's dtype for a backend of `precision`: fp32 backends are ranked on fp32
+    timings, never on fp16 ones (which tensor cores make a different story)."""
+    return {"fp16": "fp16", "bf16": "bf16"}.get(precision, "fp32")
+
+
+def _cached_probe(cache, key_parts, threads, backend: str = "ort-cpu", dtype: str = "fp32"):
     """The GEMM probe through the results cache: a rerun plans the same candidates (and so
     finds its variants' timings in the cache) instead of re-probing into other noise."""
     rounds = 5
 
     def fn(gemms):
         key = entry_key(*key_parts, (0, 0), {"probe": [g.describe() + g.label for g in gemms],
-                                              "threads": threads, "samples": "per-round"},
+                                              "threads": threads, "samples": "per-round",
+                                              "dtype": dtype},
                         rounds, 1)
         hit = cache.get(key)
         if hit is not None and len(hit.samples_ms) == len(gemms) * rounds:
             flat = list(hit.samples_ms)
         else:  # per-round samples, so predictions carry their own noise (plan.predict)
-            results = probe(gemms, backend, rounds=rounds, warmup=1, threads=threads)
+            results = probe(gemms, backend, rounds=rounds, warmup=1, threads=threads,
+                            dtype=dtype)
             flat = [t for r in results for t in r.samples_ms]
             cache.put_group({key: tuple(flat)}, "probe")
         return [flat[i * rounds:(i + 1) * rounds] for i in range(len(gemms))]
@@ -163,11 +171,12 @@ def _plan(cfg, shape, facts, sel_shape, threads, say, probe_fn):
     return kept, fused, notes
 
 
-def _advise(cfg, shape, sel_shape, threads, say, pb: str = "ort-cpu"):
+def _advise(cfg, shape, sel_shape, threads, say, pb: str = "ort-cpu", dtype: str = "fp32"):
     say("measuring retrain advice (non-exact reshapes, GEMM level, random weights)")
     found = measure_advice(shape, sel_shape[0], sel_shape[1],
                            lambda g, rounds: probe(g, pb, rounds=rounds, warmup=1,
-                                                   threads=threads), rounds=cfg.rounds)
+                                                   threads=threads, dtype=dtype),
+                           rounds=cfg.rounds)
     return tuple(Advice(a.name, a.transforms, a.speedup, a.note) for a in found)
 
 
@@ -255,13 +264,14 @@ def run_pipeline(cfg, model, root: Path):
     notes += [note] if note else []
     sel_shapes = _selection_shapes(req, grid, batch)
     source_sha = sha256_file(cfg.model)
-    dev_key = f"{info.label}|{backend.name}"
+    dev_key = device_key(info, backend.name)
     cache = ResultsCache.in_dir(cfg.cache_dir)
     pb = _probe_backend(backend.name)
-    probe_fn = _cached_probe(cache, (source_sha, f"probe:{pb}", dev_key), threads, pb)
+    pdtype = probe_dtype(backend.precision)
+    probe_fn = _cached_probe(cache, (source_sha, f"probe:{pb}", dev_key), threads, pb, pdtype)
     kept, fused, plan_notes = _plan(cfg, shape, facts, sel_shapes[0], threads, say, probe_fn)
     notes += plan_notes
-    advice = _advise(cfg, shape, sel_shapes[0], threads, say, pb) if cfg.advise else ()
+    advice = _advise(cfg, shape, sel_shapes[0], threads, say, pb, pdtype) if cfg.advise else ()
     top = grid[-1]
     verify_shapes = accepted_shapes(
         specs, sorted({(b, min(s, top)) for b, s in ((1, 7), (2, 16), (3, 33))}))
