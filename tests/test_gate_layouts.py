@@ -203,8 +203,65 @@ def test_serve_gates_at_start_and_answers_exactly(layout, name, tmp_path):
             if name in ("batch1", "static"):
                 assert server.slot.engine.max_batch == 1 and server.slot.engine.join_rows == 1
             _served_equals_direct(server, src, _request(name, src))
+            if served == "padded" and name in ("xnames", "int32", "batch1"):
+                _ids_out_of_range_are_invalid_argument(server, src, name)
+            if served == "padded" and name == "batch1":
+                _concurrent_requests_are_never_joined(server, src)
         finally:
             server.stop(5)
+
+
+def _client_inputs(feeds):
+    import tritonclient.grpc as tg
+
+    from serving.datatypes import datatype_of
+
+    out = []
+    for k, v in feeds.items():
+        i = tg.InferInput(k, list(v.shape), datatype_of(v.dtype))
+        i.set_data_from_numpy(v)
+        out.append(i)
+    return out
+
+
+def _ids_out_of_range_are_invalid_argument(server, src, name):
+    """The vocabulary check follows the role, whatever the input is called; a negative id
+    (which ONNX's Gather would wrap silently) is refused too; never INTERNAL."""
+    import tritonclient.grpc as tg
+    from tritonclient.utils import InferenceServerException
+
+    client = tg.InferenceServerClient(f"127.0.0.1:{server.port}")
+    token = with_role(input_specs(src), TOKEN_IDS).name
+    for bad in (1003, -1):
+        feeds = _request(name, src)
+        feeds[token] = feeds[token].copy()
+        feeds[token][0, 2] = bad
+        with pytest.raises(InferenceServerException) as info:
+            client.infer(server.slot.name, _client_inputs(feeds))
+        assert "INVALID_ARGUMENT" in str(info.value.status()), info.value
+        assert f"input '{token}'" in info.value.message() and "vocabulary [0, 1003)" in \
+            info.value.message()
+
+
+def _concurrent_requests_are_never_joined(server, src):
+    """A batch-1 graph: requests queued together still run one by one, each exact."""
+    import tritonclient.grpc as tg
+    from serving_support import Answers
+
+    from tuner.runtime.ort import OrtRunner, load_cpu
+
+    client = tg.InferenceServerClient(f"127.0.0.1:{server.port}")
+    requests = [make_feeds(src, 1003, [(1, n)], seed=n)[0] for n in (3, 5, 7, 9, 11, 13)]
+    answers = Answers()
+    for i, feeds in enumerate(requests):
+        client.async_infer(server.slot.name, _client_inputs(feeds), answers.callback(i))
+    answers.wait(len(requests), 60)
+    direct = OrtRunner(load_cpu(src))
+    for i, feeds in enumerate(requests):
+        got = answers.results[i]
+        assert not isinstance(got, Exception), got
+        np.testing.assert_allclose(got.as_numpy("logits"), direct.infer(feeds)["logits"],
+                                   atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
