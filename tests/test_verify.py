@@ -165,3 +165,12 @@ def test_an_fp16_model_is_gated_at_fp16_tolerances():
     assert (tol.atol, tol.rtol) == (1e-2, 1e-2) and "fp16 model: fp16 tolerances" in tol.label()
     assert Tolerance().at_precision("fp32") == Tolerance()
     assert Tolerance(atol=0.5, rtol=0.5).at_precision("bf16").atol == 0.5  # never tighter
+
+
+def test_hand_built_specs_get_roles_from_their_names():
+    specs = [InputSpec("input_ids", "int64", ("b", "s")), InputSpec("attention_mask", "int64", ("b", "s"))]
+    feed = make_feeds(specs, 50, [(3, 6)], seed=2)[0]
+    assert feed["input_ids"].any() and feed["attention_mask"][0].all()
+    with pytest.raises(BadInput, match="all zeros"):
+        check_feed({"input_ids": np.ones((1, 2), np.int64),
+                    "attention_mask": np.zeros((1, 2), np.int64)}, specs)

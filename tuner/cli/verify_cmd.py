@@ -10,7 +10,7 @@ from typing import Optional
 
 import typer
 
-from tuner.cli.app import app
+from tuner.cli.app import app, write_out
 from tuner.errors import BadInput
 from tuner.gate.feeds import check_feed, load_npz, make_feeds
 from tuner.gate.verify import Tolerance, verify
@@ -71,7 +71,7 @@ def verify_cmd(
         _check_reference_runs(ref, feeds, f"{inputs}" if inputs is not None
                               else f"token ids below --vocab {vocab}")
     result = verify(ref, cand, feeds, tol, specs, min_compared)
-    result.print()
+    write_out(result.table() + "\n")  # a reader that goes away: 141, as for inspect
     # SystemExit, not typer.Exit: with standalone_mode=False click returns (drops) Exit codes.
     raise SystemExit(0 if result else 1)
 

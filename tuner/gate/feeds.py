@@ -126,7 +126,7 @@ def check_feed(feed: dict[str, np.ndarray], specs: Sequence[InputSpec]) -> None:
     """BadInput unless `feed` has exactly the model's inputs, with matching rank, static dims
     and dtype, and an attention mask that keeps at least one token (an all-zero mask would
     leave nothing to compare)."""
-    want = {s.name: s for s in specs}
+    want = {s.name: s for s in input_specs(list(specs))}
     missing = sorted(set(want) - set(feed))
     extra = sorted(set(feed) - set(want))
     if missing or extra:

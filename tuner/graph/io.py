@@ -8,7 +8,7 @@ ask here instead of guessing on their own.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -259,7 +259,7 @@ def input_specs(model) -> list[InputSpec]:
     """The input specs of an onnx_ir.Model, a path to a .onnx file, or a list of InputSpec:
     dtype, dims, role and (batch, seq) axes of every graph input."""
     if isinstance(model, (list, tuple)) and all(isinstance(s, InputSpec) for s in model):
-        return list(model)
+        return [_completed(s) for s in model]
     if isinstance(model, (str, os.PathLike)):
         model = load_model(model)
     initializers = set(model.graph.initializers)
@@ -275,6 +275,16 @@ def input_specs(model) -> list[InputSpec]:
         batch, seq = _axes(dims, roles[v.name], ref)
         specs.append(InputSpec(v.name, dtype, dims, roles[v.name], batch, seq))
     return specs
+
+
+def _completed(spec: InputSpec) -> InputSpec:
+    """A spec built by hand (no role, no axes: no graph to read them from) gets what its name
+    suggests and the (batch, seq, ...) convention; specs read from a graph stay as they are."""
+    if spec.role != OTHER or spec.batch_axis is not None or spec.seq_axis is not None:
+        return spec
+    role = _name_role(spec.name)
+    batch, seq = _axes(spec.dims, role, ())
+    return replace(spec, role=role, batch_axis=batch, seq_axis=seq)
 
 
 def role_of(name: str, specs: Sequence[InputSpec] | None = None) -> str:

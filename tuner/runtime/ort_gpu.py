@@ -23,7 +23,8 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from tuner.errors import BadInput
-from tuner.graph.io import ATTENTION_MASK, POSITION_IDS, InputSpec, np_dtype, role_of
+from tuner.graph.io import (ATTENTION_MASK, POSITION_IDS, InputSpec, input_specs, np_dtype,
+                            role_of)
 from tuner.runtime.base import SessionSettings
 from tuner.runtime.gpu import CUDA_EP, check_buckets, fp16_model, preload_libraries
 from tuner.runtime.ort import session_options
@@ -180,7 +181,7 @@ class CudaGraphRunner:
 
     def __init__(self, session, name: str, buckets: Sequence[tuple[int, int]],
                  device_id: int = 0, info: dict[str, Any] | None = None,
-                 device: str = "cuda") -> None:
+                 device: str = "cuda", specs: Sequence[InputSpec] | None = None) -> None:
         import onnxruntime as ort
 
         self.session = session
@@ -190,7 +191,7 @@ class CudaGraphRunner:
         no_graph.add_run_config_entry("gpu_graph_id", "-1")  # -1: this run neither captures nor replays
         self._plain = IoBindingRunner(session, name, device_id, run_options=no_graph,
                                       device=device)
-        specs = session_specs(session)
+        specs = list(specs) if specs is not None else session_specs(session)
         self._graphs: dict[tuple, _Graph] = {}
         # ids from 1: ONNX Runtime reserves 0 for its own single-graph mode
         for graph_id, (b, s) in enumerate(buckets, start=1):
@@ -229,7 +230,8 @@ def load_ort_cuda(model_path: Path, settings: SessionSettings,
         try:
             sess = make_session(model, settings, [(CUDA_EP, options.provider_options(True)),
                                                   "CPUExecutionProvider"], CUDA_EP)
-            return CudaGraphRunner(sess, name, buckets, options.device_id, info)
+            return CudaGraphRunner(sess, name, buckets, options.device_id, info,
+                                   specs=input_specs(model))
         except Exception as e:  # noqa: BLE001 - ORT refuses graphs in several ways; all mean "off"
             info["cuda_graph_off"] = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
     else:
