@@ -292,3 +292,27 @@ def test_optimize_runs_on_shapes_the_model_takes(layout, name, tmp_path, capsys)
     if name == "fp16":  # its own fusions pass at its own precision
         fused = [v for v in manifest["variants"] if "fuse" in v["name"]]
         assert fused and "fp16 model: fp16 tolerances" in fused[0]["accuracy"]["detail"]
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_the_gate_pad_and_optimize_share_fails_corrupted_copies(layout, name, tmp_path):
+    """tuner.jobs.pad.gate is what `pad` and every `optimize` variant pass through, on feeds
+    made as they make them: the true copy passes, each corrupted copy raises NotExact."""
+    from tuner.gate.feeds import DEFAULT_SHAPES
+    from tuner.gate.verify import Tolerance
+    from tuner.graph.io import model_precision, vocab_for_feeds
+    from tuner.graph.load import load_model
+    from tuner.jobs.pad import NotExact, gate, load_reference
+
+    src = layout(name)
+    model = load_model(src)
+    specs = input_specs(model)
+    feeds = make_feeds(specs, vocab_for_feeds(model, inspect_model(model)), DEFAULT_SHAPES)
+    tol = Tolerance().at_precision(model_precision(model))
+    reference = load_reference(src)
+    true_copy = tmp_path / "copy.onnx"
+    shutil.copyfile(src, true_copy)
+    assert gate(reference, true_copy, feeds, tol, specs)
+    for kind in ("embedding", "ffn", "lm_head"):
+        with pytest.raises(NotExact):
+            gate(reference, corrupt(src, tmp_path / f"{kind}.onnx", kind), feeds, tol, specs)
