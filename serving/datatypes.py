@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
 from serving.errors import InvalidArgument
@@ -14,6 +15,7 @@ DATATYPES: dict[str, np.dtype] = {
     "INT8": np.dtype("<i1"), "INT16": np.dtype("<i2"),
     "INT32": np.dtype("<i4"), "INT64": np.dtype("<i8"),
     "FP16": np.dtype("<f2"), "FP32": np.dtype("<f4"), "FP64": np.dtype("<f8"),
+    "BF16": np.dtype(ml_dtypes.bfloat16),  # raw contents only, as Triton's (ml_dtypes there too)
     "BYTES": np.dtype(object),
 }
 _BY_NUMPY = {dt: name for name, dt in DATATYPES.items() if name != "BYTES"}

@@ -104,6 +104,11 @@ class Engine:
             self.join_rows, self.batch_note = batch_limit(model.latency, model.buckets.batch)
         if model.cache is not None:  # each request brings its own past: never joined
             self.join_rows, self.batch_note = 1, "a KV-cache model: each request runs alone"
+        fixed = model.signature.fixed_batch
+        if fixed is not None and (self.max_batch != fixed or self.join_rows != 1):
+            # a graph that takes one batch size only: requests of that many rows, never joined
+            self.max_batch, self.join_rows = fixed, 1
+            self.batch_note = f"the model takes batch {fixed} only: requests are never joined"
         self.tolerance = tolerance
         self._inputs = {s.name: s for s in model.signature.inputs}
         self._outputs = [s.name for s in model.signature.outputs]
@@ -175,18 +180,27 @@ class Engine:
                 "unpadded: the artifact was checked and timed only up to its buckets)")
 
     def _check_tokens(self, feeds: Mapping[str, np.ndarray]) -> None:
-        token, vocab = self.model.signature.token_input, self.model.signature.vocab_size
-        if token is None or vocab is None:
-            return
-        ids = feeds[token]
-        # One unsigned comparison finds both kinds of bad id (negatives wrap to huge values);
-        # where the first one is, is worked out only for the error message.
-        unsigned = ids.view(f"u{ids.dtype.itemsize}") if ids.dtype.kind == "i" else ids
-        if unsigned.max() >= vocab:
-            where = tuple(int(i) for i in np.argwhere((ids < 0) | (ids >= vocab))[0])
-            raise InvalidArgument(f"input '{token}' holds token id {int(ids[where])} at "
-                                  f"{list(where)}, outside the vocabulary [0, {vocab}) of model "
-                                  f"'{self.name}'")
+        """Every input that indexes a table (token ids, whatever the input is called;
+        positions; token types) must stay inside it: ONNX's Gather wraps a negative index
+        silently and fails on one past the end."""
+        sig = self.model.signature
+        limits = dict(sig.index_limits)
+        if sig.token_input is not None and sig.vocab_size is not None:
+            limits[sig.token_input] = sig.vocab_size
+        for name, rows in limits.items():
+            ids = feeds.get(name)
+            if ids is None or ids.size == 0 or ids.dtype.kind not in "iu":
+                continue
+            # One unsigned comparison finds both kinds of bad id (negatives wrap to huge
+            # values); where the first one is, is worked out only for the error message.
+            unsigned = ids.view(f"u{ids.dtype.itemsize}") if ids.dtype.kind == "i" else ids
+            if unsigned.max() >= rows:
+                where = tuple(int(i) for i in np.argwhere((ids < 0) | (ids >= rows))[0])
+                what = ("token id" if name == sig.token_input else "index")
+                table = ("the vocabulary" if name == sig.token_input else "the table")
+                raise InvalidArgument(f"input '{name}' holds {what} {int(ids[where])} at "
+                                      f"{list(where)}, outside {table} [0, {rows}) of model "
+                                      f"'{self.name}'")
 
     def validate(self, feeds: Mapping[str, np.ndarray], outputs: Sequence[str]) -> None:
         """InvalidArgument, with a Triton-style message, for anything this model cannot run."""
@@ -252,7 +266,7 @@ class Engine:
         client got from the served variant through batching and padding."""
         try:
             reference = self.model.original.infer(feeds)
-            mask = mask_in(feeds)
+            mask = mask_in(feeds, self.model.signature.specs)
             agree = all(self._agrees(n, reference[n], served[n], mask) for n in served)
             self.stats.record_shadow("agree" if agree else "disagree")
             if not agree:

@@ -22,7 +22,9 @@ from tuner.errors import BadInput
 from tuner.gate.feeds import make_feeds
 from tuner.gate.kv_gate import cache_feeds, check
 from tuner.gate.verify import Tolerance, VerifyResult, verify
-from tuner.graph.io import ATTENTION_MASK, embedding_rows, role_of, token_input
+from tuner.graph.io import (ATTENTION_MASK, INPUTS_EMBEDS, POSITION_IDS, TOKEN_IDS, TOKEN_TYPE_IDS,
+                            InputSpec, batch_limit, embedding_rows, input_specs, model_precision,
+                            with_role)
 from tuner.graph.kv_cache import widened_cache
 from tuner.graph.load import check_external_data, load_model, read_proto
 from tuner.runtime.base import Runner, SessionSettings
@@ -36,6 +38,7 @@ _ONNX_DATATYPES = {
     onnx.TensorProto.INT16: "INT16", onnx.TensorProto.INT32: "INT32",
     onnx.TensorProto.INT64: "INT64", onnx.TensorProto.FLOAT16: "FP16",
     onnx.TensorProto.FLOAT: "FP32", onnx.TensorProto.DOUBLE: "FP64",
+    onnx.TensorProto.BFLOAT16: "BF16",
     onnx.TensorProto.STRING: "BYTES",
 }
 
@@ -62,6 +65,11 @@ class Signature:
     outputs: tuple[TensorSpec, ...]
     token_input: str | None  # the input whose values index the embedding table
     vocab_size: int | None  # rows of that table: valid token ids are [0, vocab_size)
+    specs: tuple[InputSpec, ...] = ()  # roles and axes, found from the graph's structure
+    # every input that indexes a table (token ids, positions, token types) -> its rows
+    index_limits: Mapping[str, int] = field(default_factory=dict)
+    fixed_batch: int | None = None  # the one batch size the graph takes (1: never batched)
+    precision: str = "fp32"
 
 
 @dataclass(frozen=True)
@@ -108,17 +116,32 @@ def read_signature(path: Path) -> Signature:
     inits = {i.name for i in graph.initializer}
     inputs = tuple(_spec(v) for v in graph.input if v.name not in inits)
     outputs = tuple(_spec(v) for v in graph.output)
-    token = token_input(s.name for s in inputs)
-    vocab = embedding_rows(load_model(path), token) if token else None
-    return Signature(inputs, outputs, token, vocab)
+    model = load_model(path)
+    specs = tuple(input_specs(model))
+    limits = {}
+    for s in specs:
+        if s.role in (TOKEN_IDS, POSITION_IDS, TOKEN_TYPE_IDS):
+            rows = embedding_rows(model, s.name)
+            if rows is not None:
+                limits[s.name] = rows
+    token = with_role(specs, TOKEN_IDS)
+    name = token.name if token else None
+    return Signature(inputs, outputs, name, limits.get(name) if name else None, specs, limits,
+                     batch_limit(specs), model_precision(model))
 
 
 def _probe_layout(runner: Runner, path: Path, signature: Signature, vocab: int) -> Layout:
     """Which output axes follow the sequence: run batch 2 at two lengths and see which axis
     changes with it (names of symbolic dims differ between exporters; running does not)."""
-    seq_inputs = tuple(s.name for s in signature.inputs
-                       if len(s.shape) >= 2 and s.shape[0] == -1 and s.shape[1] == -1)
-    mask = next((n for n in seq_inputs if role_of(n) == ATTENTION_MASK), None)
+    roles = {s.name: s for s in signature.specs}
+    seq_roles = (TOKEN_IDS, ATTENTION_MASK, POSITION_IDS, TOKEN_TYPE_IDS, INPUTS_EMBEDS)
+    seq_inputs = tuple(
+        s.name for s in signature.inputs
+        if len(s.shape) >= 2 and s.shape[1] == -1 and s.name in roles
+        and roles[s.name].role in seq_roles and roles[s.name].batch_axis == 0
+        and roles[s.name].seq_axis == 1)
+    mask_spec = with_role(signature.specs, ATTENTION_MASK)
+    mask = mask_spec.name if mask_spec is not None and mask_spec.name in seq_inputs else None
     axes: dict[str, int | None] = {}
     if seq_inputs:
         a, b = (runner.infer(f) for f in make_feeds(path, vocab, [(2, 3), (2, 5)], seed=1))
@@ -166,7 +189,9 @@ def load_artifact(out_dir: str | Path, backend: str | None = None,
                          widened_cache(load_model(candidate_path)))
         else:
             gate = verify(original, candidate, _gate_feeds(original_path, vocab,
-                                                           manifest.buckets), tolerance)
+                                                           manifest.buckets),
+                          tolerance.at_precision(signature.precision)
+                          if isinstance(tolerance, Tolerance) else tolerance, signature.specs)
         if gate:
             runner, served = candidate, chosen.name
             note = f"serving variant {chosen.name}: accuracy gate passed on this machine"

@@ -113,7 +113,9 @@ def test_bucket_shape_maps_dynamic_axes_to_batch_then_seq():
     assert bucket_shape("ids", ("batch", "sequence"), 4, 128) == (4, 128)
     assert bucket_shape("ids", (None, None), 4, 128, dynamic_value=1) == (1, 1)
     assert bucket_shape("pix", ("batch", 3, 224, 224), 8, 1) == (8, 3, 224, 224)
-    assert bucket_shape("ids", (1, "s"), 8, 64) == (1, 8)  # fixed batch: the seq is first dynamic
+    assert bucket_shape("ids", (1, "s"), 8, 64) == (1, 64)  # fixed batch stays; seq gets 64
+    assert bucket_shape("ids", (1, "s"), 8, 64, dynamic_value=1) == (1, 1)
+    assert bucket_shape("kv", ("b", 2, "p", 8), 4, 16, seq_axis=2) == (4, 2, 16, 8)
     with pytest.raises(BadInput, match=r"input 'past' has a third dynamic axis \(axis 2"):
         bucket_shape("past", ("b", "s", "p"), 1, 2)
 

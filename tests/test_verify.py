@@ -80,7 +80,8 @@ def test_missing_output_and_broken_candidate_fail(tmp_path):
     fewer = _tiny(tmp_path / "b.onnx", 0.0, 0.0, extra_output=False)
     result = verify(ref, fewer, _feeds())
     assert not result
-    assert {o.name: o.reason for o in result.outputs}["mask_float"] == "missing in the candidate"
+    assert {o.name: o.reason for o in result.outputs}["mask_float"] == \
+        "nothing compared: 0 element(s), the floor is 1; missing in the candidate"
 
     class Broken:
         name = "broken"
@@ -143,3 +144,33 @@ def test_load_npz_refuses_pickles_and_checks_inputs(tmp_path):
         check_feed({"input_ids": feed["input_ids"]}, specs)
     with pytest.raises(BadInput, match="is int32; the model wants int64"):
         check_feed({**feed, "input_ids": feed["input_ids"].astype(np.int32)}, specs)
+
+
+def test_nothing_compared_fails_closed_and_the_floor_is_stated(tmp_path):
+    ref = _tiny(tmp_path / "a.onnx", 0.0, 0.0)
+    x3 = _tiny(tmp_path / "b.onnx", 0.0, 5.0)  # differs on every real token
+    zero = [{"x": np.ones((1, 3, 4), np.float32), "attention_mask": np.zeros((1, 3), np.int64)}]
+    result = verify(ref, x3, zero)
+    assert not result, result.table()  # all padding: nothing compared is a FAIL, not a PASS
+    assert all("nothing compared" in o.reason for o in result.outputs if o.name == "logits")
+    # a floor above what the feeds give fails too, and the table says what the floor was
+    honest = verify(ref, ref, _feeds(), min_compared=10**6)
+    assert not honest and "at least 1000000 compared element(s)" in honest.table()
+    assert verify(ref, ref, _feeds())
+    assert not verify(ref, ref, [])  # no feeds: nothing compared
+
+
+def test_an_fp16_model_is_gated_at_fp16_tolerances():
+    tol = Tolerance().at_precision("fp16")
+    assert (tol.atol, tol.rtol) == (1e-2, 1e-2) and "fp16 model: fp16 tolerances" in tol.label()
+    assert Tolerance().at_precision("fp32") == Tolerance()
+    assert Tolerance(atol=0.5, rtol=0.5).at_precision("bf16").atol == 0.5  # never tighter
+
+
+def test_hand_built_specs_get_roles_from_their_names():
+    specs = [InputSpec("input_ids", "int64", ("b", "s")), InputSpec("attention_mask", "int64", ("b", "s"))]
+    feed = make_feeds(specs, 50, [(3, 6)], seed=2)[0]
+    assert feed["input_ids"].any() and feed["attention_mask"][0].all()
+    with pytest.raises(BadInput, match="all zeros"):
+        check_feed({"input_ids": np.ones((1, 2), np.int64),
+                    "attention_mask": np.zeros((1, 2), np.int64)}, specs)

@@ -38,7 +38,12 @@ def read_manifest(out_dir: str | os.PathLike, check_files: bool = True) -> Manif
         obj = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise BadInput(f"{path}: not valid JSON ({e})") from None
-    m = manifest_from_json(obj)
+    except RecursionError:
+        raise BadInput(f"{path}: not a manifest (JSON nested too deeply to read)") from None
+    try:
+        m = manifest_from_json(obj)
+    except RecursionError:
+        raise BadInput(f"{path}: not a manifest (JSON nested too deeply to read)") from None
     if check_files:
         for v in m.variants:
             variant_path(out, v)

@@ -12,7 +12,7 @@ from tuner.cli import inspect_cmd  # noqa: F401,E402
 from tuner.cli import optimize_cmd  # noqa: F401,E402
 from tuner.cli import serve_cmd  # noqa: F401,E402
 from tuner.cli import pad_cmd, verify_cmd  # noqa: F401,E402
-from tuner.cli.app import app
+from tuner.cli.app import ReaderWentAway, app
 from tuner.errors import BadInput
 
 EXIT_OK, EXIT_INTERNAL, EXIT_BAD_INPUT = 0, 1, 2
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("tuner: interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:
+    except (BrokenPipeError, ReaderWentAway):
         return _reader_went_away()
     except SystemExit as e:  # typer.Exit / click usage errors raised in standalone-free mode
         return int(e.code or 0)

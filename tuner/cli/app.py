@@ -12,3 +12,20 @@ app = typer.Typer(
     # docstrings are wrapped at 100 columns in the source: let click rewrap them to the terminal
     rich_markup_mode=None,
 )
+
+
+class ReaderWentAway(Exception):
+    """stdout's reader closed the pipe (`tuner inspect X | head`). Not an OSError on purpose:
+    click turns a BrokenPipeError into its own exit 1; the entry point answers this with 141,
+    as a program killed by SIGPIPE exits."""
+
+
+def write_out(text: str) -> None:
+    """Write `text` to stdout and flush; ReaderWentAway when the reader has gone."""
+    import sys
+
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise ReaderWentAway() from None

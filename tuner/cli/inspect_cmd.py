@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import io
 import json
+import sys
 from pathlib import Path
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from tuner.cli.app import app
+from tuner.cli.app import app, write_out
 from tuner.graph.inspect import inspect_path
+from tuner.graph.io import InputSpec, input_specs
 from tuner.graph.shape import ModelShape
 from tuner.hardware.facts import device_facts
 from tuner.plan.findings import audited
@@ -64,6 +67,16 @@ def _cache_lines(shape: ModelShape) -> list[str]:
     if c.named_by == "names":
         lines.append("  (key/value told apart by input names: the structure left it open)")
     return lines
+def render_inputs(specs: list[InputSpec], console: Console) -> None:
+    table = Table(title="inputs (roles found from the graph's structure)", title_justify="left")
+    for col in ("input", "role", "dtype", "dims", "batch axis", "seq axis"):
+        table.add_column(col)
+    for s in specs:
+        dims = "(" + ", ".join(str(d) if d is not None else "?" for d in s.dims) + ")"
+        table.add_row(s.name, s.role, s.dtype, dims,
+                      "-" if s.batch_axis is None else str(s.batch_axis),
+                      "-" if s.seq_axis is None else str(s.seq_axis))
+    console.print(table)
 
 
 def render(shape: ModelShape, console: Console) -> None:
@@ -118,7 +131,17 @@ def inspect(
 
     device_facts(device)  # an unknown device is bad input before any file is read
     shape = audited(inspect_path(model), device=device, tokens=tokens)
+    specs = input_specs(model)
     if as_json:
-        typer.echo(json.dumps(shape.to_json(), indent=2))
+        text = json.dumps({**shape.to_json(), "inputs": [s.to_json() for s in specs]},
+                          indent=2) + "\n"
     else:
-        render(shape, Console(width=160))
+        # rendered to a string, then written in one go: rich would turn a reader that went
+        # away (`tuner inspect X | head`) into its own silent exit 1; a plain write raises
+        # BrokenPipeError, which the entry point answers with 141 like any other command
+        buffer = io.StringIO()
+        console = Console(file=buffer, width=160, force_terminal=sys.stdout.isatty())
+        render(shape, console)
+        render_inputs(specs, console)
+        text = buffer.getvalue()
+    write_out(text)

@@ -1,7 +1,9 @@
 """`tuner serve OUT`: serve an artifact's selected variant over KServe v2 gRPC.
 
-The server lives in serving/ (the only place that imports grpc); it is imported inside the
-command so that the rest of the CLI never loads grpc."""
+The server lives in serving/ (the only place that imports grpc). When one of its
+dependencies cannot be imported (missing, or protobuf's runtime too old or too new for the
+generated stubs, as `pip install tritonclient[grpc]` after shapetuner can leave it), the rest
+of the CLI still works and `tuner serve` says in one line which package and how to fix it."""
 
 from __future__ import annotations
 
@@ -11,14 +13,68 @@ from typing import Optional
 
 import typer
 
-from serving.engine import EngineOptions
-from serving.server import ServerOptions
-from serving.server import serve as run
 from tuner.artifact.store import read_manifest
 from tuner.cli.app import app
 from tuner.errors import BadInput
 from tuner.runtime.base import SessionSettings
 from tuner.runtime.registry import get_backend
+
+# import name -> (pip package, the bound pyproject.toml gives it)
+_SERVING_PACKAGES = {
+    "grpc": ("grpcio", ">=1.72.2"),
+    "grpc_health": ("grpcio-health-checking", ">=1.72.2,<1.82"),
+    "grpc_reflection": ("grpcio-reflection", ">=1.72.2,<1.82"),
+    "google": ("protobuf", ">=6.30.0,<7"),
+    "prometheus_client": ("prometheus-client", ">=0.20"),
+}
+
+
+def _culprit(e: BaseException) -> str | None:
+    """The top-level module of the deepest frame outside this project and the standard
+    library (found through sys.path), or the module an ImportError names."""
+    import sys
+    import sysconfig
+
+    if isinstance(e, ImportError) and e.name:
+        return e.name.split(".")[0]
+    here = str(Path(__file__).resolve().parents[2])
+    stdlib = sysconfig.get_paths()["stdlib"]
+    roots = sorted((str(Path(p).resolve()) for p in sys.path if p), key=len, reverse=True)
+    tb, found = e.__traceback__, None
+    while tb is not None:
+        f = tb.tb_frame.f_code.co_filename
+        tb = tb.tb_next
+        if f.startswith("<") or f.startswith(here) or (f.startswith(stdlib) and
+                                                         "-packages" not in f):
+            continue
+        root = next((r for r in roots if f.startswith(r + "/") and r != here), None)
+        if root is not None:
+            found = f[len(root) + 1:].split("/", 1)[0].removesuffix(".py")
+    if found is None and type(e).__module__.startswith("google.protobuf"):
+        return "google"
+    return found
+
+
+def serving_import_error(e: BaseException) -> str | None:
+    """One line naming the serving dependency that failed to import and the fix; None when
+    the failure is not a dependency's (a bug of ours, which must stay visible)."""
+    name = _culprit(e)
+    if name not in _SERVING_PACKAGES:
+        return None
+    package, bound = _SERVING_PACKAGES[name]
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    pins = " ".join(f"'{p}{b}'" for p, b in _SERVING_PACKAGES.values() if p != "prometheus-client")
+    return (f"tuner serve cannot start: the serving dependency {package} does not import "
+            f"({type(e).__name__}: {first}); fix: pip install {pins}")
+
+
+try:
+    from serving.engine import EngineOptions
+    from serving.server import ServerOptions
+    from serving.server import serve as run
+    _SERVING_ERROR: BaseException | None = None
+except Exception as _e:  # noqa: BLE001 - reported by `tuner serve` alone (see the docstring)
+    _SERVING_ERROR = _e
 
 
 def _say(line: str) -> None:
@@ -70,7 +126,11 @@ def serve(
     bucket are refused with INVALID_ARGUMENT."""
     import logging
 
-
+    if _SERVING_ERROR is not None:
+        line = serving_import_error(_SERVING_ERROR)
+        if line is None:
+            raise _SERVING_ERROR
+        raise BadInput(line)
     logging.basicConfig(level=logging.WARNING, format="tuner serve: %(levelname)s %(message)s")
     try:
         engine = EngineOptions(max_batch, max_queue_delay_ms, shadow_fraction, workers,

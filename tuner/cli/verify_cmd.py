@@ -10,14 +10,14 @@ from typing import Optional
 
 import typer
 
-from tuner.cli.app import app
+from tuner.cli.app import app, write_out
 from tuner.errors import BadInput
 from tuner.gate.feeds import check_feed, load_npz, make_feeds
 from tuner.gate.kv_feeds import cache_roles
 from tuner.gate.kv_gate import CacheFeeds, cache_feeds, check, has_cache
 from tuner.gate.verify import Tolerance
 from tuner.graph.inspect import inspect_model
-from tuner.graph.io import input_specs, vocab_for_feeds
+from tuner.graph.io import input_specs, model_precision, vocab_for_feeds
 from tuner.graph.kv_cache import widened_cache
 from tuner.graph.load import load_model
 from tuner.runtime.registry import get_backend
@@ -35,9 +35,12 @@ def verify_cmd(
     vocab: Optional[int] = typer.Option(None, "--vocab", help="token ids are drawn below this "
                                         "(default: the model's vocabulary)"),
     seed: int = typer.Option(0, "--seed", help="seed of the random inputs"),
+    min_compared: int = typer.Option(1, "--min-compared", help="an output with fewer compared "
+                                     "elements than this FAILS (nothing compared)"),
 ) -> None:
     """Run both models on the same inputs and compare every output (max abs/rel error, cosine,
-    top-1 agreement); positions masked out by attention_mask are not compared."""
+    top-1 agreement); positions masked out by the attention mask (found from the graph) are not
+    compared, and an output with nothing compared FAILS."""
 
     try:
         tol = Tolerance.fp16() if fp16 else Tolerance(atol=atol, rtol=rtol)
@@ -47,10 +50,13 @@ def verify_cmd(
         raise BadInput(f"--vocab must be >= 1, not {vocab}")
     if seed < 0:
         raise BadInput(f"--seed must be >= 0, not {seed}")
+    if min_compared < 1:
+        raise BadInput(f"--min-compared must be >= 1, not {min_compared}")
     ref_model = load_model(original)
     cand_model = load_model(variant)
     cand_specs = input_specs(cand_model)
     specs = input_specs(ref_model)
+    tol = tol.at_precision(model_precision(ref_model))  # an fp16 model at fp16 tolerances
     if [(s.name, s.dtype) for s in specs] != [(s.name, s.dtype) for s in cand_specs]:
         raise BadInput(f"the models take different inputs: {[s.name for s in specs]} vs "
                        f"{[s.name for s in cand_specs]}")
@@ -72,8 +78,8 @@ def verify_cmd(
                   else feeds)
         _check_reference_runs(ref, starts, f"{inputs}" if inputs is not None
                               else f"token ids below --vocab {vocab}")
-    result = check(ref, cand, feeds, tol, widened_cache(cand_model))
-    print(result.table())
+    result = check(ref, cand, feeds, tol, widened_cache(cand_model), specs, min_compared)
+    write_out(result.table() + "\n")  # a reader that goes away: 141, as for inspect
     # SystemExit, not typer.Exit: with standalone_mode=False click returns (drops) Exit codes.
     raise SystemExit(0 if result else 1)
 

@@ -2,9 +2,12 @@
 masks with right and left padding, several (batch, seq) shapes; or the user's own .npz.
 
 Used by the accuracy gate (`tuner verify`, `tuner pad`), the benchmark and the server's
-self-check. Inputs are recognised by name: `*input_ids*` (ids below `vocab_size`),
-`*attention_mask*` (1 = real token), `*token_type_ids*` (zeros), `*position_ids*`
-(0..seq-1); other integer inputs get zeros, float inputs small normal noise.
+self-check. Inputs are recognised by their role (tuner.graph.io.input_specs: found from the
+graph's structure): token ids below `vocab_size`, the attention mask (1 = real token),
+token types (zeros), positions (past..past+seq-1), past keys/values (length `past`); other
+integer inputs get zeros, float inputs small normal noise. Every static dim is kept, every
+dtype is the declared one (int32 ids, bool masks, fp16, bf16), and a (batch, seq) shape the
+model cannot take is mapped onto one it can (a batch-1 export is fed batch 1).
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from tuner.errors import BadInput
-from tuner.graph.io import ATTENTION_MASK, POSITION_IDS, TOKEN_IDS, InputSpec, input_specs, role_of
+from tuner.graph.io import (ATTENTION_MASK, KV_CACHE, POSITION_IDS, TOKEN_IDS, InputSpec,
+                            accepted_shapes, input_specs, np_dtype)
 
 DEFAULT_SHAPES: tuple[tuple[int, int], ...] = ((1, 7), (2, 16), (3, 33))
 
@@ -35,41 +39,55 @@ def padded_mask(batch: int, seq: int, rng: np.random.Generator) -> np.ndarray:
     return mask
 
 
-def _concrete(dims: tuple, batch: int, seq: int) -> tuple[int, ...]:
-    """Dynamic axes become batch (the first) and seq (the second); fixed ones stay."""
-    out, dynamic = [], [batch, seq]
-    for d in dims:
-        if isinstance(d, int) and d > 0:
+def concrete_dims(spec: InputSpec, batch: int, seq: int, past: int = 0,
+                  has_cache: bool = False) -> tuple[int, ...]:
+    """The shape of `spec` at (batch, seq): static dims kept, the batch axis gets `batch`, the
+    sequence axis `seq` (`past` for a cache input, past + seq for a mask beside a cache),
+    any other dynamic axis 1."""
+    if not spec.dims:
+        return (batch, seq) if spec.role in (TOKEN_IDS, ATTENTION_MASK, POSITION_IDS) else ()
+    length = past if spec.role == KV_CACHE else (
+        past + seq if spec.role == ATTENTION_MASK and has_cache else seq)
+    out = []
+    for i, d in enumerate(spec.dims):
+        if isinstance(d, int) and d >= 0 and not (d == 0 and i in (spec.batch_axis, spec.seq_axis)):
             out.append(d)
+        elif i == spec.batch_axis:
+            out.append(batch)
+        elif i == spec.seq_axis:
+            out.append(length)
         else:
-            out.append(dynamic.pop(0) if dynamic else 1)
+            out.append(1)
     return tuple(out)
 
 
 def make_feed(specs: Sequence[InputSpec], vocab_size: int, batch: int, seq: int,
-              rng: np.random.Generator) -> dict[str, np.ndarray]:
-    mask = padded_mask(batch, seq, rng)
+              rng: np.random.Generator, past: int = 0) -> dict[str, np.ndarray]:
+    """One feed at (batch, seq) (which the model must accept: see make_feeds)."""
+    has_cache = any(s.role == KV_CACHE for s in specs)
     feed = {}
     for s in specs:
-        dims = _concrete(s.dims, batch, seq) if s.dims else (batch, seq)
-        role, dtype = role_of(s.name), np.dtype(s.dtype)
-        if role == ATTENTION_MASK and dims == (batch, seq):
-            arr = mask.astype(dtype)
-        elif role == TOKEN_IDS:
-            arr = rng.integers(0, vocab_size, size=dims).astype(dtype)
-        elif role == POSITION_IDS and dims == (batch, seq):
-            arr = np.broadcast_to(np.arange(seq), dims).astype(dtype)
+        dims = concrete_dims(s, batch, seq, past, has_cache)
+        dtype = np_dtype(s.dtype)
+        if s.role == ATTENTION_MASK and len(dims) == 2:
+            arr = padded_mask(dims[0], dims[1], rng)
+        elif s.role == TOKEN_IDS:
+            arr = rng.integers(0, vocab_size, size=dims)
+        elif s.role == POSITION_IDS and len(dims) >= 1:
+            arr = np.broadcast_to(np.arange(past, past + dims[-1]), dims)
         elif dtype.kind in "iub":
-            arr = np.zeros(dims, dtype=dtype)
+            arr = np.zeros(dims, dtype=np.int64)
         else:
-            arr = rng.standard_normal(dims).astype(dtype)
-        feed[s.name] = np.ascontiguousarray(arr)
+            arr = rng.standard_normal(dims).astype(np.float32)
+        feed[s.name] = np.ascontiguousarray(arr.astype(dtype))
     return feed
 
 
 def make_feeds(model, vocab_size: int, shapes: Iterable[tuple[int, int]] = DEFAULT_SHAPES,
-               seed: int = 0) -> list[dict[str, np.ndarray]]:
-    """One feed dict per (batch, seq) shape for `model` (an onnx_ir.Model, a path or specs)."""
+               seed: int = 0, past: int = 0) -> list[dict[str, np.ndarray]]:
+    """Feeds for `model` (an onnx_ir.Model, a path or specs) at `shapes`, each mapped onto a
+    shape the model takes (a fixed batch or sequence replaces the asked one; repeats are
+    dropped), so that no feed is ever one the model cannot run."""
     if vocab_size < 1:
         raise BadInput(f"vocab_size must be >= 1, not {vocab_size}")
     shapes = [tuple(s) for s in shapes]
@@ -78,7 +96,8 @@ def make_feeds(model, vocab_size: int, shapes: Iterable[tuple[int, int]] = DEFAU
             raise BadInput(f"batch and sequence must be >= 1, not ({b}, {s})")
     specs = input_specs(model)
     rng = np.random.default_rng(seed)
-    return [make_feed(specs, vocab_size, b, s, rng) for b, s in shapes]
+    return [make_feed(specs, vocab_size, b, s, rng, past)
+            for b, s in accepted_shapes(specs, shapes)]
 
 
 def load_npz(path: str | os.PathLike) -> dict[str, np.ndarray]:
@@ -104,8 +123,10 @@ def load_npz(path: str | os.PathLike) -> dict[str, np.ndarray]:
 
 
 def check_feed(feed: dict[str, np.ndarray], specs: Sequence[InputSpec]) -> None:
-    """BadInput unless `feed` has exactly the model's inputs, with matching rank and dtype."""
-    want = {s.name: s for s in specs}
+    """BadInput unless `feed` has exactly the model's inputs, with matching rank, static dims
+    and dtype, and an attention mask that keeps at least one token (an all-zero mask would
+    leave nothing to compare)."""
+    want = {s.name: s for s in input_specs(list(specs))}
     missing = sorted(set(want) - set(feed))
     extra = sorted(set(feed) - set(want))
     if missing or extra:
@@ -117,5 +138,8 @@ def check_feed(feed: dict[str, np.ndarray], specs: Sequence[InputSpec]) -> None:
         for got, d in zip(arr.shape, s.dims):
             if isinstance(d, int) and d > 0 and got != d:
                 raise BadInput(f"input {name!r} has shape {arr.shape}; the model wants {s.dims}")
-        if arr.dtype != np.dtype(s.dtype):
+        if arr.dtype != np_dtype(s.dtype):
             raise BadInput(f"input {name!r} is {arr.dtype}; the model wants {s.dtype}")
+        if s.role == ATTENTION_MASK and arr.size and not np.any(arr):
+            raise BadInput(f"input {name!r} is the attention mask and it is all zeros: every "
+                           "position would be padding and nothing would be compared")

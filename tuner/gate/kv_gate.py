@@ -24,6 +24,7 @@ from tuner.gate.feeds import DEFAULT_SHAPES, make_feeds
 from tuner.gate.kv_feeds import (CacheRoles, Rollout, StepFeeds, cache_roles, decode_feeds,
                                  greedy_rollout, prefill_feeds)
 from tuner.gate.verify import OutputReport, Tolerance, TolerancePolicy, VerifyResult, verify
+from tuner.graph.io import InputSpec
 from tuner.graph.kv_cache import CachePads, find_kv_cache
 
 # (batch, seq, left-padded rows, steps) of the prefill rollouts; (batch, past, seq, steps) of
@@ -80,11 +81,14 @@ def gate_feeds(model: ir.Model, vocab_size: int, shapes: Sequence[tuple[int, int
 
 
 def check(reference, candidate, feeds, tolerance: Tolerance | TolerancePolicy = Tolerance(),
-          widened: CachePads | None = None) -> VerifyResult:
-    """The gate: `verify_cache_model` for CacheFeeds, tuner.gate.verify.verify otherwise."""
+          widened: CachePads | None = None, specs: Sequence[InputSpec] | None = None,
+          min_compared: int = 1) -> VerifyResult:
+    """The gate: `verify_cache_model` for CacheFeeds (greedy rollouts), tuner.gate.verify.verify
+    otherwise (`specs` say which input is the mask; fewer than `min_compared` compared elements
+    in an output fail)."""
     if isinstance(feeds, CacheFeeds):
         return verify_cache_model(reference, candidate, feeds, tolerance, widened or {})
-    return verify(reference, candidate, feeds, tolerance)
+    return verify(reference, candidate, feeds, tolerance, specs, min_compared)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,6 +8,11 @@ float outputs of rank >= 2 (logits), the top-1 agreement over the last axis. Pos
 the feed's attention mask is 0 are padding, whose values no one reads: they are left out of
 the comparison (for outputs whose leading axes are (batch, seq)). An element passes when
 |cand - ref| <= atol + rtol * |ref| (numpy's allclose, Polygraphy's --atol/--rtol).
+
+The gate fails closed: an output of which fewer than `min_compared` elements were compared
+(nothing at all, by default: a missing output, another shape, a mask of zeros) FAILS with the
+reason "nothing compared", and the table states that floor. A half-precision model is gated
+at its own precision's tolerances (`Tolerance.at_precision`), and the table says so.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from tuner.graph.io import mask_in
+from tuner.graph.io import InputSpec, mask_in
 from tuner.runtime.base import Runner
 
 # (output name, reference array, candidate array) -> passes
@@ -31,6 +36,7 @@ class Tolerance:
     atol: float = 1e-4
     rtol: float = 1e-3
     per_output: tuple[tuple[str, float, float], ...] = ()  # (name, atol, rtol)
+    precision: str = "fp32"  # the model's own precision these tolerances are for
 
     def __post_init__(self) -> None:
         for name, a, r in ((None, self.atol, self.rtol), *self.per_output):
@@ -41,7 +47,27 @@ class Tolerance:
     @classmethod
     def fp16(cls) -> "Tolerance":
         """Half precision: about three significant digits."""
-        return cls(atol=1e-2, rtol=1e-2)
+        return cls(atol=1e-2, rtol=1e-2, precision="fp16")
+
+    @classmethod
+    def bf16(cls) -> "Tolerance":
+        """bfloat16: about two and a half significant digits (one ulp is 2^-8 relative)."""
+        return cls(atol=2e-2, rtol=2e-2, precision="bf16")
+
+    def at_precision(self, precision: str) -> "Tolerance":
+        """These tolerances, widened to a half-precision model's own (`precision` from
+        tuner.graph.io.model_precision); unchanged for fp32 models."""
+        own = {"fp16": Tolerance.fp16, "bf16": Tolerance.bf16}.get(precision)
+        if own is None:
+            return self
+        o = own()
+        return Tolerance(max(self.atol, o.atol), max(self.rtol, o.rtol), self.per_output,
+                         precision)
+
+    def label(self) -> str:
+        text = f"atol={self.atol:g} rtol={self.rtol:g}"
+        return text + (f" ({self.precision} model: {self.precision} tolerances)"
+                       if self.precision != "fp32" else "")
 
     def limits(self, name: str) -> tuple[float, float]:
         for n, a, r in self.per_output:
@@ -51,6 +77,7 @@ class Tolerance:
 
     def __call__(self, name: str, ref: np.ndarray, cand: np.ndarray) -> bool:
         atol, rtol = self.limits(name)
+        ref, cand = np.asarray(ref, np.float64), np.asarray(cand, np.float64)
         return bool(np.all(np.abs(cand - ref) <= atol + rtol * np.abs(ref)))
 
 
@@ -76,6 +103,7 @@ class VerifyResult:
     feeds: int
     tolerance: str
     errors: tuple[str, ...] = field(default=())
+    min_compared: int = 1  # the floor of compared elements per output, stated in the table
 
     @property
     def passed(self) -> bool:
@@ -87,7 +115,8 @@ class VerifyResult:
     def table(self) -> str:
         head = f"{'output':24s} {'max abs':>10s} {'max rel':>10s} {'cosine':>10s} {'top-1':>7s} " \
                f"{'compared':>9s}  result"
-        lines = [f"accuracy over {self.feeds} feed(s), tolerance {self.tolerance}", head]
+        lines = [f"accuracy over {self.feeds} feed(s), tolerance {self.tolerance}, at least "
+                 f"{self.min_compared} compared element(s) per output", head]
         for o in self.outputs:
             top1 = f"{o.top1:7.2%}" if o.top1 is not None else f"{'-':>7s}"
             verdict = "pass" if o.passed else "FAIL" + (f" ({o.reason})" if o.reason else "")
@@ -102,7 +131,7 @@ class VerifyResult:
 
     def to_json(self) -> dict:
         return {"passed": self.passed, "feeds": self.feeds, "tolerance": self.tolerance,
-                "errors": list(self.errors), "outputs": [asdict(o) for o in self.outputs]}
+                "min_compared": self.min_compared, "errors": list(self.errors), "outputs": [asdict(o) for o in self.outputs]}
 
 
 def _valid_positions(arr: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
@@ -155,10 +184,15 @@ def _compare(acc: _Acc, name: str, ref: np.ndarray, cand: np.ndarray, mask, poli
 
 
 def verify(reference: Runner, candidate: Runner, feeds: Sequence[Mapping[str, np.ndarray]],
-           tolerance: Tolerance | TolerancePolicy = Tolerance()) -> VerifyResult:
-    """Run both runners on every feed and compare every output of the reference."""
+           tolerance: Tolerance | TolerancePolicy = Tolerance(),
+           specs: Sequence[InputSpec] | None = None, min_compared: int = 1) -> VerifyResult:
+    """Run both runners on every feed and compare every output of the reference. `specs`
+    (tuner.graph.io.input_specs) say which input is the attention mask; an output with fewer
+    than `min_compared` compared elements fails ("nothing compared")."""
+    if min_compared < 1:
+        raise ValueError(f"min_compared must be >= 1, not {min_compared}")
     policy = tolerance
-    label = (f"atol={tolerance.atol:g} rtol={tolerance.rtol:g}" if isinstance(tolerance, Tolerance)
+    label = (tolerance.label() if isinstance(tolerance, Tolerance)
              else getattr(tolerance, "__name__", "custom"))
     accs: dict[str, _Acc] = {}
     errors: list[str] = []
@@ -176,15 +210,22 @@ def verify(reference: Runner, candidate: Runner, feeds: Sequence[Mapping[str, np
             errors.append(f"feed {i} {shapes}: candidate failed to run: {type(e).__name__}: "
                           f"{str(e).splitlines()[0] if str(e) else ''}")
             continue
-        mask = mask_in(feed)
+        mask = mask_in(feed, specs)
         for name, ref in ref_out.items():
             acc = accs.setdefault(name, _Acc())
             if name not in cand_out:
                 acc.passed, acc.reason = False, "missing in the candidate"
                 continue
             _compare(acc, name, np.asarray(ref), np.asarray(cand_out[name]), mask, policy)
+    for a in accs.values():
+        if a.compared < min_compared:
+            a.passed = False
+            a.reason = (f"nothing compared: {a.compared} element(s), the floor is {min_compared}"
+                        + (f"; {a.reason}" if a.reason else ""))
+    if not feeds:
+        errors.append("nothing compared: no feeds")
     reports = tuple(
         OutputReport(name, a.passed, a.max_abs, a.max_rel, a.cosine,
                      (a.agree / a.rows if a.rows else 1.0) if a.top1 else None, a.compared, a.reason)
         for name, a in accs.items())
-    return VerifyResult(reports, len(feeds), label, tuple(errors))
+    return VerifyResult(reports, len(feeds), label, tuple(errors), min_compared)

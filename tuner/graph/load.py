@@ -10,6 +10,8 @@ little memory.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import tempfile
 from pathlib import Path
@@ -64,6 +66,9 @@ def check_external_data(proto: onnx.ModelProto, model_dir: Path) -> None:
         name = tensor.name or "<unnamed>"
         if not location:
             raise BadInput(f"initializer {name!r} is external but names no location")
+        if "\x00" in location:
+            raise BadInput(f"initializer {name!r}: external data location {location!r} holds a "
+                           "NUL byte; no file can have that name")
         if os.path.isabs(location) or location.startswith(("\\", "/")):
             raise BadInput(f"initializer {name!r}: external data location {location!r} is an "
                            "absolute path; only paths inside the model's folder are allowed")
@@ -105,7 +110,43 @@ def read_proto(path: str | os.PathLike) -> onnx.ModelProto:
         raise BadInput(f"{p}: not an ONNX model (no graph with nodes; truncated or another file type?)")
     if not proto.opset_import:
         raise BadInput(f"{p}: not an ONNX model (no opset import)")
+    _check_single_writers(proto.graph, p)
     return proto
+
+
+def _check_single_writers(graph: onnx.GraphProto, p: Path) -> None:
+    """Every value of the main graph has one producer (SSA): a node output that is also a
+    graph input, an initializer or another node's output makes an invalid graph."""
+    written = {v.name: "a graph input" for v in graph.input}
+    written.update({t.name: "an initializer" for t in graph.initializer})
+    written.update({t.values.name: "an initializer" for t in graph.sparse_initializer})
+    for node in graph.node:
+        for out in node.output:
+            if not out:
+                continue
+            if out in written:
+                raise BadInput(f"{p}: not a valid ONNX graph: value {out!r} is written twice "
+                               f"({written[out]} and {node.op_type} node {node.name!r})")
+            written[out] = f"{node.op_type} node {node.name!r}"
+    for node in graph.node:
+        for name in node.input:
+            if name and name not in written:
+                raise BadInput(f"{p}: not a valid ONNX graph: input {name!r} of {node.op_type} "
+                               f"node {node.name!r} is produced by nothing (no graph input, "
+                               "initializer or node writes it)")
+
+
+@contextlib.contextmanager
+def _quiet_onnx_ir():
+    """onnx_ir logs a warning line for each oddity it tolerates; the checks above refuse the
+    ones that matter with one line of our own, so its lines stay off stderr."""
+    logger = logging.getLogger("onnx_ir")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def load_model(path: str | os.PathLike) -> ir.Model:
@@ -114,7 +155,13 @@ def load_model(path: str | os.PathLike) -> ir.Model:
     p = Path(path)
     proto = read_proto(p)
     check_external_data(proto, p.parent)
-    model = ir.serde.deserialize_model(proto)
+    try:
+        with _quiet_onnx_ir():
+            model = ir.serde.deserialize_model(proto)
+    except Exception as e:  # noqa: BLE001 - onnx_ir refuses a graph it cannot represent
+        cause = e.__cause__ or e
+        raise BadInput(f"{p}: not a valid ONNX graph ({type(cause).__name__}: "
+                       f"{str(cause).splitlines()[0] if str(cause) else 'unreadable'})") from None
     ir.external_data.set_base_dir(model.graph, str(p.parent.resolve()))
     if model.functions:
         # Model-local functions hide their bodies from structural detection (STYLE.md):

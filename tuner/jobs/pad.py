@@ -25,7 +25,7 @@ from tuner.gate.feeds import DEFAULT_SHAPES
 from tuner.gate.kv_gate import CacheFeeds, check, gate_feeds
 from tuner.gate.verify import Tolerance, VerifyResult
 from tuner.graph.inspect import inspect_model
-from tuner.graph.io import vocab_for_feeds
+from tuner.graph.io import InputSpec, input_specs, model_precision, vocab_for_feeds
 from tuner.graph.kv_cache import widened_cache
 from tuner.graph.load import load_model, save_model
 from tuner.graph.paddable import Transform
@@ -89,8 +89,8 @@ def load_reference(src: Path, settings: SessionSettings = SessionSettings()) -> 
                        f"variant of it can be verified: {_first_line(e)}") from None
 
 
-def gate(reference: Runner, staged: Path, feeds: Feeds | CacheFeeds,
-         tolerance: Tolerance) -> VerifyResult:
+def gate(reference: Runner, staged: Path, feeds: Feeds | CacheFeeds, tolerance: Tolerance,
+         specs: Sequence[InputSpec] | None = None) -> VerifyResult:
     """The staged variant against the reference; NotExact unless it passes. A cache model's
     variant (CacheFeeds) is gated through greedy rollouts (tuner.gate.kv_gate), fed a widened
     past when its rewrite widened the cache interface."""
@@ -101,7 +101,7 @@ def gate(reference: Runner, staged: Path, feeds: Feeds | CacheFeeds,
         raise NotExact(VerifyResult((), len(feeds), "-", (
             f"the padded model does not load: {_first_line(e)}",))) from None
     try:
-        result = check(reference, candidate, feeds, tolerance, widened)
+        result = check(reference, candidate, feeds, tolerance, widened, specs)
     finally:
         candidate.close()
     if not result:
@@ -118,15 +118,18 @@ def _move_into_place(staged: Path, dst: Path) -> None:
 
 def pad_model(model: ir.Model, shape: ModelShape, req: PadRequest, dst: Path,
               reference: Runner | None, feeds: Feeds, tolerance: Tolerance = Tolerance(),
-              src: str = "") -> PadResult:
+              src: str = "", specs: Sequence[InputSpec] | None = None) -> PadResult:
     """Rewrite `model` (edited in place), gate it against `reference` on `feeds` (skipped when
     `reference` is None), then write `dst` atomically. NotExact: nothing was written."""
+    specs = specs if specs is not None else input_specs(model)
+    if isinstance(tolerance, Tolerance):  # a policy function is taken as given
+        tolerance = tolerance.at_precision(model_precision(model))
     model, records = apply(model, shape, req)
     dst.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dst.parent, prefix=f".{dst.name}.") as tmp:
         staged = save_model(model, Path(tmp) / dst.name)
         del model  # the gate's session holds its own copy of the weights
-        result = gate(reference, staged, feeds, tolerance) if reference is not None else None
+        result = gate(reference, staged, feeds, tolerance, specs) if reference is not None else None
         _move_into_place(staged, dst)
     return PadResult(src, str(dst), tuple(records), result)
 

@@ -27,7 +27,8 @@ from tuner.gate.kv_feeds import cache_roles
 from tuner.gate.kv_gate import WidenedRunner, cache_feeds, check, has_cache
 from tuner.gate.verify import Tolerance
 from tuner.graph.inspect import inspect_model, inspect_path
-from tuner.graph.io import input_specs, max_positions, vocab_for_feeds
+from tuner.graph.io import (accepted_shapes, batch_limit, input_specs, max_positions,
+                            model_precision, seq_limit, vocab_for_feeds)
 from tuner.graph.kv_cache import widened_cache
 from tuner.graph.load import load_model
 from tuner.graph.paddable import BY_KIND
@@ -39,7 +40,7 @@ from tuner.jobs.variants import accuracy_of, build_fused, build_padded, copy_ori
 from tuner.measure import bench
 from tuner.measure.buckets import (batch_buckets, bucket_of, choose, default_seq_buckets,
                                    load_requests, seq_grid, uniform_requests)
-from tuner.measure.cache import ResultsCache, entry_key
+from tuner.measure.cache import ResultsCache, device_key, entry_key
 from tuner.measure.select import select
 from tuner.measure.stats import paired_ratio_ci
 from tuner.plan import propose as plan
@@ -63,8 +64,31 @@ def _say(enabled: bool) -> Callable[[str], None]:
     return say
 
 
-def _traffic(cfg, positions):
-    """(requests, seq grid, batch buckets, note)."""
+def _traffic(cfg, positions, specs=()):
+    """(requests, seq grid, batch buckets, note), limited to the shapes the model takes: a
+    batch-1 export gets batch bucket [1], a fully static one its one length."""
+    req, grid, batch, note = _traffic_wanted(cfg, positions)
+    b_fix, s_fix = batch_limit(specs), seq_limit(specs)
+    notes = [note] if note else []
+    if b_fix is not None:
+        if tuple(batch) != (b_fix,):
+            notes.append(f"the model takes batch {b_fix} only: batch buckets [{b_fix}]")
+        batch = (b_fix,)
+    if s_fix is not None:
+        if tuple(grid) != (s_fix,):
+            notes.append(f"the model takes sequence length {s_fix} only: sequence buckets "
+                         f"[{s_fix}]")
+        grid = (s_fix,)
+    if b_fix is not None or s_fix is not None:
+        weights: dict = {}
+        for (b, s), w in req.weights.items():
+            shape = (b_fix or b, s_fix or s)
+            weights[shape] = weights.get(shape, 0.0) + w
+        req = replace(req, weights=weights)
+    return req, grid, batch, "; ".join(notes) or None
+
+
+def _traffic_wanted(cfg, positions):
     if cfg.requests is not None:
         req = load_requests(cfg.requests)
         limit = cfg.max_seq or positions
@@ -107,20 +131,28 @@ def _probe_backend(backend_name: str) -> str:
     return "ort-cpu"
 
 
-def _cached_probe(cache, key_parts, threads, backend: str = "ort-cpu"):
+def probe_dtype(precision: str) -> str:
+    """The GEMM probe's dtype for a backend of `precision`: fp32 backends are ranked on fp32
+    timings, never on fp16 ones (which tensor cores make a different story)."""
+    return {"fp16": "fp16", "bf16": "bf16"}.get(precision, "fp32")
+
+
+def _cached_probe(cache, key_parts, threads, backend: str = "ort-cpu", dtype: str = "fp32"):
     """The GEMM probe through the results cache: a rerun plans the same candidates (and so
     finds its variants' timings in the cache) instead of re-probing into other noise."""
     rounds = 5
 
     def fn(gemms):
         key = entry_key(*key_parts, (0, 0), {"probe": [g.describe() + g.label for g in gemms],
-                                              "threads": threads, "samples": "per-round"},
+                                              "threads": threads, "samples": "per-round",
+                                              "dtype": dtype},
                         rounds, 1)
         hit = cache.get(key)
         if hit is not None and len(hit.samples_ms) == len(gemms) * rounds:
             flat = list(hit.samples_ms)
         else:  # per-round samples, so predictions carry their own noise (plan.predict)
-            results = probe(gemms, backend, rounds=rounds, warmup=1, threads=threads)
+            results = probe(gemms, backend, rounds=rounds, warmup=1, threads=threads,
+                            dtype=dtype)
             flat = [t for r in results for t in r.samples_ms]
             cache.put_group({key: tuple(flat)}, "probe")
         return [flat[i * rounds:(i + 1) * rounds] for i in range(len(gemms))]
@@ -147,24 +179,25 @@ def _plan(cfg, shape, facts, sel_shape, threads, say, probe_fn):
     return kept, fused, notes
 
 
-def _advise(cfg, shape, sel_shape, threads, say, pb: str = "ort-cpu"):
+def _advise(cfg, shape, sel_shape, threads, say, pb: str = "ort-cpu", dtype: str = "fp32"):
     say("measuring retrain advice (non-exact reshapes, GEMM level, random weights)")
     found = measure_advice(shape, sel_shape[0], sel_shape[1],
                            lambda g, rounds: probe(g, pb, rounds=rounds, warmup=1,
-                                                   threads=threads), rounds=cfg.rounds)
+                                                   threads=threads, dtype=dtype),
+                           rounds=cfg.rounds)
     return tuple(Advice(a.name, a.transforms, _speed(a.speedup), a.note) for a in found)
 
 
-def _gate_on_backend(built, targets, reference, feeds, tol, backend):
+def _gate_on_backend(built, targets, reference, feeds, tol, backend, specs=None):
     """Gate every variant again as the measured backend runs it (fp16 conversion, TensorRT
     tactics), against the original on the CPU: a variant exact on the CPU can still be off on
     the backend, and it must then not be selected."""
-    tolerance = Tolerance.fp16() if backend.precision == "fp16" else tol
+    tolerance = tol.at_precision("fp16") if backend.precision == "fp16" else tol
     gated, notes = dict(built), []
     for t in targets:
         raw = t.runner.runner if isinstance(t.runner, WidenedRunner) else t.runner
         widened = t.runner.widened if isinstance(t.runner, WidenedRunner) else {}
-        acc = accuracy_of(check(reference, raw, feeds, tolerance, widened))
+        acc = accuracy_of(check(reference, raw, feeds, tolerance, widened, specs))
         gated[t.name] = replace(built[t.name], accuracy=acc)
         if not acc.passed:
             notes.append(f"{t.name} failed the accuracy gate on {backend.name}: {acc.detail}")
@@ -172,7 +205,7 @@ def _gate_on_backend(built, targets, reference, feeds, tol, backend):
 
 
 def _build(model, kept, fused, shape, root, built, reference, feeds, tol, settings, say,
-           cache_policy="keep"):
+           cache_policy="keep", specs=None):
     """Every planned variant beside the original already in `built`: padded ones from copies
     of `model`, fused ones from a built variant; each gated against `reference`."""
     notes: list[str] = []
@@ -180,7 +213,7 @@ def _build(model, kept, fused, shape, root, built, reference, feeds, tol, settin
         say(f"building {c.name} (rewrite + accuracy gate)")
         try:
             built[c.name] = build_padded(model, shape, root, c, reference, feeds, tol,
-                                         cache_policy)
+                                         cache_policy, specs)
         except BadInput as e:
             notes.append(f"skipped {c.name}: {e}")
     if fused:
@@ -192,7 +225,7 @@ def _build(model, kept, fused, shape, root, built, reference, feeds, tol, settin
             say(f"building {c.name} (ONNX Runtime fusions + accuracy gate)")
             try:
                 built[c.name] = build_fused(built[base_name], root, c, shape, reference, feeds,
-                                            tol, cpu, settings)
+                                            tol, cpu, settings, specs)
             except BadInput as e:
                 notes.append(f"skipped {c.name}: {e}")
     return built, notes
@@ -227,6 +260,7 @@ def run_pipeline(cfg, model, root: Path):
     vocab, positions = vocab_for_feeds(model, shape), max_positions(model, shape)
     specs = input_specs(model)
     roles = cache_roles(model) if has_cache(model) else None  # a decoder with a KV cache
+    precision = model_precision(model)
     backends, notes = resolve(cfg.backend)
     backend = next((b for b in backends if b.name != "ort-cpu"), backends[0])
     notes += [f"backend {b.name} usable but not measured (only {backend.name} is)"
@@ -235,7 +269,7 @@ def run_pipeline(cfg, model, root: Path):
     try:
         settings = SessionSettings(intra_op_threads=threads, inter_op_threads=1,
                                    graph_optimization=cfg.graph_optimization)
-        tol = Tolerance(cfg.atol, cfg.rtol)
+        tol = Tolerance(cfg.atol, cfg.rtol).at_precision(precision)
     except ValueError as e:
         raise BadInput(str(e)) from None
     dt = None
@@ -243,25 +277,27 @@ def run_pipeline(cfg, model, root: Path):
         dt = decoder_traffic(cfg.requests, cfg.max_seq, cfg.max_batch, positions)
         req, grid, batch, note = dt.prompts, dt.prompt_grid, dt.batch, dt.note
     else:
-        req, grid, batch, note = _traffic(cfg, positions)
+        req, grid, batch, note = _traffic(cfg, positions, specs)
     notes += [note] if note else []
     sel_shapes = _selection_shapes(req, grid, batch)
     source_sha = sha256_file(cfg.model)
-    dev_key = f"{info.label}|{backend.name}"
+    dev_key = device_key(info, backend.name)
     cache = ResultsCache.in_dir(cfg.cache_dir)
     pb = _probe_backend(backend.name)
-    probe_fn = _cached_probe(cache, (source_sha, f"probe:{pb}", dev_key), threads, pb)
+    pdtype = probe_dtype(backend.precision)
+    probe_fn = _cached_probe(cache, (source_sha, f"probe:{pb}", dev_key), threads, pb, pdtype)
     kept, fused, plan_notes = _plan(cfg, shape, facts, sel_shapes[0], threads, say, probe_fn)
     notes += plan_notes
-    advice = _advise(cfg, shape, sel_shapes[0], threads, say, pb) if cfg.advise else ()
+    advice = _advise(cfg, shape, sel_shapes[0], threads, say, pb, pdtype) if cfg.advise else ()
     top = grid[-1]
-    verify_shapes = sorted({(b, min(s, top)) for b, s in ((1, 7), (2, 16), (3, 33))})
+    verify_shapes = accepted_shapes(
+        specs, sorted({(b, min(s, top)) for b, s in ((1, 7), (2, 16), (3, 33))}))
     feeds = (cache_feeds(roles, vocab) if roles is not None
              else make_feeds(specs, vocab, verify_shapes))
     built = {"original": copy_original(cfg.model, root)}
     reference = load_reference(built["original"].path, settings)  # one, for every gate below
     built, build_notes = _build(model, kept, fused, shape, root, built, reference, feeds, tol,
-                                settings, say, cfg.cache_policy)
+                                settings, say, cfg.cache_policy, specs)
     notes += build_notes
 
     say(f"loading {len(built)} variant(s) on {backend.name}")
@@ -277,7 +313,8 @@ def run_pipeline(cfg, model, root: Path):
         targets = [replace(t, runner=WidenedRunner(t.runner, widened[t.name]))
                    if widened[t.name] else t for t in targets]
     if backend.name != "ort-cpu":
-        built, gate_notes = _gate_on_backend(built, targets, reference, feeds, tol, backend)
+        built, gate_notes = _gate_on_backend(built, targets, reference, feeds, tol, backend,
+                                             specs)
         notes += gate_notes
     reference.close()
     feed_cache: dict = {}

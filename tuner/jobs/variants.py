@@ -85,14 +85,14 @@ def copy_original(src: Path, root: Path) -> Built:
 
 def build_padded(model: ir.Model, shape: ModelShape, root: Path, cand: Candidate,
                  reference: Runner, feeds: Sequence[Mapping[str, np.ndarray]],
-                 tolerance: Tolerance, cache_policy: str = "keep") -> Built:
+                 tolerance: Tolerance, cache_policy: str = "keep", specs=None) -> Built:
     """Pad a copy of `model` (already loaded and inspected as `shape`) as the candidate asks,
     gated against `reference` before it is written. BadInput (a refused rewrite, or a failed
     gate) propagates, with nothing left behind."""
     dst, rel = variant_dir(root, cand.name)
     try:
-        res = pad_model(model.clone(), shape, PadRequest.from_pads(cand.pads, cache_policy), dst, reference,
-                        feeds, tolerance)
+        res = pad_model(model.clone(), shape, PadRequest.from_pads(cand.pads, cache_policy), dst,
+                        reference, feeds, tolerance, specs=specs)
     except NotExact as e:
         shutil.rmtree(dst.parent, ignore_errors=True)
         raise BadInput(f"{cand.name} failed the accuracy gate: "
@@ -107,7 +107,7 @@ def build_padded(model: ir.Model, shape: ModelShape, root: Path, cand: Candidate
 
 
 def build_fused(base: Built, root: Path, cand: Candidate, shape, reference, feeds, tolerance,
-                backend, settings) -> Built:
+                backend, settings, specs=None) -> Built:
     """Run ORT's transformer optimizer on an already-built variant, then gate it against the
     original (`reference`, a runner) on the same feeds."""
     dst, rel = variant_dir(root, cand.name)
@@ -116,7 +116,7 @@ def build_fused(base: Built, root: Path, cand: Candidate, shape, reference, feed
         if not stats:
             raise BadInput(f"{cand.name}: ONNX Runtime's optimizer found nothing to fuse")
         widened = widened_cache(load_model(dst)) if isinstance(feeds, CacheFeeds) else {}
-        result = check(reference, backend.load(dst, settings), feeds, tolerance, widened)
+        result = check(reference, backend.load(dst, settings), feeds, tolerance, widened, specs)
     except BaseException:
         shutil.rmtree(dst.parent, ignore_errors=True)
         raise

@@ -89,6 +89,8 @@ def _from_jsonl(text: str, name: str) -> dict[Shape, float]:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             raise BadInput(f"{where}: not JSON ({e.msg})") from None
+        except RecursionError:
+            raise BadInput(f"{where}: JSON nested too deeply to read") from None
         if not isinstance(obj, dict) or "seq" not in obj:
             raise BadInput(f'{where}: expected an object like {{"batch": 1, "seq": 17}}')
         _add(acc, _positive_int(obj.get("batch", 1), "batch", where),
@@ -140,6 +142,8 @@ def _from_json(text: str, name: str) -> tuple[dict[Shape, float], int | None]:
         obj = json.loads(text)
     except json.JSONDecodeError:
         return _from_jsonl(text, name), None  # several lines, each its own object
+    except RecursionError:
+        raise BadInput(f"{name}: JSON nested too deeply to read") from None
     if isinstance(obj, dict) and isinstance(obj.get("seq"), dict):
         return _from_histogram(obj, name)
     if isinstance(obj, dict):

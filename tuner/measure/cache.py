@@ -32,6 +32,17 @@ def default_cache_dir() -> Path:
     return Path(base) / "shapetuner"
 
 
+def device_key(info: Any, backend: str) -> str:
+    """What a timing depends on beside the graph and the shape: the device, the provider
+    (backend), the onnxruntime version, the NVIDIA driver and CUDA, and TensorRT's version
+    (`info`: a tuner.hardware.detect.DeviceInfo). Part of every entry_key, so that an upgrade
+    of any of them never reuses old timings."""
+    parts = {"device": info.label, "provider": backend}
+    for field in ("onnxruntime", "driver", "cuda_driver", "cuda_runtime", "cudnn", "tensorrt"):
+        parts[field] = getattr(info, field, None) or "-"
+    return "|".join(f"{k}={v}" for k, v in parts.items())
+
+
 def entry_key(graph_sha: str, backend: str, device: str, shape: tuple[int, int],
               settings: Mapping[str, Any], rounds: int, warmup: int) -> str:
     payload = json.dumps([graph_sha, backend, device, list(shape), dict(settings), rounds, warmup],

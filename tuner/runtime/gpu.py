@@ -151,19 +151,21 @@ def check_buckets(shapes: Iterable[Sequence[int]] | None) -> list[tuple[int, int
 
 
 def bucket_shape(name: str, dims: Sequence[int | str | None], batch: int, seq: int,
-                 *, dynamic_value: int | None = None) -> tuple[int, ...]:
-    """The concrete shape of one input at a bucket: the first dynamic axis is the batch, the
-    second the sequence (tuner.gate.feeds uses the same rule); fixed axes stay. With
+                 *, dynamic_value: int | None = None, batch_axis: int | None = 0,
+                 seq_axis: int | None = 1) -> tuple[int, ...]:
+    """The concrete shape of one input at a bucket: the batch axis gets `batch`, the sequence
+    axis `seq` (tuner.graph.io.InputSpec's axes, found from the graph; (0, 1) by default);
+    fixed axes stay, whichever they are (a batch-1 export keeps its 1). With
     `dynamic_value`, every dynamic axis gets that value instead (a profile's minimum)."""
-    out, dynamic = [], [batch, seq]
+    out = []
     for i, d in enumerate(dims):
         if isinstance(d, int) and d > 0:
             out.append(d)
-        elif not dynamic:
+        elif i not in (batch_axis, seq_axis):
             raise BadInput(f"input {name!r} has a third dynamic axis (axis {i}, {d!r}); only "
                            "(batch, seq) axes can get TensorRT profiles from buckets")
         else:
-            v = dynamic.pop(0)
+            v = batch if i == batch_axis else seq
             out.append(dynamic_value if dynamic_value is not None else v)
     return tuple(out)
 
@@ -178,8 +180,12 @@ def profiles_for(specs: Sequence, buckets: Sequence[tuple[int, int]]) -> list[di
     for b, s in buckets:
         prof = {}
         for spec in specs:
-            top = bucket_shape(spec.name, spec.dims, b, s)
-            low = bucket_shape(spec.name, spec.dims, b, s, dynamic_value=1)
+            axes = dict(batch_axis=getattr(spec, "batch_axis", 0),
+                        seq_axis=getattr(spec, "seq_axis", 1))
+            if axes["batch_axis"] is None and axes["seq_axis"] is None:
+                axes = dict(batch_axis=0, seq_axis=1)
+            top = bucket_shape(spec.name, spec.dims, b, s, **axes)
+            low = bucket_shape(spec.name, spec.dims, b, s, dynamic_value=1, **axes)
             prof[spec.name] = (low, top, top)
         profiles.append(prof)
     return profiles

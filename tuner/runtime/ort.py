@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 from pathlib import Path
 from typing import Mapping
 
+import ml_dtypes
 import numpy as np
 
 from tuner.runtime.backend import Backend
@@ -37,15 +39,47 @@ def load_cpu(model: str | os.PathLike | bytes, settings: SessionSettings = Sessi
                                 providers=["CPUExecutionProvider"])
 
 
+_BF16 = np.dtype(ml_dtypes.bfloat16)
+_ONNX_BF16 = 16  # onnx.TensorProto.BFLOAT16
+
+
+def _to_ort_value(arr: np.ndarray):
+    """An OrtValue for one input; bfloat16 (ml_dtypes) goes in as its raw 16 bits, which
+    onnxruntime's numpy binding cannot convert itself."""
+    import onnxruntime as ort
+
+    arr = np.ascontiguousarray(arr)
+    if arr.dtype == _BF16:
+        return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(arr.view(np.uint16), _ONNX_BF16)
+    return ort.OrtValue.ortvalue_from_numpy(arr)
+
+
+def _from_ort_value(value) -> np.ndarray:
+    """numpy for one output; a bfloat16 tensor is copied out bit for bit as ml_dtypes."""
+    if value.data_type() != "tensor(bfloat16)":
+        return value.numpy()
+    shape = tuple(value.shape())
+    count = int(np.prod(shape)) if shape else 1
+    raw = (ctypes.c_uint16 * count).from_address(value.data_ptr()) if count else []
+    return np.array(raw, dtype=np.uint16).reshape(shape).view(_BF16)
+
+
 class OrtRunner:
-    """Runs an onnxruntime InferenceSession (any execution provider)."""
+    """Runs an onnxruntime InferenceSession (any execution provider). bfloat16 inputs and
+    outputs are fed and read as bfloat16 (through OrtValues), never as float32."""
 
     def __init__(self, session, name: str = "ort-cpu") -> None:
         self.session = session
         self.name = name
         self.output_names = [o.name for o in session.get_outputs()]
+        self._bf16 = any(o.type == "tensor(bfloat16)" for o in session.get_outputs()) or any(
+            i.type == "tensor(bfloat16)" for i in session.get_inputs())
 
     def infer(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if self._bf16 or any(np.asarray(a).dtype == _BF16 for a in feeds.values()):
+            values = {k: _to_ort_value(np.asarray(v)) for k, v in feeds.items()}
+            outs = self.session.run_with_ort_values(self.output_names, values)
+            return {n: _from_ort_value(o) for n, o in zip(self.output_names, outs)}
         outs = self.session.run(self.output_names, dict(feeds))
         return dict(zip(self.output_names, outs))
 

@@ -23,7 +23,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from tuner.errors import BadInput
-from tuner.graph.io import ATTENTION_MASK, POSITION_IDS, InputSpec, role_of
+from tuner.graph.io import ATTENTION_MASK, POSITION_IDS, InputSpec, input_specs, np_dtype, role_of
 from tuner.runtime.base import SessionSettings
 from tuner.runtime.gpu import CUDA_EP, check_buckets, fp16_model, preload_libraries
 from tuner.runtime.ort import session_options
@@ -67,19 +67,23 @@ def session_specs(session) -> list[InputSpec]:
 
 def dummy_feed(specs: Sequence[InputSpec], batch: int, seq: int) -> dict[str, np.ndarray]:
     """Valid inputs at one bucket for warm-up and capture: token id 0, a full mask, positions
-    0..seq-1, zeros or ones elsewhere. Values do not matter here, shapes do."""
+    0..seq-1, zeros or ones elsewhere. Values do not matter here, shapes do: static dims are
+    kept, the batch and sequence axes are the specs' own (found from the graph)."""
     feed = {}
     for s in specs:
-        dims = tuple(d if isinstance(d, int) and d > 0 else (batch if i == 0 else seq)
+        b_axis, s_axis = (s.batch_axis, s.seq_axis) if (s.batch_axis, s.seq_axis) != (None, None) \
+            else (0, 1)
+        dims = tuple(d if isinstance(d, int) and d > 0 else
+                     (batch if i == b_axis else seq if i == s_axis else 1)
                      for i, d in enumerate(s.dims)) or (batch, seq)
-        role = role_of(s.name)
+        role = s.role if s.role != "other" else role_of(s.name)
         if role == POSITION_IDS and len(dims) == 2:
             arr = np.broadcast_to(np.arange(dims[1]), dims)
         elif role == ATTENTION_MASK:
             arr = np.ones(dims)
         else:
             arr = np.zeros(dims)
-        feed[s.name] = np.ascontiguousarray(arr.astype(s.dtype))
+        feed[s.name] = np.ascontiguousarray(arr.astype(np_dtype(s.dtype)))
     return feed
 
 
@@ -176,7 +180,7 @@ class CudaGraphRunner:
 
     def __init__(self, session, name: str, buckets: Sequence[tuple[int, int]],
                  device_id: int = 0, info: dict[str, Any] | None = None,
-                 device: str = "cuda") -> None:
+                 device: str = "cuda", specs: Sequence[InputSpec] | None = None) -> None:
         import onnxruntime as ort
 
         self.session = session
@@ -186,7 +190,7 @@ class CudaGraphRunner:
         no_graph.add_run_config_entry("gpu_graph_id", "-1")  # -1: this run neither captures nor replays
         self._plain = IoBindingRunner(session, name, device_id, run_options=no_graph,
                                       device=device)
-        specs = session_specs(session)
+        specs = list(specs) if specs is not None else session_specs(session)
         self._graphs: dict[tuple, _Graph] = {}
         # ids from 1: ONNX Runtime reserves 0 for its own single-graph mode
         for graph_id, (b, s) in enumerate(buckets, start=1):
@@ -225,7 +229,8 @@ def load_ort_cuda(model_path: Path, settings: SessionSettings,
         try:
             sess = make_session(model, settings, [(CUDA_EP, options.provider_options(True)),
                                                   "CPUExecutionProvider"], CUDA_EP)
-            return CudaGraphRunner(sess, name, buckets, options.device_id, info)
+            return CudaGraphRunner(sess, name, buckets, options.device_id, info,
+                                   specs=input_specs(model))
         except Exception as e:  # noqa: BLE001 - ORT refuses graphs in several ways; all mean "off"
             info["cuda_graph_off"] = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
     else:

@@ -20,7 +20,7 @@ from tuner.graph.io import input_specs
 from tuner.runtime.base import SessionSettings
 from tuner.runtime.gpu import (CUDA_EP, TRT_EP, ShapeRange, cache_key, check_buckets, profiles_for,
                                work_dir)
-from tuner.runtime.ort_gpu import IoBindingRunner, dummy_feed, make_session, session_specs
+from tuner.runtime.ort_gpu import IoBindingRunner, dummy_feed, make_session
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,7 @@ def load_ort_trt(model_path: Path, settings: SessionSettings,
                               # EP has no option to clear it (the trt backend clears it)
                               "tf32": "TensorRT default (allowed)"})
     # build (or load) every profile's engine now, not inside the first timed run
-    specs = session_specs(sess)
+    specs = input_specs(model_path)  # roles and axes from the graph's structure
     for b, s in buckets:
         runner.infer(dummy_feed(specs, b, s))
     return runner
