@@ -15,6 +15,7 @@ cached by (name, shape, exporter, this file's spec) under $SHAPETUNER_CACHE (def
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -310,15 +311,7 @@ def export(s: Spec, exporter: str, out: Path) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_path = Path(tmp) / out.name
-        with torch.no_grad(), warnings.catch_warnings():
-            # The legacy exporter's deprecation notice and transformers' tracer warnings about
-            # mask-shape checks are known and harmless here: tests/test_models.py proves each
-            # export equals torch at other batch/sequence shapes with padded masks.
-            warnings.simplefilter("ignore", DeprecationWarning)
-            warnings.simplefilter("ignore", torch.jit.TracerWarning)
-            warnings.simplefilter("ignore", FutureWarning)  # torch.export's own deprecations
-            warnings.filterwarnings("ignore", "Exporting aten::index operator")  # no negative ids
-            warnings.filterwarnings("ignore", "# The axis name: .* will not be used")  # same axis
+        with torch.no_grad(), quiet_exporters():
             if exporter == "torchscript":
                 torch.onnx.export(
                     model, (ids, mask), str(tmp_path), dynamo=False,
@@ -349,6 +342,23 @@ def export(s: Spec, exporter: str, out: Path) -> Path:
 def _cache_dir() -> Path:
     default = Path(__file__).resolve().parent.parent / ".cache" / "models"
     return Path(os.environ.get("SHAPETUNER_CACHE", default))
+
+
+@contextlib.contextmanager
+def quiet_exporters():
+    """Silence the exporters' known, harmless warnings: the legacy exporter's deprecation
+    notice, transformers' tracer warnings about mask-shape checks, torch.export's own
+    deprecations and axis renames. tests/test_models.py and tests/test_models_kv.py prove each
+    export equals torch at other batch/sequence/past shapes with padded masks."""
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        warnings.simplefilter("ignore", FutureWarning)
+        warnings.filterwarnings("ignore", "Exporting aten::index operator")  # no negative ids
+        warnings.filterwarnings("ignore", "# The axis name: .* will not be used")  # same axis
+        yield
 
 
 def _spec_key(name: str, shape: str, exporter: str) -> str:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import tempfile
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -169,20 +168,15 @@ def export_kv(model, exporter: str, out: Path, opsets: dict[str, int], ir_versio
     import onnx
     import torch
 
+    from models.build import quiet_exporters
+
     wrapped = kv_wrapper(model)
     args = example_inputs(model.config)
     names = io_names(num_layers_of(model.config))
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_path = Path(tmp) / out.name
-        with torch.no_grad(), warnings.catch_warnings():
-            # The same known, harmless warnings as models.build.export; tests/test_models_kv.py
-            # proves the graphs at past 0 and at other batch/sequence/past shapes.
-            warnings.simplefilter("ignore", DeprecationWarning)
-            warnings.simplefilter("ignore", torch.jit.TracerWarning)
-            warnings.simplefilter("ignore", FutureWarning)
-            warnings.filterwarnings("ignore", "# The axis name: .* will not be used")
-            warnings.filterwarnings("ignore", "Exporting aten::index operator")  # no negative ids
+        with torch.no_grad(), quiet_exporters():
             export_fn = _torchscript if exporter == "torchscript" else _dynamo
             export_fn(wrapped, args, tmp_path, names, opsets[exporter])
         proto = onnx.load(str(tmp_path))
