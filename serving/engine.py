@@ -21,7 +21,7 @@ from serving.metrics import Metrics, Stats
 from serving.model import LoadedModel, TensorSpec
 from tuner.artifact.records import Latency, parse_shape_key
 from tuner.gate.verify import Tolerance
-from tuner.graph.io import mask_in
+from tuner.graph.roles import mask_in
 
 log = logging.getLogger("serving")
 

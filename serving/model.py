@@ -22,11 +22,11 @@ from tuner.errors import BadInput
 from tuner.gate.feeds import make_feeds
 from tuner.gate.kv_gate import cache_feeds, check
 from tuner.gate.verify import Tolerance, VerifyResult, verify
-from tuner.graph.io import (ATTENTION_MASK, INPUTS_EMBEDS, POSITION_IDS, TOKEN_IDS, TOKEN_TYPE_IDS,
-                            InputSpec, batch_limit, embedding_rows, input_specs, model_precision,
-                            with_role)
+from tuner.graph.io import embedding_rows, model_precision
 from tuner.graph.kv_cache import widened_cache
 from tuner.graph.load import check_external_data, load_model, read_proto
+from tuner.graph.roles import (ATTENTION_MASK, INPUTS_EMBEDS, POSITION_IDS, TOKEN_IDS,
+                               TOKEN_TYPE_IDS, InputSpec, batch_limit, input_specs, with_role)
 from tuner.runtime.base import Runner, SessionSettings
 from tuner.runtime.registry import get_backend
 

@@ -15,7 +15,7 @@ import pytest
 
 from tuner.errors import BadInput
 from tuner.gate.feeds import make_feeds
-from tuner.graph.io import input_specs
+from tuner.graph.roles import input_specs
 from tuner.runtime import registry
 from tuner.runtime.gpu import (bucket_shape, cache_key, check_buckets, ep_reason, fp16_model,
                                gpu_reason, pick_profile, profiles_for, work_dir)

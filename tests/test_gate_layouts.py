@@ -17,8 +17,9 @@ import pytest
 from tuner.cli import main
 from tuner.gate.feeds import make_feeds
 from tuner.graph.inspect import inspect_model
-from tuner.graph.io import (ATTENTION_MASK, INPUTS_EMBEDS, TOKEN_IDS, TOKEN_TYPE_IDS,
-                            embedding_table, input_specs, with_role)
+from tuner.graph.io import embedding_table
+from tuner.graph.roles import (ATTENTION_MASK, INPUTS_EMBEDS, TOKEN_IDS, TOKEN_TYPE_IDS,
+                               input_specs, with_role)
 
 ROLES = {  # layout -> {input: role}: what the structure must say, whatever the names
     "batch1": {"input_ids": TOKEN_IDS, "attention_mask": ATTENTION_MASK},

@@ -10,7 +10,7 @@ from onnx import TensorProto, helper
 from tuner.errors import BadInput
 from tuner.gate.feeds import check_feed, load_npz, make_feeds, padded_mask
 from tuner.gate.verify import Tolerance, verify
-from tuner.graph.io import InputSpec
+from tuner.graph.roles import InputSpec
 from tuner.runtime.registry import get_backend
 
 

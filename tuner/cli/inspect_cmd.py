@@ -13,7 +13,7 @@ from rich.table import Table
 
 from tuner.cli.app import app, write_out
 from tuner.graph.inspect import inspect_path
-from tuner.graph.io import InputSpec, input_specs
+from tuner.graph.roles import InputSpec, input_specs
 from tuner.graph.shape import ModelShape
 from tuner.hardware.facts import device_facts
 from tuner.plan.findings import audited

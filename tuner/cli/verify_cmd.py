@@ -17,9 +17,10 @@ from tuner.gate.kv_feeds import cache_roles
 from tuner.gate.kv_gate import CacheFeeds, cache_feeds, check, has_cache
 from tuner.gate.verify import Tolerance
 from tuner.graph.inspect import inspect_model
-from tuner.graph.io import input_specs, model_precision, vocab_for_feeds
+from tuner.graph.io import model_precision, vocab_for_feeds
 from tuner.graph.kv_cache import widened_cache
 from tuner.graph.load import load_model
+from tuner.graph.roles import input_specs
 from tuner.runtime.registry import get_backend
 
 

@@ -2,7 +2,7 @@
 masks with right and left padding, several (batch, seq) shapes; or the user's own .npz.
 
 Used by the accuracy gate (`tuner verify`, `tuner pad`), the benchmark and the server's
-self-check. Inputs are recognised by their role (tuner.graph.io.input_specs: found from the
+self-check. Inputs are recognised by their role (tuner.graph.roles.input_specs: found from the
 graph's structure): token ids below `vocab_size`, the attention mask (1 = real token),
 token types (zeros), positions (past..past+seq-1), past keys/values (length `past`); other
 integer inputs get zeros, float inputs small normal noise. Every static dim is kept, every
@@ -20,8 +20,8 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from tuner.errors import BadInput
-from tuner.graph.io import (ATTENTION_MASK, KV_CACHE, POSITION_IDS, TOKEN_IDS, InputSpec,
-                            accepted_shapes, input_specs, np_dtype)
+from tuner.graph.roles import (ATTENTION_MASK, KV_CACHE, POSITION_IDS, TOKEN_IDS, InputSpec,
+                               accepted_shapes, input_specs, np_dtype)
 
 DEFAULT_SHAPES: tuple[tuple[int, int], ...] = ((1, 7), (2, 16), (3, 33))
 

@@ -24,8 +24,8 @@ from tuner.gate.feeds import DEFAULT_SHAPES, make_feeds
 from tuner.gate.kv_feeds import (CacheRoles, Rollout, StepFeeds, cache_roles, decode_feeds,
                                  greedy_rollout, prefill_feeds)
 from tuner.gate.verify import OutputReport, Tolerance, TolerancePolicy, VerifyResult, verify
-from tuner.graph.io import InputSpec
 from tuner.graph.kv_cache import CachePads, find_kv_cache
+from tuner.graph.roles import InputSpec
 
 # (batch, seq, left-padded rows, steps) of the prefill rollouts; (batch, past, seq, steps) of
 # the decode rollouts (seq 1: a decode step; seq 3: a chunk)

@@ -22,7 +22,7 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from tuner.graph.io import InputSpec, mask_in
+from tuner.graph.roles import InputSpec, mask_in
 from tuner.runtime.base import Runner
 
 # (output name, reference array, candidate array) -> passes
@@ -187,7 +187,7 @@ def verify(reference: Runner, candidate: Runner, feeds: Sequence[Mapping[str, np
            tolerance: Tolerance | TolerancePolicy = Tolerance(),
            specs: Sequence[InputSpec] | None = None, min_compared: int = 1) -> VerifyResult:
     """Run both runners on every feed and compare every output of the reference. `specs`
-    (tuner.graph.io.input_specs) say which input is the attention mask; an output with fewer
+    (tuner.graph.roles.input_specs) say which input is the attention mask; an output with fewer
     than `min_compared` compared elements fails ("nothing compared")."""
     if min_compared < 1:
         raise ValueError(f"min_compared must be >= 1, not {min_compared}")

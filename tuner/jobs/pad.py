@@ -25,10 +25,11 @@ from tuner.gate.feeds import DEFAULT_SHAPES
 from tuner.gate.kv_gate import CacheFeeds, check, gate_feeds
 from tuner.gate.verify import Tolerance, VerifyResult
 from tuner.graph.inspect import inspect_model
-from tuner.graph.io import InputSpec, input_specs, model_precision, vocab_for_feeds
+from tuner.graph.io import model_precision, vocab_for_feeds
 from tuner.graph.kv_cache import widened_cache
 from tuner.graph.load import load_model, save_model
 from tuner.graph.paddable import Transform
+from tuner.graph.roles import InputSpec, input_specs
 from tuner.graph.shape import ModelShape
 from tuner.rewrite.compose import PadRequest, apply
 from tuner.runtime.base import Runner, SessionSettings

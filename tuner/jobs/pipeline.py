@@ -27,11 +27,11 @@ from tuner.gate.kv_feeds import cache_roles
 from tuner.gate.kv_gate import WidenedRunner, cache_feeds, check, has_cache
 from tuner.gate.verify import Tolerance
 from tuner.graph.inspect import inspect_model, inspect_path
-from tuner.graph.io import (accepted_shapes, batch_limit, input_specs, max_positions,
-                            model_precision, seq_limit, vocab_for_feeds)
+from tuner.graph.io import max_positions, model_precision, vocab_for_feeds
 from tuner.graph.kv_cache import widened_cache
 from tuner.graph.load import load_model
 from tuner.graph.paddable import BY_KIND
+from tuner.graph.roles import accepted_shapes, batch_limit, input_specs, seq_limit
 from tuner.hardware.detect import detect
 from tuner.jobs.decoder import (RULE, cache_section, combined_totals, decode_feeds_for, decode_key,
                                 decode_shape, decoder_traffic, prefill_feeds_for, report_section)

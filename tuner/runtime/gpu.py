@@ -154,7 +154,7 @@ def bucket_shape(name: str, dims: Sequence[int | str | None], batch: int, seq: i
                  *, dynamic_value: int | None = None, batch_axis: int | None = 0,
                  seq_axis: int | None = 1) -> tuple[int, ...]:
     """The concrete shape of one input at a bucket: the batch axis gets `batch`, the sequence
-    axis `seq` (tuner.graph.io.InputSpec's axes, found from the graph; (0, 1) by default);
+    axis `seq` (tuner.graph.roles.InputSpec's axes, found from the graph; (0, 1) by default);
     fixed axes stay, whichever they are (a batch-1 export keeps its 1). With
     `dynamic_value`, every dynamic axis gets that value instead (a profile's minimum)."""
     out = []

@@ -23,7 +23,8 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from tuner.errors import BadInput
-from tuner.graph.io import ATTENTION_MASK, POSITION_IDS, InputSpec, input_specs, np_dtype, role_of
+from tuner.graph.roles import (ATTENTION_MASK, POSITION_IDS, InputSpec, input_specs, np_dtype,
+                               role_of)
 from tuner.runtime.base import SessionSettings
 from tuner.runtime.gpu import CUDA_EP, check_buckets, fp16_model, preload_libraries
 from tuner.runtime.ort import session_options
@@ -60,7 +61,7 @@ class CudaOptions:
 
 
 def session_specs(session) -> list[InputSpec]:
-    """tuner.graph.io.InputSpec for every input of an ORT session."""
+    """tuner.graph.roles.InputSpec for every input of an ORT session."""
     return [InputSpec(i.name, _ORT_TYPES.get(i.type, "float32"), tuple(i.shape))
             for i in session.get_inputs()]
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from tuner.errors import BadInput
-from tuner.graph.io import input_specs
+from tuner.graph.roles import input_specs
 from tuner.runtime.base import SessionSettings
 from tuner.runtime.gpu import (CUDA_EP, TRT_EP, ShapeRange, cache_key, check_buckets, profiles_for,
                                work_dir)

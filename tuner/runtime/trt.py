@@ -29,7 +29,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from tuner.errors import BadInput
-from tuner.graph.io import input_specs
+from tuner.graph.roles import input_specs
 from tuner.hardware.detect import detect
 from tuner.runtime.base import SessionSettings
 from tuner.runtime.gpu import (ShapeRange, cache_key, check_buckets, fp16_model, pick_profile,

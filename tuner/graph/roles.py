@@ -1,0 +1,354 @@
+"""Which graph input plays which role (token ids, mask, positions, token types, KV cache,
+inputs_embeds) and which of its axes is batch and which is sequence, found from the graph's
+structure; names only break ties. The feeds, the gate, the benchmark's shapes and the server
+all read roles here.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from typing import Mapping, Sequence
+
+import ml_dtypes
+import numpy as np
+import onnx_ir as ir
+
+from tuner.graph.load import load_model
+
+# Roles of a graph input, found from the graph's structure (`input_specs`); names only break ties.
+TOKEN_IDS, ATTENTION_MASK, POSITION_IDS, TOKEN_TYPE_IDS, KV_CACHE, INPUTS_EMBEDS, OTHER = (
+    "token_ids", "attention_mask", "position_ids", "token_type_ids", "kv_cache",
+    "inputs_embeds", "other")
+ROLES = (TOKEN_IDS, ATTENTION_MASK, POSITION_IDS, TOKEN_TYPE_IDS, KV_CACHE, INPUTS_EMBEDS, OTHER)
+# Ops a token id passes through unchanged on its way to the embedding Gather.
+_PASS_THROUGH = {"Reshape", "Cast", "Identity", "Flatten", "Squeeze", "Unsqueeze", "Expand"}
+_SEARCH_DEPTH = 24  # nodes followed from an input when looking for the mask or rotary path
+_LARGE_NEGATIVE = -1e4  # a constant this negative (or finfo.min) marks an attention bias
+
+_NP_DTYPES = {"INT64": "int64", "INT32": "int32", "INT16": "int16", "INT8": "int8",
+              "UINT8": "uint8", "FLOAT": "float32", "FLOAT16": "float16", "DOUBLE": "float64",
+              "BOOL": "bool", "BFLOAT16": "bfloat16"}
+
+
+def np_dtype(name: str) -> np.dtype:
+    """numpy's dtype for a spec's dtype name; "bfloat16" is ml_dtypes' (numpy has none)."""
+    if name == "bfloat16":
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """One graph input: name, dtype name (numpy's, or "bfloat16"), dims (int, or a str/None
+    for a dynamic axis), its role and which axes are batch and sequence (None: none)."""
+
+    name: str
+    dtype: str
+    dims: tuple[int | str | None, ...]
+    role: str = OTHER
+    batch_axis: int | None = None
+    seq_axis: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("input spec needs a name")
+        np_dtype(self.dtype)  # raises TypeError on an unknown dtype
+        if self.role not in ROLES:
+            raise ValueError(f"input {self.name!r}: unknown role {self.role!r}")
+        for what, axis in (("batch", self.batch_axis), ("sequence", self.seq_axis)):
+            if axis is not None and not 0 <= axis < max(len(self.dims), 1):
+                raise ValueError(f"input {self.name!r}: {what} axis {axis} is outside its "
+                                 f"{len(self.dims)} dims")
+        if self.batch_axis is not None and self.batch_axis == self.seq_axis:
+            raise ValueError(f"input {self.name!r}: batch and sequence are the same axis")
+
+    def fixed(self, axis: int | None) -> int | None:
+        """The static size of `axis`, None when it is dynamic (or there is no such axis)."""
+        if axis is None or axis >= len(self.dims):
+            return None
+        d = self.dims[axis]
+        return d if isinstance(d, int) and d > 0 else None
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "role": self.role, "dtype": self.dtype,
+                "dims": [d if isinstance(d, int) else (d or None) for d in self.dims],
+                "batch_axis": self.batch_axis, "seq_axis": self.seq_axis}
+
+
+def _dims_of(v: ir.Value) -> tuple:
+    return tuple(d if isinstance(d, int) else (str(d) if d is not None else None)
+                 for d in (v.shape.dims if v.shape is not None else ()))
+
+
+def _const_table(value: ir.Value | None) -> tuple[int, ...] | None:
+    """The shape of a constant (an initializer), None when `value` is computed."""
+    if value is None or value.const_value is None:
+        return None
+    return tuple(int(d) for d in value.const_value.shape)
+
+
+def _embedding_tables(value: ir.Value) -> list[tuple[str, tuple[int, ...]]]:
+    """The 2-D constant tables that `value` indexes through a Gather (following pass-through
+    ops): (table name, table shape)."""
+    frontier, seen, found = [value], set(), []
+    while frontier:
+        v = frontier.pop()
+        if v in seen:
+            continue
+        seen.add(v)
+        for node, index in v.uses():
+            if node.op_type == "Gather" and index == 1:
+                shape = _const_table(node.inputs[0])
+                if shape is not None and len(shape) == 2:
+                    found.append((node.inputs[0].name or "", shape))
+            elif node.op_type in _PASS_THROUGH and index == 0:
+                frontier.extend(node.outputs)
+    return found
+
+
+def _is_large_negative(value: ir.Value | None) -> bool:
+    if value is None or value.const_value is None:
+        return False
+    try:
+        arr = value.const_value.numpy()
+    except Exception:  # noqa: BLE001 - an unreadable constant is simply not a bias marker
+        return False
+    if arr.size == 0 or arr.size > 64 or arr.dtype.kind != "f":
+        return False
+    return bool(np.any(arr.astype(np.float64) <= _LARGE_NEGATIVE))
+
+
+def _reach(value: ir.Value) -> tuple[set[str], bool]:
+    """Op types within _SEARCH_DEPTH nodes downstream of `value`, and whether any of them
+    is an attention-bias marker (a Where condition, or arithmetic with a large negative)."""
+    ops, bias = set(), False
+    frontier, seen, depth = [value], set(), 0
+    while frontier and depth < _SEARCH_DEPTH:
+        nxt = []
+        for v in frontier:
+            for node, index in v.uses():
+                if node in seen:
+                    continue
+                seen.add(node)
+                ops.add(node.op_type)
+                if node.op_type == "Where" and index == 0:
+                    bias = True
+                if node.op_type in ("Mul", "Sub", "Add", "Where", "Max", "Min") and any(
+                        _is_large_negative(i) for i in node.inputs):
+                    bias = True
+                if node.op_type == "Gather" and index == 1 and _const_table(node.inputs[0]):
+                    ops.add("GatherConst")
+                nxt.extend(node.outputs)
+        frontier, depth = nxt, depth + 1
+    return ops, bias
+
+
+def _name_role(name: str) -> str:
+    """The role a name suggests (the tie-breaker only)."""
+    n = name.lower()
+    if "input_ids" in n or n in ("ids", "tokens"):
+        return TOKEN_IDS
+    if "position" in n:
+        return POSITION_IDS
+    if "token_type" in n or "segment" in n:
+        return TOKEN_TYPE_IDS
+    if "mask" in n:
+        return ATTENTION_MASK
+    if "past" in n or "cache" in n:
+        return KV_CACHE
+    if "embeds" in n:
+        return INPUTS_EMBEDS
+    return OTHER
+
+
+def _feeds_kv_concat(value: ir.Value) -> bool:
+    """True when `value` (through Cast/Transpose) is concatenated with a computed tensor: a
+    past key or value meeting the new ones."""
+    frontier, seen = [value], set()
+    while frontier:
+        v = frontier.pop()
+        if v in seen:
+            continue
+        seen.add(v)
+        for node, _ in v.uses():
+            if node.op_type == "Concat" and len(node.inputs) >= 2 and any(
+                    i is not None and i is not v and i.producer() is not None
+                    for i in node.inputs):
+                return True
+            if node.op_type in ("Cast", "Transpose", "Identity"):
+                frontier.extend(node.outputs)
+    return False
+
+
+def _roles(model: ir.Model, inputs: list[ir.Value]) -> dict[str, str]:
+    """Each input's role from the structure around it (see the module's docstring)."""
+    roles: dict[str, str] = {}
+    tables = {v.name: _embedding_tables(v) for v in inputs}
+    kinds = {v.name: (v.dtype.name if v.dtype is not None else "FLOAT") for v in inputs}
+    integer = [v for v in inputs if kinds[v.name] in ("INT64", "INT32", "INT16", "INT8", "UINT8")]
+    indexing = [v for v in integer if tables[v.name]]
+    # token ids index the largest table; a name breaks a tie
+    if indexing:
+        def rows(v):
+            return max(shape[0] for _, shape in tables[v.name])
+        token = max(indexing, key=lambda v: (rows(v), _name_role(v.name) == TOKEN_IDS))
+        roles[token.name] = TOKEN_IDS
+        for v in indexing:
+            if v is token:
+                continue
+            small = rows(v) <= 16 and _name_role(v.name) != POSITION_IDS
+            roles[v.name] = TOKEN_TYPE_IDS if small else POSITION_IDS
+    for v in inputs:
+        if v.name in roles:
+            continue
+        kind, rank = kinds[v.name], len(_dims_of(v))
+        if kind in ("FLOAT", "FLOAT16", "BFLOAT16", "DOUBLE"):
+            if _feeds_kv_concat(v):
+                roles[v.name] = KV_CACHE
+            elif rank == 2 and _reach(v)[1]:
+                roles[v.name] = ATTENTION_MASK  # a float mask (1 keep, 0 pad) or a bias
+            elif rank == 3:
+                roles[v.name] = INPUTS_EMBEDS
+            else:
+                roles[v.name] = _name_role(v.name) if _name_role(v.name) in (
+                    KV_CACHE, INPUTS_EMBEDS) else OTHER
+            continue
+        ops, bias = _reach(v)
+        if v in integer and ({"Cos", "Sin", "GatherConst"} & ops) and not bias:
+            roles[v.name] = POSITION_IDS  # rotary angles, or a Gather from a cos/sin cache
+        elif bias or "Where" in ops or "Softmax" in ops:
+            roles[v.name] = ATTENTION_MASK
+        else:
+            guess = _name_role(v.name)
+            roles[v.name] = guess if guess in (ATTENTION_MASK, POSITION_IDS, TOKEN_TYPE_IDS) else OTHER
+    return roles
+
+
+def _axes(spec_dims: tuple, role: str, ref: tuple) -> tuple[int | None, int | None]:
+    """(batch axis, sequence axis) of one input: symbols shared with the reference input
+    (the token ids, else the embeddings) first, the (batch, seq, ...) convention after."""
+    rank = len(spec_dims)
+    if rank == 0:
+        return None, None
+    if role == OTHER and not any(isinstance(d, str) for d in spec_dims):
+        return None, None
+    b_sym = ref[0] if len(ref) >= 2 and isinstance(ref[0], str) else None
+    s_sym = ref[1] if len(ref) >= 2 and isinstance(ref[1], str) else None
+    batch = spec_dims.index(b_sym) if b_sym and b_sym in spec_dims else None
+    seq = spec_dims.index(s_sym) if s_sym and s_sym in spec_dims and \
+        spec_dims.index(s_sym) != batch else None
+    if rank == 1:
+        return None, (seq if seq is not None else 0)
+    if batch is None:
+        batch = 0
+    if seq is None:
+        if role == KV_CACHE and rank >= 3:
+            dynamic = [i for i, d in enumerate(spec_dims) if not isinstance(d, int) and i != batch]
+            seq = dynamic[0] if dynamic else rank - 2
+        else:
+            seq = 1 if batch != 1 else 0
+    return batch, seq
+
+
+def input_specs(model) -> list[InputSpec]:
+    """The input specs of an onnx_ir.Model, a path to a .onnx file, or a list of InputSpec:
+    dtype, dims, role and (batch, seq) axes of every graph input."""
+    if isinstance(model, (list, tuple)) and all(isinstance(s, InputSpec) for s in model):
+        return [_completed(s) for s in model]
+    if isinstance(model, (str, os.PathLike)):
+        model = load_model(model)
+    initializers = set(model.graph.initializers)
+    inputs = [v for v in model.graph.inputs if v.name not in initializers]
+    roles = _roles(model, inputs)
+    ref_value = next((v for v in inputs if roles[v.name] == TOKEN_IDS), None) or next(
+        (v for v in inputs if roles[v.name] == INPUTS_EMBEDS), None)
+    ref = _dims_of(ref_value) if ref_value is not None else ()
+    specs = []
+    for v in inputs:
+        dtype = _NP_DTYPES.get(v.dtype.name if v.dtype is not None else "FLOAT", "float32")
+        dims = _dims_of(v)
+        batch, seq = _axes(dims, roles[v.name], ref)
+        specs.append(InputSpec(v.name, dtype, dims, roles[v.name], batch, seq))
+    return specs
+
+
+def _completed(spec: InputSpec) -> InputSpec:
+    """A spec built by hand (no role, no axes: no graph to read them from) gets what its name
+    suggests and the (batch, seq, ...) convention; specs read from a graph stay as they are."""
+    if spec.role != OTHER or spec.batch_axis is not None or spec.seq_axis is not None:
+        return spec
+    role = _name_role(spec.name)
+    batch, seq = _axes(spec.dims, role, ())
+    return replace(spec, role=role, batch_axis=batch, seq_axis=seq)
+
+
+def role_of(name: str, specs: Sequence[InputSpec] | None = None) -> str:
+    """The role of the input called `name`: from `specs` (structure) when given, else what
+    the name suggests."""
+    for s in specs or ():
+        if s.name == name:
+            return s.role
+    return _name_role(name)
+
+
+def with_role(specs: Sequence[InputSpec], role: str) -> InputSpec | None:
+    """The first input that plays `role`, None when none does."""
+    return next((s for s in specs if s.role == role), None)
+
+
+def token_input(names_or_specs) -> str | None:
+    """The input that holds token ids: from specs (structure), or among names (by name)."""
+    items = list(names_or_specs)
+    if items and all(isinstance(s, InputSpec) for s in items):
+        found = with_role(items, TOKEN_IDS)
+        return found.name if found else None
+    return next((n for n in items if _name_role(n) == TOKEN_IDS), None)
+
+
+def mask_in(feed: Mapping[str, np.ndarray],
+            specs: Sequence[InputSpec] | None = None) -> np.ndarray | None:
+    """The (batch, seq) attention mask of a feed, if it has one: the input whose role is the
+    mask when `specs` are given, else the one named like a mask."""
+    if specs:
+        mask = with_role(specs, ATTENTION_MASK)
+        arr = feed.get(mask.name) if mask is not None else None
+        return arr if arr is not None and arr.ndim == 2 else None
+    for name, arr in feed.items():
+        if _name_role(name) == ATTENTION_MASK and arr.ndim == 2:
+            return arr
+    return None
+
+
+def batch_limit(specs: Sequence[InputSpec]) -> int | None:
+    """The batch size every input fixes (1 for a batch-1 export), None when it is dynamic."""
+    fixed = {s.fixed(s.batch_axis) for s in specs if s.batch_axis is not None}
+    fixed.discard(None)
+    return min(fixed) if fixed else None
+
+
+def seq_limit(specs: Sequence[InputSpec]) -> int | None:
+    """The sequence length the token inputs fix (a fully static export), None if dynamic."""
+    fixed = {s.fixed(s.seq_axis) for s in specs
+             if s.seq_axis is not None and s.role in (TOKEN_IDS, ATTENTION_MASK, POSITION_IDS,
+                                                      TOKEN_TYPE_IDS, INPUTS_EMBEDS)}
+    fixed.discard(None)
+    return min(fixed) if fixed else None
+
+
+def accepted_shapes(specs: Sequence[InputSpec], shapes) -> list[tuple[int, int]]:
+    """`shapes` ((batch, seq) pairs) mapped onto what the model takes, in order, without
+    repeats: a fixed batch or sequence replaces the asked one."""
+    b_fix, s_fix = batch_limit(specs), seq_limit(specs)
+    out: list[tuple[int, int]] = []
+    for b, s in shapes:
+        shape = (b_fix or b, s_fix or s)
+        if shape not in out:
+            out.append(shape)
+    return out
+
+
+def accepts(specs: Sequence[InputSpec], batch: int, seq: int) -> bool:
+    """True when the model takes a (batch, seq) feed."""
+    b_fix, s_fix = batch_limit(specs), seq_limit(specs)
+    return (b_fix is None or batch == b_fix) and (s_fix is None or seq == s_fix)
