@@ -13,10 +13,49 @@ from pathlib import Path
 from tuner.errors import BadInput
 
 LARGE_BYTES = 1_500_000_000  # beyond this, weights go to external data (protobuf's 2 GB cap)
+# Peak memory of optimize_model over the model's bytes: it loads every weight into one
+# ModelProto and copies it more than once on the way (shape inference, fusions, save).
+# Measured on GPT-NeoX slices of Pythia-2.8B's shape: 1 layer (1.34 GB) peaked at 13.3 GB
+# (9.9x); 8 layers (3.55 GB) passed 20.7 GB (5.8x) before a guard stopped it. Rounded up:
+# guessing low lets the kernel's OOM killer end the whole `tuner optimize`, not just this
+# candidate.
+MEMORY_FACTOR = 10.0
+HEADROOM_BYTES = 1 << 30  # the rest of the process (sessions of other variants, numpy feeds)
 
 
 class FuseFailed(BadInput):
     """The optimizer could not process the graph; the fused candidate is skipped."""
+
+
+class FuseSkipped(FuseFailed):
+    """The optimizer would not fit in the memory available: skipped before it starts."""
+
+
+def mem_available() -> int | None:
+    """MemAvailable from /proc/meminfo in bytes; None where unknown (not Linux)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_fits(src: str | os.PathLike, available: int | None = None) -> int:
+    """The model's bytes; FuseSkipped (one line, with the numbers) when the optimizer's
+    estimated peak would not fit in the memory available now."""
+    from tuner.graph.size import model_bytes
+
+    size = model_bytes(src)
+    available = mem_available() if available is None else available
+    need = int(size * MEMORY_FACTOR) + HEADROOM_BYTES
+    if available is not None and need > available:
+        raise FuseSkipped(f"ONNX Runtime's transformer optimizer skipped on {Path(src).name}: "
+                          f"it needs about {need / 1e9:.1f} GB ({MEMORY_FACTOR:g}x the model's "
+                          f"{size / 1e9:.1f} GB), {available / 1e9:.1f} GB is available")
+    return size
 
 
 def fuse_file(src: str | os.PathLike, dst: str | os.PathLike, num_heads: int,
@@ -26,6 +65,7 @@ def fuse_file(src: str | os.PathLike, dst: str | os.PathLike, num_heads: int,
     from onnxruntime.transformers.optimizer import optimize_model
 
     src, dst = Path(src), Path(dst)
+    size = check_fits(src)
     # "bert" is the generic fusion set (it also matches GPT-2, Llama norms); "gpt2"'s
     # post-processing assumes a Gemm layout that dynamo exports do not have.
     quiet = logging.getLogger("onnxruntime.transformers")
@@ -38,7 +78,6 @@ def fuse_file(src: str | os.PathLike, dst: str | os.PathLike, num_heads: int,
         if not stats:
             return {}
         dst.parent.mkdir(parents=True, exist_ok=True)
-        size = src.stat().st_size + sum(p.stat().st_size for p in src.parent.glob("*.data"))
         m.save_model_to_file(str(dst), use_external_data_format=size > LARGE_BYTES)
         return stats
     except (ValueError, IndexError, KeyError, AttributeError, RuntimeError, AssertionError) as e:

@@ -32,7 +32,7 @@ def verify_cmd(
     from tuner.feeds import check_feed, input_specs, load_npz, make_feeds
     from tuner.graph.load import load_model
     from tuner.runtime.registry import get_backend
-    from tuner.verify import Tolerance, verify
+    from tuner.verify import Tolerance, record_then_release, verify
 
     try:
         tol = Tolerance.fp16() if fp16 else Tolerance(atol=atol, rtol=rtol)
@@ -55,13 +55,18 @@ def verify_cmd(
     else:
         feeds = make_feeds(specs, vocab or _vocab(ref_model), seed=seed)
     backend = get_backend("ort-cpu")
+    del ref_model  # lazily loaded weights it read (for _vocab) would stay in memory
     try:
-        ref, cand = backend.load(original), backend.load(variant)
+        # one session at a time: the original's outputs are recorded, then its session goes
+        ref = record_then_release(lambda: backend.load(original), feeds)
+        if inputs is not None or vocab is not None:  # feeds the user chose: theirs to fix
+            _check_reference_runs(ref, feeds, f"{inputs}" if inputs is not None
+                                  else f"token ids below --vocab {vocab}")
+        cand = backend.load(variant)
+    except BadInput:
+        raise
     except Exception as e:  # noqa: BLE001 - ORT's errors on a bad graph are bad input here
         raise BadInput(f"ONNX Runtime cannot load the models: {str(e).splitlines()[0]}") from None
-    if inputs is not None or vocab is not None:  # feeds the user chose: theirs to fix
-        _check_reference_runs(ref, feeds, f"{inputs}" if inputs is not None
-                              else f"token ids below --vocab {vocab}")
     result = verify(ref, cand, feeds, tol)
     result.print()
     # SystemExit, not typer.Exit: with standalone_mode=False click returns (drops) Exit codes.

@@ -11,6 +11,7 @@ is refused with that reason.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import tempfile
 from dataclasses import dataclass
@@ -177,15 +178,21 @@ def pad_file(src: str | os.PathLike, dst: str | os.PathLike, req: PadRequest, ve
     dst.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dst.parent, prefix=f".{dst.name}.") as tmp:
         staged = save_atomic(model, Path(tmp) / dst.name)
+        # the padded weights live in `model` until it goes: for a 3.5 GB model that is GBs
+        # the ONNX Runtime sessions below need
+        del model
+        gc.collect()
         result = None
         if verify:
             from tuner.runtime.registry import get_backend
+            from tuner.verify import record_then_release
             from tuner.verify import verify as run_gate
 
             backend = get_backend("ort-cpu")
             feeds = list(feeds) if feeds is not None else make_feeds(src, vocab, shapes)
             try:
-                reference = backend.load(src)
+                # one session at a time: the original's outputs are kept, its session is not
+                reference = record_then_release(lambda: backend.load(src), feeds)
             except Exception as e:  # noqa: BLE001 - the user's graph: bad input, not our bug
                 raise BadInput(f"{src}: ONNX Runtime cannot load the original model, so no "
                                f"variant of it can be verified: {_first_line(e)}") from None
