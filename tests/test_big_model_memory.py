@@ -171,3 +171,103 @@ def test_big_models_get_memory_friendly_session_options(tmp_path, monkeypatch):
     before = record(_load(tmp_path, "a"), feeds)
     monkeypatch.setattr(ort_runtime, "BIG_MODEL_BYTES", 0)
     assert verify(before, _load(tmp_path, "b", location="w.bin"), feeds, Tolerance(0, 0))
+
+
+def test_the_fused_candidate_is_gated_against_a_recorded_original(tmp_path, reference_model):
+    """optimize records the original once for the fused candidate's gate, so the fusion's
+    session is the only one loaded while it is checked."""
+    from types import SimpleNamespace
+
+    from tuner.feeds import input_specs, make_feeds
+    from tuner.graph.inspect import inspect_path
+    from tuner.graph.load import load_model
+    from tuner.runtime.base import SessionSettings
+    from tuner.variants import build_fused, copy_original
+
+    src = reference_model("gpt2", "awkward")
+    feeds = make_feeds(input_specs(load_model(src)), 50257, [(1, 7), (2, 16)])
+    cpu, settings = get_backend("ort-cpu"), SessionSettings(intra_op_threads=1)
+    base = copy_original(src, tmp_path)
+    reference = record_then_release(lambda: cpu.load(base.path, settings), feeds)
+    built = build_fused(base, tmp_path, SimpleNamespace(name="fuse"), inspect_path(src),
+                        reference, feeds, Tolerance(), cpu, settings)
+    assert built.accuracy.passed and built.note.startswith("fused: ")
+
+
+class _FakeMemory:
+    """A machine with `total` bytes where each load takes `per_byte` x the model's bytes,
+    with a transient of `transient` x on top while it loads."""
+
+    def __init__(self, total: int, per_byte: float, transient: float = 0.0) -> None:
+        self.total, self.per_byte, self.transient = total, per_byte, transient
+        self.rss = self.hwm = 100
+        self.loads: list[str] = []
+
+    def load(self, name, size):
+        self.hwm = max(self.hwm, self.rss + int((self.per_byte + self.transient) * size))
+        self.rss += int(self.per_byte * size)
+        self.loads.append(name)
+        return name
+
+    def probes(self):
+        from tuner.session_memory import Probes
+
+        def reset():
+            self.hwm = self.rss
+
+        return Probes(rss=lambda: self.rss, peak=lambda: self.hwm, reset_peak=reset,
+                      available=lambda: self.total - self.rss)
+
+
+def test_sessions_are_loaded_while_they_fit_and_the_rest_noted():
+    from tuner.session_memory import HEADROOM_BYTES, load_fitting
+
+    gb = 10**9
+    mem = _FakeMemory(total=16 * gb, per_byte=2.0, transient=0.5)  # fp16 cast to fp32, say
+    sizes = {"original": 2 * gb, "vocab": 2 * gb, "head_dim": 2 * gb, "fuse": 2 * gb}
+    items = [(n, None, s) for n, s in sizes.items()]
+    loaded, notes = load_fitting(items, lambda n, _: mem.load(n, sizes[n]), mem.probes())
+    # each load peaks at 2.5 x 2 GB (+ headroom) and stays at 4 GB: after three, 4 GB is left
+    assert [n for n, _ in loaded] == ["original", "vocab", "head_dim"] == mem.loads
+    assert len(notes) == 1 and notes[0].startswith("left fuse out of the timing: loading its "
+                                                   "session would need about 6.1 GB (2.5x its 2.0 GB")
+    assert mem.hwm <= mem.total and HEADROOM_BYTES < gb * 2
+
+
+def test_small_models_all_load():
+    from tuner.session_memory import load_fitting
+
+    mem = _FakeMemory(total=10**10, per_byte=3.0)
+    items = [(n, None, 10**6) for n in ("original", "a", "b", "c")]
+    loaded, notes = load_fitting(items, lambda n, _: mem.load(n, 10**6), mem.probes())
+    assert len(loaded) == 4 and notes == []
+
+
+def test_the_real_probes_read_this_process():
+    from tuner.session_memory import mem_available, peak_bytes, reset_peak, rss_bytes
+
+    rss = rss_bytes()
+    if rss is None:
+        pytest.skip("no /proc")
+    reset_peak()
+    assert peak_bytes() >= rss * 0.5 and mem_available() > 0
+
+
+def _die() -> None:
+    """Stands in for an optimizer the kernel kills for memory (runs in the spawned child)."""
+    import os
+    import signal
+
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_big_model_fuses_in_a_child_process(tmp_path, monkeypatch, reference_model):
+    monkeypatch.setattr(fuse, "IN_PROCESS_BYTES", 0)
+    dst = tmp_path / "fused" / "model.onnx"
+    stats = fuse.fuse_file(reference_model("gpt2", "awkward"), dst, 2, 160)
+    assert stats and dst.exists()
+
+
+def test_a_fusion_child_that_dies_skips_only_the_candidate():
+    with pytest.raises(fuse.FuseFailed, match="optimizer on m.onnx: its process died"):
+        fuse.run_in_child(_die, what="optimizer on m.onnx")

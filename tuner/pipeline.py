@@ -158,6 +158,26 @@ def _gate_on_backend(built, targets, feeds, tol, backend, settings):
     return gated, notes
 
 
+def _load_targets(built, shas, backend, settings, shapes, engine_dir):
+    """Every built variant's session, for interleaved timing, while they fit in memory: the
+    original always, then in plan order (tuner/session_memory.py). A variant left out has its
+    folder removed, so the artifact holds only what the manifest lists."""
+    import shutil
+
+    from tuner import bench
+    from tuner.graph.size import model_bytes
+    from tuner.session_memory import load_fitting
+
+    items = [(n, b.path, model_bytes(b.path)) for n, b in built.items()]
+    loaded, notes = load_fitting(
+        items, lambda n, path: backend.load(path, settings, shapes, engine_dir))
+    kept = {n for n, _ in loaded}
+    for n, b in built.items():
+        if n not in kept:
+            shutil.rmtree(b.path.parent, ignore_errors=True)
+    return [bench.Target(n, runner, shas[n]) for n, runner in loaded], notes
+
+
 def _build(cfg, kept, fused, shape, root, feeds, tol, backend, settings, say):
     from tuner.variants import build_fused, build_padded, copy_original
 
@@ -171,9 +191,12 @@ def _build(cfg, kept, fused, shape, root, feeds, tol, backend, settings, say):
             notes.append(f"skipped {c.name}: {e}")
     if fused:
         from tuner.runtime.registry import get_backend
+        from tuner.verify import record_then_release
 
         cpu = get_backend("ort-cpu")
-        reference = cpu.load(built["original"].path, settings)
+        # recorded, not kept loaded: the fused candidate's session is the only one while
+        # it is gated (build_fused passes these same feeds to verify)
+        reference = record_then_release(lambda: cpu.load(built["original"].path, settings), feeds)
         for c in fused:
             base_name = c.name.removesuffix("+fuse").removesuffix("fuse").rstrip("+") or "original"
             if base_name not in built:
@@ -265,8 +288,9 @@ def run_pipeline(cfg, model, root: Path):
     shas = {n: file_sha256(graph_files(b)) for n, b in built.items()}
     # engines and timing caches go where `tuner serve` looks for them: OUT/cache/<backend>
     engine_dir = None if backend.name == "ort-cpu" else root / "cache" / backend.name
-    targets = [bench.Target(n, backend.load(b.path, settings, all_shapes, engine_dir),
-                            shas[n]) for n, b in built.items()]
+    targets, fit_notes = _load_targets(built, shas, backend, settings, all_shapes, engine_dir)
+    notes += fit_notes
+    built = {t.name: built[t.name] for t in targets}  # a variant left out is not reported
     if backend.name != "ort-cpu":
         built, gate_notes = _gate_on_backend(built, targets, feeds, tol, backend, settings)
         notes += gate_notes
