@@ -10,7 +10,30 @@ torch.onnx.export (TorchScript) to external data (one `model.onnx.data` file bes
 cached under --workdir by config, then runs `tuner inspect`, `pad`, `verify` and `optimize`,
 each in its own process, and prints per step the wall time, the peak resident memory of that
 process (os.wait4's rusage, so each step is weighed alone), the peak over the model's bytes
-and the exit code (negative: killed by that signal; -9 is usually the OOM killer).
+and the exit code (negative: killed by that signal; -9 is usually the OOM killer, or this
+script's own guard, which kills a step when the machine's available memory runs low).
+
+Measured on the project's 2-core, 24 GB machine (shared, so wall times vary by ~30%),
+`bench/big_model.py --workdir /tmp/shapetuner-big` (optimize: 5 rounds, seq <= 64, batch 1):
+
+    step       fp32 3.55 GB, before     fp32 after           fp16 1.77 GB, after
+    inspect    1.8 s    0.84 GB         5.0 s    0.49 GB     2.6 s    0.49 GB
+    pad        32.4 s   9.29 GB (2.6x)  61.4 s   4.47 GB     50.8 s   4.54 GB
+    verify     15.8 s   7.94 GB (2.2x)  34.5 s   4.42 GB     22.0 s   4.44 GB
+    optimize   SIGKILL (ORT fusion)     150.7 s  10.30 GB    178.2 s  13.63 GB
+
+"Before" is the code before the memory work: pad and verify held the original's and the
+variant's sessions at once, and optimize ran ORT's fusion in-process (its peak is ~10x the
+model: one layer of this shape, 1.34 GB, peaked at 13.3 GB). With the gate alone fixed, fp16
+optimize still died at 23.2 GB: the fusion's freed memory stayed in the process, then four
+sessions were loaded. "After": one session at a time in the gate, fusion skipped when it
+cannot fit (fp32: "needs about 36.5 GB ... 21.7 GB is available") or run in a child process
+(fp16: fused, and selected at 1.24x [1.20, 1.40]), and the variants' sessions loaded only
+while they fit (tuner/session_memory.py). Wall times follow the load on the shared machine
+(load average 3.7 on 2 cores during the "after" run); the changes add no inference work, and
+verify with and without the big-model session options ran 25.1 s and 18.8 s back to back,
+at the same peak. ONNX Runtime's CPU provider casts fp16 weights to fp32, so an fp16 session
+weighs about 2.5x its file.
 """
 
 from __future__ import annotations
