@@ -4,12 +4,12 @@ won and by how much, with the interval, and how the buckets cover the traffic.""
 from __future__ import annotations
 
 import base64
-import html
 import io
 from pathlib import Path
 from typing import Mapping
 
 from tuner.artifact.records import Manifest, parse_shape_key
+from tuner.artifact.report_html import render
 
 Shape = tuple[int, int]
 
@@ -150,14 +150,12 @@ def plots(m: Manifest, req=None, grid_latency: Mapping[Shape, float] | None = No
     return out
 
 
-def write_report(root: Path, m: Manifest, req=None, grid_latency=None, coverage=None) -> None:
+def write_report(root: Path, m: Manifest, req=None, grid_latency=None, coverage=None,
+                 phases=None) -> None:
+    """OUT/report.md (markdown, for humans and CI logs) and OUT/report.html (the rendered page
+    with the plots; `phases`: optional tuner.artifact.report_html.PhaseRow list for decoders)."""
     md = markdown(m, coverage)
     (root / "report.md").write_text(md, encoding="utf-8")
     imgs = plots(m, req, grid_latency, coverage)
-    body = "".join(f'<h3>{html.escape(k)}</h3><img alt="{html.escape(k)}" src="data:image/png;base64,{v}">'
-                   for k, v in imgs.items())
-    page = (f"<!doctype html><html><head><meta charset='utf-8'><title>shapetuner report</title>"
-            f"<style>body{{font-family:sans-serif;max-width:60em;margin:auto}}"
-            f"table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;padding:2px 6px}}</style>"
-            f"</head><body><pre>{html.escape(md)}</pre>{body}</body></html>")
+    page = render(m, images=imgs, coverage=coverage, phases=phases)
     (root / "report.html").write_text(page, encoding="utf-8")

@@ -15,7 +15,7 @@ from tuner.errors import BadInput
 from tuner.gate.feeds import check_feed, load_npz, make_feeds
 from tuner.gate.kv_feeds import cache_roles
 from tuner.gate.kv_gate import CacheFeeds, cache_feeds, check, has_cache
-from tuner.gate.verify import Tolerance
+from tuner.gate.verify import Tolerance, record_then_release
 from tuner.graph.inspect import inspect_model
 from tuner.graph.io import model_precision, vocab_for_feeds
 from tuner.graph.kv_cache import widened_cache
@@ -70,16 +70,25 @@ def verify_cmd(
     else:
         feeds = make_feeds(specs, vocab or _vocab(ref_model), seed=seed)
     backend = get_backend("ort-cpu")
+    del ref_model  # lazily loaded weights it read (for _vocab) would stay in memory
+    widened = widened_cache(cand_model)
+    del cand_model
     try:
-        ref, cand = backend.load(original), backend.load(variant)
+        if isinstance(feeds, CacheFeeds):  # a rollout asks the reference as it goes
+            ref = backend.load(original)
+        else:  # one session at a time: the original's outputs are recorded, then it goes
+            ref = record_then_release(lambda: backend.load(original), feeds)
+        if inputs is not None or vocab is not None:  # feeds the user chose: theirs to fix
+            starts = ([s.arrays for s, _ in feeds.starts] if isinstance(feeds, CacheFeeds)
+                      else feeds)
+            _check_reference_runs(ref, starts, f"{inputs}" if inputs is not None
+                                  else f"token ids below --vocab {vocab}")
+        cand = backend.load(variant)
+    except BadInput:
+        raise
     except Exception as e:  # noqa: BLE001 - ORT's errors on a bad graph are bad input here
         raise BadInput(f"ONNX Runtime cannot load the models: {str(e).splitlines()[0]}") from None
-    if inputs is not None or vocab is not None:  # feeds the user chose: theirs to fix
-        starts = ([s.arrays for s, _ in feeds.starts] if isinstance(feeds, CacheFeeds)
-                  else feeds)
-        _check_reference_runs(ref, starts, f"{inputs}" if inputs is not None
-                              else f"token ids below --vocab {vocab}")
-    result = check(ref, cand, feeds, tol, widened_cache(cand_model), specs, min_compared)
+    result = check(ref, cand, feeds, tol, widened, specs, min_compared)
     write_out(result.table() + "\n")  # a reader that goes away: 141, as for inspect
     # SystemExit, not typer.Exit: with standalone_mode=False click returns (drops) Exit codes.
     raise SystemExit(0 if result else 1)

@@ -17,6 +17,7 @@ at its own precision's tolerances (`Tolerance.at_precision`), and the table says
 
 from __future__ import annotations
 
+import gc
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Mapping, Sequence
 
@@ -229,3 +230,53 @@ def verify(reference: Runner, candidate: Runner, feeds: Sequence[Mapping[str, np
                      (a.agree / a.rows if a.rows else 1.0) if a.top1 else None, a.compared, a.reason)
         for name, a in accs.items())
     return VerifyResult(reports, len(feeds), label, tuple(errors), min_compared)
+
+
+
+# ---------------------------------------------------------------------------------------------
+# One session at a time: a 3.5 GB model's ORT session holds about its size again in weights,
+# so holding the reference and the candidate together doubles the peak. Record the reference's
+# outputs (logits for a few small feeds: tens of MB), release it, then load the candidate.
+
+
+class Replay:
+    """A Runner that answers each feed with what another runner returned for it (or raises
+    what it raised), so `verify` compares against a reference that is no longer loaded."""
+
+    name = "replay"
+
+    def __init__(self, feeds: Sequence[Mapping[str, np.ndarray]],
+                 answers: Sequence[dict[str, np.ndarray] | Exception]) -> None:
+        self._feeds, self._answers = list(feeds), list(answers)
+
+    def close(self) -> None:
+        self._answers = []
+
+    def infer(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        # by identity: the same feed objects come back from the same list
+        for f, answer in zip(self._feeds, self._answers):
+            if f is feeds:
+                if isinstance(answer, Exception):
+                    raise answer
+                return answer
+        raise KeyError("this feed was not recorded")
+
+
+def record(runner: Runner, feeds: Sequence[Mapping[str, np.ndarray]]) -> Replay:
+    """Run every feed once; failures are kept and raised again on replay."""
+    answers: list[dict[str, np.ndarray] | Exception] = []
+    for feed in feeds:
+        try:
+            answers.append({k: np.array(v) for k, v in runner.infer(feed).items()})
+        except Exception as e:  # noqa: BLE001 - verify() reports it as the reference failing
+            answers.append(e.with_traceback(None))  # its frames would pin the session
+    return Replay(feeds, answers)
+
+
+def record_then_release(load: Callable[[], Runner],
+                        feeds: Sequence[Mapping[str, np.ndarray]]) -> Replay:
+    """Load a runner, record it on `feeds`, and drop it before returning: the caller holds
+    only the outputs, and the session's memory is free for the next one."""
+    replay = record(load(), feeds)
+    gc.collect()  # the session is unreachable now; collect cycles that could pin it
+    return replay

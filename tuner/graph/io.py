@@ -94,3 +94,13 @@ def model_files(model_path: Path) -> list[Path]:
     proto = read_proto(model_path)
     check_external_data(proto, model_path.parent)
     return [model_path] + [model_path.parent / loc for loc in external_locations(proto)]
+
+
+def model_bytes(path: str | os.PathLike) -> int:
+    """The graph file plus every external-data file it names, whatever the exporter called
+    them (`model.onnx.data`, `model.onnx_data`, one file per tensor): read from the graph, not
+    globbed, since a folder can hold other models' data too. Missing files count 0 (the
+    loader reports those)."""
+    path = Path(path)
+    files = {(path.parent / loc).resolve() for loc in external_locations(read_proto(path))}
+    return path.stat().st_size + sum(f.stat().st_size for f in files if f.is_file())

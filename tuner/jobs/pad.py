@@ -11,6 +11,7 @@ candidates. `pad_file` is the whole command for one file.
 
 from __future__ import annotations
 
+import gc
 import os
 import tempfile
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ import onnx_ir as ir
 from tuner.errors import BadInput
 from tuner.gate.feeds import DEFAULT_SHAPES
 from tuner.gate.kv_gate import CacheFeeds, check, gate_feeds
-from tuner.gate.verify import Tolerance, VerifyResult
+from tuner.gate.verify import Tolerance, VerifyResult, record_then_release
 from tuner.graph.inspect import inspect_model
 from tuner.graph.io import model_precision, vocab_for_feeds
 from tuner.graph.kv_cache import widened_cache
@@ -129,7 +130,10 @@ def pad_model(model: ir.Model, shape: ModelShape, req: PadRequest, dst: Path,
     dst.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dst.parent, prefix=f".{dst.name}.") as tmp:
         staged = save_model(model, Path(tmp) / dst.name)
-        del model  # the gate's session holds its own copy of the weights
+        # the padded weights live in `model` until it goes: for a 3.5 GB model that is GBs
+        # the ONNX Runtime session of the gate needs
+        del model
+        gc.collect()
         result = gate(reference, staged, feeds, tolerance, specs) if reference is not None else None
         _move_into_place(staged, dst)
     return PadResult(src, str(dst), tuple(records), result)
@@ -148,7 +152,10 @@ def pad_file(src: str | os.PathLike, dst: str | os.PathLike, req: PadRequest, ve
     if verify:
         feeds = list(feeds) if feeds is not None else gate_feeds(model, vocab_for_feeds(model, shape),
                                                                  shapes)
-        reference = load_reference(src)
+        if isinstance(feeds, CacheFeeds):  # a rollout asks the reference as it goes
+            reference = load_reference(src)
+        else:  # one session at a time: the original's outputs are recorded, then it goes
+            reference = record_then_release(lambda: load_reference(src), feeds)
     try:
         return pad_model(model, shape, req, dst, reference, feeds or (), tolerance, src=str(src))
     finally:

@@ -10,6 +10,7 @@ of it, and every variant is gated against one reference session of the original.
 
 from __future__ import annotations
 
+import shutil
 import sys
 import time
 from dataclasses import asdict, replace
@@ -25,9 +26,9 @@ from tuner.errors import BadInput
 from tuner.gate.feeds import make_feeds
 from tuner.gate.kv_feeds import cache_roles
 from tuner.gate.kv_gate import WidenedRunner, cache_feeds, check, has_cache
-from tuner.gate.verify import Tolerance
+from tuner.gate.verify import Tolerance, record_then_release
 from tuner.graph.inspect import inspect_model, inspect_path
-from tuner.graph.io import max_positions, model_precision, vocab_for_feeds
+from tuner.graph.io import max_positions, model_bytes, model_precision, vocab_for_feeds
 from tuner.graph.kv_cache import widened_cache
 from tuner.graph.load import load_model
 from tuner.graph.paddable import BY_KIND
@@ -48,6 +49,7 @@ from tuner.plan.advise import measure_advice
 from tuner.plan.findings import audited
 from tuner.plan.probe import backend_unavailable, probe
 from tuner.runtime.base import SessionSettings
+from tuner.runtime.memory import load_fitting
 from tuner.runtime.registry import get_backend, resolve
 from tuner.util.files import sha256_file, sha256_files
 from tuner.util.progress import rich_progress
@@ -204,6 +206,20 @@ def _gate_on_backend(built, targets, reference, feeds, tol, backend, specs=None)
     return gated, notes
 
 
+def _load_targets(built, shas, backend, settings, shapes, engine_dir):
+    """Every built variant's session, for interleaved timing, while they fit in memory: the
+    original always, then in plan order (tuner/runtime/memory.py). A variant left out has its
+    folder removed, so the artifact holds only what the manifest lists."""
+    items = [(n, b.path, model_bytes(b.path)) for n, b in built.items()]
+    loaded, notes = load_fitting(
+        items, lambda n, path: backend.load(path, settings, shapes, engine_dir))
+    kept = {n for n, _ in loaded}
+    for n, b in built.items():
+        if n not in kept:
+            shutil.rmtree(b.path.parent, ignore_errors=True)
+    return [bench.Target(n, runner, shas[n]) for n, runner in loaded], notes
+
+
 def _build(model, kept, fused, shape, root, built, reference, feeds, tol, settings, say,
            cache_policy="keep", specs=None):
     """Every planned variant beside the original already in `built`: padded ones from copies
@@ -295,7 +311,11 @@ def run_pipeline(cfg, model, root: Path):
     feeds = (cache_feeds(roles, vocab) if roles is not None
              else make_feeds(specs, vocab, verify_shapes))
     built = {"original": copy_original(cfg.model, root)}
-    reference = load_reference(built["original"].path, settings)  # one, for every gate below
+    # one reference for every gate below; for a plain model its outputs on `feeds` are recorded
+    # and its session released, so that a big model's gates hold one session at a time
+    original = built["original"].path
+    reference = (load_reference(original, settings) if roles is not None else
+                 record_then_release(lambda: load_reference(original, settings), feeds))
     built, build_notes = _build(model, kept, fused, shape, root, built, reference, feeds, tol,
                                 settings, say, cfg.cache_policy, specs)
     notes += build_notes
@@ -306,8 +326,9 @@ def run_pipeline(cfg, model, root: Path):
     shas = {n: sha256_files(graph_files(b)) for n, b in built.items()}
     # engines and timing caches go where `tuner serve` looks for them: OUT/cache/<backend>
     engine_dir = None if backend.name == "ort-cpu" else root / "cache" / backend.name
-    targets = [bench.Target(n, backend.load(b.path, settings, all_shapes, engine_dir),
-                            shas[n]) for n, b in built.items()]
+    targets, fit_notes = _load_targets(built, shas, backend, settings, all_shapes, engine_dir)
+    notes += fit_notes
+    built = {t.name: built[t.name] for t in targets}  # a variant left out is not reported
     if roles is not None:  # a widened cache interface is fed wider pasts (zeros in the new entries)
         widened = {n: widened_cache(load_model(b.path)) for n, b in built.items()}
         targets = [replace(t, runner=WidenedRunner(t.runner, widened[t.name]))

@@ -11,21 +11,79 @@ import os
 from pathlib import Path
 
 from tuner.errors import BadInput
+from tuner.graph.io import model_bytes
+from tuner.runtime.memory import mem_available  # noqa: F401 - tests patch it here
 
 LARGE_BYTES = 1_500_000_000  # beyond this, weights go to external data (protobuf's 2 GB cap)
+# Peak memory of optimize_model over the model's bytes: it loads every weight into one
+# ModelProto and copies it more than once on the way (shape inference, fusions, save).
+# Measured on GPT-NeoX slices of Pythia-2.8B's shape: 1 layer (1.34 GB) peaked at 13.3 GB
+# (9.9x); 8 layers (3.55 GB) passed 20.7 GB (5.8x) before a guard stopped it. Rounded up:
+# guessing low lets the kernel's OOM killer end the whole `tuner optimize`, not just this
+# candidate.
+MEMORY_FACTOR = 10.0
+HEADROOM_BYTES = 1 << 30  # the rest of the process (sessions of other variants, numpy feeds)
 
 
 class FuseFailed(BadInput):
     """The optimizer could not process the graph; the fused candidate is skipped."""
 
 
+class FuseSkipped(FuseFailed):
+    """The optimizer would not fit in the memory available: skipped before it starts."""
+
+
+def check_fits(src: str | os.PathLike, available: int | None = None) -> int:
+    """The model's bytes; FuseSkipped (one line, with the numbers) when the optimizer's
+    estimated peak would not fit in the memory available now."""
+    size = model_bytes(src)
+    available = mem_available() if available is None else available
+    need = int(size * MEMORY_FACTOR) + HEADROOM_BYTES
+    if available is not None and need > available:
+        raise FuseSkipped(f"ONNX Runtime's transformer optimizer skipped on {Path(src).name}: "
+                          f"it needs about {need / 1e9:.1f} GB ({MEMORY_FACTOR:g}x the model's "
+                          f"{size / 1e9:.1f} GB), {available / 1e9:.1f} GB is available")
+    return size
+
+
+IN_PROCESS_BYTES = 256 << 20  # smaller models fuse in this process (a child costs ~2 s)
+
+
 def fuse_file(src: str | os.PathLike, dst: str | os.PathLike, num_heads: int,
               hidden_size: int) -> dict[str, int]:
     """Write the fused form of `src` to `dst`; returns the fused-op counts (empty: nothing
-    fused, and nothing written)."""
+    fused, and nothing written).
+
+    A model past IN_PROCESS_BYTES is fused in a child process: the optimizer's ~10x peak is
+    returned to the system when the child exits (freed in this process, glibc keeps much of
+    it, and the variants' sessions loaded next found 4 GB of 23 free on an fp16 Pythia-2.8B
+    slice), and if the kernel kills it for memory only this candidate is lost."""
+    src, dst = Path(src), Path(dst)
+    size = check_fits(src)
+    if size <= IN_PROCESS_BYTES:
+        return _fuse_here(src, dst, num_heads, hidden_size, size)
+    return run_in_child(_fuse_here, src, dst, num_heads, hidden_size, size,
+                        what=f"ONNX Runtime's transformer optimizer on {src.name}")
+
+
+def run_in_child(fn, *args, what: str):
+    """fn(*args) in a fresh (spawned) Python process; its exceptions come back as they are,
+    its death (out of memory, a signal) as FuseFailed naming `what`."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        try:
+            return pool.submit(fn, *args).result()
+        except BrokenProcessPool:
+            raise FuseFailed(f"{what}: its process died (killed for memory?); the fused "
+                             "candidate is skipped") from None
+
+
+def _fuse_here(src: Path, dst: Path, num_heads: int, hidden_size: int, size: int) -> dict[str, int]:
     from onnxruntime.transformers.optimizer import optimize_model
 
-    src, dst = Path(src), Path(dst)
     # "bert" is the generic fusion set (it also matches GPT-2, Llama norms); "gpt2"'s
     # post-processing assumes a Gemm layout that dynamo exports do not have.
     quiet = logging.getLogger("onnxruntime.transformers")
@@ -38,7 +96,6 @@ def fuse_file(src: str | os.PathLike, dst: str | os.PathLike, num_heads: int,
         if not stats:
             return {}
         dst.parent.mkdir(parents=True, exist_ok=True)
-        size = src.stat().st_size + sum(p.stat().st_size for p in src.parent.glob("*.data"))
         m.save_model_to_file(str(dst), use_external_data_format=size > LARGE_BYTES)
         return stats
     except (ValueError, IndexError, KeyError, AttributeError, RuntimeError, AssertionError) as e:
