@@ -1,0 +1,607 @@
+"""Server-side generation for a decoder exported with its KV cache: requests, sampling, and
+the scheduler that batches every active stream into one decode step (in-flight batching).
+No grpc here: the servicer converts messages to `GenerationRequest`s and `Chunk`s back.
+
+The cache lives here, per stream, as the graph's own `present` arrays. Each scheduler
+iteration, between two model runs:
+  1. streams that were cancelled (or whose client went away) leave, freeing their slot;
+  2. queued streams join, up to `max_streams`: each runs its prefill alone (batch 1, past 0),
+     which gives its first token; a new stream therefore waits one decode step at most, never
+     for the running streams to finish;
+  3. one decode step runs every active stream as one batch of one token each.
+
+How rows with different cache lengths share a step: the past is LEFT-padded to a common
+length P (a cache-length bucket) and the mask is 0 on the padding, 1 on each row's own L_i
+entries and on the new token; position ids are each row's own L_i. Left rather than right:
+the new token's key lands at index P of `present` for every row, right after each row's
+real entries, so a row's next cache is one contiguous slice [P - L_i, P + 1) of `present` (a
+view, no copy). Right-padding would leave a gap of padding between a row's past and its new
+entry and need a copy per row and layer every step.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Mapping, Sequence
+
+import numpy as np
+
+from serving.datatypes import DATATYPES
+from serving.errors import InvalidArgument, ResourceExhausted, Unavailable
+from serving.model import Signature, TensorSpec
+
+log = logging.getLogger("serving")
+
+_PAST, _PRESENT = "past_key_values.", "present."
+FINISH_REASONS = ("length", "stop", "cancelled", "shutdown", "error")
+
+
+# ------------------------------------------------------------------------------ the model
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    """What generation needs to know about a cache export, found from its signature."""
+
+    tokens: str  # input_ids
+    mask: str  # attention_mask, (b, past + s)
+    positions: str | None  # position_ids (b, s), where the family has them
+    past: tuple[str, ...]  # past_key_values.{i}.key|value, (b, kv_heads, past, d)
+    present: tuple[str, ...]  # the matching present.{i}.key|value, same order
+    cache_dims: tuple[tuple[int, int], ...]  # (kv_heads, d) of each past input
+    cache_dtype: str  # numpy dtype name of the cache
+    logits: str
+    vocab: int  # real token ids are [0, vocab): padded logits columns are cut off
+
+    def __post_init__(self) -> None:
+        if not self.past or len(self.past) != len(self.present) != len(self.cache_dims):
+            raise ValueError("a decoder needs one present output per past input")
+
+
+def is_cache_model(signature: Signature) -> bool:
+    return any(s.name.startswith(_PAST) for s in signature.inputs)
+
+
+def decoder_spec(signature: Signature, vocab: int | None = None) -> DecoderSpec:
+    """The DecoderSpec of a cache export in Hugging Face's layout (DESIGN.md); ValueError
+    naming what is missing when the graph does not follow it."""
+    inputs = {s.name: s for s in signature.inputs}
+    outputs = {s.name: s for s in signature.outputs}
+    past = tuple(n for n in inputs if n.startswith(_PAST))
+    present = tuple(_PRESENT + n[len(_PAST):] for n in past)
+    missing = [n for n in ("input_ids", "attention_mask", "logits", *present)
+               if n not in inputs and n not in outputs]
+    if missing:
+        raise ValueError(f"not a KV-cache decoder in Hugging Face's layout: no {missing}")
+    dims = []
+    for n in past:
+        shape = inputs[n].shape  # (b, kv_heads, past, d)
+        if len(shape) != 4 or shape[1] < 1 or shape[3] < 1:
+            raise ValueError(f"cache input {n!r} must be (batch, kv_heads, past, head_dim) with "
+                             f"fixed heads and head dim, not {list(shape)}")
+        dims.append((shape[1], shape[3]))
+    vocab = vocab or signature.vocab_size or outputs["logits"].shape[-1]
+    if vocab is None or vocab < 1:
+        raise ValueError("the vocabulary size is unknown (no embedding table, dynamic logits)")
+    dtype = DATATYPES[inputs[past[0]].datatype].name
+    return DecoderSpec("input_ids", "attention_mask",
+                       "position_ids" if "position_ids" in inputs else None, past, present,
+                       tuple(dims), dtype, "logits", int(vocab))
+
+
+# ------------------------------------------------------------------------------ requests
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """temperature 0 (the default) or top_k 1 is greedy; otherwise softmax(logits / t),
+    cut to the top k and to the smallest set holding top_p of the mass. A seed makes it
+    reproducible (one generator per stream, so other streams cannot change the draws)."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0: no cut
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise InvalidArgument(f"temperature must be a finite number >= 0, not "
+                                  f"{self.temperature}")
+        if self.top_k < 0:
+            raise InvalidArgument(f"top_k must be >= 0, not {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise InvalidArgument(f"top_p must be in (0, 1], not {self.top_p}")
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            raise InvalidArgument(f"seed must be in [0, 2^64), not {self.seed}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt: tuple[int, ...]
+    max_tokens: int = 16
+    sampling: Sampling = field(default_factory=Sampling)
+    stop_ids: frozenset[int] = frozenset()  # generating one ends the stream (not sent)
+    id: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.prompt:
+            raise InvalidArgument("the prompt is empty: send at least one token")
+        if self.max_tokens < 1:
+            raise InvalidArgument(f"max_tokens must be >= 1, not {self.max_tokens}")
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One response of a stream: new token ids (and their text, with a tokenizer); the last
+    one has `final` and says why the stream ended."""
+
+    ids: tuple[int, ...]
+    text: str | None
+    final: bool = False
+    reason: str | None = None  # one of FINISH_REASONS on the final chunk
+    detail: str = ""  # a sentence for the client when the reason is not "length"/"stop"
+
+
+def sample(logits: np.ndarray, s: Sampling, rng: np.random.Generator) -> int:
+    """One token from one row of logits (vocab,)."""
+    if s.greedy:
+        return int(np.argmax(logits))  # first maximum, as torch.argmax in transformers
+    x = logits.astype(np.float64) / s.temperature
+    if 0 < s.top_k < x.size:
+        kth = np.partition(x, -s.top_k)[-s.top_k]
+        x = np.where(x >= kth, x, -np.inf)
+    p = np.exp(x - x.max())
+    p /= p.sum()
+    if s.top_p < 1:
+        order = np.argsort(-p, kind="stable")
+        keep = order[: int(np.searchsorted(np.cumsum(p[order]), s.top_p)) + 1]
+        q = np.zeros_like(p)
+        q[keep] = p[keep]
+        p = q / q.sum()
+    return int(rng.choice(p.size, p=p))
+
+
+# ------------------------------------------------------------------------------- options
+
+
+def next_bucket(n: int, buckets: Sequence[int] = ()) -> int:
+    """The smallest bucket >= n; past the largest, the next power of two (so the shapes a
+    server sees stay few)."""
+    for b in buckets:
+        if b >= n:
+            return int(b)
+    return 1 << max(0, n - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class GenerateOptions:
+    max_streams: int = 32  # streams decoded together; more wait in the queue
+    max_queue: int = 256  # streams waiting; beyond, RESOURCE_EXHAUSTED
+    max_tokens: int = 1024  # the most a request may ask for
+    default_max_tokens: int = 16
+    max_prompt: int | None = None  # default: the cache length less one token
+    max_cache_len: int | None = None  # default: the model's positions (else 2048)
+    batch_buckets: tuple[int, ...] = ()  # default: the artifact's
+    cache_buckets: tuple[int, ...] = ()  # default: powers of two from 16
+
+    def __post_init__(self) -> None:
+        for name in ("max_streams", "max_queue", "max_tokens", "default_max_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, not {getattr(self, name)}")
+        for name in ("max_prompt", "max_cache_len"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ValueError(f"{name} must be >= 1, not {v}")
+        for name in ("batch_buckets", "cache_buckets"):
+            v = getattr(self, name)
+            if list(v) != sorted(set(v)) or any(b < 1 for b in v):
+                raise ValueError(f"{name} must be increasing positive integers, not {list(v)}")
+
+
+def _cache_buckets(limit: int, given: Sequence[int]) -> tuple[int, ...]:
+    if given:
+        return tuple(b for b in given if b < limit) + (limit,)
+    out, b = [], 16
+    while b < limit:
+        out.append(b)
+        b *= 2
+    return tuple(out) + (limit,)
+
+
+# ------------------------------------------------------------------------------- streams
+
+
+class _Stream:
+    """One generation in flight. Mutated by the scheduler thread only (but `cancelled`)."""
+
+    def __init__(self, request: GenerationRequest, on_chunk: Callable[[Chunk], None],
+                 detokenizer) -> None:
+        self.request, self.on_chunk, self.detok = request, on_chunk, detokenizer
+        self.rng = np.random.default_rng(request.sampling.seed)
+        self.cache: list[np.ndarray] = []  # per past input: (1, kv_heads, length, d)
+        self.length = 0  # cache entries
+        self.last = 0  # the token fed to the next step
+        self.generated = 0
+        self.cancelled = threading.Event()
+        self.submitted = time.perf_counter()
+        self.last_token_at: float | None = None
+        self.done = False
+
+
+class Handle:
+    """What `submit` returns: cancel() frees the stream's slot at the next step."""
+
+    def __init__(self, stream: _Stream) -> None:
+        self._stream = stream
+
+    def cancel(self) -> None:
+        self._stream.cancelled.set()
+
+
+@dataclass
+class GenerationStats:
+    """Counters the generator keeps (a metrics layer reads them; see serving.metrics)."""
+
+    on_token: Callable[[float | None, float | None], None] = lambda ttft, itl: None
+    on_step: Callable[[int], None] = lambda rows: None
+    on_streams: Callable[[int, int], None] = lambda active, queued: None
+    on_end: Callable[[str, float], None] = lambda reason, seconds: None
+
+
+class Generator:
+    """Owns the KV caches and the one scheduler thread that runs the model."""
+
+    def __init__(self, runner, spec: DecoderSpec, options: GenerateOptions = GenerateOptions(),
+                 *, max_positions: int | None = None, batch_buckets: Sequence[int] = (),
+                 tokenizer=None, stats: GenerationStats | None = None) -> None:
+        self.runner, self.spec, self.options = runner, spec, options
+        self.tokenizer = tokenizer
+        self.stats = stats or GenerationStats()
+        self.max_cache_len = options.max_cache_len or max_positions or 2048
+        if max_positions is not None and self.max_cache_len > max_positions:
+            raise ValueError(f"max cache length {self.max_cache_len} exceeds the model's "
+                             f"{max_positions} positions")
+        self.max_prompt = min(options.max_prompt or self.max_cache_len - 1,
+                              self.max_cache_len - 1)
+        self.batch_buckets = tuple(options.batch_buckets or batch_buckets)
+        self.cache_buckets = _cache_buckets(self.max_cache_len, options.cache_buckets)
+        self._dtype = np.dtype(spec.cache_dtype)
+        self._pending: deque[_Stream] = deque()
+        self._active: list[_Stream] = []
+        self._cv = threading.Condition()
+        self._draining = False
+        self._deadline: float | None = None
+        self._thread = threading.Thread(target=self._loop, name="generate", daemon=True)
+        self._thread.start()
+
+    # ---------------------------------------------------------------------------- admission
+
+    def validate(self, request: GenerationRequest) -> None:
+        """InvalidArgument for a request this server can never run, saying which limit."""
+        n, o = len(request.prompt), self.options
+        if n > self.max_prompt:
+            raise InvalidArgument(f"the prompt has {n} tokens; at most {self.max_prompt} are "
+                                  "accepted")
+        if request.max_tokens > o.max_tokens:
+            raise InvalidArgument(f"max_tokens {request.max_tokens} is over the limit "
+                                  f"{o.max_tokens}")
+        if n + request.max_tokens - 1 > self.max_cache_len:
+            raise InvalidArgument(
+                f"prompt ({n}) + max_tokens ({request.max_tokens}) - 1 = "
+                f"{n + request.max_tokens - 1} cache entries exceed the maximum cache length "
+                f"{self.max_cache_len} (the model's positions)")
+        bad = [t for t in request.prompt if not 0 <= t < self.spec.vocab]
+        if bad:
+            raise InvalidArgument(f"token id {bad[0]} is outside the vocabulary "
+                                  f"[0, {self.spec.vocab})")
+
+    def submit(self, request: GenerationRequest, on_chunk: Callable[[Chunk], None]) -> Handle:
+        """Queue a stream; `on_chunk` is called (from the scheduler thread) for every chunk,
+        the last one final. Raises InvalidArgument, ResourceExhausted or Unavailable."""
+        self.validate(request)
+        detok = None
+        if self.tokenizer is not None:
+            from serving.tokenizer import IncrementalDecoder
+
+            detok = IncrementalDecoder(self.tokenizer, request.prompt)
+        stream = _Stream(request, on_chunk, detok)
+        with self._cv:
+            if self._draining:
+                raise Unavailable("the server is shutting down: no new streams")
+            if len(self._pending) >= self.options.max_queue:
+                raise ResourceExhausted(
+                    f"the server is full: {len(self._active)} streams running and "
+                    f"{len(self._pending)} queued (the queue holds {self.options.max_queue})")
+            self._pending.append(stream)
+            self.stats.on_streams(len(self._active), len(self._pending))
+            self._cv.notify()
+        return Handle(stream)
+
+    def generate(self, request: GenerationRequest) -> Iterator[Chunk]:
+        """submit(), as an iterator of chunks (blocking); closing it cancels the stream."""
+        import queue
+
+        chunks: queue.Queue[Chunk] = queue.Queue()
+        handle = self.submit(request, chunks.put)
+        try:
+            while True:
+                chunk = chunks.get()
+                yield chunk
+                if chunk.final:
+                    return
+        finally:
+            handle.cancel()
+
+    def drain(self, grace_s: float) -> None:
+        """No new streams; those running get `grace_s` to finish, then end with a final chunk
+        saying so (reason "shutdown"). Returns at once; close() waits."""
+        with self._cv:
+            self._draining = True
+            self._deadline = time.perf_counter() + grace_s
+            self._cv.notify()
+
+    def close(self, grace_s: float = 0.0) -> None:
+        if not self._draining:
+            self.drain(grace_s)
+        self._thread.join()
+
+    @property
+    def active(self) -> int:
+        return len(self._active)
+
+    # ---------------------------------------------------------------------------- the loop
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._pending or self._active or self._draining):
+                    self._cv.wait()
+                if self._draining and not (self._pending or self._active):
+                    return
+                joining = self._admit()
+            try:
+                self._end_overdue()
+                self._drop_cancelled()
+                for stream in joining:
+                    self._prefill(stream)
+                self._active = [s for s in self._active + joining if not s.done]
+                if self._active:
+                    self._decode_step(self._active)
+                    self._active = [s for s in self._active if not s.done]
+            except Exception as e:  # noqa: BLE001 - the model failed: end every stream, go on
+                log.exception("generation step failed")
+                for s in self._active + joining:
+                    self._finish(s, "error", f"the model failed: {type(e).__name__}: {e}")
+                self._active = []
+            self.stats.on_streams(len(self._active), len(self._pending))
+
+    def _admit(self) -> list[_Stream]:
+        """Queued streams that fit into the free slots (called under the lock)."""
+        joining = []
+        while self._pending and len(self._active) + len(joining) < self.options.max_streams:
+            s = self._pending.popleft()
+            if s.cancelled.is_set():
+                self._finish(s, "cancelled", "cancelled before it started")
+            elif self._draining:
+                self._finish(s, "shutdown", "the server shut down before the stream started")
+            else:
+                joining.append(s)
+        return joining
+
+    def _end_overdue(self) -> None:
+        if self._deadline is None or time.perf_counter() < self._deadline:
+            return
+        with self._cv:
+            overdue, self._pending = list(self._pending), deque()
+        for s in self._active + overdue:
+            self._finish(s, "shutdown", "the server shut down before the stream finished "
+                                        "(grace period over)")
+        self._active = []
+
+    def _drop_cancelled(self) -> None:
+        for s in self._active:
+            if s.cancelled.is_set():
+                self._finish(s, "cancelled", "cancelled by the client")
+        self._active = [s for s in self._active if not s.done]
+
+    # ---------------------------------------------------------------------------- model runs
+
+    def _empty_past(self, rows: int) -> dict[str, np.ndarray]:
+        return {name: np.zeros((rows, h, 0, d), self._dtype)  # (B, kv_heads, 0, d)
+                for name, (h, d) in zip(self.spec.past, self.spec.cache_dims)}
+
+    def _prefill(self, s: _Stream) -> None:
+        """The prompt alone, unpadded (batch 1, past 0): its first token and its cache."""
+        sp, n = self.spec, len(s.request.prompt)
+        feeds = {sp.tokens: np.array([s.request.prompt], np.int64),  # (1, n)
+                 sp.mask: np.ones((1, n), np.int64), **self._empty_past(1)}
+        if sp.positions:
+            feeds[sp.positions] = np.arange(n, dtype=np.int64)[None]  # (1, n)
+        out = self.runner.infer(feeds)
+        s.cache = [out[name] for name in sp.present]  # (1, kv_heads, n, d)
+        s.length = n
+        self.stats.on_step(1)
+        self._emit(s, out[sp.logits][0, -1, : sp.vocab])
+
+    def _decode_step(self, rows: list[_Stream]) -> None:
+        """One token for every active stream, as one batch (see the module docstring)."""
+        sp, n = self.spec, len(rows)
+        batch = next_bucket(n, self.batch_buckets)
+        longest = max(s.length for s in rows)
+        past = next_bucket(longest, self.cache_buckets)  # P
+        feeds = {sp.tokens: np.zeros((batch, 1), np.int64),  # (B, 1)
+                 sp.mask: np.zeros((batch, past + 1), np.int64)}  # (B, P + 1)
+        feeds[sp.mask][:, past] = 1  # every row sees its new token (padding rows too)
+        positions = np.zeros((batch, 1), np.int64)  # (B, 1)
+        for name, (h, d) in zip(sp.past, sp.cache_dims):
+            feeds[name] = np.zeros((batch, h, past, d), self._dtype)  # (B, kv_heads, P, d)
+        for i, s in enumerate(rows):
+            start = past - s.length  # left padding: the row's entries end at P
+            feeds[sp.tokens][i, 0] = s.last
+            feeds[sp.mask][i, start:past] = 1
+            positions[i, 0] = s.length
+            for name, cache in zip(sp.past, s.cache):
+                feeds[name][i, :, start:] = cache[0]
+        if sp.positions:
+            feeds[sp.positions] = positions
+        out = self.runner.infer(feeds)
+        self.stats.on_step(n)
+        logits = out[sp.logits][:, -1, : sp.vocab]  # (B, vocab)
+        for i, s in enumerate(rows):
+            start = past - s.length
+            # (1, kv_heads, L + 1, d): a view of `present`, the row's past and its new entry
+            s.cache = [out[name][i:i + 1, :, start:] for name in sp.present]
+            s.length += 1
+            self._emit(s, logits[i])
+
+    # ------------------------------------------------------------------------------ output
+
+    def _emit(self, s: _Stream, logits: np.ndarray) -> None:
+        token = sample(logits, s.request.sampling, s.rng)
+        now = time.perf_counter()
+        ttft = now - s.submitted if s.last_token_at is None else None
+        itl = None if s.last_token_at is None else now - s.last_token_at
+        s.last_token_at = now
+        if token in s.request.stop_ids:
+            self._finish(s, "stop")
+            return
+        s.last, s.generated = token, s.generated + 1
+        self.stats.on_token(ttft, itl)
+        text = s.detok.add(token) if s.detok is not None else None
+        if s.generated >= s.request.max_tokens:
+            if s.detok is not None:
+                text += s.detok.flush()
+            self._send(s, Chunk((token,), text, True, "length"))
+            s.done = True
+            self.stats.on_end("length", now - s.submitted)
+        else:
+            self._send(s, Chunk((token,), text))
+
+    def _finish(self, s: _Stream, reason: str, detail: str = "") -> None:
+        """The final chunk without a new token (stop, cancel, shutdown, error)."""
+        if s.done:
+            return
+        s.done = True
+        text = s.detok.flush() if s.detok is not None else None
+        self._send(s, Chunk((), text, True, reason, detail))
+        self.stats.on_end(reason, time.perf_counter() - s.submitted)
+
+    def _send(self, s: _Stream, chunk: Chunk) -> None:
+        try:
+            s.on_chunk(chunk)
+        except Exception:  # noqa: BLE001 - a broken consumer must not stop the others
+            log.exception("delivering a chunk failed; cancelling that stream")
+            s.cancelled.set()
+
+
+# ---------------------------------------------------------------------- request tensors
+
+
+def client_signature(tokenizer: bool) -> Signature:
+    """The tensors a client sends and receives (Triton's names for LLM models); every input
+    but the prompt is optional and may come as a request parameter instead."""
+    inputs = [TensorSpec("input_ids", "INT64", (1, -1))]
+    if tokenizer:
+        inputs.append(TensorSpec("text_input", "BYTES", (1,)))
+    inputs += [TensorSpec("max_tokens", "INT32", (1,)), TensorSpec("temperature", "FP32", (1,)),
+               TensorSpec("top_k", "INT32", (1,)), TensorSpec("top_p", "FP32", (1,)),
+               TensorSpec("seed", "UINT64", (1,)), TensorSpec("stop_ids", "INT64", (-1,)),
+               TensorSpec("end_id", "INT64", (1,)), TensorSpec("stream", "BOOL", (1,))]
+    outputs = [TensorSpec("output_ids", "INT64", (1, -1))]
+    if tokenizer:
+        outputs.append(TensorSpec("text_output", "BYTES", (1,)))
+    return Signature(tuple(inputs), tuple(outputs), "input_ids", None)
+
+
+_SCALARS = {"max_tokens": int, "temperature": float, "top_k": int, "top_p": float, "seed": int,
+            "end_id": int, "stream": bool}
+
+
+def _scalar(name: str, value, kind: type):
+    if isinstance(value, np.ndarray):
+        if value.size != 1:
+            raise InvalidArgument(f"input '{name}' must hold one value, not {value.size}")
+        value = value.reshape(-1)[0].item()
+    if kind is bool:
+        if not isinstance(value, (bool, np.bool_)):
+            raise InvalidArgument(f"'{name}' must be a BOOL")
+        return bool(value)
+    if isinstance(value, (bool, str, bytes)) or (kind is int and isinstance(value, float)):
+        raise InvalidArgument(f"'{name}' must be a{'n integer' if kind is int else ' number'}")
+    return kind(value)
+
+
+def parse_request(tensors: Mapping[str, np.ndarray], parameters: Mapping[str, object],
+                  tokenizer=None, default_max_tokens: int = 16, request_id: str = ""
+                  ) -> tuple[GenerationRequest, bool]:
+    """A GenerationRequest (and whether to stream) from decoded request tensors and request
+    parameters (a tensor wins over a parameter of the same name). InvalidArgument, saying
+    what is wrong, for anything else."""
+    known = set(_SCALARS) | {"input_ids", "text_input", "stop_ids"}
+    for name in tensors:
+        if name not in known:
+            raise InvalidArgument(f"unexpected input '{name}'; a decoder takes "
+                                  f"{sorted(known)}")
+    values = {k: _scalar(k, v, _SCALARS[k]) for k, v in parameters.items() if k in _SCALARS}
+    values.update({k: _scalar(k, v, _SCALARS[k]) for k, v in tensors.items() if k in _SCALARS})
+    prompt = _prompt(tensors, tokenizer)
+    stops = set()
+    if "stop_ids" in tensors:
+        stops |= {int(x) for x in np.asarray(tensors["stop_ids"]).reshape(-1)}
+    elif "stop_ids" in parameters:
+        stops |= {int(x) for x in str(parameters["stop_ids"]).replace(",", " ").split()}
+    if "end_id" in values:
+        stops.add(values["end_id"])
+    sampling = Sampling(values.get("temperature", 0.0), values.get("top_k", 0),
+                        values.get("top_p", 1.0), values.get("seed"))
+    request = GenerationRequest(prompt, values.get("max_tokens", default_max_tokens), sampling,
+                                frozenset(stops), request_id)
+    return request, values.get("stream", True)
+
+
+def _prompt(tensors: Mapping[str, np.ndarray], tokenizer) -> tuple[int, ...]:
+    if ("input_ids" in tensors) == ("text_input" in tensors):
+        raise InvalidArgument("send the prompt as exactly one of 'input_ids' (INT64 [1, n]) "
+                              "or 'text_input' (BYTES [1])")
+    if "input_ids" in tensors:
+        ids = tensors["input_ids"]
+        if ids.dtype != np.int64 or ids.ndim != 2 or ids.shape[0] != 1:
+            raise InvalidArgument(f"'input_ids' must be INT64 [1, n], not {ids.dtype} "
+                                  f"{list(ids.shape)}")
+        return tuple(int(x) for x in ids[0])
+    if tokenizer is None:
+        raise InvalidArgument("this model has no tokenizer (no tokenizer.json in its "
+                              "artifact): send 'input_ids'")
+    text = tensors["text_input"].reshape(-1)
+    if text.size != 1:
+        raise InvalidArgument(f"'text_input' must hold one string, not {text.size}")
+    raw = text[0] if isinstance(text[0], bytes) else str(text[0]).encode()
+    try:
+        return tuple(tokenizer.encode(raw.decode("utf-8")).ids)
+    except UnicodeDecodeError:
+        raise InvalidArgument("'text_input' is not valid UTF-8") from None
+
+
+def chunk_outputs(chunk: Chunk, with_text: bool) -> dict[str, np.ndarray]:
+    """The response tensors of one chunk: output_ids [1, k] and text_output [1]."""
+    out = {"output_ids": np.array([chunk.ids], np.int64).reshape(1, len(chunk.ids))}
+    if with_text:
+        out["text_output"] = np.array([(chunk.text or "").encode()], dtype=object)
+    return out
+
+
+def join_chunks(chunks: Sequence[Chunk]) -> Chunk:
+    """The whole sequence as one final chunk (the unary call's answer)."""
+    ids = tuple(t for c in chunks for t in c.ids)
+    texts = [c.text for c in chunks if c.text is not None]
+    last = chunks[-1]
+    return Chunk(ids, "".join(texts) if texts else None, True, last.reason, last.detail)
