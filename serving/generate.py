@@ -27,13 +27,13 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Mapping, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
 from serving.datatypes import DATATYPES
 from serving.errors import InvalidArgument, ResourceExhausted, Unavailable
-from serving.model import Signature, TensorSpec
+from serving.model import Signature
 
 log = logging.getLogger("serving")
 
@@ -61,10 +61,6 @@ class DecoderSpec:
     def __post_init__(self) -> None:
         if not self.past or len(self.past) != len(self.present) != len(self.cache_dims):
             raise ValueError("a decoder needs one present output per past input")
-
-
-def is_cache_model(signature: Signature) -> bool:
-    return any(s.name.startswith(_PAST) for s in signature.inputs)
 
 
 def decoder_spec(signature: Signature, vocab: int | None = None) -> DecoderSpec:
@@ -252,7 +248,7 @@ class GenerationStats:
     """Counters the generator keeps (a metrics layer reads them; see serving.metrics)."""
 
     on_token: Callable[[float | None, float | None], None] = lambda ttft, itl: None
-    on_step: Callable[[int], None] = lambda rows: None
+    on_step: Callable[[int, float], None] = lambda rows, seconds: None
     on_streams: Callable[[int, int], None] = lambda active, queued: None
     on_end: Callable[[str, float], None] = lambda reason, seconds: None
 
@@ -426,10 +422,11 @@ class Generator:
                  sp.mask: np.ones((1, n), np.int64), **self._empty_past(1)}
         if sp.positions:
             feeds[sp.positions] = np.arange(n, dtype=np.int64)[None]  # (1, n)
+        start = time.perf_counter()
         out = self.runner.infer(feeds)
+        self.stats.on_step(1, time.perf_counter() - start)
         s.cache = [out[name] for name in sp.present]  # (1, kv_heads, n, d)
         s.length = n
-        self.stats.on_step(1)
         self._emit(s, out[sp.logits][0, -1, : sp.vocab])
 
     def _decode_step(self, rows: list[_Stream]) -> None:
@@ -453,8 +450,9 @@ class Generator:
                 feeds[name][i, :, start:] = cache[0]
         if sp.positions:
             feeds[sp.positions] = positions
+        began = time.perf_counter()
         out = self.runner.infer(feeds)
-        self.stats.on_step(n)
+        self.stats.on_step(n, time.perf_counter() - began)
         logits = out[sp.logits][:, -1, : sp.vocab]  # (B, vocab)
         for i, s in enumerate(rows):
             start = past - s.length
@@ -501,107 +499,3 @@ class Generator:
         except Exception:  # noqa: BLE001 - a broken consumer must not stop the others
             log.exception("delivering a chunk failed; cancelling that stream")
             s.cancelled.set()
-
-
-# ---------------------------------------------------------------------- request tensors
-
-
-def client_signature(tokenizer: bool) -> Signature:
-    """The tensors a client sends and receives (Triton's names for LLM models); every input
-    but the prompt is optional and may come as a request parameter instead."""
-    inputs = [TensorSpec("input_ids", "INT64", (1, -1))]
-    if tokenizer:
-        inputs.append(TensorSpec("text_input", "BYTES", (1,)))
-    inputs += [TensorSpec("max_tokens", "INT32", (1,)), TensorSpec("temperature", "FP32", (1,)),
-               TensorSpec("top_k", "INT32", (1,)), TensorSpec("top_p", "FP32", (1,)),
-               TensorSpec("seed", "UINT64", (1,)), TensorSpec("stop_ids", "INT64", (-1,)),
-               TensorSpec("end_id", "INT64", (1,)), TensorSpec("stream", "BOOL", (1,))]
-    outputs = [TensorSpec("output_ids", "INT64", (1, -1))]
-    if tokenizer:
-        outputs.append(TensorSpec("text_output", "BYTES", (1,)))
-    return Signature(tuple(inputs), tuple(outputs), "input_ids", None)
-
-
-_SCALARS = {"max_tokens": int, "temperature": float, "top_k": int, "top_p": float, "seed": int,
-            "end_id": int, "stream": bool}
-
-
-def _scalar(name: str, value, kind: type):
-    if isinstance(value, np.ndarray):
-        if value.size != 1:
-            raise InvalidArgument(f"input '{name}' must hold one value, not {value.size}")
-        value = value.reshape(-1)[0].item()
-    if kind is bool:
-        if not isinstance(value, (bool, np.bool_)):
-            raise InvalidArgument(f"'{name}' must be a BOOL")
-        return bool(value)
-    if isinstance(value, (bool, str, bytes)) or (kind is int and isinstance(value, float)):
-        raise InvalidArgument(f"'{name}' must be a{'n integer' if kind is int else ' number'}")
-    return kind(value)
-
-
-def parse_request(tensors: Mapping[str, np.ndarray], parameters: Mapping[str, object],
-                  tokenizer=None, default_max_tokens: int = 16, request_id: str = ""
-                  ) -> tuple[GenerationRequest, bool]:
-    """A GenerationRequest (and whether to stream) from decoded request tensors and request
-    parameters (a tensor wins over a parameter of the same name). InvalidArgument, saying
-    what is wrong, for anything else."""
-    known = set(_SCALARS) | {"input_ids", "text_input", "stop_ids"}
-    for name in tensors:
-        if name not in known:
-            raise InvalidArgument(f"unexpected input '{name}'; a decoder takes "
-                                  f"{sorted(known)}")
-    values = {k: _scalar(k, v, _SCALARS[k]) for k, v in parameters.items() if k in _SCALARS}
-    values.update({k: _scalar(k, v, _SCALARS[k]) for k, v in tensors.items() if k in _SCALARS})
-    prompt = _prompt(tensors, tokenizer)
-    stops = set()
-    if "stop_ids" in tensors:
-        stops |= {int(x) for x in np.asarray(tensors["stop_ids"]).reshape(-1)}
-    elif "stop_ids" in parameters:
-        stops |= {int(x) for x in str(parameters["stop_ids"]).replace(",", " ").split()}
-    if "end_id" in values:
-        stops.add(values["end_id"])
-    sampling = Sampling(values.get("temperature", 0.0), values.get("top_k", 0),
-                        values.get("top_p", 1.0), values.get("seed"))
-    request = GenerationRequest(prompt, values.get("max_tokens", default_max_tokens), sampling,
-                                frozenset(stops), request_id)
-    return request, values.get("stream", True)
-
-
-def _prompt(tensors: Mapping[str, np.ndarray], tokenizer) -> tuple[int, ...]:
-    if ("input_ids" in tensors) == ("text_input" in tensors):
-        raise InvalidArgument("send the prompt as exactly one of 'input_ids' (INT64 [1, n]) "
-                              "or 'text_input' (BYTES [1])")
-    if "input_ids" in tensors:
-        ids = tensors["input_ids"]
-        if ids.dtype != np.int64 or ids.ndim != 2 or ids.shape[0] != 1:
-            raise InvalidArgument(f"'input_ids' must be INT64 [1, n], not {ids.dtype} "
-                                  f"{list(ids.shape)}")
-        return tuple(int(x) for x in ids[0])
-    if tokenizer is None:
-        raise InvalidArgument("this model has no tokenizer (no tokenizer.json in its "
-                              "artifact): send 'input_ids'")
-    text = tensors["text_input"].reshape(-1)
-    if text.size != 1:
-        raise InvalidArgument(f"'text_input' must hold one string, not {text.size}")
-    raw = text[0] if isinstance(text[0], bytes) else str(text[0]).encode()
-    try:
-        return tuple(tokenizer.encode(raw.decode("utf-8")).ids)
-    except UnicodeDecodeError:
-        raise InvalidArgument("'text_input' is not valid UTF-8") from None
-
-
-def chunk_outputs(chunk: Chunk, with_text: bool) -> dict[str, np.ndarray]:
-    """The response tensors of one chunk: output_ids [1, k] and text_output [1]."""
-    out = {"output_ids": np.array([chunk.ids], np.int64).reshape(1, len(chunk.ids))}
-    if with_text:
-        out["text_output"] = np.array([(chunk.text or "").encode()], dtype=object)
-    return out
-
-
-def join_chunks(chunks: Sequence[Chunk]) -> Chunk:
-    """The whole sequence as one final chunk (the unary call's answer)."""
-    ids = tuple(t for c in chunks for t in c.ids)
-    texts = [c.text for c in chunks if c.text is not None]
-    last = chunks[-1]
-    return Chunk(ids, "".join(texts) if texts else None, True, last.reason, last.detail)

@@ -33,6 +33,7 @@ _ONNX_DATATYPES = {
     onnx.TensorProto.FLOAT: "FP32", onnx.TensorProto.DOUBLE: "FP64",
     onnx.TensorProto.STRING: "BYTES",
 }
+_PAST = "past_key_values."
 # Ops a token id passes through unchanged on its way to the embedding Gather.
 _PASS_THROUGH = {"Reshape", "Cast", "Identity", "Flatten", "Squeeze", "Unsqueeze"}
 
@@ -77,6 +78,11 @@ class LoadedModel:
     backend: str
     gate: VerifyResult | None  # None when the original was selected (nothing to compare)
     latency: Mapping[str, Latency] = field(default_factory=dict)  # the served variant's timings
+    # A decoder exported with its KV cache (past_key_values.* inputs) is served by generation
+    # (serving.generate), not by one forward pass per request.
+    cache_model: bool = False
+    max_positions: int | None = None  # rows of the position table, when the graph has one
+    folder: Path | None = None  # the artifact (its tokenizer.json, if any)
 
 
 def _spec(value: onnx.ValueInfoProto) -> TensorSpec:
@@ -128,6 +134,43 @@ def read_signature(path: Path) -> Signature:
     return Signature(inputs, outputs, token, _vocab(graph, token) if token else None)
 
 
+def is_cache_model(signature: Signature) -> bool:
+    return any(s.name.startswith(_PAST) for s in signature.inputs)
+
+
+def _position_rows(path: Path) -> int | None:
+    """Rows of the learned position table that `position_ids` indexes (GPT-2's wpe): the
+    longest cache the model can serve. None for rotary families (no table to read)."""
+    graph = _checked(path).graph
+    if not any(v.name == "position_ids" for v in graph.input):
+        return None
+    return _vocab(graph, "position_ids")
+
+
+def _decoder_gate_feeds(original: Runner, signature: Signature, vocab: int, steps: int = 3
+                        ) -> list[dict[str, np.ndarray]]:
+    """Feeds for a cache model's gate: a prefill (batch 2, 7 tokens) and `steps` greedy
+    decode steps, each step's past the original's own present, so that the variant is
+    compared on the shapes generation runs (past 0, then a growing cache)."""
+    rng = np.random.default_rng(0)
+    names = [s.name for s in signature.inputs]
+    past = {s.name: np.zeros((2, s.shape[1], 0, s.shape[3]), np.float32)
+            for s in signature.inputs if s.name.startswith(_PAST)}
+    ids = rng.integers(0, vocab, (2, 7)).astype(np.int64)  # (B, S)
+    feeds_list, length = [], 0
+    for _ in range(steps + 1):
+        s = ids.shape[1]
+        feeds = {"input_ids": ids, "attention_mask": np.ones((2, length + s), np.int64), **past}
+        if "position_ids" in names:
+            feeds["position_ids"] = np.tile(np.arange(length, length + s, dtype=np.int64), (2, 1))
+        feeds_list.append(feeds)
+        out = original.infer(feeds)
+        ids = out["logits"][:, -1:, :vocab].argmax(-1).astype(np.int64)  # (B, 1)
+        past = {n: out["present." + n[len(_PAST):]] for n in past}
+        length += s
+    return feeds_list
+
+
 def _probe_layout(runner: Runner, path: Path, signature: Signature, vocab: int) -> Layout:
     """Which output axes follow the sequence: run batch 2 at two lengths and see which axis
     changes with it (names of symbolic dims differ between exporters; running does not)."""
@@ -177,6 +220,7 @@ def load_artifact(out_dir: str | Path, backend: str | None = None,
     signature = read_signature(original_path)
     original = loader.load(original_path, settings, shapes, cache)
     vocab = signature.vocab_size or manifest.variant("original").shape.get("vocab_size") or 2
+    cache_model = is_cache_model(signature)
     chosen = manifest.selected_variant()
     runner, served, gate = original, "original", None
     note = "serving the original (the artifact selected it)"
@@ -184,8 +228,9 @@ def load_artifact(out_dir: str | Path, backend: str | None = None,
         candidate_path = variant_path(out, chosen)
         _checked(candidate_path)
         candidate = loader.load(candidate_path, settings, shapes, cache)
-        gate = verify(original, candidate, _gate_feeds(original_path, vocab, manifest.buckets),
-                      tolerance)
+        feeds = (_decoder_gate_feeds(original, signature, vocab) if cache_model
+                 else _gate_feeds(original_path, vocab, manifest.buckets))
+        gate = verify(original, candidate, feeds, tolerance)
         if gate:
             runner, served = candidate, chosen.name
             note = f"serving variant {chosen.name}: accuracy gate passed on this machine"
@@ -194,6 +239,10 @@ def load_artifact(out_dir: str | Path, backend: str | None = None,
                     "the original instead")
             log(gate.table())
     log(note)
-    layout = _probe_layout(runner, original_path, signature, vocab)
+    if cache_model:  # generation finds its own tensors: there is no batcher layout to probe
+        layout, positions = Layout((), None, {}), _position_rows(original_path)
+    else:
+        layout, positions = _probe_layout(runner, original_path, signature, vocab), None
     return LoadedModel(name, served, note, runner, original, signature, layout,
-                       manifest.buckets, backend, gate, manifest.variant(served).latency)
+                       manifest.buckets, backend, gate, manifest.variant(served).latency,
+                       cache_model, positions, out)
