@@ -364,18 +364,20 @@ class Generator:
                 if self._draining and not (self._pending or self._active):
                     return
                 joining = self._admit()
+                self._active.extend(joining)  # counted as active from here on
             try:
                 self._end_overdue()
                 self._drop_cancelled()
                 for stream in joining:
-                    self._prefill(stream)
-                self._active = [s for s in self._active + joining if not s.done]
+                    if not stream.done:
+                        self._prefill(stream)
+                self._active = [s for s in self._active if not s.done]
                 if self._active:
                     self._decode_step(self._active)
                     self._active = [s for s in self._active if not s.done]
             except Exception as e:  # noqa: BLE001 - the model failed: end every stream, go on
                 log.exception("generation step failed")
-                for s in self._active + joining:
+                for s in self._active:
                     self._finish(s, "error", f"the model failed: {type(e).__name__}: {e}")
                 self._active = []
             self.stats.on_streams(len(self._active), len(self._pending))
