@@ -441,3 +441,16 @@ def test_stop_ends_running_streams_with_a_reason_within_the_grace(reference_mode
     assert not stopper.is_alive() and time.time() - began < 5
     assert params["finish_reason"].string_param == "shutdown" and 0 < len(ids) < 190
     stream.close()
+
+
+def test_optimize_copies_the_tokenizer_and_config_into_the_artifact(tmp_path) -> None:
+    from tuner.optimize import _copy_generation_files
+
+    model_dir, out = tmp_path / "hf", tmp_path / "out"
+    model_dir.mkdir()
+    out.mkdir()
+    (model_dir / "tokenizer.json").write_text("{}")
+    (model_dir / "config.json").write_text('{"max_position_embeddings": 64}')
+    (model_dir / "notes.txt").write_text("not copied")
+    _copy_generation_files(model_dir, out)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "tokenizer.json"]
