@@ -169,6 +169,10 @@ class DecoderEngine:
         self.model, self.options, self.stats = model, options, stats
         self.name, self.version = model.name, VERSION
         self.tokenizer = _tokenizer(model)
+        pad_to = options.pad_to
+        if pad_to == "auto":  # as serving.engine: any shape runs on a CPU, and costs there
+            pad_to = "longest" if model.backend.endswith("cpu") else "bucket"
+        self.pad_to = pad_to
         self.signature = client_signature(self.tokenizer is not None)
         try:
             spec = decoder_spec(model.signature)
@@ -179,7 +183,8 @@ class DecoderEngine:
         self.generator = Generator(model.runner, spec, options,
                                    max_positions=_max_positions(model),
                                    batch_buckets=model.buckets.batch, tokenizer=self.tokenizer,
-                                   stats=_stats_for(stats, metrics, gen_metrics))
+                                   stats=_stats_for(stats, metrics, gen_metrics),
+                                   pad_to=self.pad_to)
 
     def parse(self, tensors: Mapping[str, np.ndarray], parameters: Mapping[str, object],
               request_id: str = "") -> tuple[GenerationRequest, bool]:
@@ -194,6 +199,7 @@ class DecoderEngine:
         return (f"generation: up to {self.options.max_streams} streams in flight "
                 f"(queue {self.options.max_queue}), cache length up to {g.max_cache_len} "
                 f"(buckets {list(g.cache_buckets)}), batch buckets {list(g.batch_buckets)}, "
+                f"padding to the {self.pad_to}, "
                 f"tokenizer {'yes' if self.tokenizer is not None else 'none'}")
 
     def drain(self, grace_s: float) -> None:

@@ -11,12 +11,15 @@ iteration, between two model runs:
   3. one decode step runs every active stream as one batch of one token each.
 
 How rows with different cache lengths share a step: the past is LEFT-padded to a common
-length P (a cache-length bucket) and the mask is 0 on the padding, 1 on each row's own L_i
-entries and on the new token; position ids are each row's own L_i. Left rather than right:
-the new token's key lands at index P of `present` for every row, right after each row's
-real entries, so a row's next cache is one contiguous slice [P - L_i, P + 1) of `present` (a
-view, no copy). Right-padding would leave a gap of padding between a row's past and its new
-entry and need a copy per row and layer every step.
+length P (the longest row, or its cache-length bucket with `pad_to="bucket"`) and the mask
+is 0 on the padding, 1 on each row's own L_i entries and on the new token; position ids are
+each row's own L_i. Left rather than right: the new token's key lands at index P of
+`present` for every row, right after each row's real entries, so `present` (P + 1 long) is
+already a left-padded past for the next step, and while no stream joins or leaves it is fed
+back as it is, with one more mask column: no copy per step. A row's own cache is the
+contiguous slice [P - L_i, P + 1) of it (a view), gathered into a new batch only when the
+rows change. Right-padding would leave a gap between a row's past and its new entry, and
+need a copy per row and layer every step.
 """
 
 from __future__ import annotations
@@ -188,6 +191,11 @@ class GenerateOptions:
     max_cache_len: int | None = None  # default: the model's positions (else 2048)
     batch_buckets: tuple[int, ...] = ()  # default: the artifact's
     cache_buckets: tuple[int, ...] = ()  # default: powers of two from 16
+    # "bucket": every step's batch and past padded to their buckets (the shapes a GPU
+    # artifact was tuned at); "longest": the past only to the longest row when the batch is
+    # formed, then each step's present is the next past as it is (any shape runs on a CPU,
+    # and every copy and padded position costs time there); "auto": longest on CPU backends.
+    pad_to: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("max_streams", "max_queue", "max_tokens", "default_max_tokens"):
@@ -197,6 +205,8 @@ class GenerateOptions:
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ValueError(f"{name} must be >= 1, not {v}")
+        if self.pad_to not in ("auto", "bucket", "longest"):
+            raise ValueError(f"pad_to must be auto, bucket or longest, not {self.pad_to!r}")
         for name in ("batch_buckets", "cache_buckets"):
             v = getattr(self, name)
             if list(v) != sorted(set(v)) or any(b < 1 for b in v):
@@ -233,6 +243,16 @@ class _Stream:
         self.done = False
 
 
+@dataclass(frozen=True)
+class _Batch:
+    """The rows of the last decode step and the next step's past for them: `present` as it
+    came out, (B, kv_heads, P, d), and the mask (B, P) with 0 on each row's left padding."""
+
+    rows: list[_Stream]
+    past: dict[str, np.ndarray]
+    mask: np.ndarray
+
+
 class Handle:
     """What `submit` returns: cancel() frees the stream's slot at the next step."""
 
@@ -258,7 +278,8 @@ class Generator:
 
     def __init__(self, runner, spec: DecoderSpec, options: GenerateOptions = GenerateOptions(),
                  *, max_positions: int | None = None, batch_buckets: Sequence[int] = (),
-                 tokenizer=None, stats: GenerationStats | None = None) -> None:
+                 tokenizer=None, stats: GenerationStats | None = None,
+                 pad_to: str = "longest") -> None:
         self.runner, self.spec, self.options = runner, spec, options
         self.tokenizer = tokenizer
         self.stats = stats or GenerationStats()
@@ -271,6 +292,10 @@ class Generator:
         self.batch_buckets = tuple(options.batch_buckets or batch_buckets)
         self.cache_buckets = _cache_buckets(self.max_cache_len, options.cache_buckets)
         self._dtype = np.dtype(spec.cache_dtype)
+        if pad_to not in ("bucket", "longest"):
+            raise ValueError(f"pad_to must be bucket or longest, not {pad_to!r}")
+        self.pad_to = pad_to
+        self._batch: _Batch | None = None  # the last decode step's rows and present
         self._pending: deque[_Stream] = deque()
         self._active: list[_Stream] = []
         self._cv = threading.Condition()
@@ -375,11 +400,13 @@ class Generator:
                 if self._active:
                     self._decode_step(self._active)
                     self._active = [s for s in self._active if not s.done]
+                if not self._active:
+                    self._batch = None  # nothing to continue: free the last present
             except Exception as e:  # noqa: BLE001 - the model failed: end every stream, go on
                 log.exception("generation step failed")
                 for s in self._active:
                     self._finish(s, "error", f"the model failed: {type(e).__name__}: {e}")
-                self._active = []
+                self._active, self._batch = [], None
             self.stats.on_streams(len(self._active), len(self._pending))
 
     def _admit(self) -> list[_Stream]:
@@ -434,34 +461,64 @@ class Generator:
     def _decode_step(self, rows: list[_Stream]) -> None:
         """One token for every active stream, as one batch (see the module docstring)."""
         sp, n = self.spec, len(rows)
-        batch = next_bucket(n, self.batch_buckets)
-        longest = max(s.length for s in rows)
-        past = next_bucket(longest, self.cache_buckets)  # P
-        feeds = {sp.tokens: np.zeros((batch, 1), np.int64),  # (B, 1)
-                 sp.mask: np.zeros((batch, past + 1), np.int64)}  # (B, P + 1)
-        feeds[sp.mask][:, past] = 1  # every row sees its new token (padding rows too)
-        positions = np.zeros((batch, 1), np.int64)  # (B, 1)
-        for name, (h, d) in zip(sp.past, sp.cache_dims):
-            feeds[name] = np.zeros((batch, h, past, d), self._dtype)  # (B, kv_heads, P, d)
+        batch = self._batch
+        if batch is None or batch.rows != rows or self.pad_to == "bucket":
+            batch = self._gather(rows)
+        size = batch.mask.shape[0]
+        feeds = {sp.tokens: np.zeros((size, 1), np.int64),  # (B, 1)
+                 # every row sees its new token (padding rows too): (B, P + 1)
+                 sp.mask: np.concatenate([batch.mask, np.ones((size, 1), np.int64)], axis=1),
+                 **batch.past}
+        positions = np.zeros((size, 1), np.int64)  # (B, 1)
         for i, s in enumerate(rows):
-            start = past - s.length  # left padding: the row's entries end at P
             feeds[sp.tokens][i, 0] = s.last
-            feeds[sp.mask][i, start:past] = 1
             positions[i, 0] = s.length
-            for name, cache in zip(sp.past, s.cache):
-                feeds[name][i, :, start:] = cache[0]
         if sp.positions:
             feeds[sp.positions] = positions
         began = time.perf_counter()
         out = self.runner.infer(feeds)
         self.stats.on_step(n, time.perf_counter() - began)
+        # `present` (B, kv_heads, P + 1, d) is the next step's past as it is, while the rows
+        # stay the same: no copy per step (each row keeps its left padding).
+        self._batch = _Batch(list(rows), {name: out[pres] for name, pres in
+                                          zip(sp.past, sp.present)}, feeds[sp.mask])
         logits = out[sp.logits][:, -1, : sp.vocab]  # (B, vocab)
         for i, s in enumerate(rows):
-            start = past - s.length
-            # (1, kv_heads, L + 1, d): a view of `present`, the row's past and its new entry
-            s.cache = [out[name][i:i + 1, :, start:] for name in sp.present]
             s.length += 1
             self._emit(s, logits[i])
+
+    def _gather(self, rows: list[_Stream]) -> "_Batch":
+        """A new batch from each row's own cache: left-padded to the longest (or to its
+        cache bucket), the mask 0 on the padding; rows padded to a batch bucket in bucket
+        mode (padding rows: zeros, masked out)."""
+        sp, n = self.spec, len(rows)
+        longest = max(s.length for s in rows)
+        bucketed = self.pad_to == "bucket"
+        size = next_bucket(n, self.batch_buckets) if bucketed else n  # B
+        past = next_bucket(longest, self.cache_buckets) if bucketed else longest  # P
+        caches = [self._row_cache(s) for s in rows]
+        mask = np.zeros((size, past), np.int64)  # (B, P)
+        arrays = {}
+        for j, (name, (h, d)) in enumerate(zip(sp.past, sp.cache_dims)):
+            buf = np.zeros((size, h, past, d), self._dtype)  # (B, kv_heads, P, d)
+            for i, s in enumerate(rows):
+                buf[i, :, past - s.length:] = caches[i][j][0]  # left padding: ends at P
+            arrays[name] = buf
+        for i, s in enumerate(rows):
+            mask[i, past - s.length:] = 1
+            s.cache = []  # the batch holds it now
+        return _Batch(list(rows), arrays, mask)
+
+    def _row_cache(self, s: _Stream) -> list[np.ndarray]:
+        """A stream's cache, (1, kv_heads, L, d) per past input: its prefill's, or its row
+        of the last batch (a view)."""
+        b = self._batch
+        if b is not None:
+            for i, other in enumerate(b.rows):
+                if other is s:
+                    past = b.mask.shape[1]
+                    return [b.past[name][i:i + 1, :, past - s.length:] for name in self.spec.past]
+        return s.cache
 
     # ------------------------------------------------------------------------------ output
 

@@ -271,7 +271,7 @@ def decoder_config(engine: DecoderEngine) -> pb.ModelConfig:
     config.instance_group.add(name=engine.name, kind="KIND_CPU", count=1)
     g = engine.generator
     for key, value in (("served_variant", engine.model.served),
-                       ("runtime_backend", engine.model.backend),
+                       ("runtime_backend", engine.model.backend), ("pad_to", engine.pad_to),
                        ("max_streams", engine.options.max_streams),
                        ("max_cache_len", g.max_cache_len), ("max_prompt", g.max_prompt),
                        ("max_tokens", engine.options.max_tokens),

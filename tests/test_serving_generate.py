@@ -68,13 +68,15 @@ def _artifact(tmp: Path, model: Path, tokenizer_vocab: int | None = None,
 
 @pytest.fixture(scope="module")
 def servers(reference_model, tmp_path_factory):
-    """One server per family; Llama's carries a tokenizer and admits 8 streams at a time
-    (more wait in its queue)."""
+    """One server per family, each admitting 8 streams at a time (more wait in the queue).
+    Llama's carries a tokenizer and pads every step to the buckets (what a GPU backend
+    does); the others feed each step's present back as it is (what CPU backends do)."""
     made = {}
     for family in ("gpt2", "llama", "gpt_neox"):
         out = _artifact(tmp_path_factory.mktemp(family), _kv_model(reference_model, family),
                         tokenizer_vocab=1003 if family == "llama" else None)
-        made[family] = _start(out, max_streams=8, max_queue=24, max_tokens=200)
+        made[family] = _start(out, max_streams=8, max_queue=24, max_tokens=200,
+                              pad_to="bucket" if family == "llama" else "auto")
     yield made
     for server in made.values():
         server.stop(5)
@@ -185,10 +187,12 @@ def test_unary_infer_returns_the_whole_sequence(servers) -> None:
     assert params["finish_reason"].string_param == "length"
 
 
-def test_sixteen_concurrent_streams_each_equal_to_itself_alone(servers) -> None:
-    server = servers["llama"]
+@pytest.mark.parametrize("family", ["llama", "gpt_neox"])  # bucket and longest padding
+def test_sixteen_concurrent_streams_each_equal_to_itself_alone(servers, family) -> None:
+    server = servers[family]
+    vocab = VOCAB[family]
     rng = np.random.default_rng(16)
-    jobs = [(_prompt(int(rng.integers(1, 48)), 1003, seed=100 + i), int(rng.integers(1, 40)))
+    jobs = [(_prompt(int(rng.integers(1, 48)), vocab, seed=100 + i), int(rng.integers(1, 40)))
             for i in range(16)]
     alone = [_generate(server, p, k) for p, k in jobs]
     together: dict[int, list[int]] = {}
@@ -317,7 +321,8 @@ def test_a_full_server_answers_resource_exhausted_and_shows_its_queue(reference_
         for s in streams:  # one running, one queued
             s.send(_inputs([1, 2, 3], 40))
         deadline = time.time() + 10
-        while _metric(server, "tuner_queued_streams{") < 1 and time.time() < deadline:
+        while time.time() < deadline and (_metric(server, "tuner_queued_streams{"),
+                                           _metric(server, "tuner_active_streams{")) != (1, 1):
             time.sleep(0.01)
         assert _metric(server, "tuner_queued_streams{") == 1
         assert _metric(server, "tuner_active_streams{") == 1
