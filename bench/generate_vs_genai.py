@@ -106,7 +106,7 @@ def prepare_genai(hf: Path, out: Path, threads: int) -> None:
     if not (out / "genai_config.json").is_file():
         subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf),
                         "-o", str(out), "-p", "fp32", "-e", "cpu", "-c", str(out / "cache")],
-                       check=True, stdout=subprocess.DEVNULL)
+                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     path = out / "genai_config.json"
     config = json.loads(path.read_text())
     config["model"]["decoder"].setdefault("session_options", {})["intra_op_num_threads"] = threads
@@ -288,33 +288,38 @@ def main() -> int:
     prepare_artifact(hf, artifact, a.threads)
     w = workloads(a.prompt, a.new, a.spread_s)
 
-    print("onnxruntime-genai ...", flush=True)
-    genai_run(genai_dir, w["1"])  # warm-up
-    g1 = genai_run(genai_dir, w["1"] * 3)
-    g8 = genai_run(genai_dir, w["8"])
-    g32 = genai_run(genai_dir, w["32"])
-    gs8 = genai_run(genai_dir, w["static8"], batch=8)
-
-    print("tuner serve ...", flush=True)
+    # The server is started first and idles (no CPU) while genai runs; the two alternate,
+    # workload by workload, so that a change in the shared machine's load hits both.
     proc, port = start_server(artifact, a.threads)
+    load = [os.getloadavg()[0]]
     try:
         name = artifact_name(artifact)
-        served_run(port, name, w["1"])  # warm-up
-        s1 = Run(*map(_concat, zip(*(served_run(port, name, w["1"]).__dict__.values()
-                                     for _ in range(3)))))
+        genai_run(genai_dir, w["1"])  # warm-ups
+        served_run(port, name, w["1"])
+        print("1 stream ...", flush=True)
+        g1 = genai_run(genai_dir, w["1"] * 3)
+        s1 = _pooled([served_run(port, name, w["1"]) for _ in range(3)])
+        print("8 streams ...", flush=True)
+        g8 = genai_run(genai_dir, w["8"])
         s8 = served_run(port, name, w["8"])
+        gs8 = genai_run(genai_dir, w["static8"], batch=8)
+        print("32 streams ...", flush=True)
         s32 = served_run(port, name, w["32"])
+        g32 = genai_run(genai_dir, w["32"])
     finally:
         proc.terminate()
         proc.wait(60)
+    load.append(os.getloadavg()[0])
+    print(f"load average (1 min) at the start and end: {load[0]:.1f}, {load[1]:.1f} "
+          f"({os.cpu_count()} cores, shared)")
     print_table(shape, a, g1, g8, g32, gs8, s1, s8, s32)
     return 0
 
 
-def _concat(values):
-    """Three runs of one stream as one: tokens and times add, latencies pool."""
-    first = values[0]
-    return sum(values) if not isinstance(first, tuple) else tuple(x for v in values for x in v)
+def _pooled(runs: list[Run]) -> Run:
+    """Several runs of one stream as one: tokens and times add, latencies pool."""
+    return Run(sum(r.tokens for r in runs), sum(r.wall_s for r in runs),
+               tuple(x for r in runs for x in r.ttft_s), tuple(x for r in runs for x in r.itl_s))
 
 
 def print_table(shape, a, g1, g8, g32, gs8, s1, s8, s32) -> None:
