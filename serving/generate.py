@@ -338,7 +338,10 @@ class Generator:
         with self._cv:
             if self._draining:
                 raise Unavailable("the server is shutting down: no new streams")
-            if len(self._pending) >= self.options.max_queue:
+            # full when every slot is taken and the queue too (a stream still in _pending
+            # while a slot is free only waits for the next iteration to admit it)
+            o = self.options
+            if len(self._pending) + len(self._active) >= o.max_streams + o.max_queue:
                 raise ResourceExhausted(
                     f"the server is full: {len(self._active)} streams running and "
                     f"{len(self._pending)} queued (the queue holds {self.options.max_queue})")

@@ -315,20 +315,20 @@ def test_a_full_server_answers_resource_exhausted_and_shows_its_queue(reference_
                                                                        tmp_path) -> None:
     server = _start(_artifact(tmp_path, _kv_model(reference_model, "llama")),
                     max_streams=1, max_queue=1)
-    generator, _ = _slowed(server, 0.02)
+    _slowed(server, 0.03)  # each stream runs ~3 s: long enough to look at the queue
     streams = [_Stream(server) for _ in range(2)]
     try:
         for s in streams:  # one running, one queued
-            s.send(_inputs([1, 2, 3], 40))
-        deadline = time.time() + 10
-        while time.time() < deadline and (_metric(server, "tuner_queued_streams{"),
-                                           _metric(server, "tuner_active_streams{")) != (1, 1):
+            s.send(_inputs([1, 2, 3], 100))
+        seen, deadline = None, time.time() + 10
+        while seen != (1, 1) and time.time() < deadline:
+            seen = (_metric(server, "tuner_queued_streams{"),
+                    _metric(server, "tuner_active_streams{"))
             time.sleep(0.01)
-        assert _metric(server, "tuner_queued_streams{") == 1
-        assert _metric(server, "tuner_active_streams{") == 1
+        assert seen == (1, 1), seen  # queued, running
         got = _code(server, _inputs([1, 2, 3], 4))
         assert got.startswith("StatusCode.RESOURCE_EXHAUSTED") and "queue" in got, got
-        assert all(len(s.collect()[0]) == 40 for s in streams)  # both still finish
+        assert all(len(s.collect()[0]) == 100 for s in streams)  # both still finish
     finally:
         for s in streams:
             s.close()
@@ -459,3 +459,45 @@ def test_optimize_copies_the_tokenizer_and_config_into_the_artifact(tmp_path) ->
     (model_dir / "notes.txt").write_text("not copied")
     _copy_generation_files(model_dir, out)
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "tokenizer.json"]
+
+
+def test_a_bad_request_on_a_stream_answers_an_error_and_the_stream_goes_on(servers) -> None:
+    server = servers["llama"]
+    stream = _Stream(server)
+    try:
+        stream.send(_inputs([1, 2], 500))
+        with pytest.raises(InferenceServerException, match="over the limit 200"):
+            stream.collect()
+        stream.send(_inputs([1, 2], 3))
+        assert len(stream.collect()[0]) == 3
+    finally:
+        stream.close()
+
+
+def test_empty_final_response_when_the_client_asks_for_it(servers) -> None:
+    server = servers["gpt_neox"]
+    stream = _Stream(server)
+    try:
+        stream.client.async_stream_infer(server.slot.name, _inputs([5, 6, 7], 4),
+                                         enable_empty_final_response=True)
+        ids, results, params = stream.collect()
+    finally:
+        stream.close()
+    assert len(ids) == 4 and len(results) == 5  # four tokens, then the flag alone
+    assert results[-1].as_numpy("output_ids").size == 0
+    assert params["finish_reason"].string_param == "length"
+
+
+def test_sampling_cuts() -> None:
+    from serving.generate import Sampling, sample
+
+    logits = np.array([0.0, 3.0, 2.9, -1.0, 2.8], np.float32)
+    rng = np.random.default_rng(0)
+    assert sample(logits, Sampling(), rng) == 1  # greedy by default
+    assert sample(logits, Sampling(temperature=2.0, top_k=1), rng) == 1
+    top2 = {sample(logits, Sampling(temperature=5.0, top_k=2), rng) for _ in range(200)}
+    assert top2 == {1, 2}
+    nucleus = {sample(logits, Sampling(temperature=1.0, top_p=0.3), rng) for _ in range(200)}
+    assert nucleus <= {1, 2} and 1 in nucleus
+    with pytest.raises(Exception, match="top_p must be in"):
+        Sampling(top_p=1.5)
