@@ -5,9 +5,10 @@ No grpc here: the servicer converts messages to `GenerationRequest`s and `Chunk`
 The cache lives here, per stream, as the graph's own `present` arrays. Each scheduler
 iteration, between two model runs:
   1. streams that were cancelled (or whose client went away) leave, freeing their slot;
-  2. queued streams join, up to `max_streams`: each runs its prefill alone (batch 1, past 0),
-     which gives its first token; a new stream therefore waits one decode step at most, never
-     for the running streams to finish;
+  2. queued streams join, up to `max_streams` and about `prefill_tokens` prompt tokens per
+     iteration: each runs its prefill alone (batch 1, past 0), which gives its first token; a
+     new stream therefore waits a decode step or a few, never for the running streams to
+     finish;
   3. one decode step runs every active stream as one batch of one token each.
 
 How rows with different cache lengths share a step: the past is LEFT-padded to a common
@@ -189,6 +190,9 @@ class GenerateOptions:
     default_max_tokens: int = 16
     max_prompt: int | None = None  # default: the cache length less one token
     max_cache_len: int | None = None  # default: the model's positions (else 2048)
+    # Prompt tokens prefilled between two decode steps (always at least one stream): a burst
+    # of arrivals then stalls the running streams for a bounded time, not for every prefill.
+    prefill_tokens: int = 256
     batch_buckets: tuple[int, ...] = ()  # default: the artifact's
     cache_buckets: tuple[int, ...] = ()  # default: powers of two from 16
     # "bucket": every step's batch and past padded to their buckets (the shapes a GPU
@@ -198,7 +202,8 @@ class GenerateOptions:
     pad_to: str = "auto"
 
     def __post_init__(self) -> None:
-        for name in ("max_streams", "max_queue", "max_tokens", "default_max_tokens"):
+        for name in ("max_streams", "max_queue", "max_tokens", "default_max_tokens",
+                     "prefill_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, not {getattr(self, name)}")
         for name in ("max_prompt", "max_cache_len"):
@@ -414,8 +419,10 @@ class Generator:
 
     def _admit(self) -> list[_Stream]:
         """Queued streams that fit into the free slots (called under the lock)."""
-        joining = []
+        joining, budget = [], self.options.prefill_tokens
         while self._pending and len(self._active) + len(joining) < self.options.max_streams:
+            if joining and len(self._pending[0].request.prompt) > budget:
+                break  # the next one prefills after the next decode step
             s = self._pending.popleft()
             if s.cancelled.is_set():
                 self._finish(s, "cancelled", "cancelled before it started")
@@ -423,6 +430,7 @@ class Generator:
                 self._finish(s, "shutdown", "the server shut down before the stream started")
             else:
                 joining.append(s)
+                budget -= len(s.request.prompt)
         return joining
 
     def _end_overdue(self) -> None:
