@@ -73,8 +73,12 @@ def parse_request(tensors: Mapping[str, np.ndarray], parameters: Mapping[str, ob
     stops = set()
     if "stop_ids" in tensors:
         stops |= {int(x) for x in np.asarray(tensors["stop_ids"]).reshape(-1)}
-    elif "stop_ids" in parameters:
-        stops |= {int(x) for x in str(parameters["stop_ids"]).replace(",", " ").split()}
+    elif "stop_ids" in parameters:  # a string parameter: "2, 13"
+        try:
+            stops |= {int(x) for x in str(parameters["stop_ids"]).replace(",", " ").split()}
+        except ValueError:
+            raise InvalidArgument("parameter 'stop_ids' must be token ids separated by commas "
+                                  f"or spaces, not {parameters['stop_ids']!r}") from None
     if "end_id" in values:
         stops.add(values["end_id"])
     sampling = Sampling(values.get("temperature", 0.0), values.get("top_k", 0),
