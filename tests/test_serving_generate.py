@@ -89,15 +89,16 @@ class _Stream:
     """One tritonclient streaming client: `run` sends one request and collects every
     response until the one flagged triton_final_response."""
 
-    def __init__(self, server: Server) -> None:
-        self.server = server
-        self.client = tg.InferenceServerClient(f"127.0.0.1:{server.port}")
+    def __init__(self, server: Server | None = None, port: int = 0, name: str = "") -> None:
+        self.port = server.port if server is not None else port
+        self.name = server.slot.name if server is not None else name
+        self.client = tg.InferenceServerClient(f"127.0.0.1:{self.port}")
         self.responses: queue.Queue = queue.Queue()
         self.client.start_stream(callback=lambda result, error: self.responses.put(
             (result, error)))
 
     def send(self, inputs: list, request_id: str = "r", **parameters) -> None:
-        self.client.async_stream_infer(self.server.slot.name, inputs, request_id=request_id,
+        self.client.async_stream_infer(self.name, inputs, request_id=request_id,
                                        parameters=parameters or None)
 
     def collect(self, timeout: float = 60, on_token=None) -> tuple[list[int], list, dict]:
@@ -501,3 +502,47 @@ def test_sampling_cuts() -> None:
     assert nucleus <= {1, 2} and 1 in nucleus
     with pytest.raises(Exception, match="top_p must be in"):
         Sampling(top_p=1.5)
+
+
+def test_sigterm_lets_running_streams_finish_and_exits_0(reference_model, tmp_path) -> None:
+    """`tuner serve` as a real process: SIGTERM while 6 streams decode; each still gets all
+    of its tokens and a final response, and the process exits 0."""
+    import signal
+    import subprocess
+    import sys
+
+    from serving_support import free_port
+
+    out = _artifact(tmp_path, _kv_model(reference_model, "gpt2"))  # 256 positions
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "tuner", "serve", str(out), "--port",
+                             str(port), "--metrics-port", "-1", "--model-name", "gpt2",
+                             "--drain-timeout-s", "30"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        client = tg.InferenceServerClient(f"127.0.0.1:{port}")
+        deadline = time.time() + 90
+        while True:
+            try:
+                if client.is_model_ready("gpt2"):
+                    break
+            except InferenceServerException:
+                pass
+            assert proc.poll() is None and time.time() < deadline, proc.stderr.read()
+            time.sleep(0.1)
+        streams = [_Stream(port=port, name="gpt2") for _ in range(6)]
+        for i, s in enumerate(streams):
+            s.send(_inputs(_prompt(3 + i, 50257, seed=i), 240))
+        for s in streams:
+            s.responses.get(timeout=30)  # every stream is decoding
+        proc.send_signal(signal.SIGTERM)
+        finals = [s.collect(timeout=60) for s in streams]
+        for s in streams:
+            s.close()
+        assert [len(ids) + 1 for ids, _, _ in finals] == [240] * 6  # the first was taken above
+        assert all(p["finish_reason"].string_param == "length" for _, _, p in finals)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
