@@ -2,8 +2,10 @@
 
 Layers, each importable alone: protocol (protobuf <-> numpy, error table), batcher (dynamic
 batching into buckets), model (artifact -> runners, accuracy gate), engine (validation,
-batching, shadow checks), metrics, service (the thin servicer), server (process, signals).
-Only protocol, service and server import grpc.
+batching, shadow checks), metrics, service (the thin servicer), server (process, signals);
+for decoders, generate (in-flight batching scheduler), sampling, tokenizer, decoder (the
+decoder's engine) and generation_service (its half of the servicer).
+Only protocol, service, generation_service and server import grpc (or its messages).
 """
 
 try:

@@ -10,10 +10,10 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from serving.errors import InvalidArgument
-from serving.generate import (Chunk, GenerateOptions, GenerationRequest, GenerationStats,
-                              Generator, Sampling, decoder_spec)
+from serving.generate import GenerateOptions, GenerationStats, Generator, decoder_spec
 from serving.metrics import GenerationMetrics, Metrics, Stats
 from serving.model import LoadedModel, Signature, TensorSpec
+from serving.sampling import Chunk, GenerationRequest, Sampling
 from serving.tokenizer import load_tokenizer
 
 VERSION = "1"

@@ -14,7 +14,7 @@ from serving._generated import inference_pb2 as pb
 from serving.datatypes import triton_type
 from serving.decoder import DecoderEngine, chunk_outputs, join_chunks
 from serving.errors import ServingError
-from serving.generate import Chunk
+from serving.sampling import Chunk
 
 log = logging.getLogger("serving")
 PLATFORM = "onnxruntime_onnx"  # as serving.service says

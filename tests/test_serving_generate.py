@@ -490,7 +490,7 @@ def test_empty_final_response_when_the_client_asks_for_it(servers) -> None:
 
 
 def test_sampling_cuts() -> None:
-    from serving.generate import Sampling, sample
+    from serving.sampling import Sampling, sample
 
     logits = np.array([0.0, 3.0, 2.9, -1.0, 2.8], np.float32)
     rng = np.random.default_rng(0)
