@@ -21,3 +21,7 @@ class Unavailable(ServingError):
 
 class Unauthenticated(ServingError):
     """The call lacks the bearer token this server was started with."""
+
+
+class ResourceExhausted(ServingError):
+    """The server is full (every stream slot taken and the queue too): try again later."""

@@ -8,7 +8,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 from prometheus_client.core import Metric
 
 _UNTYPED = "unknown"  # written as "# TYPE name untyped"
@@ -134,6 +134,38 @@ def make_metrics(stats: Stats, model: str, version: str) -> Metrics:
     padding = Counter("tuner_padded_tokens", "Token positions added by padding to buckets",
                       ["model", "version"], registry=registry)
     return Metrics(registry, batch.labels(model, version), padding.labels(model, version))
+
+
+# Seconds: a first token waits for a prefill (tens of ms to seconds); tokens follow every
+# decode step (milliseconds to a few hundred).
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+
+
+@dataclass
+class GenerationMetrics:
+    """A decoder's series (serving.generate): tokens, first-token and inter-token latency,
+    streams running and queued; rows per step go to `tuner_batch_size`."""
+
+    tokens: Counter
+    first_token: Histogram
+    inter_token: Histogram
+    active: Gauge
+    queued: Gauge
+
+
+def add_generation_metrics(metrics: Metrics, model: str, version: str) -> GenerationMetrics:
+    r, labels = metrics.registry, ["model", "version"]
+    made = GenerationMetrics(
+        Counter("tuner_generated_tokens", "Tokens generated (all streams)", labels, registry=r),
+        Histogram("tuner_time_to_first_token_seconds", "From a stream's arrival to its first "
+                  "token (queue + prefill)", labels, buckets=LATENCY_BUCKETS, registry=r),
+        Histogram("tuner_inter_token_latency_seconds", "Between two tokens of one stream",
+                  labels, buckets=LATENCY_BUCKETS, registry=r),
+        Gauge("tuner_active_streams", "Streams being decoded (in the batch)", labels,
+              registry=r),
+        Gauge("tuner_queued_streams", "Streams waiting for a slot", labels, registry=r))
+    return GenerationMetrics(*(m.labels(model, version) for m in (
+        made.tokens, made.first_token, made.inter_token, made.active, made.queued)))
 
 
 def start_metrics_server(metrics: Metrics, host: str, port: int):

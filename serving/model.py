@@ -88,7 +88,15 @@ class LoadedModel:
     backend: str
     gate: VerifyResult | None  # None when the original was selected (nothing to compare)
     latency: Mapping[str, Latency] = field(default_factory=dict)  # the served variant's timings
-    cache: CacheSpec | None = None  # a decoder with a KV cache, served as a plain forward
+    # A decoder exported with its KV cache: generation (serving.generate) for requests of
+    # token ids, a plain forward for requests that bring their own past.
+    cache: CacheSpec | None = None
+    max_positions: int | None = None  # rows of the position table, when the graph has one
+    folder: Path | None = None  # the artifact (its tokenizer.json, if any)
+
+    @property
+    def cache_model(self) -> bool:
+        return self.cache is not None
 
 
 def _spec(value: onnx.ValueInfoProto) -> TensorSpec:
@@ -128,6 +136,14 @@ def read_signature(path: Path) -> Signature:
     name = token.name if token else None
     return Signature(inputs, outputs, name, limits.get(name) if name else None, specs, limits,
                      batch_limit(specs), model_precision(model))
+
+
+def _position_rows(path: Path) -> int | None:
+    """Rows of the learned position table that the position ids index (GPT-2's wpe): the
+    longest cache the model can serve. None for rotary families (no table to read)."""
+    model = load_model(path)
+    positions = with_role(input_specs(model), POSITION_IDS)
+    return embedding_rows(model, positions.name) if positions is not None else None
 
 
 def _probe_layout(runner: Runner, path: Path, signature: Signature, vocab: int) -> Layout:
@@ -201,13 +217,15 @@ def load_artifact(out_dir: str | Path, backend: str | None = None,
             log(gate.table())
     log(note)
     if kv is not None:
-        # requests carry their own past: nothing is padded along the sequence, and the served
-        # graph says what the past must look like (a widened cache is wider)
-        layout = Layout((), None, {})
+        # requests carry their own past (or generation builds it): nothing is padded along the
+        # sequence, and the served graph says what the past must look like (a widened cache is
+        # wider)
+        layout, positions = Layout((), None, {}), _position_rows(original_path)
         served_path = variant_path(out, manifest.variant(served))
         kv = (cache_spec(load_model(served_path)) or kv) if served != "original" else kv
         signature = read_signature(served_path) if served != "original" else signature
     else:
-        layout = _probe_layout(runner, original_path, signature, vocab)
+        layout, positions = _probe_layout(runner, original_path, signature, vocab), None
     return LoadedModel(name, served, note, runner, original, signature, layout,
-                       manifest.buckets, backend, gate, manifest.variant(served).latency, kv)
+                       manifest.buckets, backend, gate, manifest.variant(served).latency, kv,
+                       positions, out)

@@ -24,8 +24,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
+from serving.decoder import DecoderEngine
 from serving.engine import Engine, EngineOptions
-from serving.metrics import Stats, make_metrics, start_metrics_server
+from serving.generate import GenerateOptions
+from serving.metrics import Stats, add_generation_metrics, make_metrics, start_metrics_server
 from serving.model import load_artifact
 from serving.wire._generated import POOL
 from serving.wire._generated import inference_pb2_grpc as pb_grpc
@@ -47,6 +49,7 @@ class ServerOptions:
     model_name: str | None = None  # default: the source model file's stem
     backend: str | None = None  # default: the manifest's backend
     engine: EngineOptions = field(default_factory=EngineOptions)
+    generate: GenerateOptions = field(default_factory=GenerateOptions)  # decoders only
     settings: SessionSettings | None = None  # default: those the artifact was timed with
     tls_cert: Path | None = None
     tls_key: Path | None = None
@@ -192,7 +195,12 @@ class Server:
         try:
             model = load_artifact(self.artifact, o.backend, o.settings, self.slot.name,
                                   log=self.say)
-            engine = Engine(model, o.engine, self.stats, self.metrics)
+            if model.cache_model:  # generation, and a plain forward for requests with a past
+                engine = DecoderEngine(model, o.generate, self.stats, self.metrics,
+                                       add_generation_metrics(self.metrics, self.slot.name, "1"),
+                                       forward=Engine(model, o.engine, self.stats, self.metrics))
+            else:
+                engine = Engine(model, o.engine, self.stats, self.metrics)
             with self.slot.lock:
                 if self.slot.draining:  # stopped while loading
                     engine.close()
@@ -201,6 +209,9 @@ class Server:
                 self.slot.status = "ready"
             for service in ("", SERVICE):
                 self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+            if isinstance(engine, DecoderEngine):
+                self.say(f"model '{self.slot.name}' ready ({model.note}); {engine.note()}")
+                return
             self.say(f"model '{self.slot.name}' ready ({model.note}); requests up to "
                      f"{engine.max_batch} rows, dynamic batching up to {engine.join_rows} rows "
                      f"({engine.batch_note}), sequence buckets "
@@ -224,6 +235,9 @@ class Server:
         with self.slot.lock:
             self.slot.draining = True
         self.health.enter_graceful_shutdown()
+        engine = self.slot.engine
+        if isinstance(engine, DecoderEngine):  # streams end within the grace, saying why
+            engine.drain(max(0.0, grace - 1.0))
         if self._grpc is not None:
             self._grpc.stop(grace).wait()
         engine = self.slot.engine

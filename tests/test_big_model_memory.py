@@ -12,10 +12,10 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from tuner.runtime import ort_fusion as fuse
 from tuner.gate.verify import Replay, Tolerance, record, record_then_release, verify
 from tuner.graph.io import model_bytes, model_files
 from tuner.runtime import ort as ort_runtime
+from tuner.runtime import ort_fusion as fuse
 from tuner.runtime.registry import get_backend
 
 

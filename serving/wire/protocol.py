@@ -15,7 +15,8 @@ import grpc
 import numpy as np
 
 from serving.datatypes import DATATYPES, datatype_of
-from serving.errors import InvalidArgument, NotFound, Unauthenticated, Unavailable
+from serving.errors import (InvalidArgument, NotFound, ResourceExhausted, Unauthenticated,
+                            Unavailable)
 from serving.wire._generated import inference_pb2 as pb
 from tuner.errors import BadInput
 
@@ -34,6 +35,7 @@ STATUS_CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (NotFound, grpc.StatusCode.NOT_FOUND),
     (Unavailable, grpc.StatusCode.UNAVAILABLE),
     (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
+    (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
 )
 
 
@@ -128,6 +130,16 @@ def decode_inputs(request: pb.ModelInferRequest) -> dict[str, np.ndarray]:
         else:
             feeds[tensor.name] = _decode_typed(tensor)
     return feeds
+
+
+def parameter_values(parameters) -> dict[str, bool | int | float | str]:
+    """A request's `parameters` map as plain Python values (InferParameter's oneof)."""
+    values = {}
+    for name, p in parameters.items():
+        kind = p.WhichOneof("parameter_choice")
+        if kind is not None:
+            values[name] = getattr(p, kind)
+    return values
 
 
 def requested_outputs(request: pb.ModelInferRequest) -> list[str]:

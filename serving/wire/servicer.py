@@ -11,11 +11,13 @@ import grpc
 
 import serving
 from serving.datatypes import triton_type
+from serving.decoder import DecoderEngine
 from serving.engine import Engine
 from serving.errors import NotFound, ServingError, Unavailable
 from serving.wire import protocol
 from serving.wire._generated import inference_pb2 as pb
 from serving.wire._generated import inference_pb2_grpc as pb_grpc
+from serving.wire.generation import decoder_config, generate_stream, generate_whole
 
 log = logging.getLogger("serving")
 
@@ -30,7 +32,7 @@ class Slot:
     loaded and has passed (or failed over from) the accuracy gate."""
 
     name: str
-    engine: Engine | None = None
+    engine: Engine | DecoderEngine | None = None
     status: str = "loading and checking accuracy"
     draining: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -49,7 +51,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     # --------------------------------------------------------------------------- helpers
 
-    def _engine(self, name: str, version: str) -> Engine:
+    def _engine(self, name: str, version: str) -> Engine | DecoderEngine:
         if name != self.slot.name:
             raise _unknown(name)
         if version not in ("", "1"):
@@ -89,7 +91,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             engine = self._engine(request.name, request.version)
         except Exception as e:  # noqa: BLE001
             return self._abort(context, e)
-        sig = engine.model.signature
+        sig = engine.signature if isinstance(engine, DecoderEngine) else engine.model.signature
         meta = pb.ModelMetadataResponse(name=engine.name, versions=[engine.version],
                                         platform=PLATFORM)
         for spec in sig.inputs:
@@ -103,7 +105,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             engine = self._engine(request.name, request.version)
         except Exception as e:  # noqa: BLE001
             return self._abort(context, e)
-        return pb.ModelConfigResponse(config=model_config(engine))
+        config = (decoder_config(engine) if isinstance(engine, DecoderEngine)
+                  else model_config(engine))
+        return pb.ModelConfigResponse(config=config)
 
     def ModelStatistics(self, request, context):
         try:
@@ -115,8 +119,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     # ------------------------------------------------------------------------- inference
 
-    def _infer(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
-        engine = self._engine(request.model_name, request.model_version)
+    def _infer(self, request: pb.ModelInferRequest, engine: Engine | None = None
+               ) -> pb.ModelInferResponse:
+        engine = engine or self._engine(request.model_name, request.model_version)
         feeds = protocol.decode_inputs(request)
         outputs, _ = engine.infer(feeds, protocol.requested_outputs(request))
         return protocol.encode_response(engine.name, engine.version, request.id, outputs,
@@ -124,13 +129,22 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     def ModelInfer(self, request, context):
         try:
-            return self._infer(request)
+            engine = self._engine(request.model_name, request.model_version)
+            if isinstance(engine, DecoderEngine):
+                if engine.takes_forward(i.name for i in request.inputs):
+                    return self._infer(request, engine.forward)
+                return generate_whole(engine, request, context)
+            return self._infer(request, engine)
         except Exception as e:  # noqa: BLE001 - mapped to a status; the server lives on
             return self._abort(context, e)
 
     def ModelStreamInfer(self, request_iterator, context):
         """Triton's streaming extension: one response per request, in order; a failed request
-        answers with `error_message` and the stream goes on."""
+        answers with `error_message` and the stream goes on. A decoder is decoupled: many
+        responses per request (serving.generation_service)."""
+        if isinstance(self.slot.engine, DecoderEngine):
+            yield from generate_stream(self.slot.engine, request_iterator, context)
+            return
         for request in request_iterator:
             try:
                 yield pb.ModelStreamInferResponse(infer_response=self._infer(request))

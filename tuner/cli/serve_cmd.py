@@ -70,6 +70,7 @@ def serving_import_error(e: BaseException) -> str | None:
 
 try:
     from serving.engine import EngineOptions
+    from serving.generate import GenerateOptions
     from serving.server import ServerOptions
     from serving.server import serve as run
     _SERVING_ERROR: BaseException | None = None
@@ -118,6 +119,14 @@ def serve(
     max_message_mb: int = typer.Option(256, help="largest request or response, MiB"),
     drain_timeout_s: float = typer.Option(120.0, help="on SIGTERM, how long calls in flight "
                                                       "may take to finish"),
+    max_streams: int = typer.Option(32, help="decoders: streams decoded together in one "
+                                             "batch; more wait in the queue"),
+    max_queued_streams: int = typer.Option(256, help="decoders: streams that may wait; beyond, "
+                                                     "RESOURCE_EXHAUSTED"),
+    max_tokens: int = typer.Option(1024, help="decoders: the most tokens a request may ask "
+                                              "for"),
+    max_cache_len: Optional[int] = typer.Option(None, help="decoders: longest cache (default: "
+                                                           "the model's positions)"),
 ) -> None:
     """Serve OUT's selected variant (KServe v2 / Open Inference Protocol, gRPC) until SIGTERM.
 
@@ -136,11 +145,14 @@ def serve(
         engine = EngineOptions(max_batch, max_queue_delay_ms, shadow_fraction, workers,
                                pad_to=pad_to)
         settings = None if threads is None else SessionSettings(intra_op_threads=threads)
+        generate = GenerateOptions(max_streams=max_streams, max_queue=max_queued_streams,
+                                   max_tokens=max_tokens, max_cache_len=max_cache_len)
     except ValueError as e:
         raise BadInput(str(e)) from None
     options = ServerOptions(
         host=host, port=port, metrics_port=None if metrics_port < 0 else metrics_port,
-        model_name=model_name, backend=backend, engine=engine, settings=settings,
+        model_name=model_name, backend=backend, engine=engine, generate=generate,
+        settings=settings,
         tls_cert=tls_cert, tls_key=tls_key, token=token,
         max_message_bytes=max_message_mb * 1024 * 1024, drain_timeout_s=drain_timeout_s)
     _check_before_binding(out, backend)

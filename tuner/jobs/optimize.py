@@ -102,6 +102,19 @@ def _check_out(cfg: OptimizeConfig) -> None:
         ensure_writable_dir(cfg.cache_dir, "results cache", " (choose --cache-dir, or --no-cache)")
 
 
+# Files beside a decoder that `tuner serve` reads for generation: the tokenizer (text in and
+# out) and Hugging Face's config (the model's positions, for rotary families).
+GENERATION_FILES = ("tokenizer.json", "config.json")
+_GENERATION_FILE_MAX = 64 * 1024 * 1024
+
+
+def _copy_generation_files(model_dir: Path, out: Path) -> None:
+    for name in GENERATION_FILES:
+        src = model_dir / name
+        if src.is_file() and src.stat().st_size <= _GENERATION_FILE_MAX:
+            shutil.copyfile(src, out / name)
+
+
 def optimize(cfg: OptimizeConfig) -> OptimizeResult:
     """Run the whole job; BadInput on unusable input (exit 2)."""
     if not cfg.model.is_file():
@@ -113,6 +126,7 @@ def optimize(cfg: OptimizeConfig) -> OptimizeResult:
     try:
         manifest, notes = run_pipeline(cfg, model, tmp)
         del model
+        _copy_generation_files(cfg.model.parent, tmp)
         swap_dir_into_place(tmp, cfg.out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,87 @@
+"""What a generation request asks for (prompt, limits, sampling) and what comes back (chunks),
+and how one token is drawn from one row of logits. Plain data and numpy: no grpc, no model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from serving.errors import InvalidArgument
+
+FINISH_REASONS = ("length", "stop", "cancelled", "shutdown", "error")
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """temperature 0 (the default) or top_k 1 is greedy; otherwise softmax(logits / t),
+    cut to the top k and to the smallest set holding top_p of the mass. A seed makes it
+    reproducible (one generator per stream, so other streams cannot change the draws)."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0: no cut
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise InvalidArgument(f"temperature must be a finite number >= 0, not "
+                                  f"{self.temperature}")
+        if self.top_k < 0:
+            raise InvalidArgument(f"top_k must be >= 0, not {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise InvalidArgument(f"top_p must be in (0, 1], not {self.top_p}")
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            raise InvalidArgument(f"seed must be in [0, 2^64), not {self.seed}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt: tuple[int, ...]
+    max_tokens: int = 16
+    sampling: Sampling = field(default_factory=Sampling)
+    stop_ids: frozenset[int] = frozenset()  # generating one ends the stream (not sent)
+    id: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.prompt:
+            raise InvalidArgument("the prompt is empty: send at least one token")
+        if self.max_tokens < 1:
+            raise InvalidArgument(f"max_tokens must be >= 1, not {self.max_tokens}")
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One response of a stream: new token ids (and their text, with a tokenizer); the last
+    one has `final` and says why the stream ended."""
+
+    ids: tuple[int, ...]
+    text: str | None
+    final: bool = False
+    reason: str | None = None  # one of FINISH_REASONS on the final chunk
+    detail: str = ""  # a sentence for the client when the reason is not "length"/"stop"
+
+
+def sample(logits: np.ndarray, s: Sampling, rng: np.random.Generator) -> int:
+    """One token from one row of logits (vocab,)."""
+    if s.greedy:
+        return int(np.argmax(logits))  # first maximum, as torch.argmax in transformers
+    x = logits.astype(np.float64) / s.temperature
+    if 0 < s.top_k < x.size:
+        kth = np.partition(x, -s.top_k)[-s.top_k]
+        x = np.where(x >= kth, x, -np.inf)
+    p = np.exp(x - x.max())
+    p /= p.sum()
+    if s.top_p < 1:
+        order = np.argsort(-p, kind="stable")
+        keep = order[: int(np.searchsorted(np.cumsum(p[order]), s.top_p)) + 1]
+        q = np.zeros_like(p)
+        q[keep] = p[keep]
+        p = q / q.sum()
+    return int(rng.choice(p.size, p=p))

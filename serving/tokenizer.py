@@ -1,0 +1,61 @@
+"""The artifact's tokenizer (a `tokenizer.json` beside the model, read with the `tokenizers`
+library) and an incremental detokenizer for streaming. No grpc here.
+
+Why incremental decoding needs care: one character can span several tokens (byte-level BPE
+splits a multi-byte UTF-8 character into byte tokens), and decoding a token alone can also
+lose the space a tokenizer adds between words. So each step decodes a short window of recent
+ids, and text is released only once it no longer ends in an incomplete character (U+FFFD).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+TOKENIZER_FILE = "tokenizer.json"
+_REPLACEMENT = "\ufffd"  # what a decoder writes for an incomplete UTF-8 sequence
+
+
+def load_tokenizer(folder: Path):
+    """The `tokenizers.Tokenizer` in `folder/tokenizer.json`, or None when there is none."""
+    path = Path(folder) / TOKENIZER_FILE
+    if not path.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(path))
+
+
+class IncrementalDecoder:
+    """Text for a growing list of token ids, one piece per call, never splitting a character.
+
+    `prefix` is where the window starts (ids before it are already text); `read` is where the
+    text already released ends, in ids. Decoding [prefix:] and removing the text of
+    [prefix:read] gives the new text with the tokenizer's own spacing (TGI's approach)."""
+
+    def __init__(self, tokenizer, prompt: Sequence[int] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = list(prompt)
+        # start the window a few ids into the prompt: spacing depends on the previous token
+        self.prefix = max(0, len(self.ids) - 4)
+        self.read = len(self.ids)
+
+    def _text(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    def add(self, token: int) -> str:
+        """The new text that `token` completes ('' while a character is still incomplete)."""
+        self.ids.append(int(token))
+        before = self._text(self.ids[self.prefix:self.read])
+        now = self._text(self.ids[self.prefix:])
+        if len(now) <= len(before) or now.endswith(_REPLACEMENT):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return now[len(before):]
+
+    def flush(self) -> str:
+        """Whatever is still held back at the end (an incomplete character stays U+FFFD)."""
+        before = self._text(self.ids[self.prefix:self.read])
+        now = self._text(self.ids[self.prefix:])
+        self.prefix = self.read = len(self.ids)
+        return now[len(before):]

@@ -1,0 +1,147 @@
+"""The servicer's half for a decoder (serving.decoder): unary ModelInfer returns the whole
+sequence, ModelStreamInfer is decoupled (one response per token). Thin: convert, delegate
+to the engine, convert back; every error leaves through serving.protocol.status_for."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from typing import Iterator
+
+from serving.datatypes import triton_type
+from serving.decoder import DecoderEngine, chunk_outputs, join_chunks
+from serving.errors import ServingError
+from serving.sampling import Chunk
+from serving.wire import protocol
+from serving.wire._generated import inference_pb2 as pb
+
+log = logging.getLogger("serving")
+PLATFORM = "onnxruntime_onnx"  # as serving.service says
+
+
+def generate_whole(engine: DecoderEngine, request, context) -> pb.ModelInferResponse:
+    """Unary: the whole generated sequence in one response."""
+    gen, _ = engine.parse(protocol.decode_inputs(request),
+                          protocol.parameter_values(request.parameters), request.id)
+    chunks: queue.Queue[Chunk] = queue.Queue()
+    handle = engine.submit(gen, chunks.put)
+    context.add_callback(handle.cancel)  # the client went away: free the slot
+    got = [chunks.get()]
+    while not got[-1].final:
+        got.append(chunks.get())
+    if got[-1].reason == "error":
+        raise RuntimeError(got[-1].detail)
+    return _chunk_response(engine, request.id, join_chunks(got))
+
+
+def generate_stream(engine: DecoderEngine, request_iterator, context
+                    ) -> Iterator[pb.ModelStreamInferResponse]:
+    """Decoupled: every request on the stream generates at once (a reader thread submits
+    them as they arrive); responses interleave, one per token, each request's last one
+    flagged `triton_final_response`. A bad request answers with `error_message` only."""
+    events: queue.Queue = queue.Queue()
+    handles = []
+    context.add_callback(lambda: [h.cancel() for h in list(handles)])
+    threading.Thread(target=_read_requests, args=(engine, request_iterator, events, handles),
+                     name="stream-reader", daemon=True).start()
+    open_requests, reading = 0, True
+    while reading or open_requests:
+        kind, request, payload = events.get()
+        if kind == "opened":
+            open_requests += 1
+        elif kind == "done reading":
+            reading = False
+        elif kind == "refused":
+            open_requests -= 1
+            code, message = protocol.status_for(payload)
+            yield pb.ModelStreamInferResponse(error_message=message)
+        else:  # a chunk
+            chunk, state = payload
+            if chunk.final:
+                open_requests -= 1
+            yield from _stream_responses(engine, request, chunk, state)
+
+
+class _RequestState:
+    """One request of a decoupled stream: whether it streams, and the chunks held back when
+    it does not (`stream` false: the whole sequence in one final response)."""
+
+    def __init__(self, request) -> None:
+        self.stream = True
+        self.empty_final = protocol.parameter_values(request.parameters).get(
+            "triton_enable_empty_final_response", False)
+        self.held: list[Chunk] = []
+
+
+def _read_requests(engine: DecoderEngine, request_iterator, events: queue.Queue,
+                   handles: list) -> None:
+    try:
+        for request in request_iterator:
+            state = _RequestState(request)
+            events.put(("opened", request, None))
+            try:
+                gen, state.stream = engine.parse(protocol.decode_inputs(request),
+                                                 protocol.parameter_values(request.parameters),
+                                                 request.id)
+                handles.append(engine.submit(
+                    gen, lambda c, r=request, st=state: events.put(("chunk", r, (c, st)))))
+            except Exception as e:  # noqa: BLE001 - answered on the stream; it goes on
+                if not isinstance(e, ServingError):
+                    log.error("internal error starting a generation", exc_info=e)
+                events.put(("refused", request, e))
+    except Exception:  # noqa: BLE001 - the client went away mid-stream
+        pass
+    finally:
+        events.put(("done reading", None, None))
+
+
+def _stream_responses(engine: DecoderEngine, request, chunk: Chunk, state: _RequestState
+                      ) -> Iterator[pb.ModelStreamInferResponse]:
+    if not state.stream:
+        state.held.append(chunk)
+        if chunk.final:
+            yield pb.ModelStreamInferResponse(
+                infer_response=_chunk_response(engine, request.id, join_chunks(state.held)))
+        return
+    if chunk.final and state.empty_final and chunk.ids:  # the client asked for an empty last
+        yield pb.ModelStreamInferResponse(infer_response=_chunk_response(
+            engine, request.id, Chunk(chunk.ids, chunk.text)))
+        chunk = Chunk((), None, True, chunk.reason, chunk.detail)
+    yield pb.ModelStreamInferResponse(infer_response=_chunk_response(engine, request.id, chunk))
+
+
+def _chunk_response(engine: DecoderEngine, request_id: str, chunk: Chunk
+                    ) -> pb.ModelInferResponse:
+    outputs = chunk_outputs(chunk, engine.tokenizer is not None)
+    response = protocol.encode_response(engine.name, engine.version, request_id, outputs,
+                                        list(outputs))
+    response.parameters["triton_final_response"].bool_param = chunk.final
+    if chunk.final:
+        response.parameters["finish_reason"].string_param = chunk.reason or ""
+        if chunk.detail:
+            response.parameters["finish_detail"].string_param = chunk.detail
+    return response
+
+
+def decoder_config(engine: DecoderEngine) -> pb.ModelConfig:
+    """A decoder's configuration: decoupled (many responses per request), no batch axis in
+    the client's tensors (the server batches streams itself, in flight)."""
+    config = pb.ModelConfig(name=engine.name, platform=PLATFORM, backend="onnxruntime",
+                            max_batch_size=0)
+    for spec in engine.signature.inputs:
+        config.input.add(name=spec.name, data_type=triton_type(spec.datatype), dims=spec.shape)
+    for spec in engine.signature.outputs:
+        config.output.add(name=spec.name, data_type=triton_type(spec.datatype), dims=spec.shape)
+    config.model_transaction_policy.decoupled = True
+    config.instance_group.add(name=engine.name, kind="KIND_CPU", count=1)
+    g = engine.generator
+    for key, value in (("served_variant", engine.model.served),
+                       ("runtime_backend", engine.model.backend), ("pad_to", engine.pad_to),
+                       ("max_streams", engine.options.max_streams),
+                       ("max_cache_len", g.max_cache_len), ("max_prompt", g.max_prompt),
+                       ("max_tokens", engine.options.max_tokens),
+                       ("cache_buckets", ",".join(map(str, g.cache_buckets))),
+                       ("batch_buckets", ",".join(map(str, g.batch_buckets)))):
+        config.parameters[key].string_value = str(value)
+    return config
