@@ -5,6 +5,7 @@ the artifact's buckets and the model's limits, and its statistics and metrics. N
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -187,6 +188,9 @@ class DecoderEngine:
             spec = decoder_spec(model.signature, model.cache)
         except ValueError as e:
             raise BadInput(f"{model.name}: {e}") from None
+        if not options.cache_buckets and model.buckets.past:  # the cache lengths optimize chose
+            options = dataclasses.replace(options, cache_buckets=tuple(model.buckets.past))
+            self.options = options
         self.generator = Generator(model.runner, spec, options,
                                    max_positions=_max_positions(model),
                                    batch_buckets=model.buckets.batch, tokenizer=self.tokenizer,

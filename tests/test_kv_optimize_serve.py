@@ -56,6 +56,9 @@ def test_optimize_a_cache_export_runs_to_an_artifact(family, exporter, tmp_path)
         assert ph["prefill"]["shapes"][0] in v["latency"] and dec in v["latency_decode"]
     assert m["buckets"]["past"][-1] >= 30 + 4 - 1  # the longest cache a decode step reads
     assert "## Decoder: prefill and decode" in (out / "report.md").read_text()
+    page = (out / "report.html").read_text()  # both phases side by side, one row per variant
+    assert "<h2>Prefill and decode</h2>" in page and dec.split("@")[1] in page
+    assert all(page.count(f">{v['name']}</th>") >= 2 for v in m["variants"])
     read_manifest(out)  # and it reads back
 
 

@@ -27,6 +27,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from tuner.artifact.records import Manifest
+from tuner.artifact.report_html import PhaseRow
 from tuner.errors import BadInput
 from tuner.gate.kv_feeds import CacheRoles, decode_feeds, prefill_feeds
 from tuner.graph.kv_cache import KvCache, widened_cache
@@ -177,6 +179,19 @@ def cache_section(cache: KvCache, served_path: Path, served: str, policy: str) -
             "past": [n for layer in cache.layers for n in (layer.past_key, layer.past_value)],
             "present": [n for layer in cache.layers
                         for n in (layer.present_key, layer.present_value)]}
+
+
+def phase_rows(manifest: Manifest) -> list[PhaseRow]:
+    """report.html's decoder table: each variant's prefill and decode step side by side, at
+    the shapes the variants were compared on."""
+    ph = manifest.phases or {}
+    prefill, decode = ph.get("prefill", {}).get("shapes", []), ph.get("decode", {}).get("shapes", [])
+    rows = []
+    for v in manifest.variants:
+        for pk, dk in zip(prefill, decode):
+            rows.append(PhaseRow(v.name, pk, v.latency.get(pk), v.latency_decode.get(dk),
+                                 int(dk.split("@")[1])))
+    return rows
 
 
 def report_section(manifest_json: Mapping[str, Any]) -> str:

@@ -35,7 +35,8 @@ from tuner.graph.paddable import BY_KIND
 from tuner.graph.roles import accepted_shapes, batch_limit, input_specs, seq_limit
 from tuner.hardware.detect import detect
 from tuner.jobs.decoder import (RULE, cache_section, combined_totals, decode_feeds_for, decode_key,
-                                decode_shape, decoder_traffic, prefill_feeds_for, report_section)
+                                decode_shape, decoder_traffic, phase_rows, prefill_feeds_for,
+                                report_section)
 from tuner.jobs.pad import load_reference
 from tuner.jobs.variants import accuracy_of, build_fused, build_padded, copy_original, graph_files
 from tuner.measure import bench
@@ -425,7 +426,8 @@ def run_pipeline(cfg, model, root: Path):
                             "weight": dt.mean_output, "per": "generated token"}}
                 if dt is not None else None))
     write_manifest(root, manifest)
-    write_report(root, manifest, req=req, grid_latency=grid_lat, coverage=choice.coverage)
+    write_report(root, manifest, req=req, grid_latency=grid_lat, coverage=choice.coverage,
+                 phases=phase_rows(manifest) if dt is not None else None)
     if dt is not None:  # the decoder section: both phases side by side
         with open(root / "report.md", "a", encoding="utf-8") as f:
             f.write(report_section(manifest_to_json(manifest)))
