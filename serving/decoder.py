@@ -10,9 +10,11 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from serving.datatypes import DATATYPES
 from serving.engine import Engine
 from serving.errors import InvalidArgument
-from serving.generate import GenerateOptions, GenerationStats, Generator, decoder_spec
+from serving.generate import GenerateOptions, GenerationStats, Generator
+from serving.kv import CacheSpec, DecoderSpec
 from serving.metrics import GenerationMetrics, Metrics, Stats
 from serving.model import LoadedModel, Signature, TensorSpec
 from serving.sampling import Chunk, GenerationRequest, Sampling
@@ -20,6 +22,39 @@ from serving.tokenizer import load_tokenizer
 from tuner.errors import BadInput
 
 VERSION = "1"
+
+
+
+def decoder_spec(signature: Signature, cache: CacheSpec, vocab: int | None = None) -> DecoderSpec:
+    """The DecoderSpec of a cache export, from the cache its structure shows (serving.kv:
+    which inputs are past keys and values, which outputs are present, the ids, mask and
+    positions by role); ValueError naming what generation cannot drive."""
+    roles = cache.roles
+    if cache.layout != "bhsd":
+        raise ValueError(f"generation drives a (batch, kv_heads, past, head_dim) cache, not "
+                         f"layout {cache.layout!r}")
+    if roles.attention_mask is None:
+        raise ValueError("generation needs an attention mask input (batch, past + seq)")
+    inputs = {s.name: s for s in signature.inputs}
+    to_present = roles.past_to_present
+    missing = [n for n in cache.past if n not in to_present]
+    if missing:
+        raise ValueError(f"cache inputs {missing} have no present output to carry them on")
+    dims = []
+    for n in cache.past:
+        shape = inputs[n].shape  # (b, kv_heads, past, d)
+        if len(shape) != 4 or shape[1] < 1 or shape[3] < 1:
+            raise ValueError(f"cache input {n!r} must be (batch, kv_heads, past, head_dim) with "
+                             f"fixed heads and head dim, not {list(shape)}")
+        dims.append((shape[1], shape[3]))
+    outputs = {s.name: s for s in signature.outputs}
+    vocab = vocab or signature.vocab_size or outputs[roles.logits].shape[-1]
+    if vocab is None or vocab < 1:
+        raise ValueError("the vocabulary size is unknown (no embedding table, dynamic logits)")
+    dtype = DATATYPES[inputs[cache.past[0]].datatype].name
+    return DecoderSpec(roles.input_ids, roles.attention_mask, roles.position_ids, cache.past,
+                       tuple(to_present[n] for n in cache.past), tuple(dims), dtype,
+                       roles.logits, int(vocab))
 
 
 # ---------------------------------------------------------------------- request tensors

@@ -34,68 +34,12 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from serving.datatypes import DATATYPES
 from serving.errors import InvalidArgument, ResourceExhausted, Unavailable
-from serving.kv import CacheSpec
-from serving.model import Signature
+from serving.kv import DecoderSpec
 from serving.sampling import Chunk, GenerationRequest, sample
 from serving.tokenizer import IncrementalDecoder
 
 log = logging.getLogger("serving")
-
-# ------------------------------------------------------------------------------ the model
-
-
-@dataclass(frozen=True)
-class DecoderSpec:
-    """What generation needs to know about a cache export, found from its signature."""
-
-    tokens: str  # input_ids
-    mask: str  # attention_mask, (b, past + s)
-    positions: str | None  # position_ids (b, s), where the family has them
-    past: tuple[str, ...]  # past_key_values.{i}.key|value, (b, kv_heads, past, d)
-    present: tuple[str, ...]  # the matching present.{i}.key|value, same order
-    cache_dims: tuple[tuple[int, int], ...]  # (kv_heads, d) of each past input
-    cache_dtype: str  # numpy dtype name of the cache
-    logits: str
-    vocab: int  # real token ids are [0, vocab): padded logits columns are cut off
-
-    def __post_init__(self) -> None:
-        if not self.past or len(self.past) != len(self.present) != len(self.cache_dims):
-            raise ValueError("a decoder needs one present output per past input")
-
-
-def decoder_spec(signature: Signature, cache: CacheSpec, vocab: int | None = None) -> DecoderSpec:
-    """The DecoderSpec of a cache export, from the cache its structure shows (serving.kv:
-    which inputs are past keys and values, which outputs are present, the ids, mask and
-    positions by role); ValueError naming what generation cannot drive."""
-    roles = cache.roles
-    if cache.layout != "bhsd":
-        raise ValueError(f"generation drives a (batch, kv_heads, past, head_dim) cache, not "
-                         f"layout {cache.layout!r}")
-    if roles.attention_mask is None:
-        raise ValueError("generation needs an attention mask input (batch, past + seq)")
-    inputs = {s.name: s for s in signature.inputs}
-    to_present = roles.past_to_present
-    missing = [n for n in cache.past if n not in to_present]
-    if missing:
-        raise ValueError(f"cache inputs {missing} have no present output to carry them on")
-    dims = []
-    for n in cache.past:
-        shape = inputs[n].shape  # (b, kv_heads, past, d)
-        if len(shape) != 4 or shape[1] < 1 or shape[3] < 1:
-            raise ValueError(f"cache input {n!r} must be (batch, kv_heads, past, head_dim) with "
-                             f"fixed heads and head dim, not {list(shape)}")
-        dims.append((shape[1], shape[3]))
-    outputs = {s.name: s for s in signature.outputs}
-    vocab = vocab or signature.vocab_size or outputs[roles.logits].shape[-1]
-    if vocab is None or vocab < 1:
-        raise ValueError("the vocabulary size is unknown (no embedding table, dynamic logits)")
-    dtype = DATATYPES[inputs[cache.past[0]].datatype].name
-    return DecoderSpec(roles.input_ids, roles.attention_mask, roles.position_ids, cache.past,
-                       tuple(to_present[n] for n in cache.past), tuple(dims), dtype,
-                       roles.logits, int(vocab))
-
 
 # ------------------------------------------------------------------------------- options
 

@@ -89,3 +89,25 @@ def check_cache_feeds(spec: CacheSpec, feeds: Mapping[str, np.ndarray], model: s
                 f"input '{roles.attention_mask}' of model '{model}' must be (batch, past + seq) "
                 f"= ({batch}, {past + seq}) for a past of {past} and {seq} new token(s), not "
                 f"{list(mask.shape)}")
+
+
+# ---------------------------------------------------------------------- for generation
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    """What generation needs to know about a cache export, found from its signature."""
+
+    tokens: str  # input_ids
+    mask: str  # attention_mask, (b, past + s)
+    positions: str | None  # position_ids (b, s), where the family has them
+    past: tuple[str, ...]  # past_key_values.{i}.key|value, (b, kv_heads, past, d)
+    present: tuple[str, ...]  # the matching present.{i}.key|value, same order
+    cache_dims: tuple[tuple[int, int], ...]  # (kv_heads, d) of each past input
+    cache_dtype: str  # numpy dtype name of the cache
+    logits: str
+    vocab: int  # real token ids are [0, vocab): padded logits columns are cut off
+
+    def __post_init__(self) -> None:
+        if not self.past or len(self.past) != len(self.present) != len(self.cache_dims):
+            raise ValueError("a decoder needs one present output per past input")
