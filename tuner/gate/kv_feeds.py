@@ -8,14 +8,12 @@ of the cache-aware accuracy gate (DESIGN.md, "Decoders with a KV cache").
     check = compare_rollouts(reference_run, candidate_run)   # truthy when it passes
 
 Roles come from the graph, not from names: the cache inputs are what tuner.graph.kv_cache
-finds, the token ids are the input that reaches the embedding Gather, and of the other
-integer (batch, ·) inputs the one whose length is present's past + seq is the mask, the one
-as long as the ids are the position ids. Names decide only what those leave open.
+finds, and the token ids, the mask and the position ids are what tuner.graph.roles finds
+for every model.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
@@ -25,8 +23,7 @@ import onnx_ir as ir
 from tuner.errors import BadInput
 from tuner.gate.verify import TolerancePolicy
 from tuner.graph.kv_cache import KvCache, find_kv_cache
-from tuner.graph.lm_head import token_embedding
-from tuner.graph.walk import DATA_INPUTS, walk_back
+from tuner.graph.roles import ATTENTION_MASK, POSITION_IDS, TOKEN_IDS, input_specs, with_role
 
 Infer = Callable[[Mapping[str, np.ndarray]], Mapping[str, np.ndarray]]
 
@@ -60,60 +57,6 @@ class CacheRoles:
 # Roles
 
 
-def _dtype(v: ir.Value) -> str:
-    return str(v.dtype.numpy()) if v.dtype is not None else "float32"
-
-
-def _axis_name(v: ir.Value, axis: int) -> str | int | None:
-    if v.shape is None or len(v.shape) <= axis:
-        return None
-    d = v.shape[axis]
-    return d if isinstance(d, int) else d.value
-
-
-def _ids_input(graph: ir.Graph) -> ir.Value:
-    emb = token_embedding(graph)
-    if emb is None:
-        raise BadInput("no token embedding (a Gather from a graph input) in the graph")
-
-    def follow(node: ir.Node):
-        positions = DATA_INPUTS.get(node.op_type, ())
-        return positions if positions is not None else range(len(node.inputs))
-
-    hits, _ = walk_back(emb.gather.inputs[1], follow, lambda v: v.is_graph_input())
-    if not hits:
-        raise BadInput(f"the token embedding {emb.gather.name} reads no graph input")
-    return hits[0]
-
-
-def _by_name(name: str) -> str | None:
-    words = set(re.split(r"[^a-z]+", name.lower()))
-    if words & {"mask"}:
-        return "mask"
-    if words & {"position", "positions", "pos"} or "position" in name.lower():
-        return "position"
-    return None
-
-
-def _side_roles(others: list[ir.Value], ids: ir.Value, cache: KvCache) -> dict[str, ir.Value]:
-    """Mask and position ids among the other integer inputs (see the module docstring)."""
-    seq = _axis_name(ids, 1)
-    roles: dict[str, ir.Value] = {}
-    for v in others:
-        length = _axis_name(v, 1)
-        if cache.present_dim is not None and length == cache.present_dim:
-            role = "mask"
-        elif isinstance(seq, str) and length == seq:
-            role = "position"
-        else:
-            role = _by_name(v.name or "")
-        if role is None or role in roles:
-            raise BadInput(f"input {v.name!r} of a cache model is neither the mask (length "
-                           f"{cache.present_dim}) nor the position ids (length {seq})")
-        roles[role] = v
-    return roles
-
-
 def _logits(graph: ir.Graph, cache: KvCache) -> str:
     presents = {n for layer in cache.layers for n in (layer.present_key, layer.present_value)}
     rest = [v for v in graph.outputs if v.name not in presents]
@@ -129,17 +72,15 @@ def cache_roles(model: ir.Model) -> CacheRoles:
     cache = find_kv_cache(graph)
     if cache is None:
         raise BadInput("the model has no KV cache (no past key/value input joined by a Concat)")
-    past = {n for layer in cache.layers for n in (layer.past_key, layer.past_value)}
-    initializers = set(graph.initializers)
-    inputs = [v for v in graph.inputs if v.name not in initializers]
-    ids = _ids_input(graph)
-    others = [v for v in inputs if v is not ids and v.name not in past]
-    side = _side_roles(others, ids, cache)
-    mask, pos = side.get("mask"), side.get("position")
-    batch = _axis_name(ids, 0)
-    return CacheRoles(ids.name or "", mask.name if mask is not None else None,
+    specs = input_specs(model)  # roles from the structure (tuner.graph.roles)
+    ids, mask = with_role(specs, TOKEN_IDS), with_role(specs, ATTENTION_MASK)
+    pos = with_role(specs, POSITION_IDS)
+    if ids is None:
+        raise BadInput("no token-id input (one that reaches the token embedding) in the graph")
+    batch = ids.dims[ids.batch_axis] if ids.batch_axis is not None else None
+    return CacheRoles(ids.name, mask.name if mask is not None else None,
                       pos.name if pos is not None else None, _logits(graph, cache), cache,
-                      {v.name or "": _dtype(v) for v in inputs},
+                      {s.name: s.dtype for s in specs},
                       batch if isinstance(batch, int) else None)
 
 
