@@ -6,6 +6,9 @@ from __future__ import annotations
 import hashlib
 import shutil
 import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +24,30 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def serve_process(out: Path, port: int, name: str, *args: str,
+                  timeout_s: float = 90) -> subprocess.Popen:
+    """`tuner serve OUT` as a real subprocess on `port`, returned once model `name` is ready
+    (killed, with its stderr in the error, if it exits or is not ready within `timeout_s`)."""
+    import tritonclient.grpc as tg
+    from tritonclient.utils import InferenceServerException
+
+    proc = subprocess.Popen([sys.executable, "-m", "tuner", "serve", str(out), "--port",
+                             str(port), "--metrics-port", "-1", "--model-name", name, *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    client = tg.InferenceServerClient(f"127.0.0.1:{port}")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if client.is_model_ready(name):
+                return proc
+        except InferenceServerException:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"server did not get ready: {proc.communicate()[1]}")
+        time.sleep(0.1)
 
 
 def _sha(path: Path) -> str:

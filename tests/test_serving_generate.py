@@ -510,28 +510,13 @@ def test_sigterm_lets_running_streams_finish_and_exits_0(reference_model, tmp_pa
     """`tuner serve` as a real process: SIGTERM while 6 streams decode; each still gets all
     of its tokens and a final response, and the process exits 0."""
     import signal
-    import subprocess
-    import sys
 
-    from serving_support import free_port
+    from serving_support import free_port, serve_process
 
     out = _artifact(tmp_path, _kv_model(reference_model, "gpt2"))  # 256 positions
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "tuner", "serve", str(out), "--port",
-                             str(port), "--metrics-port", "-1", "--model-name", "gpt2",
-                             "--drain-timeout-s", "30"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = serve_process(out, port, "gpt2", "--drain-timeout-s", "30")
     try:
-        client = tg.InferenceServerClient(f"127.0.0.1:{port}")
-        deadline = time.time() + 90
-        while True:
-            try:
-                if client.is_model_ready("gpt2"):
-                    break
-            except InferenceServerException:
-                pass
-            assert proc.poll() is None and time.time() < deadline, proc.stderr.read()
-            time.sleep(0.1)
         streams = [_Stream(port=port, name="gpt2") for _ in range(6)]
         for i, s in enumerate(streams):
             s.send(_inputs(_prompt(3 + i, 50257, seed=i), 240))

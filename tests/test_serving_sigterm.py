@@ -5,8 +5,6 @@ left hanging; the process exits 0."""
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -14,7 +12,7 @@ import onnxruntime as ort
 import pytest
 import tritonclient.grpc as tg
 from serving_support import (Answers, assert_close_where_valid, feeds_for, free_port, infer_inputs,
-                             make_artifact)
+                             make_artifact, serve_process)
 from tritonclient.utils import InferenceServerException
 
 
@@ -25,23 +23,8 @@ def served(reference_model, tmp_path):
     port = free_port()
     # A long queue delay and a batch limit above the load: every request below waits in the
     # server's queue for up to 3 s, so SIGTERM lands while all of them are in flight.
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tuner", "serve", str(out), "--port", str(port),
-         "--metrics-port", "-1", "--max-batch", "64", "--max-queue-delay-ms", "3000",
-         "--model-name", "bert"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = serve_process(out, port, "bert", "--max-batch", "64", "--max-queue-delay-ms", "3000")
     client = tg.InferenceServerClient(f"127.0.0.1:{port}")
-    deadline = time.monotonic() + 90
-    while True:
-        try:
-            if client.is_model_ready("bert"):
-                break
-        except InferenceServerException:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError(f"server did not get ready: {proc.communicate()[1]}")
-        time.sleep(0.1)
     yield proc, client, model
     if proc.poll() is None:
         proc.kill()
