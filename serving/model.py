@@ -13,6 +13,7 @@ from typing import Callable, Mapping
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 
 from serving.batcher import Layout
 from serving.kv import CacheSpec, cache_spec
@@ -118,13 +119,14 @@ def _checked(path: Path) -> onnx.ModelProto:
     return proto
 
 
-def read_signature(path: Path) -> Signature:
-    """Inputs, outputs and vocabulary of an ONNX graph (structure only: no weights read)."""
+def read_signature(path: Path, model: ir.Model | None = None) -> Signature:
+    """Inputs, outputs and vocabulary of an ONNX graph (structure only: no weights read);
+    `model` is the same graph already loaded, if the caller has it."""
     graph = _checked(path).graph
     inits = {i.name for i in graph.initializer}
     inputs = tuple(_spec(v) for v in graph.input if v.name not in inits)
     outputs = tuple(_spec(v) for v in graph.output)
-    model = load_model(path)
+    model = model if model is not None else load_model(path)
     specs = tuple(input_specs(model))
     limits = {}
     for s in specs:
@@ -138,12 +140,11 @@ def read_signature(path: Path) -> Signature:
                      batch_limit(specs), model_precision(model))
 
 
-def _position_rows(path: Path) -> int | None:
+def _position_rows(signature: Signature) -> int | None:
     """Rows of the learned position table that the position ids index (GPT-2's wpe): the
     longest cache the model can serve. None for rotary families (no table to read)."""
-    model = load_model(path)
-    positions = with_role(input_specs(model), POSITION_IDS)
-    return embedding_rows(model, positions.name) if positions is not None else None
+    positions = with_role(signature.specs, POSITION_IDS)
+    return signature.index_limits.get(positions.name) if positions is not None else None
 
 
 def _probe_layout(runner: Runner, path: Path, signature: Signature, vocab: int) -> Layout:
@@ -189,20 +190,22 @@ def load_artifact(out_dir: str | Path, backend: str | None = None,
     shapes = [(b, s) for b in manifest.buckets.batch for s in manifest.buckets.seq]
     cache = out / "cache" / backend
     original_path = variant_path(out, manifest.variant("original"))
-    signature = read_signature(original_path)
+    original_model = load_model(original_path)  # the graph's structure; weights stay lazy
+    signature = read_signature(original_path, original_model)
     original = loader.load(original_path, settings, shapes, cache)
     vocab = signature.vocab_size or manifest.variant("original").shape.get("vocab_size") or 2
     chosen = manifest.selected_variant()
-    kv = cache_spec(load_model(original_path))  # None: no KV cache
+    kv = cache_spec(original_model)  # None: no KV cache
     runner, served, gate = original, "original", None
     note = "serving the original (the artifact selected it)"
     if chosen.name != "original":
         candidate_path = variant_path(out, chosen)
         _checked(candidate_path)
         candidate = loader.load(candidate_path, settings, shapes, cache)
+        candidate_model = load_model(candidate_path)
         if kv is not None:  # greedy rollouts, each model fed its own present
             gate = check(original, candidate, cache_feeds(kv.roles, vocab), tolerance,
-                         widened_cache(load_model(candidate_path)))
+                         widened_cache(candidate_model))
         else:
             gate = verify(original, candidate, _gate_feeds(original_path, vocab,
                                                            manifest.buckets),
@@ -220,10 +223,11 @@ def load_artifact(out_dir: str | Path, backend: str | None = None,
         # requests carry their own past (or generation builds it): nothing is padded along the
         # sequence, and the served graph says what the past must look like (a widened cache is
         # wider)
-        layout, positions = Layout((), None, {}), _position_rows(original_path)
-        served_path = variant_path(out, manifest.variant(served))
-        kv = (cache_spec(load_model(served_path)) or kv) if served != "original" else kv
-        signature = read_signature(served_path) if served != "original" else signature
+        layout, positions = Layout((), None, {}), _position_rows(signature)
+        if served != "original":
+            served_path = variant_path(out, manifest.variant(served))
+            kv = cache_spec(candidate_model) or kv
+            signature = read_signature(served_path, candidate_model)
     else:
         layout, positions = _probe_layout(runner, original_path, signature, vocab), None
     return LoadedModel(name, served, note, runner, original, signature, layout,
