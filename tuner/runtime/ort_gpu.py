@@ -218,7 +218,7 @@ class CudaGraphRunner:
 def load_ort_cuda(model_path: Path, settings: SessionSettings,
                   shapes: Sequence[tuple[int, int]] | None, cache_dir: Path | None, *,
                   fp16: bool = False, options: CudaOptions = CudaOptions()):
-    """The `ort-cuda` / `ort-cuda-fp16` loader (tuner.runtime.registry.Loader signature)."""
+    """The `ort-cuda` / `ort-cuda-fp16` loader (tuner.runtime.backend.Loader signature)."""
     name = "ort-cuda-fp16" if fp16 else "ort-cuda"
     model = fp16_model(Path(model_path), cache_dir) if fp16 else Path(model_path)
     buckets = check_buckets(shapes)
