@@ -1,12 +1,13 @@
-"""The accuracy gate for decoders exported with a KV cache (docs/design.md, "Decoders with a KV
-cache"): short greedy generations, each model fed its own `present` as its next `past`,
+"""The accuracy gate for decoders exported with a KV cache (docs/design.md, "Decoders
+with a KV cache"): short greedy generations, each model fed its own `present` as its next `past`,
 logits compared at every step (kept positions only) and the cache on the original positions.
 
     feeds = gate_feeds(model, vocab)        # CacheFeeds for a cache model, plain feeds otherwise
     result = check(reference, candidate, feeds, Tolerance(), widened={})   # a VerifyResult
 
-`check` is what every gate calls (tuner pad, tuner verify, optimize's variants): plain feed
-dicts go to tuner.gate.verify.verify, CacheFeeds to `verify_cache_model`. A candidate whose
+`check` is what the one entry to the gate (tuner.gate.entry.GateCheck) runs: plain feed
+dicts go to tuner.gate.verify.verify, CacheFeeds to `verify_cache_model`; both compare
+through tuner.gate.verify.Stats. A candidate whose
 cache interface was widened (the `widen` policy) is fed the reference's pasts scattered into
 its wider shape (zeros in the new entries; `widened` is the map the rewrite recorded, see
 tuner.graph.kv_cache.widened_cache), and its presents are compared on the original entries.
