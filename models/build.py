@@ -15,13 +15,11 @@ cached by (name, shape, exporter, this file's spec) under $SHAPETUNER_CACHE (def
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import json
 import os
 import sys
 import tempfile
-import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -295,6 +293,8 @@ def export(s: Spec, exporter: str, out: Path) -> Path:
     import onnx
     import torch
 
+    from models.quiet import quiet_exporters
+
     if exporter not in EXPORTERS:
         raise ValueError(f"exporter must be one of {EXPORTERS}, not {exporter!r}")
     if s.cache:
@@ -342,23 +342,6 @@ def export(s: Spec, exporter: str, out: Path) -> Path:
 def _cache_dir() -> Path:
     default = Path(__file__).resolve().parent.parent / ".cache" / "models"
     return Path(os.environ.get("SHAPETUNER_CACHE", default))
-
-
-@contextlib.contextmanager
-def quiet_exporters():
-    """Silence the exporters' known, harmless warnings: the legacy exporter's deprecation
-    notice, transformers' tracer warnings about mask-shape checks, torch.export's own
-    deprecations and axis renames. tests/test_models.py and tests/test_models_kv.py prove each
-    export equals torch at other batch/sequence/past shapes with padded masks."""
-    import torch
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        warnings.simplefilter("ignore", torch.jit.TracerWarning)
-        warnings.simplefilter("ignore", FutureWarning)
-        warnings.filterwarnings("ignore", "Exporting aten::index operator")  # no negative ids
-        warnings.filterwarnings("ignore", "# The axis name: .* will not be used")  # same axis
-        yield
 
 
 def _spec_key(name: str, shape: str, exporter: str) -> str:

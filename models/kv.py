@@ -168,7 +168,7 @@ def export_kv(model, exporter: str, out: Path, opsets: dict[str, int], ir_versio
     import onnx
     import torch
 
-    from models.build import quiet_exporters
+    from models.quiet import quiet_exporters
 
     wrapped = kv_wrapper(model)
     args = example_inputs(model.config)

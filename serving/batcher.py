@@ -30,6 +30,7 @@ from typing import Callable, Mapping
 import numpy as np
 
 from serving.errors import InvalidArgument, Unavailable
+from tuner.measure.buckets import BeyondBuckets, fit_bucket
 
 Feeds = Mapping[str, np.ndarray]
 RunFn = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
@@ -127,11 +128,11 @@ class Batcher:
         """The padded length for a request of `length` tokens."""
         if self.layout.mask_input is None:
             return length
-        for b in self.policy.seq_buckets:
-            if b >= length:
-                return b
-        raise InvalidArgument(f"sequence length {length} is longer than the largest bucket "
-                              f"{self.policy.seq_buckets[-1]}")
+        try:
+            return fit_bucket(length, self.policy.seq_buckets)  # the artifact's one rule
+        except BeyondBuckets:
+            raise InvalidArgument(f"sequence length {length} is longer than the largest bucket "
+                                  f"{self.policy.seq_buckets[-1]}") from None
 
     def run(self, feeds: Feeds) -> Result:
         """Run one request (already validated) and wait for its Result.

@@ -2,22 +2,16 @@
 
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 
 from serving.errors import InvalidArgument
+from tuner.graph.dtypes import DTYPES, np_dtype
 
-# Little-endian, as the protocol's raw bytes are.
+# Little-endian, as the protocol's raw bytes are; BF16 is ml_dtypes' (raw contents only, as
+# Triton's); from the one table of dtype names (tuner.graph.dtypes).
 DATATYPES: dict[str, np.dtype] = {
-    "BOOL": np.dtype("bool"),
-    "UINT8": np.dtype("<u1"), "UINT16": np.dtype("<u2"),
-    "UINT32": np.dtype("<u4"), "UINT64": np.dtype("<u8"),
-    "INT8": np.dtype("<i1"), "INT16": np.dtype("<i2"),
-    "INT32": np.dtype("<i4"), "INT64": np.dtype("<i8"),
-    "FP16": np.dtype("<f2"), "FP32": np.dtype("<f4"), "FP64": np.dtype("<f8"),
-    "BF16": np.dtype(ml_dtypes.bfloat16),  # raw contents only, as Triton's (ml_dtypes there too)
-    "BYTES": np.dtype(object),
-}
+    k: np.dtype(object) if k == "BYTES" else np_dtype(n).newbyteorder("<")
+    for _, n, k in DTYPES}
 _BY_NUMPY = {dt: name for name, dt in DATATYPES.items() if name != "BYTES"}
 
 

@@ -20,7 +20,7 @@ from serving.kv import check_cache_feeds
 from serving.metrics import Metrics, Stats
 from serving.model import LoadedModel, TensorSpec
 from tuner.artifact.records import Latency, parse_shape_key
-from tuner.gate.verify import Tolerance
+from tuner.gate.verify import Tolerance, kept_positions
 from tuner.graph.roles import mask_in
 
 log = logging.getLogger("serving")
@@ -281,10 +281,8 @@ class Engine:
     def _agrees(self, name: str, ref: np.ndarray, got: np.ndarray, mask) -> bool:
         if ref.shape != got.shape:
             return False
-        if mask is not None and ref.ndim >= 2 and ref.shape[:2] == mask.shape:
-            keep = mask.astype(bool)  # positions the client masked out are not compared
-            ref, got = ref[keep], got[keep]
-        return self.tolerance(name, ref, got)
+        # positions the client masked out are not compared
+        return self.tolerance(name, kept_positions(ref, mask), kept_positions(got, mask))
 
     def close(self) -> None:
         """Run everything queued, then stop."""

@@ -2,7 +2,7 @@
 through tuner.runtime, re-run the accuracy gate here, and find the tensors' layout.
 
 No grpc here. Everything reaches the model through tuner.artifact.records (what to load),
-tuner.runtime.registry (how to run it) and tuner.gate.verify / tuner.gate.feeds (whether it is exact).
+tuner.runtime.registry (how to run it) and tuner.gate.entry.prepare (whether it is exact).
 """
 
 from __future__ import annotations
@@ -21,28 +21,15 @@ from tuner.artifact.records import Buckets, Latency, Manifest
 from tuner.artifact.store import read_manifest, variant_path
 from tuner.errors import BadInput
 from tuner.gate.feeds import make_feeds
-from tuner.gate.kv_gate import cache_feeds, check
-from tuner.gate.verify import Tolerance, VerifyResult, verify
+from tuner.gate.entry import prepare
+from tuner.gate.verify import Tolerance, VerifyResult
+from tuner.graph.dtypes import KSERVE_BY_ONNX, onnx_name
 from tuner.graph.io import embedding_rows, model_precision
-from tuner.graph.kv_cache import widened_cache
 from tuner.graph.load import check_external_data, load_model, read_proto
 from tuner.graph.roles import (ATTENTION_MASK, INPUTS_EMBEDS, POSITION_IDS, TOKEN_IDS,
                                TOKEN_TYPE_IDS, InputSpec, batch_limit, input_specs, with_role)
 from tuner.runtime.base import Runner, SessionSettings
 from tuner.runtime.registry import get_backend
-
-# ONNX element types -> KServe v2 datatype names.
-_ONNX_DATATYPES = {
-    onnx.TensorProto.BOOL: "BOOL", onnx.TensorProto.UINT8: "UINT8",
-    onnx.TensorProto.UINT16: "UINT16", onnx.TensorProto.UINT32: "UINT32",
-    onnx.TensorProto.UINT64: "UINT64", onnx.TensorProto.INT8: "INT8",
-    onnx.TensorProto.INT16: "INT16", onnx.TensorProto.INT32: "INT32",
-    onnx.TensorProto.INT64: "INT64", onnx.TensorProto.FLOAT16: "FP16",
-    onnx.TensorProto.FLOAT: "FP32", onnx.TensorProto.DOUBLE: "FP64",
-    onnx.TensorProto.BFLOAT16: "BF16",
-    onnx.TensorProto.STRING: "BYTES",
-}
-
 
 @dataclass(frozen=True)
 class TensorSpec:
@@ -102,7 +89,7 @@ class LoadedModel:
 
 def _spec(value: onnx.ValueInfoProto) -> TensorSpec:
     t = value.type.tensor_type
-    datatype = _ONNX_DATATYPES.get(t.elem_type)
+    datatype = KSERVE_BY_ONNX.get(onnx_name(t.elem_type) or "")
     if datatype is None:
         raise BadInput(f"graph tensor {value.name!r} has element type {t.elem_type}, which "
                        "the KServe v2 protocol cannot carry")
@@ -169,10 +156,9 @@ def _probe_layout(runner: Runner, path: Path, signature: Signature, vocab: int) 
     return Layout(seq_inputs, mask, axes)
 
 
-def _gate_feeds(path: Path, vocab: int, buckets: Buckets) -> list[dict[str, np.ndarray]]:
+def _gate_shapes(buckets: Buckets) -> list[tuple[int, int]]:
     top = buckets.seq[-1]
-    shapes = sorted({(1, min(7, top)), (2, min(16, top)), (3, top)})
-    return make_feeds(path, vocab, shapes, seed=0)
+    return sorted({(1, min(7, top)), (2, min(16, top)), (3, top)})
 
 
 def load_artifact(out_dir: str | Path, backend: str | None = None,
@@ -203,14 +189,11 @@ def load_artifact(out_dir: str | Path, backend: str | None = None,
         _checked(candidate_path)
         candidate = loader.load(candidate_path, settings, shapes, cache)
         candidate_model = load_model(candidate_path)
-        if kv is not None:  # greedy rollouts, each model fed its own present
-            gate = check(original, candidate, cache_feeds(kv.roles, vocab), tolerance,
-                         widened_cache(candidate_model))
-        else:
-            gate = verify(original, candidate, _gate_feeds(original_path, vocab,
-                                                           manifest.buckets),
-                          tolerance.at_precision(signature.precision)
-                          if isinstance(tolerance, Tolerance) else tolerance, signature.specs)
+        # greedy rollouts for a cache model (each model fed its own present), else plain
+        # feeds at the artifact's buckets; tolerances at the original's precision either way
+        gate = prepare(original_model, original, candidate_model, vocab=vocab,
+                       shapes=_gate_shapes(manifest.buckets),
+                       tolerance=tolerance).check(candidate)
         if gate:
             runner, served = candidate, chosen.name
             note = f"serving variant {chosen.name}: accuracy gate passed on this machine"

@@ -61,7 +61,7 @@ def test_round_trip(tmp_path):
         _manifest(settings={"threads": 2}).session_settings()
     assert back.variant("original").latency["1x64"].spread_ms == pytest.approx(0.4)
     obj = json.loads((tmp_path / "manifest.json").read_text())
-    # DESIGN.md's contract fields, by their JSON names
+    # docs/design.md's contract fields, by their JSON names
     assert obj["source"] == {"path": "/models/m.onnx", "sha256": SHA}
     assert obj["buckets"]["batch"] == [1, 2] and obj["buckets"]["seq"] == [64, 128]
     v = obj["variants"][1]

@@ -1,7 +1,11 @@
 """GPU backends: what this CPU machine can check for real (the refusals and their messages,
 TensorRT profile shapes from buckets, provider options, cache keys, fp16 variants run by ONNX
 Runtime), and the GPU runs themselves, which skip here with the reason and run on a machine
-with an NVIDIA GPU."""
+with an NVIDIA GPU.
+
+Over 400 lines because every GPU backend's checks sit side by side (ort-cuda, ort-trt, trt and
+their fp16 forms share fixtures and the CUDA stubs), so a change to one is seen beside the
+others."""
 
 from __future__ import annotations
 

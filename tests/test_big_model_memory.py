@@ -182,6 +182,7 @@ def test_the_fused_candidate_is_gated_against_a_recorded_original(tmp_path, refe
     session is the only one loaded while it is checked."""
     from types import SimpleNamespace
 
+    from tuner.gate.entry import prepare
     from tuner.gate.feeds import input_specs, make_feeds
     from tuner.graph.inspect import inspect_path
     from tuner.graph.load import load_model
@@ -192,9 +193,10 @@ def test_the_fused_candidate_is_gated_against_a_recorded_original(tmp_path, refe
     feeds = make_feeds(input_specs(load_model(src)), 50257, [(1, 7), (2, 16)])
     cpu, settings = get_backend("ort-cpu"), SessionSettings(intra_op_threads=1)
     base = copy_original(src, tmp_path)
-    reference = record_then_release(lambda: cpu.load(base.path, settings), feeds)
+    gate = prepare(load_model(src), lambda: cpu.load(base.path, settings), feeds=feeds)
+    assert isinstance(gate.reference, Replay)  # recorded, its session released
     built = build_fused(base, tmp_path, SimpleNamespace(name="fuse"), inspect_path(src),
-                        reference, feeds, Tolerance(), cpu, settings)
+                        gate, cpu, settings)
     assert built.accuracy.passed and built.note.startswith("fused: ")
 
 

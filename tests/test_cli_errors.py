@@ -37,3 +37,10 @@ def test_bare_tuner_prints_help_and_exits_2(capsys):
 def test_help_exits_0(capsys):
     assert main(["inspect", "--help"]) == 0
     assert "--json" in capsys.readouterr().out
+
+
+def test_version_prints_the_installed_version_and_exits_0(capsys):
+    from importlib import metadata
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"tuner (shapetuner) {metadata.version('shapetuner')}\n"

@@ -303,17 +303,19 @@ def test_the_gate_pad_and_optimize_share_fails_corrupted_copies(layout, name, tm
     from tuner.gate.verify import Tolerance
     from tuner.graph.io import model_precision, vocab_for_feeds
     from tuner.graph.load import load_model
+    from tuner.gate.entry import prepare
     from tuner.jobs.pad import NotExact, gate, load_reference
 
     src = layout(name)
     model = load_model(src)
     specs = input_specs(model)
     feeds = make_feeds(specs, vocab_for_feeds(model, inspect_model(model)), DEFAULT_SHAPES)
-    tol = Tolerance().at_precision(model_precision(model))
-    reference = load_reference(src)
+    check = prepare(model, lambda: load_reference(src), feeds=feeds, tolerance=Tolerance())
+    assert check.tolerance == Tolerance().at_precision(model_precision(model))
+    assert [s.name for s in check.specs] == [s.name for s in specs]
     true_copy = tmp_path / "copy.onnx"
     shutil.copyfile(src, true_copy)
-    assert gate(reference, true_copy, feeds, tol, specs)
+    assert gate(check, true_copy)
     for kind in ("embedding", "ffn", "lm_head"):
         with pytest.raises(NotExact):
-            gate(reference, corrupt(src, tmp_path / f"{kind}.onnx", kind), feeds, tol, specs)
+            gate(check, corrupt(src, tmp_path / f"{kind}.onnx", kind))

@@ -1,10 +1,12 @@
-"""The shape of the house (DESIGN.md, Architecture): stage packages, data flowing one way, no
-import circles. Read from the code's own imports (function-level ones included), so that a
-change that breaks a rule fails here with the offending import named."""
+"""The shape of the house (docs/design.md, "The shape of the code"): stage packages, data
+flowing one way, no import circles, and a README Layout that names every module. Read from the
+code's own imports (function-level ones included), so that a change that breaks a rule fails
+here with the offending import named."""
 
 from __future__ import annotations
 
 import ast
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -22,7 +24,7 @@ ALLOWED: dict[str, set[str]] = {
     "runtime": {"errors", "util", "graph", "hardware"},
     "gate": {"errors", "util", "graph", "runtime"},
     "measure": {"errors", "util"},
-    "plan": {"errors", "util", "graph", "hardware", "measure"},
+    "plan": {"errors", "util", "graph", "hardware", "measure", "runtime"},
     "artifact": {"errors", "util", "graph", "runtime"},
     "design": {"errors", "util", "graph", "hardware", "measure", "plan"},
     "jobs": {"errors", "util", "graph", "hardware", "rewrite", "runtime", "gate", "measure",
@@ -32,13 +34,16 @@ ALLOWED: dict[str, set[str]] = {
 }
 # serving reads an artifact and runs it; never the planning, rewriting or measuring code.
 SERVING_MAY_USE = {"errors", "util", "graph", "artifact", "runtime", "gate"}
+# ...and of measure/ only the bucket rule, which optimize and the server must share
+# (tuner.measure.buckets.fit_bucket: one answer past the largest bucket)
+SERVING_MAY_USE_MODULES = {"tuner.measure.buckets"}
 LOOSE_MODULES_ALLOWED = {"__init__.py", "__main__.py", "errors.py"}
 GRPC = ("grpc", "grpc_health", "grpc_reflection")
 
 
-def _modules(root: Path = ROOT) -> dict[str, Path]:
+def _modules(root: Path = ROOT, tops: tuple[str, ...] = ("tuner", "serving")) -> dict[str, Path]:
     out = {}
-    for top in ("tuner", "serving"):
+    for top in tops:
         for p in sorted((root / top).rglob("*.py")):
             parts = list(p.relative_to(root).with_suffix("").parts)
             if parts[-1] == "__init__":
@@ -48,6 +53,9 @@ def _modules(root: Path = ROOT) -> dict[str, Path]:
 
 
 MODULES = _modules()
+# the circle checks cover the reference models too (`python -m models.build` is a command of
+# its own, so the library rules below do not apply there)
+EVERY_MODULE = _modules(tops=("tuner", "serving", "models"))
 
 
 def _imports(name: str, path: Path, modules: dict[str, Path] = MODULES) -> list[tuple[str, int]]:
@@ -81,8 +89,8 @@ def _project_edges(modules: dict[str, Path] = MODULES) -> dict[str, set[str]]:
 
 def _package(module: str) -> str:
     parts = module.split(".")
-    if parts[0] == "serving":
-        return "serving"
+    if parts[0] in ("serving", "models"):
+        return parts[0]
     return parts[1] if len(parts) > 1 else "tuner"
 
 
@@ -122,12 +130,12 @@ def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_no_import_circle_between_modules():
-    assert _cycles(_project_edges()) == []
+    assert _cycles(_project_edges(EVERY_MODULE)) == []
 
 
 def test_no_import_circle_between_packages():
     packages: dict[str, set[str]] = defaultdict(set)
-    for a, bs in _project_edges().items():
+    for a, bs in _project_edges(EVERY_MODULE).items():
         for b in bs:
             if _package(a) != _package(b):
                 packages[_package(a)].add(_package(b))
@@ -158,7 +166,8 @@ def test_serving_runs_an_artifact_through_artifact_runtime_and_gate_only():
     wrong = [f"{path.relative_to(ROOT)}:{line} imports {module}"
              for name, path in MODULES.items() if name.startswith("serving")
              for module, line in _imports(name, path)
-             if module.startswith("tuner.") and _package(module) not in SERVING_MAY_USE]
+             if module.startswith("tuner.") and _package(module) not in SERVING_MAY_USE
+             and module not in SERVING_MAY_USE_MODULES]
     assert wrong == []
 
 
@@ -233,3 +242,81 @@ def test_the_rules_catch_a_circle_and_an_import_against_the_flow(tmp_path):
     assert _cycles(_project_edges(fake)) == [["tuner.plan.a", "tuner.plan.b"]]
     assert [w.split(" (")[0] for w in _against_the_flow(fake)] == [
         "walk.py:1 imports tuner.jobs.run"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The README's Layout and the tree agree
+
+LAYOUT_TOPS = ("tuner", "serving", "models")
+_PACKAGE_LINE = re.compile(r"^( *)([A-Za-z_]\w*)/(\s|$)")
+
+
+def _layout_blocks(readme: str) -> dict[str, str]:
+    """The Layout section's tree as {package path: the words written for it}: a line
+    `    name/    text` opens a package (nested by indent), deeper lines continue its text."""
+    section = readme.split("## Layout", 1)[1].split("\n## ", 1)[0]
+    blocks: dict[str, str] = {}
+    stack: list[tuple[int, str]] = []
+    current = None
+    for line in section.splitlines():
+        if not line.startswith("    ") or not line.strip():
+            continue
+        head = _PACKAGE_LINE.match(line)
+        if head:
+            indent = len(head.group(1))
+            while stack and stack[-1][0] >= indent:
+                stack.pop()
+            path = "/".join([p for _, p in stack] + [head.group(2)])
+            stack.append((indent, head.group(2)))
+            current = path
+            blocks[path] = line[head.end():]
+        elif current is not None:
+            blocks[current] += " " + line.strip()
+    return blocks
+
+
+def _missing_from_layout(root: Path, readme: str) -> list[str]:
+    """Every module and package of LAYOUT_TOPS the Layout does not name, as messages."""
+    blocks = _layout_blocks(readme)
+    missing = []
+    for top in LAYOUT_TOPS:
+        folders = [root / top] + sorted(p for p in (root / top).rglob("*")
+                                        if p.is_dir() and (p / "__init__.py").is_file())
+        for folder in folders:
+            rel = folder.relative_to(root).as_posix()
+            if rel not in blocks:
+                missing.append(f"package {rel}/ has no line in the README's Layout")
+                continue
+            if "_generated" in rel:  # generated stubs: the folder is named, not its files
+                continue
+            for f in sorted(folder.glob("*.py")):
+                if f.stem == "__init__":
+                    continue
+                if not re.search(rf"(?<![\w.]){re.escape(f.stem)}(?![\w])", blocks[rel]):
+                    module = ".".join([*rel.split("/"), f.stem])
+                    missing.append(f"{module} is missing from the README's Layout (add it to "
+                                   f"the line of {rel}/)")
+    return missing
+
+
+def test_the_readme_layout_names_every_module():
+    assert _missing_from_layout(ROOT, (ROOT / "README.md").read_text(encoding="utf-8")) == []
+
+
+def test_every_package_in_the_readme_layout_exists():
+    gone = [p for p in _layout_blocks((ROOT / "README.md").read_text(encoding="utf-8"))
+            if p.split("/")[0] in LAYOUT_TOPS and not (ROOT / p).is_dir()]
+    assert gone == []
+
+
+def test_the_layout_check_names_the_module_it_misses(tmp_path):
+    """The check can fail, and says which module is missing where."""
+    for rel in ("tuner/__init__.py", "tuner/gate/__init__.py", "tuner/gate/verify.py",
+                "tuner/gate/entry.py", "serving/__init__.py", "models/__init__.py"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("")
+    readme = ("## Layout\n\n    tuner/\n      gate/   verify (the comparator)\n"
+              "    serving/   the server\n    models/   reference models\n\n## Next\n")
+    assert _missing_from_layout(tmp_path, readme) == [
+        "tuner.gate.entry is missing from the README's Layout (add it to the line of "
+        "tuner/gate/)"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from tuner.hardware.detect import DeviceInfo
-from tuner.jobs import pipeline
+from tuner.jobs import planning
 from tuner.measure.cache import ResultsCache, device_key, entry_key
 
 
@@ -32,15 +32,15 @@ def test_the_cache_key_changes_with_runtime_provider_device_driver_and_tensorrt(
 
 
 def test_the_gemm_probe_times_in_the_backends_precision(monkeypatch):
-    assert (pipeline.probe_dtype("fp32"), pipeline.probe_dtype("fp16"),
-            pipeline.probe_dtype("bf16")) == ("fp32", "fp16", "bf16")
+    assert (planning.probe_dtype("fp32"), planning.probe_dtype("fp16"),
+            planning.probe_dtype("bf16")) == ("fp32", "fp16", "bf16")
     seen = []
 
     def fake_probe(gemms, backend, rounds, warmup, threads, dtype):
         seen.append(dtype)
         return [type("R", (), {"samples_ms": (1.0,) * rounds})() for _ in gemms]
 
-    monkeypatch.setattr(pipeline, "probe", fake_probe)
+    monkeypatch.setattr(planning, "probe", fake_probe)
 
     class _Gemm:
         label = "x"
@@ -49,7 +49,7 @@ def test_the_gemm_probe_times_in_the_backends_precision(monkeypatch):
             return "1x2x3"
 
     for dtype in ("fp32", "fp16"):
-        fn = pipeline._cached_probe(ResultsCache(None), ("sha", "probe:torch-cuda", "dev"), 1,
+        fn = planning._cached_probe(ResultsCache(None), ("sha", "probe:torch-cuda", "dev"), 1,
                                     "torch-cuda", dtype)
         fn([_Gemm()])
     assert seen == ["fp32", "fp16"]  # and the two are cached apart (two probes ran)

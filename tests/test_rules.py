@@ -1,4 +1,4 @@
-"""Shape findings: each DESIGN.md guideline fires on the shapes it is about, stays quiet on
+"""Shape findings: each docs/design.md guideline fires on the shapes it is about, stays quiet on
 aligned ones, and says what to change."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The two kinds of failure the CLI tells apart (DESIGN.md: exit 2 bad input, 1 internal)."""
+"""The two kinds of failure the CLI tells apart (docs/design.md: exit 2 bad input, 1 internal)."""
 
 
 class BadInput(Exception):

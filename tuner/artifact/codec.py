@@ -1,4 +1,4 @@
-"""The manifest as JSON, both directions: `manifest_to_json` writes the DESIGN.md contract;
+"""The manifest as JSON, both directions: `manifest_to_json` writes the docs/design.md contract;
 `manifest_from_json` reads it back from untrusted JSON, every field type-checked, every error
 naming the field's JSON path (`variants[1].latency.1x64.n`)."""
 

@@ -1,4 +1,4 @@
-"""The artifact's manifest (DESIGN.md contract): dataclasses, atomic write, validated read.
+"""The artifact's manifest (docs/design.md contract): dataclasses, atomic write, validated read.
 
     OUT/manifest.json      this file's format
     OUT/variants/<name>/   one folder per variant graph (external data beside it)

@@ -1,5 +1,5 @@
 """Console entry point `tuner`. Parsing and printing only: the work is in the modules below
-tuner/. Exit codes (DESIGN.md): 0 success, 2 bad input (one line on stderr), 1 internal."""
+tuner/. Exit codes (docs/design.md): 0 success, 2 bad input (one line on stderr), 1 internal."""
 
 from __future__ import annotations
 

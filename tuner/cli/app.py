@@ -14,6 +14,21 @@ app = typer.Typer(
 )
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from tuner import __version__
+
+        write_out(f"tuner (shapetuner) {__version__}\n")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", callback=_print_version,
+                                       is_eager=True, help="print the version and exit")) -> None:
+    # `tuner`'s own options (the help text is the app's, above)
+    del version
+
+
 class ReaderWentAway(Exception):
     """stdout's reader closed the pipe (`tuner inspect X | head`). Not an OSError on purpose:
     click turns a BrokenPipeError into its own exit 1; the entry point answers this with 141,

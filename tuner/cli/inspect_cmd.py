@@ -121,7 +121,7 @@ def render(shape: ModelShape, console: Console) -> None:
 @app.command("inspect")
 def inspect(
     model: Path = typer.Argument(..., help="the exported model (.onnx; external data beside it)"),
-    as_json: bool = typer.Option(False, "--json", help="print one JSON object (DESIGN.md contract)"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object (docs/design.md contract)"),
     device: str = typer.Option("cpu", "--device", help="hardware facts for the findings: "
                                "a100, h100, h200 or cpu"),
     tokens: int = typer.Option(4096, "--tokens", min=1,

@@ -1,7 +1,7 @@
 """Candidate whole-model shapes near a parameter budget, pruned by the paper's rules.
 
 Anthony et al. (arXiv 2401.14489) guidelines, applied here as construction rules so that only
-shapes worth measuring are generated (DESIGN.md notation):
+shapes worth measuring are generated (docs/design.md notation):
 
 1. v divisible by 64: every candidate pads the vocabulary to the next multiple of 64;
 3. h and h/a divisible by a high power of two: h is a multiple of 64 and the head dim is 64

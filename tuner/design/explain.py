@@ -8,7 +8,7 @@ from __future__ import annotations
 from tuner.design.measure import MeasureSettings, ShapeCost
 from tuner.hardware.facts import ORT_FUSED_HEAD_DIMS, DeviceFacts, largest_power_of_two_dividing
 
-# ONNX Runtime's fused attention kernels exist for these head dims (DESIGN.md).
+# ONNX Runtime's fused attention kernels exist for these head dims (docs/design.md).
 GROUPS = {"attention": ("scores", "context"), "qkv+out": ("qkv", "out"),
           "ffn": ("up", "gate", "down"), "lm head": ("lm_head",)}
 

@@ -1,6 +1,6 @@
 """Exact parameter counts of decoder-only transformers, the currency of the co-design search.
 
-Two FFN kinds (DESIGN.md notation: h hidden, a heads, k kv heads, d head dim, f FFN width,
+Two FFN kinds (docs/design.md notation: h hidden, a heads, k kv heads, d head dim, f FFN width,
 v vocabulary, L layers):
 
 - plain: up (h x f) -> GELU -> down (f x h), as in GPT-2 and GPT-NeoX (Pythia, the paper's

@@ -15,7 +15,7 @@ from tuner.util.files import atomic_write
 COLUMNS = ("#", "shape", "d", "v", "params", "tokens/s", "TFLOP/s", "forward ms [q1, q3]",
            "speedup [95% CI]", "")
 CPU_NOTE = ("CPU: no tensor-core tiles or waves; shape effects come from SIMD blocking and caches "
-            "and are usually small, so expect many ties (DESIGN.md).")
+            "and are usually small, so expect many ties (docs/design.md).")
 SCOPE_NOTE = ("Times are the sums of the model's GEMMs and attention matmuls (L layers + LM head), "
               "measured interleaved; element-wise ops and the embedding lookup are not included.")
 

@@ -17,6 +17,7 @@ from tuner.design.params import FAMILIES, FAMILY_FOR_FFN, DesignShape, Family, c
 from tuner.design.rank import Ranking, rank
 from tuner.errors import BadInput
 from tuner.graph.inspect import inspect_path
+from tuner.hardware.detect import detect
 from tuner.hardware.facts import DEVICES, DeviceFacts
 from tuner.plan.probe import backend_unavailable, gpu_facts
 from tuner.util.progress import Progress
@@ -134,7 +135,7 @@ def resolve_device(device: str) -> tuple[str, DeviceFacts]:
     if reason:
         raise BadInput(f"device {device} needs a CUDA GPU: {reason}")
     here = gpu_facts()
-    if name != "gpu" and here.name != DEVICES[name].name:  # measured here, labelled there: no
+    if name != "gpu" and detect().facts_key != name:  # measured here, labelled there: no
         raise BadInput(f"--device {device}, but this machine's GPU is {here.name}: the probe "
                        f"measures the GPU it runs on; use --device auto or gpu")
     return "torch-cuda", here

@@ -1,12 +1,13 @@
-"""The accuracy gate for decoders exported with a KV cache (DESIGN.md, "Decoders with a KV
-cache"): short greedy generations, each model fed its own `present` as its next `past`,
+"""The accuracy gate for decoders exported with a KV cache (docs/design.md, "Decoders
+with a KV cache"): short greedy generations, each model fed its own `present` as its next `past`,
 logits compared at every step (kept positions only) and the cache on the original positions.
 
     feeds = gate_feeds(model, vocab)        # CacheFeeds for a cache model, plain feeds otherwise
     result = check(reference, candidate, feeds, Tolerance(), widened={})   # a VerifyResult
 
-`check` is what every gate calls (tuner pad, tuner verify, optimize's variants): plain feed
-dicts go to tuner.gate.verify.verify, CacheFeeds to `verify_cache_model`. A candidate whose
+`check` is what the one entry to the gate (tuner.gate.entry.GateCheck) runs: plain feed
+dicts go to tuner.gate.verify.verify, CacheFeeds to `verify_cache_model`; both compare
+through tuner.gate.verify.Stats. A candidate whose
 cache interface was widened (the `widen` policy) is fed the reference's pasts scattered into
 its wider shape (zeros in the new entries; `widened` is the map the rewrite recorded, see
 tuner.graph.kv_cache.widened_cache), and its presents are compared on the original entries.
@@ -23,7 +24,8 @@ import onnx_ir as ir
 from tuner.gate.feeds import DEFAULT_SHAPES, make_feeds
 from tuner.gate.kv_feeds import (CacheRoles, Rollout, StepFeeds, cache_roles, decode_feeds,
                                  greedy_rollout, prefill_feeds)
-from tuner.gate.verify import OutputReport, Tolerance, TolerancePolicy, VerifyResult, verify
+from tuner.gate.verify import (Stats, Tolerance, TolerancePolicy, VerifyResult, tolerance_label,
+                               verify)
 from tuner.graph.kv_cache import CachePads, find_kv_cache
 from tuner.graph.roles import InputSpec
 
@@ -87,7 +89,8 @@ def check(reference, candidate, feeds, tolerance: Tolerance | TolerancePolicy = 
     otherwise (`specs` say which input is the mask; fewer than `min_compared` compared elements
     in an output fail)."""
     if isinstance(feeds, CacheFeeds):
-        return verify_cache_model(reference, candidate, feeds, tolerance, widened or {})
+        return verify_cache_model(reference, candidate, feeds, tolerance, widened or {},
+                                  min_compared)
     return verify(reference, candidate, feeds, tolerance, specs, min_compared)
 
 
@@ -125,52 +128,6 @@ def widen_feeds(step: StepFeeds, widened: CachePads) -> StepFeeds:
 # The comparison
 
 
-class _Stats:
-    def __init__(self) -> None:
-        self.max_abs = self.max_rel = 0.0
-        self.cosine = 1.0
-        self.compared = self.agree = self.rows = 0
-        self.passed, self.reason = True, ""
-
-    def fail(self, reason: str) -> None:
-        if self.passed:
-            self.passed, self.reason = False, reason
-
-    def add(self, name: str, ref: np.ndarray, got: np.ndarray, policy, keep=None) -> None:
-        """Compare `got` with `ref` (same shape) where `keep` (B, S) is true."""
-        if ref.shape != got.shape:
-            self.fail(f"shape {got.shape} != {ref.shape}")
-            return
-        if keep is not None:
-            ref, got = ref[keep.astype(bool)], got[keep.astype(bool)]  # (kept rows, ...)
-        r, g = ref.astype(np.float64), got.astype(np.float64)
-        self.compared += r.size
-        if r.size == 0:
-            return
-        if (np.isnan(r) != np.isnan(g)).any():
-            self.fail("NaN where the reference has none (or the reverse)")
-        fin = np.isfinite(r) & np.isfinite(g)
-        diff = np.abs(r[fin] - g[fin])
-        if diff.size:
-            self.max_abs = max(self.max_abs, float(diff.max()))
-            rel = diff / np.maximum(np.abs(r[fin]), 1e-12)
-            self.max_rel = max(self.max_rel, float(rel.max()))
-            denom = np.linalg.norm(r[fin]) * np.linalg.norm(g[fin])
-            cos = (float(r[fin] @ g[fin] / denom) if denom > 0
-                   else float(np.array_equal(r[fin], g[fin])))
-            self.cosine = min(self.cosine, cos)
-        if not policy(name, ref, got):
-            self.fail("")
-        if keep is not None and ref.ndim >= 2:  # logits rows: top-1 agreement
-            self.agree += int((ref.argmax(-1) == got.argmax(-1)).sum())
-            self.rows += int(np.prod(ref.shape[:-1]))
-
-    def report(self, name: str) -> OutputReport:
-        top1 = (self.agree / self.rows) if self.rows else None
-        return OutputReport(name, self.passed, self.max_abs, self.max_rel, self.cosine, top1,
-                            self.compared, self.reason)
-
-
 def _rollout(runner, start: StepFeeds, steps: int) -> Rollout:
     return greedy_rollout(runner.infer, start, steps)
 
@@ -181,17 +138,20 @@ def _first_line(e: Exception) -> str:
 
 def verify_cache_model(reference, candidate, feeds: CacheFeeds,
                        tolerance: Tolerance | TolerancePolicy = Tolerance(),
-                       widened: CachePads | None = None) -> VerifyResult:
+                       widened: CachePads | None = None, min_compared: int = 1) -> VerifyResult:
     """Roll both models greedily from every start in `feeds` and compare logits at every step
     (positions the mask keeps) and the final cache (on the original entries when `widened`).
-    Fails closed: a model that does not run, a flipped greedy token, a missing output."""
+    Fails closed: a model that does not run, a flipped greedy token, a missing output, an
+    output with fewer than `min_compared` compared elements. The comparison is the plain
+    gate's own (tuner.gate.verify.Stats)."""
+    if min_compared < 1:
+        raise ValueError(f"min_compared must be >= 1, not {min_compared}")
     widened = widened or {}
-    label = (f"atol={tolerance.atol:g} rtol={tolerance.rtol:g}" if isinstance(tolerance, Tolerance)
-             else getattr(tolerance, "__name__", "custom"))
-    label += f"; {len(feeds)} greedy rollouts, each model fed its own present"
+    label = (tolerance_label(tolerance)
+             + f"; {len(feeds)} greedy rollouts, each model fed its own present")
     roles = feeds.roles
     presents = list(roles.past_to_present.values())
-    stats = {name: _Stats() for name in [roles.logits, *presents]}
+    stats = {name: Stats() for name in [roles.logits, *presents]}
     errors: list[str] = []
     for i, (start, steps) in enumerate(feeds.starts):
         what = f"rollout {i} (batch {start.mask.shape[0]}, past {start.past}, seq {start.seq})"
@@ -207,7 +167,7 @@ def verify_cache_model(reference, candidate, feeds: CacheFeeds,
             continue
         diverged = False
         for step, (r, g, m) in enumerate(zip(ref.logits, got.logits, ref.query_masks)):
-            stats[roles.logits].add(roles.logits, r, g, tolerance, keep=m)
+            stats[roles.logits].add(roles.logits, r, g, tolerance, mask=m)
             if not np.array_equal(ref.tokens[:, step], got.tokens[:, step]):
                 errors.append(f"{what}: step {step}: greedy tokens differ")
                 diverged = True
@@ -219,9 +179,9 @@ def verify_cache_model(reference, candidate, feeds: CacheFeeds,
                 stats[name].fail("missing in the candidate")
                 continue
             stats[name].add(name, ref.cache[name], _narrow(got.cache[name], widened.get(name, ())),
-                            tolerance)
-    reports = tuple(s.report(n) for n, s in stats.items())
-    return VerifyResult(reports, len(feeds), label, tuple(errors))
+                            tolerance, top1=False)
+    reports = tuple(s.report(n, min_compared) for n, s in stats.items())
+    return VerifyResult(reports, len(feeds), label, tuple(errors), min_compared)
 
 
 

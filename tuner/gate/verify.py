@@ -135,16 +135,19 @@ class VerifyResult:
                 "min_compared": self.min_compared, "errors": list(self.errors), "outputs": [asdict(o) for o in self.outputs]}
 
 
-def _valid_positions(arr: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
-    """A boolean array over `arr` that is False where the attention mask marks padding."""
+def kept_positions(arr: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
+    """`arr` at the (batch, seq) positions the attention mask keeps, (kept, ...): padding is
+    never read, so never compared. Unchanged when its leading axes are not the mask's (an
+    output without a sequence axis) or there is no mask. The one home of this rule (the
+    gate, the server's shadow check)."""
     if mask is None or arr.ndim < 2 or arr.shape[:2] != mask.shape:
-        return np.ones(arr.shape, dtype=bool)
-    keep = mask.astype(bool).reshape(mask.shape + (1,) * (arr.ndim - 2))
-    return np.broadcast_to(keep, arr.shape)
+        return arr
+    return arr[mask.astype(bool)]
 
 
-class _Acc:
-    """Running statistics for one output."""
+class Stats:
+    """Running statistics of one output over many comparisons: the one comparator of the
+    gate (plain feeds here, greedy rollouts in tuner.gate.kv_gate)."""
 
     def __init__(self) -> None:
         self.max_abs = self.max_rel = 0.0
@@ -152,36 +155,56 @@ class _Acc:
         self.agree = self.rows = self.compared = 0
         self.passed, self.reason, self.top1 = True, "", False
 
+    def fail(self, reason: str) -> None:
+        self.passed, self.reason = False, reason
 
-def _compare(acc: _Acc, name: str, ref: np.ndarray, cand: np.ndarray, mask, policy) -> None:
-    if ref.shape != cand.shape or ref.dtype != cand.dtype:
-        acc.passed = False
-        acc.reason = f"shape/dtype {cand.shape} {cand.dtype} != {ref.shape} {ref.dtype}"
-        return
-    keep = _valid_positions(ref, mask)
-    r = ref[keep].astype(np.float64)
-    c = cand[keep].astype(np.float64)
-    acc.compared += r.size
-    if r.size == 0:
-        return
-    bad_nan = np.isnan(r) != np.isnan(c)
-    if bad_nan.any():
-        acc.passed, acc.reason = False, "NaN where the reference has none (or the reverse)"
-    fin = np.isfinite(r) & np.isfinite(c)
-    diff = np.abs(r[fin] - c[fin])
-    if diff.size:
-        acc.max_abs = max(acc.max_abs, float(diff.max()))
-        acc.max_rel = max(acc.max_rel, float((diff / np.maximum(np.abs(r[fin]), 1e-12)).max()))
-        denom = np.linalg.norm(r[fin]) * np.linalg.norm(c[fin])
-        cos = float(r[fin] @ c[fin] / denom) if denom > 0 else float(np.array_equal(r[fin], c[fin]))
-        acc.cosine = min(acc.cosine, cos)
-    if not policy(name, ref[keep], cand[keep]):
-        acc.passed = False
-    if ref.dtype.kind == "f" and ref.ndim >= 2 and ref.shape[-1] > 1:
-        rows = keep[..., 0]
-        acc.top1 = True
-        acc.agree += int((ref.argmax(-1)[rows] == cand.argmax(-1)[rows]).sum())
-        acc.rows += int(rows.sum())
+    def add(self, name: str, ref: np.ndarray, cand: np.ndarray, policy,
+            mask: np.ndarray | None = None, top1: bool = True) -> None:
+        """Compare `cand` with `ref` where the (batch, seq) `mask` keeps positions (all of
+        them without one); `top1`: count argmax agreement over the last axis of float
+        outputs of rank >= 2 (logits)."""
+        if ref.shape != cand.shape or ref.dtype != cand.dtype:
+            self.fail(f"shape/dtype {cand.shape} {cand.dtype} != {ref.shape} {ref.dtype}")
+            return
+        ref, cand = kept_positions(ref, mask), kept_positions(cand, mask)
+        r = ref.reshape(-1).astype(np.float64)
+        c = cand.reshape(-1).astype(np.float64)
+        self.compared += r.size
+        if r.size == 0:
+            return
+        if (np.isnan(r) != np.isnan(c)).any():
+            self.fail("NaN where the reference has none (or the reverse)")
+        fin = np.isfinite(r) & np.isfinite(c)
+        diff = np.abs(r[fin] - c[fin])
+        if diff.size:
+            self.max_abs = max(self.max_abs, float(diff.max()))
+            self.max_rel = max(self.max_rel, float((diff / np.maximum(np.abs(r[fin]), 1e-12)).max()))
+            denom = np.linalg.norm(r[fin]) * np.linalg.norm(c[fin])
+            cos = float(r[fin] @ c[fin] / denom) if denom > 0 else float(np.array_equal(r[fin], c[fin]))
+            self.cosine = min(self.cosine, cos)
+        if not policy(name, ref, cand):
+            self.passed = False
+        if top1 and ref.dtype.kind == "f" and ref.ndim >= 2 and ref.shape[-1] > 1:
+            self.top1 = True
+            self.agree += int((ref.argmax(-1) == cand.argmax(-1)).sum())
+            self.rows += int(np.prod(ref.shape[:-1]))
+
+    def report(self, name: str, min_compared: int = 1) -> OutputReport:
+        """The output's row; fewer than `min_compared` compared elements fail it ("nothing
+        compared"), whatever the errors were."""
+        passed, reason = self.passed, self.reason
+        if self.compared < min_compared:
+            passed = False
+            reason = (f"nothing compared: {self.compared} element(s), the floor is {min_compared}"
+                      + (f"; {reason}" if reason else ""))
+        top1 = (self.agree / self.rows if self.rows else 1.0) if self.top1 else None
+        return OutputReport(name, passed, self.max_abs, self.max_rel, self.cosine, top1,
+                            self.compared, reason)
+
+
+def tolerance_label(tolerance: Tolerance | TolerancePolicy) -> str:
+    return (tolerance.label() if isinstance(tolerance, Tolerance)
+            else getattr(tolerance, "__name__", "custom"))
 
 
 def verify(reference: Runner, candidate: Runner, feeds: Sequence[Mapping[str, np.ndarray]],
@@ -192,10 +215,7 @@ def verify(reference: Runner, candidate: Runner, feeds: Sequence[Mapping[str, np
     than `min_compared` compared elements fails ("nothing compared")."""
     if min_compared < 1:
         raise ValueError(f"min_compared must be >= 1, not {min_compared}")
-    policy = tolerance
-    label = (tolerance.label() if isinstance(tolerance, Tolerance)
-             else getattr(tolerance, "__name__", "custom"))
-    accs: dict[str, _Acc] = {}
+    accs: dict[str, Stats] = {}
     errors: list[str] = []
     for i, feed in enumerate(feeds):
         shapes = {k: tuple(v.shape) for k, v in feed.items()}
@@ -213,23 +233,16 @@ def verify(reference: Runner, candidate: Runner, feeds: Sequence[Mapping[str, np
             continue
         mask = mask_in(feed, specs)
         for name, ref in ref_out.items():
-            acc = accs.setdefault(name, _Acc())
+            acc = accs.setdefault(name, Stats())
             if name not in cand_out:
-                acc.passed, acc.reason = False, "missing in the candidate"
+                acc.fail("missing in the candidate")
                 continue
-            _compare(acc, name, np.asarray(ref), np.asarray(cand_out[name]), mask, policy)
-    for a in accs.values():
-        if a.compared < min_compared:
-            a.passed = False
-            a.reason = (f"nothing compared: {a.compared} element(s), the floor is {min_compared}"
-                        + (f"; {a.reason}" if a.reason else ""))
+            acc.add(name, np.asarray(ref), np.asarray(cand_out[name]), tolerance, mask)
     if not feeds:
         errors.append("nothing compared: no feeds")
-    reports = tuple(
-        OutputReport(name, a.passed, a.max_abs, a.max_rel, a.cosine,
-                     (a.agree / a.rows if a.rows else 1.0) if a.top1 else None, a.compared, a.reason)
-        for name, a in accs.items())
-    return VerifyResult(reports, len(feeds), label, tuple(errors), min_compared)
+    reports = tuple(a.report(name, min_compared) for name, a in accs.items())
+    return VerifyResult(reports, len(feeds), tolerance_label(tolerance), tuple(errors),
+                        min_compared)
 
 
 

@@ -29,7 +29,7 @@ from typing import Literal
 
 import onnx_ir as ir
 
-from tuner.graph.walk import DATA_INPUTS, MS, consumers, is_const, op, walk_back
+from tuner.graph.walk import DATA_INPUTS, MS, consumers, is_const, op, walk_back, walk_forward
 
 Role = Literal["key", "value"]
 # Ops between a cache Concat and the attention MatMuls: head transposes, GQA's repeat_kv
@@ -201,18 +201,7 @@ def _fused_joins(node: ir.Node, inputs: set[int], outputs: set[int]) -> list[_Jo
 
 def _forward(start: ir.Value, through: set[str], want) -> list[ir.Node]:
     """Nodes `want(node)` reached from `start` through ops in `through` (bounded BFS)."""
-    found, queue, seen = [], deque([start]), set()
-    while queue and len(seen) < _WALK_LIMIT:
-        v = queue.popleft()
-        for node in consumers(v):
-            if id(node) in seen:
-                continue
-            seen.add(id(node))
-            if want(node):
-                found.append(node)
-            elif op(node) in through:
-                queue.extend(node.outputs)
-    return found
+    return walk_forward(start, lambda node: op(node) in through, want, limit=_WALK_LIMIT)
 
 
 def _softmax_before(v: ir.Value) -> ir.Node | None:
@@ -382,7 +371,7 @@ def with_dims(cache: KvCache, kv_heads: int, head_dim: int) -> KvCache:
 
 
 # ---------------------------------------------------------------------------------------------
-# A widened cache interface (DESIGN.md's `widen` policy), as the rewrite records it
+# A widened cache interface (docs/design.md's `widen` policy), as the rewrite records it
 
 # metadata_props key: JSON {tensor name: [[axis, [new index of each old entry], new size], ..]}
 # for every past input and present output whose shape the rewrite widened (one entry per

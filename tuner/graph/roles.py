@@ -10,10 +10,10 @@ import os
 from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
-import ml_dtypes
 import numpy as np
 import onnx_ir as ir
 
+from tuner.graph.dtypes import NUMPY_BY_ONNX, np_dtype  # noqa: F401 - np_dtype: callers' name
 from tuner.graph.load import load_model
 
 # Roles of a graph input, found from the graph's structure (`input_specs`); names only break ties.
@@ -25,18 +25,6 @@ ROLES = (TOKEN_IDS, ATTENTION_MASK, POSITION_IDS, TOKEN_TYPE_IDS, KV_CACHE, INPU
 _PASS_THROUGH = {"Reshape", "Cast", "Identity", "Flatten", "Squeeze", "Unsqueeze", "Expand"}
 _SEARCH_DEPTH = 24  # nodes followed from an input when looking for the mask or rotary path
 _LARGE_NEGATIVE = -1e4  # a constant this negative (or finfo.min) marks an attention bias
-
-_NP_DTYPES = {"INT64": "int64", "INT32": "int32", "INT16": "int16", "INT8": "int8",
-              "UINT8": "uint8", "FLOAT": "float32", "FLOAT16": "float16", "DOUBLE": "float64",
-              "BOOL": "bool", "BFLOAT16": "bfloat16"}
-
-
-def np_dtype(name: str) -> np.dtype:
-    """numpy's dtype for a spec's dtype name; "bfloat16" is ml_dtypes' (numpy has none)."""
-    if name == "bfloat16":
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)
-
 
 @dataclass(frozen=True)
 class InputSpec:
@@ -266,7 +254,7 @@ def input_specs(model) -> list[InputSpec]:
     ref = _dims_of(ref_value) if ref_value is not None else ()
     specs = []
     for v in inputs:
-        dtype = _NP_DTYPES.get(v.dtype.name if v.dtype is not None else "FLOAT", "float32")
+        dtype = NUMPY_BY_ONNX.get(v.dtype.name if v.dtype is not None else "FLOAT", "float32")
         dims = _dims_of(v)
         batch, seq = _axes(dims, roles[v.name], ref)
         specs.append(InputSpec(v.name, dtype, dims, roles[v.name], batch, seq))

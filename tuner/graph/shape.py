@@ -2,7 +2,7 @@
 
 These dataclasses cross module borders (inspect -> plan -> rewrite -> artifact), so they are
 frozen and carry only names (node and initializer names), never onnx_ir objects: a rewrite
-looks the names up in its own copy of the graph. `ModelShape.to_json()` is DESIGN.md's
+looks the names up in its own copy of the graph. `ModelShape.to_json()` is docs/design.md's
 `tuner inspect --json` contract.
 """
 
@@ -91,7 +91,7 @@ class Sites:
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The dimensions of DESIGN.md's contract, plus where they live."""
+    """The dimensions of docs/design.md's contract, plus where they live."""
 
     num_layers: int
     hidden_size: int

@@ -223,3 +223,23 @@ def walk_back(start: ir.Value, follow: Callable[[ir.Node], Iterable[int] | None]
             if i < len(node.inputs) and node.inputs[i] is not None:
                 queue.append(node.inputs[i])
     return hits, walked
+
+
+def walk_forward(start: ir.Value, follow: Callable[[ir.Node], bool],
+                 want: Callable[[ir.Node], bool], limit: int = 400) -> list[ir.Node]:
+    """Breadth-first walk from `start` towards the graph outputs: a node with `want(node)`
+    is collected (and not walked through); `follow(node)` continues through its outputs.
+    At most `limit` nodes are visited. Returns the collected nodes in the order met."""
+    found: list[ir.Node] = []
+    seen: set[int] = set()
+    queue: deque[ir.Value] = deque([start])
+    while queue and len(seen) < limit:
+        for node in consumers(queue.popleft()):
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+            if want(node):
+                found.append(node)
+            elif follow(node):
+                queue.extend(node.outputs)
+    return found

@@ -1,4 +1,4 @@
-"""Hardware facts the shape rules need: SM count, tile size, alignment (DESIGN.md).
+"""Hardware facts the shape rules need: SM count, tile size, alignment (docs/design.md).
 
 Figures are the vendors' published ones; `tile` is a representative output tile of a large
 fp16 cuBLAS/CUTLASS GEMM on that part (128x256 on Ampere/Hopper), used to count tiles and waves.
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from tuner.errors import BadInput
 
-# Head dims for which ONNX Runtime has fused attention kernels (DESIGN.md): another head dim
+# Head dims for which ONNX Runtime has fused attention kernels (docs/design.md): another head dim
 # runs the unfused path, so the head dim decides which attention kernel runs at all.
 ORT_FUSED_HEAD_DIMS = (16, 32, 40, 64, 80, 128, 160, 256)
 

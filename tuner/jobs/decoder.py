@@ -1,5 +1,5 @@
 """`tuner optimize` for a decoder exported with its KV cache: two workloads, measured apart
-(DESIGN.md, "Decoders with a KV cache").
+(docs/design.md, "Decoders with a KV cache").
 
 - prefill: the prompt, b x s against an empty cache (past 0);
 - decode: one new token per stream, b x 1 against a cache of P positions. Decode is where
@@ -21,21 +21,25 @@ bucket; speedups are paired ratios of that sum, round by round.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from tuner.artifact.records import Manifest
+from tuner.artifact.codec import manifest_to_json
+from tuner.artifact.records import Manifest, shape_key
 from tuner.artifact.report_html import PhaseRow
 from tuner.errors import BadInput
 from tuner.gate.kv_feeds import CacheRoles, decode_feeds, prefill_feeds
+from tuner.gate.kv_gate import WidenedRunner
 from tuner.graph.kv_cache import KvCache, widened_cache
 from tuner.graph.load import load_model
-from tuner.measure.buckets import (Requests, batch_buckets, bucket_of, default_seq_buckets,
+from tuner.jobs.workload import Phase, Shape, Traffic, memo
+from tuner.measure.bench import Measurements, Target
+from tuner.measure.buckets import (Requests, batch_buckets, fit_bucket, default_seq_buckets,
                                    load_requests, seq_grid, uniform_requests)
-from tuner.measure.stats import weighted_totals
+from tuner.measure.stats import RatioCI, paired_ratio_ci, weighted_totals
 
 DEFAULT_OUTPUT_TOKENS = 32
 RULE = ("expected time per request = prefill(batch, prompt bucket) + mean output tokens x "
@@ -131,7 +135,7 @@ def decoder_traffic(requests: Path | None, max_seq: int | None, max_batch: int,
 def decode_shape(t: DecoderTraffic, prefill_shape: tuple[int, int]) -> tuple[int, int]:
     """(batch, cache length) where variants are compared for decode: the selection's batch,
     the bucket of the median cache length."""
-    return prefill_shape[0], bucket_of(t.past.seq_quantile(0.5), t.past_grid)
+    return prefill_shape[0], fit_bucket(t.past.seq_quantile(0.5), t.past_grid)
 
 
 def prefill_feeds_for(roles: CacheRoles, vocab: int, shape: tuple[int, int],
@@ -215,3 +219,60 @@ def report_section(manifest_json: Mapping[str, Any]) -> str:
             + (f"{sp['ratio']:.3f}x [{sp['low']:.3f}, {sp['high']:.3f}]" if sp else "-") + " |"
             if p and d else f"| {v['name']} | {pk} | - | {dk} | - | - |")
     return "\n".join(lines) + "\n"
+
+
+class DecoderWorkload:
+    """Prefill (b x s against past 0) and decode (b x 1 against a cache of P), measured apart
+    and weighed by tokens (RULE); variants with a widened cache are fed wider pasts."""
+
+    def __init__(self, cfg, roles: CacheRoles, cache: KvCache, vocab: int,
+                 positions: int | None) -> None:
+        self.roles, self.cache, self.vocab = roles, cache, vocab
+        self.decoder = decoder_traffic(cfg.requests, cfg.max_seq, cfg.max_batch, positions)
+        d = self.decoder
+        self.traffic = Traffic(d.prompts, d.prompt_grid, d.batch, d.note)
+
+    def phases(self, selection: Sequence[Shape]) -> tuple[Phase, ...]:
+        d = self.decoder
+        prefill = Phase("prefill", tuple(selection), d.prompts, d.prompt_grid,
+                        memo(lambda s: prefill_feeds_for(self.roles, self.vocab, s)))
+        decode = Phase("decode", (decode_shape(d, selection[0]),), d.past, d.past_grid,
+                       memo(lambda s: decode_feeds_for(self.roles, self.vocab, s)),
+                       key=decode_key, latency_field="latency_decode", bucket_field="past",
+                       settings={"phase": "decode"})
+        return prefill, decode
+
+    def wrap(self, targets: list[Target], paths: Mapping[str, Path]) -> list[Target]:
+        """A widened cache interface is fed wider pasts (zeros in the new entries)."""
+        out = []
+        for t in targets:
+            widened = widened_cache(load_model(paths[t.name]))
+            out.append(replace(t, runner=WidenedRunner(t.runner, widened)) if widened else t)
+        return out
+
+    def speedups(self, measured: Mapping[str, Measurements], names: Sequence[str],
+                 phases: Sequence[Phase]) -> dict[str, RatioCI]:
+        prefill, decode = (measured[p.name] for p in phases)
+
+        def per_request(n: str) -> np.ndarray:
+            return combined_totals(prefill.by_shape(n), decode.by_shape(n),
+                                   self.decoder.mean_output)
+        return {n: paired_ratio_ci(per_request("original"), per_request(n))
+                for n in names if n != "original"}
+
+    def manifest_parts(self, selected_path: Path, selected: str, policy: str,
+                       phases: Sequence[Phase]) -> dict[str, Any]:
+        prefill, decode = phases
+        return {"cache": cache_section(self.cache, selected_path, selected, policy),
+                "phases": {"rule": RULE, "mean_output_tokens": self.decoder.mean_output,
+                           "prefill": {"shapes": [shape_key(*s) for s in prefill.compare_at],
+                                       "weight": 1.0, "per": "request"},
+                           "decode": {"shapes": [decode_key(*s) for s in decode.compare_at],
+                                      "weight": self.decoder.mean_output,
+                                      "per": "generated token"}}}
+
+    def phase_rows(self, manifest: Manifest) -> list[PhaseRow]:
+        return phase_rows(manifest)
+
+    def report_section(self, manifest: Manifest) -> str:
+        return report_section(manifest_to_json(manifest))

@@ -42,7 +42,7 @@ class OptimizeConfig:
     graph_optimization: str = "all"
     atol: float = 1e-4
     rtol: float = 1e-3
-    cache_policy: str = "keep"  # head-dim/head-count variants of a KV-cache decoder (DESIGN.md)
+    cache_policy: str = "keep"  # head-dim/head-count variants of a KV-cache decoder (docs/design.md)
     cache_dir: Path | None = None  # None: no results cache
     force: bool = False
     progress: bool = True

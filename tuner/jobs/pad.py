@@ -2,11 +2,11 @@
 (CPU), and only then write it, atomically.
 
     result = pad_file("in.onnx", "out.onnx", PadRequest(vocab_size=50304))
-    result = pad_model(model.clone(), shape, req, dst, reference, feeds, tolerance)
+    result = pad_model(model.clone(), shape, req, dst, check)
 
 `pad_model` is what `tuner optimize` uses for each candidate: the model it already holds (a
-copy: the rewrite edits in place), the shape it already inspected, one reference runner for all
-candidates. `pad_file` is the whole command for one file.
+copy: the rewrite edits in place), the shape it already inspected, one prepared gate
+(tuner.gate.entry.prepare) for all candidates. `pad_file` is the whole command for one file.
 """
 
 from __future__ import annotations
@@ -23,14 +23,12 @@ import onnx_ir as ir
 
 from tuner.errors import BadInput
 from tuner.gate.feeds import DEFAULT_SHAPES
-from tuner.gate.kv_gate import CacheFeeds, check, gate_feeds
-from tuner.gate.verify import Tolerance, VerifyResult, record_then_release
+from tuner.gate.entry import GateCheck, prepare
+from tuner.gate.verify import Tolerance, VerifyResult
 from tuner.graph.inspect import inspect_model
-from tuner.graph.io import model_precision, vocab_for_feeds
-from tuner.graph.kv_cache import widened_cache
+from tuner.graph.io import vocab_for_feeds
 from tuner.graph.load import load_model, save_model
 from tuner.graph.paddable import Transform
-from tuner.graph.roles import InputSpec, input_specs
 from tuner.graph.shape import ModelShape
 from tuner.rewrite.compose import PadRequest, apply
 from tuner.runtime.base import Runner, SessionSettings
@@ -91,19 +89,17 @@ def load_reference(src: Path, settings: SessionSettings = SessionSettings()) -> 
                        f"variant of it can be verified: {_first_line(e)}") from None
 
 
-def gate(reference: Runner, staged: Path, feeds: Feeds | CacheFeeds, tolerance: Tolerance,
-         specs: Sequence[InputSpec] | None = None) -> VerifyResult:
-    """The staged variant against the reference; NotExact unless it passes. A cache model's
-    variant (CacheFeeds) is gated through greedy rollouts (tuner.gate.kv_gate), fed a widened
-    past when its rewrite widened the cache interface."""
-    widened = widened_cache(load_model(staged)) if isinstance(feeds, CacheFeeds) else {}
+def gate(check: GateCheck, staged: Path) -> VerifyResult:
+    """The staged variant through `check` (tuner.gate.entry.prepare); NotExact unless it
+    passes. A cache model's variant is gated through greedy rollouts, fed a widened past when
+    its rewrite widened the cache interface (read from the staged file)."""
     try:
         candidate = get_backend("ort-cpu").load(staged)
     except Exception as e:  # noqa: BLE001 - a graph ORT rejects is our rewrite's bug
-        raise NotExact(VerifyResult((), len(feeds), "-", (
+        raise NotExact(VerifyResult((), len(check.feeds), "-", (
             f"the padded model does not load: {_first_line(e)}",))) from None
     try:
-        result = check(reference, candidate, feeds, tolerance, widened, specs)
+        result = check.check(candidate, staged)
     finally:
         candidate.close()
     if not result:
@@ -119,13 +115,9 @@ def _move_into_place(staged: Path, dst: Path) -> None:
 
 
 def pad_model(model: ir.Model, shape: ModelShape, req: PadRequest, dst: Path,
-              reference: Runner | None, feeds: Feeds, tolerance: Tolerance = Tolerance(),
-              src: str = "", specs: Sequence[InputSpec] | None = None) -> PadResult:
-    """Rewrite `model` (edited in place), gate it against `reference` on `feeds` (skipped when
-    `reference` is None), then write `dst` atomically. NotExact: nothing was written."""
-    specs = specs if specs is not None else input_specs(model)
-    if isinstance(tolerance, Tolerance):  # a policy function is taken as given
-        tolerance = tolerance.at_precision(model_precision(model))
+              check: GateCheck | None, src: str = "") -> PadResult:
+    """Rewrite `model` (edited in place), gate it through `check` (skipped when None), then
+    write `dst` atomically. NotExact: nothing was written."""
     model, records = apply(model, shape, req)
     dst.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dst.parent, prefix=f".{dst.name}.") as tmp:
@@ -134,7 +126,7 @@ def pad_model(model: ir.Model, shape: ModelShape, req: PadRequest, dst: Path,
         # the ONNX Runtime session of the gate needs
         del model
         gc.collect()
-        result = gate(reference, staged, feeds, tolerance, specs) if reference is not None else None
+        result = gate(check, staged) if check is not None else None
         _move_into_place(staged, dst)
     return PadResult(src, str(dst), tuple(records), result)
 
@@ -148,16 +140,11 @@ def pad_file(src: str | os.PathLike, dst: str | os.PathLike, req: PadRequest, ve
     _check_destination(src, dst)
     model = load_model(src)
     shape = inspect_model(model)
-    reference = None
-    if verify:
-        feeds = list(feeds) if feeds is not None else gate_feeds(model, vocab_for_feeds(model, shape),
-                                                                 shapes)
-        if isinstance(feeds, CacheFeeds):  # a rollout asks the reference as it goes
-            reference = load_reference(src)
-        else:  # one session at a time: the original's outputs are recorded, then it goes
-            reference = record_then_release(lambda: load_reference(src), feeds)
+    check = (prepare(model, lambda: load_reference(src), feeds=feeds,
+                     vocab=vocab_for_feeds(model, shape), shapes=shapes, tolerance=tolerance)
+             if verify else None)
     try:
-        return pad_model(model, shape, req, dst, reference, feeds or (), tolerance, src=str(src))
+        return pad_model(model, shape, req, dst, check, src=str(src))
     finally:
-        if reference is not None:
-            reference.close()
+        if check is not None:
+            check.close()

@@ -12,23 +12,20 @@ from __future__ import annotations
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
 
 import numpy as np
 import onnx_ir as ir
 
 from tuner.artifact.records import Accuracy
 from tuner.errors import BadInput
-from tuner.gate.kv_gate import CacheFeeds, check
-from tuner.gate.verify import Tolerance, VerifyResult
-from tuner.graph.kv_cache import widened_cache
-from tuner.graph.load import check_external_data, external_locations, load_model, read_proto
+from tuner.gate.entry import GateCheck
+from tuner.gate.verify import VerifyResult
+from tuner.graph.load import check_external_data, external_locations, read_proto
 from tuner.graph.paddable import Transform
 from tuner.graph.shape import ModelShape
 from tuner.jobs.pad import NotExact, pad_model
 from tuner.plan.propose import Candidate
 from tuner.rewrite.compose import PadRequest
-from tuner.runtime.base import Runner
 from tuner.runtime.ort_fusion import fuse_file
 
 MODEL_FILE = "model.onnx"
@@ -84,15 +81,14 @@ def copy_original(src: Path, root: Path) -> Built:
 
 
 def build_padded(model: ir.Model, shape: ModelShape, root: Path, cand: Candidate,
-                 reference: Runner, feeds: Sequence[Mapping[str, np.ndarray]],
-                 tolerance: Tolerance, cache_policy: str = "keep", specs=None) -> Built:
+                 check: GateCheck, cache_policy: str = "keep") -> Built:
     """Pad a copy of `model` (already loaded and inspected as `shape`) as the candidate asks,
-    gated against `reference` before it is written. BadInput (a refused rewrite, or a failed
+    gated through `check` before it is written. BadInput (a refused rewrite, or a failed
     gate) propagates, with nothing left behind."""
     dst, rel = variant_dir(root, cand.name)
     try:
         res = pad_model(model.clone(), shape, PadRequest.from_pads(cand.pads, cache_policy), dst,
-                        reference, feeds, tolerance, specs=specs)
+                        check)
     except NotExact as e:
         shutil.rmtree(dst.parent, ignore_errors=True)
         raise BadInput(f"{cand.name} failed the accuracy gate: "
@@ -106,17 +102,16 @@ def build_padded(model: ir.Model, shape: ModelShape, root: Path, cand: Candidate
     return Built(cand.name, dst, rel, True, res.records, accuracy_of(res.accuracy))
 
 
-def build_fused(base: Built, root: Path, cand: Candidate, shape, reference, feeds, tolerance,
-                backend, settings, specs=None) -> Built:
-    """Run ORT's transformer optimizer on an already-built variant, then gate it against the
-    original (`reference`, a runner) on the same feeds."""
+def build_fused(base: Built, root: Path, cand: Candidate, shape: ModelShape, check: GateCheck,
+                backend, settings) -> Built:
+    """Run ORT's transformer optimizer on an already-built variant (`base`), then gate it
+    through `check`, against the original on the same feeds."""
     dst, rel = variant_dir(root, cand.name)
     try:
         stats = fuse_file(base.path, dst, shape.num_heads, shape.hidden_size)
         if not stats:
             raise BadInput(f"{cand.name}: ONNX Runtime's optimizer found nothing to fuse")
-        widened = widened_cache(load_model(dst)) if isinstance(feeds, CacheFeeds) else {}
-        result = check(reference, backend.load(dst, settings), feeds, tolerance, widened, specs)
+        result = check.check(backend.load(dst, settings), dst)
     except BaseException:
         shutil.rmtree(dst.parent, ignore_errors=True)
         raise

@@ -244,11 +244,21 @@ class BucketChoice:
     coverage: Mapping[int, float]  # seq bucket -> share of requests it serves
 
 
-def bucket_of(x: int, buckets: Sequence[int]) -> int:
+class BeyondBuckets(ValueError):
+    """A length (or batch) past the largest bucket: it fits none."""
+
+
+def fit_bucket(n: int, buckets: Sequence[int]) -> int:
+    """The bucket a length (or batch) of `n` runs at: the smallest bucket >= n, `buckets`
+    ascending. The one rule for optimize (which buckets serve which requests), the server's
+    batcher and generation. Past the largest bucket nothing fits, and the answer is always
+    the same: BeyondBuckets (a ValueError) naming both; the caller refuses the request
+    (the server with INVALID_ARGUMENT). No rounding up to an untimed shape: the buckets are
+    the shapes the artifact measured."""
     for b in buckets:
-        if b >= x:
-            return b
-    raise ValueError(f"{x} is beyond the largest bucket {buckets[-1]}")
+        if b >= n:
+            return int(b)
+    raise BeyondBuckets(f"{n} is beyond the largest bucket {buckets[-1] if buckets else '(none)'}")
 
 
 def interpolate(lat: Mapping[Shape, float], b: int, s: int) -> float:
@@ -277,7 +287,7 @@ def choose(req: Requests, latency: Callable[[int, int], float] | Mapping[Shape, 
     if req.max_seq > grid[-1] or req.max_batch > batch[-1]:
         raise ValueError("the grid must cover the longest request and the largest batch")
     total = sum(req.weights.values())
-    items = [(bucket_of(b, batch), s, w / total) for (b, s), w in req.weights.items()]
+    items = [(fit_bucket(b, batch), s, w / total) for (b, s), w in req.weights.items()]
     n = len(grid)
     # seg[i][j]: cost of the requests with grid[i-1] < seq <= grid[j] served at grid[j]
     # (i == 0: from 0); best[m][j]: least cost covering seq <= grid[j] with m buckets, top grid[j].
@@ -307,7 +317,7 @@ def choose(req: Requests, latency: Callable[[int, int], float] | Mapping[Shape, 
     seqs = tuple(sorted(chosen))
     cover: dict[int, float] = {s: 0.0 for s in seqs}
     for _, s, w in items:
-        cover[bucket_of(s, seqs)] += w
+        cover[fit_bucket(s, seqs)] += w
     # Batch buckets stay as given: beyond the clients' own batches, the server's batcher joins
     # requests into them.
     return BucketChoice(

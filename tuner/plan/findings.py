@@ -1,4 +1,4 @@
-"""Shape findings: DESIGN.md's guidelines applied to one model on one device.
+"""Shape findings: docs/design.md's guidelines applied to one model on one device.
 
 Each finding says what to change and why, in one line. Rules only propose; the tuner
 measures (a padded shape is a candidate, never a promise).

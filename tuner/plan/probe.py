@@ -32,7 +32,12 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 
 from tuner.errors import BadInput
+from tuner.hardware.detect import detect
 from tuner.hardware.facts import DEVICES, DeviceFacts, WaveCount
+from tuner.measure.timing import interleave_timed, reps_for
+from tuner.runtime.base import SessionSettings
+from tuner.runtime.ort import load_cpu
+from tuner.runtime.registry import get_backend
 from tuner.util.progress import Progress
 
 BACKENDS = ("ort-cpu", "torch-cuda")
@@ -138,11 +143,8 @@ def model_gemms(shape: Any, batch: int, seq: int, lm_head: bool = True) -> list[
 def backend_unavailable(backend: str) -> str | None:
     """None when `backend` can run here, else the reason it cannot."""
     if backend == "ort-cpu":
-        try:
-            import onnxruntime  # noqa: F401
-        except ImportError as e:  # pragma: no cover - a dependency of the package
-            return f"onnxruntime is not importable ({e})"
-        return None
+        ok, reason = get_backend("ort-cpu").available()
+        return None if ok else reason
     if backend == "torch-cuda":
         try:
             import torch
@@ -155,15 +157,12 @@ def backend_unavailable(backend: str) -> str | None:
 
 
 def gpu_facts() -> DeviceFacts:
-    """The hardware facts of CUDA device 0: a known part by name, else its own SM count."""
-    import torch
-
-    name = torch.cuda.get_device_name(0)
-    for key, facts in DEVICES.items():
-        if facts.kind == "gpu" and key in name.lower():
-            return facts
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    return DeviceFacts(name, "gpu", sms, (128, 256), 8, 64)
+    """The hardware facts of CUDA device 0, as tuner.hardware.detect reads them from the
+    driver (a known part by its name, with the SM count it really has)."""
+    info = detect()
+    if info.kind != "gpu":
+        raise BadInput("the CUDA driver reports no GPU (tuner.hardware.detect)")
+    return info.facts()
 
 
 def batched_waves(shape: GemmShape, dev: DeviceFacts | None) -> WaveCount | None:
@@ -213,13 +212,10 @@ def _ort_timer(shape: GemmShape, threads: int, rng: np.random.Generator) -> Time
     b = rng.random((*lead, shape.k, shape.n), dtype=np.float32)
     # a weight is constant, so ORT prepacks it as it would in a real model
     model = gemm_model(shape, b if shape.linear else None)
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = threads
-    so.inter_op_num_threads = 1
-    so.log_severity_level = 3
-    # idle sessions must not spin on the cores the timed one needs (many sessions live at once)
-    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    # idle sessions must not spin on the cores the timed one needs (many sessions live at
+    # once): SessionSettings leaves spinning off
+    sess = load_cpu(model.SerializeToString(),
+                    SessionSettings(intra_op_threads=threads, inter_op_threads=1))
     del model
     # Bound once, so no copy is timed. The OrtValues wrap the numpy buffers without copying:
     # both must outlive the binding, so the closure holds them (`alive`).
@@ -292,13 +288,13 @@ def _torch_timer(shape: GemmShape, pools) -> Timer:
     return run
 
 
-def _calibrate(timer: Timer, warmup: int, min_sample_s: float, max_reps: int = 1000) -> int:
-    """Run the warm-up calls and pick how many calls one sample takes, so that a sample
-    lasts at least `min_sample_s` (a tiny attention GEMM takes microseconds)."""
+def _calibrate(timer: Timer, warmup: int, min_sample_s: float) -> int:
+    """Run the warm-up calls and pick how many calls one sample takes (tuner.measure.timing
+    .reps_for: a tiny attention GEMM takes microseconds)."""
     per_call = timer(1)
     for _ in range(max(0, warmup - 1)):
         per_call = min(per_call, timer(1))
-    return max(1, min(max_reps, math.ceil(min_sample_s / max(per_call, 1e-9))))
+    return reps_for(per_call * 1e3, min_sample_s * 1e3)
 
 
 def steps(shapes: Iterable[GemmShape], rounds: int) -> int:
@@ -344,15 +340,15 @@ def probe(shapes: Sequence[GemmShape], backend: str = "ort-cpu", rounds: int = 7
         tick(f"setting up {s.label or 'gemm'} {s.describe()}")
         timer = _torch_timer(s, pools) if pools is not None else _ort_timer(s, threads, rng)
         timers[key] = (timer, _calibrate(timer, max(1, warmup), min_s))
-    samples: dict[tuple, list[float]] = {key: [] for key in unique}
     keys = list(unique)
-    order = np.random.default_rng(seed + 1)
-    for r in range(rounds):
-        # a fresh random order each round, as tuner.measure.bench.interleave does: no shape always
-        # runs first (after an idle gap) or always behind the same other shape
-        for key in (keys[i] for i in order.permutation(len(keys))):
-            timer, reps = timers[key]
-            samples[key].append(timer(reps) * 1e3)
-            tick(f"round {r + 1}/{rounds}: {unique[key].label or 'gemm'} {unique[key].describe()}")
-    return [GemmResult(s, backend, device.name, tuple(samples[s.key]), batched_waves(s, device))
+
+    def step(r: int, i: int) -> None:
+        s = unique[keys[i]]
+        tick(f"round {r + 1}/{rounds}: {s.label or 'gemm'} {s.describe()}")
+    # a fresh random order each round: no shape always runs first (after an idle gap) or
+    # always behind the same other shape; each timer gives its own ms per call
+    ms = interleave_timed([lambda t=timers[k]: t[0](t[1]) * 1e3 for k in keys], rounds, step,
+                          seed=seed + 1)
+    samples = {k: tuple(float(x) for x in ms[i]) for i, k in enumerate(keys)}
+    return [GemmResult(s, backend, device.name, samples[s.key], batched_waves(s, device))
             for s in shapes]

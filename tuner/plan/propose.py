@@ -1,6 +1,6 @@
 """Candidate variants from an inspected shape and the device's facts, pruned by a GEMM probe.
 
-Rules only propose (DESIGN.md): for each dimension that can be padded exactly (FFN width,
+Rules only propose (docs/design.md): for each dimension that can be padded exactly (FFN width,
 vocabulary, head dim) the next multiples of 8/16/32/64/128 within a growth budget, the
 device's preferred multiple for all of them together, and for a gated FFN a few wider
 multiples near 8/3*h (the SwiGLU advice: search nearby widths rather than take one). The GEMM
@@ -39,6 +39,7 @@ class Candidate:
     reason: str = ""
     predicted: float | None = None  # probe's predicted speedup over the original
     predicted_high: float | None = None  # upper end of its 95% interval (paired rounds)
+    base: str | None = None  # a fused candidate: the name of the variant it fuses
 
     @property
     def pads(self) -> dict[str, int]:
@@ -71,7 +72,7 @@ def dim_options(kind: str, size: int, facts: DeviceFacts, gated: bool = False,
         base = max(size, 8 * hidden // 3)
         opts |= {next_multiple(base, m) for m in (64, 128, 256)}
     if kind == "head_dim":
-        # fused attention kernels exist for these head dims only (DESIGN.md)
+        # fused attention kernels exist for these head dims only (docs/design.md)
         opts |= {d for d in ORT_FUSED_HEAD_DIMS if d > size}
     limit = size * (1 + MAX_GROWTH[kind])
     return sorted(o for o in opts if size < o <= limit)
@@ -116,7 +117,8 @@ def _dedupe(cands: list[Candidate]) -> list[Candidate]:
 
 def with_fusion(best: Candidate) -> Candidate:
     """The fused form of a padded candidate (pad first, then fuse)."""
-    return _make([*best.transforms, Transform("fuse")], f"{best.name}, then fused")
+    fused = _make([*best.transforms, Transform("fuse")], f"{best.name}, then fused")
+    return replace(fused, base=best.name)
 
 
 # A probe takes GEMM shapes and returns, per shape in order, its times in ms: one per

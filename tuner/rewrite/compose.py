@@ -46,7 +46,7 @@ class PadRequest:
     vocab_size: int | None = None
     head_dim: int | None = None
     num_heads: int | None = None
-    # What head-dim / head-count padding does to a KV cache (DESIGN.md): "keep" its shape
+    # What head-dim / head-count padding does to a KV cache (docs/design.md): "keep" its shape
     # (padded inside the graph, present sliced back) or "widen" the cache interface.
     cache_policy: str = "keep"
 

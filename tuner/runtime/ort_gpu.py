@@ -23,15 +23,13 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from tuner.errors import BadInput
+from tuner.graph.dtypes import NUMPY_BY_ORT
 from tuner.graph.roles import (ATTENTION_MASK, POSITION_IDS, InputSpec, input_specs, np_dtype,
                                role_of)
 from tuner.runtime.base import SessionSettings
 from tuner.runtime.gpu import CUDA_EP, check_buckets, fp16_model, preload_libraries
 from tuner.runtime.ort import session_options
 
-_ORT_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(double)": "float64",
-              "tensor(int64)": "int64", "tensor(int32)": "int32", "tensor(bool)": "bool",
-              "tensor(int8)": "int8", "tensor(uint8)": "uint8"}
 WARMUP_RUNS = 3  # ORT runs a bucket normally before it captures; capture by the third run
 
 
@@ -62,7 +60,7 @@ class CudaOptions:
 
 def session_specs(session) -> list[InputSpec]:
     """tuner.graph.roles.InputSpec for every input of an ORT session."""
-    return [InputSpec(i.name, _ORT_TYPES.get(i.type, "float32"), tuple(i.shape))
+    return [InputSpec(i.name, NUMPY_BY_ORT.get(i.type, "float32"), tuple(i.shape))
             for i in session.get_inputs()]
 
 
@@ -220,7 +218,7 @@ class CudaGraphRunner:
 def load_ort_cuda(model_path: Path, settings: SessionSettings,
                   shapes: Sequence[tuple[int, int]] | None, cache_dir: Path | None, *,
                   fp16: bool = False, options: CudaOptions = CudaOptions()):
-    """The `ort-cuda` / `ort-cuda-fp16` loader (tuner.runtime.registry.Loader signature)."""
+    """The `ort-cuda` / `ort-cuda-fp16` loader (tuner.runtime.backend.Loader signature)."""
     name = "ort-cuda-fp16" if fp16 else "ort-cuda"
     model = fp16_model(Path(model_path), cache_dir) if fp16 else Path(model_path)
     buckets = check_buckets(shapes)

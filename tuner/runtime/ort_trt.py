@@ -79,7 +79,7 @@ def provider_options(engine_dir: Path, timing_dir: Path,
 def load_ort_trt(model_path: Path, settings: SessionSettings,
                  shapes: Sequence[tuple[int, int]] | None, cache_dir: Path | None, *,
                  options: TrtEpOptions = TrtEpOptions()):
-    """The `ort-trt` loader (tuner.runtime.registry.Loader signature). Without buckets the EP
+    """The `ort-trt` loader (tuner.runtime.backend.Loader signature). Without buckets the EP
     builds engines for the shapes it meets at run time (and rebuilds when they grow)."""
     model_path = Path(model_path)
     buckets = check_buckets(shapes)

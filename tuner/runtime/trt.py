@@ -225,7 +225,7 @@ class TrtRunner:
 def load_trt(model_path: Path, settings: SessionSettings,
              shapes: Sequence[tuple[int, int]] | None, cache_dir: Path | None, *,
              fp16: bool = False, options: BuildOptions = BuildOptions(), device_id: int = 0):
-    """The `trt` / `trt-fp16` loader (tuner.runtime.registry.Loader signature): load the saved
+    """The `trt` / `trt-fp16` loader (tuner.runtime.backend.Loader signature): load the saved
     engine when there is one for exactly these profiles, else build and save it."""
     import tensorrt as trt
 

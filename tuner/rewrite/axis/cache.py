@@ -1,4 +1,4 @@
-"""Where a widened head dim or head count meets a decoder's KV cache (DESIGN.md, "Decoders
+"""Where a widened head dim or head count meets a decoder's KV cache (docs/design.md, "Decoders
 with a KV cache"): the Concat that appends the new keys/values to `past`, and `present`.
 
     cache = CacheInterface.of(model, shape.cache, "keep")   # or "widen"

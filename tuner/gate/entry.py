@@ -1,0 +1,149 @@
+"""The one entry to the gate: how a variant is checked against its original, decided in one
+place for every caller (`tuner verify`, `tuner pad`, optimize's variants and its backend
+re-check, the server's check before it is ready).
+
+    gate = prepare(original, lambda: backend.load(path), variant, vocab=vocab)
+    result = gate.check(candidate_runner)        # a VerifyResult, truthy when it passes
+    gate.close()
+
+`prepare` settles, once:
+- the feeds: the caller's own (`--inputs`), else greedy rollouts for a decoder exported with
+  its KV cache (tuner.gate.kv_gate.cache_feeds), else random token ids at `shapes`;
+- the reference: a loader is called once and, for plain feeds, recorded and released (one
+  session at a time: tuner.gate.verify.record_then_release); a rollout asks the reference as
+  it goes, so a cache model's reference stays live; a runner already loaded is used as it is;
+- the tolerances: widened to the original's own precision (fp16, bf16), cache models included;
+- the cache policy: a variant whose cache interface was widened (`widen`) is fed wider pasts
+  and compared on the original entries (tuner.graph.kv_cache.widened_cache of the variant).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+import onnx_ir as ir
+
+from tuner.errors import BadInput
+from tuner.gate.feeds import DEFAULT_SHAPES
+from tuner.gate.kv_gate import CacheFeeds, check, gate_feeds
+from tuner.gate.verify import Tolerance, TolerancePolicy, VerifyResult, record_then_release
+from tuner.graph.inspect import inspect_model
+from tuner.graph.io import model_precision, vocab_for_feeds
+from tuner.graph.kv_cache import CachePads, widened_cache
+from tuner.graph.load import load_model
+from tuner.graph.roles import InputSpec, input_specs
+from tuner.runtime.base import Runner
+
+Feeds = Sequence[Mapping[str, np.ndarray]]
+# a variant as the gate reads its cache policy: its graph, its file, or the recorded map
+Variant = ir.Model | Path | str | Mapping
+
+
+@dataclass(frozen=True)
+class GateCheck:
+    """A ready check: the reference (live or recorded), the feeds, the tolerances at the
+    original's precision, the input specs (which input is the mask) and the floor of compared
+    elements. `check(candidate, variant)` runs it; `close()` releases the reference."""
+
+    reference: Runner
+    feeds: Feeds | CacheFeeds
+    tolerance: Tolerance | TolerancePolicy
+    specs: tuple[InputSpec, ...]
+    min_compared: int = 1
+    widened: CachePads = field(default_factory=dict)  # the variant given to prepare, if any
+
+    @property
+    def rollouts(self) -> bool:
+        """True for a cache model's gate: greedy rollouts, each model fed its own present."""
+        return isinstance(self.feeds, CacheFeeds)
+
+    def feed_dicts(self) -> list[Mapping[str, np.ndarray]]:
+        """The first inputs the reference is run on (a rollout's first step)."""
+        if isinstance(self.feeds, CacheFeeds):
+            return [start.arrays for start, _ in self.feeds.starts]
+        return list(self.feeds)
+
+    def at_precision(self, precision: str) -> "GateCheck":
+        """This check at a backend's own precision (an fp16 backend: fp16 tolerances)."""
+        if not isinstance(self.tolerance, Tolerance):
+            return self
+        return replace(self, tolerance=self.tolerance.at_precision(precision))
+
+    def widened_of(self, variant: Variant | None) -> CachePads:
+        """The widened cache entries of `variant` (none for plain feeds)."""
+        if variant is None:
+            return self.widened
+        if not self.rollouts:
+            return {}
+        if isinstance(variant, Mapping):
+            return dict(variant)
+        return widened_cache(variant if isinstance(variant, ir.Model) else load_model(variant))
+
+    def check(self, candidate: Runner, variant: Variant | None = None) -> VerifyResult:
+        """`candidate` against the reference; `variant` (its graph, file or widened map) says
+        whether its cache interface was widened (default: the variant given to prepare)."""
+        return check(self.reference, candidate, self.feeds, self.tolerance,
+                     self.widened_of(variant), self.specs, self.min_compared)
+
+    def close(self) -> None:
+        self.reference.close()
+
+
+def _model(m: ir.Model | Path | str) -> ir.Model:
+    return m if isinstance(m, ir.Model) else load_model(m)
+
+
+def model_vocab(model: ir.Model) -> int:
+    """Token ids must stay inside the embedding: its row count as inspect finds it, else the
+    smallest 2-D Gather table (a graph inspect does not understand)."""
+    try:
+        return vocab_for_feeds(model, inspect_model(model))
+    except Exception:  # noqa: BLE001 - not a transformer inspect understands: any Gather table
+        rows = [n.inputs[0].const_value.shape[0] for n in model.graph
+                if n.op_type == "Gather" and n.inputs[0] is not None
+                and n.inputs[0].const_value is not None and len(n.inputs[0].const_value.shape) == 2]
+        return int(min(rows)) if rows else 2
+
+
+def prepare(original: ir.Model | Path | str, reference: Runner | Callable[[], Runner],
+            variant: ir.Model | Path | str | None = None, *, feeds: Feeds | None = None,
+            vocab: int | None = None, shapes: Sequence[tuple[int, int]] = DEFAULT_SHAPES,
+            seed: int = 0, tolerance: Tolerance | TolerancePolicy = Tolerance(),
+            min_compared: int = 1) -> GateCheck:
+    """A ready check of variants of `original` (its graph or file) against `reference` (a
+    runner, or a loader called once). With `variant`, its inputs must be the original's
+    (BadInput otherwise) and its cache policy is read now, so neither graph need be held
+    while the sessions run. `feeds` None: built for the model with token ids below `vocab`
+    (default: the model's own vocabulary, `model_vocab`)."""
+    if min_compared < 1:
+        raise ValueError(f"min_compared must be >= 1, not {min_compared}")
+    model = _model(original)
+    specs = tuple(input_specs(model))
+    widened: CachePads = {}
+    if variant is not None:
+        cand = _model(variant)
+        cand_specs = input_specs(cand)
+        if [(s.name, s.dtype) for s in specs] != [(s.name, s.dtype) for s in cand_specs]:
+            raise BadInput(f"the models take different inputs: {[s.name for s in specs]} vs "
+                           f"{[s.name for s in cand_specs]}")
+        widened = widened_cache(cand)
+        del cand
+    if isinstance(tolerance, Tolerance):  # a policy function is taken as given
+        tolerance = tolerance.at_precision(model_precision(model))
+    if feeds is None:
+        built = gate_feeds(model, vocab or model_vocab(model), shapes, seed)
+    else:
+        built = list(feeds)
+    del model  # weights it read lazily (the vocabulary) would stay in memory beside a session
+    if not isinstance(built, CacheFeeds):
+        widened = {}
+    if callable(reference) and not hasattr(reference, "infer"):
+        # a rollout asks the reference as it goes; plain feeds are recorded once
+        runner = reference() if isinstance(built, CacheFeeds) else record_then_release(
+            reference, built)
+    else:
+        runner = reference
+    return GateCheck(runner, built, tolerance, specs, min_compared, widened)
