@@ -48,12 +48,22 @@ class GenerationRequest:
     sampling: Sampling = field(default_factory=Sampling)
     stop_ids: frozenset[int] = frozenset()  # generating one ends the stream (not sent)
     id: str = ""
+    min_tokens: int = 0  # until this many were generated, stop_ids are masked out of sampling
+    # matched on the detokenized output (never the prompt), across token boundaries: the
+    # stream ends with reason "stop" and the text sent ends right before the match
+    stop_strings: tuple[str, ...] = ()
+    logprobs: bool = False  # each chunk carries log_softmax(raw logits)[id] per id
 
     def __post_init__(self) -> None:
         if not self.prompt:
             raise InvalidArgument("the prompt is empty: send at least one token")
         if self.max_tokens < 1:
             raise InvalidArgument(f"max_tokens must be >= 1, not {self.max_tokens}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidArgument(f"min_tokens must be in [0, max_tokens={self.max_tokens}], "
+                                  f"not {self.min_tokens}")
+        if any(not isinstance(s, str) or not s for s in self.stop_strings):
+            raise InvalidArgument("every stop string must be a non-empty string")
 
 
 @dataclass(frozen=True)
@@ -66,6 +76,40 @@ class Chunk:
     final: bool = False
     reason: str | None = None  # one of FINISH_REASONS on the final chunk
     detail: str = ""  # a sentence for the client when the reason is not "length"/"stop"
+    logprobs: tuple[float, ...] | None = None  # one per id when the request asked
+
+
+class StopText:
+    """Stop strings matched on streamed text across token boundaries: `feed` returns the
+    text that may be released and whether a stop string was completed (the release then ends
+    right before it). A tail that could still become a stop string is held back until the
+    next piece decides it; `flush` releases it at the end."""
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self.stops, self.held = stops, ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        buf = self.held + text
+        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.held = ""
+            return buf[:min(hits)], True
+        keep = max((k for s in self.stops for k in range(1, min(len(s), len(buf) + 1))
+                    if buf.endswith(s[:k])), default=0)
+        self.held = buf[len(buf) - keep:]
+        return buf[:len(buf) - keep], False
+
+    def flush(self) -> str:
+        out, self.held = self.held, ""
+        return out
+
+
+def log_softmax_at(logits: np.ndarray, token: int) -> float:
+    """log p(token) under the model's own distribution (raw logits, before any sampling
+    transform), computed stably in float64."""
+    x = logits.astype(np.float64)
+    m = x.max()
+    return float(x[token] - m - np.log(np.exp(x - m).sum()))
 
 
 def sample(logits: np.ndarray, s: Sampling, rng: np.random.Generator) -> int:
