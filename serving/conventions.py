@@ -71,7 +71,7 @@ def client_signature(tokenizer: bool) -> Signature:
                TensorSpec("num_input_tokens", "UINT32", (1,)),
                TensorSpec("num_output_tokens", "UINT32", (1,))]
     if tokenizer:
-        outputs.insert(0, TensorSpec("text_output", s, (1,)))
+        outputs.insert(1, TensorSpec("text_output", s, (1,)))
     return Signature(tuple(inputs), tuple(outputs), "input_ids", None)
 
 
