@@ -17,6 +17,7 @@ import hmac
 import logging
 import signal
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -99,18 +100,70 @@ class _TokenInterceptor(grpc.ServerInterceptor):
         return _deny(handler)
 
 
+_KINDS = {(False, False): ("unary_unary", grpc.unary_unary_rpc_method_handler),
+          (False, True): ("unary_stream", grpc.unary_stream_rpc_method_handler),
+          (True, False): ("stream_unary", grpc.stream_unary_rpc_method_handler),
+          (True, True): ("stream_stream", grpc.stream_stream_rpc_method_handler)}
+
+
+def _rebuilt(handler: grpc.RpcMethodHandler, behaviour) -> grpc.RpcMethodHandler:
+    """`handler` with another behaviour (same kind, same (de)serializers)."""
+    make = _KINDS[(handler.request_streaming, handler.response_streaming)][1]
+    return make(behaviour, request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+
+
 def _deny(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     def abort(request, context):
         context.abort(grpc.StatusCode.UNAUTHENTICATED,
                       "missing or wrong bearer token (metadata 'authorization: Bearer <token>')")
 
-    kinds = {(False, False): grpc.unary_unary_rpc_method_handler,
-             (False, True): grpc.unary_stream_rpc_method_handler,
-             (True, False): grpc.stream_unary_rpc_method_handler,
-             (True, True): grpc.stream_stream_rpc_method_handler}
-    make = kinds[(handler.request_streaming, handler.response_streaming)]
-    return make(abort, request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
+    return _rebuilt(handler, abort)
+
+
+class _EndpointInterceptor(grpc.ServerInterceptor):
+    """Counts every call per method and status code, and times it (a stream: to its end),
+    into the same series as the HTTP endpoints (serving.metrics.EndpointMetrics)."""
+
+    def __init__(self, metrics) -> None:
+        self.metrics = metrics
+
+    def intercept_service(self, continuation, details):
+        handler = continuation(details)
+        if handler is None:
+            return None
+        name, observe = details.method.rsplit("/", 1)[-1], self.metrics.observe
+        kind = _KINDS[(handler.request_streaming, handler.response_streaming)][0]
+        inner = getattr(handler, kind)
+
+        def status(context) -> str:
+            code = context.code() if hasattr(context, "code") else None
+            return code.name if code is not None else "UNKNOWN"
+
+        if not handler.response_streaming:
+            def unary(request, context):
+                start, code = time.perf_counter(), "OK"
+                try:
+                    return inner(request, context)
+                except BaseException:
+                    code = status(context)
+                    raise
+                finally:
+                    observe("grpc", name, code, time.perf_counter() - start)
+
+            return _rebuilt(handler, unary)
+
+        def streaming(request, context):
+            start, code = time.perf_counter(), "OK"
+            try:
+                yield from inner(request, context)
+            except BaseException:
+                code = status(context)
+                raise
+            finally:
+                observe("grpc", name, code, time.perf_counter() - start)
+
+        return _rebuilt(handler, streaming)
 
 
 def _register_in_pool(*files) -> None:
@@ -152,7 +205,9 @@ class Server:
                 # gRPC shares ports by default (SO_REUSEPORT): a second server started on a
                 # busy port would silently take half of its calls. Refuse instead.
                 ("grpc.so_reuseport", 0)]
-        interceptors = [_TokenInterceptor(o.token)] if o.token else []
+        interceptors = [_EndpointInterceptor(self.endpoint_metrics)]
+        if o.token:
+            interceptors.append(_TokenInterceptor(o.token))
         server = grpc.server(ThreadPoolExecutor(o.threads, thread_name_prefix="grpc"),
                              interceptors=interceptors, options=size)
         pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(self.slot), server)

@@ -215,3 +215,18 @@ def test_metrics_count_calls_per_endpoint(encoder) -> None:
     line = next(x for x in text.splitlines() if x.startswith("tuner_endpoint_requests_total{")
                 and 'endpoint="v2/models/infer"' in x and 'status="200"' in x)
     assert float(line.split()[-1]) >= 1
+
+
+def test_metrics_count_grpc_calls_per_method_too(encoder) -> None:
+    import tritonclient.grpc as tg
+
+    client = tg.InferenceServerClient(f"127.0.0.1:{encoder.port}")
+    client.is_model_ready(encoder.slot.name)
+    with pytest.raises(InferenceServerException, match="unknown model"):
+        client.get_model_metadata("nope")
+    text = urllib.request.urlopen(f"http://127.0.0.1:{encoder.metrics_port}/metrics",
+                                  timeout=10).read().decode()
+    lines = [x for x in text.splitlines() if x.startswith("tuner_endpoint_requests_total{")
+             and 'protocol="grpc"' in x]
+    assert any('endpoint="ModelReady"' in x and 'status="OK"' in x for x in lines), lines
+    assert any('endpoint="ModelMetadata"' in x and 'status="NOT_FOUND"' in x for x in lines)
