@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from models.tokenizer import byte_level_bpe
 from serving.generate import GenerateOptions
 from serving.server import Server, ServerOptions
 from serving_support import make_artifact
@@ -21,8 +22,6 @@ from tuner.artifact.records import Buckets
 BUCKETS = Buckets(batch=(1, 2, 4, 8), seq=(16, 32, 64))
 POSITIONS = 256
 VOCAB = 1003
-TEXT = ("The quick brown fox jumps over the lazy dog. Café, naïve, façade; 日本語のテキスト, "
-        "emoji 🎉🚀 and Ελληνικά too. ") * 20
 # ChatML, as many instruct models' tokenizer_config.json carry it
 CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}{{ '<|im_start|>' + message['role']"
                  " + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
@@ -31,26 +30,9 @@ PROMPT = "The quick brown fox jumps over"  # greedy never meets the end token in
 EOS_PROMPT = "Café, naïve"  # greedy meets the end token after a few tokens
 
 
-def _corpus() -> str:
-    """TEXT and enough seeded pseudo-words that every one of the model's VOCAB ids is a real
-    token (a random-weight model draws from all of them)."""
-    rng = np.random.default_rng(0)
-    letters = list("abcdefghijklmnopqrstuvwxyzéüñ")
-    return TEXT + " ".join("".join(rng.choice(letters, rng.integers(2, 9)))
-                           for _ in range(3000))
-
-
 @lru_cache(maxsize=1)
 def tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator([_corpus()], trainers.BpeTrainer(
-        vocab_size=VOCAB, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False))
-    return tok
+    return byte_level_bpe(VOCAB)
 
 
 def greedy(model: Path, prompt: list[int], n: int) -> tuple[list[int], list[np.ndarray]]:
