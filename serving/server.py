@@ -19,6 +19,7 @@ import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -136,32 +137,28 @@ class _EndpointInterceptor(grpc.ServerInterceptor):
         kind = _KINDS[(handler.request_streaming, handler.response_streaming)][0]
         inner = getattr(handler, kind)
 
-        def status(context) -> str:
-            code = context.code() if hasattr(context, "code") else None
-            return code.name if code is not None else "UNKNOWN"
+        @contextmanager
+        def observed(context):
+            start, code = time.perf_counter(), "OK"
+            try:
+                yield
+            except BaseException:
+                found = context.code() if hasattr(context, "code") else None
+                code = found.name if found is not None else "UNKNOWN"
+                raise
+            finally:
+                observe("grpc", name, code, time.perf_counter() - start)
 
         if not handler.response_streaming:
             def unary(request, context):
-                start, code = time.perf_counter(), "OK"
-                try:
+                with observed(context):
                     return inner(request, context)
-                except BaseException:
-                    code = status(context)
-                    raise
-                finally:
-                    observe("grpc", name, code, time.perf_counter() - start)
 
             return _rebuilt(handler, unary)
 
         def streaming(request, context):
-            start, code = time.perf_counter(), "OK"
-            try:
+            with observed(context):
                 yield from inner(request, context)
-            except BaseException:
-                code = status(context)
-                raise
-            finally:
-                observe("grpc", name, code, time.perf_counter() - start)
 
         return _rebuilt(handler, streaming)
 

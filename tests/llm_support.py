@@ -12,6 +12,7 @@ from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from models.tokenizer import byte_level_bpe
 from serving.generate import GenerateOptions
@@ -94,3 +95,20 @@ def wait_for(condition, timeout: float = 10.0) -> bool:
             return True
         time.sleep(0.02)
     return condition()
+
+
+# Fixtures the LLM test modules import (pytest finds fixtures in a module's namespace).
+
+
+@pytest.fixture(scope="module")
+def llama(reference_model) -> Path:
+    return reference_model("llama-kv", "awkward", "torchscript")
+
+
+@pytest.fixture(scope="module")
+def decoder(llama, tmp_path_factory):
+    """A decoder server (gRPC and HTTP on free ports), 4 streams, max_tokens up to 64."""
+    s = start(decoder_artifact(tmp_path_factory.mktemp("decoder"), llama),
+              generate={"max_streams": 4, "max_tokens": 64})
+    yield s
+    s.stop(5)

@@ -15,7 +15,7 @@ import urllib.request
 import numpy as np
 import pytest
 import tritonclient.http as th
-from llm_support import PROMPT, decoder_artifact, greedy, start, tokenizer, wait_for
+from llm_support import PROMPT, decoder, greedy, llama, start, tokenizer, wait_for  # noqa: F401
 from serving_support import feeds_for, make_artifact
 from tritonclient.utils import InferenceServerException
 
@@ -31,19 +31,6 @@ def bert(reference_model):
 @pytest.fixture(scope="module")
 def encoder(bert, tmp_path_factory):
     s = start(make_artifact(tmp_path_factory.mktemp("enc"), bert))
-    yield s
-    s.stop(5)
-
-
-@pytest.fixture(scope="module")
-def llama(reference_model):
-    return reference_model("llama-kv", "awkward", "torchscript")
-
-
-@pytest.fixture(scope="module")
-def decoder(llama, tmp_path_factory):
-    s = start(decoder_artifact(tmp_path_factory.mktemp("dec"), llama),
-              generate={"max_streams": 4, "max_tokens": 64})
     yield s
     s.stop(5)
 

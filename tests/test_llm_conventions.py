@@ -16,21 +16,9 @@ import queue
 import numpy as np
 import pytest
 import tritonclient.grpc as tg
-from llm_support import EOS_PROMPT, PROMPT, decoder_artifact, greedy, start, tokenizer, wait_for
+from llm_support import decoder as server  # noqa: F401 - a fixture
+from llm_support import EOS_PROMPT, PROMPT, greedy, llama, tokenizer, wait_for  # noqa: F401
 from tritonclient.utils import InferenceServerException, triton_to_np_dtype
-
-
-@pytest.fixture(scope="module")
-def llama(reference_model):
-    return reference_model("llama-kv", "awkward", "torchscript")
-
-
-@pytest.fixture(scope="module")
-def server(llama, tmp_path_factory):
-    s = start(decoder_artifact(tmp_path_factory.mktemp("conv"), llama),
-              generate={"max_streams": 4, "max_tokens": 64})
-    yield s
-    s.stop(5)
 
 
 # --------------------------------------------------------------- what the clients send

@@ -14,17 +14,12 @@ import subprocess
 import numpy as np
 import openai
 import pytest
-from llm_support import (CHAT_TEMPLATE, EOS_PROMPT, PROMPT, decoder_artifact, greedy, start,
-                         tokenizer, wait_for)
+from llm_support import (CHAT_TEMPLATE, EOS_PROMPT, PROMPT, decoder_artifact, greedy,  # noqa: F401
+                         llama, start, tokenizer, wait_for)
 
 MESSAGES = [{"role": "system", "content": "You are terse."},
             {"role": "user", "content": "Name a fox."}]
 NO_EOS = {"ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def llama(reference_model):
-    return reference_model("llama-kv", "awkward", "torchscript")
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Awaitable, Callable
 
+import orjson
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -57,6 +58,16 @@ class Frontend:
         body = await request.body()
         if len(body) > self.max_body_bytes:
             raise InvalidArgument(f"the body is over the limit {self.max_body_bytes} bytes")
+        return body
+
+    async def json(self, request: Request) -> dict:
+        """The body as a JSON object (InvalidArgument when it is not one)."""
+        try:
+            body = orjson.loads(await self.body(request))
+        except orjson.JSONDecodeError as e:
+            raise InvalidArgument(f"the request body is not JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise InvalidArgument("the request body must be a JSON object")
         return body
 
     def check_token(self, request: Request) -> None:

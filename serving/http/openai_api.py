@@ -8,7 +8,6 @@ Generation stops at the model's end token (config.json / tokenizer_config.json) 
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 
@@ -97,16 +96,6 @@ def _engine(frontend, body: dict) -> DecoderEngine:
         raise InvalidArgument(f"model '{name}' does not generate text (it needs a decoder "
                               "artifact with tokenizer.json)")
     return engine
-
-
-async def _body(frontend, request: Request) -> dict:
-    try:
-        body = json.loads(await frontend.body(request))
-    except ValueError as e:
-        raise InvalidArgument(f"the request body is not JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise InvalidArgument("the request body must be a JSON object")
-    return body
 
 
 def _completion_prompt(engine: DecoderEngine, prompt) -> tuple[int, ...]:
@@ -225,7 +214,7 @@ def _stream_options(body: dict) -> dict | None:
 
 
 async def completions(frontend, request: Request) -> Response:
-    body = await _body(frontend, request)
+    body = await frontend.json(request)
     engine = _engine(frontend, body)
     logprobs = _get(body, "logprobs", (int,))
     if logprobs is not None and logprobs != 0 and logprobs > 1:
@@ -238,7 +227,7 @@ async def completions(frontend, request: Request) -> Response:
 
 
 async def chat_completions(frontend, request: Request) -> Response:
-    body = await _body(frontend, request)
+    body = await frontend.json(request)
     engine = _engine(frontend, body)
     logprobs = _get(body, "logprobs", (bool,), False)
     if _get(body, "top_logprobs", (int,), 0):

@@ -61,12 +61,7 @@ async def _parse(frontend, request: Request):
                                 request.path_params.get("version", ""))
     if not isinstance(engine, DecoderEngine):
         raise InvalidArgument(f"model '{engine.name}' is not a decoder: generate needs one")
-    try:
-        body = json.loads(await frontend.body(request))
-    except ValueError as e:
-        raise InvalidArgument(f"the request body is not JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise InvalidArgument("the request body must be a JSON object")
+    body = await frontend.json(request)
     parameters = body.get("parameters") or {}
     if not isinstance(parameters, dict):
         raise InvalidArgument("'parameters' must be an object")
