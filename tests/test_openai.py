@@ -44,6 +44,12 @@ def _want(llama, prompt: str, n: int) -> tuple[list[int], str]:
     return ids, tokenizer().decode(ids)
 
 
+def test_completions_default_to_16_tokens_as_openai(server) -> None:
+    got = _client(server).completions.create(model=server.slot.name, prompt=PROMPT,
+                                             extra_body=NO_EOS)
+    assert got.usage.completion_tokens == 16
+
+
 def test_models_lists_the_served_model(server) -> None:
     assert [m.id for m in _client(server).models.list().data] == [server.slot.name]
 
@@ -149,6 +155,10 @@ def test_errors_are_openai_error_objects(server) -> None:
         c.completions.create(model="gpt-4", prompt=PROMPT)
     with pytest.raises(openai.BadRequestError, match="temperature must be a finite number"):
         c.completions.create(model=server.slot.name, prompt=PROMPT, temperature=-1)
+    with pytest.raises(openai.BadRequestError, match="'logprobs' must be 0 or 1"):
+        c.completions.create(model=server.slot.name, prompt=PROMPT, logprobs=3)
+    with pytest.raises(openai.BadRequestError, match="no chat template|'messages' must be"):
+        c.chat.completions.create(model=server.slot.name, messages=[])
     with pytest.raises(openai.BadRequestError, match="'n' must be 1"):
         c.chat.completions.create(model=server.slot.name, messages=MESSAGES, n=2)
     with pytest.raises(openai.BadRequestError, match="max_tokens 400 is over the limit 64"):

@@ -71,10 +71,12 @@ def _check_unsupported(body: dict) -> None:
 
 
 def _request(engine: DecoderEngine, body: dict, prompt: tuple[int, ...], logprobs: bool,
-             request_id: str) -> GenerationRequest:
+             request_id: str, default_max_tokens: int | None = None) -> GenerationRequest:
+    """The generation a body asks for; without max_tokens, `default_max_tokens` (OpenAI's
+    16 for completions) or, for chat, as many as the cache and --max-tokens leave room for."""
     _check_unsupported(body)
     room = engine.generator.max_cache_len - len(prompt) + 1
-    limit = min(engine.options.max_tokens, max(1, room))
+    limit = default_max_tokens or min(engine.options.max_tokens, max(1, room))
     max_tokens = _get(body, "max_completion_tokens", (int,)) or _get(body, "max_tokens", (int,))
     stop_ids = frozenset() if _get(body, "ignore_eos", (bool,), False) else \
         frozenset(engine.text.eos_ids)
@@ -217,12 +219,12 @@ async def completions(frontend, request: Request) -> Response:
     body = await frontend.json(request)
     engine = _engine(frontend, body)
     logprobs = _get(body, "logprobs", (int,))
-    if logprobs is not None and logprobs != 0 and logprobs > 1:
-        raise InvalidArgument("'logprobs' above 1 is not supported: the log-probability of "
-                              "each sampled token is (logprobs 0 or 1)")
+    if logprobs is not None and not 0 <= logprobs <= 1:
+        raise InvalidArgument("'logprobs' must be 0 or 1: the log-probability of each "
+                              "sampled token is given, not the top alternatives")
     prompt = _completion_prompt(engine, body.get("prompt"))
     shape = _Shape(engine, chat=False, logprobs=logprobs is not None)
-    generation = _request(engine, body, prompt, logprobs is not None, shape.id)
+    generation = _request(engine, body, prompt, logprobs is not None, shape.id, 16)
     return await _answer(request, shape, generation, _stream_options(body))
 
 
