@@ -120,15 +120,22 @@ async def _drive(port: int, requests: list[pb.ModelInferRequest], seconds: float
     return window
 
 
-def _start_mlserver(binary: str, model: Path, tmp: Path, batching: bool) -> tuple:
-    d = tmp / ("mlserver-batching" if batching else "mlserver")
+def _start_mlserver(binary: str, model: Path, tmp: Path, batching: bool,
+                    workers: int = 1) -> tuple:
+    """MLServer with its defaults, or `workers` parallel inference processes (its
+    `parallel_workers`) of one intra-op thread each."""
+    d = tmp / (f"mlserver-{int(batching)}-{workers}")
     (d / MODEL_NAME).mkdir(parents=True)
     grpc_port, http_port, metrics_port = free_port(), free_port(), free_port()
-    (d / "settings.json").write_text(json.dumps({
-        "debug": False, "grpc_port": grpc_port, "http_port": http_port,
-        "metrics_port": metrics_port, "load_models_at_startup": True}))
+    server = {"debug": False, "grpc_port": grpc_port, "http_port": http_port,
+              "metrics_port": metrics_port, "load_models_at_startup": True}
+    parameters = {"uri": str(model)}
+    if workers > 1:
+        server["parallel_workers"] = workers
+        parameters["extra"] = {"intra_op_threads": 1}
+    (d / "settings.json").write_text(json.dumps(server))
     settings = {"name": MODEL_NAME, "implementation": "mlserver_ort_runtime.OrtRuntime",
-                "parameters": {"uri": str(model)}}
+                "parameters": parameters}
     if batching:
         settings.update(max_batch_size=CONCURRENCY, max_batch_time=0.002)
     (d / MODEL_NAME / "model-settings.json").write_text(json.dumps(settings))
@@ -148,8 +155,12 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--mlserver", default="/tmp/mlserver-venv/bin/mlserver")
     ap.add_argument("--protocol", default="grpc", choices=("grpc", "rest", "both"))
-    ap.add_argument("--no-unbatched", action="store_true",
-                    help="leave out the batching-off and adaptive-batching rows")
+    ap.add_argument("--servers", default="tuner serve, batching on;tuner serve, batching off",
+                    type=lambda v: v.split(";"),
+                    help="which tuner rows, ';'-separated (also: 'tuner serve, 2 workers x 1 "
+                         "thread')")
+    ap.add_argument("--no-adaptive", action="store_true",
+                    help="leave out MLServer's adaptive batching row")
     args = ap.parse_args()
     family, shape, vocab = MODELS[args.model]
     model = cached(family, shape, "torchscript")
@@ -172,8 +183,11 @@ def main() -> int:
         try:
             procs = []
             for label, extra in (("tuner serve, batching on", ("--max-batch", "32")),
-                                 ("tuner serve, batching off", ("--max-batch", "1"))):
-                if args.no_unbatched and "off" in label:
+                                 ("tuner serve, batching off", ("--max-batch", "1")),
+                                 # two model runs at a time, one intra-op thread each
+                                 ("tuner serve, 2 workers x 1 thread",
+                                  ("--max-batch", "1", "--workers", "2", "--threads", "1"))):
+                if label not in args.servers:
                     continue
                 port, http_port = free_port(), free_port()
                 procs.append(start_tuner(out, port, *extra, http_port=http_port))
@@ -181,12 +195,17 @@ def main() -> int:
                     servers[label] = ("grpc", port)
                 if rest_on:
                     servers[label.replace("tuner serve", "tuner serve REST")] = ("rest", http_port)
-                    if "on" in label:
+                    if label == "tuner serve, batching on":
                         servers["tuner serve REST binary, batching on"] = ("binary", http_port)
             if shutil.which(args.mlserver) or Path(args.mlserver).exists():
-                for batching in (False, True) if not args.no_unbatched else (False,):
-                    label = "MLServer 1.7" + (", adaptive batching" if batching else "")
-                    proc, port, http_port = _start_mlserver(args.mlserver, model, tmp, batching)
+                kinds = [(False, 1)] + ([] if args.no_adaptive else [(True, 1)])
+                if "tuner serve, 2 workers x 1 thread" in args.servers:
+                    kinds.append((False, 2))
+                for batching, workers in kinds:
+                    label = "MLServer 1.7" + (", adaptive batching" if batching else "") + (
+                        ", 2 workers x 1 thread" if workers > 1 else "")
+                    proc, port, http_port = _start_mlserver(args.mlserver, model, tmp, batching,
+                                                            workers)
                     procs.append(proc)
                     if grpc_on:
                         servers[label] = ("grpc", port)

@@ -217,3 +217,12 @@ def test_metrics_count_grpc_calls_per_method_too(encoder) -> None:
              and 'protocol="grpc"' in x]
     assert any('endpoint="ModelReady"' in x and 'status="OK"' in x for x in lines), lines
     assert any('endpoint="ModelMetadata"' in x and 'status="NOT_FOUND"' in x for x in lines)
+
+
+def test_metadata_versions_stay_strings_and_stats_are_numbers(encoder) -> None:
+    c = _client(encoder)
+    assert c.get_model_metadata(encoder.slot.name)["versions"] == ["1"]
+    c.infer(encoder.slot.name, _inputs(feeds_for(8), True))
+    stats = c.get_inference_statistics(encoder.slot.name)["model_stats"][0]
+    assert stats["version"] == "1" and isinstance(stats["inference_count"], int)
+    assert stats["inference_count"] >= 1

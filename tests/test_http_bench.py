@@ -20,7 +20,7 @@ def _run(script: str, *args: str) -> str:
 
 def test_throughput_over_rest_runs() -> None:
     out = _run("serve_throughput.py", "--model", "bert", "--seconds", "0.3", "--rounds", "1",
-               "--protocol", "both", "--no-unbatched", "--mlserver", "/nonexistent/mlserver")
+               "--protocol", "both", "--no-adaptive", "--mlserver", "/nonexistent/mlserver")
     assert "tuner serve REST, batching on" in out and "tuner serve REST binary" in out
     assert "skipped MLServer" in out and "load average" in out
 

@@ -52,12 +52,17 @@ def _as_dict(message) -> dict:
     return _ints(MessageToDict(message, preserving_proto_field_name=True))
 
 
-def _ints(value):
+# the 64-bit integer fields of the messages written here (protobuf's JSON makes them strings)
+_INT64 = frozenset({"dims", "shape", "count", "ns", "inference_count", "execution_count",
+                    "last_inference", "batch_size", "max_queue_delay_microseconds"})
+
+
+def _ints(value, key: str = ""):
     if isinstance(value, dict):
-        return {k: _ints(v) for k, v in value.items()}
+        return {k: _ints(v, k) for k, v in value.items()}
     if isinstance(value, list):
-        return [_ints(v) for v in value]
-    if isinstance(value, str) and value.lstrip("-").isdigit():
+        return [_ints(v, key) for v in value]
+    if key in _INT64 and isinstance(value, str):
         return int(value)
     return value
 
