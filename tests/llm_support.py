@@ -80,8 +80,8 @@ def decoder_artifact(tmp: Path, model: Path) -> Path:
 
 def start(out: Path, **options) -> Server:
     generate = options.pop("generate", {})
-    server = Server(out, ServerOptions(port=0, http_port=0, metrics_port=0,
-                                       generate=GenerateOptions(**generate), **options),
+    ports = {"port": 0, "http_port": 0, "metrics_port": 0, **options}
+    server = Server(out, ServerOptions(generate=GenerateOptions(**generate), **ports),
                     say=lambda line: None)
     server.start()
     assert server.wait_ready(120), server.slot.status

@@ -226,3 +226,16 @@ def test_metadata_versions_stay_strings_and_stats_are_numbers(encoder) -> None:
     stats = c.get_inference_statistics(encoder.slot.name)["model_stats"][0]
     assert stats["version"] == "1" and isinstance(stats["inference_count"], int)
     assert stats["inference_count"] >= 1
+
+
+def test_each_port_can_be_turned_off(bert, tmp_path) -> None:
+    from serving.server import ServerOptions
+    from tuner.errors import BadInput
+
+    http_only = start(make_artifact(tmp_path / "art", bert), port=None)
+    try:
+        assert http_only.port is None and _client(http_only).is_server_ready()
+    finally:
+        http_only.stop(5)
+    with pytest.raises(BadInput, match="both gRPC and HTTP are turned off"):
+        ServerOptions(port=None, http_port=None)
