@@ -265,7 +265,12 @@ class Server:
         return self
 
     def _build_http(self):
-        from serving.http.app import Frontend, HttpOptions, HttpServer
+        try:
+            from serving.http.app import Frontend, HttpOptions, HttpServer
+        except ImportError as e:  # the HTTP stack is a dependency, but may be missing
+            raise BadInput(f"the HTTP port needs {e.name or 'its packages'} (pip install "
+                           "starlette uvicorn uvloop httptools orjson), or turn it off with "
+                           "--http-port -1") from None
 
         o = self.options
         frontend = Frontend(self.slot, o.token, self.endpoint_metrics, o.max_message_bytes)

@@ -237,3 +237,38 @@ def test_a_cancelled_stream_frees_its_slot(server) -> None:
     client.stop_stream(cancel_requests=True)
     assert wait_for(lambda: server.slot.engine.active() == 0)
     client.close()
+
+
+def test_stop_text_holds_back_what_may_become_a_stop_string() -> None:
+    from serving.sampling import StopText
+
+    stop = StopText(("abc", "xyz"))
+    assert stop.feed("hello a") == ("hello ", False)  # "a" may start "abc"
+    assert stop.feed("b") == ("", False)
+    assert stop.feed("d") == ("abd", False)  # decided: not a stop string
+    assert stop.feed("-ab") == ("-", False)
+    assert stop.feed("c and more") == ("", True)  # completed across three pieces
+    tail = StopText(("abc",))
+    assert tail.feed("xab") == ("x", False) and tail.flush() == "ab"
+
+
+def test_parse_request_names_what_is_wrong() -> None:
+    from serving.conventions import parse_request
+    from serving.errors import InvalidArgument
+
+    ids = {"input_ids": np.array([[1, 2, 3]], np.int32)}
+    assert parse_request(ids, {}).generation.prompt == (1, 2, 3)  # INT32 ids too
+    with pytest.raises(InvalidArgument, match="beam_width 2 is not supported"):
+        parse_request({**ids, "beam_width": np.array([2], np.int32)}, {})
+    with pytest.raises(InvalidArgument, match="'bad_words' is not supported"):
+        parse_request({**ids, "bad_words": np.array([b"no"], object)}, {})
+    with pytest.raises(InvalidArgument, match="stop strings need a tokenizer"):
+        parse_request({**ids, "stop_words": np.array([b"."], object)}, {})
+    with pytest.raises(InvalidArgument, match="'max_tokens' must be an integer, not 'ten'"):
+        parse_request({**ids, "sampling_parameters": np.array([b'{"max_tokens": "ten"}'],
+                                                              object)}, {})
+    got = parse_request({**ids, "sampling_parameters": np.array(
+        [b'{"max_tokens": "9", "temperature": "0.5", "top_k": -1, "stop": "END"}'], object)},
+        {}, tokenizer=object())
+    assert (got.generation.max_tokens, got.generation.sampling.temperature,
+            got.generation.sampling.top_k, got.generation.stop_strings) == (9, 0.5, 0, ("END",))
