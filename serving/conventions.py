@@ -82,8 +82,6 @@ class ClientRequest:
     generation: GenerationRequest
     stream: bool = True
     prompt_text: str | None = None  # sent first when the client set exclude_input_in_output false
-    num_input_tokens: bool = False
-    num_output_tokens: bool = False
 
 
 def _one(name: str, value):
@@ -194,10 +192,10 @@ def parse_request(tensors: Mapping[str, np.ndarray], parameters: Mapping[str, ob
         request_id, min_tokens=values.get("min_tokens", 0), stop_strings=tuple(stops),
         logprobs=values.get("logprobs", False))
     echo = values.get("exclude_input", True) is False and tokenizer is not None
+    # return_num_input_tokens / return_num_output_tokens (vLLM) are accepted: the counts
+    # come in every response
     return ClientRequest(generation, values.get("stream", True),
-                         _text_of(tensors, prompt, tokenizer) if echo else None,
-                         values.get("num_input_tokens", False),
-                         values.get("num_output_tokens", False))
+                         _text_of(tensors, prompt, tokenizer) if echo else None)
 
 
 def _stop_ids(tensors: Mapping[str, np.ndarray], parameters: Mapping[str, object]) -> set[int]:
@@ -271,15 +269,16 @@ class Reply:
         out = chunk_outputs(Chunk(chunk.ids, text), self.with_text)
         self.generated += len(chunk.ids)
         out["sequence_length"] = np.array([self.generated], np.int32)
-        if self.request.generation.logprobs:
-            lp = np.array(chunk.logprobs or (), np.float32)
-            self.cum_logprob += float(lp.sum())
-            out["output_log_probs"] = lp
-            out["cum_log_probs"] = np.array([self.cum_logprob], np.float32)
-        if self.request.num_input_tokens:
-            out["num_input_tokens"] = np.array([len(self.request.generation.prompt)], np.uint32)
-        if self.request.num_output_tokens:
-            out["num_output_tokens"] = np.array([len(chunk.ids)], np.uint32)
+        # every declared output in every response, as Triton's LLM models answer (a client
+        # such as perf_analyzer reads them all): log-probs are 0 unless asked for, as
+        # TensorRT-LLM's are
+        lp = np.array(chunk.logprobs if chunk.logprobs is not None else [0.0] * len(chunk.ids),
+                      np.float32)
+        self.cum_logprob += float(lp.sum())
+        out["output_log_probs"] = lp
+        out["cum_log_probs"] = np.array([self.cum_logprob], np.float32)
+        out["num_input_tokens"] = np.array([len(self.request.generation.prompt)], np.uint32)
+        out["num_output_tokens"] = np.array([len(chunk.ids)], np.uint32)
         return out
 
 
