@@ -79,39 +79,6 @@ class Chunk:
     logprobs: tuple[float, ...] | None = None  # one per id when the request asked
 
 
-class StopText:
-    """Stop strings matched on streamed text across token boundaries: `feed` returns the
-    text that may be released and whether a stop string was completed (the release then ends
-    right before it). A tail that could still become a stop string is held back until the
-    next piece decides it; `flush` releases it at the end."""
-
-    def __init__(self, stops: tuple[str, ...]) -> None:
-        self.stops, self.held = stops, ""
-
-    def feed(self, text: str) -> tuple[str, bool]:
-        buf = self.held + text
-        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            self.held = ""
-            return buf[:min(hits)], True
-        keep = max((k for s in self.stops for k in range(1, min(len(s), len(buf) + 1))
-                    if buf.endswith(s[:k])), default=0)
-        self.held = buf[len(buf) - keep:]
-        return buf[:len(buf) - keep], False
-
-    def flush(self) -> str:
-        out, self.held = self.held, ""
-        return out
-
-
-def log_softmax_at(logits: np.ndarray, token: int) -> float:
-    """log p(token) under the model's own distribution (raw logits, before any sampling
-    transform), computed stably in float64."""
-    x = logits.astype(np.float64)
-    m = x.max()
-    return float(x[token] - m - np.log(np.exp(x - m).sum()))
-
-
 def sample(logits: np.ndarray, s: Sampling, rng: np.random.Generator) -> int:
     """One token from one row of logits (vocab,)."""
     if s.greedy:

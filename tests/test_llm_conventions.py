@@ -239,19 +239,6 @@ def test_a_cancelled_stream_frees_its_slot(server) -> None:
     client.close()
 
 
-def test_stop_text_holds_back_what_may_become_a_stop_string() -> None:
-    from serving.sampling import StopText
-
-    stop = StopText(("abc", "xyz"))
-    assert stop.feed("hello a") == ("hello ", False)  # "a" may start "abc"
-    assert stop.feed("b") == ("", False)
-    assert stop.feed("d") == ("abd", False)  # decided: not a stop string
-    assert stop.feed("-ab") == ("-", False)
-    assert stop.feed("c and more") == ("", True)  # completed across three pieces
-    tail = StopText(("abc",))
-    assert tail.feed("xab") == ("x", False) and tail.flush() == "ab"
-
-
 def test_parse_request_names_what_is_wrong() -> None:
     from serving.conventions import parse_request
     from serving.errors import InvalidArgument
