@@ -6,6 +6,7 @@ module."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from functools import lru_cache
@@ -15,7 +16,6 @@ import numpy as np
 import pytest
 
 from models.tokenizer import byte_level_bpe
-from serving.generate import GenerateOptions
 from serving.server import Server, ServerOptions
 from serving_support import make_artifact
 from tuner.artifact.records import Buckets
@@ -81,7 +81,9 @@ def decoder_artifact(tmp: Path, model: Path) -> Path:
 def start(out: Path, **options) -> Server:
     generate = options.pop("generate", {})
     ports = {"port": 0, "http_port": 0, "metrics_port": 0, **options}
-    server = Server(out, ServerOptions(generate=GenerateOptions(**generate), **ports),
+    # the generation options as the server's defaults have them, with these changes
+    options = dataclasses.replace(ServerOptions().generate, **generate)
+    server = Server(out, ServerOptions(generate=options, **ports),
                     say=lambda line: None)
     server.start()
     assert server.wait_ready(120), server.slot.status
