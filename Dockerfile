@@ -47,7 +47,7 @@ ENV PATH=/opt/shapetuner/bin:${PATH} \
     SHAPETUNER_RESULTS_CACHE=/tmp/shapetuner-cache
 USER 10001:10001
 WORKDIR /home/tuner
-# 8001: gRPC, KServe v2 / Open Inference Protocol; 8002: Prometheus /metrics
-EXPOSE 8001 8002
+# 8000: HTTP (KServe v2 REST, generate, OpenAI /v1); 8001: gRPC (KServe v2); 8002: /metrics
+EXPOSE 8000 8001 8002
 ENTRYPOINT ["tuner", "serve"]
-CMD ["/mnt/models", "--host", "0.0.0.0", "--port", "8001"]
+CMD ["/mnt/models", "--host", "0.0.0.0", "--port", "8001", "--http-port", "8000"]

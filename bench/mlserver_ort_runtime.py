@@ -13,6 +13,9 @@ class OrtRuntime(MLModel):
     async def load(self) -> bool:
         options = ort.SessionOptions()
         options.inter_op_num_threads = 1  # as tuner's SessionSettings default
+        extra = self.settings.parameters.extra or {}
+        if "intra_op_threads" in extra:  # bench/serve_throughput.py's "2 workers x 1 thread"
+            options.intra_op_num_threads = int(extra["intra_op_threads"])
         options.log_severity_level = 3
         self._session = ort.InferenceSession(self.settings.parameters.uri, options,
                                              providers=["CPUExecutionProvider"])

@@ -67,8 +67,11 @@ def wait_ready(port: int, proc: subprocess.Popen | None = None, timeout: float =
     raise TimeoutError(f"no ready model on port {port} after {timeout} s")
 
 
-def start_tuner(out: Path, port: int, *args: str) -> subprocess.Popen:
+def start_tuner(out: Path, port: int, *args: str, http_port: int | None = None
+                ) -> subprocess.Popen:
+    """`tuner serve` on gRPC `port`, and on `http_port` for REST (None: no HTTP)."""
     cmd = [sys.executable, "-m", "tuner", "serve", str(out), "--port", str(port),
+           "--http-port", str(-1 if http_port is None else http_port),
            "--metrics-port", "-1", "--model-name", MODEL_NAME, *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             cwd=ROOT)
@@ -93,6 +96,24 @@ def feeds(length: int, vocab: int, rng: np.random.Generator, rows: int = 1) -> d
 
 def encoded(length: int, vocab: int, rng: np.random.Generator) -> pb.ModelInferRequest:
     return protocol.encode_inputs(feeds(length, vocab, rng), MODEL_NAME)
+
+
+def rest_body(feeds: dict[str, np.ndarray], binary: bool = False) -> tuple[bytes, dict]:
+    """A KServe v2 REST infer body and its headers: JSON tensors (what every v2 server
+    reads), or Triton's binary-data extension (inputs and outputs raw)."""
+    import json
+
+    if not binary:
+        body = {"inputs": [{"name": n, "shape": list(a.shape), "datatype": "INT64",
+                            "data": a.reshape(-1).tolist()} for n, a in feeds.items()]}
+        return json.dumps(body).encode(), {"Content-Type": "application/json"}
+    head = {"inputs": [{"name": n, "shape": list(a.shape), "datatype": "INT64",
+                        "parameters": {"binary_data_size": a.nbytes}} for n, a in feeds.items()],
+            "parameters": {"binary_data_output": True}}
+    text = json.dumps(head).encode()
+    return (text + b"".join(a.tobytes() for a in feeds.values()),
+            {"Content-Type": "application/octet-stream",
+             "Inference-Header-Content-Length": str(len(text))})
 
 
 def lengths(n: int, low: int, high: int, seed: int = 0) -> list[int]:

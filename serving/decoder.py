@@ -10,19 +10,21 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+# the request-parsing half lives in serving.conventions (Triton's LLM names); re-exported
+from serving.conventions import (ClientRequest, chunk_outputs, client_signature,  # noqa: F401
+                                 join_chunks, parse_request)
 from serving.datatypes import DATATYPES
 from serving.engine import Engine
-from serving.errors import InvalidArgument
 from serving.generate import GenerateOptions, GenerationStats, Generator
 from serving.kv import CacheSpec, DecoderSpec
 from serving.metrics import GenerationMetrics, Metrics, Stats
 from serving.model import LoadedModel, Signature, TensorSpec
-from serving.sampling import Chunk, GenerationRequest, Sampling
+from serving.sampling import GenerationRequest
+from serving.text_config import load_text_config
 from serving.tokenizer import load_tokenizer
 from tuner.errors import BadInput
 
 VERSION = "1"
-
 
 
 def decoder_spec(signature: Signature, cache: CacheSpec, vocab: int | None = None) -> DecoderSpec:
@@ -55,114 +57,6 @@ def decoder_spec(signature: Signature, cache: CacheSpec, vocab: int | None = Non
     return DecoderSpec(roles.input_ids, roles.attention_mask, roles.position_ids, cache.past,
                        tuple(to_present[n] for n in cache.past), tuple(dims), dtype,
                        roles.logits, int(vocab))
-
-
-# ---------------------------------------------------------------------- request tensors
-
-
-def client_signature(tokenizer: bool) -> Signature:
-    """The tensors a client sends and receives (Triton's names for LLM models); every input
-    but the prompt is optional and may come as a request parameter instead."""
-    inputs = [TensorSpec("input_ids", "INT64", (1, -1))]
-    if tokenizer:
-        inputs.append(TensorSpec("text_input", "BYTES", (1,)))
-    inputs += [TensorSpec("max_tokens", "INT32", (1,)), TensorSpec("temperature", "FP32", (1,)),
-               TensorSpec("top_k", "INT32", (1,)), TensorSpec("top_p", "FP32", (1,)),
-               TensorSpec("seed", "UINT64", (1,)), TensorSpec("stop_ids", "INT64", (-1,)),
-               TensorSpec("end_id", "INT64", (1,)), TensorSpec("stream", "BOOL", (1,))]
-    outputs = [TensorSpec("output_ids", "INT64", (1, -1))]
-    if tokenizer:
-        outputs.append(TensorSpec("text_output", "BYTES", (1,)))
-    return Signature(tuple(inputs), tuple(outputs), "input_ids", None)
-
-
-_SCALARS = {"max_tokens": int, "temperature": float, "top_k": int, "top_p": float, "seed": int,
-            "end_id": int, "stream": bool}
-
-
-def _scalar(name: str, value, kind: type):
-    if isinstance(value, np.ndarray):
-        if value.size != 1:
-            raise InvalidArgument(f"input '{name}' must hold one value, not {value.size}")
-        value = value.reshape(-1)[0].item()
-    if kind is bool:
-        if not isinstance(value, (bool, np.bool_)):
-            raise InvalidArgument(f"'{name}' must be a BOOL")
-        return bool(value)
-    if isinstance(value, (bool, str, bytes)) or (kind is int and isinstance(value, float)):
-        raise InvalidArgument(f"'{name}' must be a{'n integer' if kind is int else ' number'}")
-    return kind(value)
-
-
-def parse_request(tensors: Mapping[str, np.ndarray], parameters: Mapping[str, object],
-                  tokenizer=None, default_max_tokens: int = 16, request_id: str = ""
-                  ) -> tuple[GenerationRequest, bool]:
-    """A GenerationRequest (and whether to stream) from decoded request tensors and request
-    parameters (a tensor wins over a parameter of the same name). InvalidArgument, saying
-    what is wrong, for anything else."""
-    known = set(_SCALARS) | {"input_ids", "text_input", "stop_ids"}
-    for name in tensors:
-        if name not in known:
-            raise InvalidArgument(f"unexpected input '{name}'; a decoder takes "
-                                  f"{sorted(known)}")
-    values = {k: _scalar(k, v, _SCALARS[k]) for k, v in parameters.items() if k in _SCALARS}
-    values.update({k: _scalar(k, v, _SCALARS[k]) for k, v in tensors.items() if k in _SCALARS})
-    prompt = _prompt(tensors, tokenizer)
-    stops = set()
-    if "stop_ids" in tensors:
-        stops |= {int(x) for x in np.asarray(tensors["stop_ids"]).reshape(-1)}
-    elif "stop_ids" in parameters:  # a string parameter: "2, 13"
-        try:
-            stops |= {int(x) for x in str(parameters["stop_ids"]).replace(",", " ").split()}
-        except ValueError:
-            raise InvalidArgument("parameter 'stop_ids' must be token ids separated by commas "
-                                  f"or spaces, not {parameters['stop_ids']!r}") from None
-    if "end_id" in values:
-        stops.add(values["end_id"])
-    sampling = Sampling(values.get("temperature", 0.0), values.get("top_k", 0),
-                        values.get("top_p", 1.0), values.get("seed"))
-    request = GenerationRequest(prompt, values.get("max_tokens", default_max_tokens), sampling,
-                                frozenset(stops), request_id)
-    return request, values.get("stream", True)
-
-
-def _prompt(tensors: Mapping[str, np.ndarray], tokenizer) -> tuple[int, ...]:
-    if ("input_ids" in tensors) == ("text_input" in tensors):
-        raise InvalidArgument("send the prompt as exactly one of 'input_ids' (INT64 [1, n]) "
-                              "or 'text_input' (BYTES [1])")
-    if "input_ids" in tensors:
-        ids = tensors["input_ids"]
-        if ids.dtype != np.int64 or ids.ndim != 2 or ids.shape[0] != 1:
-            raise InvalidArgument(f"'input_ids' must be INT64 [1, n], not {ids.dtype} "
-                                  f"{list(ids.shape)}")
-        return tuple(int(x) for x in ids[0])
-    if tokenizer is None:
-        raise InvalidArgument("this model has no tokenizer (no tokenizer.json in its "
-                              "artifact): send 'input_ids'")
-    text = tensors["text_input"].reshape(-1)
-    if text.size != 1:
-        raise InvalidArgument(f"'text_input' must hold one string, not {text.size}")
-    raw = text[0] if isinstance(text[0], bytes) else str(text[0]).encode()
-    try:
-        return tuple(tokenizer.encode(raw.decode("utf-8")).ids)
-    except UnicodeDecodeError:
-        raise InvalidArgument("'text_input' is not valid UTF-8") from None
-
-
-def chunk_outputs(chunk: Chunk, with_text: bool) -> dict[str, np.ndarray]:
-    """The response tensors of one chunk: output_ids [1, k] and text_output [1]."""
-    out = {"output_ids": np.array([chunk.ids], np.int64).reshape(1, len(chunk.ids))}
-    if with_text:
-        out["text_output"] = np.array([(chunk.text or "").encode()], dtype=object)
-    return out
-
-
-def join_chunks(chunks: Sequence[Chunk]) -> Chunk:
-    """The whole sequence as one final chunk (the unary call's answer)."""
-    ids = tuple(t for c in chunks for t in c.ids)
-    texts = [c.text for c in chunks if c.text is not None]
-    last = chunks[-1]
-    return Chunk(ids, "".join(texts) if texts else None, True, last.reason, last.detail)
 
 
 def _stats_for(stats: Stats, metrics: Metrics | None, gm: GenerationMetrics | None
@@ -214,6 +108,7 @@ class DecoderEngine:
         self.forward = forward
         self.name, self.version = model.name, VERSION
         self.tokenizer = _tokenizer(model)
+        self.text = load_text_config(model.folder, self.tokenizer)  # end tokens, chat template
         pad_to = options.pad_to
         if pad_to == "auto":  # as serving.engine: any shape runs on a CPU, and costs there
             pad_to = "longest" if model.backend.endswith("cpu") else "bucket"
@@ -233,9 +128,13 @@ class DecoderEngine:
                                    pad_to=self.pad_to)
 
     def parse(self, tensors: Mapping[str, np.ndarray], parameters: Mapping[str, object],
-              request_id: str = "") -> tuple[GenerationRequest, bool]:
+              request_id: str = "") -> ClientRequest:
         return parse_request(tensors, parameters, self.tokenizer,
-                             self.options.default_max_tokens, request_id)
+                             self.options.default_max_tokens, request_id, self.text.eos_ids)
+
+    def active(self) -> int:
+        """Streams being decoded now (each holds a slot and its cache)."""
+        return self.generator.active
 
     def submit(self, request: GenerationRequest, on_chunk):
         return self.generator.submit(request, on_chunk)

@@ -99,6 +99,42 @@ def _cache_buckets(limit: int, given: Sequence[int]) -> tuple[int, ...]:
     return tuple(out) + (limit,)
 
 
+# ------------------------------------------------------------------- output helpers
+
+
+class StopText:
+    """Stop strings matched on streamed text across token boundaries: `feed` returns the
+    text that may be released and whether a stop string was completed (the release then ends
+    right before it). A tail that could still become a stop string is held back until the
+    next piece decides it; `flush` releases it at the end."""
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self.stops, self.held = stops, ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        buf = self.held + text
+        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.held = ""
+            return buf[:min(hits)], True
+        keep = max((k for s in self.stops for k in range(1, min(len(s), len(buf) + 1))
+                    if buf.endswith(s[:k])), default=0)
+        self.held = buf[len(buf) - keep:]
+        return buf[:len(buf) - keep], False
+
+    def flush(self) -> str:
+        out, self.held = self.held, ""
+        return out
+
+
+def log_softmax_at(logits: np.ndarray, token: int) -> float:
+    """log p(token) under the model's own distribution (raw logits, before any sampling
+    transform), computed stably in float64."""
+    x = logits.astype(np.float64)
+    m = x.max()
+    return float(x[token] - m - np.log(np.exp(x - m).sum()))
+
+
 # ------------------------------------------------------------------------------- streams
 
 
@@ -108,6 +144,7 @@ class _Stream:
     def __init__(self, request: GenerationRequest, on_chunk: Callable[[Chunk], None],
                  detokenizer) -> None:
         self.request, self.on_chunk, self.detok = request, on_chunk, detokenizer
+        self.stop_text = StopText(request.stop_strings) if request.stop_strings else None
         self.rng = np.random.default_rng(request.sampling.seed)
         self.cache: list[np.ndarray] = []  # per past input: (1, kv_heads, length, d)
         self.length = 0  # cache entries
@@ -196,6 +233,9 @@ class Generator:
                 f"prompt ({n}) + max_tokens ({request.max_tokens}) - 1 = "
                 f"{n + request.max_tokens - 1} cache entries exceed the maximum cache length "
                 f"{self.max_cache_len} (the model's positions)")
+        if request.stop_strings and self.tokenizer is None:
+            raise InvalidArgument("stop strings need a tokenizer (no tokenizer.json in this "
+                                  "artifact): send stop token ids instead")
         bad = [t for t in request.prompt if not 0 <= t < self.spec.vocab]
         if bad:
             raise InvalidArgument(f"token id {bad[0]} is outside the vocabulary "
@@ -403,7 +443,13 @@ class Generator:
     # ------------------------------------------------------------------------------ output
 
     def _emit(self, s: _Stream, logits: np.ndarray) -> None:
-        token = sample(logits, s.request.sampling, s.rng)
+        r = s.request
+        drawn = logits
+        if s.generated < r.min_tokens and r.stop_ids:  # too early to stop: mask the stops
+            drawn = logits.copy()
+            drawn[[t for t in r.stop_ids if 0 <= t < drawn.size]] = -np.inf
+        token = sample(drawn, r.sampling, s.rng)
+        logprob = (log_softmax_at(logits, token),) if r.logprobs else None
         now = time.perf_counter()
         ttft = now - s.submitted if s.last_token_at is None else None
         itl = None if s.last_token_at is None else now - s.last_token_at
@@ -414,14 +460,24 @@ class Generator:
         s.last, s.generated = token, s.generated + 1
         self.stats.on_token(ttft, itl)
         text = s.detok.add(token) if s.detok is not None else None
-        if s.generated >= s.request.max_tokens:
-            if s.detok is not None:
-                text += s.detok.flush()
-            self._send(s, Chunk((token,), text, True, "length"))
+        last = s.generated >= s.request.max_tokens
+        if last and s.detok is not None:
+            text += s.detok.flush()
+        if s.stop_text is not None:
+            text, hit = s.stop_text.feed(text)
+            if hit:
+                self._send(s, Chunk((token,), text, True, "stop", logprobs=logprob))
+                s.done = True
+                self.stats.on_end("stop", now - s.submitted)
+                return
+            if last:
+                text += s.stop_text.flush()
+        if last:
+            self._send(s, Chunk((token,), text, True, "length", logprobs=logprob))
             s.done = True
             self.stats.on_end("length", now - s.submitted)
         else:
-            self._send(s, Chunk((token,), text))
+            self._send(s, Chunk((token,), text, logprobs=logprob))
 
     def _finish(self, s: _Stream, reason: str, detail: str = "") -> None:
         """The final chunk without a new token (stop, cancel, shutdown, error)."""
@@ -429,7 +485,9 @@ class Generator:
             return
         s.done = True
         text = s.detok.flush() if s.detok is not None else None
-        self._send(s, Chunk((), text, True, reason, detail))
+        if s.stop_text is not None:
+            text = s.stop_text.feed(text)[0] + s.stop_text.flush()
+        self._send(s, Chunk((), text, True, reason, detail, () if s.request.logprobs else None))
         self.stats.on_end(reason, time.perf_counter() - s.submitted)
 
     def _send(self, s: _Stream, chunk: Chunk) -> None:

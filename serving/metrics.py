@@ -173,3 +173,26 @@ def start_metrics_server(metrics: Metrics, host: str, port: int):
     from prometheus_client import start_http_server
 
     return start_http_server(port, addr=host, registry=metrics.registry)
+
+
+@dataclass
+class EndpointMetrics:
+    """Calls per protocol, endpoint and status, and their durations (for a stream: until
+    its response starts)."""
+
+    calls: Counter
+    duration: Histogram
+
+    def observe(self, protocol: str, endpoint: str, status: str, seconds: float) -> None:
+        self.calls.labels(protocol, endpoint, status).inc()
+        self.duration.labels(protocol, endpoint).observe(seconds)
+
+
+def add_endpoint_metrics(metrics: Metrics) -> EndpointMetrics:
+    r = metrics.registry
+    return EndpointMetrics(
+        Counter("tuner_endpoint_requests", "Calls answered, per protocol, endpoint and status",
+                ["protocol", "endpoint", "status"], registry=r),
+        Histogram("tuner_endpoint_request_duration_seconds", "Time to answer a call (a "
+                  "stream: to its first byte)", ["protocol", "endpoint"],
+                  buckets=(0.0005, 0.001, 0.002, 0.005) + LATENCY_BUCKETS, registry=r))

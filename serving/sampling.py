@@ -48,12 +48,22 @@ class GenerationRequest:
     sampling: Sampling = field(default_factory=Sampling)
     stop_ids: frozenset[int] = frozenset()  # generating one ends the stream (not sent)
     id: str = ""
+    min_tokens: int = 0  # until this many were generated, stop_ids are masked out of sampling
+    # matched on the detokenized output (never the prompt), across token boundaries: the
+    # stream ends with reason "stop" and the text sent ends right before the match
+    stop_strings: tuple[str, ...] = ()
+    logprobs: bool = False  # each chunk carries log_softmax(raw logits)[id] per id
 
     def __post_init__(self) -> None:
         if not self.prompt:
             raise InvalidArgument("the prompt is empty: send at least one token")
         if self.max_tokens < 1:
             raise InvalidArgument(f"max_tokens must be >= 1, not {self.max_tokens}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidArgument(f"min_tokens must be in [0, max_tokens={self.max_tokens}], "
+                                  f"not {self.min_tokens}")
+        if any(not isinstance(s, str) or not s for s in self.stop_strings):
+            raise InvalidArgument("every stop string must be a non-empty string")
 
 
 @dataclass(frozen=True)
@@ -66,6 +76,7 @@ class Chunk:
     final: bool = False
     reason: str | None = None  # one of FINISH_REASONS on the final chunk
     detail: str = ""  # a sentence for the client when the reason is not "length"/"stop"
+    logprobs: tuple[float, ...] | None = None  # one per id when the request asked
 
 
 def sample(logits: np.ndarray, s: Sampling, rng: np.random.Generator) -> int:

@@ -1,5 +1,7 @@
 """Start, run and stop a `tuner serve` process: the gRPC server (inference, health and
-reflection services), the metrics endpoint, TLS and the bearer token, and signals.
+reflection services), the HTTP server (KServe v2 REST, Triton's generate extension, the
+OpenAI-compatible API; serving.http), the metrics endpoint, TLS and the bearer token (the
+same on both ports), and signals.
 
 Lifecycle:
   start()  binds the ports at once (live, not ready), then loads the model in a thread:
@@ -15,7 +17,9 @@ import hmac
 import logging
 import signal
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -27,7 +31,8 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2
 from serving.decoder import DecoderEngine
 from serving.engine import Engine, EngineOptions
 from serving.generate import GenerateOptions
-from serving.metrics import Stats, add_generation_metrics, make_metrics, start_metrics_server
+from serving.metrics import (Stats, add_endpoint_metrics, add_generation_metrics, make_metrics,
+                             start_metrics_server)
 from serving.model import load_artifact
 from serving.wire._generated import POOL
 from serving.wire._generated import inference_pb2_grpc as pb_grpc
@@ -44,7 +49,8 @@ SERVICE = "inference.GRPCInferenceService"
 @dataclass(frozen=True)
 class ServerOptions:
     host: str = "127.0.0.1"
-    port: int = 8001  # 0: any free port (see Server.port)
+    port: int | None = 8001  # gRPC; 0: any free port (see Server.port); None: no gRPC
+    http_port: int | None = None  # REST + OpenAI (`tuner serve`: 8000); 0: any; None: none
     metrics_port: int | None = 8002  # None: no metrics endpoint; 0: any free port
     model_name: str | None = None  # default: the source model file's stem
     backend: str | None = None  # default: the manifest's backend
@@ -65,8 +71,11 @@ class ServerOptions:
             p = getattr(self, name)
             if p is not None and not Path(p).is_file():
                 raise BadInput(f"--{name.replace('_', '-')} {p}: no such file")
-        if not 0 <= self.port <= 65535:
-            raise BadInput(f"port must be in [0, 65535], not {self.port}")
+        for what, port in (("port", self.port), ("HTTP port", self.http_port)):
+            if port is not None and not 0 <= port <= 65535:
+                raise BadInput(f"{what} must be in [0, 65535], not {port}")
+        if self.port is None and self.http_port is None:
+            raise BadInput("both gRPC and HTTP are turned off: serve at least one")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise BadInput(f"metrics port must be in [0, 65535], not {self.metrics_port}")
         if self.token is not None and (not self.token or any(c.isspace() for c in self.token)):
@@ -92,18 +101,66 @@ class _TokenInterceptor(grpc.ServerInterceptor):
         return _deny(handler)
 
 
+_KINDS = {(False, False): ("unary_unary", grpc.unary_unary_rpc_method_handler),
+          (False, True): ("unary_stream", grpc.unary_stream_rpc_method_handler),
+          (True, False): ("stream_unary", grpc.stream_unary_rpc_method_handler),
+          (True, True): ("stream_stream", grpc.stream_stream_rpc_method_handler)}
+
+
+def _rebuilt(handler: grpc.RpcMethodHandler, behaviour) -> grpc.RpcMethodHandler:
+    """`handler` with another behaviour (same kind, same (de)serializers)."""
+    make = _KINDS[(handler.request_streaming, handler.response_streaming)][1]
+    return make(behaviour, request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+
+
 def _deny(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     def abort(request, context):
         context.abort(grpc.StatusCode.UNAUTHENTICATED,
                       "missing or wrong bearer token (metadata 'authorization: Bearer <token>')")
 
-    kinds = {(False, False): grpc.unary_unary_rpc_method_handler,
-             (False, True): grpc.unary_stream_rpc_method_handler,
-             (True, False): grpc.stream_unary_rpc_method_handler,
-             (True, True): grpc.stream_stream_rpc_method_handler}
-    make = kinds[(handler.request_streaming, handler.response_streaming)]
-    return make(abort, request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
+    return _rebuilt(handler, abort)
+
+
+class _EndpointInterceptor(grpc.ServerInterceptor):
+    """Counts every call per method and status code, and times it (a stream: to its end),
+    into the same series as the HTTP endpoints (serving.metrics.EndpointMetrics)."""
+
+    def __init__(self, metrics) -> None:
+        self.metrics = metrics
+
+    def intercept_service(self, continuation, details):
+        handler = continuation(details)
+        if handler is None:
+            return None
+        name, observe = details.method.rsplit("/", 1)[-1], self.metrics.observe
+        kind = _KINDS[(handler.request_streaming, handler.response_streaming)][0]
+        inner = getattr(handler, kind)
+
+        @contextmanager
+        def observed(context):
+            start, code = time.perf_counter(), "OK"
+            try:
+                yield
+            except BaseException:
+                found = context.code() if hasattr(context, "code") else None
+                code = found.name if found is not None else "UNKNOWN"
+                raise
+            finally:
+                observe("grpc", name, code, time.perf_counter() - start)
+
+        if not handler.response_streaming:
+            def unary(request, context):
+                with observed(context):
+                    return inner(request, context)
+
+            return _rebuilt(handler, unary)
+
+        def streaming(request, context):
+            with observed(context):
+                yield from inner(request, context)
+
+        return _rebuilt(handler, streaming)
 
 
 def _register_in_pool(*files) -> None:
@@ -125,12 +182,15 @@ class Server:
         self.slot = Slot(name)
         self.stats = Stats()
         self.metrics = make_metrics(self.stats, name, "1")
+        self.endpoint_metrics = add_endpoint_metrics(self.metrics)
         self.health = health.HealthServicer()
         self.port: int | None = None
+        self.http_port: int | None = None
         self.metrics_port: int | None = None
         self.failed: BaseException | None = None
         self.loaded = threading.Event()  # set when loading ends, ready or failed
         self._grpc: grpc.Server | None = None
+        self._http = None  # serving.http.app.HttpServer
         self._metrics_http = None
 
     # ------------------------------------------------------------------------------ start
@@ -142,7 +202,9 @@ class Server:
                 # gRPC shares ports by default (SO_REUSEPORT): a second server started on a
                 # busy port would silently take half of its calls. Refuse instead.
                 ("grpc.so_reuseport", 0)]
-        interceptors = [_TokenInterceptor(o.token)] if o.token else []
+        interceptors = [_EndpointInterceptor(self.endpoint_metrics)]
+        if o.token:
+            interceptors.append(_TokenInterceptor(o.token))
         server = grpc.server(ThreadPoolExecutor(o.threads, thread_name_prefix="grpc"),
                              interceptors=interceptors, options=size)
         pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(self.slot), server)
@@ -169,25 +231,54 @@ class Server:
     def start(self, load: bool = True) -> "Server":
         """Bind and serve (live, not ready); load and check the model in the background
         (`load=False`: not yet; call `load()`)."""
-        self._grpc = self._build()
-        self._grpc.start()
-        if self.options.metrics_port is not None:
-            try:
-                self._metrics_http = start_metrics_server(self.metrics, self.options.host,
-                                                          self.options.metrics_port)
-            except OSError as e:
+        o = self.options
+        if o.port is not None:
+            self._grpc = self._build()
+            self._grpc.start()
+        try:
+            if o.http_port is not None:
+                self._http = self._build_http().start()
+                self.http_port = self._http.port
+            if o.metrics_port is not None:
+                try:
+                    self._metrics_http = start_metrics_server(self.metrics, o.host,
+                                                              o.metrics_port)
+                except OSError as e:
+                    raise BadInput(f"cannot serve metrics on {o.host}:{o.metrics_port} "
+                                   f"({e})") from None
+                self.metrics_port = self._metrics_http[0].server_port
+        except BaseException:
+            if self._grpc is not None:
                 self._grpc.stop(None)
-                raise BadInput(f"cannot serve metrics on {self.options.host}:"
-                               f"{self.options.metrics_port} ({e})") from None
-            self.metrics_port = self._metrics_http[0].server_port
-        scheme = "grpcs" if self.options.tls_cert else "grpc"
-        self.say(f"listening on {scheme}://{self.options.host}:{self.port}"
-                 + (f", metrics on http://{self.options.host}:{self.metrics_port}/metrics"
+            if self._http is not None:
+                self._http.stop()
+            raise
+        tls = "s" if o.tls_cert else ""
+        where = ([f"grpc{tls}://{o.host}:{self.port}"] if self.port is not None else []) + \
+            ([f"http{tls}://{o.host}:{self.http_port}"] if self.http_port is not None else [])
+        self.say(f"listening on {', '.join(where)}"
+                 + (f", metrics on http://{o.host}:{self.metrics_port}/metrics"
                     if self.metrics_port else "")
                  + f"; model '{self.slot.name}' loading")
         if load:
             threading.Thread(target=self.load, name="load", daemon=True).start()
         return self
+
+    def _build_http(self):
+        try:
+            from serving.http.app import Frontend, HttpOptions, HttpServer
+        except ImportError as e:  # the HTTP stack is a dependency, but may be missing
+            raise BadInput(f"the HTTP port needs {e.name or 'its packages'} (pip install "
+                           "starlette uvicorn uvloop httptools orjson), or turn it off with "
+                           "--http-port -1") from None
+
+        o = self.options
+        frontend = Frontend(self.slot, o.token, self.endpoint_metrics, o.max_message_bytes)
+        try:
+            return HttpServer(frontend, HttpOptions(o.host, o.http_port, o.tls_cert, o.tls_key,
+                                                    o.drain_timeout_s, o.threads))
+        except OSError as e:
+            raise BadInput(f"cannot listen on {o.host}:{o.http_port} ({e})") from None
 
     def load(self) -> None:
         """Load the model, run the accuracy gate, then report ready (or record the failure)."""
@@ -238,8 +329,11 @@ class Server:
         engine = self.slot.engine
         if isinstance(engine, DecoderEngine):  # streams end within the grace, saying why
             engine.drain(max(0.0, grace - 1.0))
-        if self._grpc is not None:
-            self._grpc.stop(grace).wait()
+        stopped = self._grpc.stop(grace) if self._grpc is not None else None
+        if self._http is not None:
+            self._http.stop()
+        if stopped is not None:
+            stopped.wait()
         engine = self.slot.engine
         if engine is not None:
             engine.close()

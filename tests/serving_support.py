@@ -33,8 +33,10 @@ def serve_process(out: Path, port: int, name: str, *args: str,
     import tritonclient.grpc as tg
     from tritonclient.utils import InferenceServerException
 
+    http = () if "--http-port" in args else ("--http-port", "-1")  # no fixed port 8000
     proc = subprocess.Popen([sys.executable, "-m", "tuner", "serve", str(out), "--port",
-                             str(port), "--metrics-port", "-1", "--model-name", name, *args],
+                             str(port), "--metrics-port", "-1", "--model-name", name, *http,
+                             *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     client = tg.InferenceServerClient(f"127.0.0.1:{port}")
     deadline = time.monotonic() + timeout_s

@@ -10,7 +10,8 @@ import threading
 from typing import Iterator
 
 from serving.datatypes import triton_type
-from serving.decoder import DecoderEngine, chunk_outputs, join_chunks
+from serving.conventions import Reply, join_chunks
+from serving.decoder import DecoderEngine
 from serving.errors import ServingError
 from serving.sampling import Chunk
 from serving.wire import protocol
@@ -22,17 +23,18 @@ PLATFORM = "onnxruntime_onnx"  # as serving.service says
 
 def generate_whole(engine: DecoderEngine, request, context) -> pb.ModelInferResponse:
     """Unary: the whole generated sequence in one response."""
-    gen, _ = engine.parse(protocol.decode_inputs(request),
+    parsed = engine.parse(protocol.decode_inputs(request),
                           protocol.parameter_values(request.parameters), request.id)
     chunks: queue.Queue[Chunk] = queue.Queue()
-    handle = engine.submit(gen, chunks.put)
+    handle = engine.submit(parsed.generation, chunks.put)
     context.add_callback(handle.cancel)  # the client went away: free the slot
     got = [chunks.get()]
     while not got[-1].final:
         got.append(chunks.get())
     if got[-1].reason == "error":
         raise RuntimeError(got[-1].detail)
-    return _chunk_response(engine, request.id, join_chunks(got))
+    return _chunk_response(engine, request.id, join_chunks(got),
+                           Reply(parsed, engine.tokenizer is not None))
 
 
 def generate_stream(engine: DecoderEngine, request_iterator, context
@@ -55,7 +57,10 @@ def generate_stream(engine: DecoderEngine, request_iterator, context
         elif kind == "refused":
             open_requests -= 1
             code, message = protocol.status_for(payload)
-            yield pb.ModelStreamInferResponse(error_message=message)
+            answer = pb.ModelInferResponse(model_name=engine.name, model_version=engine.version,
+                                           id=request.id)
+            answer.parameters["triton_final_response"].bool_param = True
+            yield pb.ModelStreamInferResponse(error_message=message, infer_response=answer)
         else:  # a chunk
             chunk, state = payload
             if chunk.final:
@@ -69,6 +74,7 @@ class _RequestState:
 
     def __init__(self, request) -> None:
         self.stream = True
+        self.reply: Reply | None = None
         self.empty_final = protocol.parameter_values(request.parameters).get(
             "triton_enable_empty_final_response", False)
         self.held: list[Chunk] = []
@@ -81,11 +87,13 @@ def _read_requests(engine: DecoderEngine, request_iterator, events: queue.Queue,
             state = _RequestState(request)
             events.put(("opened", request, None))
             try:
-                gen, state.stream = engine.parse(protocol.decode_inputs(request),
-                                                 protocol.parameter_values(request.parameters),
-                                                 request.id)
+                parsed = engine.parse(protocol.decode_inputs(request),
+                                      protocol.parameter_values(request.parameters), request.id)
+                state.stream = parsed.stream
+                state.reply = Reply(parsed, engine.tokenizer is not None)
                 handles.append(engine.submit(
-                    gen, lambda c, r=request, st=state: events.put(("chunk", r, (c, st)))))
+                    parsed.generation,
+                    lambda c, r=request, st=state: events.put(("chunk", r, (c, st)))))
             except Exception as e:  # noqa: BLE001 - answered on the stream; it goes on
                 if not isinstance(e, ServingError):
                     log.error("internal error starting a generation", exc_info=e)
@@ -101,19 +109,23 @@ def _stream_responses(engine: DecoderEngine, request, chunk: Chunk, state: _Requ
     if not state.stream:
         state.held.append(chunk)
         if chunk.final:
-            yield pb.ModelStreamInferResponse(
-                infer_response=_chunk_response(engine, request.id, join_chunks(state.held)))
+            yield pb.ModelStreamInferResponse(infer_response=_chunk_response(
+                engine, request.id, join_chunks(state.held), state.reply))
         return
     if chunk.final and state.empty_final and chunk.ids:  # the client asked for an empty last
         yield pb.ModelStreamInferResponse(infer_response=_chunk_response(
-            engine, request.id, Chunk(chunk.ids, chunk.text)))
+            engine, request.id, Chunk(chunk.ids, chunk.text, logprobs=chunk.logprobs),
+            state.reply))
         chunk = Chunk((), None, True, chunk.reason, chunk.detail)
-    yield pb.ModelStreamInferResponse(infer_response=_chunk_response(engine, request.id, chunk))
+    yield pb.ModelStreamInferResponse(infer_response=_chunk_response(engine, request.id, chunk,
+                                                                     state.reply))
 
 
-def _chunk_response(engine: DecoderEngine, request_id: str, chunk: Chunk
+def _chunk_response(engine: DecoderEngine, request_id: str, chunk: Chunk, reply: Reply
                     ) -> pb.ModelInferResponse:
-    outputs = chunk_outputs(chunk, engine.tokenizer is not None)
+    """One response: the chunk's tensors, the request id, and `triton_final_response`
+    (false on all but the last), as Triton's decoupled models answer."""
+    outputs = reply.outputs(chunk)
     response = protocol.encode_response(engine.name, engine.version, request_id, outputs,
                                         list(outputs))
     response.parameters["triton_final_response"].bool_param = chunk.final
@@ -129,8 +141,9 @@ def decoder_config(engine: DecoderEngine) -> pb.ModelConfig:
     the client's tensors (the server batches streams itself, in flight)."""
     config = pb.ModelConfig(name=engine.name, platform=PLATFORM, backend="onnxruntime",
                             max_batch_size=0)
-    for spec in engine.signature.inputs:
-        config.input.add(name=spec.name, data_type=triton_type(spec.datatype), dims=spec.shape)
+    for spec in engine.signature.inputs:  # every one optional, as Triton's LLM ensembles
+        config.input.add(name=spec.name, data_type=triton_type(spec.datatype), dims=spec.shape,
+                         optional=True)
     for spec in engine.signature.outputs:
         config.output.add(name=spec.name, data_type=triton_type(spec.datatype), dims=spec.shape)
     config.model_transaction_policy.decoupled = True

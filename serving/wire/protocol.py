@@ -74,15 +74,20 @@ def _decode_bytes(raw: bytes, count: int, name: str) -> np.ndarray:
 
 
 def _decode_raw(tensor, raw: bytes) -> np.ndarray:
-    dtype = DATATYPES[tensor.datatype]
-    shape = _shape(tensor, "input")
+    return decode_raw(tensor.name, tensor.datatype, _shape(tensor, "input"), raw)
+
+
+def decode_raw(name: str, datatype: str, shape: tuple[int, ...], raw: bytes) -> np.ndarray:
+    """One tensor from its raw bytes (KServe's raw format, shared by gRPC's
+    raw_input_contents and REST's binary-data extension)."""
+    dtype = DATATYPES[datatype]
     count = math.prod(shape)
-    if tensor.datatype == "BYTES":
-        return _decode_bytes(raw, count, tensor.name).reshape(shape)
+    if datatype == "BYTES":
+        return _decode_bytes(raw, count, name).reshape(shape)
     expected = count * dtype.itemsize
     if len(raw) != expected:
         raise InvalidArgument(f"unexpected total byte size {len(raw)} for input "
-                              f"'{tensor.name}', expecting {expected}")
+                              f"'{name}', expecting {expected}")
     return np.frombuffer(raw, dtype=dtype).reshape(shape)
 
 
@@ -150,7 +155,8 @@ def requested_outputs(request: pb.ModelInferRequest) -> list[str]:
     return names
 
 
-def _raw_bytes(array: np.ndarray) -> bytes:
+def raw_bytes(array: np.ndarray) -> bytes:
+    """An array in KServe's raw format (BYTES: 4-byte little-endian length, then bytes)."""
     if array.dtype == np.dtype(object) or array.dtype.kind in "SU":
         parts = []
         for item in array.reshape(-1):
@@ -171,7 +177,7 @@ def encode_response(model: str, version: str, request_id: str,
     for name in order:
         array = outputs[name]
         response.outputs.add(name=name, datatype=datatype_of(array.dtype), shape=array.shape)
-        response.raw_output_contents.append(_raw_bytes(array))
+        response.raw_output_contents.append(raw_bytes(array))
     return response
 
 
@@ -181,7 +187,7 @@ def encode_inputs(feeds: Mapping[str, np.ndarray], model: str,
     request = pb.ModelInferRequest(model_name=model)
     for name, array in feeds.items():
         request.inputs.add(name=name, datatype=datatype_of(array.dtype), shape=array.shape)
-        request.raw_input_contents.append(_raw_bytes(np.asarray(array)))
+        request.raw_input_contents.append(raw_bytes(np.asarray(array)))
     for name in outputs:
         request.outputs.add(name=name)
     return request

@@ -40,6 +40,20 @@ class Slot:
     def ready(self) -> bool:
         return self.engine is not None and not self.draining
 
+    def model_ready(self, name: str, version: str = "") -> bool:
+        return name == self.name and version in ("", "1") and self.ready()
+
+    def find(self, name: str, version: str = "") -> Engine | DecoderEngine:
+        """The engine serving `name` (version "" or "1"); NotFound or Unavailable."""
+        if name != self.name:
+            raise _unknown(name)
+        if version not in ("", "1"):
+            raise NotFound(f"Request for unknown model: '{name}' version {version} is not found")
+        engine = self.engine
+        if engine is None:
+            raise Unavailable(f"model '{name}' is not ready: {self.status}")
+        return engine
+
 
 def _unknown(name: str) -> NotFound:
     return NotFound(f"Request for unknown model: '{name}' is not found")
@@ -52,14 +66,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     # --------------------------------------------------------------------------- helpers
 
     def _engine(self, name: str, version: str) -> Engine | DecoderEngine:
-        if name != self.slot.name:
-            raise _unknown(name)
-        if version not in ("", "1"):
-            raise NotFound(f"Request for unknown model: '{name}' version {version} is not found")
-        engine = self.slot.engine
-        if engine is None:
-            raise Unavailable(f"model '{name}' is not ready: {self.slot.status}")
-        return engine
+        return self.slot.find(name, version)
 
     @staticmethod
     def _abort(context: grpc.ServicerContext, error: Exception):
@@ -77,8 +84,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return pb.ServerReadyResponse(ready=self.slot.ready())
 
     def ModelReady(self, request, context):
-        ok = request.name == self.slot.name and request.version in ("", "1") and self.slot.ready()
-        return pb.ModelReadyResponse(ready=ok)
+        return pb.ModelReadyResponse(ready=self.slot.model_ready(request.name, request.version))
 
     def ServerMetadata(self, request, context):
         return pb.ServerMetadataResponse(name=SERVER_NAME, version=serving.__version__,
@@ -91,23 +97,14 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             engine = self._engine(request.name, request.version)
         except Exception as e:  # noqa: BLE001
             return self._abort(context, e)
-        sig = engine.signature if isinstance(engine, DecoderEngine) else engine.model.signature
-        meta = pb.ModelMetadataResponse(name=engine.name, versions=[engine.version],
-                                        platform=PLATFORM)
-        for spec in sig.inputs:
-            meta.inputs.add(name=spec.name, datatype=spec.datatype, shape=spec.shape)
-        for spec in sig.outputs:
-            meta.outputs.add(name=spec.name, datatype=spec.datatype, shape=spec.shape)
-        return meta
+        return model_metadata(engine)
 
     def ModelConfig(self, request, context):
         try:
             engine = self._engine(request.name, request.version)
         except Exception as e:  # noqa: BLE001
             return self._abort(context, e)
-        config = (decoder_config(engine) if isinstance(engine, DecoderEngine)
-                  else model_config(engine))
-        return pb.ModelConfigResponse(config=config)
+        return pb.ModelConfigResponse(config=config_for(engine))
 
     def ModelStatistics(self, request, context):
         try:
@@ -153,6 +150,22 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 if not isinstance(e, ServingError):
                     log.error("internal error answering a stream request", exc_info=e)
                 yield pb.ModelStreamInferResponse(error_message=message)
+
+
+def model_metadata(engine: Engine | DecoderEngine) -> pb.ModelMetadataResponse:
+    """The served model's metadata (gRPC's message; the REST frontend writes it as JSON)."""
+    sig = engine.signature if isinstance(engine, DecoderEngine) else engine.model.signature
+    meta = pb.ModelMetadataResponse(name=engine.name, versions=[engine.version],
+                                    platform=PLATFORM)
+    for spec in sig.inputs:
+        meta.inputs.add(name=spec.name, datatype=spec.datatype, shape=spec.shape)
+    for spec in sig.outputs:
+        meta.outputs.add(name=spec.name, datatype=spec.datatype, shape=spec.shape)
+    return meta
+
+
+def config_for(engine: Engine | DecoderEngine) -> pb.ModelConfig:
+    return decoder_config(engine) if isinstance(engine, DecoderEngine) else model_config(engine)
 
 
 def model_config(engine: Engine) -> pb.ModelConfig:

@@ -26,6 +26,8 @@ _SERVING_PACKAGES = {
     "grpc_reflection": ("grpcio-reflection", ">=1.72.2,<1.82"),
     "google": ("protobuf", ">=6.30.0,<7"),
     "prometheus_client": ("prometheus-client", ">=0.20"),
+    "starlette": ("starlette", ">=0.40"),
+    "uvicorn": ("uvicorn", ">=0.30"),
 }
 
 
@@ -63,7 +65,8 @@ def serving_import_error(e: BaseException) -> str | None:
         return None
     package, bound = _SERVING_PACKAGES[name]
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    pins = " ".join(f"'{p}{b}'" for p, b in _SERVING_PACKAGES.values() if p != "prometheus-client")
+    pins = " ".join(f"'{p}{b}'" for p, b in _SERVING_PACKAGES.values()
+                    if p not in ("prometheus-client", "starlette", "uvicorn"))
     return (f"tuner serve cannot start: the serving dependency {package} does not import "
             f"({type(e).__name__}: {first}); fix: pip install {pins}")
 
@@ -88,7 +91,10 @@ def serve(
                                          "(holds manifest.json)"),
     host: str = typer.Option("127.0.0.1", help="address to bind; 0.0.0.0 exposes the server "
                                                "to the network"),
-    port: int = typer.Option(8001, help="gRPC port (0: any free port)"),
+    port: int = typer.Option(8001, help="gRPC port (0: any free port; -1: no gRPC)"),
+    http_port: int = typer.Option(8000, help="HTTP port: KServe v2 REST, Triton's generate "
+                                             "endpoints and the OpenAI-compatible API (0: any "
+                                             "free port; -1: no HTTP)"),
     metrics_port: int = typer.Option(8002, help="Prometheus /metrics port (-1: none)"),
     model_name: Optional[str] = typer.Option(None, help="name clients use (default: the "
                                                         "source model file's stem)"),
@@ -128,7 +134,9 @@ def serve(
     max_cache_len: Optional[int] = typer.Option(None, help="decoders: longest cache (default: "
                                                            "the model's positions)"),
 ) -> None:
-    """Serve OUT's selected variant (KServe v2 / Open Inference Protocol, gRPC) until SIGTERM.
+    """Serve OUT's selected variant until SIGTERM: KServe v2 / Open Inference Protocol over
+    gRPC (--port) and HTTP/REST (--http-port), and for a decoder Triton's generate endpoints
+    and an OpenAI-compatible API (/v1) on the HTTP port.
 
     Before reporting ready it re-runs the accuracy gate against the original on this machine
     and serves the original if the variant fails. Requests longer than the largest sequence
@@ -150,7 +158,9 @@ def serve(
     except ValueError as e:
         raise BadInput(str(e)) from None
     options = ServerOptions(
-        host=host, port=port, metrics_port=None if metrics_port < 0 else metrics_port,
+        host=host, port=None if port < 0 else port,
+        http_port=None if http_port < 0 else http_port,
+        metrics_port=None if metrics_port < 0 else metrics_port,
         model_name=model_name, backend=backend, engine=engine, generate=generate,
         settings=settings,
         tls_cert=tls_cert, tls_key=tls_key, token=token,

@@ -103,8 +103,9 @@ def _check_out(cfg: OptimizeConfig) -> None:
 
 
 # Files beside a decoder that `tuner serve` reads for generation: the tokenizer (text in and
-# out) and Hugging Face's config (the model's positions, for rotary families).
-GENERATION_FILES = ("tokenizer.json", "config.json")
+# out, and its config with the chat template and special tokens) and Hugging Face's config
+# (the model's positions, for rotary families).
+GENERATION_FILES = ("tokenizer.json", "tokenizer_config.json", "config.json")
 _GENERATION_FILE_MAX = 64 * 1024 * 1024
 
 

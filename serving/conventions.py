@@ -1,0 +1,292 @@
+"""What an LLM client sends a decoder and gets back, in the names Triton's LLM backends use,
+so that a client written for either works unchanged (every input optional):
+
+- TensorRT-LLM's ensemble: `text_input`, `max_tokens`, `stream`, `exclude_input_in_output`,
+  `min_length`, `end_id`, `pad_id`, `random_seed`, `temperature`, `runtime_top_k`,
+  `runtime_top_p`, `stop_words`, `bad_words`, `return_log_probs`, `beam_width`; outputs
+  `text_output`, `output_ids`, `sequence_length`, `output_log_probs`, `cum_log_probs`.
+- the vLLM backend: `text_input`, `stream`, `exclude_input_in_output`, `sampling_parameters`
+  (a JSON object whose values may be strings or numbers), `return_num_input_tokens`,
+  `return_num_output_tokens` (outputs `num_input_tokens`, `num_output_tokens`).
+- this server's own: `input_ids`, `top_k`, `top_p`, `seed`, `stop_ids`.
+
+Integer controls take any integer width. A name no convention knows is INVALID_ARGUMENT
+naming it. No grpc here: tensors come in as numpy arrays, responses go out as numpy arrays.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from serving.errors import InvalidArgument
+from serving.model import Signature, TensorSpec
+from serving.sampling import Chunk, GenerationRequest, Sampling
+
+# name -> (python kind, the field of _Controls it sets); TensorRT-LLM names beside ours
+_CONTROLS: dict[str, tuple[type, str]] = {
+    "max_tokens": (int, "max_tokens"), "min_length": (int, "min_tokens"),
+    "temperature": (float, "temperature"),
+    "top_k": (int, "top_k"), "runtime_top_k": (int, "top_k"),
+    "top_p": (float, "top_p"), "runtime_top_p": (float, "top_p"),
+    "seed": (int, "seed"), "random_seed": (int, "seed"),
+    "end_id": (int, "end_id"), "pad_id": (int, "pad_id"), "beam_width": (int, "beam_width"),
+    "stream": (bool, "stream"), "exclude_input_in_output": (bool, "exclude_input"),
+    "return_log_probs": (bool, "logprobs"),
+    "return_num_input_tokens": (bool, "num_input_tokens"),
+    "return_num_output_tokens": (bool, "num_output_tokens"),
+}
+_TEXTS = ("input_ids", "text_input", "stop_ids", "stop_words", "bad_words",
+          "sampling_parameters")
+KNOWN_INPUTS = frozenset(_CONTROLS) | frozenset(_TEXTS)
+
+# the vLLM backend's sampling_parameters keys -> (kind, field)
+_VLLM = {"max_tokens": (int, "max_tokens"), "min_tokens": (int, "min_tokens"),
+         "temperature": (float, "temperature"), "top_p": (float, "top_p"),
+         "top_k": (int, "top_k"), "seed": (int, "seed"), "ignore_eos": (bool, "ignore_eos")}
+
+
+def client_signature(tokenizer: bool) -> Signature:
+    """The tensors a client may send and gets back. Every input is optional (ModelConfig
+    says so); the datatypes are what the two Triton backends declare, which is what
+    perf_analyzer and genai-perf build their tensors from."""
+    i, b, f, u, s = "INT32", "BOOL", "FP32", "UINT64", "BYTES"
+    inputs = [TensorSpec("input_ids", "INT64", (1, -1))]
+    if tokenizer:
+        inputs += [TensorSpec("text_input", s, (1,)), TensorSpec("stop_words", s, (-1,)),
+                   TensorSpec("bad_words", s, (-1,)), TensorSpec("sampling_parameters", s, (1,))]
+    inputs += [TensorSpec(n, t, (1,)) for n, t in (
+        ("max_tokens", i), ("min_length", i), ("stream", b), ("exclude_input_in_output", b),
+        ("end_id", i), ("pad_id", i), ("beam_width", i), ("temperature", f),
+        ("runtime_top_k", i), ("runtime_top_p", f), ("random_seed", u), ("top_k", i),
+        ("top_p", f), ("seed", u), ("return_log_probs", b), ("return_num_input_tokens", b),
+        ("return_num_output_tokens", b))]
+    inputs.append(TensorSpec("stop_ids", "INT64", (-1,)))
+    outputs = [TensorSpec("output_ids", "INT64", (1, -1)),
+               TensorSpec("sequence_length", i, (1,)),
+               TensorSpec("output_log_probs", f, (-1,)), TensorSpec("cum_log_probs", f, (1,)),
+               TensorSpec("num_input_tokens", "UINT32", (1,)),
+               TensorSpec("num_output_tokens", "UINT32", (1,))]
+    if tokenizer:
+        outputs.insert(1, TensorSpec("text_output", s, (1,)))
+    return Signature(tuple(inputs), tuple(outputs), "input_ids", None)
+
+
+@dataclass(frozen=True)
+class ClientRequest:
+    """A parsed request: what to generate, and how the client wants the answer."""
+
+    generation: GenerationRequest
+    stream: bool = True
+    prompt_text: str | None = None  # sent first when the client set exclude_input_in_output false
+
+
+def _one(name: str, value):
+    if isinstance(value, np.ndarray):
+        if value.size != 1:
+            raise InvalidArgument(f"input '{name}' must hold one value, not {value.size}")
+        value = value.reshape(-1)[0]
+        value = value.item() if isinstance(value, np.generic) else value
+    return value
+
+
+def _scalar(name: str, value, kind: type, strings: bool = False):
+    """One control's value; `strings`: numbers and booleans may come as strings (the vLLM
+    backend's JSON)."""
+    value = _one(name, value)
+    if isinstance(value, bytes):
+        value = value.decode("utf-8", "replace")
+    if strings and isinstance(value, str):
+        text = value.strip().lower()
+        if kind is bool and text in ("true", "false"):
+            return text == "true"
+        try:
+            value = float(text) if kind is float else int(text) if kind is int else value
+        except ValueError:
+            raise InvalidArgument(f"'{name}' must be a{'n integer' if kind is int else ' number'}"
+                                  f", not {value!r}") from None
+    if kind is bool:
+        if not isinstance(value, (bool, np.bool_)):
+            raise InvalidArgument(f"'{name}' must be a BOOL")
+        return bool(value)
+    if isinstance(value, (bool, str)) or (kind is int and isinstance(value, float)):
+        raise InvalidArgument(f"'{name}' must be a{'n integer' if kind is int else ' number'}")
+    return kind(value)
+
+
+def _strings(name: str, array) -> list[str]:
+    items = array.reshape(-1).tolist() if isinstance(array, np.ndarray) else list(array)
+    try:
+        return [x.decode("utf-8") if isinstance(x, bytes) else str(x) for x in items]
+    except UnicodeDecodeError:
+        raise InvalidArgument(f"'{name}' is not valid UTF-8") from None
+
+
+def _vllm(raw, values: dict, stops: list[str]) -> None:
+    """The vLLM backend's `sampling_parameters` JSON, into `values` and `stops`."""
+    text = _strings("sampling_parameters", raw)
+    if len(text) != 1:
+        raise InvalidArgument("'sampling_parameters' must hold one JSON string")
+    try:
+        given = json.loads(text[0])
+    except ValueError as e:
+        raise InvalidArgument(f"'sampling_parameters' is not JSON: {e}") from None
+    if not isinstance(given, dict):
+        raise InvalidArgument("'sampling_parameters' must be a JSON object")
+    for key, value in given.items():
+        if key == "stop":
+            stops += [value] if isinstance(value, str) else _strings("stop", value)
+        elif key == "stop_token_ids":
+            values["stop_ids"] = [int(_scalar("stop_token_ids", v, int, True)) for v in value]
+        elif key in _VLLM:
+            kind, target = _VLLM[key]
+            values[target] = _scalar(key, value, kind, strings=True)
+        else:
+            raise InvalidArgument(f"sampling parameter '{key}' is not supported; this server "
+                                  f"takes {sorted(_VLLM) + ['stop', 'stop_token_ids']}")
+    if values.get("top_k") == -1:  # vLLM's "no cut"
+        values["top_k"] = 0
+
+
+def parse_request(tensors: Mapping[str, np.ndarray], parameters: Mapping[str, object],
+                  tokenizer=None, default_max_tokens: int = 16, request_id: str = "",
+                  eos_ids: Sequence[int] = ()) -> ClientRequest:
+    """A ClientRequest from decoded request tensors and request parameters (a tensor wins
+    over `sampling_parameters`, which wins over a request parameter of the same name).
+    `eos_ids`: the model's end tokens, which the vLLM convention stops at unless
+    `ignore_eos`. InvalidArgument, saying what is wrong, for anything else."""
+    for name in tensors:
+        if name not in KNOWN_INPUTS:
+            raise InvalidArgument(f"unexpected input '{name}'; a decoder takes "
+                                  f"{sorted(KNOWN_INPUTS)}")
+    values = {_CONTROLS[k][1]: _scalar(k, v, _CONTROLS[k][0]) for k, v in parameters.items()
+              if k in _CONTROLS}
+    stops: list[str] = []
+    vllm = "sampling_parameters" in tensors
+    if vllm:
+        _vllm(tensors["sampling_parameters"], values, stops)
+    values.update({_CONTROLS[k][1]: _scalar(k, v, _CONTROLS[k][0]) for k, v in tensors.items()
+                   if k in _CONTROLS})
+    if values.get("beam_width", 1) != 1:
+        raise InvalidArgument(f"beam_width {values['beam_width']} is not supported: only 1")
+    if "stop_words" in tensors:
+        stops += [w for w in _strings("stop_words", tensors["stop_words"]) if w]
+    if "bad_words" in tensors and any(_strings("bad_words", tensors["bad_words"])):
+        raise InvalidArgument("'bad_words' is not supported (send it empty or leave it out)")
+    prompt = _prompt(tensors, tokenizer)
+    stop_ids = set(values.get("stop_ids", ())) | _stop_ids(tensors, parameters)
+    if "end_id" in values:
+        stop_ids.add(values["end_id"])
+    if vllm and not values.get("ignore_eos", False):
+        stop_ids |= set(eos_ids)
+    if stops and tokenizer is None:
+        raise InvalidArgument("stop strings need a tokenizer (no tokenizer.json in this "
+                              "artifact): send stop token ids instead")
+    sampling = Sampling(values.get("temperature", 0.0), values.get("top_k", 0),
+                        values.get("top_p", 1.0), values.get("seed"))
+    generation = GenerationRequest(
+        prompt, values.get("max_tokens", default_max_tokens), sampling, frozenset(stop_ids),
+        request_id, min_tokens=values.get("min_tokens", 0), stop_strings=tuple(stops),
+        logprobs=values.get("logprobs", False))
+    echo = values.get("exclude_input", True) is False and tokenizer is not None
+    # return_num_input_tokens / return_num_output_tokens (vLLM) are accepted: the counts
+    # come in every response
+    return ClientRequest(generation, values.get("stream", True),
+                         _text_of(tensors, prompt, tokenizer) if echo else None)
+
+
+def _stop_ids(tensors: Mapping[str, np.ndarray], parameters: Mapping[str, object]) -> set[int]:
+    if "stop_ids" in tensors:
+        ids = np.asarray(tensors["stop_ids"])
+        if ids.dtype.kind not in "iu":
+            raise InvalidArgument(f"'stop_ids' must be integers, not {ids.dtype}")
+        return {int(x) for x in ids.reshape(-1)}
+    if "stop_ids" in parameters:  # a string parameter: "2, 13"
+        try:
+            return {int(x) for x in str(parameters["stop_ids"]).replace(",", " ").split()}
+        except ValueError:
+            raise InvalidArgument("parameter 'stop_ids' must be token ids separated by commas "
+                                  f"or spaces, not {parameters['stop_ids']!r}") from None
+    return set()
+
+
+def _prompt(tensors: Mapping[str, np.ndarray], tokenizer) -> tuple[int, ...]:
+    if ("input_ids" in tensors) == ("text_input" in tensors):
+        raise InvalidArgument("send the prompt as exactly one of 'input_ids' (integers [1, n] "
+                              "or [n]) or 'text_input' (BYTES [1])")
+    if "input_ids" in tensors:
+        ids = np.asarray(tensors["input_ids"])
+        if ids.dtype.kind not in "iu" or not (ids.ndim == 1 or (ids.ndim == 2
+                                                                and ids.shape[0] == 1)):
+            raise InvalidArgument(f"'input_ids' must be integers [1, n] or [n], not {ids.dtype} "
+                                  f"{list(ids.shape)}")
+        return tuple(int(x) for x in ids.reshape(-1))
+    if tokenizer is None:
+        raise InvalidArgument("this model has no tokenizer (no tokenizer.json in its "
+                              "artifact): send 'input_ids'")
+    text = _strings("text_input", tensors["text_input"])
+    if len(text) != 1:
+        raise InvalidArgument(f"'text_input' must hold one string, not {len(text)}")
+    return tuple(tokenizer.encode(text[0]).ids)
+
+
+def _text_of(tensors, prompt: tuple[int, ...], tokenizer) -> str:
+    if "text_input" in tensors:
+        return _strings("text_input", tensors["text_input"])[0]
+    return tokenizer.decode(list(prompt), skip_special_tokens=False)
+
+
+# ---------------------------------------------------------------------------- responses
+
+
+def chunk_outputs(chunk: Chunk, with_text: bool) -> dict[str, np.ndarray]:
+    """The response tensors of one chunk: output_ids [1, k] and text_output [1]."""
+    out = {"output_ids": np.array([chunk.ids], np.int64).reshape(1, len(chunk.ids))}
+    if with_text:
+        out["text_output"] = np.array([(chunk.text or "").encode()], dtype=object)
+    return out
+
+
+@dataclass
+class Reply:
+    """One request's responses: the totals they carry (sequence length, cumulative
+    log-probability) and the prompt text sent ahead of the first one when asked."""
+
+    request: ClientRequest
+    with_text: bool
+    generated: int = 0
+    cum_logprob: float = 0.0
+    started: bool = field(default=False)
+
+    def outputs(self, chunk: Chunk) -> dict[str, np.ndarray]:
+        text = chunk.text
+        if not self.started and self.request.prompt_text is not None:
+            text = self.request.prompt_text + (text or "")
+        self.started = True
+        out = chunk_outputs(Chunk(chunk.ids, text), self.with_text)
+        self.generated += len(chunk.ids)
+        out["sequence_length"] = np.array([self.generated], np.int32)
+        # every declared output in every response, as Triton's LLM models answer (a client
+        # such as perf_analyzer reads them all): log-probs are 0 unless asked for, as
+        # TensorRT-LLM's are
+        lp = np.array(chunk.logprobs if chunk.logprobs is not None else [0.0] * len(chunk.ids),
+                      np.float32)
+        self.cum_logprob += float(lp.sum())
+        out["output_log_probs"] = lp
+        out["cum_log_probs"] = np.array([self.cum_logprob], np.float32)
+        out["num_input_tokens"] = np.array([len(self.request.generation.prompt)], np.uint32)
+        out["num_output_tokens"] = np.array([len(chunk.ids)], np.uint32)
+        return out
+
+
+def join_chunks(chunks: Sequence[Chunk]) -> Chunk:
+    """The whole sequence as one final chunk (the unary call's answer)."""
+    ids = tuple(t for c in chunks for t in c.ids)
+    texts = [c.text for c in chunks if c.text is not None]
+    logprobs = [p for c in chunks for p in (c.logprobs or ())]
+    last = chunks[-1]
+    return Chunk(ids, "".join(texts) if texts else None, True, last.reason, last.detail,
+                 tuple(logprobs) if any(c.logprobs is not None for c in chunks) else None)

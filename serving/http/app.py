@@ -1,0 +1,190 @@
+"""The HTTP port: one Starlette app (KServe v2 REST, Triton's generate extension, the
+OpenAI-compatible API) run by uvicorn in a thread of the `tuner serve` process, beside gRPC,
+on the same model slot and engine.
+
+Why uvicorn + Starlette: uvicorn's C parts (httptools' HTTP parser, uvloop's event loop) keep
+the cost per request low under many concurrent connections; Starlette adds routing and
+streaming responses (Server-Sent Events) with little over raw ASGI. Both are well kept
+(they carry FastAPI, MLServer's and vLLM's servers). The model runs in a thread pool, so the
+event loop only parses and writes while the batcher joins concurrent requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Awaitable, Callable
+
+import orjson
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from serving.errors import InvalidArgument, Unauthenticated
+from serving.http.codec import http_status_for
+from serving.metrics import EndpointMetrics
+from serving.wire.servicer import Slot
+
+Handler = Callable[["Frontend", Request], Awaitable[Response]]
+
+
+@dataclass
+class Frontend:
+    """What every HTTP handler shares: the model slot, the token, the metrics, the pool the
+    model runs in, and the largest body accepted."""
+
+    slot: Slot
+    token: str | None = None
+    metrics: EndpointMetrics | None = None
+    max_body_bytes: int = 256 * 1024 * 1024
+    pool: ThreadPoolExecutor | None = None
+
+    async def run(self, fn, *args):
+        """`fn(*args)` in the model's thread pool (the event loop stays free)."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    async def body(self, request: Request) -> bytes:
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            raise InvalidArgument(f"the body ({length} bytes) is over the limit "
+                                  f"{self.max_body_bytes}")
+        body = await request.body()
+        if len(body) > self.max_body_bytes:
+            raise InvalidArgument(f"the body is over the limit {self.max_body_bytes} bytes")
+        return body
+
+    async def json(self, request: Request) -> dict:
+        """The body as a JSON object (InvalidArgument when it is not one)."""
+        try:
+            body = orjson.loads(await self.body(request))
+        except orjson.JSONDecodeError as e:
+            raise InvalidArgument(f"the request body is not JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise InvalidArgument("the request body must be a JSON object")
+        return body
+
+    def check_token(self, request: Request) -> None:
+        if self.token is None:
+            return
+        got = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(got, f"Bearer {self.token}".encode()):
+            raise Unauthenticated("missing or wrong bearer token (header 'Authorization: "
+                                  "Bearer <token>')")
+
+
+def kserve_error(error: BaseException) -> Response:
+    """KServe v2's error body: {"error": message}."""
+    status, message = http_status_for(error)
+    return JSONResponse({"error": message}, status)
+
+
+def endpoint(frontend: Frontend, name: str, handler: Handler,
+             errors: Callable[[BaseException], Response] = kserve_error):
+    """A Starlette endpoint around `handler`: the token checked, every error answered
+    through `errors` (one table of statuses), each call counted per endpoint and status."""
+
+    async def call(request: Request) -> Response:
+        start = time.perf_counter()
+        try:
+            frontend.check_token(request)
+            response = await handler(frontend, request)
+        except Exception as e:  # noqa: BLE001 - answered with a status; the server lives on
+            response = errors(e)
+        if frontend.metrics is not None:
+            frontend.metrics.observe("http", name, str(response.status_code),
+                                     time.perf_counter() - start)
+        return response
+
+    return call
+
+
+def build_app(frontend: Frontend) -> Starlette:
+    from serving.http import kserve, openai_api, triton_generate
+
+    routes = []
+    for module in (kserve, triton_generate, openai_api):
+        for path, methods, name, handler, errors in module.ROUTES:
+            routes.append(Route(path, endpoint(frontend, name, handler, errors or kserve_error),
+                                methods=methods))
+    return Starlette(routes=routes)
+
+
+@dataclass(frozen=True)
+class HttpOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0: any free port
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    drain_timeout_s: float = 120.0
+    threads: int = 128  # model calls at a time (a waiting request holds one)
+
+
+class HttpServer:
+    """uvicorn serving the app in its own thread; `port` is the bound port."""
+
+    def __init__(self, frontend: Frontend, options: HttpOptions) -> None:
+        import uvicorn
+
+        self.options = options
+        frontend.pool = ThreadPoolExecutor(options.threads, thread_name_prefix="http")
+        self.frontend = frontend
+        self._sock = socket.socket(socket.AF_INET6 if ":" in options.host else socket.AF_INET)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self._sock.bind((options.host, options.port))
+        except OSError:
+            self._sock.close()
+            raise
+        self.port = self._sock.getsockname()[1]
+        tls = {}
+        if options.tls_cert is not None:
+            tls = {"ssl_certfile": str(options.tls_cert), "ssl_keyfile": str(options.tls_key)}
+        config = uvicorn.Config(build_app(frontend), log_level="warning", access_log=False,
+                                lifespan="off", loop=_loop(), http=_http(),
+                                timeout_graceful_shutdown=max(1, int(options.drain_timeout_s)),
+                                **tls)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run,
+                                        kwargs={"sockets": [self._sock]}, name="http",
+                                        daemon=True)
+
+    def start(self, timeout: float = 30.0) -> "HttpServer":
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._server.started and self._thread.is_alive():
+            if time.monotonic() > deadline:
+                raise RuntimeError("the HTTP server did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        """Refuse new connections; requests in flight finish (up to the drain timeout)."""
+        self._server.should_exit = True
+        self._thread.join(self.options.drain_timeout_s + 5)
+        self._sock.close()
+        self.frontend.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _loop() -> str:
+    try:
+        import uvloop  # noqa: F401
+
+        return "uvloop"
+    except ImportError:
+        return "asyncio"
+
+
+def _http() -> str:
+    try:
+        import httptools  # noqa: F401
+
+        return "httptools"
+    except ImportError:
+        return "h11"

@@ -1,0 +1,146 @@
+"""KServe v2 over HTTP/REST (the Open Inference Protocol's REST binding, with Triton's
+binary-data extension): health, server and model metadata, Triton's model configuration
+and statistics, and infer. Thin, as the gRPC servicer: convert, delegate to the same
+engine, convert back (the metadata and configuration are the gRPC messages, as JSON)."""
+
+from __future__ import annotations
+
+from google.protobuf.json_format import MessageToDict
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+import serving
+from serving.conventions import Reply, join_chunks
+from serving.decoder import DecoderEngine
+from serving.errors import InvalidArgument
+from serving.http import codec
+from serving.http.streams import ChunkStream, until_disconnect
+from serving.wire._generated import inference_pb2 as pb
+from serving.wire.servicer import (EXTENSIONS, SERVER_NAME, config_for, model_metadata,
+                                   model_statistics)
+
+_BINARY = "application/octet-stream"
+
+
+def _names(request: Request) -> tuple[str, str]:
+    p = request.path_params
+    return p["model"], p.get("version", "")
+
+
+async def live(frontend, request: Request) -> Response:
+    return JSONResponse({"live": True})
+
+
+async def ready(frontend, request: Request) -> Response:
+    ok = frontend.slot.ready()
+    return JSONResponse({"ready": ok}, 200 if ok else 503)
+
+
+async def server_metadata(frontend, request: Request) -> Response:
+    return JSONResponse({"name": SERVER_NAME, "version": serving.__version__,
+                         "extensions": list(EXTENSIONS) + ["binary_tensor_data", "generate"]})
+
+
+async def model_ready(frontend, request: Request) -> Response:
+    name, version = _names(request)
+    ok = frontend.slot.model_ready(name, version)
+    return JSONResponse({"name": name, "ready": ok}, 200 if ok else 503)
+
+
+def _as_dict(message) -> dict:
+    """A protobuf message as Triton's JSON (int64 fields as numbers, not strings)."""
+    return _ints(MessageToDict(message, preserving_proto_field_name=True))
+
+
+# the 64-bit integer fields of the messages written here (protobuf's JSON makes them strings)
+_INT64 = frozenset({"dims", "shape", "count", "ns", "inference_count", "execution_count",
+                    "last_inference", "batch_size", "max_queue_delay_microseconds"})
+
+
+def _ints(value, key: str = ""):
+    if isinstance(value, dict):
+        return {k: _ints(v, k) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_ints(v, key) for v in value]
+    if key in _INT64 and isinstance(value, str):
+        return int(value)
+    return value
+
+
+async def metadata(frontend, request: Request) -> Response:
+    meta = _as_dict(model_metadata(frontend.slot.find(*_names(request))))
+    for key in ("inputs", "outputs"):  # an empty shape ([] is a scalar) is left out by protobuf
+        for t in meta.get(key, []):
+            t.setdefault("shape", [])
+    return JSONResponse(meta)
+
+
+async def config(frontend, request: Request) -> Response:
+    return JSONResponse(_as_dict(config_for(frontend.slot.find(*_names(request)))))
+
+
+async def statistics(frontend, request: Request) -> Response:
+    p = request.path_params
+    engines = ([frontend.slot.find(p["model"], p.get("version", ""))] if "model" in p
+               else [e for e in [frontend.slot.engine] if e is not None])
+    message = pb.ModelStatisticsResponse(model_stats=[model_statistics(e) for e in engines])
+    return JSONResponse(_as_dict(message))
+
+
+async def infer(frontend, request: Request) -> Response:
+    engine = frontend.slot.find(*_names(request))
+    body = await frontend.body(request)
+    header, binary = codec.split_body(body, request.headers.get(codec.HEADER_LENGTH))
+    feeds = codec.decode_inputs(header, binary)
+    names, as_binary = codec.requested_outputs(header)
+    request_id = header.get("id")
+    if request_id is not None and not isinstance(request_id, str):
+        raise InvalidArgument("'id' must be a string")
+    parameters = header.get("parameters") or {}
+    if isinstance(engine, DecoderEngine) and not engine.takes_forward(feeds):
+        outputs = await _generate_whole(engine, request, feeds, parameters, request_id or "")
+        if outputs is None:  # the client went away
+            return Response(status_code=499)
+        final = {"triton_final_response": True}
+    else:
+        runner = engine.forward if isinstance(engine, DecoderEngine) else engine
+        outputs, _ = await frontend.run(runner.infer, feeds, names)
+        final = None
+    if names:
+        missing = [n for n in names if n not in outputs]
+        if missing:
+            raise InvalidArgument(f"unexpected inference output '{missing[0]}' for model "
+                                  f"'{engine.name}'")
+        outputs = {n: outputs[n] for n in names}
+    content, header_length = codec.encode_response(engine.name, engine.version, request_id,
+                                                   outputs, as_binary, final)
+    if header_length is None:
+        return Response(content, media_type="application/json")
+    return Response(content, media_type=_BINARY,
+                    headers={"Inference-Header-Content-Length": str(header_length)})
+
+
+async def _generate_whole(engine: DecoderEngine, request: Request, feeds, parameters,
+                          request_id: str):
+    """A decoder's unary infer: the whole sequence in one response (None if the client left)."""
+    parsed = engine.parse(feeds, parameters, request_id)
+    stream = ChunkStream(engine, parsed.generation)
+    chunks = await until_disconnect(request.receive, stream.collect(), stream.close)
+    if chunks is None:
+        return None
+    if chunks[-1].reason == "error":
+        raise RuntimeError(chunks[-1].detail)
+    return Reply(parsed, engine.tokenizer is not None).outputs(join_chunks(chunks))
+
+
+_M = "/v2/models/{model}"
+_V = "/v2/models/{model}/versions/{version}"
+ROUTES = [
+    ("/v2/health/live", ["GET"], "v2/health/live", live, None),
+    ("/v2/health/ready", ["GET"], "v2/health/ready", ready, None),
+    ("/v2", ["GET"], "v2", server_metadata, None),
+    ("/v2/models/stats", ["GET"], "v2/stats", statistics, None),
+] + [(base + tail, [method], "v2/models" + tail, fn, None) for base in (_M, _V)
+     for tail, method, fn in (("", "GET", metadata), ("/ready", "GET", model_ready),
+                              ("/config", "GET", config), ("/stats", "GET", statistics),
+                              ("/infer", "POST", infer))]

@@ -1,0 +1,65 @@
+"""What Hugging Face's files beside a decoder say about its text: the end-of-sequence ids
+(config.json `eos_token_id`, else tokenizer_config.json's `eos_token`) and the chat template
+(tokenizer_config.json `chat_template`, a string or a list of named templates) with the
+special tokens it refers to. Absent or unreadable files give empty facts, never an error:
+generation without them still works (the OpenAI chat endpoint then says what is missing).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+TOKENIZER_CONFIG = "tokenizer_config.json"
+_MAX_BYTES = 16 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class TextConfig:
+    eos_ids: tuple[int, ...] = ()
+    chat_template: str | None = None
+    bos_token: str = ""
+    eos_token: str = ""
+
+
+def _read(path: Path) -> dict:
+    try:
+        if path.is_file() and path.stat().st_size <= _MAX_BYTES:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        pass
+    return {}
+
+
+def _token(value) -> str:
+    """A special token as tokenizer_config.json writes it: a string or {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else ""
+
+
+def _template(value) -> str | None:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):  # [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        chosen = named.get("default") or next(iter(named.values()), None)
+        return chosen if isinstance(chosen, str) else None
+    return None
+
+
+def load_text_config(folder: Path | None, tokenizer=None) -> TextConfig:
+    if folder is None:
+        return TextConfig()
+    config, tok = _read(Path(folder) / "config.json"), _read(Path(folder) / TOKENIZER_CONFIG)
+    eos = config.get("eos_token_id")
+    ids = [eos] if isinstance(eos, int) else [i for i in eos if isinstance(i, int)] \
+        if isinstance(eos, list) else []
+    eos_token = _token(tok.get("eos_token"))
+    if not ids and eos_token and tokenizer is not None:
+        found = tokenizer.token_to_id(eos_token)
+        ids = [found] if found is not None else []
+    return TextConfig(tuple(ids), _template(tok.get("chat_template")),
+                      _token(tok.get("bos_token")), eos_token)

@@ -1,0 +1,116 @@
+"""Helpers for the LLM client tests (conventions over gRPC, REST, generate, OpenAI): a decoder
+artifact with a byte-level BPE tokenizer, a chat template and an end token, an in-process
+server on free ports, and a greedy reference computed with ONNX Runtime directly (the
+whole sequence re-run each step, no cache: nothing of the server's is reused). Not a test
+module."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from models.tokenizer import byte_level_bpe
+from serving.server import Server, ServerOptions
+from serving_support import make_artifact
+from tuner.artifact.records import Buckets
+
+BUCKETS = Buckets(batch=(1, 2, 4, 8), seq=(16, 32, 64))
+POSITIONS = 256
+VOCAB = 1003
+# ChatML, as many instruct models' tokenizer_config.json carry it
+CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}{{ '<|im_start|>' + message['role']"
+                 " + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
+                 "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+PROMPT = "The quick brown fox jumps over"  # greedy never meets the end token in 32 tokens
+EOS_PROMPT = "Café, naïve"  # greedy meets the end token after a few tokens
+
+
+@lru_cache(maxsize=1)
+def tokenizer():
+    return byte_level_bpe(VOCAB)
+
+
+def greedy(model: Path, prompt: list[int], n: int) -> tuple[list[int], list[np.ndarray]]:
+    """n greedy tokens and the raw logits each was drawn from, by ONNX Runtime on the whole
+    sequence each step (past length 0)."""
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    ids, logits_seen = list(prompt), []
+    for _ in range(n):
+        s = len(ids)
+        feeds = {}
+        for i in sess.get_inputs():
+            if i.name == "input_ids":
+                feeds[i.name] = np.array([ids], np.int64)
+            elif i.name == "attention_mask":
+                feeds[i.name] = np.ones((1, s), np.int64)
+            elif i.name == "position_ids":
+                feeds[i.name] = np.arange(s, dtype=np.int64)[None]
+            else:  # past keys/values: (1, kv_heads, 0, head_dim)
+                feeds[i.name] = np.zeros((1, i.shape[1], 0, i.shape[3]), np.float32)
+        logits = sess.run(["logits"], feeds)[0][0, -1]
+        logits_seen.append(logits)
+        ids.append(int(np.argmax(logits)))
+    return ids[len(prompt):], logits_seen
+
+
+def decoder_artifact(tmp: Path, model: Path) -> Path:
+    """The llama-kv artifact with tokenizer.json, tokenizer_config.json (chat template, end
+    token) and config.json (positions, eos_token_id)."""
+    out = make_artifact(tmp, model, BUCKETS)
+    tok = tokenizer()
+    tok.save(str(out / "tokenizer.json"))
+    avoid = set(greedy(model, tok.encode(PROMPT).ids, 32)[0])
+    seen = greedy(model, tok.encode(EOS_PROMPT).ids, 16)[0]
+    eos = next(t for k, t in enumerate(seen) if k >= 2 and t not in avoid and t not in seen[:k])
+    (out / "config.json").write_text(json.dumps({"max_position_embeddings": POSITIONS,
+                                                 "eos_token_id": eos}))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": CHAT_TEMPLATE, "bos_token": "<s>",
+        "eos_token": {"content": "<|im_end|>", "special": True}}))
+    return out
+
+
+def start(out: Path, **options) -> Server:
+    generate = options.pop("generate", {})
+    ports = {"port": 0, "http_port": 0, "metrics_port": 0, **options}
+    # the generation options as the server's defaults have them, with these changes
+    options = dataclasses.replace(ServerOptions().generate, **generate)
+    server = Server(out, ServerOptions(generate=options, **ports),
+                    say=lambda line: None)
+    server.start()
+    assert server.wait_ready(120), server.slot.status
+    return server
+
+
+def wait_for(condition, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return condition()
+
+
+# Fixtures the LLM test modules import (pytest finds fixtures in a module's namespace).
+
+
+@pytest.fixture(scope="module")
+def llama(reference_model) -> Path:
+    return reference_model("llama-kv", "awkward", "torchscript")
+
+
+@pytest.fixture(scope="module")
+def decoder(llama, tmp_path_factory):
+    """A decoder server (gRPC and HTTP on free ports), 4 streams, max_tokens up to 64."""
+    s = start(decoder_artifact(tmp_path_factory.mktemp("decoder"), llama),
+              generate={"max_streams": 4, "max_tokens": 64})
+    yield s
+    s.stop(5)

@@ -1,0 +1,199 @@
+"""The OpenAI-compatible API driven by the real `openai` Python client (whole and streamed)
+and by curl: models, completions and chat completions (the prompt rendered from the
+artifact's chat template exactly as transformers renders it), greedy text equal to ONNX
+Runtime's own greedy run, usage, stop strings across token boundaries, the end token and
+ignore_eos, log-probs, seeds, OpenAI error objects with their statuses, the bearer token,
+and a client that closes its stream freeing its slot."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+
+import numpy as np
+import openai
+import pytest
+from llm_support import (CHAT_TEMPLATE, EOS_PROMPT, PROMPT, decoder_artifact, greedy,  # noqa: F401
+                         llama, start, tokenizer, wait_for)
+
+MESSAGES = [{"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "Name a fox."}]
+NO_EOS = {"ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def artifact(llama, tmp_path_factory):
+    return decoder_artifact(tmp_path_factory.mktemp("oai"), llama)
+
+
+@pytest.fixture(scope="module")
+def server(artifact):
+    s = start(artifact, generate={"max_streams": 4, "max_tokens": 64})
+    yield s
+    s.stop(5)
+
+
+def _client(server, key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key=key,
+                         max_retries=0, timeout=60)
+
+
+def _want(llama, prompt: str, n: int) -> tuple[list[int], str]:
+    ids, _ = greedy(llama, tokenizer().encode(prompt).ids, n)
+    return ids, tokenizer().decode(ids)
+
+
+def test_completions_default_to_16_tokens_as_openai(server) -> None:
+    got = _client(server).completions.create(model=server.slot.name, prompt=PROMPT,
+                                             extra_body=NO_EOS)
+    assert got.usage.completion_tokens == 16
+
+
+def test_models_lists_the_served_model(server) -> None:
+    assert [m.id for m in _client(server).models.list().data] == [server.slot.name]
+
+
+def test_completion_is_greedy_with_usage(server, llama) -> None:
+    ids, text = _want(llama, PROMPT, 8)
+    got = _client(server).completions.create(model=server.slot.name, prompt=PROMPT,
+                                             max_tokens=8, temperature=0, extra_body=NO_EOS)
+    assert got.choices[0].text == text and got.choices[0].finish_reason == "length"
+    assert got.usage.prompt_tokens == len(tokenizer().encode(PROMPT).ids)
+    assert got.usage.completion_tokens == 8 and got.usage.total_tokens == got.usage.prompt_tokens + 8
+
+
+def test_streamed_completion_ends_with_usage(server, llama) -> None:
+    _, text = _want(llama, PROMPT, 8)
+    chunks = list(_client(server).completions.create(
+        model=server.slot.name, prompt=PROMPT, max_tokens=8, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body=NO_EOS))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 8 and len(chunks) >= 9
+
+
+def _rendered_by_transformers(artifact) -> str:
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(artifact / "tokenizer.json"),
+                                  bos_token="<s>", eos_token="<|im_end|>")
+    return tok.apply_chat_template(MESSAGES, chat_template=CHAT_TEMPLATE, tokenize=False,
+                                   add_generation_prompt=True)
+
+
+def test_chat_renders_the_template_as_transformers_does(server, artifact, llama) -> None:
+    text = _rendered_by_transformers(artifact)
+    prompt = tokenizer().encode(text, add_special_tokens=False).ids
+    ids, _ = greedy(llama, prompt, 6)
+    got = _client(server).chat.completions.create(model=server.slot.name, messages=MESSAGES,
+                                                  max_tokens=6, temperature=0,
+                                                  extra_body=NO_EOS)
+    assert got.usage.prompt_tokens == len(prompt)
+    assert got.choices[0].message.role == "assistant"
+    assert got.choices[0].message.content == tokenizer().decode(ids)
+    streamed = list(_client(server).chat.completions.create(
+        model=server.slot.name, messages=MESSAGES, max_tokens=6, temperature=0, stream=True,
+        extra_body=NO_EOS))
+    assert streamed[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == tokenizer().decode(ids)
+    assert streamed[-1].choices[0].finish_reason == "length"
+
+
+def test_stop_strings_across_tokens_trim_the_text(server, llama) -> None:
+    pieces = [tokenizer().decode([t]) for t in _want(llama, PROMPT, 16)[0]]
+    full = "".join(pieces)
+    i = next(k for k in range(1, 15) if pieces[k] and len(pieces[k + 1]) >= 2)
+    stop = pieces[i][-1:] + pieces[i + 1][:2]
+    for stream in (False, True):
+        got = _client(server).completions.create(model=server.slot.name, prompt=PROMPT,
+                                                 max_tokens=16, temperature=0, stop=[stop],
+                                                 stream=stream, extra_body=NO_EOS)
+        chunks = list(got) if stream else [got]
+        assert "".join(c.choices[0].text for c in chunks) == full[:full.index(stop)]
+        assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_the_end_token_stops_unless_ignore_eos(server, llama) -> None:
+    eos = server.slot.engine.text.eos_ids[0]
+    k = _want(llama, EOS_PROMPT, 16)[0].index(eos)
+    c = _client(server)
+    stopped = c.completions.create(model=server.slot.name, prompt=EOS_PROMPT, max_tokens=20,
+                                   temperature=0)
+    assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens == k
+    going = c.completions.create(model=server.slot.name, prompt=EOS_PROMPT, max_tokens=20,
+                                 temperature=0, extra_body=NO_EOS)
+    assert going.usage.completion_tokens == 20
+
+
+def test_logprobs_are_the_models_own(server, llama) -> None:
+    ids, logits = greedy(llama, tokenizer().encode(PROMPT).ids, 5)
+    want = [float(v[t] - v.max() - np.log(np.exp(v - v.max()).sum()))
+            for v, t in zip((lg.astype(np.float64) for lg in logits), ids)]
+    c = _client(server)
+    got = c.completions.create(model=server.slot.name, prompt=PROMPT, max_tokens=5,
+                               temperature=0, logprobs=0, extra_body=NO_EOS)
+    np.testing.assert_allclose(got.choices[0].logprobs.token_logprobs, want, atol=1e-3)
+    chat = c.chat.completions.create(model=server.slot.name, messages=MESSAGES, max_tokens=4,
+                                     temperature=0, logprobs=True, extra_body=NO_EOS)
+    assert len(chat.choices[0].logprobs.content) == 4
+    assert all(t.logprob <= 0 for t in chat.choices[0].logprobs.content)
+
+
+def test_seeded_sampling_is_reproducible(server) -> None:
+    def run(seed: int) -> str:
+        return _client(server).completions.create(
+            model=server.slot.name, prompt=PROMPT, max_tokens=12, temperature=1.0, top_p=0.9,
+            seed=seed, extra_body=NO_EOS).choices[0].text
+
+    assert run(7) == run(7) and run(7) != run(8)
+
+
+def test_errors_are_openai_error_objects(server) -> None:
+    c = _client(server)
+    with pytest.raises(openai.NotFoundError, match="unknown model: 'gpt-4'"):
+        c.completions.create(model="gpt-4", prompt=PROMPT)
+    with pytest.raises(openai.BadRequestError, match="temperature must be a finite number"):
+        c.completions.create(model=server.slot.name, prompt=PROMPT, temperature=-1)
+    with pytest.raises(openai.BadRequestError, match="'logprobs' must be 0 or 1"):
+        c.completions.create(model=server.slot.name, prompt=PROMPT, logprobs=3)
+    with pytest.raises(openai.BadRequestError, match="no chat template|'messages' must be"):
+        c.chat.completions.create(model=server.slot.name, messages=[])
+    with pytest.raises(openai.BadRequestError, match="'n' must be 1"):
+        c.chat.completions.create(model=server.slot.name, messages=MESSAGES, n=2)
+    with pytest.raises(openai.BadRequestError, match="max_tokens 400 is over the limit 64"):
+        c.completions.create(model=server.slot.name, prompt=PROMPT, max_tokens=400)
+
+
+def test_a_bearer_token_guards_the_api(artifact) -> None:
+    guarded = start(artifact, token="tok-123", generate={"max_tokens": 8})
+    try:
+        with pytest.raises(openai.AuthenticationError, match="bearer token"):
+            _client(guarded, "wrong").models.list()
+        assert _client(guarded, "tok-123").models.list().data[0].id == guarded.slot.name
+    finally:
+        guarded.stop(5)
+
+
+def test_curl_streams_sse_ending_with_done(server, llama) -> None:
+    if shutil.which("curl") is None:
+        pytest.skip("curl is not installed")
+    _, text = _want(llama, PROMPT, 5)
+    body = json.dumps({"model": server.slot.name, "prompt": PROMPT, "max_tokens": 5,
+                       "temperature": 0, "stream": True, "ignore_eos": True})
+    out = subprocess.run(["curl", "-sN", "-H", "Content-Type: application/json", "-d", body,
+                          f"http://127.0.0.1:{server.http_port}/v1/completions"],
+                         capture_output=True, timeout=60).stdout.decode()
+    events = [e for e in out.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
+    chunks = [json.loads(e[6:]) for e in events[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == text
+
+
+def test_closing_a_stream_frees_its_slot(server) -> None:
+    stream = _client(server).completions.create(model=server.slot.name, prompt=PROMPT,
+                                                max_tokens=60, stream=True, extra_body=NO_EOS)
+    next(iter(stream))
+    assert server.slot.engine.active() == 1
+    stream.close()
+    assert wait_for(lambda: server.slot.engine.active() == 0)
