@@ -122,6 +122,8 @@ def attention_blocks(graph: ir.Graph, lins: list[Linear], dims: Dims):
             if paths[0] is not None:
                 rotary, rotary_dim = rotary_of(paths[0], d, dims)
             plumbing = [n.name for p in paths if p is not None for n in p.plumbing]
+        if kind == f"{MS}.GroupQueryAttention" and _attr(node, "do_rotary", 0):
+            rotary, rotary_dim = _gqa_rotary(node, d)  # rotary inside the op, from its cos cache
         scale_attr = _attr(node, "scale")
         value = float(scale_attr) if scale_attr else (d ** -0.5 if d else None)
         site = AttentionSite(q=q, k=k, v=v, o=o.name if o is not None else "", qkv=qkv,
@@ -131,3 +133,12 @@ def attention_blocks(graph: ir.Graph, lins: list[Linear], dims: Dims):
                              fused_op=kind)
         found.append(AttnMatch(i, site, tuple(dict.fromkeys(projections)), heads, kv, d))
     return found
+
+
+def _gqa_rotary(node: ir.Node, d: int) -> tuple[str, int | None]:
+    """GroupQueryAttention with do_rotary: its cos_cache (input 7) is (positions, rotary/2)."""
+    cos = const_shape(source(node.inputs[7])) if len(node.inputs) > 7 else None
+    r = 2 * cos[1] if cos is not None and len(cos) == 2 else None
+    if r is None or not d:
+        return "full", r
+    return ("partial" if r < d else "full"), r

@@ -151,6 +151,7 @@ class Projection:
     out_axis: int  # axis of the weight that is the projection's output features
     in_axis: int  # axis of the weight that contracts with the activations
     bias_index: int | None  # Gemm's C input, when present
+    quantized: bool = False  # com.microsoft.MatMulNBits: padded by tuner.rewrite.nbits
 
     @property
     def weight(self) -> np.ndarray:
@@ -158,7 +159,15 @@ class Projection:
 
     @property
     def out_features(self) -> int:
+        if self.quantized:
+            return int(self.node.attributes["N"].value)
         return int(self.weight.shape[self.out_axis])
+
+    @property
+    def in_features(self) -> int:
+        if self.quantized:
+            return int(self.node.attributes["K"].value)
+        return int(self.weight.shape[self.in_axis])
 
 
 def projection(graph: ir.Graph, name: str, const_weight: bool = True) -> Projection:
@@ -181,6 +190,9 @@ def projection(graph: ir.Graph, name: str, const_weight: bool = True) -> Project
         trans_b = bool(attrs.get("transB", 0))
         bias = 2 if len(node.inputs) > 2 and node.inputs[2] is not None else None
         return Projection(node, 1, 0 if trans_b else 1, 1 if trans_b else 0, bias)
+    if (node.op_type == "MatMulNBits" and node.domain == "com.microsoft"
+            and {"K", "N"} <= set(node.attributes)):
+        return Projection(node, 1, 0, 1, None, quantized=True)  # weight (N, blocks, blob)
     raise RewriteRefused(f"node {name!r}: expected MatMul or Gemm, found {node.op_type}")
 
 

@@ -20,6 +20,7 @@ import onnx_ir as ir
 from tuner.errors import RewriteRefused
 from tuner.graph.dims import Dims
 from tuner.graph.shape import FfnSite
+from tuner.rewrite import nbits
 from tuner.rewrite.axis import Track, Widen
 from tuner.rewrite.common import projection, widen_inputs, widen_outputs
 
@@ -53,7 +54,7 @@ def _seed(graph: ir.Graph, widen: Widen, site: FfnSite, new: int, layer: int,
     up = projection(graph, site.up)
     down = projection(graph, site.down)
     gate = projection(graph, site.gate) if site.gate and site.gate != site.up else None
-    f = int(down.weight.shape[down.in_axis])
+    f = down.in_features
     if new < f:
         raise RewriteRefused(f"FFN of layer {layer} ({site.down}) has width {f}; cannot pad to "
                              f"the smaller {new}")
@@ -75,7 +76,11 @@ def _seed(graph: ir.Graph, widen: Widen, site: FfnSite, new: int, layer: int,
         if rank is None:
             raise RewriteRefused(f"node {proj.node.name!r}: rank of its output unknown")
         width = new * (2 if proj is up and fused else 1)
-        widen_outputs(graph, proj, width, tag, np.array(pos if proj is up else pos[:f]))
+        columns = np.array(pos if proj is up else pos[:f])
+        if proj.quantized:  # MatMulNBits: new rows of q == zero point, scale 0
+            nbits.widen_out(graph, proj.node, width, tag, columns)
+        else:
+            widen_outputs(graph, proj, width, tag, columns)
         widen.seed(proj.node.outputs[0], Track(-1, rank, tuple(pos if proj is up else pos[:f]), width))
 
     def sink(node: ir.Node, tin: list) -> None:
@@ -83,7 +88,13 @@ def _seed(graph: ir.Graph, widen: Widen, site: FfnSite, new: int, layer: int,
         if t is None or t.axis != -1 or t.old != f or any(tin[1:]):
             raise RewriteRefused(f"node {node.name!r}: the down projection does not receive "
                                  f"the widened FFN units on its input")
-        widen_inputs(graph, down, t.new, tag, np.array(t.pos))
+        if down.quantized:
+            if list(t.pos) != list(range(f)):
+                raise RewriteRefused(f"node {node.name!r}: MatMulNBits K entries would move "
+                                     "inside their blocks")
+            nbits.widen_in(graph, down.node, t.new, tag)
+        else:
+            widen_inputs(graph, down, t.new, tag, np.array(t.pos))
         reached[node.name] = True
 
     widen.sinks[down.node] = sink
