@@ -46,6 +46,13 @@ FAMILIES: dict[str, dict] = {
     "qwen2": dict(model_type="qwen2", num_hidden_layers=2, hidden_size=128,
                   num_attention_heads=4, num_key_value_heads=2, intermediate_size=200,
                   tie_word_embeddings=False),
+    "phi3": dict(model_type="phi3", num_hidden_layers=2, hidden_size=128,
+                 num_attention_heads=4, num_key_value_heads=2, intermediate_size=200,
+                 tie_word_embeddings=False, pad_token_id=0,
+                 original_max_position_embeddings=POSITIONS),  # one rotary cache, not two
+    "mistral": dict(model_type="mistral", num_hidden_layers=2, hidden_size=128,
+                    num_attention_heads=4, num_key_value_heads=2, intermediate_size=200,
+                    tie_word_embeddings=False, sliding_window=None),
 }
 
 
@@ -97,7 +104,7 @@ def hf_folder(family: str) -> Path:
     import torch
     import transformers
 
-    folder = _cache_dir() / _key("hf", family) / "hf"
+    folder = _cache_dir() / _key("hf", family, FAMILIES[family]) / "hf"
     if (folder / "config.json").is_file():
         return folder
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -122,7 +129,7 @@ def cached(family: str, precision: str = "fp32") -> Path:
     if family not in FAMILIES or precision not in PRECISIONS:
         raise KeyError(f"no genai build {family}/{precision}; families {sorted(FAMILIES)}, "
                        f"precisions {PRECISIONS}")
-    out = _cache_dir() / _key("genai", family, precision) / "genai"
+    out = _cache_dir() / _key("genai", family, FAMILIES[family], precision) / "genai"
     model = out / "model.onnx"
     if model.is_file():
         return model
