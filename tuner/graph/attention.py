@@ -25,7 +25,7 @@ from tuner.graph.walk import (DATA_INPUTS, Linear, as_linear, const_array, const
 _SCORES_PATH = {"Add": None, "Sub": None, "Mul": None, "Div": None, "Where": (1, 2),
                 "Cast": (0,), "Reshape": (0,), "Tanh": (0,), "Identity": (0,)}
 _PROBS_PATH = {"Where", "IsNaN", "Cast", "Dropout", "Identity", "Reshape"}  # BLOOM: (B*a, S, S)
-_MERGE_PATH = {"Transpose", "Reshape", "Identity", "Cast"}
+_MERGE_PATH = {"Transpose", "Reshape", "Identity", "Cast", "DynamicQuantizeLinear"}
 _HEAD_PLUMBING = {"Reshape", "Split", "Slice"}
 
 

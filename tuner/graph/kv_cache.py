@@ -147,7 +147,8 @@ def _is_projected(v: ir.Value) -> bool:
             return None
         return DATA_INPUTS[kind] or range(len(node.inputs))  # None there: every input
 
-    hits, _ = walk_back(v, follow, lambda x: op(x.producer()) in ("MatMul", "Gemm"),
+    gemms = ("MatMul", "Gemm", "MatMulInteger", f"{MS}.MatMulNBits")
+    hits, _ = walk_back(v, follow, lambda x: op(x.producer()) in gemms,
                         limit=_WALK_LIMIT * 4)
     return bool(hits)
 

@@ -20,9 +20,13 @@ import onnx_ir as ir
 from tuner.errors import RewriteRefused
 from tuner.graph.dims import Dims
 from tuner.graph.shape import FfnSite
-from tuner.rewrite import nbits
+from tuner.rewrite import quantized
 from tuner.rewrite.axis import Track, Widen
 from tuner.rewrite.common import projection, widen_inputs, widen_outputs
+
+
+# Activations with act(0) == 0 exactly: an ungated FFN's padded units are then exactly 0.
+ZERO_AT_ZERO = {"gelu", "gelu_tanh", "relu", "relu2", "silu", "quick_gelu", "tanh", "mish"}
 
 
 def pad_ffns(model: ir.Model, sites: list[tuple[int, FfnSite]], new_size: int) -> list[int]:
@@ -67,6 +71,11 @@ def _seed(graph: ir.Graph, widen: Widen, site: FfnSite, new: int, layer: int,
     if gate is not None and gate.out_features != f:
         raise RewriteRefused(f"node {site.gate!r}: {gate.out_features} output features, "
                              f"expected {f}")
+    if down.quantized == quantized.INTEGER and gate is None and site.activation not in ZERO_AT_ZERO:
+        # DynamicQuantizeLinear takes x's range over the padded units too: they must be 0
+        raise RewriteRefused(f"node {site.down!r}: quantized input of a {site.activation} FFN: "
+                             "its padded units would not be exactly 0 and would change the "
+                             "activation's dynamic quantization range")
     tag = f"ffn{new}"
     pos = list(range(f)) + ([new + i for i in range(f)] if fused else [])
     for proj in (up, gate):
@@ -77,8 +86,8 @@ def _seed(graph: ir.Graph, widen: Widen, site: FfnSite, new: int, layer: int,
             raise RewriteRefused(f"node {proj.node.name!r}: rank of its output unknown")
         width = new * (2 if proj is up and fused else 1)
         columns = np.array(pos if proj is up else pos[:f])
-        if proj.quantized:  # MatMulNBits: new rows of q == zero point, scale 0
-            nbits.widen_out(graph, proj.node, width, tag, columns)
+        if proj.quantized:  # new entries hold the zero point (tuner.rewrite.quantized)
+            quantized.widen_out(graph, proj, width, tag, columns)
         else:
             widen_outputs(graph, proj, width, tag, columns)
         widen.seed(proj.node.outputs[0], Track(-1, rank, tuple(pos if proj is up else pos[:f]), width))
@@ -90,9 +99,9 @@ def _seed(graph: ir.Graph, widen: Widen, site: FfnSite, new: int, layer: int,
                                  f"the widened FFN units on its input")
         if down.quantized:
             if list(t.pos) != list(range(f)):
-                raise RewriteRefused(f"node {node.name!r}: MatMulNBits K entries would move "
-                                     "inside their blocks")
-            nbits.widen_in(graph, down.node, t.new, tag)
+                raise RewriteRefused(f"node {node.name!r}: quantized K entries would move "
+                                     "(inside their blocks, or off the activation's range)")
+            quantized.widen_in(graph, down, t.new, tag)
         else:
             widen_inputs(graph, down, t.new, tag, np.array(t.pos))
         reached[node.name] = True
