@@ -39,7 +39,7 @@ class FfnMatch:
 def _follow(node: ir.Node):
     kind = op(node)
     if kind in ("Reshape", "Cast", "Identity", "Pow", "Sqrt", "Neg", "Slice", "Split",
-                "DynamicQuantizeLinear") or kind in NONLINEAR:
+                "DynamicQuantizeLinear", "QuantizeLinear", "DequantizeLinear") or kind in NONLINEAR:
         return (0,)
     if kind in ("Mul", "Add", "Sub", "Div") or kind.startswith(f"{MS}.Bias"):
         return range(len(node.inputs))

@@ -35,14 +35,14 @@ Role = Literal["key", "value"]
 # Ops between a cache Concat and the attention MatMuls: head transposes, GQA's repeat_kv
 # (Unsqueeze -> Expand -> Reshape), TorchScript's sqrt(scale) Mul on k, casts.
 _TO_ATTENTION = {"Transpose", "Reshape", "Unsqueeze", "Squeeze", "Expand", "Tile", "Mul", "Div",
-                 "Cast", "Identity", "Slice", "Gather"}
+                 "Cast", "Identity", "Slice", "Gather", "QuantizeLinear", "DequantizeLinear"}
 # Ops between the score MatMul and the Softmax: scale, mask Add/Where, soft-capping.
 _TO_SOFTMAX = {"Mul", "Div", "Add", "Sub", "Where", "Cast", "Identity", "Tanh", "Slice",
-               "Reshape", "Transpose"}
+               "Reshape", "Transpose", "QuantizeLinear", "DequantizeLinear"}
 # Ops between a Softmax and the MatMul with v (positions of the data input): sdpa's
 # Where(isnan(p), 0, p) guard for fully masked rows, dropout, casts.
 _PROBS_THROUGH = {"Cast": (0,), "Identity": (0,), "Reshape": (0,), "Dropout": (0,),
-                  "Where": (1, 2)}
+                  "Where": (1, 2), "QuantizeLinear": (0,), "DequantizeLinear": (0,)}
 _WALK_LIMIT = 24  # nodes per walk: the patterns above are a handful of ops deep
 # Fused attention ops: (K slot, V slot) of their inputs.
 _FUSED_KV = {"Attention": (1, 2), f"{MS}.MultiHeadAttention": (1, 2),

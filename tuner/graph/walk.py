@@ -113,6 +113,10 @@ def _weight_of(v: ir.Value | None) -> tuple[ir.Value, bool] | None:
     if shape is not None:
         return (v, False) if len(shape) == 2 else None
     p = v.producer()
+    if p is not None and op(p) == "DequantizeLinear":  # static QDQ: DQ(int8 W, scale, zp)
+        inner = source(p.inputs[0])
+        ishape = const_shape(inner)
+        return (inner, False) if ishape is not None and len(ishape) == 2 else None  # type: ignore[return-value]
     if p is not None and op(p) == "Transpose":
         inner = source(p.inputs[0])
         perm = p.attributes.get("perm")

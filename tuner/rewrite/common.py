@@ -157,6 +157,8 @@ class Projection:
 
     @property
     def weight(self) -> np.ndarray:
+        if self.quantized == "qdq":  # the int8 weight behind DequantizeLinear
+            return const_array(self.node.inputs[self.weight_index].producer().inputs[0])  # type: ignore[union-attr,return-value]
         return const_array(self.node.inputs[self.weight_index])  # type: ignore[return-value]
 
     @property
@@ -178,6 +180,8 @@ def projection(graph: ir.Graph, name: str, const_weight: bool = True) -> Project
     node = find_node(graph, name)
     if node.op_type == "MatMul" and node.domain in ("", "ai.onnx"):
         w = const_array(node.inputs[1])
+        if w is None and _dequantized_weight(node.inputs[1]):
+            return Projection(node, 1, 1, 0, None, quantized="qdq")  # static QDQ, (K, N) int8
         if w is None and not const_weight:
             return Projection(node, 1, 1, 0, None)
         if w is None or w.ndim != 2:
@@ -201,6 +205,13 @@ def projection(graph: ir.Graph, name: str, const_weight: bool = True) -> Project
             raise RewriteRefused(f"node {name!r}: MatMulInteger whose weight is not a 2-D constant")
         return Projection(node, 1, 1, 0, None, quantized="integer")  # weight (K, N) int8
     raise RewriteRefused(f"node {name!r}: expected MatMul or Gemm, found {node.op_type}")
+
+
+def _dequantized_weight(v: ir.Value | None) -> bool:
+    """Whether `v` is DequantizeLinear(2-D constant, ...): a static QDQ graph's weight."""
+    p = v.producer() if v is not None else None
+    return (p is not None and p.op_type == "DequantizeLinear" and p.domain in ("", "ai.onnx")
+            and const_array(p.inputs[0]) is not None and const_array(p.inputs[0]).ndim == 2)
 
 
 def widen_outputs(graph: ir.Graph, proj: Projection, new_size: int, tag: str,

@@ -2,6 +2,10 @@
 so it is stored as its zero point, never as a plain 0 (with zero point z, (0 - z) * s != 0).
 
 - com.microsoft.MatMulNBits (block-quantized int4/int8): tuner.rewrite.nbits.
+- static QDQ (quantize_static): MatMul(DQ(Q(x)), DequantizeLinear(Wq (K, N), scale, zp)). New
+  entries of Wq hold the zero point; the activations' scales are constants, so a padded
+  activation quantizes to its zero point and back to exactly 0 (tuner.rewrite.axis.quantize),
+  and whatever it is, it meets zero weights. Per-axis weight scales are refused.
 - MatMulInteger, as onnxruntime.quantization.quantize_dynamic writes it:
 
       x --DynamicQuantizeLinear--> (xq, x_scale, x_zp)
@@ -28,6 +32,7 @@ from tuner.rewrite.common import Projection, const_array, new_initializer
 
 INTEGER = "integer"
 NBITS = "nbits"
+QDQ = "qdq"
 
 
 def kind(node: ir.Node) -> str | None:
@@ -45,13 +50,12 @@ def widen_out(graph: ir.Graph, proj: Projection, new_n: int, tag: str,
     if proj.quantized == NBITS:
         nbits.widen_out(graph, proj.node, new_n, tag, columns)
         return
-    node = proj.node
-    w, zp = _integer_weight(node)
+    node, (w, zp) = _weight_holder(proj)
     n = w.shape[1]
     columns = np.arange(n) if columns is None else np.asarray(columns)
     out = np.full((w.shape[0], new_n), zp, w.dtype)  # new columns: the zero point
     out[:, columns] = w
-    node.replace_input_with(1, new_initializer(graph, f"{node.name}.{tag}.weight", out))
+    _set_weight(graph, proj, node, out, tag)
 
 
 def widen_in(graph: ir.Graph, proj: Projection, new_k: int, tag: str) -> None:
@@ -59,11 +63,10 @@ def widen_in(graph: ir.Graph, proj: Projection, new_k: int, tag: str) -> None:
     if proj.quantized == NBITS:
         nbits.widen_in(graph, proj.node, new_k, tag)
         return
-    node = proj.node
-    w, zp = _integer_weight(node)
+    node, (w, zp) = _weight_holder(proj)
     out = np.full((new_k, w.shape[1]), zp, w.dtype)
     out[: w.shape[0]] = w
-    node.replace_input_with(1, new_initializer(graph, f"{node.name}.{tag}.weight", out))
+    _set_weight(graph, proj, node, out, tag)
 
 
 def output_node(proj: Projection) -> ir.Node:
@@ -78,6 +81,37 @@ def output_node(proj: Projection) -> ir.Node:
             return after[0]
     raise RewriteRefused(f"node {proj.node.name!r}: MatMulInteger not followed by Cast -> Mul "
                          "(the dequantizing scale)")
+
+
+def _weight_holder(proj: Projection) -> tuple[ir.Node, tuple[np.ndarray, int]]:
+    """(the node whose input 0 / 1 holds Wq, (Wq, zero point))."""
+    if proj.quantized == QDQ:
+        dq = proj.node.inputs[proj.weight_index].producer()
+        return dq, _dq_weight(dq)  # type: ignore[arg-type]
+    return proj.node, _integer_weight(proj.node)
+
+
+def _set_weight(graph: ir.Graph, proj: Projection, holder: ir.Node, w: np.ndarray,
+                tag: str) -> None:
+    slot = 0 if proj.quantized == QDQ else 1
+    if proj.quantized == QDQ and len(holder.outputs[0].uses()) > 1:
+        raise RewriteRefused(f"node {holder.name!r}: a DequantizeLinear weight shared by "
+                             "several nodes")
+    holder.replace_input_with(slot, new_initializer(graph, f"{proj.node.name}.{tag}.weight", w))
+    holder.outputs[0].shape = None  # the dequantized weight's annotation is stale now
+
+
+def _dq_weight(dq: ir.Node) -> tuple[np.ndarray, int]:
+    """Wq (K, N) of a weight DequantizeLinear and its per-tensor zero point."""
+    w = const_array(dq.inputs[0])
+    scale = const_array(dq.inputs[1]) if len(dq.inputs) > 1 else None
+    zp = const_array(dq.inputs[2]) if len(dq.inputs) > 2 and dq.inputs[2] is not None else None
+    if w is None or w.ndim != 2 or scale is None:
+        raise RewriteRefused(f"node {dq.name!r}: DequantizeLinear weight or scale not constant")
+    if scale.size != 1 or (zp is not None and zp.size != 1):
+        raise RewriteRefused(f"node {dq.name!r}: per-axis weight quantization (a scale per "
+                             "column): not padded")
+    return w, int(zp.reshape(-1)[0]) if zp is not None else 0
 
 
 def _integer_weight(node: ir.Node) -> tuple[np.ndarray, int]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from tuner.rewrite.axis.engine import Widen
+from tuner.rewrite.common import const_array
 
 
 def op_dynamic_quantize(w: Widen, node: ir.Node, tin: list) -> list:
@@ -17,3 +18,17 @@ def op_dynamic_quantize(w: Widen, node: ir.Node, tin: list) -> list:
 
 
 HANDLERS = {("", "DynamicQuantizeLinear"): op_dynamic_quantize}
+
+
+def op_qdq(w: Widen, node: ir.Node, tin: list) -> list:
+    """QuantizeLinear / DequantizeLinear with constant per-tensor scale and zero point (static
+    QDQ): elementwise, and a padded 0 maps to the zero point and back to exactly 0."""
+    for v in node.inputs[1:]:
+        c = const_array(v) if v is not None else None
+        if v is not None and (c is None or c.size != 1):
+            raise w.refuse(node, "per-axis or computed quantization parameters on the widened "
+                                 "axis")
+    return [tin[0].moved()]
+
+
+HANDLERS.update({("", "QuantizeLinear"): op_qdq, ("", "DequantizeLinear"): op_qdq})
