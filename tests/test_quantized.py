@@ -46,7 +46,11 @@ def test_inspect_reads_the_dims_through_the_quantized_weights(kind, name):
                                               "com.microsoft.MatMulNBits"))
 
 
-@pytest.mark.parametrize("kind, name", CELLS, ids=_ids(CELLS))
+# the gate on every kind with its cache (rollouts), and on two plain graphs
+GATE = [(k, "llama-kv") for k in EXACT] + [("dynamic", "gpt2"), ("nbits-asym", "llama")]
+
+
+@pytest.mark.parametrize("kind, name", GATE, ids=_ids(GATE))
 def test_gate_passes_the_model_on_itself_and_fails_a_corrupted_copy(kind, name, tmp_path,
                                                                      capsys):
     model = cached(kind, name)
