@@ -29,7 +29,8 @@ from typing import Literal
 
 import onnx_ir as ir
 
-from tuner.graph.walk import DATA_INPUTS, MS, as_linear, consumers, is_const, op, source, walk_back
+from tuner.graph.ort_fused import gqa_cache_dims
+from tuner.graph.walk import DATA_INPUTS, MS, consumers, is_const, op, walk_back
 
 Role = Literal["key", "value"]
 # Ops between a cache Concat and the attention MatMuls: head transposes, GQA's repeat_kv
@@ -339,25 +340,6 @@ def _symbol(v: ir.Value | None, axis: int) -> str | None:
     return d.value if isinstance(d, ir.SymbolicDim) else None
 
 
-def _fused_dims(node: ir.Node) -> tuple[int | None, int | None]:
-    """(kv heads, head dim) of a GroupQueryAttention from its attributes and the width of the
-    projection feeding it: packed QKV (key/value slots empty, onnxruntime-genai's builder) is
-    (heads + 2 kv heads) * d wide, a separate key projection kv heads * d."""
-    if op(node) != f"{MS}.GroupQueryAttention":
-        return None, None
-    attrs = node.attributes
-    heads = attrs["num_heads"].as_int() if "num_heads" in attrs else 0
-    kv = attrs["kv_num_heads"].as_int() if "kv_num_heads" in attrs else 0
-    packed = len(node.inputs) < 2 or node.inputs[1] is None
-    x = node.inputs[0] if packed else node.inputs[1]
-    producer = source(x).producer() if source(x) is not None else None
-    lin = as_linear(producer) if producer is not None else None
-    width, count = (lin.out_dim if lin else 0), (heads + 2 * kv if packed else kv)
-    if not (kv and count and width and width % count == 0):
-        return kv or None, None
-    return kv, width // count
-
-
 def _layer(index: int, k: _Join, v: _Join) -> CacheLayer:
     return CacheLayer(index, k.past.name or "", v.past.name or "",
                       k.present.name if k.present is not None else None,
@@ -372,7 +354,7 @@ def _cache(pairs: list[tuple[_Join, _Join]], named: bool) -> KvCache:
     tensors = [v0.past, v0.present]
     heads, head_dim = _static(tensors, heads_axis), _static(tensors, dim_axis)
     if heads is None or head_dim is None:  # onnxruntime-genai: `kv_cache_dim` is symbolic
-        fused_heads, fused_dim = _fused_dims(v0.node)
+        fused_heads, fused_dim = gqa_cache_dims(v0.node)
         heads, head_dim = heads or fused_heads, head_dim or fused_dim
     dtype = v0.past.dtype
     assert dtype is not None  # _join kept floating-point inputs only
