@@ -23,6 +23,7 @@ from serving.sampling import GenerationRequest
 from serving.text_config import load_text_config
 from serving.tokenizer import load_tokenizer
 from tuner.errors import BadInput
+from tuner.gate.right_pad import adapted
 
 VERSION = "1"
 
@@ -44,7 +45,10 @@ def decoder_spec(signature: Signature, cache: CacheSpec, vocab: int | None = Non
         raise ValueError(f"cache inputs {missing} have no present output to carry them on")
     dims = []
     for n in cache.past:
-        shape = inputs[n].shape  # (b, kv_heads, past, d)
+        shape = list(inputs[n].shape)  # (b, kv_heads, past, d)
+        if len(shape) == 4:  # dims the graph leaves symbolic (genai's kv_cache_dim), from
+            shape[1] = shape[1] if shape[1] > 0 else (cache.kv_heads or -1)  # its structure
+            shape[3] = shape[3] if shape[3] > 0 else (cache.head_dim or -1)
         if len(shape) != 4 or shape[1] < 1 or shape[3] < 1:
             raise ValueError(f"cache input {n!r} must be (batch, kv_heads, past, head_dim) with "
                              f"fixed heads and head dim, not {list(shape)}")
@@ -121,7 +125,10 @@ class DecoderEngine:
         if not options.cache_buckets and model.buckets.past:  # the cache lengths optimize chose
             options = dataclasses.replace(options, cache_buckets=tuple(model.buckets.past))
             self.options = options
-        self.generator = Generator(model.runner, spec, options,
+        # a graph that reads its mask as lengths (onnxruntime-genai's GroupQueryAttention)
+        # gets the generator's left-padded batches moved to the right and back
+        runner = adapted(model.runner, model.cache.roles)
+        self.generator = Generator(runner, spec, options,
                                    max_positions=_max_positions(model),
                                    batch_buckets=model.buckets.batch, tokenizer=self.tokenizer,
                                    stats=_stats_for(stats, metrics, gen_metrics),

@@ -66,6 +66,9 @@ def _cache_lines(shape: ModelShape) -> list[str]:
                      f"{last.present_key or '-'}, {last.present_value or '-'}")
     if c.named_by == "names":
         lines.append("  (key/value told apart by input names: the structure left it open)")
+    if c.mask == "lengths":
+        lines.append("  mask read as lengths (GroupQueryAttention's seqlens_k): each row's "
+                     "entries start at 0, right padding")
     return lines
 def render_inputs(specs: list[InputSpec], console: Console) -> None:
     table = Table(title="inputs (roles found from the graph's structure)", title_justify="left")

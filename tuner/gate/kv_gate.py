@@ -24,6 +24,7 @@ import onnx_ir as ir
 from tuner.gate.feeds import DEFAULT_SHAPES, make_feeds
 from tuner.gate.kv_feeds import (CacheRoles, Rollout, StepFeeds, cache_roles, decode_feeds,
                                  greedy_rollout, prefill_feeds)
+from tuner.gate.right_pad import adapted
 from tuner.gate.verify import (Stats, Tolerance, TolerancePolicy, VerifyResult, tolerance_label,
                                verify)
 from tuner.graph.kv_cache import CachePads, find_kv_cache
@@ -68,6 +69,8 @@ def cache_feeds(roles: CacheRoles, vocab_size: int, seed: int = 0) -> CacheFeeds
             mask[row, :seq // 3] = 0  # left padding: what generate() batches prompts with
         starts.append((prefill_feeds(roles, ids, mask), steps))
     for i, (batch, past, seq, steps) in enumerate(DECODE):
+        if seq > 1 and roles.cache.mask == "lengths":
+            batch = 1  # GroupQueryAttention runs a chunk against a past at batch 1 only
         starts.append((decode_feeds(roles, roles.batch or batch, past, seq, vocab_size,
                                     seed=seed + 1 + i), steps))
     return CacheFeeds(roles, tuple(starts))
@@ -129,7 +132,9 @@ def widen_feeds(step: StepFeeds, widened: CachePads) -> StepFeeds:
 
 
 def _rollout(runner, start: StepFeeds, steps: int) -> Rollout:
-    return greedy_rollout(runner.infer, start, steps)
+    # a graph that reads its mask as lengths (GroupQueryAttention) gets the left-padded rows
+    # moved to the right and back (tuner.gate.right_pad)
+    return greedy_rollout(adapted(runner, start.roles).infer, start, steps)
 
 
 def _first_line(e: Exception) -> str:

@@ -23,9 +23,12 @@ from tuner.graph.walk import (DATA_INPUTS, Linear, as_linear, const_array, const
                               is_const, op, source, walk_back)
 
 _SCORES_PATH = {"Add": None, "Sub": None, "Mul": None, "Div": None, "Where": (1, 2),
-                "Cast": (0,), "Reshape": (0,), "Tanh": (0,), "Identity": (0,)}
-_PROBS_PATH = {"Where", "IsNaN", "Cast", "Dropout", "Identity", "Reshape"}  # BLOOM: (B*a, S, S)
-_MERGE_PATH = {"Transpose", "Reshape", "Identity", "Cast"}
+                "Cast": (0,), "Reshape": (0,), "Tanh": (0,), "Identity": (0,),
+                "QuantizeLinear": (0,), "DequantizeLinear": (0,)}
+_PROBS_PATH = {"Where", "IsNaN", "Cast", "Dropout", "Identity", "Reshape", "QuantizeLinear",
+               "DequantizeLinear"}  # BLOOM: (B*a, S, S)
+_MERGE_PATH = {"Transpose", "Reshape", "Identity", "Cast", "DynamicQuantizeLinear", "QuantizeLinear",
+               "DequantizeLinear"}
 _HEAD_PLUMBING = {"Reshape", "Split", "Slice"}
 
 

@@ -38,7 +38,8 @@ class FfnMatch:
 
 def _follow(node: ir.Node):
     kind = op(node)
-    if kind in ("Reshape", "Cast", "Identity", "Pow", "Sqrt", "Neg", "Slice", "Split") or kind in NONLINEAR:
+    if kind in ("Reshape", "Cast", "Identity", "Pow", "Sqrt", "Neg", "Slice", "Split",
+                "DynamicQuantizeLinear", "QuantizeLinear", "DequantizeLinear") or kind in NONLINEAR:
         return (0,)
     if kind in ("Mul", "Add", "Sub", "Div") or kind.startswith(f"{MS}.Bias"):
         return range(len(node.inputs))

@@ -29,20 +29,21 @@ from typing import Literal
 
 import onnx_ir as ir
 
+from tuner.graph.ort_fused import gqa_cache_dims
 from tuner.graph.walk import DATA_INPUTS, MS, consumers, is_const, op, walk_back, walk_forward
 
 Role = Literal["key", "value"]
 # Ops between a cache Concat and the attention MatMuls: head transposes, GQA's repeat_kv
 # (Unsqueeze -> Expand -> Reshape), TorchScript's sqrt(scale) Mul on k, casts.
 _TO_ATTENTION = {"Transpose", "Reshape", "Unsqueeze", "Squeeze", "Expand", "Tile", "Mul", "Div",
-                 "Cast", "Identity", "Slice", "Gather"}
+                 "Cast", "Identity", "Slice", "Gather", "QuantizeLinear", "DequantizeLinear"}
 # Ops between the score MatMul and the Softmax: scale, mask Add/Where, soft-capping.
 _TO_SOFTMAX = {"Mul", "Div", "Add", "Sub", "Where", "Cast", "Identity", "Tanh", "Slice",
-               "Reshape", "Transpose"}
+               "Reshape", "Transpose", "QuantizeLinear", "DequantizeLinear"}
 # Ops between a Softmax and the MatMul with v (positions of the data input): sdpa's
 # Where(isnan(p), 0, p) guard for fully masked rows, dropout, casts.
 _PROBS_THROUGH = {"Cast": (0,), "Identity": (0,), "Reshape": (0,), "Dropout": (0,),
-                  "Where": (1, 2)}
+                  "Where": (1, 2), "QuantizeLinear": (0,), "DequantizeLinear": (0,)}
 _WALK_LIMIT = 24  # nodes per walk: the patterns above are a handful of ops deep
 # Fused attention ops: (K slot, V slot) of their inputs.
 _FUSED_KV = {"Attention": (1, 2), f"{MS}.MultiHeadAttention": (1, 2),
@@ -88,6 +89,11 @@ class KvCache:
     present_dim: str | None  # past + seq, on present
     layers: tuple[CacheLayer, ...]
     named_by: Literal["structure", "names"] = "structure"  # did names decide a K/V role?
+    # "positions": the mask is read entry by entry (any padding). "lengths": only each row's
+    # count of ones is read (GroupQueryAttention's seqlens_k, computed from the mask inside
+    # onnxruntime-genai's graphs): a row's entries must then start at index 0 (right padding);
+    # tuner.gate.right_pad moves left-padded feeds there and back.
+    mask: Literal["positions", "lengths"] = "positions"
 
     def __post_init__(self) -> None:
         if self.num_layers != len(self.layers):
@@ -142,7 +148,8 @@ def _is_projected(v: ir.Value) -> bool:
             return None
         return DATA_INPUTS[kind] or range(len(node.inputs))  # None there: every input
 
-    hits, _ = walk_back(v, follow, lambda x: op(x.producer()) in ("MatMul", "Gemm"),
+    gemms = ("MatMul", "Gemm", "MatMulInteger", f"{MS}.MatMulNBits")
+    hits, _ = walk_back(v, follow, lambda x: op(x.producer()) in gemms,
                         limit=_WALK_LIMIT * 4)
     return bool(hits)
 
@@ -335,6 +342,9 @@ def _cache(pairs: list[tuple[_Join, _Join]], named: bool) -> KvCache:
     heads_axis, dim_axis = layout.index("h"), layout.index("d")
     tensors = [v0.past, v0.present]
     heads, head_dim = _static(tensors, heads_axis), _static(tensors, dim_axis)
+    if heads is None or head_dim is None:  # onnxruntime-genai: `kv_cache_dim` is symbolic
+        fused_heads, fused_dim = gqa_cache_dims(v0.node)
+        heads, head_dim = heads or fused_heads, head_dim or fused_dim
     dtype = v0.past.dtype
     assert dtype is not None  # _join kept floating-point inputs only
     per_token = (2 * len(pairs) * heads * head_dim * int(dtype.itemsize)
@@ -345,7 +355,9 @@ def _cache(pairs: list[tuple[_Join, _Join]], named: bool) -> KvCache:
         batch_dim=_symbol(v0.past, 0), past_dim=_symbol(v0.past, v0.axis),
         present_dim=_symbol(v0.present, v0.axis),
         layers=tuple(_layer(i, k, v) for i, (k, v) in enumerate(pairs)),
-        named_by="names" if named else "structure")
+        named_by="names" if named else "structure",
+        mask="lengths" if any(op(j.node) == f"{MS}.GroupQueryAttention" for pair in pairs
+                              for j in pair) else "positions")
 
 
 def find_kv_cache(graph: ir.Graph) -> KvCache | None:

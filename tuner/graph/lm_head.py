@@ -21,6 +21,7 @@ _INDEX_PATH = {"Reshape": (0,), "Cast": (0,), "Unsqueeze": (0,), "Squeeze": (0,)
                "Identity": (0,), "Expand": (0,)}
 # Ops allowed between the head's GEMM and the graph output: shape plumbing, bias, logit softcap.
 _TO_OUTPUT = {"Reshape", "Cast", "Identity", "Slice", "Squeeze", "Unsqueeze", "Transpose",
+              "QuantizeLinear", "DequantizeLinear",
               "Add", "Mul", "Div", "Tanh"}
 
 

@@ -17,11 +17,11 @@ import onnx_ir as ir
 from tuner.graph.attention import AttnMatch, linears_by_output, rotary_of, walk_projection
 from tuner.graph.dims import Dims
 from tuner.graph.shape import AttentionSite, ScaleSite
-from tuner.graph.walk import MS, Linear, const_shape, consumers, op, source
+from tuner.graph.walk import MS, Linear, as_linear, const_shape, consumers, op, source
 
 # Weight-quantized GEMMs: listed with the fused ops, but not a sign of the transformer optimizer.
 QUANTIZED = {f"{MS}.MatMulNBits", f"{MS}.DynamicQuantizeMatMul", f"{MS}.MatMulIntegerToFloat",
-             "MatMulInteger", "QLinearMatMul"}
+             "MatMulInteger", "QLinearMatMul", "DequantizeLinear"}
 # Standard-domain fused ops (ONNX opset 23) that torch's dynamo exporter may emit.
 STANDARD_FUSED = {"Attention", "RotaryEmbedding", "RMSNormalization"}
 FUSED_ATTENTION = {f"{MS}.Attention", f"{MS}.MultiHeadAttention", f"{MS}.GroupQueryAttention",
@@ -122,6 +122,8 @@ def attention_blocks(graph: ir.Graph, lins: list[Linear], dims: Dims):
             if paths[0] is not None:
                 rotary, rotary_dim = rotary_of(paths[0], d, dims)
             plumbing = [n.name for p in paths if p is not None for n in p.plumbing]
+        if kind == f"{MS}.GroupQueryAttention" and _attr(node, "do_rotary", 0):
+            rotary, rotary_dim = _gqa_rotary(node, d)  # rotary inside the op, from its cos cache
         scale_attr = _attr(node, "scale")
         value = float(scale_attr) if scale_attr else (d ** -0.5 if d else None)
         site = AttentionSite(q=q, k=k, v=v, o=o.name if o is not None else "", qkv=qkv,
@@ -131,3 +133,31 @@ def attention_blocks(graph: ir.Graph, lins: list[Linear], dims: Dims):
                              fused_op=kind)
         found.append(AttnMatch(i, site, tuple(dict.fromkeys(projections)), heads, kv, d))
     return found
+
+
+def _gqa_rotary(node: ir.Node, d: int) -> tuple[str, int | None]:
+    """GroupQueryAttention with do_rotary: its cos_cache (input 7) is (positions, rotary/2)."""
+    cos = const_shape(source(node.inputs[7])) if len(node.inputs) > 7 else None
+    r = 2 * cos[1] if cos is not None and len(cos) == 2 else None
+    if r is None or not d:
+        return "full", r
+    return ("partial" if r < d else "full"), r
+
+
+def gqa_cache_dims(node: ir.Node) -> tuple[int | None, int | None]:
+    """(kv heads, head dim) of a GroupQueryAttention from its attributes and the width of the
+    projection feeding it: packed QKV (key/value slots empty, onnxruntime-genai's builder) is
+    (heads + 2 kv heads) * d wide, a separate key projection kv heads * d."""
+    if op(node) != f"{MS}.GroupQueryAttention":
+        return None, None
+    attrs = node.attributes
+    heads = attrs["num_heads"].as_int() if "num_heads" in attrs else 0
+    kv = attrs["kv_num_heads"].as_int() if "kv_num_heads" in attrs else 0
+    packed = len(node.inputs) < 2 or node.inputs[1] is None
+    x = node.inputs[0] if packed else node.inputs[1]
+    producer = source(x).producer() if source(x) is not None else None
+    lin = as_linear(producer) if producer is not None else None
+    width, count = (lin.out_dim if lin else 0), (heads + 2 * kv if packed else kv)
+    if not (kv and count and width and width % count == 0):
+        return kv or None, None
+    return kv, width // count

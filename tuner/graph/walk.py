@@ -94,7 +94,9 @@ class Linear:
     out_dim: int
     transposed: bool  # stored as (out, in): Gemm transB=1 or a Transpose before the MatMul
     bias: ir.Value | None = None
-    bias_add: ir.Node | None = None  # TorchScript's separate Add(bias, MatMul)
+    # TorchScript's separate Add(bias, MatMul), or the Mul that dequantizes a MatMulInteger's
+    # int32 result (quantize_dynamic: MatMulInteger -> Cast -> Mul by x_scale * w_scale)
+    bias_add: ir.Node | None = None
 
     @property
     def output(self) -> ir.Value:
@@ -111,6 +113,10 @@ def _weight_of(v: ir.Value | None) -> tuple[ir.Value, bool] | None:
     if shape is not None:
         return (v, False) if len(shape) == 2 else None
     p = v.producer()
+    if p is not None and op(p) == "DequantizeLinear":  # static QDQ: DQ(int8 W, scale, zp)
+        inner = source(p.inputs[0])
+        ishape = const_shape(inner)
+        return (inner, False) if ishape is not None and len(ishape) == 2 else None  # type: ignore[return-value]
     if p is not None and op(p) == "Transpose":
         inner = source(p.inputs[0])
         perm = p.attributes.get("perm")
@@ -166,6 +172,12 @@ def as_linear(node: ir.Node) -> Linear | None:
             if found:
                 return Linear(node, value, k, n, transposed, *found)
         return Linear(node, value, k, n, transposed, bias)
+    if kind == "MatMulInteger":  # quantize_dynamic: (DynamicQuantizeLinear(x), int8 W)
+        shape = const_shape(node.inputs[1])
+        tail = _dequantizing_mul(node)
+        if shape is None or len(shape) != 2 or tail is None:
+            return None
+        return Linear(node, source(node.inputs[1]), shape[0], shape[1], False, None, tail)  # type: ignore[arg-type]
     if kind == f"{MS}.MatMulNBits":
         # Block-quantized weight (ORT's int4/int8 GEMM): K and N are attributes; the packed
         # weight is stored N-major, (N, blocks, blob bytes).
@@ -177,6 +189,15 @@ def as_linear(node: ir.Node) -> Linear | None:
         found = None if bias is not None else _bias_add(node.outputs[0], n)
         return Linear(node, source(node.inputs[1]), k, n, True, *(found or (bias, None)))  # type: ignore[arg-type]
     return None
+
+
+def _dequantizing_mul(node: ir.Node) -> ir.Node | None:
+    """The Mul after Cast(MatMulInteger) that scales the int32 product back to floats."""
+    users = consumers(node.outputs[0])
+    if len(users) != 1 or op(users[0]) != "Cast":
+        return None
+    after = consumers(users[0].outputs[0])
+    return after[0] if len(after) == 1 and op(after[0]) == "Mul" else None
 
 
 def linears(graph: ir.Graph) -> list[Linear]:
@@ -191,6 +212,8 @@ DATA_INPUTS: dict[str, tuple[int, ...] | None] = {
     "Cast": (0,), "Identity": (0,), "Expand": (0,), "Tile": (0,), "Slice": (0,), "Split": (0,),
     "Dropout": (0,), "Concat": None, "Mul": None, "Div": None, "Add": None, "Sub": None,
     "Neg": (0,), "Where": (1, 2),
+    # quantized graphs: the activation is quantized on its way into the GEMM
+    "DynamicQuantizeLinear": (0,), "QuantizeLinear": (0,), "DequantizeLinear": (0,),
 }
 
 

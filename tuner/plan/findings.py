@@ -120,7 +120,7 @@ def _waves(shape: ModelShape, dev: DeviceFacts, tokens: int) -> list[Finding]:
 
 
 QUANTIZED_OPS = ("MatMulNBits", "DynamicQuantizeMatMul", "MatMulIntegerToFloat",
-                 "MatMulInteger", "QLinearMatMul")
+                 "MatMulInteger", "QLinearMatMul", "DequantizeLinear")
 
 
 def _fused(shape: ModelShape) -> list[Finding]:
@@ -136,8 +136,9 @@ def _fused(shape: ModelShape) -> list[Finding]:
                            "explicitly"))
     if quantized:
         out.append(Finding("quantized-weights", "info",
-                           f"weights are quantized ({', '.join(quantized)}): pad the float model, "
-                           "then quantize; padded zero blocks quantize to exact zeros"))
+                           f"weights are quantized ({', '.join(quantized)}): vocabulary and FFN "
+                           "padding go through them exactly (new entries hold the zero point); "
+                           "for head dim and heads pad the float model, then quantize"))
     return out
 
 

@@ -151,14 +151,27 @@ class Projection:
     out_axis: int  # axis of the weight that is the projection's output features
     in_axis: int  # axis of the weight that contracts with the activations
     bias_index: int | None  # Gemm's C input, when present
+    # "nbits" (com.microsoft.MatMulNBits) or "integer" (MatMulInteger): padded by
+    # tuner.rewrite.quantized, whose padded entries are zero points, not zeros
+    quantized: str | None = None
 
     @property
     def weight(self) -> np.ndarray:
+        if self.quantized == "qdq":  # the int8 weight behind DequantizeLinear
+            return const_array(self.node.inputs[self.weight_index].producer().inputs[0])  # type: ignore[union-attr,return-value]
         return const_array(self.node.inputs[self.weight_index])  # type: ignore[return-value]
 
     @property
     def out_features(self) -> int:
+        if self.quantized == "nbits":
+            return int(self.node.attributes["N"].value)
         return int(self.weight.shape[self.out_axis])
+
+    @property
+    def in_features(self) -> int:
+        if self.quantized == "nbits":
+            return int(self.node.attributes["K"].value)
+        return int(self.weight.shape[self.in_axis])
 
 
 def projection(graph: ir.Graph, name: str, const_weight: bool = True) -> Projection:
@@ -167,6 +180,8 @@ def projection(graph: ir.Graph, name: str, const_weight: bool = True) -> Project
     node = find_node(graph, name)
     if node.op_type == "MatMul" and node.domain in ("", "ai.onnx"):
         w = const_array(node.inputs[1])
+        if w is None and _dequantized_weight(node.inputs[1]):
+            return Projection(node, 1, 1, 0, None, quantized="qdq")  # static QDQ, (K, N) int8
         if w is None and not const_weight:
             return Projection(node, 1, 1, 0, None)
         if w is None or w.ndim != 2:
@@ -181,7 +196,22 @@ def projection(graph: ir.Graph, name: str, const_weight: bool = True) -> Project
         trans_b = bool(attrs.get("transB", 0))
         bias = 2 if len(node.inputs) > 2 and node.inputs[2] is not None else None
         return Projection(node, 1, 0 if trans_b else 1, 1 if trans_b else 0, bias)
+    if (node.op_type == "MatMulNBits" and node.domain == "com.microsoft"
+            and {"K", "N"} <= set(node.attributes)):
+        return Projection(node, 1, 0, 1, None, quantized="nbits")  # weight (N, blocks, blob)
+    if node.op_type == "MatMulInteger" and node.domain in ("", "ai.onnx"):
+        w = const_array(node.inputs[1])
+        if w is None or w.ndim != 2:
+            raise RewriteRefused(f"node {name!r}: MatMulInteger whose weight is not a 2-D constant")
+        return Projection(node, 1, 1, 0, None, quantized="integer")  # weight (K, N) int8
     raise RewriteRefused(f"node {name!r}: expected MatMul or Gemm, found {node.op_type}")
+
+
+def _dequantized_weight(v: ir.Value | None) -> bool:
+    """Whether `v` is DequantizeLinear(2-D constant, ...): a static QDQ graph's weight."""
+    p = v.producer() if v is not None else None
+    return (p is not None and p.op_type == "DequantizeLinear" and p.domain in ("", "ai.onnx")
+            and const_array(p.inputs[0]) is not None and const_array(p.inputs[0]).ndim == 2)
 
 
 def widen_outputs(graph: ir.Graph, proj: Projection, new_size: int, tag: str,
@@ -191,6 +221,7 @@ def widen_outputs(graph: ir.Graph, proj: Projection, new_size: int, tag: str,
 
     `columns`, when given, is where each old output feature goes (length old, values < new);
     otherwise the new features are appended at the end."""
+    _not_quantized(proj)
     w = proj.weight
     set_const_input(graph, proj.node, proj.weight_index,
                     _scatter(w, proj.out_axis, new_size, columns), f"{tag}.weight")
@@ -209,9 +240,19 @@ def widen_outputs(graph: ir.Graph, proj: Projection, new_size: int, tag: str,
 def widen_inputs(graph: ir.Graph, proj: Projection, new_size: int, tag: str,
                  rows: np.ndarray | None = None) -> None:
     """Grow the projection's input features to `new_size` with zero weight rows."""
+    _not_quantized(proj)
     w = proj.weight
     set_const_input(graph, proj.node, proj.weight_index,
                     _scatter(w, proj.in_axis, new_size, rows), f"{tag}.weight")
+
+
+def _not_quantized(proj: Projection) -> None:
+    """Zero rows of a quantized weight would dequantize to (0 - zero point) * scale, not 0:
+    only tuner.rewrite.quantized pads those (vocabulary and FFN)."""
+    if proj.quantized:
+        raise RewriteRefused(f"node {proj.node.name!r}: {proj.node.op_type} weights are "
+                             "quantized; only the vocabulary and FFN widths are padded through "
+                             "them")
 
 
 def _scatter(array: np.ndarray, axis: int, new_size: int, index: np.ndarray | None) -> np.ndarray:

@@ -20,8 +20,13 @@ import onnx_ir as ir
 from tuner.errors import RewriteRefused
 from tuner.graph.dims import Dims
 from tuner.graph.shape import FfnSite
+from tuner.rewrite import quantized
 from tuner.rewrite.axis import Track, Widen
 from tuner.rewrite.common import projection, widen_inputs, widen_outputs
+
+
+# Activations with act(0) == 0 exactly: an ungated FFN's padded units are then exactly 0.
+ZERO_AT_ZERO = {"gelu", "gelu_tanh", "relu", "relu2", "silu", "quick_gelu", "tanh", "mish"}
 
 
 def pad_ffns(model: ir.Model, sites: list[tuple[int, FfnSite]], new_size: int) -> list[int]:
@@ -53,7 +58,7 @@ def _seed(graph: ir.Graph, widen: Widen, site: FfnSite, new: int, layer: int,
     up = projection(graph, site.up)
     down = projection(graph, site.down)
     gate = projection(graph, site.gate) if site.gate and site.gate != site.up else None
-    f = int(down.weight.shape[down.in_axis])
+    f = down.in_features
     if new < f:
         raise RewriteRefused(f"FFN of layer {layer} ({site.down}) has width {f}; cannot pad to "
                              f"the smaller {new}")
@@ -66,6 +71,11 @@ def _seed(graph: ir.Graph, widen: Widen, site: FfnSite, new: int, layer: int,
     if gate is not None and gate.out_features != f:
         raise RewriteRefused(f"node {site.gate!r}: {gate.out_features} output features, "
                              f"expected {f}")
+    if down.quantized == quantized.INTEGER and gate is None and site.activation not in ZERO_AT_ZERO:
+        # DynamicQuantizeLinear takes x's range over the padded units too: they must be 0
+        raise RewriteRefused(f"node {site.down!r}: quantized input of a {site.activation} FFN: "
+                             "its padded units would not be exactly 0 and would change the "
+                             "activation's dynamic quantization range")
     tag = f"ffn{new}"
     pos = list(range(f)) + ([new + i for i in range(f)] if fused else [])
     for proj in (up, gate):
@@ -75,7 +85,11 @@ def _seed(graph: ir.Graph, widen: Widen, site: FfnSite, new: int, layer: int,
         if rank is None:
             raise RewriteRefused(f"node {proj.node.name!r}: rank of its output unknown")
         width = new * (2 if proj is up and fused else 1)
-        widen_outputs(graph, proj, width, tag, np.array(pos if proj is up else pos[:f]))
+        columns = np.array(pos if proj is up else pos[:f])
+        if proj.quantized:  # new entries hold the zero point (tuner.rewrite.quantized)
+            quantized.widen_out(graph, proj, width, tag, columns)
+        else:
+            widen_outputs(graph, proj, width, tag, columns)
         widen.seed(proj.node.outputs[0], Track(-1, rank, tuple(pos if proj is up else pos[:f]), width))
 
     def sink(node: ir.Node, tin: list) -> None:
@@ -83,7 +97,13 @@ def _seed(graph: ir.Graph, widen: Widen, site: FfnSite, new: int, layer: int,
         if t is None or t.axis != -1 or t.old != f or any(tin[1:]):
             raise RewriteRefused(f"node {node.name!r}: the down projection does not receive "
                                  f"the widened FFN units on its input")
-        widen_inputs(graph, down, t.new, tag, np.array(t.pos))
+        if down.quantized:
+            if list(t.pos) != list(range(f)):
+                raise RewriteRefused(f"node {node.name!r}: quantized K entries would move "
+                                     "(inside their blocks, or off the activation's range)")
+            quantized.widen_in(graph, down, t.new, tag)
+        else:
+            widen_inputs(graph, down, t.new, tag, np.array(t.pos))
         reached[node.name] = True
 
     widen.sinks[down.node] = sink

@@ -170,8 +170,10 @@ def pad_head_dim(model: ir.Model, shape: ModelShape, new: int, cache_policy: str
         raise RewriteRefused("no attention block found to pad")
     for i, site in sites:
         if site.fused_op and site.fused_op != "Attention":  # ONNX's own (opset 23) is handled
-            raise RewriteRefused(f"layer {i}: fused attention op {site.fused_op} (its implicit "
-                                 "scale and packed layout are not rewritten); pad the unfused graph")
+            node = site.scale.nodes[0] if site.scale.nodes else site.o
+            raise RewriteRefused(f"layer {i}: fused attention op {site.fused_op} (node "
+                                 f"{node!r}: its implicit scale, packed layout and rotary cache "
+                                 "are not rewritten); pad the unfused graph")
         if site.rotary == "full" and (d % 2 or new % 2):
             raise RewriteRefused(f"layer {i}: full rotary needs even head dims ({d} -> {new})")
     dims = Dims(model)

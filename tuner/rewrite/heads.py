@@ -145,8 +145,10 @@ def pad_heads(model: ir.Model, shape: ModelShape, new: int, cache_policy: str = 
         raise RewriteRefused("no attention block found to pad")
     for i, site in sites:
         if site.fused_op:
-            raise RewriteRefused(f"layer {i}: fused attention op {site.fused_op} (its num_heads "
-                                 "attribute and packed weights are not rewritten)")
+            node = site.scale.nodes[0] if site.scale.nodes else site.o
+            raise RewriteRefused(f"layer {i}: fused attention op {site.fused_op} (node "
+                                 f"{node!r}: its num_heads attribute and packed weights are "
+                                 "not rewritten)")
     dims = Dims(model)
     dims.inferred()  # shapes of the original graph, before any edit
     widen = Widen(model, dims, f"heads {a}->{new}",

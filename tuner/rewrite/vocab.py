@@ -14,6 +14,7 @@ import onnx_ir as ir
 
 from tuner.errors import RewriteRefused
 from tuner.graph.shape import Sites
+from tuner.rewrite import quantized
 from tuner.rewrite.common import (clear_shapes, const_array, new_initializer, pad_axis, projection,
                                   set_const_input, source_through_identity)
 
@@ -63,6 +64,14 @@ def pad_vocab(graph: ir.Graph, sites: Sites, new_size: int) -> int:
         raise RewriteRefused("no LM head to pad (an encoder, or inspect found none)")
     head = projection(graph, sites.lm_head, const_weight=False)
     node = head.node
+    if head.quantized:  # new rows hold the zero point (tuner.rewrite.quantized)
+        v = head.out_features
+        if new_size < v:
+            raise RewriteRefused(f"vocabulary is {v}; cannot pad to the smaller {new_size}")
+        if new_size > v:
+            quantized.widen_out(graph, head, new_size, f"vocab{new_size}")
+            _slice_back(graph, quantized.output_node(head), v)
+        return v
     source, chain, flipped = _weight_chain(node, head.weight_index)
     w = const_array(source)
     if w is None or w.ndim != 2:

@@ -1,0 +1,173 @@
+"""onnxruntime-genai's own graphs of tiny random-weight decoders, built by its model builder:
+
+    python -m models.genai_builder llama --precision int4      # prints the .onnx path
+    python -m models.genai_builder --list
+
+From one Hugging Face folder (a random-weight model saved with `save_pretrained` by this venv,
+plus a byte-level BPE tokenizer made with `tokenizers`; no hub download), the builder writes
+
+    python -m onnxruntime_genai.models.builder -i HF -o OUT -p fp32|int4 -e cpu
+
+a graph with GroupQueryAttention (seqlens_k / total_sequence_length computed from the mask
+inside the graph), RotaryEmbedding, SkipSimplifiedLayerNormalization, and for int4 MatMulNBits
+weights; its I/O is `input_ids`, `attention_mask`, `past_key_values.{i}.key|value` in and
+`logits`, `present.{i}.key|value` out.
+
+onnxruntime-genai needs the `onnxruntime` CPU wheel, which writes the same module as our
+`onnxruntime-gpu`: so the builder runs in its OWN virtual environment
+($SHAPETUNER_CACHE/venvs/genai, made on first use), never in the test venv. Everything is cached
+under $SHAPETUNER_CACHE by (family, precision, this file's BUILD version).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from models.build import _cache_dir
+
+BUILD = 1  # bump when what this file builds changes: it is part of the cache key
+GENAI_REQUIREMENTS = ("onnxruntime-genai==0.18.*", "torch==2.13.0", "transformers>=4.45",
+                      "onnx", "onnx-ir", "onnxscript")
+PRECISIONS = ("fp32", "int4")
+VOCAB, POSITIONS = 1003, 256  # an odd vocabulary: the padding has work to do
+# Tiny configs: 2 layers, GQA, an FFN width that is not a multiple of 64.
+FAMILIES: dict[str, dict] = {
+    "llama": dict(model_type="llama", num_hidden_layers=2, hidden_size=128,
+                  num_attention_heads=4, num_key_value_heads=2, intermediate_size=200,
+                  tie_word_embeddings=False),
+    "qwen2": dict(model_type="qwen2", num_hidden_layers=2, hidden_size=128,
+                  num_attention_heads=4, num_key_value_heads=2, intermediate_size=200,
+                  tie_word_embeddings=False),
+    "phi3": dict(model_type="phi3", num_hidden_layers=2, hidden_size=128,
+                 num_attention_heads=4, num_key_value_heads=2, intermediate_size=200,
+                 tie_word_embeddings=False, pad_token_id=0,
+                 original_max_position_embeddings=POSITIONS),  # one rotary cache, not two
+    "mistral": dict(model_type="mistral", num_hidden_layers=2, hidden_size=128,
+                    num_attention_heads=4, num_key_value_heads=2, intermediate_size=200,
+                    tie_word_embeddings=False, sliding_window=None),
+}
+
+
+def venv_python() -> Path:
+    """The genai venv's python, made (and its packages installed) on first use."""
+    root = _cache_dir() / "venvs" / "genai"
+    python = root / "bin" / "python"
+    marker = root / "requirements.txt"
+    wanted = "\n".join(GENAI_REQUIREMENTS)
+    if python.is_file() and marker.is_file() and marker.read_text() == wanted:
+        return python
+    root.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-m", "venv", str(root)], check=True)
+    subprocess.run([str(python), "-m", "pip", "install", "-q", *GENAI_REQUIREMENTS], check=True)
+    marker.write_text(wanted)
+    return python
+
+
+def _key(*parts) -> str:
+    return hashlib.sha256(json.dumps([BUILD, VOCAB, POSITIONS, *parts]).encode()).hexdigest()[:12]
+
+
+def _corpus() -> list[str]:
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    words = ["".join(chr(int(c)) for c in rng.integers(97, 123, int(n)))
+             for n in rng.integers(2, 9, 2000)]
+    return [" ".join(rng.choice(words, 100)) for _ in range(100)]
+
+
+def save_tokenizer(folder: Path, vocab: int) -> None:
+    """A byte-level BPE tokenizer of `vocab` entries, trained on random words."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(_corpus(), trainers.BpeTrainer(
+        vocab_size=vocab, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<unk>", "<s>", "</s>"], show_progress=False))
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>",
+                                         bos_token="<s>", eos_token="</s>").save_pretrained(folder)
+
+
+def hf_folder(family: str) -> Path:
+    """The cached Hugging Face folder (config, safetensors, tokenizer) of a tiny family."""
+    import torch
+    import transformers
+
+    folder = _cache_dir() / _key("hf", family, FAMILIES[family]) / "hf"
+    if (folder / "config.json").is_file():
+        return folder
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    config = dict(FAMILIES[family])
+    kind = config.pop("model_type")
+    with tempfile.TemporaryDirectory(dir=_cache_dir()) as tmp:
+        staging = Path(tmp) / "hf"
+        torch.manual_seed(0)
+        cfg = transformers.AutoConfig.for_model(
+            kind, **config, vocab_size=VOCAB, max_position_embeddings=POSITIONS,
+            bos_token_id=1, eos_token_id=2)
+        model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+        model.save_pretrained(staging)
+        save_tokenizer(staging, VOCAB)
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(staging, folder)
+    return folder
+
+
+def cached(family: str, precision: str = "fp32") -> Path:
+    """The builder's model.onnx for `family` at `precision` (built once, then cached)."""
+    if family not in FAMILIES or precision not in PRECISIONS:
+        raise KeyError(f"no genai build {family}/{precision}; families {sorted(FAMILIES)}, "
+                       f"precisions {PRECISIONS}")
+    out = _cache_dir() / _key("genai", family, FAMILIES[family], precision) / "genai"
+    model = out / "model.onnx"
+    if model.is_file():
+        return model
+    hf = hf_folder(family)
+    python = venv_python()
+    with tempfile.TemporaryDirectory(dir=_cache_dir()) as tmp:
+        staging = Path(tmp) / "genai"
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+               "PYTHONPATH": ""}
+        run = subprocess.run(
+            [str(python), "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o",
+             str(staging), "-p", precision, "-e", "cpu", "-c", str(Path(tmp) / "cache")],
+            env=env, capture_output=True, text=True)
+        if run.returncode != 0 or not (staging / "model.onnx").is_file():
+            raise RuntimeError(f"the genai model builder failed ({run.returncode}):\n"
+                               f"{run.stderr[-4000:]}")
+        for name in ("tokenizer.json", "config.json"):  # what `tuner optimize` copies along
+            if not (staging / name).is_file():
+                shutil.copyfile(hf / name, staging / name)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(staging, out)
+    return model
+
+
+def _main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m models.genai_builder", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("family", nargs="?", choices=sorted(FAMILIES))
+    p.add_argument("--precision", choices=PRECISIONS, default="fp32")
+    p.add_argument("--list", action="store_true")
+    a = p.parse_args(argv)
+    if a.list or not a.family:
+        for name, config in FAMILIES.items():
+            print(f"{name:8s} {json.dumps(config)} vocab {VOCAB}")
+        return 0
+    print(cached(a.family, a.precision))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

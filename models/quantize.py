@@ -1,0 +1,110 @@
+"""Our reference exports (models/build.py, models/kv.py) quantized by ONNX Runtime's own tools:
+
+    python -m models.quantize dynamic llama            # prints the .onnx path
+    python -m models.quantize nbits-asym llama-kv
+
+Kinds:
+  dynamic     quantize_dynamic, int8 weights (symmetric): DynamicQuantizeLinear + MatMulInteger
+  dynamic-u8  the same with uint8 weights (asymmetric: zero points != 0)
+  dynamic-pc  per-channel int8 weights (a scale and zero point per column)
+  static      quantize_static, QDQ format, MatMul only, a small calibration reader of random ids
+  nbits       MatMulNBitsQuantizer, 4 bits, block 32, symmetric (no zero points)
+  nbits-asym  the same, asymmetric (packed uint8 zero points)
+
+Each is built once from the cached reference export (shape "awkward", TorchScript) and cached
+under $SHAPETUNER_CACHE by (kind, model, this file's BUILD version).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from models.build import IR_VERSION, _cache_dir, cached as reference
+
+BUILD = 1  # bump when what this file builds changes: it is part of the cache key
+KINDS = ("dynamic", "dynamic-u8", "dynamic-pc", "static", "nbits", "nbits-asym")
+
+
+def _calibration(path: Path, vocab: int):
+    """A few random prompts (an empty past for a cache model): quantize_static's reader."""
+    from onnxruntime.quantization import CalibrationDataReader
+
+    from tuner.gate.feeds import make_feeds
+
+    class Reader(CalibrationDataReader):
+        def __init__(self) -> None:
+            self.feeds = iter(make_feeds(path, vocab, ((1, 8), (2, 12), (1, 16)), seed=1))
+
+        def get_next(self):
+            return next(self.feeds, None)
+
+    return Reader()
+
+
+def _quantize(kind: str, src: Path, dst: Path, vocab: int) -> None:
+    import onnx
+    from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static
+
+    if kind.startswith("dynamic"):
+        quantize_dynamic(str(src), str(dst), per_channel=kind == "dynamic-pc",
+                         weight_type=QuantType.QUInt8 if kind == "dynamic-u8" else QuantType.QInt8)
+    elif kind == "static":
+        quantize_static(str(src), str(dst), _calibration(src, vocab), quant_format=QuantFormat.QDQ,
+                        op_types_to_quantize=["MatMul"], weight_type=QuantType.QInt8,
+                        activation_type=QuantType.QUInt8)
+    else:
+        from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+        q = MatMulNBitsQuantizer(onnx.load(str(src)), block_size=32,
+                                 is_symmetric=kind == "nbits")
+        q.process()
+        onnx.save(q.model.model, str(dst))
+    proto = onnx.load(str(dst))
+    proto.ir_version = min(proto.ir_version, IR_VERSION)
+    onnx.save(proto, str(dst))
+
+
+def cached(kind: str, name: str) -> Path:
+    """The quantized export (`name` one of models.build's, shape awkward, TorchScript)."""
+    import logging
+
+    from tuner.graph.inspect import inspect_path
+
+    if kind not in KINDS:
+        raise KeyError(f"no quantization kind {kind!r}; known: {KINDS}")
+    key = hashlib.sha256(json.dumps([BUILD, kind, name]).encode()).hexdigest()[:12]
+    path = _cache_dir() / key / f"{name}-{kind}.onnx"
+    if path.is_file():
+        return path
+    src = reference(name, "awkward", "torchscript")
+    vocab = inspect_path(src).vocab_size or 1000
+    path.parent.mkdir(parents=True, exist_ok=True)
+    logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        staged = Path(tmp) / path.name
+        _quantize(kind, src, staged, vocab)
+        os.replace(staged, path)
+    return path
+
+
+def _main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m models.quantize", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("kind", choices=KINDS)
+    p.add_argument("name", help="a models.build reference name with an awkward shape, e.g. llama")
+    a = p.parse_args(argv)
+    np.seterr(all="ignore")
+    print(cached(a.kind, a.name))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

@@ -1,0 +1,250 @@
+"""onnxruntime-genai's own graphs (its model builder, `-p fp32|int4 -e cpu`, run in its own venv by
+models/genai_builder.py) through every command: GroupQueryAttention reading seqlens_k /
+total_sequence_length from the mask, rotary inside it, SkipSimplifiedLayerNormalization,
+MatMulNBits int4 weights, genai's own I/O names.
+
+- inspect finds the dims, the cache (its head dim from the packed projection) and that the
+  mask is read as lengths;
+- the gate's left-padded rollouts, moved to right padding for such a graph, equal transformers
+  on the same weights, `tuner verify m m` passes and a corrupted copy FAILS;
+- vocab and FFN padding through MatMulNBits are exact (new rows and blocks dequantize to 0),
+  head dim / heads are refused naming the GroupQueryAttention node;
+- `tuner optimize` writes an artifact, and `tuner serve` generates from it with in-flight
+  batching, token-identically to a plain ORT greedy loop on the original.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import tritonclient.grpc as tg
+from serving_support import perturbed_copy
+
+from models import genai_builder
+from serving.generate import GenerateOptions
+from serving.server import Server, ServerOptions
+from tuner.cli import main
+from tuner.gate.kv_feeds import cache_roles, next_feeds, prefill_feeds
+from tuner.gate.right_pad import RightPadded
+from tuner.graph.inspect import inspect_model
+from tuner.graph.load import load_model
+from tuner.rewrite import nbits
+
+CELLS = [("llama", "fp32"), ("llama", "int4"), ("qwen2", "int4"), ("mistral", "int4"),
+         ("phi3", "int4")]
+EXPECT = dict(num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32,
+              ffn_size=200, ffn_gated=True, vocab_size=1003)
+
+
+@pytest.fixture(scope="module", params=CELLS, ids=[f"{f}-{p}" for f, p in CELLS])
+def genai(request) -> Path:
+    family, precision = request.param
+    return genai_builder.cached(family, precision)
+
+
+class _Session:
+    """A plain ORT session with the runner interface (infer -> {name: array})."""
+
+    def __init__(self, path: Path) -> None:
+        import onnxruntime as ort
+
+        self.sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        self.names = [o.name for o in self.sess.get_outputs()]
+
+    def infer(self, feeds) -> dict[str, np.ndarray]:
+        return dict(zip(self.names, self.sess.run(None, dict(feeds))))
+
+
+def test_inspect_finds_the_dims_the_cache_and_a_mask_read_as_lengths(genai):
+    shape = inspect_model(load_model(genai))
+    assert {k: getattr(shape, k) for k in EXPECT} == EXPECT
+    cache = shape.cache
+    assert (cache.num_layers, cache.num_kv_heads, cache.head_dim, cache.layout, cache.mask) == (
+        2, 2, 32, "bhsd", "lengths")
+    assert [(la.past_key, la.present_value) for la in cache.layers] == [
+        (f"past_key_values.{i}.key", f"present.{i}.value") for i in range(2)]
+    assert shape.sites.layers[0].attention.fused_op == "com.microsoft.GroupQueryAttention"
+    assert shape.sites.layers[0].attention.rotary == "full"
+
+
+def test_verify_passes_on_itself_and_fails_a_corrupted_copy(genai, tmp_path, capsys):
+    assert main(["verify", str(genai), str(genai)]) == 0
+    bad = perturbed_copy(genai, tmp_path / "bad.onnx")  # the final norm's weight + 0.5
+    assert main(["verify", str(genai), str(bad)]) == 1
+    assert "FAIL" in capsys.readouterr().out
+
+
+def test_left_padded_rollout_through_right_padding_equals_transformers():
+    """The gate feeds left-padded rows; GroupQueryAttention reads only each row's length. Moved
+    to the right and back (tuner.gate.right_pad), prefill and decode equal transformers."""
+    import torch
+    import transformers
+
+    path = genai_builder.cached("llama", "fp32")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(genai_builder.hf_folder("llama")).eval()
+    roles = cache_roles(load_model(path))
+    run = RightPadded(_Session(path), roles)
+    ids = np.random.default_rng(0).integers(0, 1003, (2, 6))
+    mask = np.ones_like(ids)
+    mask[1, :2] = 0  # the second row left-padded
+    first = prefill_feeds(roles, ids, mask)
+    out = run.infer(first.arrays)
+    with torch.no_grad():
+        ref = hf(torch.tensor(ids), attention_mask=torch.tensor(mask), use_cache=True,
+                 position_ids=torch.tensor(np.where(mask == 0, 1, mask.cumsum(-1) - 1)))
+    keep = mask.astype(bool)
+    np.testing.assert_allclose(out["logits"][keep], ref.logits.numpy()[keep], atol=1e-4)
+    token = out["logits"][:, -1].argmax(-1)
+    step = next_feeds(first, out, token)
+    got = run.infer(step.arrays)
+    with torch.no_grad():
+        ref2 = hf(torch.tensor(token[:, None]), attention_mask=torch.tensor(step.mask),
+                  position_ids=torch.tensor(step.mask.cumsum(-1)[:, -1:] - 1),
+                  past_key_values=ref.past_key_values, use_cache=True)
+    np.testing.assert_allclose(got["logits"], ref2.logits.numpy(), atol=1e-4)
+    # without the move, the padded row is wrong: the adapter is doing the work
+    plain = _Session(path).infer(first.arrays)
+    assert np.abs(plain["logits"][1][keep[1]] - ref.logits.numpy()[1][keep[1]]).max() > 1e-2
+
+
+def _dequantized(node) -> np.ndarray:
+    """(N, K) float weight of a MatMulNBits node, as ORT's formula gives it."""
+    w = nbits.read(node)
+    full = (w.q.astype(np.float64) - w.zero[:, :, None]) * w.scales[:, :, None]
+    return full.reshape(w.n, -1)[:, :w.k]
+
+
+def test_pad_vocab_and_ffn_through_matmulnbits_is_exact(tmp_path):
+    src = genai_builder.cached("llama", "int4")
+    out = tmp_path / "pad.onnx"
+    assert main(["pad", str(src), "-o", str(out), "--vocab-multiple", "64",
+                 "--ffn-multiple", "128"]) == 0  # the gate ran: greedy rollouts matched
+    before, after = load_model(src), load_model(out)
+    nodes = {n.name: n for n in after.graph}
+    old = {n.name: n for n in before.graph}
+    head = nodes["/lm_head/MatMul_Q4"]
+    assert int(head.attributes["N"].value) == 1024
+    w = _dequantized(head)
+    assert np.array_equal(w[:1003], _dequantized(old["/lm_head/MatMul_Q4"]))
+    assert not w[1003:].any()  # the new vocabulary rows dequantize to exactly 0
+    down = nodes["/model/layers.0/mlp/down_proj/MatMul_Q4"]
+    assert int(down.attributes["K"].value) == 256
+    wd = _dequantized(down)
+    assert np.array_equal(wd[:, :200], _dequantized(old["/model/layers.0/mlp/down_proj/MatMul_Q4"]))
+    assert not wd[:, 200:].any()  # new K entries (old block's tail and new blocks): exactly 0
+    assert [o.name for o in after.graph.outputs] == [o.name for o in before.graph.outputs]
+
+
+@pytest.mark.parametrize("flag", [["--head-dim", "64"], ["--heads", "8"]])
+def test_head_dim_and_heads_inside_gqa_are_refused_naming_the_node(flag, tmp_path, capsys):
+    src = genai_builder.cached("llama", "int4")
+    assert main(["pad", str(src), "-o", str(tmp_path / "x.onnx"), *flag]) == 2
+    err = capsys.readouterr().err
+    assert "GroupQueryAttention" in err and "'/model/layers.0/attn/GroupQueryAttention'" in err
+    assert not (tmp_path / "x.onnx").exists()
+
+
+def test_pad_refuses_a_g_idx_naming_the_node():
+    import onnx_ir as ir
+
+    node = next(n for n in load_model(genai_builder.cached("llama", "int4")).graph
+                if nbits.is_nbits(n))
+    inputs = list(node.inputs) + [None] * (5 - len(node.inputs))
+    inputs[4] = ir.Value(name="g_idx", const_value=ir.tensor(np.arange(128, dtype=np.int32)))
+    fake = ir.Node("com.microsoft", "MatMulNBits", inputs, attributes=list(node.attributes.values()),
+                   name="with_g_idx")
+    with pytest.raises(Exception, match="'with_g_idx': MatMulNBits with a g_idx"):
+        nbits.read(fake)
+
+
+# ------------------------------------------------------------------------ optimize and serve
+
+
+def _plain_greedy(path: Path, prompt: list[int], steps: int) -> list[int]:
+    """ORT alone: batch 1, no padding, each step fed its own present (genai's I/O names)."""
+    sess = _Session(path)
+    ids = np.array([prompt], np.int64)
+    past = {f"past_key_values.{i}.{kv}": np.zeros((1, 2, 0, 32), np.float32)
+            for i in range(2) for kv in ("key", "value")}
+    mask = np.ones_like(ids)
+    tokens: list[int] = []
+    for _ in range(steps):
+        out = sess.infer({"input_ids": ids, "attention_mask": mask, **past})
+        tokens.append(int(out["logits"][0, -1].argmax()))
+        past = {n: out[n.replace("past_key_values", "present")] for n in past}
+        ids = np.array([[tokens[-1]]], np.int64)
+        mask = np.ones((1, mask.shape[1] + 1), np.int64)
+    return tokens
+
+
+def _infer(port: int, name: str, prompt: list[int], max_tokens: int) -> list[int]:
+    client = tg.InferenceServerClient(f"127.0.0.1:{port}")
+    ids = tg.InferInput("input_ids", [1, len(prompt)], "INT64")
+    ids.set_data_from_numpy(np.array([prompt], np.int64))
+    limit = tg.InferInput("max_tokens", [1], "INT32")
+    limit.set_data_from_numpy(np.array([max_tokens], np.int32))
+    return client.infer(name, [ids, limit]).as_numpy("output_ids").reshape(-1).tolist()
+
+
+@pytest.mark.parametrize("precision", ["int4", "fp32"])
+def test_optimize_then_serve_with_inflight_batching_equals_a_plain_greedy_loop(precision,
+                                                                                tmp_path):
+    src = genai_builder.cached("llama", precision)
+    traffic = tmp_path / "traffic.jsonl"
+    traffic.write_text("".join(json.dumps({"prompt_tokens": p, "output_tokens": o}) + "\n"
+                               for p, o in ((5, 8), (12, 12))))
+    out = tmp_path / "out"
+    assert main(["optimize", str(src), "-o", str(out), "--requests", str(traffic), "--rounds",
+                 "2", "--warmup", "0", "--bucket-rounds", "1", "--no-probe", "--no-fuse",
+                 "--max-variants", "2", "--no-cache", "--max-buckets", "2", "-q"]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["cache"]["layers"] == 2 and (out / "tokenizer.json").is_file()
+    assert all(v["accuracy"]["passed"] for v in manifest["variants"])
+    server = Server(out, ServerOptions(port=0, metrics_port=0, model_name="genai",
+                                       generate=GenerateOptions(max_streams=8)),
+                    say=lambda line: None)
+    server.start()
+    try:
+        assert server.wait_ready(120), server.slot.status
+        rng = np.random.default_rng(7)
+        jobs = [(rng.integers(3, 1003, int(rng.integers(2, 20))).tolist(), int(rng.integers(4, 14)))
+                for _ in range(6)]
+        got: dict[int, list[int]] = {}
+        threads = [threading.Thread(target=lambda i=i: got.__setitem__(
+            i, _infer(server.port, "genai", *jobs[i]))) for i in range(len(jobs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert [got.get(i) for i in range(len(jobs))] == [_plain_greedy(src, p, k)
+                                                          for p, k in jobs]
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics",
+                                         timeout=10).read().decode()
+        batched = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                   if line.startswith("tuner_batch_size_count")]
+        single = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                  if line.startswith('tuner_batch_size_bucket{le="1.0"')]
+        assert sum(batched) > sum(single)  # some decode steps ran several streams at once
+    finally:
+        server.stop(5)
+
+
+def test_builder_runs_in_its_own_venv():
+    """onnxruntime-genai pulls the `onnxruntime` CPU wheel: it lives in its own venv, which
+    has it, apart from this one."""
+    import subprocess
+    import sys
+
+    python = genai_builder.venv_python()
+    assert python.parent.parent.absolute() != Path(sys.prefix).absolute()
+    run = subprocess.run([str(python), "-c", "import onnxruntime_genai, onnxruntime; "
+                          "print(onnxruntime.get_device())"], capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout.strip() == "CPU", run.stderr
+    model = onnx.load(str(genai_builder.cached("llama", "int4")), load_external_data=False)
+    assert "com.microsoft" in {o.domain for o in model.opset_import}

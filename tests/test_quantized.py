@@ -1,0 +1,169 @@
+"""Our reference exports quantized by ONNX Runtime's own quantizer (models/quantize.py):
+quantize_dynamic (DynamicQuantizeLinear + MatMulInteger; int8, uint8 and per-channel weights),
+quantize_static (QDQ, a small calibration reader) and MatMulNBitsQuantizer (4 bits, with and
+without zero points), on Llama (GQA) with and without its KV cache and GPT-2.
+
+- inspect reads the dims through the quantized weights;
+- the gate passes each quantized model against itself and FAILS a corrupted copy;
+- vocab and FFN padding are exact: every new weight entry holds its zero point, so it
+  dequantizes to exactly 0 (checked on the stored tensors, not only by running);
+- per-channel dynamic weights, and head dim / heads through any quantized weight, are refused
+  with the node named.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+from serving_support import perturbed_copy
+
+from models.build import spec
+from models.quantize import cached
+from tuner.cli import main
+from tuner.graph.inspect import inspect_model
+from tuner.graph.load import load_model
+from tuner.rewrite import nbits
+from tuner.rewrite.common import const_array
+
+EXACT = ["dynamic", "dynamic-u8", "static", "nbits", "nbits-asym"]
+CELLS = [(k, n) for k in EXACT for n in ("llama", "llama-kv")] + [("dynamic", "gpt2"),
+                                                                   ("static", "gpt2")]
+
+
+def _ids(cells):
+    return [f"{k}-{n}" for k, n in cells]
+
+
+@pytest.mark.parametrize("kind, name", CELLS + [("dynamic-pc", "llama")],
+                         ids=_ids(CELLS + [("dynamic-pc", "llama")]))
+def test_inspect_reads_the_dims_through_the_quantized_weights(kind, name):
+    shape = inspect_model(load_model(cached(kind, name)))
+    expect = spec(name, "awkward").expect
+    assert {k: getattr(shape, k) for k in expect} == expect
+    assert (shape.cache is not None) == name.endswith("-kv")
+    assert any(f in shape.fused_ops for f in ("MatMulInteger", "DequantizeLinear",
+                                              "com.microsoft.MatMulNBits"))
+
+
+# the gate on every kind with its cache (rollouts), and on two plain graphs
+GATE = [(k, "llama-kv") for k in EXACT] + [("dynamic", "gpt2"), ("nbits-asym", "llama")]
+
+
+@pytest.mark.parametrize("kind, name", GATE, ids=_ids(GATE))
+def test_gate_passes_the_model_on_itself_and_fails_a_corrupted_copy(kind, name, tmp_path,
+                                                                     capsys):
+    model = cached(kind, name)
+    assert main(["verify", str(model), str(model)]) == 0
+    assert main(["verify", str(model), str(perturbed_copy(model, tmp_path / "bad.onnx"))]) == 1
+    assert "FAIL" in capsys.readouterr().out
+
+
+def _weight_and_zero(model: ir.Model, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """(dequantizable integer weight as (N, K) or (K, N) as stored, its zero points)."""
+    node = next(n for n in model.graph if n.name == name)
+    if nbits.is_nbits(node):
+        w = nbits.read(node)
+        return w.q.reshape(w.n, -1)[:, :w.k], np.repeat(w.zero, w.block, axis=1)[:, :w.k]
+    if node.op_type == "MatMulInteger":
+        return const_array(node.inputs[1]), const_array(node.inputs[3])
+    dq = node.inputs[1].producer()  # static QDQ
+    return const_array(dq.inputs[0]), const_array(dq.inputs[2])
+
+
+@pytest.mark.parametrize("kind, name", [(k, "llama") for k in EXACT],
+                         ids=_ids([(k, "llama") for k in EXACT]))
+def test_vocab_and_ffn_padding_store_zero_points_and_stay_exact(kind, name, tmp_path):
+    src = cached(kind, name)
+    out = tmp_path / "pad.onnx"
+    assert main(["pad", str(src), "-o", str(out), "--vocab-multiple", "64",
+                 "--ffn-multiple", "64"]) == 0  # the gate ran, at the default tolerance
+    before, after = load_model(src), load_model(out)
+    shape = inspect_model(before)
+    padded = inspect_model(after)
+    assert (padded.vocab_size, padded.ffn_size) == (1024, 448)
+    quantized_n = kind == "nbits" or kind == "nbits-asym"  # stored (N, K), else (K, N)
+    head, zero = _weight_and_zero(after, shape.sites.lm_head)
+    new_rows = head[1003:] if quantized_n else head[:, 1003:]
+    zeros = zero[1003:] if quantized_n and zero.ndim == 2 else zero
+    assert new_rows.size and np.array_equal(new_rows, np.broadcast_to(zeros, new_rows.shape))
+    down, zero = _weight_and_zero(after, shape.sites.layers[0].ffn.down)
+    new = down[:, 426:] if quantized_n else down[426:]
+    zeros = zero[:, 426:] if quantized_n and zero.ndim == 2 else zero
+    assert new.size and np.array_equal(new, np.broadcast_to(zeros, new.shape))
+    old_down, _ = _weight_and_zero(before, shape.sites.layers[0].ffn.down)
+    assert np.array_equal(down[:, :426] if quantized_n else down[:426], old_down)
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static", "nbits-asym"])
+def test_padding_a_cache_model_keeps_its_rollouts_exact(kind, tmp_path):
+    src = cached(kind, "llama-kv")
+    out = tmp_path / "pad.onnx"
+    assert main(["pad", str(src), "-o", str(out), "--vocab-multiple", "64",
+                 "--ffn-multiple", "64"]) == 0
+    assert main(["verify", str(src), str(out)]) == 0  # greedy rollouts, each fed its present
+
+
+def test_per_channel_dynamic_weights_are_refused_naming_the_node(tmp_path, capsys):
+    src = cached("dynamic-pc", "llama")
+    assert main(["pad", str(src), "-o", str(tmp_path / "x.onnx"), "--vocab-multiple", "64"]) == 2
+    err = capsys.readouterr().err
+    assert "'/model/lm_head/MatMul_quant'" in err and "per-channel" in err
+    assert not (tmp_path / "x.onnx").exists()
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static", "nbits"])
+def test_head_dim_through_quantized_weights_is_refused_naming_the_node(kind, tmp_path, capsys):
+    src = cached(kind, "llama")
+    assert main(["pad", str(src), "-o", str(tmp_path / "x.onnx"), "--head-dim", "128"]) == 2
+    err = capsys.readouterr().err
+    assert "q_proj" in err and "quantized" in err
+
+
+def test_an_ungated_ffn_whose_padded_units_are_not_zero_is_refused():
+    """DynamicQuantizeLinear reads the padded units' range: act(0) must be exactly 0."""
+    from tuner.errors import RewriteRefused
+    from tuner.rewrite.ffn import pad_ffns
+
+    model = load_model(cached("dynamic", "gpt2"))
+    site = inspect_model(model).sites.layers[0].ffn
+    odd = type(site)(up=site.up, down=site.down, gate=None, activation="sigmoid")
+    with pytest.raises(RewriteRefused, match="sigmoid FFN: its padded units would not be "
+                                             "exactly 0"):
+        pad_ffns(model, [(0, odd)], 640)
+
+
+def test_nbits_padding_writes_zero_point_blocks_with_scale_zero():
+    """Unit check of tuner.rewrite.nbits on an asymmetric 4-bit head: new rows and blocks are
+    q == zero point (scale 0 on new blocks), old ones untouched, packing round-trips."""
+    model = load_model(cached("nbits-asym", "llama"))
+    node = next(n for n in model.graph if n.name == inspect_model(model).sites.lm_head)
+    before = nbits.read(node)
+    assert before.zero_given and before.zero_packed
+    nbits.widen_out(model.graph, node, 1024, "t")
+    after = nbits.read(node)
+    assert np.array_equal(after.q[:1003], before.q) and np.array_equal(after.zero[:1003],
+                                                                       before.zero)
+    assert np.array_equal(after.q[1003:], np.broadcast_to(after.zero[1003:, :, None],
+                                                          after.q[1003:].shape))
+    assert not after.scales[1003:].any()
+    nbits.widen_in(model.graph, node, 200, "k")  # K 160 -> 200: one new, partly used block
+    grown = nbits.read(node)
+    assert grown.blocks == 7 and not grown.scales[:, 5:].any()
+    deq = (grown.q.astype(np.int32) - grown.zero[:, :, None]).reshape(1024, -1)
+    assert not deq[:, 160:].any()
+
+
+def test_optimize_a_quantized_cache_model_writes_an_artifact(tmp_path):
+    import json
+
+    traffic = tmp_path / "traffic.jsonl"
+    traffic.write_text(json.dumps({"prompt_tokens": 5, "output_tokens": 8}) + "\n")
+    out = tmp_path / "out"
+    assert main(["optimize", str(cached("nbits-asym", "llama-kv")), "-o", str(out),
+                 "--requests", str(traffic), "--rounds", "2", "--warmup", "0",
+                 "--bucket-rounds", "1", "--no-probe", "--no-fuse", "--max-variants", "2",
+                 "--no-cache", "--max-buckets", "2", "-q"]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    padded = [v for v in manifest["variants"] if v["name"] != "original"]
+    assert padded and all(v["accuracy"]["passed"] and v["exact"] for v in padded)
