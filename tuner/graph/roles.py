@@ -6,6 +6,7 @@ all read roles here.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
@@ -14,6 +15,7 @@ import ml_dtypes
 import numpy as np
 import onnx_ir as ir
 
+from tuner.errors import BadInput
 from tuner.graph.load import load_model
 
 # Roles of a graph input, found from the graph's structure (`input_specs`); names only break ties.
@@ -25,6 +27,12 @@ ROLES = (TOKEN_IDS, ATTENTION_MASK, POSITION_IDS, TOKEN_TYPE_IDS, KV_CACHE, INPU
 _PASS_THROUGH = {"Reshape", "Cast", "Identity", "Flatten", "Squeeze", "Unsqueeze", "Expand"}
 _SEARCH_DEPTH = 24  # nodes followed from an input when looking for the mask or rotary path
 _LARGE_NEGATIVE = -1e4  # a constant this negative (or finfo.min) marks an attention bias
+
+SINGULAR = (TOKEN_IDS, ATTENTION_MASK, POSITION_IDS)  # roles one input at most may hold
+OVERRIDE_HINT = "--roles NAME=ROLE overrides"
+# NAME -> role given by the user (`--roles`), for the inputs the structure cannot decide;
+# set for one command by `overriding` (the server keeps the artifact's for its lifetime).
+_OVERRIDES: dict[str, str] = {}
 
 _NP_DTYPES = {"INT64": "int64", "INT32": "int32", "INT16": "int16", "INT8": "int8",
               "UINT8": "uint8", "FLOAT": "float32", "FLOAT16": "float16", "DOUBLE": "float64",
@@ -181,6 +189,59 @@ def _feeds_kv_concat(value: ir.Value) -> bool:
     return False
 
 
+def _length_is_total(v: ir.Value, ref_seq: str | None) -> bool:
+    """True when `v`'s length axis (its last) is past + seq: a symbol other than the token
+    ids' sequence (a mask beside a KV cache), or one spelled as a sum."""
+    dims = _dims_of(v)
+    if len(dims) < 2 or not isinstance(dims[-1], str):
+        return False
+    return "+" in dims[-1] or (ref_seq is not None and dims[-1] != ref_seq)
+
+
+def _integer_roles(ints: list[ir.Value], has_cache: bool, ref_seq: str | None) -> dict[str, str]:
+    """Mask, positions or a name's guess for the integer inputs that index no table.
+
+    The evidence is ranked (transformers 4.5x routes position ids into the mask construction
+    too, so "reaches a Where" alone cannot tell them apart): reaching Cos/Sin or a constant
+    table (a rotary cache, position embeddings) says positions; a length of past + seq beside
+    a cache, with a path to the bias (Where, large negative, Softmax), says mask. An input
+    with both kinds of evidence but a seq length is positions when another input is plainly
+    the mask, else the mask (a model whose mask also builds its positions)."""
+    evidence = {}
+    for v in ints:
+        ops, bias = _reach(v)
+        rotary = bool({"Cos", "Sin", "GatherConst"} & ops)
+        masky = bias or "Where" in ops or "Softmax" in ops
+        total = has_cache and _length_is_total(v, ref_seq)
+        evidence[v.name] = (rotary, masky, total)
+    plain_mask = {n for n, (rot, masky, total) in evidence.items() if masky and (total or not rot)}
+    roles = {}
+    for v in ints:
+        rot, masky, total = evidence[v.name]
+        if rot and not masky:
+            roles[v.name] = POSITION_IDS
+        elif masky and (total or not rot):
+            roles[v.name] = ATTENTION_MASK
+        elif rot and masky:
+            roles[v.name] = POSITION_IDS if plain_mask - {v.name} else ATTENTION_MASK
+        else:
+            guess = _name_role(v.name)
+            roles[v.name] = guess if guess in (ATTENTION_MASK, POSITION_IDS, TOKEN_TYPE_IDS) else OTHER
+    return roles
+
+
+def _float_role(v: ir.Value) -> str:
+    """The KV cache (concatenated with the new keys/values), a float mask, or embeddings."""
+    rank = len(_dims_of(v))
+    if _feeds_kv_concat(v):
+        return KV_CACHE
+    if rank == 2 and _reach(v)[1]:
+        return ATTENTION_MASK  # a float mask (1 keep, 0 pad) or a bias
+    if rank == 3:
+        return INPUTS_EMBEDS
+    return _name_role(v.name) if _name_role(v.name) in (KV_CACHE, INPUTS_EMBEDS) else OTHER
+
+
 def _roles(model: ir.Model, inputs: list[ir.Value]) -> dict[str, str]:
     """Each input's role from the structure around it (see the module's docstring)."""
     roles: dict[str, str] = {}
@@ -199,29 +260,14 @@ def _roles(model: ir.Model, inputs: list[ir.Value]) -> dict[str, str]:
                 continue
             small = rows(v) <= 16 and _name_role(v.name) != POSITION_IDS
             roles[v.name] = TOKEN_TYPE_IDS if small else POSITION_IDS
-    for v in inputs:
-        if v.name in roles:
-            continue
-        kind, rank = kinds[v.name], len(_dims_of(v))
-        if kind in ("FLOAT", "FLOAT16", "BFLOAT16", "DOUBLE"):
-            if _feeds_kv_concat(v):
-                roles[v.name] = KV_CACHE
-            elif rank == 2 and _reach(v)[1]:
-                roles[v.name] = ATTENTION_MASK  # a float mask (1 keep, 0 pad) or a bias
-            elif rank == 3:
-                roles[v.name] = INPUTS_EMBEDS
-            else:
-                roles[v.name] = _name_role(v.name) if _name_role(v.name) in (
-                    KV_CACHE, INPUTS_EMBEDS) else OTHER
-            continue
-        ops, bias = _reach(v)
-        if v in integer and ({"Cos", "Sin", "GatherConst"} & ops) and not bias:
-            roles[v.name] = POSITION_IDS  # rotary angles, or a Gather from a cos/sin cache
-        elif bias or "Where" in ops or "Softmax" in ops:
-            roles[v.name] = ATTENTION_MASK
-        else:
-            guess = _name_role(v.name)
-            roles[v.name] = guess if guess in (ATTENTION_MASK, POSITION_IDS, TOKEN_TYPE_IDS) else OTHER
+    floats = [v for v in inputs if kinds[v.name] in ("FLOAT", "FLOAT16", "BFLOAT16", "DOUBLE")]
+    roles.update({v.name: _float_role(v) for v in floats})
+    token = next((v for v in inputs if roles.get(v.name) == TOKEN_IDS), None)
+    token_dims = _dims_of(token) if token is not None else ()
+    ref_seq = token_dims[-1] if token_dims and isinstance(token_dims[-1], str) else None
+    has_cache = KV_CACHE in roles.values()
+    rest = [v for v in inputs if v.name not in roles]  # integer and bool inputs
+    roles.update(_integer_roles(rest, has_cache, ref_seq))
     return roles
 
 
@@ -260,7 +306,7 @@ def input_specs(model) -> list[InputSpec]:
         model = load_model(model)
     initializers = set(model.graph.initializers)
     inputs = [v for v in model.graph.inputs if v.name not in initializers]
-    roles = _roles(model, inputs)
+    roles = _checked(_with_overrides(_roles(model, inputs), [v.name for v in inputs]))
     ref_value = next((v for v in inputs if roles[v.name] == TOKEN_IDS), None) or next(
         (v for v in inputs if roles[v.name] == INPUTS_EMBEDS), None)
     ref = _dims_of(ref_value) if ref_value is not None else ()
@@ -271,6 +317,58 @@ def input_specs(model) -> list[InputSpec]:
         batch, seq = _axes(dims, roles[v.name], ref)
         specs.append(InputSpec(v.name, dtype, dims, roles[v.name], batch, seq))
     return specs
+
+
+def parse_roles(items: Sequence[str]) -> dict[str, str]:
+    """`--roles NAME=ROLE` values as {name: role}; BadInput on a malformed one."""
+    out: dict[str, str] = {}
+    for item in items:
+        name, sep, role = item.partition("=")
+        name, role = name.strip(), role.strip()
+        if not sep or not name or not role:
+            raise BadInput(f"--roles {item!r}: expected NAME=ROLE (e.g. position_ids=position_ids)")
+        if role not in ROLES:
+            raise BadInput(f"--roles {item!r}: unknown role {role!r}; roles: {', '.join(ROLES)}")
+        out[name] = role
+    return out
+
+
+@contextlib.contextmanager
+def overriding(roles: Mapping[str, str] | None):
+    """Within the block, every `input_specs` gives the inputs named in `roles` those roles."""
+    saved = dict(_OVERRIDES)
+    _OVERRIDES.clear()
+    _OVERRIDES.update(roles or {})
+    try:
+        yield
+    finally:
+        _OVERRIDES.clear()
+        _OVERRIDES.update(saved)
+
+
+def role_overrides() -> dict[str, str]:
+    """The overrides in force (recorded in the artifact's manifest, so serve uses them)."""
+    return dict(_OVERRIDES)
+
+
+def _with_overrides(roles: dict[str, str], names: list[str]) -> dict[str, str]:
+    unknown = sorted(set(_OVERRIDES) - set(names))
+    if unknown:
+        raise BadInput(f"--roles names {', '.join(map(repr, unknown))}, which the model does not "
+                       f"take; its inputs: {', '.join(names)}")
+    return {**roles, **_OVERRIDES}
+
+
+def _checked(roles: dict[str, str]) -> dict[str, str]:
+    """Refuse a graph in which two inputs claim a role only one can hold: feeding either
+    alone would leave the other out, or fill it with the wrong values."""
+    for role in SINGULAR:
+        holders = [n for n, r in roles.items() if r == role]
+        if len(holders) > 1:
+            raise BadInput(f"inputs {' and '.join(map(repr, holders))} both look like the "
+                           f"{role} to the graph's structure, and only one can be; "
+                           f"{OVERRIDE_HINT} (e.g. --roles {holders[-1]}=other)")
+    return roles
 
 
 def _completed(spec: InputSpec) -> InputSpec:

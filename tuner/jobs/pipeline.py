@@ -32,7 +32,7 @@ from tuner.graph.io import max_positions, model_bytes, model_precision, vocab_fo
 from tuner.graph.kv_cache import widened_cache
 from tuner.graph.load import load_model
 from tuner.graph.paddable import BY_KIND
-from tuner.graph.roles import accepted_shapes, batch_limit, input_specs, seq_limit
+from tuner.graph.roles import accepted_shapes, batch_limit, input_specs, role_overrides, seq_limit
 from tuner.hardware.detect import detect
 from tuner.jobs.decoder import (RULE, cache_section, combined_totals, decode_feeds_for, decode_key,
                                 decode_shape, decoder_traffic, phase_rows, prefill_feeds_for,
@@ -231,8 +231,8 @@ def _build(model, kept, fused, shape, root, built, reference, feeds, tol, settin
         try:
             built[c.name] = build_padded(model, shape, root, c, reference, feeds, tol,
                                          cache_policy, specs)
-        except BadInput as e:
-            notes.append(f"skipped {c.name}: {e}")
+        except Exception as e:  # noqa: BLE001 - a failure inside one variant is its refusal
+            notes.append(f"skipped {c.name}: {_first_line(e)}")
     if fused:
         cpu = get_backend("ort-cpu")
         for c in fused:
@@ -243,9 +243,17 @@ def _build(model, kept, fused, shape, root, built, reference, feeds, tol, settin
             try:
                 built[c.name] = build_fused(built[base_name], root, c, shape, reference, feeds,
                                             tol, cpu, settings, specs)
-            except BadInput as e:
-                notes.append(f"skipped {c.name}: {e}")
+            except Exception as e:  # noqa: BLE001 - a failure inside one variant is its refusal
+                notes.append(f"skipped {c.name}: {_first_line(e)}")
     return built, notes
+
+
+def _first_line(e: BaseException) -> str:
+    """`e` in one line: its message (BadInput's as it is), else its type and first line."""
+    if isinstance(e, BadInput):
+        return str(e)
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else 'no message'}"
 
 
 def _variant_shape(b, source_shape) -> tuple[dict, str]:
@@ -315,8 +323,14 @@ def run_pipeline(cfg, model, root: Path):
     # one reference for every gate below; for a plain model its outputs on `feeds` are recorded
     # and its session released, so that a big model's gates hold one session at a time
     original = built["original"].path
-    reference = (load_reference(original, settings) if roles is not None else
-                 record_then_release(lambda: load_reference(original, settings), feeds))
+    try:
+        reference = (load_reference(original, settings) if roles is not None else
+                     record_then_release(lambda: load_reference(original, settings), feeds))
+    except BadInput:
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's graph fails on its own: bad input
+        raise BadInput(f"{cfg.model}: ONNX Runtime cannot run the original on the gate's "
+                       f"feeds: {_first_line(e)}") from None
     built, build_notes = _build(model, kept, fused, shape, root, built, reference, feeds, tol,
                                 settings, say, cfg.cache_policy, specs)
     notes += build_notes
@@ -424,7 +438,8 @@ def run_pipeline(cfg, model, root: Path):
                              "per": "request"},
                  "decode": {"shapes": [decode_key(*s) for s in dec_shapes],
                             "weight": dt.mean_output, "per": "generated token"}}
-                if dt is not None else None))
+                if dt is not None else None),
+        roles=role_overrides() or None)
     write_manifest(root, manifest)
     write_report(root, manifest, req=req, grid_latency=grid_lat, coverage=choice.coverage,
                  phases=phase_rows(manifest) if dt is not None else None)
