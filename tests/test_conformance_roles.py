@@ -17,7 +17,8 @@ from models import optimum
 from tuner.cli import main
 from tuner.errors import BadInput
 from tuner.graph.load import load_model
-from tuner.graph.roles import _reach, input_specs, overriding, parse_roles
+from tuner.graph.role_overrides import overriding, parse_roles, role_overrides
+from tuner.graph.roles import _reach, input_specs
 
 
 def _run(argv: list[str]) -> tuple[int, str, str]:
@@ -102,7 +103,6 @@ def test_an_override_naming_no_input_is_bad_input(tmp_path):
 def test_parse_roles_keeps_the_last_of_repeated_names():
     assert parse_roles(["a=other", "a=attention_mask"]) == {"a": "attention_mask"}
     with overriding({"a": "other"}):
-        from tuner.graph.roles import role_overrides
         assert role_overrides() == {"a": "other"}
 
 

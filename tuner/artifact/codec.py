@@ -157,7 +157,7 @@ def _roles_from(roles: dict | None) -> dict[str, str] | None:
     """The manifest's role overrides, checked as `--roles` values are."""
     if roles is None:
         return None
-    from tuner.graph.roles import parse_roles
+    from tuner.graph.role_overrides import parse_roles
 
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in roles.items()):
         raise BadInput("manifest: roles must map input names to role names")

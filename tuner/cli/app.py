@@ -48,7 +48,7 @@ def with_roles(command):
 
     @functools.wraps(command)
     def run(*args, **kwargs):
-        from tuner.graph.roles import overriding, parse_roles
+        from tuner.graph.role_overrides import overriding, parse_roles
 
         with overriding(parse_roles(kwargs.get("roles") or [])):
             return command(*args, **kwargs)

@@ -14,9 +14,9 @@ from typing import Optional
 import typer
 
 from tuner.artifact.store import read_manifest
-from tuner.graph.roles import overriding, parse_roles
 from tuner.cli.app import app, roles_option
 from tuner.errors import BadInput
+from tuner.graph.role_overrides import overriding, parse_roles
 from tuner.runtime.base import SessionSettings
 from tuner.runtime.registry import get_backend
 

@@ -6,7 +6,6 @@ all read roles here.
 
 from __future__ import annotations
 
-import contextlib
 import os
 from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
@@ -15,24 +14,15 @@ import ml_dtypes
 import numpy as np
 import onnx_ir as ir
 
-from tuner.errors import BadInput
 from tuner.graph.load import load_model
+from tuner.graph.role_names import (ATTENTION_MASK, INPUTS_EMBEDS, KV_CACHE, OTHER,
+                                    POSITION_IDS, ROLES, TOKEN_IDS, TOKEN_TYPE_IDS)
+from tuner.graph.role_overrides import checked, with_overrides
 
-# Roles of a graph input, found from the graph's structure (`input_specs`); names only break ties.
-TOKEN_IDS, ATTENTION_MASK, POSITION_IDS, TOKEN_TYPE_IDS, KV_CACHE, INPUTS_EMBEDS, OTHER = (
-    "token_ids", "attention_mask", "position_ids", "token_type_ids", "kv_cache",
-    "inputs_embeds", "other")
-ROLES = (TOKEN_IDS, ATTENTION_MASK, POSITION_IDS, TOKEN_TYPE_IDS, KV_CACHE, INPUTS_EMBEDS, OTHER)
 # Ops a token id passes through unchanged on its way to the embedding Gather.
 _PASS_THROUGH = {"Reshape", "Cast", "Identity", "Flatten", "Squeeze", "Unsqueeze", "Expand"}
 _SEARCH_DEPTH = 24  # nodes followed from an input when looking for the mask or rotary path
 _LARGE_NEGATIVE = -1e4  # a constant this negative (or finfo.min) marks an attention bias
-
-SINGULAR = (TOKEN_IDS, ATTENTION_MASK, POSITION_IDS)  # roles one input at most may hold
-OVERRIDE_HINT = "--roles NAME=ROLE overrides"
-# NAME -> role given by the user (`--roles`), for the inputs the structure cannot decide;
-# set for one command by `overriding` (the server keeps the artifact's for its lifetime).
-_OVERRIDES: dict[str, str] = {}
 
 _NP_DTYPES = {"INT64": "int64", "INT32": "int32", "INT16": "int16", "INT8": "int8",
               "UINT8": "uint8", "FLOAT": "float32", "FLOAT16": "float16", "DOUBLE": "float64",
@@ -306,7 +296,7 @@ def input_specs(model) -> list[InputSpec]:
         model = load_model(model)
     initializers = set(model.graph.initializers)
     inputs = [v for v in model.graph.inputs if v.name not in initializers]
-    roles = _checked(_with_overrides(_roles(model, inputs), [v.name for v in inputs]))
+    roles = checked(with_overrides(_roles(model, inputs), [v.name for v in inputs]))
     ref_value = next((v for v in inputs if roles[v.name] == TOKEN_IDS), None) or next(
         (v for v in inputs if roles[v.name] == INPUTS_EMBEDS), None)
     ref = _dims_of(ref_value) if ref_value is not None else ()
@@ -317,58 +307,6 @@ def input_specs(model) -> list[InputSpec]:
         batch, seq = _axes(dims, roles[v.name], ref)
         specs.append(InputSpec(v.name, dtype, dims, roles[v.name], batch, seq))
     return specs
-
-
-def parse_roles(items: Sequence[str]) -> dict[str, str]:
-    """`--roles NAME=ROLE` values as {name: role}; BadInput on a malformed one."""
-    out: dict[str, str] = {}
-    for item in items:
-        name, sep, role = item.partition("=")
-        name, role = name.strip(), role.strip()
-        if not sep or not name or not role:
-            raise BadInput(f"--roles {item!r}: expected NAME=ROLE (e.g. position_ids=position_ids)")
-        if role not in ROLES:
-            raise BadInput(f"--roles {item!r}: unknown role {role!r}; roles: {', '.join(ROLES)}")
-        out[name] = role
-    return out
-
-
-@contextlib.contextmanager
-def overriding(roles: Mapping[str, str] | None):
-    """Within the block, every `input_specs` gives the inputs named in `roles` those roles."""
-    saved = dict(_OVERRIDES)
-    _OVERRIDES.clear()
-    _OVERRIDES.update(roles or {})
-    try:
-        yield
-    finally:
-        _OVERRIDES.clear()
-        _OVERRIDES.update(saved)
-
-
-def role_overrides() -> dict[str, str]:
-    """The overrides in force (recorded in the artifact's manifest, so serve uses them)."""
-    return dict(_OVERRIDES)
-
-
-def _with_overrides(roles: dict[str, str], names: list[str]) -> dict[str, str]:
-    unknown = sorted(set(_OVERRIDES) - set(names))
-    if unknown:
-        raise BadInput(f"--roles names {', '.join(map(repr, unknown))}, which the model does not "
-                       f"take; its inputs: {', '.join(names)}")
-    return {**roles, **_OVERRIDES}
-
-
-def _checked(roles: dict[str, str]) -> dict[str, str]:
-    """Refuse a graph in which two inputs claim a role only one can hold: feeding either
-    alone would leave the other out, or fill it with the wrong values."""
-    for role in SINGULAR:
-        holders = [n for n, r in roles.items() if r == role]
-        if len(holders) > 1:
-            raise BadInput(f"inputs {' and '.join(map(repr, holders))} both look like the "
-                           f"{role} to the graph's structure, and only one can be; "
-                           f"{OVERRIDE_HINT} (e.g. --roles {holders[-1]}=other)")
-    return roles
 
 
 def _completed(spec: InputSpec) -> InputSpec:

@@ -32,7 +32,8 @@ from tuner.graph.io import max_positions, model_bytes, model_precision, vocab_fo
 from tuner.graph.kv_cache import widened_cache
 from tuner.graph.load import load_model
 from tuner.graph.paddable import BY_KIND
-from tuner.graph.roles import accepted_shapes, batch_limit, input_specs, role_overrides, seq_limit
+from tuner.graph.role_overrides import role_overrides
+from tuner.graph.roles import accepted_shapes, batch_limit, input_specs, seq_limit
 from tuner.hardware.detect import detect
 from tuner.jobs.decoder import (RULE, cache_section, combined_totals, decode_feeds_for, decode_key,
                                 decode_shape, decoder_traffic, phase_rows, prefill_feeds_for,
