@@ -3,6 +3,11 @@
     .venv/bin/python bench/big_model.py                      # Pythia-2.8B shape, 8 layers (~3.5 GB)
     .venv/bin/python bench/big_model.py --dtypes fp16        # the ~1.8 GB half-precision export
     .venv/bin/python bench/big_model.py --smoke              # the same steps on a tiny shape
+    .venv/bin/python bench/big_model.py --layouts per-tensor --steps pad verify
+
+Each external-data layout exporters write (LAYOUTS: one `model.onnx.data` file, one
+`model.onnx_data` file, one file per tensor) gets its own fp32 copy of the export and its
+own rows for inspect, pad and verify, and a last table puts their peaks side by side.
 
 Builds an 8-layer slice of Pythia-2.8B's shape (GPT-NeoX: hidden 2560, 32 heads of head dim 80,
 FFN 10240, vocab 50277, partial rotary 0.25) with random weights, exports it with
@@ -453,7 +458,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(layout_table(report) + "\n", flush=True)
     if a.json:
         a.json.write_text(json.dumps(report, indent=2))
-    failed = [s["step"] for r in report.values() for s in r["steps"] if s["rc"] != 0]
+    failed = [f"{key} {s['step']}: rc {s['rc']} {s['killed_by']} (log {s['log']})"
+              for key, r in report.items() for s in r["steps"] if s["rc"] != 0]
+    for line in failed:
+        print(f"failed: {line}", file=sys.stderr)
     return 1 if failed else 0
 
 

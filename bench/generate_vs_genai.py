@@ -135,7 +135,8 @@ def prepare_artifact(hf: Path, out: Path, threads: int) -> Path:
 
     from models.build import IR_VERSION, OPSET_DYNAMO, OPSET_TORCHSCRIPT
     from models.kv import export_kv
-    from tuner.artifact.records import Accuracy, Buckets, Manifest, Variant, write_manifest
+    from tuner.artifact.records import Accuracy, Buckets, Manifest, Variant
+    from tuner.artifact.store import write_manifest
 
     graph = out / "variants" / "original" / "model.onnx"
     if not graph.is_file():
