@@ -247,7 +247,7 @@ def start_server(artifact: Path, threads: int) -> tuple[subprocess.Popen, int]:
 
 
 def artifact_name(artifact: Path) -> str:
-    from tuner.artifact.records import read_manifest
+    from tuner.artifact.store import read_manifest
 
     return Path(read_manifest(artifact).source_path).stem
 
