@@ -3,6 +3,11 @@
     .venv/bin/python bench/big_model.py                      # Pythia-2.8B shape, 8 layers (~3.5 GB)
     .venv/bin/python bench/big_model.py --dtypes fp16        # the ~1.8 GB half-precision export
     .venv/bin/python bench/big_model.py --smoke              # the same steps on a tiny shape
+    .venv/bin/python bench/big_model.py --layouts per-tensor --steps pad verify
+
+Each external-data layout exporters write (LAYOUTS: one `model.onnx.data` file, one
+`model.onnx_data` file, one file per tensor) gets its own fp32 copy of the export and its
+own rows for inspect, pad and verify, and a last table puts their peaks side by side.
 
 Builds an 8-layer slice of Pythia-2.8B's shape (GPT-NeoX: hidden 2560, 32 heads of head dim 80,
 FFN 10240, vocab 50277, partial rotary 0.25) with random weights, exports it with
@@ -56,6 +61,12 @@ ROOT = Path(__file__).resolve().parent.parent
 SEED = 0
 DATA_NAME = "model.onnx.data"
 STEPS = ("inspect", "pad", "verify", "optimize")
+# How the weights lie beside the graph, as exporters write them: one file (onnx's
+# `model.onnx.data`, this bench's own), `model.onnx_data` (torch's dynamo exporter, Optimum),
+# one file per tensor (torch.onnx.export's TorchScript path past 2 GB). pad and verify are
+# weighed on each; optimize on the first.
+LAYOUTS = ("one-file", "onnx_data", "per-tensor")
+LAYOUT_STEPS = ("inspect", "pad", "verify")
 IR_VERSION = 10  # onnxruntime >= 1.20 reads IR 10 (models/build.py)
 
 # GPT-NeoX configs: Pythia-2.8B's shape (hidden 2560, 32 x 80 heads), cut to 8 layers; the
@@ -64,6 +75,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "pythia-2.8b-8l": dict(num_hidden_layers=8, hidden_size=2560, num_attention_heads=32,
                            intermediate_size=10240, vocab_size=50277, rotary_pct=0.25,
                            max_position_embeddings=2048, tie_word_embeddings=False),
+    # between the two: a few hundred MB, where peak / model is already the big run's story
+    "mid": dict(num_hidden_layers=4, hidden_size=1024, num_attention_heads=16,
+                intermediate_size=4096, vocab_size=50277, rotary_pct=0.25,
+                max_position_embeddings=2048, tie_word_embeddings=False),
     "smoke": dict(num_hidden_layers=2, hidden_size=160, num_attention_heads=2,
                   intermediate_size=640, vocab_size=1003, rotary_pct=0.25,
                   max_position_embeddings=256, tie_word_embeddings=False),
@@ -178,23 +193,49 @@ def _half(fp32: Path, out: Path) -> None:
                                                  disable_shape_infer=True), out)
 
 
-def export_path(config: dict[str, Any], dtype: str, workdir: Path) -> Path:
-    return workdir / f"neox-{dtype}-{export_key(config, dtype)}" / "model.onnx"
+def export_path(config: dict[str, Any], dtype: str, workdir: Path,
+                layout: str = LAYOUTS[0]) -> Path:
+    tail = "" if layout == LAYOUTS[0] else f"-{layout}"
+    return workdir / f"neox-{dtype}-{export_key(config, dtype)}{tail}" / "model.onnx"
 
 
-def export(config: dict[str, Any], dtype: str, workdir: Path) -> Path:
-    """The cached export for (config, dtype) under workdir, built on first use (fp16 from
-    the fp32 one)."""
-    path = export_path(config, dtype, workdir)
-    if path.exists() and (path.parent / DATA_NAME).exists():
+def _relayout(source: Path, layout: str, out: Path) -> None:
+    """The one-file export's weights written in another external-data layout."""
+    import onnx
+
+    proto = onnx.load(str(source), load_external_data=True)
+    if layout == "per-tensor":
+        onnx.save_model(proto, str(out), save_as_external_data=True,
+                        all_tensors_to_one_file=False, size_threshold=1024)
+    else:
+        onnx.save_model(proto, str(out), save_as_external_data=True,
+                        all_tensors_to_one_file=True, location="model.onnx_data",
+                        size_threshold=1024)
+
+
+def _is_built(path: Path) -> bool:
+    """The folder is renamed into place whole: a graph there has its data beside it."""
+    return path.exists() and any(p != path for p in path.parent.iterdir())
+
+
+def export(config: dict[str, Any], dtype: str, workdir: Path, layout: str = LAYOUTS[0]) -> Path:
+    """The cached export for (config, dtype, layout) under workdir, built on first use (fp16
+    from the fp32 one, other layouts from the one-file one)."""
+    path = export_path(config, dtype, workdir, layout)
+    if _is_built(path):
         return path
-    source = export(config, "fp32", workdir) if dtype == "fp16" else None
+    if layout != LAYOUTS[0]:
+        source = export(config, dtype, workdir)
+    else:
+        source = export(config, "fp32", workdir) if dtype == "fp16" else None
     workdir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=workdir, prefix=".export-") as tmp:
         final = Path(tmp) / "final" / "model.onnx"
         final.parent.mkdir()
         if source is None:
             _torch_export(config, final)
+        elif layout != LAYOUTS[0]:
+            _relayout(source, layout, final)
         else:
             _half(source, final)
         if path.parent.exists():
@@ -337,43 +378,62 @@ def _args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "shapetuner-big")
     p.add_argument("--smoke", action="store_true", help="a tiny shape: the same steps in seconds")
+    p.add_argument("--mid", action="store_true", help="a ~0.6 GB shape: the ratios in minutes")
     p.add_argument("--dtypes", nargs="+", choices=("fp32", "fp16"), default=["fp32", "fp16"])
     # 5: fewer paired rounds and optimize keeps the original without comparing ("too few")
     p.add_argument("--rounds", type=int, default=5, help="optimize's timing rounds")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per step")
     p.add_argument("--json", type=Path, help="also write the results here")
     p.add_argument("--steps", nargs="+", choices=STEPS, default=list(STEPS))
+    p.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS),
+                   help="external-data layouts to weigh pad and verify on (fp32)")
     p.add_argument("--min-available-gb", type=float, default=1.5,
                    help="kill a step when the machine's available memory falls below this")
     p.add_argument("--build", choices=("fp32", "fp16"), help=argparse.SUPPRESS)  # the child
+    p.add_argument("--build-layout", choices=LAYOUTS, default=LAYOUTS[0], help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
-def _built(config: dict[str, Any], dtype: str, a: argparse.Namespace,
-           logs: Path) -> tuple[Path, StepResult | None]:
+def _built(config: dict[str, Any], dtype: str, a: argparse.Namespace, logs: Path,
+           layout: str = LAYOUTS[0]) -> tuple[Path, StepResult | None]:
     """The export, built in a child process (measured like the steps) unless cached."""
-    path = export_path(config, dtype, a.workdir)
-    if path.exists() and (path.parent / DATA_NAME).exists():
+    path = export_path(config, dtype, a.workdir, layout)
+    if _is_built(path):
         return path, None
-    argv = [sys.executable, str(Path(__file__).resolve()), "--build", dtype,
-            "--workdir", str(a.workdir), *(["--smoke"] if a.smoke else [])]
+    argv = [sys.executable, str(Path(__file__).resolve()), "--build", dtype, "--build-layout",
+            layout, "--workdir", str(a.workdir), *(["--smoke"] if a.smoke else []),
+            *(["--mid"] if a.mid else [])]
+    what = f"export {dtype}" + ("" if layout == LAYOUTS[0] else f" {layout}")
     print(f"$ {' '.join(argv)}", flush=True)
-    r = run_step(f"export {dtype}", argv, logs / f"export-{dtype}.log", a.timeout,
+    r = run_step(what, argv, logs / f"{what.replace(' ', '-')}.log", a.timeout,
                  int(a.min_available_gb * 1e9))
     if r.rc != 0:
-        raise SystemExit(f"export {dtype} failed (rc {r.rc}); see {r.log}")
+        raise SystemExit(f"{what} failed (rc {r.rc}); see {r.log}")
     return path, r
+
+
+def layout_table(report: dict[str, Any]) -> str:
+    """pad's and verify's peaks over the model's bytes, one row per (dtype, layout)."""
+    lines = ["| export | layout | model GB | pad peak / model | verify peak / model |",
+             "|---|---|---|---|---|"]
+    for key, r in report.items():
+        peaks = {s["step"]: s["peak_rss_bytes"] / r["model_bytes"] for s in r["steps"]}
+        dtype, _, layout = key.partition(" ")
+        cells = [f"{peaks[s]:.2f}x" if s in peaks else "-" for s in ("pad", "verify")]
+        lines.append(f"| {dtype} | {layout or LAYOUTS[0]} | {r['model_bytes'] / 1e9:.2f} | "
+                     f"{' | '.join(cells)} |")
+    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     a = _args(argv)
-    name = "smoke" if a.smoke else "pythia-2.8b-8l"
+    name = "smoke" if a.smoke else "mid" if a.mid else "pythia-2.8b-8l"
     config = CONFIGS[name]
     if a.build:
-        print(export(config, a.build, a.workdir))
+        print(export(config, a.build, a.workdir, a.build_layout))
         return 0
     # fp32 weights take 4 bytes each; export + consolidation hold about three copies on disk
-    need_gb = 0.0 if a.smoke else 3 * 3.6
+    need_gb = 0.0 if a.smoke else 3 * 0.7 if a.mid else 3 * 3.6
     if _free_gb(a.workdir) < need_gb:
         print(f"not enough disk under {a.workdir}: {_free_gb(a.workdir):.1f} GB free, "
               f"need about {need_gb:.0f} GB", file=sys.stderr)
@@ -381,17 +441,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     logs = a.workdir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {}
-    for dtype in a.dtypes:
-        model, built = _built(config, dtype, a, logs)
-        results = run_all(model, dtype, model.parent.parent / f"{model.parent.name}-run", a)
+    runs = [(d, LAYOUTS[0]) for d in a.dtypes]
+    runs += [("fp32", lay) for lay in a.layouts if lay != LAYOUTS[0] and "fp32" in a.dtypes]
+    for dtype, layout in runs:
+        model, built = _built(config, dtype, a, logs, layout)
+        steps_wanted = a.steps if layout == LAYOUTS[0] else [s for s in a.steps
+                                                             if s in LAYOUT_STEPS]
+        results = run_all(model, dtype, model.parent.parent / f"{model.parent.name}-run",
+                          argparse.Namespace(**{**vars(a), "steps": steps_wanted}))
         results = ([built] if built else []) + results
         size = model_bytes(model)
-        print("\n" + table(f"{name} {dtype}", size, results) + "\n", flush=True)
-        report[dtype] = {"model": str(model), "model_bytes": size,
-                         "steps": [asdict(r) for r in results]}
+        key = dtype if layout == LAYOUTS[0] else f"{dtype} {layout}"
+        print("\n" + table(f"{name} {key}", size, results) + "\n", flush=True)
+        report[key] = {"model": str(model), "model_bytes": size, "layout": layout,
+                       "steps": [asdict(r) for r in results]}
+    print(layout_table(report) + "\n", flush=True)
     if a.json:
         a.json.write_text(json.dumps(report, indent=2))
-    failed = [s["step"] for r in report.values() for s in r["steps"] if s["rc"] != 0]
+    failed = [f"{key} {s['step']}: rc {s['rc']} {s['killed_by']} (log {s['log']})"
+              for key, r in report.items() for s in r["steps"] if s["rc"] != 0]
+    for line in failed:
+        print(f"failed: {line}", file=sys.stderr)
     return 1 if failed else 0
 
 

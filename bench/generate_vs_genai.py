@@ -16,7 +16,10 @@ The two never run at the same time (they would share the cores). Workloads: gree
 tokens; one stream with a prompt of 128; 8 and 32 independent streams arriving at random
 times over --spread-s seconds with prompts of 64..192 tokens (mean 128), against genai
 serving the same requests one after another. Prints one table with the ratios.
-Needs `pip install onnxruntime-genai` (the `bench` extra).
+onnxruntime-genai runs in its own virtual environment (models/venvs.py, made on first use
+under $SHAPETUNER_CACHE/venvs/): it needs the `onnxruntime` CPU wheel, which writes the same
+module as the one onnxruntime wheel of ours (README: "One onnxruntime"). Its builder and its
+timed runs are this script again, started with that environment's python (`--genai-side`).
 """
 
 from __future__ import annotations
@@ -43,6 +46,18 @@ FULL = dict(num_hidden_layers=8, hidden_size=1024, num_attention_heads=16,
 SMALL = dict(num_hidden_layers=4, hidden_size=256, num_attention_heads=8,
              num_key_value_heads=2, intermediate_size=704)
 VOCAB, POSITIONS = 3072, 512
+# onnxruntime-genai's environment: its model builder reads the checkpoint with torch and
+# transformers and writes the graph with onnx / onnx_ir.
+GENAI_REQUIREMENTS = ("onnxruntime-genai==0.18.*", "torch==2.13.0", "transformers>=4.45",
+                      "onnx", "onnx-ir", "onnxscript")
+
+
+def genai_python() -> Path:
+    """onnxruntime-genai's environment's python, made on first use."""
+    sys.path.insert(0, str(ROOT))
+    from models.venvs import ensure_venv
+
+    return ensure_venv("genai", GENAI_REQUIREMENTS)
 
 
 @dataclass(frozen=True)
@@ -91,7 +106,8 @@ def prepare_hf(folder: Path, dims: dict) -> None:
 
 def prepare_genai(hf: Path, out: Path, threads: int) -> None:
     if not (out / "genai_config.json").is_file():
-        subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf),
+        subprocess.run([str(genai_python()), "-P", "-m", "onnxruntime_genai.models.builder",
+                        "-i", str(hf),
                         "-o", str(out), "-p", "fp32", "-e", "cpu", "-c", str(out / "cache")],
                        check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     path = out / "genai_config.json"
@@ -106,7 +122,8 @@ def prepare_artifact(hf: Path, out: Path, threads: int) -> Path:
 
     from models.build import IR_VERSION, OPSET_DYNAMO, OPSET_TORCHSCRIPT
     from models.kv import export_kv
-    from tuner.artifact.records import Accuracy, Buckets, Manifest, Variant, write_manifest
+    from tuner.artifact.records import Accuracy, Buckets, Manifest, Variant
+    from tuner.artifact.store import write_manifest
 
     graph = out / "variants" / "original" / "model.onnx"
     if not graph.is_file():
@@ -128,10 +145,40 @@ def prepare_artifact(hf: Path, out: Path, threads: int) -> Path:
 
 
 def genai_run(folder: Path, jobs: list[Job], batch: int = 1) -> Run:
+    """`genai_here` in onnxruntime-genai's environment: this script with --genai-side."""
+    spec = json.dumps({"folder": str(folder), "batch": batch,
+                       "jobs": [[list(j.prompt), j.new, j.arrival_s] for j in jobs]})
+    done = subprocess.run([str(genai_python()), "-P", str(Path(__file__).resolve()),
+                           "--genai-side"], input=spec, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"onnxruntime-genai failed: {done.stderr[-3000:]}")
+    r = json.loads(done.stdout.splitlines()[-1])
+    return Run(r["tokens"], r["wall_s"], tuple(r["ttft_s"]), tuple(r["itl_s"]))
+
+
+def _genai_side() -> int:
+    """Inside onnxruntime-genai's environment: one genai_here run, its Run as JSON."""
+    spec = json.loads(sys.stdin.read())
+    jobs = [Job(tuple(p), n, t) for p, n, t in spec["jobs"]]
+    r = genai_here(Path(spec["folder"]), jobs, spec["batch"])
+    print(json.dumps({"tokens": r.tokens, "wall_s": r.wall_s, "ttft_s": list(r.ttft_s),
+                      "itl_s": list(r.itl_s)}))
+    return 0
+
+
+def genai_here(folder: Path, jobs: list[Job], batch: int = 1) -> Run:
     """Jobs one after another (batch 1), or in static batches of `batch` equal prompts."""
     import onnxruntime_genai as og
 
     model = og.Model(str(folder))
+    # each run is its own process: one short generation first, as the in-process warm-up was
+    warm = og.GeneratorParams(model)
+    warm.set_search_options(max_length=len(jobs[0].prompt) + 2, do_sample=False)
+    warm_gen = og.Generator(model, warm)
+    warm_gen.append_tokens(np.array([jobs[0].prompt], np.int32))
+    while not warm_gen.is_done():
+        warm_gen.generate_next_token()
+    del warm_gen
     ttft, itl, tokens = [], [], 0
     start = time.perf_counter()
     for i in range(0, len(jobs), batch):
@@ -187,7 +234,7 @@ def start_server(artifact: Path, threads: int) -> tuple[subprocess.Popen, int]:
 
 
 def artifact_name(artifact: Path) -> str:
-    from tuner.artifact.records import read_manifest
+    from tuner.artifact.store import read_manifest
 
     return Path(read_manifest(artifact).source_path).stem
 
@@ -339,4 +386,4 @@ def print_table(shape, a, g1, g8, g32, gs8, s1, s8, s32) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_genai_side() if sys.argv[1:] == ["--genai-side"] else main())

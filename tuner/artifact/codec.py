@@ -63,6 +63,7 @@ def manifest_to_json(m: Manifest) -> dict[str, Any]:
         "notes": list(m.notes),
         **({"cache": dict(m.cache)} if m.cache is not None else {}),
         **({"phases": dict(m.phases)} if m.phases is not None else {}),
+        **({"roles": dict(m.roles)} if m.roles else {}),
     }
 
 
@@ -152,6 +153,17 @@ def _variant_from(r: _Reader) -> Variant:
     )
 
 
+def _roles_from(roles: dict | None) -> dict[str, str] | None:
+    """The manifest's role overrides, checked as `--roles` values are."""
+    if roles is None:
+        return None
+    from tuner.graph.role_overrides import parse_roles
+
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in roles.items()):
+        raise BadInput("manifest: roles must map input names to role names")
+    return parse_roles([f"{k}={v}" for k, v in roles.items()])
+
+
 def manifest_from_json(obj: Any) -> Manifest:
     """Build and validate a Manifest from parsed JSON; BadInput naming the bad field."""
     r = _Reader(obj, "")
@@ -189,6 +201,7 @@ def manifest_from_json(obj: Any) -> Manifest:
             advice=tuple(advice),
             version=r.get("version", int),
             cache=r.get("cache", dict, None, nullable=True),
-            phases=r.get("phases", dict, None, nullable=True))
+            phases=r.get("phases", dict, None, nullable=True),
+            roles=_roles_from(r.get("roles", dict, None, nullable=True)))
     except ValueError as e:
         raise BadInput(f"manifest: {e}") from None

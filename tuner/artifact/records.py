@@ -218,6 +218,8 @@ class Manifest:
     # with the selection rule that weighs them
     cache: Mapping[str, Any] | None = None
     phases: Mapping[str, Any] | None = None
+    # `--roles NAME=ROLE` overrides optimize ran with (tuner.graph.roles); serve applies them
+    roles: Mapping[str, str] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.device.get("name"), str) or not self.device.get("name"):

@@ -44,3 +44,28 @@ def write_out(text: str) -> None:
         sys.stdout.flush()
     except BrokenPipeError:
         raise ReaderWentAway() from None
+
+
+ROLES_HELP = ("NAME=ROLE: give graph input NAME the role ROLE (token_ids, attention_mask, "
+              "position_ids, token_type_ids, kv_cache, inputs_embeds, other) where the graph's "
+              "structure cannot decide; repeatable")
+
+
+def roles_option():
+    """The `--roles NAME=ROLE` option every command takes (see `with_roles`)."""
+    return typer.Option([], "--roles", help=ROLES_HELP)
+
+
+def with_roles(command):
+    """Run a command whose `roles` parameter holds `--roles` values with those overrides in
+    force (tuner.graph.roles.overriding), for every model it reads."""
+    import functools
+
+    @functools.wraps(command)
+    def run(*args, **kwargs):
+        from tuner.graph.role_overrides import overriding, parse_roles
+
+        with overriding(parse_roles(kwargs.get("roles") or [])):
+            return command(*args, **kwargs)
+
+    return run

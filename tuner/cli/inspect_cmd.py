@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from tuner.cli.app import app, write_out
+from tuner.cli.app import app, roles_option, with_roles, write_out
 from tuner.graph.inspect import inspect_path
 from tuner.graph.roles import InputSpec, input_specs
 from tuner.graph.shape import ModelShape
@@ -122,6 +122,7 @@ def render(shape: ModelShape, console: Console) -> None:
 
 
 @app.command("inspect")
+@with_roles
 def inspect(
     model: Path = typer.Argument(..., help="the exported model (.onnx; external data beside it)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object (docs/design.md contract)"),
@@ -129,6 +130,7 @@ def inspect(
                                "a100, h100, h200 or cpu"),
     tokens: int = typer.Option(4096, "--tokens", min=1,
                                help="rows per GEMM (batch x sequence) for the wave findings"),
+    roles: list[str] = roles_option(),
 ) -> None:
     """Find the transformer's dimensions, where each lives in the graph, and shape findings."""
 

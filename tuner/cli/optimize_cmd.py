@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 
 from tuner.artifact.codec import manifest_to_json
-from tuner.cli.app import app
+from tuner.cli.app import app, roles_option, with_roles
 from tuner.errors import BadInput
 from tuner.jobs.optimize import OptimizeConfig
 from tuner.jobs.optimize import optimize as run
@@ -34,6 +34,7 @@ def _demo_model(name: str) -> Path:
 
 
 @app.command()
+@with_roles
 def optimize(
     model: Optional[Path] = typer.Argument(None, help="the ONNX model to optimize"),
     out: Path = typer.Option(..., "-o", "--out", help="artifact folder to write"),
@@ -70,6 +71,7 @@ def optimize(
         False, "--json", help="print the manifest (the same object as OUT/manifest.json) on "
                               "stdout instead of the summary"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress output"),
+    roles: list[str] = roles_option(),
 ) -> None:
     """Build exact padded variants, verify them, time them against the original in
     interleaved rounds, choose buckets for the traffic, and write the artifact folder."""

@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from tuner.cli.app import app
+from tuner.cli.app import app, roles_option, with_roles
 from tuner.errors import BadInput
 from tuner.gate.verify import Tolerance
 from tuner.graph.inspect import inspect_model
@@ -19,6 +19,7 @@ from tuner.rewrite.compose import PadRequest
 
 
 @app.command("pad")
+@with_roles
 def pad_cmd(
     model: Path = typer.Argument(..., help="the model to pad (.onnx)"),
     output: Path = typer.Option(..., "-o", "--output", help="where to write the padded model"),
@@ -40,6 +41,7 @@ def pad_cmd(
     rtol: float = typer.Option(1e-3, "--rtol", help="relative tolerance of the accuracy gate"),
     as_json: bool = typer.Option(False, "--json", help="print the result as one JSON object"),
     force: bool = typer.Option(False, "--force", help="replace OUT if it exists"),
+    roles: list[str] = roles_option(),
 ) -> None:
     """Pad the model's GEMM dimensions with zeros so that outputs stay the same, check that on
     ONNX Runtime (several batch/sequence shapes with padded masks), and only then write OUT."""

@@ -14,8 +14,9 @@ from typing import Optional
 import typer
 
 from tuner.artifact.store import read_manifest
-from tuner.cli.app import app
+from tuner.cli.app import app, roles_option
 from tuner.errors import BadInput
+from tuner.graph.role_overrides import overriding, parse_roles
 from tuner.runtime.base import SessionSettings
 from tuner.runtime.registry import get_backend
 
@@ -133,6 +134,7 @@ def serve(
                                               "for"),
     max_cache_len: Optional[int] = typer.Option(None, help="decoders: longest cache (default: "
                                                            "the model's positions)"),
+    roles: list[str] = roles_option(),
 ) -> None:
     """Serve OUT's selected variant until SIGTERM: KServe v2 / Open Inference Protocol over
     gRPC (--port) and HTTP/REST (--http-port), and for a decoder Triton's generate endpoints
@@ -166,7 +168,9 @@ def serve(
         tls_cert=tls_cert, tls_key=tls_key, token=token,
         max_message_bytes=max_message_mb * 1024 * 1024, drain_timeout_s=drain_timeout_s)
     _check_before_binding(out, backend)
-    code = run(out, options, say=_say)
+    # the manifest's role overrides (those optimize ran with), then this command's own
+    with overriding({**(read_manifest(out).roles or {}), **parse_roles(roles)}):
+        code = run(out, options, say=_say)
     if code:
         raise typer.Exit(code)
 

@@ -10,7 +10,7 @@ from typing import Optional
 
 import typer
 
-from tuner.cli.app import app, write_out
+from tuner.cli.app import app, roles_option, with_roles, write_out
 from tuner.errors import BadInput
 from tuner.gate.entry import prepare
 from tuner.gate.feeds import check_feed, load_npz
@@ -21,6 +21,7 @@ from tuner.runtime.registry import get_backend
 
 
 @app.command("verify")
+@with_roles
 def verify_cmd(
     original: Path = typer.Argument(..., help="the reference model (.onnx)"),
     variant: Path = typer.Argument(..., help="the model to check against it (.onnx)"),
@@ -34,6 +35,7 @@ def verify_cmd(
     seed: int = typer.Option(0, "--seed", help="seed of the random inputs"),
     min_compared: int = typer.Option(1, "--min-compared", help="an output with fewer compared "
                                      "elements than this FAILS (nothing compared)"),
+    roles: list[str] = roles_option(),
 ) -> None:
     """Run both models on the same inputs and compare every output (max abs/rel error, cosine,
     top-1 agreement); positions masked out by the attention mask (found from the graph) are not

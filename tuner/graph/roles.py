@@ -15,12 +15,10 @@ import onnx_ir as ir
 
 from tuner.graph.dtypes import NUMPY_BY_ONNX, np_dtype  # noqa: F401 - np_dtype: callers' name
 from tuner.graph.load import load_model
+from tuner.graph.role_names import (ATTENTION_MASK, INPUTS_EMBEDS, KV_CACHE, OTHER,
+                                    POSITION_IDS, ROLES, TOKEN_IDS, TOKEN_TYPE_IDS)
+from tuner.graph.role_overrides import checked, with_overrides
 
-# Roles of a graph input, found from the graph's structure (`input_specs`); names only break ties.
-TOKEN_IDS, ATTENTION_MASK, POSITION_IDS, TOKEN_TYPE_IDS, KV_CACHE, INPUTS_EMBEDS, OTHER = (
-    "token_ids", "attention_mask", "position_ids", "token_type_ids", "kv_cache",
-    "inputs_embeds", "other")
-ROLES = (TOKEN_IDS, ATTENTION_MASK, POSITION_IDS, TOKEN_TYPE_IDS, KV_CACHE, INPUTS_EMBEDS, OTHER)
 # Ops a token id passes through unchanged on its way to the embedding Gather.
 _PASS_THROUGH = {"Reshape", "Cast", "Identity", "Flatten", "Squeeze", "Unsqueeze", "Expand"}
 _SEARCH_DEPTH = 24  # nodes followed from an input when looking for the mask or rotary path
@@ -169,6 +167,59 @@ def _feeds_kv_concat(value: ir.Value) -> bool:
     return False
 
 
+def _length_is_total(v: ir.Value, ref_seq: str | None) -> bool:
+    """True when `v`'s length axis (its last) is past + seq: a symbol other than the token
+    ids' sequence (a mask beside a KV cache), or one spelled as a sum."""
+    dims = _dims_of(v)
+    if len(dims) < 2 or not isinstance(dims[-1], str):
+        return False
+    return "+" in dims[-1] or (ref_seq is not None and dims[-1] != ref_seq)
+
+
+def _integer_roles(ints: list[ir.Value], has_cache: bool, ref_seq: str | None) -> dict[str, str]:
+    """Mask, positions or a name's guess for the integer inputs that index no table.
+
+    The evidence is ranked (transformers 4.5x routes position ids into the mask construction
+    too, so "reaches a Where" alone cannot tell them apart): reaching Cos/Sin or a constant
+    table (a rotary cache, position embeddings) says positions; a length of past + seq beside
+    a cache, with a path to the bias (Where, large negative, Softmax), says mask. An input
+    with both kinds of evidence but a seq length is positions when another input is plainly
+    the mask, else the mask (a model whose mask also builds its positions)."""
+    evidence = {}
+    for v in ints:
+        ops, bias = _reach(v)
+        rotary = bool({"Cos", "Sin", "GatherConst"} & ops)
+        masky = bias or "Where" in ops or "Softmax" in ops
+        total = has_cache and _length_is_total(v, ref_seq)
+        evidence[v.name] = (rotary, masky, total)
+    plain_mask = {n for n, (rot, masky, total) in evidence.items() if masky and (total or not rot)}
+    roles = {}
+    for v in ints:
+        rot, masky, total = evidence[v.name]
+        if rot and not masky:
+            roles[v.name] = POSITION_IDS
+        elif masky and (total or not rot):
+            roles[v.name] = ATTENTION_MASK
+        elif rot and masky:
+            roles[v.name] = POSITION_IDS if plain_mask - {v.name} else ATTENTION_MASK
+        else:
+            guess = _name_role(v.name)
+            roles[v.name] = guess if guess in (ATTENTION_MASK, POSITION_IDS, TOKEN_TYPE_IDS) else OTHER
+    return roles
+
+
+def _float_role(v: ir.Value) -> str:
+    """The KV cache (concatenated with the new keys/values), a float mask, or embeddings."""
+    rank = len(_dims_of(v))
+    if _feeds_kv_concat(v):
+        return KV_CACHE
+    if rank == 2 and _reach(v)[1]:
+        return ATTENTION_MASK  # a float mask (1 keep, 0 pad) or a bias
+    if rank == 3:
+        return INPUTS_EMBEDS
+    return _name_role(v.name) if _name_role(v.name) in (KV_CACHE, INPUTS_EMBEDS) else OTHER
+
+
 def _roles(model: ir.Model, inputs: list[ir.Value]) -> dict[str, str]:
     """Each input's role from the structure around it (see the module's docstring)."""
     roles: dict[str, str] = {}
@@ -187,29 +238,14 @@ def _roles(model: ir.Model, inputs: list[ir.Value]) -> dict[str, str]:
                 continue
             small = rows(v) <= 16 and _name_role(v.name) != POSITION_IDS
             roles[v.name] = TOKEN_TYPE_IDS if small else POSITION_IDS
-    for v in inputs:
-        if v.name in roles:
-            continue
-        kind, rank = kinds[v.name], len(_dims_of(v))
-        if kind in ("FLOAT", "FLOAT16", "BFLOAT16", "DOUBLE"):
-            if _feeds_kv_concat(v):
-                roles[v.name] = KV_CACHE
-            elif rank == 2 and _reach(v)[1]:
-                roles[v.name] = ATTENTION_MASK  # a float mask (1 keep, 0 pad) or a bias
-            elif rank == 3:
-                roles[v.name] = INPUTS_EMBEDS
-            else:
-                roles[v.name] = _name_role(v.name) if _name_role(v.name) in (
-                    KV_CACHE, INPUTS_EMBEDS) else OTHER
-            continue
-        ops, bias = _reach(v)
-        if v in integer and ({"Cos", "Sin", "GatherConst"} & ops) and not bias:
-            roles[v.name] = POSITION_IDS  # rotary angles, or a Gather from a cos/sin cache
-        elif bias or "Where" in ops or "Softmax" in ops:
-            roles[v.name] = ATTENTION_MASK
-        else:
-            guess = _name_role(v.name)
-            roles[v.name] = guess if guess in (ATTENTION_MASK, POSITION_IDS, TOKEN_TYPE_IDS) else OTHER
+    floats = [v for v in inputs if kinds[v.name] in ("FLOAT", "FLOAT16", "BFLOAT16", "DOUBLE")]
+    roles.update({v.name: _float_role(v) for v in floats})
+    token = next((v for v in inputs if roles.get(v.name) == TOKEN_IDS), None)
+    token_dims = _dims_of(token) if token is not None else ()
+    ref_seq = token_dims[-1] if token_dims and isinstance(token_dims[-1], str) else None
+    has_cache = KV_CACHE in roles.values()
+    rest = [v for v in inputs if v.name not in roles]  # integer and bool inputs
+    roles.update(_integer_roles(rest, has_cache, ref_seq))
     return roles
 
 
@@ -248,7 +284,7 @@ def input_specs(model) -> list[InputSpec]:
         model = load_model(model)
     initializers = set(model.graph.initializers)
     inputs = [v for v in model.graph.inputs if v.name not in initializers]
-    roles = _roles(model, inputs)
+    roles = checked(with_overrides(_roles(model, inputs), [v.name for v in inputs]))
     ref_value = next((v for v in inputs if roles[v.name] == TOKEN_IDS), None) or next(
         (v for v in inputs if roles[v.name] == INPUTS_EMBEDS), None)
     ref = _dims_of(ref_value) if ref_value is not None else ()

@@ -114,6 +114,13 @@ def _move_into_place(staged: Path, dst: Path) -> None:
     os.replace(staged, dst)
 
 
+def _let_go_of_weights(model: ir.Model) -> None:
+    """Drop the saved model's tensors (it is spent: the rewrite edited it in place). The
+    source's own tensors are not touched: a clone (optimize's) has its own values."""
+    for value in model.graph.initializers.values():
+        value.const_value = None
+
+
 def pad_model(model: ir.Model, shape: ModelShape, req: PadRequest, dst: Path,
               check: GateCheck | None, src: str = "") -> PadResult:
     """Rewrite `model` (edited in place), gate it through `check` (skipped when None), then
@@ -123,7 +130,9 @@ def pad_model(model: ir.Model, shape: ModelShape, req: PadRequest, dst: Path,
     with tempfile.TemporaryDirectory(dir=dst.parent, prefix=f".{dst.name}.") as tmp:
         staged = save_model(model, Path(tmp) / dst.name)
         # the padded weights live in `model` until it goes: for a 3.5 GB model that is GBs
-        # the ONNX Runtime session of the gate needs
+        # the ONNX Runtime session of the gate needs. A caller holding the model too
+        # (pad_file does) would keep them alive through the gate: the saved model lets go.
+        _let_go_of_weights(model)
         del model
         gc.collect()
         result = gate(check, staged) if check is not None else None

@@ -36,6 +36,7 @@ from tuner.gate.verify import Tolerance
 from tuner.graph.inspect import inspect_model, inspect_path
 from tuner.graph.io import max_positions, model_bytes, vocab_for_feeds
 from tuner.graph.paddable import BY_KIND
+from tuner.graph.role_overrides import role_overrides
 from tuner.graph.roles import accepted_shapes, input_specs
 from tuner.graph.shape import ModelShape
 from tuner.hardware.detect import DeviceInfo, detect
@@ -151,15 +152,21 @@ def build_stage(s: Setup, planned: Planned) -> tuple[dict[str, Built], GateCheck
     original = built["original"].path
     # one reference for every gate below; for a plain model its outputs are recorded and its
     # session released, so that a big model's gates hold one session at a time
-    gate = prepare(s.model, lambda: load_reference(original, s.settings), vocab=s.vocab,
-                   shapes=shapes, tolerance=s.tolerance)
+    try:
+        gate = prepare(s.model, lambda: load_reference(original, s.settings), vocab=s.vocab,
+                       shapes=shapes, tolerance=s.tolerance)
+    except BadInput:
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's graph fails on its own: bad input
+        raise BadInput(f"{s.cfg.model}: ONNX Runtime cannot run the original on the gate's "
+                       f"feeds: {_first_line(e)}") from None
     notes: list[str] = []
     for c in planned.kept[1:]:
         s.say(f"building {c.name} (rewrite + accuracy gate)")
         try:
             built[c.name] = build_padded(s.model, s.shape, s.root, c, gate, s.cfg.cache_policy)
-        except BadInput as e:
-            notes.append(f"skipped {c.name}: {e}")
+        except Exception as e:  # noqa: BLE001 - a failure inside one variant is its refusal
+            notes.append(f"skipped {c.name}: {_first_line(e)}")
     cpu = get_backend("ort-cpu")
     for c in planned.fused:
         if c.base not in built:
@@ -167,9 +174,17 @@ def build_stage(s: Setup, planned: Planned) -> tuple[dict[str, Built], GateCheck
         s.say(f"building {c.name} (ONNX Runtime fusions + accuracy gate)")
         try:
             built[c.name] = build_fused(built[c.base], s.root, c, s.shape, gate, cpu, s.settings)
-        except BadInput as e:
-            notes.append(f"skipped {c.name}: {e}")
+        except Exception as e:  # noqa: BLE001 - a failure inside one variant is its refusal
+            notes.append(f"skipped {c.name}: {_first_line(e)}")
     return built, gate, notes
+
+
+def _first_line(e: BaseException) -> str:
+    """`e` in one line: its message (BadInput's as it is), else its type and first line."""
+    if isinstance(e, BadInput):
+        return str(e)
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else 'no message'}"
 
 
 def load_stage(s: Setup, built: dict[str, Built], gate: GateCheck, shas: Mapping[str, str]
@@ -320,6 +335,7 @@ def write_stage(s: Setup, built, c: Compared, t: Timed, advice, notes: list[str]
                         req.source, req.count, tuple(by_field.get("past", ()))),
         variants=tuple(_variants(s, built, c, t)), selection=c.selection.reason,
         margin=s.cfg.margin, notes=tuple(notes), advice=advice,
+        roles=role_overrides() or None,
         **s.workload.manifest_parts(built[sel].path, sel, s.cfg.cache_policy, c.phases))
     write_manifest(s.root, manifest)
     write_report(s.root, manifest, req=req, grid_latency=t.latency[first.name],

@@ -1,0 +1,185 @@
+"""Decoders exported by Hugging Face Optimum (`optimum-onnx`), the usual way an LLM reaches
+ONNX, for the conformance matrix (tests/test_conformance.py).
+
+    python -m models.optimum llama --task text-generation-with-past -o llama-optimum/
+    python -m models.optimum --list
+
+Optimum pins the transformers it supports (optimum-onnx 0.1 pins 4.57), older than ours,
+so it lives in its own virtual environment (models/venvs.py), made on first use.
+No hub downloads: our environment writes a random-weight model (config.json, safetensors,
+a word-level tokenizer made with `tokenizers`) into a local folder with `save_pretrained`,
+and the Optimum environment exports from that folder. Exports are cached by (family, task,
+config, versions) under $SHAPETUNER_CACHE like models/build.py's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from models import venvs
+from models.build import SEED, _cache_dir
+
+OPTIMUM_ONNX = "optimum-onnx==0.1.0"
+# Optimum fixes the exported graph's dynamic axes through onnxruntime (the CPU wheel: this
+# environment is its own, so it holds one onnxruntime too).
+REQUIREMENTS = (OPTIMUM_ONNX, venvs.TORCH, "onnxruntime>=1.20")
+TASKS = ("text-generation-with-past", "text-generation")
+VOCAB = 1003  # odd: the vocab padding has something to do
+EXPORT_LAYOUT = 1  # bump when how the folder or the export is made changes (the cache key)
+
+
+@dataclass(frozen=True)
+class Family:
+    """One tiny decoder: transformers model_type, config overrides, what inspect must find."""
+
+    model_type: str
+    config: dict[str, Any]
+    expect: dict[str, Any]
+
+
+def _family(model_type: str, config: dict[str, Any], heads: int, kv: int, head_dim: int,
+            ffn: int, gated: bool) -> Family:
+    hidden = config.get("hidden_size") or config.get("n_embd")
+    return Family(model_type, {**config, "vocab_size": VOCAB}, dict(
+        num_layers=2, hidden_size=hidden, num_heads=heads, num_kv_heads=kv, head_dim=head_dim,
+        ffn_size=ffn, ffn_gated=gated, vocab_size=VOCAB))
+
+
+_L = dict(num_hidden_layers=2, max_position_embeddings=256, tie_word_embeddings=False)
+# Two layers, h 64-96, odd FFN widths and head dims, grouped-query heads where the family has them.
+FAMILIES: dict[str, Family] = {
+    "gpt2": _family("gpt2", dict(n_layer=2, n_embd=80, n_head=2, n_inner=200, n_positions=256),
+                    2, 2, 40, 200, False),
+    "llama": _family("llama", dict(_L, hidden_size=96, num_attention_heads=4,
+                                   num_key_value_heads=2, intermediate_size=200), 4, 2, 24, 200, True),
+    "mistral": _family("mistral", dict(_L, hidden_size=80, num_attention_heads=2,
+                                       num_key_value_heads=1, head_dim=40, intermediate_size=200),
+                       2, 1, 40, 200, True),
+    "qwen2": _family("qwen2", dict(_L, hidden_size=96, num_attention_heads=4,
+                                   num_key_value_heads=2, intermediate_size=200), 4, 2, 24, 200, True),
+    "phi3": _family("phi3", dict(_L, hidden_size=96, num_attention_heads=4, num_key_value_heads=2,
+                                 intermediate_size=200, pad_token_id=0, bos_token_id=1,
+                                 eos_token_id=2), 4, 2, 24, 200, True),
+    "gpt_neox": _family("gpt_neox", dict(_L, hidden_size=96, num_attention_heads=4,
+                                         intermediate_size=200, rotary_pct=0.25), 4, 4, 24, 200, False),
+    # Gemma: head dim 24 != h/a = 16, embeddings scaled by sqrt(h), GeGLU, tied.
+    "gemma": _family("gemma", dict(_L, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                   head_dim=24, intermediate_size=200, tie_word_embeddings=True),
+                     4, 2, 24, 200, True),
+}
+
+
+def ensure_venv() -> Path:
+    """The Optimum environment's python (models/venvs.py), made on first use."""
+    return venvs.ensure_venv("optimum", REQUIREMENTS)
+
+
+# ---------------------------------------------------------------------------------------------
+# The random-weight checkpoint (written by OUR environment) and the export (by Optimum's)
+
+
+def write_checkpoint(name: str, folder: Path) -> Path:
+    """config.json + model.safetensors + a word-level tokenizer for family `name`."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    fam = FAMILIES[name]
+    torch.manual_seed(SEED)
+    config = transformers.AutoConfig.for_model(fam.model_type, **fam.config)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval().float()
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder, safe_serialization=True)
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3,
+             **{f"w{i}": i for i in range(4, fam.config["vocab_size"])}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", bos_token="<s>",
+        eos_token="</s>").save_pretrained(folder)
+    return folder
+
+
+def _key(name: str, task: str) -> str:
+    """The cache key: what the checkpoint is and which exporter wrote it."""
+    payload = json.dumps([name, task, FAMILIES[name].model_type, FAMILIES[name].config, SEED,
+                          *REQUIREMENTS, EXPORT_LAYOUT], sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()[:12]
+
+
+def _out_dir(name: str, task: str) -> Path:
+    short = "kv" if task == "text-generation-with-past" else "nokv"
+    return _cache_dir() / f"optimum-{_key(name, task)}" / f"{name}-optimum-{short}"
+
+
+def export_all(cells: list[tuple[str, str]], outs: list[Path] | None = None) -> list[Path]:
+    """Export each (family, task) with Optimum into its cache folder (or `outs`), in one
+    Optimum process; returns each model.onnx. Each folder is written whole or not at all."""
+    for name, task in cells:
+        if name not in FAMILIES or task not in TASKS:
+            raise ValueError(f"no Optimum export {name!r} / {task!r}; families: "
+                             f"{', '.join(FAMILIES)}; tasks: {', '.join(TASKS)}")
+    outs = outs or [_out_dir(n, t) for n, t in cells]
+    todo = [(cell, out) for cell, out in zip(cells, outs) if not (out / "model.onnx").exists()]
+    if todo:
+        python = ensure_venv()
+        root = outs[0].parent
+        root.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=root, prefix=".optimum-") as tmp:
+            jobs = [(str(write_checkpoint(n, Path(tmp) / f"ckpt{i}")), t, str(Path(tmp) / f"onnx{i}"))
+                    for i, ((n, t), _) in enumerate(todo)]
+            (Path(tmp) / "jobs.json").write_text(json.dumps(jobs))
+            env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                   "TOKENIZERS_PARALLELISM": "false"}
+            # -P: the script's folder (models/, which has an optimum.py) stays off sys.path
+            done = subprocess.run([str(python), "-P", str(Path(__file__).with_name("_optimum_job.py")),
+                                   str(Path(tmp) / "jobs.json")],
+                                  capture_output=True, text=True, env=env)
+            if done.returncode != 0:
+                raise RuntimeError(f"optimum could not export {[c for c, _ in todo]}: "
+                                   f"{(done.stderr or done.stdout)[-3000:]}")
+            for (_, _, made), (_, out) in zip(jobs, todo):
+                out.parent.mkdir(parents=True, exist_ok=True)
+                if out.exists():
+                    shutil.rmtree(out)
+                os.replace(made, out)
+    return [out / "model.onnx" for out in outs]
+
+
+def cached(name: str, task: str = "text-generation-with-past") -> Path:
+    """The cached Optimum export of family `name`, built on first use."""
+    return export_all([(name, task)])[0]
+
+
+def _main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m models.optimum", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("name", nargs="?", help=f"one of: {', '.join(FAMILIES)}")
+    p.add_argument("--task", choices=TASKS, default=TASKS[0])
+    p.add_argument("-o", "--output", type=Path, help="the folder to write (model.onnx inside)")
+    p.add_argument("--list", action="store_true", help="list the families and exit")
+    a = p.parse_args(argv)
+    if a.list or not a.name:
+        for n, fam in FAMILIES.items():
+            print(f"{n:9s} {json.dumps(fam.expect)}")
+        return 0
+    if a.name not in FAMILIES:
+        print(f"error: no family {a.name!r}; known: {', '.join(FAMILIES)}", file=sys.stderr)
+        return 2
+    path = export_all([(a.name, a.task)], [a.output] if a.output else None)[0]
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())
