@@ -40,12 +40,12 @@ def test_a_variant_that_breaks_is_refused_in_the_report(tmp_path, monkeypatch):
 
 
 def test_an_original_that_fails_on_the_gate_feeds_is_bad_input(tmp_path, monkeypatch):
-    import tuner.jobs.pipeline as pipeline
+    import tuner.gate.entry as entry
 
     def fails(*args, **kwargs):
         raise RuntimeError("[ONNXRuntimeError] : 2 : INVALID_ARGUMENT : Got invalid dimensions")
 
-    monkeypatch.setattr(pipeline, "record_then_release", fails)
+    monkeypatch.setattr(entry, "record_then_release", fails)
     code, err = _optimize(tmp_path)
     assert code == 2, err
     assert "ONNX Runtime cannot run the original on the gate's feeds" in err
