@@ -87,7 +87,8 @@ def check(reference, candidate, feeds, tolerance: Tolerance | TolerancePolicy = 
     otherwise (`specs` say which input is the mask; fewer than `min_compared` compared elements
     in an output fail)."""
     if isinstance(feeds, CacheFeeds):
-        return verify_cache_model(reference, candidate, feeds, tolerance, widened or {})
+        return verify_cache_model(reference, candidate, feeds, tolerance, widened or {},
+                                  min_compared)
     return verify(reference, candidate, feeds, tolerance, specs, min_compared)
 
 
@@ -138,8 +139,8 @@ class _Stats:
 
     def add(self, name: str, ref: np.ndarray, got: np.ndarray, policy, keep=None) -> None:
         """Compare `got` with `ref` (same shape) where `keep` (B, S) is true."""
-        if ref.shape != got.shape:
-            self.fail(f"shape {got.shape} != {ref.shape}")
+        if ref.shape != got.shape or ref.dtype != got.dtype:  # the values alone could pass
+            self.fail(f"shape/dtype {got.shape} {got.dtype} != {ref.shape} {ref.dtype}")
             return
         if keep is not None:
             ref, got = ref[keep.astype(bool)], got[keep.astype(bool)]  # (kept rows, ...)
@@ -181,10 +182,13 @@ def _first_line(e: Exception) -> str:
 
 def verify_cache_model(reference, candidate, feeds: CacheFeeds,
                        tolerance: Tolerance | TolerancePolicy = Tolerance(),
-                       widened: CachePads | None = None) -> VerifyResult:
+                       widened: CachePads | None = None, min_compared: int = 1) -> VerifyResult:
     """Roll both models greedily from every start in `feeds` and compare logits at every step
     (positions the mask keeps) and the final cache (on the original entries when `widened`).
-    Fails closed: a model that does not run, a flipped greedy token, a missing output."""
+    Fails closed: a model that does not run, a flipped greedy token, a missing output, an
+    output with fewer than `min_compared` compared elements."""
+    if min_compared < 1:
+        raise ValueError(f"min_compared must be >= 1, not {min_compared}")
     widened = widened or {}
     label = (f"atol={tolerance.atol:g} rtol={tolerance.rtol:g}" if isinstance(tolerance, Tolerance)
              else getattr(tolerance, "__name__", "custom"))
@@ -220,8 +224,11 @@ def verify_cache_model(reference, candidate, feeds: CacheFeeds,
                 continue
             stats[name].add(name, ref.cache[name], _narrow(got.cache[name], widened.get(name, ())),
                             tolerance)
+    for s in stats.values():
+        if s.compared < min_compared:
+            s.fail(f"nothing compared: {s.compared} element(s), the floor is {min_compared}")
     reports = tuple(s.report(n) for n, s in stats.items())
-    return VerifyResult(reports, len(feeds), label, tuple(errors))
+    return VerifyResult(reports, len(feeds), label, tuple(errors), min_compared)
 
 
 
