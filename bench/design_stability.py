@@ -1,6 +1,7 @@
 """Is `tuner design`'s ranking stable? Run the search twice and compare every pair of shapes.
 
     .venv/bin/python bench/design_stability.py [--params 125e6] [--device cpu] [--rounds 15]
+    .venv/bin/python bench/design_stability.py --smoke    # tiny, in seconds (the test suite's)
 
 For each pair of shapes, each run gives a paired speedup with a 95% bootstrap interval (rounds
 are paired within a run). A pair is "separated" in a run when its interval lies wholly outside
@@ -39,13 +40,20 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--ffn", default="plain")
     ap.add_argument("--margin", type=float, default=0.01)
+    ap.add_argument("--smoke", action="store_true",
+                    help="a tiny search (20M parameters, vocab 8000, 6-8 layers, batch 1 x 32, "
+                         "3 rounds): the same code path in seconds, for the test suite")
     args = ap.parse_args()
     req = DesignRequest(int(args.params), None, None, ffn=args.ffn)
+    shape: dict = {}
+    if args.smoke:
+        req = DesignRequest(20_000_000, None, (6, 8), vocab=8000, ffn=args.ffn, max_candidates=4)
+        shape, args.rounds = {"batch": 1, "seq": 32, "threads": 1}, 3
     runs, walls = [], []
     for i in range(2):
         t0 = time.perf_counter()
         with rich_progress(title=f"run {i + 1}") as bar:
-            ranking, _ = run(req, args.device, rounds=args.rounds, progress=bar)
+            ranking, _ = run(req, args.device, rounds=args.rounds, progress=bar, **shape)
         walls.append(time.perf_counter() - t0)
         runs.append({r.name: r.cost.total_ms for r in ranking.rows})
         print(f"run {i + 1}: {walls[-1]:.1f} s, ranking: {' > '.join(r.name for r in ranking.rows)}")

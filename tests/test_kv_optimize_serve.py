@@ -6,6 +6,7 @@ checked against the mask."""
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import onnxruntime as ort
@@ -49,6 +50,12 @@ def test_optimize_a_cache_export_runs_to_an_artifact(family, exporter, tmp_path)
         2, shape.num_kv_heads, shape.head_dim, "bhsd", "keep")
     assert c["original_shape"] == c["served_shape"] == ["batch", shape.num_kv_heads, "past",
                                                         shape.head_dim]
+    # padded variants were made, and every variant in the artifact passed the rollout gate
+    assert [v for v in m["variants"] if v["transforms"]], m["variants"]
+    for v in m["variants"]:
+        assert v["accuracy"]["passed"], v
+        want = "greedy rollouts" if v["transforms"] else "the reference itself"
+        assert want in v["accuracy"]["detail"], v
     ph = m["phases"]
     assert ph["mean_output_tokens"] == 18.0 and "decode" in ph["rule"]
     dec = ph["decode"]["shapes"][0]
@@ -168,7 +175,8 @@ def test_serve_a_widened_cache_the_client_feeds_wide(tmp_path):
         direct = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"])
         want = direct.run(["logits"], dict(step.arrays))[0]
         np.testing.assert_allclose(got["logits"], want, atol=1e-4, rtol=1e-4)
-        with pytest.raises(InferenceServerException):  # the original width is refused
+        # the original width is refused, naming the width it expects
+        with pytest.raises(InferenceServerException, match=re.escape("Expected [-1,2,-1,128]")):
             _infer(server, dict(step.arrays))
     finally:
         server.stop(5)

@@ -118,7 +118,7 @@ def test_directory_is_not_a_model(tmp_path):
 def test_empty_file_is_refused(tmp_path):
     p = tmp_path / "empty.onnx"
     p.write_bytes(b"")
-    with pytest.raises(BadInput):
+    with pytest.raises(BadInput, match="not an ONNX model"):
         load_model(p)
 
 

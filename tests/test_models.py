@@ -1,25 +1,33 @@
 """The reference exports are faithful: ONNX Runtime on the exported graph gives what the torch
 model gives, at batch and sequence sizes other than the ones traced and with padded masks.
-Everything else (inspect, the rewrites' exactness) is measured against these graphs."""
+Everything else (inspect, the rewrites' exactness) is measured against these graphs.
+
+Every reference export is checked: each family and shape (the twelve of test_families.py and
+the real MiniLM included), both exporters. The "<family>-kv" exports (with their cache) are
+checked against transformers' own cache, step by step, in tests/test_models_kv.py.
+gpt2/gpt2-small, the optimize benchmark's subject, is the same builder at 12 layers."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from models.build import _Wrapper, build_torch_model, spec
+from models.build import EXPORTERS, SPECS, _Wrapper, build_torch_model, spec
 
 
-@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
-@pytest.mark.parametrize("name", ["gpt2", "bert", "llama"])
-def test_export_matches_torch_on_new_shapes_and_padding(reference_model, name, exporter):
+CASES = [(n, shape, e) for (n, shape), s in sorted(SPECS.items())
+         if not s.cache and shape != "gpt2-small" for e in EXPORTERS]
+
+
+@pytest.mark.parametrize("name,shape,exporter", CASES, ids=[f"{n}-{s}-{e}" for n, s, e in CASES])
+def test_export_matches_torch_on_new_shapes_and_padding(reference_model, name, shape, exporter):
     import onnxruntime as ort
     import torch
 
-    s = spec(name, "awkward")
+    s = spec(name, shape)
     model = _Wrapper(build_torch_model(s), s.decoder)
     vocab = model.model.config.vocab_size
-    session = ort.InferenceSession(str(reference_model(name, "awkward", exporter)),
+    session = ort.InferenceSession(str(reference_model(name, shape, exporter)),
                                    providers=["CPUExecutionProvider"])
     rng = np.random.default_rng(1)
     for batch, seq in [(1, 7), (3, 20)]:  # the export traced (2, 16)

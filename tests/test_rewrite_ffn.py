@@ -95,11 +95,11 @@ def test_save_is_atomic(tmp_path):
     dst.write_bytes(b"old")
 
     def interrupted():
-        raise KeyboardInterrupt
+        raise KeyboardInterrupt("Ctrl-C while writing")
 
     model.graph.initializers["w1"].const_value = ir.LazyTensor(
         interrupted, dtype=ir.DataType.FLOAT, shape=ir.Shape([4, 6]), name="w1")
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(KeyboardInterrupt, match="Ctrl-C while writing"):
         save_model(model, dst)
     assert dst.read_bytes() == b"old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.onnx", "toy.onnx"]

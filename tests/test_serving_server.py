@@ -338,7 +338,10 @@ def test_not_ready_until_the_model_is_loaded_and_checked(reference_model, tmp_pa
             assert health.Check(request, timeout=10).status == \
                 health_pb2.HealthCheckResponse.SERVING
         assert client.is_model_ready(name)
-        assert client.infer(name, infer_inputs(feeds_for(4))).as_numpy("last_hidden_state") is not None
+        got = client.infer(name, infer_inputs(feeds_for(4))).as_numpy("last_hidden_state")
+        want = ort.InferenceSession(str(reference_model("bert", "small", "torchscript")),
+                                    providers=["CPUExecutionProvider"]).run(None, feeds_for(4))[0]
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-4)  # (1, 4, hidden)
     finally:
         server.stop(5)
 

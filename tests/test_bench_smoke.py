@@ -1,0 +1,103 @@
+"""Every bench/ script runs: each one once on a tiny model or setting, in its own process, as
+a user runs it, so that the figures the README publishes come from scripts that work.
+
+Covered elsewhere: bench/big_model.py (tests/test_bench_big_model.py, --smoke), bench/
+gpu_session.sh and bench/gpu_check.py --smoke (tests/test_gpu_session.py). bench/
+serve_common.py is the library of the serve_* scripts and bench/serve_floor_server.py is
+started by serve_latency.py: both run here through those. bench/generate_vs_genai.py needs
+onnxruntime-genai, which the test venv does not install (its smoke test is its own).
+bench/serve_perf_analyzer.py runs here up to where it needs the perf_analyzer binary (not
+installed by the test extra)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from models.build import cached
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _bench(script: str, *args: str, timeout: float = 300) -> str:
+    """Run bench/<script> with this interpreter; its stdout (stderr on failure)."""
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], cwd=ROOT,
+                       capture_output=True, text=True, timeout=timeout,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, f"{script} exited {r.returncode}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    return r.stdout
+
+
+def test_design_stability_smoke():
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "design_stability.py"), "--smoke"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = r.stdout
+    found = re.search(r"pairs: (\d+) separated in both runs and agreeing, (\d+) disagreeing, "
+                      r"(\d+) within the noise", out)
+    assert found, out + r.stderr[-2000:]
+    pairs = sum(int(x) for x in found.groups())
+    assert pairs >= 1 and "run 1:" in out and "run 2:" in out
+    # exit 1 exactly when a pair disagreed (3 rounds can: the verdict is the script's job)
+    assert r.returncode == (1 if int(found.group(2)) else 0), r.stderr[-2000:]
+
+
+def test_kv_policies_smoke():
+    out = _bench("kv_policies.py", "--families", "gpt2", "--rounds", "3", "--past", "8",
+                 "--prompt", "4")
+    assert "decode 1x1 @ past 8" in out and "prefill 1x4" in out
+    for row in ("original", "head_dim-128 keep", "head_dim-128 widen"):
+        assert re.search(rf"^{row} +\d+\.\d+ ms", out, re.M), out
+
+
+def test_optimize_gpt2_smoke():
+    """Both parts on gpt2/small (not the 12-layer default), optimize with few rounds."""
+    fast = ("--rounds 2 --warmup 0 --bucket-rounds 1 --no-probe --max-variants 2 --max-seq 16 "
+            "--max-batch 1 --no-fuse")
+    out = _bench("optimize_gpt2.py", "--model", str(cached("gpt2", "small")), "--rounds", "3",
+                 "--shapes", "1x8", "--optimize-args", fast, timeout=600)
+    assert "| whole `tuner optimize` (default settings) |" in out and "selected: " in out
+    assert re.search(r"^  original +passed=True", out, re.M), out
+    assert "accuracy gate: pass" in out
+    assert re.search(r"^\| 1x8 \| [\d.]+ \([\d.]+\) \| [\d.]+ \([\d.]+\) \| [\d.]+x \[", out, re.M)
+
+
+def test_serve_latency_smoke():
+    """The server, the in-process baseline and the floor server (serve_floor_server.py)."""
+    out = _bench("serve_latency.py", "--rounds", "5", "--models", "bert", "--seq", "16")
+    for row in ("ORT in-process", "server, raw gRPC stub", "server, tritonclient",
+                "floor: bare grpcio + same ORT", "added, raw gRPC"):
+        assert re.search(rf"^  {re.escape(row)} +-?\d+\.\d+", out, re.M), out
+    assert "load average" in out
+
+
+def test_serve_throughput_smoke(tmp_path):
+    """tuner serve with batching on and off; MLServer's rows say why they are skipped when
+    its venv is absent (here: a path that does not exist)."""
+    out = _bench("serve_throughput.py", "--model", "bert", "--seconds", "1", "--rounds", "1",
+                 "--mlserver", str(tmp_path / "no-mlserver"))
+    for row in ("tuner serve, batching on", "tuner serve, batching off"):
+        assert re.search(rf"^{row} +\d+\.\d+ ", out, re.M), out
+    assert f"skipped MLServer: {tmp_path / 'no-mlserver'} not found" in out
+
+
+def test_serve_perf_analyzer_without_the_binary_says_so(tmp_path):
+    out = _bench("serve_perf_analyzer.py", "--model", "bert", "--perf-analyzer",
+                 str(tmp_path / "perf_analyzer"))
+    assert out.strip() == (f"skipped: {tmp_path / 'perf_analyzer'} not found (see this script's "
+                           "docstring to install it)")
+
+
+def test_mlserver_runtime_imports():
+    pytest.importorskip("mlserver", reason="MLServer is optional and not in the test venv "
+                                           "(bench/serve_throughput.py says how to install it)")
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import mlserver_ort_runtime
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    assert issubclass(mlserver_ort_runtime.OrtRuntime, __import__("mlserver").MLModel)
