@@ -29,8 +29,8 @@ from typing import Literal
 
 import onnx_ir as ir
 
-from tuner.graph.ort_fused import gqa_cache_dims
-from tuner.graph.walk import DATA_INPUTS, MS, consumers, is_const, op, walk_back, walk_forward
+from tuner.graph.walk import (DATA_INPUTS, MS, as_linear, consumers, is_const, op, source, walk_back,
+                              walk_forward)
 
 Role = Literal["key", "value"]
 # Ops between a cache Concat and the attention MatMuls: head transposes, GQA's repeat_kv
@@ -401,3 +401,21 @@ def widened_cache(model: ir.Model) -> CachePads:
     return {name: tuple((int(a), tuple(int(p) for p in pos), int(n)) for a, pos, n in entries)
             for name, entries in json.loads(raw).items()}
 
+
+def gqa_cache_dims(node: ir.Node) -> tuple[int | None, int | None]:
+    """(kv heads, head dim) of a GroupQueryAttention from its attributes and the width of the
+    projection feeding it: packed QKV (key/value slots empty, onnxruntime-genai's builder) is
+    (heads + 2 kv heads) * d wide, a separate key projection kv heads * d."""
+    if op(node) != f"{MS}.GroupQueryAttention":
+        return None, None
+    attrs = node.attributes
+    heads = attrs["num_heads"].as_int() if "num_heads" in attrs else 0
+    kv = attrs["kv_num_heads"].as_int() if "kv_num_heads" in attrs else 0
+    packed = len(node.inputs) < 2 or node.inputs[1] is None
+    x = node.inputs[0] if packed else node.inputs[1]
+    producer = source(x).producer() if source(x) is not None else None
+    lin = as_linear(producer) if producer is not None else None
+    width, count = (lin.out_dim if lin else 0), (heads + 2 * kv if packed else kv)
+    if not (kv and count and width and width % count == 0):
+        return kv or None, None
+    return kv, width // count

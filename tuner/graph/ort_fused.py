@@ -142,22 +142,3 @@ def _gqa_rotary(node: ir.Node, d: int) -> tuple[str, int | None]:
     if r is None or not d:
         return "full", r
     return ("partial" if r < d else "full"), r
-
-
-def gqa_cache_dims(node: ir.Node) -> tuple[int | None, int | None]:
-    """(kv heads, head dim) of a GroupQueryAttention from its attributes and the width of the
-    projection feeding it: packed QKV (key/value slots empty, onnxruntime-genai's builder) is
-    (heads + 2 kv heads) * d wide, a separate key projection kv heads * d."""
-    if op(node) != f"{MS}.GroupQueryAttention":
-        return None, None
-    attrs = node.attributes
-    heads = attrs["num_heads"].as_int() if "num_heads" in attrs else 0
-    kv = attrs["kv_num_heads"].as_int() if "kv_num_heads" in attrs else 0
-    packed = len(node.inputs) < 2 or node.inputs[1] is None
-    x = node.inputs[0] if packed else node.inputs[1]
-    producer = source(x).producer() if source(x) is not None else None
-    lin = as_linear(producer) if producer is not None else None
-    width, count = (lin.out_dim if lin else 0), (heads + 2 * kv if packed else kv)
-    if not (kv and count and width and width % count == 0):
-        return kv or None, None
-    return kv, width // count
