@@ -48,12 +48,24 @@ class GenerationRequest:
     sampling: Sampling = field(default_factory=Sampling)
     stop_ids: frozenset[int] = frozenset()  # generating one ends the stream (not sent)
     id: str = ""
+    min_tokens: int = 0  # until this many tokens were generated, stop_ids are masked out of
+    # sampling (their logits set to -inf)
+    stop_strings: tuple[str, ...] = ()  # needs a tokenizer (else InvalidArgument); matched on
+    # the detokenized OUTPUT text (never the prompt), across token boundaries; the stream ends
+    # with reason "stop"; the text sent ends right before the match (the stop string is not
+    # sent); text that may be the start of a stop string is held back until it is decided
+    logprobs: bool = False  # each chunk carries, per id, log_softmax(raw logits)[id] (the
+    # model's own distribution, before temperature/top-k/p)
 
     def __post_init__(self) -> None:
         if not self.prompt:
             raise InvalidArgument("the prompt is empty: send at least one token")
         if self.max_tokens < 1:
             raise InvalidArgument(f"max_tokens must be >= 1, not {self.max_tokens}")
+        if self.min_tokens < 0:
+            raise InvalidArgument(f"min_tokens must be >= 0, not {self.min_tokens}")
+        if any(not s for s in self.stop_strings):
+            raise InvalidArgument("a stop string must not be empty")
 
 
 @dataclass(frozen=True)
@@ -66,6 +78,7 @@ class Chunk:
     final: bool = False
     reason: str | None = None  # one of FINISH_REASONS on the final chunk
     detail: str = ""  # a sentence for the client when the reason is not "length"/"stop"
+    logprobs: tuple[float, ...] | None = None  # one per id when the request asked
 
 
 def sample(logits: np.ndarray, s: Sampling, rng: np.random.Generator) -> int:

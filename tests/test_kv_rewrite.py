@@ -13,7 +13,8 @@ import pytest
 from models.build import EXPORTERS, cached
 from tuner.cli import main
 from tuner.errors import BadInput
-from tuner.gate.kv_feeds import cache_roles, prefill_feeds
+from tuner.graph.cache_record import cache_record
+from tuner.gate.kv_feeds import prefill_feeds
 from tuner.gate.kv_gate import cache_feeds, check
 from tuner.graph.inspect import inspect_model
 from tuner.graph.kv_cache import widened_cache
@@ -97,7 +98,7 @@ def test_liars_of_the_widened_gate(tmp_path):
     shape = inspect_model(load_model(src))
     dst = tmp_path / "w.onnx"
     pad_file(src, dst, PadRequest.from_multiples(shape, head_dim=128, cache_policy="widen"))
-    roles = cache_roles(load_model(src))
+    roles = cache_record(load_model(src))
     # fed the original cache shape, the widened model does not run: the widening is real
     with pytest.raises(Exception):
         OrtRunner(load_cpu(dst)).infer(prefill_feeds(roles, np.array([[1, 2]])).arrays)

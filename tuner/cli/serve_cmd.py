@@ -70,7 +70,7 @@ def serving_import_error(e: BaseException) -> str | None:
 
 try:
     from serving.engine import EngineOptions
-    from serving.generate import GenerateOptions
+    from serving.generation import GenerateOptions
     from serving.server import ServerOptions
     from serving.server import serve as run
     _SERVING_ERROR: BaseException | None = None
@@ -127,6 +127,16 @@ def serve(
                                               "for"),
     max_cache_len: Optional[int] = typer.Option(None, help="decoders: longest cache (default: "
                                                            "the model's positions)"),
+    kv_cache_bytes: Optional[int] = typer.Option(None, help="decoders: the KV cache's byte "
+                                                            "budget; past it, the newest "
+                                                            "stream is preempted and "
+                                                            "recomputed later (default: 30% "
+                                                            "of the available memory)"),
+    prefill_tokens: int = typer.Option(256, help="decoders: tokens one step feeds (decode "
+                                                 "rows and prompt chunks together); a longer "
+                                                 "prompt is prefilled in chunks"),
+    prefix_cache: bool = typer.Option(True, help="decoders: reuse the cached keys/values of a "
+                                                 "prompt prefix that streams share"),
 ) -> None:
     """Serve OUT's selected variant (KServe v2 / Open Inference Protocol, gRPC) until SIGTERM.
 
@@ -146,7 +156,9 @@ def serve(
                                pad_to=pad_to)
         settings = None if threads is None else SessionSettings(intra_op_threads=threads)
         generate = GenerateOptions(max_streams=max_streams, max_queue=max_queued_streams,
-                                   max_tokens=max_tokens, max_cache_len=max_cache_len)
+                                   max_tokens=max_tokens, max_cache_len=max_cache_len,
+                                   kv_cache_bytes=kv_cache_bytes, prefill_tokens=prefill_tokens,
+                                   prefix_cache=prefix_cache)
     except ValueError as e:
         raise BadInput(str(e)) from None
     options = ServerOptions(

@@ -13,7 +13,7 @@ import typer
 from tuner.cli.app import app, write_out
 from tuner.errors import BadInput
 from tuner.gate.feeds import check_feed, load_npz, make_feeds
-from tuner.gate.kv_feeds import cache_roles
+from tuner.graph.cache_record import cache_record
 from tuner.gate.kv_gate import CacheFeeds, cache_feeds, check, has_cache
 from tuner.gate.verify import Tolerance, record_then_release
 from tuner.graph.inspect import inspect_model
@@ -66,7 +66,7 @@ def verify_cmd(
         check_feed(feed, specs)
         feeds = [feed]
     elif has_cache(ref_model):  # greedy rollouts, each model fed its own present
-        feeds = cache_feeds(cache_roles(ref_model), vocab or _vocab(ref_model), seed=seed)
+        feeds = cache_feeds(cache_record(ref_model), vocab or _vocab(ref_model), seed=seed)
     else:
         feeds = make_feeds(specs, vocab or _vocab(ref_model), seed=seed)
     backend = get_backend("ort-cpu")

@@ -14,6 +14,7 @@ import ml_dtypes
 import numpy as np
 import onnx_ir as ir
 
+from tuner.graph.kv_cache import find_kv_cache
 from tuner.graph.load import load_model
 
 # Roles of a graph input, found from the graph's structure (`input_specs`); names only break ties.
@@ -162,28 +163,18 @@ def _name_role(name: str) -> str:
     return OTHER
 
 
-def _feeds_kv_concat(value: ir.Value) -> bool:
-    """True when `value` (through Cast/Transpose) is concatenated with a computed tensor: a
-    past key or value meeting the new ones."""
-    frontier, seen = [value], set()
-    while frontier:
-        v = frontier.pop()
-        if v in seen:
-            continue
-        seen.add(v)
-        for node, _ in v.uses():
-            if node.op_type == "Concat" and len(node.inputs) >= 2 and any(
-                    i is not None and i is not v and i.producer() is not None
-                    for i in node.inputs):
-                return True
-            if node.op_type in ("Cast", "Transpose", "Identity"):
-                frontier.extend(node.outputs)
-    return False
+def _cache_inputs(model: ir.Model) -> set[str]:
+    """The past key/value inputs tuner.graph.kv_cache finds (the one cache detector)."""
+    cache = find_kv_cache(model.graph)
+    if cache is None:
+        return set()
+    return {n for layer in cache.layers for n in (layer.past_key, layer.past_value)}
 
 
 def _roles(model: ir.Model, inputs: list[ir.Value]) -> dict[str, str]:
     """Each input's role from the structure around it (see the module's docstring)."""
     roles: dict[str, str] = {}
+    pasts = _cache_inputs(model)
     tables = {v.name: _embedding_tables(v) for v in inputs}
     kinds = {v.name: (v.dtype.name if v.dtype is not None else "FLOAT") for v in inputs}
     integer = [v for v in inputs if kinds[v.name] in ("INT64", "INT32", "INT16", "INT8", "UINT8")]
@@ -204,7 +195,7 @@ def _roles(model: ir.Model, inputs: list[ir.Value]) -> dict[str, str]:
             continue
         kind, rank = kinds[v.name], len(_dims_of(v))
         if kind in ("FLOAT", "FLOAT16", "BFLOAT16", "DOUBLE"):
-            if _feeds_kv_concat(v):
+            if v.name in pasts:
                 roles[v.name] = KV_CACHE
             elif rank == 2 and _reach(v)[1]:
                 roles[v.name] = ATTENTION_MASK  # a float mask (1 keep, 0 pad) or a bias

@@ -30,7 +30,8 @@ import numpy as np
 from tuner.artifact.records import Manifest
 from tuner.artifact.report_html import PhaseRow
 from tuner.errors import BadInput
-from tuner.gate.kv_feeds import CacheRoles, decode_feeds, prefill_feeds
+from tuner.gate.kv_feeds import decode_feeds, prefill_feeds
+from tuner.graph.cache_record import CacheRecord
 from tuner.graph.kv_cache import KvCache, widened_cache
 from tuner.graph.load import load_model
 from tuner.measure.buckets import (Requests, batch_buckets, bucket_of, default_seq_buckets,
@@ -134,14 +135,14 @@ def decode_shape(t: DecoderTraffic, prefill_shape: tuple[int, int]) -> tuple[int
     return prefill_shape[0], bucket_of(t.past.seq_quantile(0.5), t.past_grid)
 
 
-def prefill_feeds_for(roles: CacheRoles, vocab: int, shape: tuple[int, int],
+def prefill_feeds_for(roles: CacheRecord, vocab: int, shape: tuple[int, int],
                       seed: int = 1) -> dict[str, np.ndarray]:
     b, s = shape
     ids = np.random.default_rng(seed).integers(0, vocab, (b, s))
     return dict(prefill_feeds(roles, ids).arrays)
 
 
-def decode_feeds_for(roles: CacheRoles, vocab: int, shape: tuple[int, int],
+def decode_feeds_for(roles: CacheRecord, vocab: int, shape: tuple[int, int],
                      seed: int = 1) -> dict[str, np.ndarray]:
     b, past = shape
     return dict(decode_feeds(roles, b, past, 1, vocab, seed=seed).arrays)

@@ -24,7 +24,7 @@ from tuner.artifact.report import write_report
 from tuner.artifact.store import write_manifest
 from tuner.errors import BadInput
 from tuner.gate.feeds import make_feeds
-from tuner.gate.kv_feeds import cache_roles
+from tuner.graph.cache_record import cache_record
 from tuner.gate.kv_gate import WidenedRunner, cache_feeds, check, has_cache
 from tuner.gate.verify import Tolerance, record_then_release
 from tuner.graph.inspect import inspect_model, inspect_path
@@ -276,7 +276,7 @@ def run_pipeline(cfg, model, root: Path):
     shape = audited(inspect_model(model), device=device)
     vocab, positions = vocab_for_feeds(model, shape), max_positions(model, shape)
     specs = input_specs(model)
-    roles = cache_roles(model) if has_cache(model) else None  # a decoder with a KV cache
+    roles = cache_record(model) if has_cache(model) else None  # a decoder with a KV cache
     precision = model_precision(model)
     backends, notes = resolve(cfg.backend)
     backend = next((b for b in backends if b.name != "ort-cpu"), backends[0])
