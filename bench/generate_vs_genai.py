@@ -206,7 +206,7 @@ def start_server(artifact: Path, threads: int, *extra: str) -> tuple[subprocess.
 
 
 def artifact_name(artifact: Path) -> str:
-    from tuner.artifact.records import read_manifest
+    from tuner.artifact.store import read_manifest
 
     return Path(read_manifest(artifact).source_path).stem
 
@@ -356,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     prepare_hf(hf, SMALL if a.small else FULL)
     prepare_genai(hf, genai_dir, a.threads)
     prepare_artifact(hf, artifact, a.threads, a.quick_optimize)
-    from tuner.artifact.records import read_manifest
+    from tuner.artifact.store import read_manifest
 
     served = read_manifest(artifact).selected
     w = workloads(a.prompt, a.new, a.spread_s, a.system)

@@ -363,3 +363,23 @@ def test_seeded_sampling_does_not_depend_on_the_other_streams(llama):
     finally:
         gen.close()
     assert _ids(mixed[0]) == alone
+
+
+def test_a_stream_behind_another_picks_up_its_prefix_blocks_between_chunks(llama):
+    """Two streams with one 64-token prefix sent at once, 24 tokens per step: the second
+    prefills behind the first and takes each block the first computed meanwhile."""
+    system = _prompt(64, 7)
+    jobs = [GenerationRequest(system + _prompt(5, 70 + i), 8) for i in range(2)]
+    counts = []
+    stats = GenerationStats(on_prefix=lambda looked, hit: counts.append(hit))
+    cold = _generator(llama, prefix_cache=False)
+    warm = Generator(llama[1], llama[0], VOCAB, GenerateOptions(prefill_tokens=24),
+                     max_positions=256, stats=stats)
+    try:
+        want = [_ids(_collect(cold, [r])[0]) for r in jobs]
+        got = [_ids(c) for c in _collect(warm, jobs)]
+    finally:
+        cold.close()
+        warm.close()
+    assert got == want
+    assert sorted(counts)[0] == 0 and sorted(counts)[1] >= 32  # the second found blocks

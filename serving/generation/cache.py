@@ -59,10 +59,11 @@ class PrefixCache:
     def bytes(self) -> int:
         return len(self.blocks) * self.block * self.bytes_per_token
 
-    def lookup(self, tokens: Sequence[int]) -> list[Cache]:
-        """The cached blocks of the longest prefix of `tokens` less its last token."""
+    def lookup(self, tokens: Sequence[int], start: int = 0) -> list[Cache]:
+        """The cached blocks after the first `start` tokens (a multiple of the block) of
+        the longest cached prefix of `tokens` less its last token."""
         found: list[Cache] = []
-        end = self.block
+        end = start + self.block
         while end <= len(tokens) - 1:
             key = tuple(tokens[:end])
             if key not in self.blocks:
@@ -70,8 +71,6 @@ class PrefixCache:
             self.blocks.move_to_end(key)
             found.append(self.blocks[key])
             end += self.block
-        self.looked_up_tokens += len(tokens)
-        self.hit_tokens += len(found) * self.block
         return found
 
     def insert(self, record: CacheRecord, tokens: Sequence[int], cache: Cache) -> None:
@@ -120,30 +119,40 @@ class CacheManager:
         if stream.slot is not None and self.batch is not None:
             self.batch.slots[stream.slot] = None
         stream.slot, stream.cache, stream.computed = None, None, 0
+        if not stream.prefix_counted:
+            stream.prefix_hit = 0  # what it found is counted when its prompt completes
 
     # ------------------------------------------------------------------------- prefix
 
     def lookup_prefix(self, stream) -> None:
-        """Start a stream that has nothing cached from its longest cached prefix."""
-        if self.prefix is None or stream.computed:
+        """Extend a prefilling stream's cache with the cached blocks that follow what it has
+        (at admission: from nothing; between chunks: blocks another stream with the same
+        prefix computed meanwhile)."""
+        p = self.prefix
+        if p is None or stream.computed % p.block or stream.decoding:
             return
-        blocks = self.prefix.lookup(stream.tokens)
-        if blocks:
-            axis = self.record.layout.index("s")
-            stream.cache = {n: np.concatenate([b[n] for b in blocks], axis=axis)
-                            for n in self.record.past}
-            stream.computed = len(blocks) * self.prefix.block
-            if not stream.prefix_counted:
-                stream.prefix_hit = stream.computed
+        blocks = p.lookup(stream.tokens, stream.computed)
+        if not blocks:
+            return
+        axis = self.record.layout.index("s")
+        own = self.own(stream)
+        parts = ([own] if stream.computed else []) + blocks
+        stream.cache = {n: np.concatenate([b[n] for b in parts], axis=axis)
+                        for n in self.record.past}
+        stream.computed += len(blocks) * p.block
+        stream.prefix_hit += len(blocks) * p.block
 
     def store_prefix(self, stream) -> None:
-        """After a stream's prompt is computed: its prompt's blocks into the prefix cache."""
-        if self.prefix is None or stream.prefix_stored:
-            return
+        """After a prefill chunk: the full blocks of the stream's prompt computed so far
+        into the prefix cache (so that streams behind it find them at once)."""
+        p = self.prefix
         prompt = stream.request.prompt
-        if stream.computed >= len(prompt) and len(prompt) >= self.prefix.block:
-            self.prefix.insert(self.record, prompt, self.own(stream))
-        stream.prefix_stored = True
+        if p is None or stream.prefix_stored:
+            return
+        done = min(stream.computed, len(prompt))
+        if done >= p.block:
+            p.insert(self.record, prompt[:done - done % p.block], self.own(stream))
+        stream.prefix_stored = done == len(prompt)
 
     # ------------------------------------------------------------------------- rows
 

@@ -204,11 +204,12 @@ class Generator:
             result = self.step_runner.prefill(self.cache, plan.prefill)
             done = []
             for i, ((s, n), cache) in enumerate(zip(plan.prefill, result.caches)):
-                if not s.prefix_counted and self.cache.prefix is not None:
-                    self.stats.on_prefix(len(s.request.prompt), s.prefix_hit)
-                    s.prefix_counted = True
                 s.cache, s.computed = cache, s.computed + n
                 self.cache.store_prefix(s)
+                prompt = len(s.request.prompt)
+                if not s.prefix_counted and s.computed >= prompt and self.cache.prefix:
+                    self.stats.on_prefix(prompt, s.prefix_hit)
+                    s.prefix_counted = True
                 if s.computed == len(s.tokens):  # the prompt's last chunk: a first token
                     done.append(i)
             self._emit([plan.prefill[i][0] for i in done], result.logits[done])

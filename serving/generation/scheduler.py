@@ -42,7 +42,7 @@ class Stream:
         self.submitted = time.perf_counter()
         self.preemptions = 0
         self.prefix_stored = False
-        self.prefix_hit = 0  # prompt tokens found in the prefix cache (first admission)
+        self.prefix_hit = 0  # prompt tokens found in the prefix cache
         self.prefix_counted = False
         self.done = False
 
@@ -97,6 +97,8 @@ class Scheduler:
         budget = self.token_budget - len(decode)
         prefill: list[tuple[Stream, int]] = []
         for s in [s for s in self.running if not s.decoding]:
+            if self.takes_chunks:
+                self.cache.lookup_prefix(s)  # blocks a stream ahead computed meanwhile
             n = self._chunk(s, budget, prefill)
             if n == 0 or not self.cache.fits(held + n):
                 break
