@@ -160,6 +160,27 @@ def test_left_pad_and_row_cache_round_trip(llama):
             np.testing.assert_array_equal(back[name], row[name])
 
 
+def test_another_cache_layout_is_padded_and_joined_on_its_own_axes(llama):
+    """A (batch, seq, heads, dim) cache (layout bshd): the same steps on its axes."""
+    import dataclasses
+
+    record, _ = llama
+    bshd = dataclasses.replace(record, cache=dataclasses.replace(record.cache, layout="bshd"))
+    rows = [_row(bshd, n, n) for n in (3, 5)]
+    assert rows[0][bshd.past[0]].shape == (1, 3, bshd.kv_heads, bshd.head_dim)
+    arrays, mask = left_pad(bshd, rows, batch=2, past=6)
+    assert arrays[bshd.past[0]].shape == (2, 6, bshd.kv_heads, bshd.head_dim)
+    np.testing.assert_array_equal(arrays[bshd.past[0]][0, 3:], rows[0][bshd.past[0]][0])
+    cache = _manager(bshd)
+    a, b = _stream((1,)), _stream((2,))
+    a.cache, a.computed = rows[1], 5
+    batch = cache.decode_batch([a])
+    cache.release(a)
+    b.cache, b.computed = rows[0], 3
+    assert cache.decode_batch([b]) is batch  # in place, on the seq axis 1
+    np.testing.assert_array_equal(cache.own(b)[bshd.past[1]], rows[0][bshd.past[1]])
+
+
 def test_the_prefix_cache_finds_whole_blocks_of_the_same_tokens_only(llama):
     record, _ = llama
     cache = _manager(record, prefix_block=4)
