@@ -347,6 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spread-s", type=float, default=1.0, help="arrivals spread over this")
     ap.add_argument("--repeats", type=int, default=3, help="whole alternations")
     ap.add_argument("--quick-optimize", action="store_true", help="fewer timing rounds")
+    ap.add_argument("--prefill-tokens", type=int, default=256,
+                    help="the server's per-step token budget (tuner serve --prefill-tokens)")
     ap.add_argument("--work", type=Path, default=ROOT / ".cache" / "bench-generate-v2")
     a = ap.parse_args(argv)
     shape = "small" if a.small else "full"
@@ -365,8 +367,9 @@ def main(argv: list[str] | None = None) -> int:
     # workload by workload, so that a change in the shared machine's load hits both.
     procs, servers = [], {}
     try:
+        budget = ("--prefill-tokens", str(a.prefill_tokens))
         for label, extra in (("prefix", ()), ("no prefix", ("--no-prefix-cache",))):
-            proc, port = start_server(artifact, a.threads, *extra)
+            proc, port = start_server(artifact, a.threads, *budget, *extra)
             procs.append(proc)
             servers[label] = (port, artifact_name(artifact))
         genai_run(genai_dir, w["1"])  # warm-ups
@@ -376,6 +379,8 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(a.repeats):
             print(f"alternation {i + 1} of {a.repeats} ...", flush=True)
             runs.append(alternation(genai_dir, servers, w))
+            for label, value in ratios(runs[-1]).items():  # as it goes: a cut run keeps these
+                print(f"  {label:64s} {value:5.2f}x", flush=True)
     finally:
         for proc in procs:
             proc.terminate()
@@ -397,7 +402,8 @@ def print_table(shape: str, a, served: str, runs: list[dict]) -> None:
           f"{dims['num_attention_heads']} heads, {dims['num_key_value_heads']} kv heads, FFN "
           f"{dims['intermediate_size']}, vocab {VOCAB}), greedy, {a.new} new tokens, "
           f"{a.threads} threads, prompts {a.prompt} (1 stream) or {a.prompt // 2}.."
-          f"{a.prompt * 3 // 2}; served variant: {served} (what `tuner optimize` selected); "
+          f"{a.prompt * 3 // 2}; served variant: {served} (what `tuner optimize` selected), "
+          f"--prefill-tokens {a.prefill_tokens}; "
           f"median of {len(runs)} alternations [min..max]; {os.cpu_count()} cores, shared")
     head = (f"{'workload':34s} {'tokens/s':>22s} {'TTFT p50 ms':>12s} {'ITL p50':>8s} "
             f"{'ITL p99':>8s} {'load before..after':>19s}")
