@@ -8,6 +8,9 @@ padding row) when its entries fit the past; only when no row is free, or when fr
 and holes waste more than half of the batch, are the rows gathered into a new batch
 (left-padded to the longest row, or to the buckets).
 
+The byte budget counts the entries of running streams and of the prefix cache; a batch's
+padding and freed rows come on top, at most as much again (the gather rule above).
+
 The prefix cache keeps the keys/values of prompt prefixes in blocks of `block` tokens,
 keyed by the exact tokens up to the block's end (a dict of token tuples: hashed, and
 compared on a hit, so a collision can never serve another prompt's cache). A new stream
