@@ -404,3 +404,14 @@ def test_a_stream_behind_another_picks_up_its_prefix_blocks_between_chunks(llama
         warm.close()
     assert got == want
     assert sorted(counts)[0] == 0 and sorted(counts)[1] >= 32  # the second found blocks
+
+
+def test_the_one_bucket_rule_and_the_cache_buckets():
+    from serving.generation.options import cache_buckets, next_bucket
+
+    assert [next_bucket(n, (2, 8)) for n in (1, 2, 3, 8, 9, 17)] == [2, 2, 8, 8, 16, 32]
+    assert next_bucket(0) == 1 and next_bucket(5) == 8
+    assert cache_buckets(100, ()) == (16, 32, 64, 100)
+    assert cache_buckets(100, (48, 128)) == (48, 100)
+    with pytest.raises(ValueError, match="kv_cache_share must be in"):
+        GenerateOptions(kv_cache_share=0)
