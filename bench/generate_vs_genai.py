@@ -1,31 +1,33 @@
 """Generation through `tuner serve` (gRPC, real tritonclient streaming clients) against
 onnxruntime-genai on the same weights, same threads, same machine, in one run.
 
-    .venv/bin/python bench/generate_vs_genai.py [--small] [--threads 2] [--work DIR]
+    .venv/bin/python bench/generate_vs_genai.py [--small] [--threads 2] [--repeats 3]
 
 One random-weight Llama (the issue's shape: 8 layers, h 1024, 16 heads, 4 kv heads, FFN
 2816, vocab 3072, ~96M parameters; `--small` for a quick run) is saved with save_pretrained,
 with a byte-level BPE tokenizer made with the `tokenizers` library beside it. From that one
 folder:
   - onnxruntime-genai's model builder (`python -m onnxruntime_genai.models.builder -i HF -o
-    OUT -p fp32 -e cpu`) makes its own optimised graph; it is run in this process, batch 1
-    one request after another, and as one static batch of 8;
-  - models.kv exports the Hugging Face cache layout, written as an artifact (tuner.artifact)
-    and served by `tuner serve` as a subprocess; tritonclient streams from it.
-The two never run at the same time (they would share the cores). Workloads: greedy, 64 new
-tokens; one stream with a prompt of 128; 8 and 32 independent streams arriving at random
-times over --spread-s seconds with prompts of 64..192 tokens (mean 128), against genai
-serving the same requests one after another. Prints one table with the ratios.
-onnxruntime-genai runs in its own virtual environment (models/venvs.py, made on first use
-under $SHAPETUNER_CACHE/venvs/): it needs the `onnxruntime` CPU wheel, which writes the same
-module as the one onnxruntime wheel of ours (README: "One onnxruntime"). Its builder and its
-timed runs are this script again, started with that environment's python (`--genai-side`).
+    OUT -p fp32 -e cpu`) makes its own optimised graph; it is run in this process, one
+    request after another, and as one static batch of 8;
+  - models.kv exports the Hugging Face cache layout, `tuner optimize` makes the artifact
+    (its padded and fused variants gated and timed; the one it selects is served), and
+    `tuner serve` serves it as a subprocess (twice: with and without the prefix cache);
+    tritonclient streams from it.
+The two never run at the same time (they would share the cores). Workloads, greedy: one
+stream (prompt 128, 64 new tokens); 8 and 32 streams sent at once (prompts 64..192); 32
+arriving over --spread-s; 32 sharing a 512-token system prompt. The whole alternation runs
+--repeats times; the table shows medians with their range and the load average (1 min)
+before and after each workload. onnxruntime-genai runs in this process where it is importable;
+elsewhere in its own virtual environment (models/venvs.py, made on first use under
+$SHAPETUNER_CACHE/venvs/), because it needs the `onnxruntime` CPU wheel, which writes the same
+module as our one onnxruntime wheel (README: "One onnxruntime"): its builder and its timed
+runs are then this script again, started with that environment's python (`--genai-side`).
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import queue
@@ -45,19 +47,7 @@ FULL = dict(num_hidden_layers=8, hidden_size=1024, num_attention_heads=16,
             num_key_value_heads=4, intermediate_size=2816)
 SMALL = dict(num_hidden_layers=4, hidden_size=256, num_attention_heads=8,
              num_key_value_heads=2, intermediate_size=704)
-VOCAB, POSITIONS = 3072, 512
-# onnxruntime-genai's environment: its model builder reads the checkpoint with torch and
-# transformers and writes the graph with onnx / onnx_ir.
-GENAI_REQUIREMENTS = ("onnxruntime-genai==0.18.*", "torch==2.13.0", "transformers>=4.45",
-                      "onnx", "onnx-ir", "onnxscript")
-
-
-def genai_python() -> Path:
-    """onnxruntime-genai's environment's python, made on first use."""
-    sys.path.insert(0, str(ROOT))
-    from models.venvs import ensure_venv
-
-    return ensure_venv("genai", GENAI_REQUIREMENTS)
+VOCAB, POSITIONS = 3072, 1024
 
 
 @dataclass(frozen=True)
@@ -75,6 +65,7 @@ class Run:
     wall_s: float
     ttft_s: tuple[float, ...]
     itl_s: tuple[float, ...]
+    ids: tuple = ()  # each stream's output ids (served runs)
 
     @property
     def tokens_per_s(self) -> float:
@@ -87,12 +78,18 @@ class Run:
 # ------------------------------------------------------------------------------ prepare
 
 
+def _corpus() -> list[str]:
+    rng = np.random.default_rng(0)
+    words = ["".join(chr(int(c)) for c in rng.integers(97, 123, int(n)))
+             for n in rng.integers(2, 9, 4000)]
+    return [" ".join(rng.choice(words, 200)) for _ in range(200)]
+
+
 def prepare_hf(folder: Path, dims: dict) -> None:
     """Random-weight Llama + tokenizer, saved the way a user's checkpoint folder looks."""
     import torch
     import transformers
-
-    from models.genai_builder import save_tokenizer
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     if (folder / "config.json").is_file():
         return
@@ -101,7 +98,33 @@ def prepare_hf(folder: Path, dims: dict) -> None:
                                       tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
     model = transformers.LlamaForCausalLM(config).eval()
     model.save_pretrained(folder)
-    save_tokenizer(folder, VOCAB)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(_corpus(), trainers.BpeTrainer(
+        vocab_size=VOCAB, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<unk>", "<s>", "</s>"], show_progress=False))
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>",
+                                         bos_token="<s>", eos_token="</s>").save_pretrained(folder)
+
+
+def _genai_importable() -> bool:
+    try:
+        import onnxruntime_genai  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def genai_python() -> Path:
+    """A python that imports onnxruntime_genai: this one, or its own environment's (made on
+    first use, models.genai_builder)."""
+    if _genai_importable():
+        return Path(sys.executable)
+    sys.path.insert(0, str(ROOT))
+    from models.genai_builder import venv_python
+
+    return venv_python()
 
 
 def prepare_genai(hf: Path, out: Path, threads: int) -> None:
@@ -116,36 +139,43 @@ def prepare_genai(hf: Path, out: Path, threads: int) -> None:
     path.write_text(json.dumps(config, indent=2))
 
 
-def prepare_artifact(hf: Path, out: Path, threads: int) -> Path:
-    """The cache export of the same weights (models.kv), as an artifact with the tokenizer."""
+def prepare_artifact(hf: Path, out: Path, threads: int, quick: bool = False) -> Path:
+    """The cache export of the same weights (models.kv) with the tokenizer and config beside
+    it, through `tuner optimize`: the artifact is what optimize selects (padded and fused
+    variants gated, timed and chosen like for any model), served as it is."""
     import transformers
 
     from models.build import IR_VERSION, OPSET_DYNAMO, OPSET_TORCHSCRIPT
     from models.kv import export_kv
-    from tuner.artifact.records import Accuracy, Buckets, Manifest, Variant
-    from tuner.artifact.store import write_manifest
 
-    graph = out / "variants" / "original" / "model.onnx"
+    export = out.parent / "export"
+    graph = export / "llama.onnx"
     if not graph.is_file():
         model = transformers.AutoModelForCausalLM.from_pretrained(hf).eval().float()
         export_kv(model, "torchscript", graph,
                   {"torchscript": OPSET_TORCHSCRIPT, "dynamo": OPSET_DYNAMO}, IR_VERSION)
     for name in ("tokenizer.json", "config.json"):
-        shutil.copyfile(hf / name, out / name)
-    sha = hashlib.sha256(graph.read_bytes()).hexdigest()
-    original = Variant("original", "variants/original/model.onnx", True, (), {},
-                       Accuracy(True, 0.0, 0.0))
-    write_manifest(out, Manifest(str(hf / "llama.onnx"), sha, {"name": "cpu", "kind": "cpu"},
-                                 "ort-cpu", {"intra_op_threads": threads}, "original",
-                                 Buckets((1, 2, 4, 8, 16, 32), (64, 128, 256)), (original,)))
+        shutil.copyfile(hf / name, export / name)
+    if not (out / "manifest.json").is_file():
+        rounds = ["--rounds", "2", "--warmup", "1", "--bucket-rounds", "1"] if quick else []
+        subprocess.run([sys.executable, "-m", "tuner", "optimize", str(graph), "-o", str(out),
+                        "--threads", str(threads), "--max-batch", "32", "--force", "-q",
+                        "--no-cache", *rounds], check=True, env=_env())
     return out
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT)}
 
 
 # ------------------------------------------------------------------------------ genai
 
 
 def genai_run(folder: Path, jobs: list[Job], batch: int = 1) -> Run:
-    """`genai_here` in onnxruntime-genai's environment: this script with --genai-side."""
+    """genai_here, in this process where onnxruntime_genai imports, else in its own
+    environment (this script with --genai-side, the Run back as JSON)."""
+    if _genai_importable():
+        return genai_here(folder, jobs, batch)
     spec = json.dumps({"folder": str(folder), "batch": batch,
                        "jobs": [[list(j.prompt), j.new, j.arrival_s] for j in jobs]})
     done = subprocess.run([str(genai_python()), "-P", str(Path(__file__).resolve()),
@@ -171,7 +201,7 @@ def genai_here(folder: Path, jobs: list[Job], batch: int = 1) -> Run:
     import onnxruntime_genai as og
 
     model = og.Model(str(folder))
-    # each run is its own process: one short generation first, as the in-process warm-up was
+    # a run in its own process: one short generation first (the in-process runs are warm)
     warm = og.GeneratorParams(model)
     warm.set_search_options(max_length=len(jobs[0].prompt) + 2, do_sample=False)
     warm_gen = og.Generator(model, warm)
@@ -211,15 +241,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(artifact: Path, threads: int) -> tuple[subprocess.Popen, int]:
+def start_server(artifact: Path, threads: int, *extra: str) -> tuple[subprocess.Popen, int]:
     import tritonclient.grpc as tg
 
     port = _free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen([sys.executable, "-m", "tuner", "serve", str(artifact), "--port",
                              str(port), "--metrics-port", "-1", "--threads", str(threads),
-                             "--max-streams", "32"], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+                             "--max-streams", "32", *extra], env=_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     client = tg.InferenceServerClient(f"127.0.0.1:{port}")
     for _ in range(600):
         try:
@@ -239,7 +268,7 @@ def artifact_name(artifact: Path) -> str:
     return Path(read_manifest(artifact).source_path).stem
 
 
-def _stream_one(port: int, name: str, job: Job, t0: float, out: list) -> None:
+def _stream_one(port: int, name: str, index: int, job: Job, t0: float, out: list) -> None:
     """One client, one stream: wait for the job's arrival, send, time every response."""
     import tritonclient.grpc as tg
 
@@ -255,134 +284,201 @@ def _stream_one(port: int, name: str, job: Job, t0: float, out: list) -> None:
     time.sleep(max(0.0, t0 + job.arrival_s - time.perf_counter()))
     sent = time.perf_counter()
     client.async_stream_infer(name, inputs)
-    stamps, count = [], 0
+    stamps, ids = [], []
     while True:
         at, result, error = responses.get(timeout=300)
         if error is not None:
             raise RuntimeError(error)
-        n = result.as_numpy("output_ids").size
-        if n:
+        got = result.as_numpy("output_ids").reshape(-1).tolist()
+        if got:
             stamps.append(at)
-            count += n
+            ids += got
         if result.get_response().parameters["triton_final_response"].bool_param:
             break
     client.stop_stream()
     client.close()
-    out.append((sent, stamps, count))
+    out.append((index, sent, stamps, ids))
 
 
 def served_run(port: int, name: str, jobs: list[Job]) -> Run:
     results: list = []
     t0 = time.perf_counter() + 0.2
-    threads = [threading.Thread(target=_stream_one, args=(port, name, j, t0, results))
-               for j in jobs]
+    threads = [threading.Thread(target=_stream_one, args=(port, name, i, j, t0, results))
+               for i, j in enumerate(jobs)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    first = min(sent for sent, _, _ in results)
-    last = max(stamps[-1] for _, stamps, _ in results)
-    ttft = tuple(stamps[0] - sent for sent, stamps, _ in results)
-    itl = tuple(b - a for _, stamps, _ in results for a, b in zip(stamps, stamps[1:]))
-    return Run(sum(c for _, _, c in results), last - first, ttft, itl)
+    results.sort()
+    first = min(sent for _, sent, _, _ in results)
+    last = max(stamps[-1] for _, _, stamps, _ in results)
+    ttft = tuple(stamps[0] - sent for _, sent, stamps, _ in results)
+    itl = tuple(b - a for _, _, stamps, _ in results for a, b in zip(stamps, stamps[1:]))
+    return Run(sum(len(ids) for *_, ids in results), last - first, ttft, itl,
+               tuple(tuple(ids) for *_, ids in results))
 
 
 # ------------------------------------------------------------------------------ main
 
 
-def workloads(prompt: int, new: int, spread_s: float) -> dict[str, list[Job]]:
+def workloads(prompt: int, new: int, spread_s: float, system: int) -> dict[str, list[Job]]:
+    """1 stream; 8 and 32 streams sent at once; 32 arriving over `spread_s`; 32 sharing a
+    `system`-token prefix (each its own 16-token question, 16 new tokens); genai's static
+    batch of 8 (equal prompts)."""
     rng = np.random.default_rng(0)
 
-    def jobs(n: int) -> list[Job]:
+    def tokens(n: int) -> tuple[int, ...]:
+        return tuple(rng.integers(3, VOCAB, int(n)).tolist())
+
+    def jobs(n: int, spread: float) -> list[Job]:
         lengths = rng.integers(prompt // 2, prompt * 3 // 2 + 1, n)
-        arrivals = np.sort(rng.uniform(0, spread_s, n))
-        return [Job(tuple(rng.integers(3, VOCAB, int(k)).tolist()), new, float(a))
-                for k, a in zip(lengths, arrivals)]
+        arrivals = np.sort(rng.uniform(0, spread, n)) if spread else np.zeros(n)
+        return [Job(tokens(k), new, float(a)) for k, a in zip(lengths, arrivals)]
 
-    one = [Job(tuple(rng.integers(3, VOCAB, prompt).tolist()), new)]
-    batch8 = [Job(tuple(rng.integers(3, VOCAB, prompt).tolist()), new) for _ in range(8)]
-    return {"1": one, "8": jobs(8), "32": jobs(32), "static8": batch8}
+    shared = tokens(system)
+    return {"1": [Job(tokens(prompt), new)], "8": jobs(8, 0.0), "32": jobs(32, 0.0),
+            "32 over time": jobs(32, spread_s),
+            "shared prefix": [Job(shared + tokens(16), 16, float(a))
+                              for a in np.sort(rng.uniform(0, spread_s, 32))],
+            "static8": [Job(tokens(prompt), new) for _ in range(8)]}
 
 
-def main() -> int:
+def _load() -> float:
+    return os.getloadavg()[0]
+
+
+def alternation(genai_dir: Path, servers: dict, w: dict) -> dict[str, tuple[Run, float, float]]:
+    """Every workload once, genai and the server in turn: {label: (run, load before, after)}."""
+    out: dict[str, tuple[Run, float, float]] = {}
+
+    def timed(label: str, fn) -> None:
+        before = _load()
+        out[label] = (fn(), before, _load())
+
+    port, name = servers["prefix"]
+    timed("genai 1", lambda: genai_run(genai_dir, w["1"] * 3))
+    timed("serve 1", lambda: _pooled([served_run(port, name, w["1"]) for _ in range(3)]))
+    timed("genai static8", lambda: genai_run(genai_dir, w["static8"], batch=8))
+    timed("serve 8", lambda: served_run(port, name, w["8"]))
+    timed("serve 32", lambda: served_run(port, name, w["32"]))
+    timed("serve 32 over time", lambda: served_run(port, name, w["32 over time"]))
+    timed("serve shared, prefix cache", lambda: served_run(port, name, w["shared prefix"]))
+    cold_port, cold_name = servers["no prefix"]
+    timed("serve shared, no prefix cache",
+          lambda: served_run(cold_port, cold_name, w["shared prefix"]))
+    return out
+
+
+def ratios(a: dict[str, tuple[Run, float, float]]) -> dict[str, float]:
+    """The goals' ratios of one alternation (each >= its goal when met)."""
+    r = {k: v[0] for k, v in a.items()}
+    shared = r["serve shared, prefix cache"], r["serve shared, no prefix cache"]
+    spread = r["serve 32 over time"]
+    return {
+        "1 stream / genai (goal >= 1.0)": r["serve 1"].tokens_per_s / r["genai 1"].tokens_per_s,
+        "8 streams / genai static 8 (goal >= 1.3)":
+            r["serve 8"].tokens_per_s / r["genai static8"].tokens_per_s,
+        "32 streams / genai static 8 (goal >= 1.5)":
+            r["serve 32"].tokens_per_s / r["genai static8"].tokens_per_s,
+        "32 over 1 s: 2 x ITL p50 / p99 (goal >= 1)": 2 * spread.itl_ms(50) / spread.itl_ms(99),
+        "32 over 1 s: genai static 8 TTFT / TTFT p50 (goal > 1)":
+            float(np.median(r["genai static8"].ttft_s)) / float(np.median(spread.ttft_s)),
+        "shared prefix: TTFT p50 without / with prefix cache (goal >= 3)":
+            float(np.median(shared[1].ttft_s)) / float(np.median(shared[0].ttft_s)),
+        "shared prefix: outputs identical (1 = yes)": float(shared[0].ids == shared[1].ids),
+    }
+
+
+def median_range(values) -> tuple[float, float, float]:
+    v = np.asarray(list(values), dtype=float)
+    return float(np.median(v)), float(v.min()), float(v.max())
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--small", action="store_true", help="a small Llama, for a quick run")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--system", type=int, default=512, help="the shared prefix's tokens")
     ap.add_argument("--spread-s", type=float, default=1.0, help="arrivals spread over this")
-    ap.add_argument("--work", type=Path, default=ROOT / ".cache" / "bench-generate")
-    a = ap.parse_args()
+    ap.add_argument("--repeats", type=int, default=3, help="whole alternations")
+    ap.add_argument("--quick-optimize", action="store_true", help="fewer timing rounds")
+    ap.add_argument("--prefill-tokens", type=int, default=256,
+                    help="the server's per-step token budget (tuner serve --prefill-tokens)")
+    ap.add_argument("--work", type=Path, default=ROOT / ".cache" / "bench-generate-v2")
+    a = ap.parse_args(argv)
     shape = "small" if a.small else "full"
     work = a.work / shape
     hf, genai_dir, artifact = work / "hf", work / "genai", work / "artifact"
     print(f"preparing {shape} Llama under {work} ...", flush=True)
     prepare_hf(hf, SMALL if a.small else FULL)
     prepare_genai(hf, genai_dir, a.threads)
-    prepare_artifact(hf, artifact, a.threads)
-    w = workloads(a.prompt, a.new, a.spread_s)
+    prepare_artifact(hf, artifact, a.threads, a.quick_optimize)
+    from tuner.artifact.store import read_manifest
 
-    # The server is started first and idles (no CPU) while genai runs; the two alternate,
+    served = read_manifest(artifact).selected
+    w = workloads(a.prompt, a.new, a.spread_s, a.system)
+
+    # The servers start first and idle (no CPU) while genai runs; the two alternate,
     # workload by workload, so that a change in the shared machine's load hits both.
-    proc, port = start_server(artifact, a.threads)
-    load = [os.getloadavg()[0]]
+    procs, servers = [], {}
     try:
-        name = artifact_name(artifact)
+        budget = ("--prefill-tokens", str(a.prefill_tokens))
+        for label, extra in (("prefix", ()), ("no prefix", ("--no-prefix-cache",))):
+            proc, port = start_server(artifact, a.threads, *budget, *extra)
+            procs.append(proc)
+            servers[label] = (port, artifact_name(artifact))
         genai_run(genai_dir, w["1"])  # warm-ups
-        served_run(port, name, w["1"])
-        print("1 stream ...", flush=True)
-        g1 = genai_run(genai_dir, w["1"] * 3)
-        s1 = _pooled([served_run(port, name, w["1"]) for _ in range(3)])
-        print("8 streams ...", flush=True)
-        g8 = genai_run(genai_dir, w["8"])
-        s8 = served_run(port, name, w["8"])
-        gs8 = genai_run(genai_dir, w["static8"], batch=8)
-        print("32 streams ...", flush=True)
-        s32 = served_run(port, name, w["32"])
-        g32 = genai_run(genai_dir, w["32"])
+        served_run(*servers["prefix"], w["1"])
+        served_run(*servers["no prefix"], w["1"])
+        runs = []
+        for i in range(a.repeats):
+            print(f"alternation {i + 1} of {a.repeats} ...", flush=True)
+            runs.append(alternation(genai_dir, servers, w))
+            for label, value in ratios(runs[-1]).items():  # as it goes: a cut run keeps these
+                print(f"  {label:64s} {value:5.2f}x", flush=True)
     finally:
-        proc.terminate()
-        proc.wait(60)
-    load.append(os.getloadavg()[0])
-    print(f"load average (1 min) at the start and end: {load[0]:.1f}, {load[1]:.1f} "
-          f"({os.cpu_count()} cores, shared)")
-    print_table(shape, a, g1, g8, g32, gs8, s1, s8, s32)
+        for proc in procs:
+            proc.terminate()
+            proc.wait(60)
+    print_table(shape, a, served, runs)
     return 0
 
 
 def _pooled(runs: list[Run]) -> Run:
     """Several runs of one stream as one: tokens and times add, latencies pool."""
     return Run(sum(r.tokens for r in runs), sum(r.wall_s for r in runs),
-               tuple(x for r in runs for x in r.ttft_s), tuple(x for r in runs for x in r.itl_s))
+               tuple(x for r in runs for x in r.ttft_s), tuple(x for r in runs for x in r.itl_s),
+               tuple(i for r in runs for i in r.ids))
 
 
-def print_table(shape, a, g1, g8, g32, gs8, s1, s8, s32) -> None:
+def print_table(shape: str, a, served: str, runs: list[dict]) -> None:
     dims = SMALL if a.small else FULL
     print(f"\nLlama {shape} ({dims['num_hidden_layers']} layers, h {dims['hidden_size']}, "
           f"{dims['num_attention_heads']} heads, {dims['num_key_value_heads']} kv heads, FFN "
           f"{dims['intermediate_size']}, vocab {VOCAB}), greedy, {a.new} new tokens, "
           f"{a.threads} threads, prompts {a.prompt} (1 stream) or {a.prompt // 2}.."
-          f"{a.prompt * 3 // 2} arriving over {a.spread_s:g} s")
-    head = f"{'workload':34s} {'tokens/s':>9s} {'TTFT ms':>9s} {'ITL p50':>8s} {'ITL p99':>8s}"
+          f"{a.prompt * 3 // 2}; served variant: {served} (what `tuner optimize` selected), "
+          f"--prefill-tokens {a.prefill_tokens}; "
+          f"median of {len(runs)} alternations [min..max]; {os.cpu_count()} cores, shared")
+    head = (f"{'workload':34s} {'tokens/s':>22s} {'TTFT p50 ms':>12s} {'ITL p50':>8s} "
+            f"{'ITL p99':>8s} {'load before..after':>19s}")
     print(head)
     print("-" * len(head))
-
-    def row(label: str, r: Run) -> None:
-        print(f"{label:34s} {r.tokens_per_s:9.1f} {np.median(r.ttft_s) * 1e3:9.1f} "
-              f"{r.itl_ms(50):8.1f} {r.itl_ms(99):8.1f}")
-
-    row("genai, 1 stream", g1)
-    row("genai, 8 requests one by one", g8)
-    row("genai, 32 requests one by one", g32)
-    row("genai, static batch of 8", gs8)
-    row("tuner serve, 1 stream", s1)
-    row("tuner serve, 8 concurrent streams", s8)
-    row("tuner serve, 32 concurrent streams", s32)
-    print(f"\nratios: 1 stream {s1.tokens_per_s / g1.tokens_per_s:.2f}x genai (goal >= 1.0); "
-          f"8 streams {s8.tokens_per_s / g8.tokens_per_s:.2f}x genai one by one (goal >= 3) and "
-          f"{s8.tokens_per_s / gs8.tokens_per_s:.2f}x its static batch of 8 (goal > 1); "
-          f"32 streams {s32.tokens_per_s / g32.tokens_per_s:.2f}x one by one, "
-          f"{s32.tokens_per_s / gs8.tokens_per_s:.2f}x the static batch")
+    for label in runs[0]:
+        rs = [r[label][0] for r in runs]
+        tps = median_range(x.tokens_per_s for x in rs)
+        loads = [x for r in runs for x in r[label][1:]]
+        print(f"{label:34s} {tps[0]:7.1f} [{tps[1]:6.1f}..{tps[2]:6.1f}] "
+              f"{np.median([np.median(x.ttft_s) for x in rs]) * 1e3:12.1f} "
+              f"{np.median([x.itl_ms(50) for x in rs]):8.1f} "
+              f"{np.median([x.itl_ms(99) for x in rs]):8.1f} "
+              f"{min(loads):8.2f}..{max(loads):.2f}")
+    print()
+    for label in ratios(runs[0]):
+        m, lo, hi = median_range(ratios(r)[label] for r in runs)
+        print(f"{label:64s} {m:5.2f}x [{lo:.2f}..{hi:.2f}]")
 
 
 if __name__ == "__main__":

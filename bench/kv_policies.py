@@ -19,7 +19,8 @@ from pathlib import Path
 import numpy as np
 
 from models.build import cached
-from tuner.gate.kv_feeds import cache_roles, decode_feeds, prefill_feeds
+from tuner.graph.cache_record import cache_record
+from tuner.gate.kv_feeds import decode_feeds, prefill_feeds
 from tuner.gate.kv_gate import widen_feeds
 from tuner.graph.inspect import inspect_model
 from tuner.graph.kv_cache import widened_cache
@@ -66,7 +67,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for family in a.families.split(","):
             paths = _variants(family, Path(tmp))
-            roles = cache_roles(load_model(paths["original"]))
+            roles = cache_record(load_model(paths["original"]))
             runners = [OrtRunner(load_cpu(p, settings)) for p in paths.values()]
             tables = {}
             for phase, step in (

@@ -32,6 +32,7 @@ import tempfile
 from pathlib import Path
 
 from models.build import _cache_dir
+from models.venvs import ensure_venv
 
 BUILD = 1  # bump when what this file builds changes: it is part of the cache key
 GENAI_REQUIREMENTS = ("onnxruntime-genai==0.18.*", "torch==2.13.0", "transformers>=4.45",
@@ -57,18 +58,8 @@ FAMILIES: dict[str, dict] = {
 
 
 def venv_python() -> Path:
-    """The genai venv's python, made (and its packages installed) on first use."""
-    root = _cache_dir() / "venvs" / "genai"
-    python = root / "bin" / "python"
-    marker = root / "requirements.txt"
-    wanted = "\n".join(GENAI_REQUIREMENTS)
-    if python.is_file() and marker.is_file() and marker.read_text() == wanted:
-        return python
-    root.parent.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, "-m", "venv", str(root)], check=True)
-    subprocess.run([str(python), "-m", "pip", "install", "-q", *GENAI_REQUIREMENTS], check=True)
-    marker.write_text(wanted)
-    return python
+    """The genai environment's python, made (and its packages installed) on first use."""
+    return ensure_venv("genai", GENAI_REQUIREMENTS)
 
 
 def _key(*parts) -> str:

@@ -6,61 +6,36 @@ the artifact's buckets and the model's limits, and its statistics and metrics. N
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping, Sequence
+from typing import Mapping
 
 import numpy as np
 
 # the request-parsing half lives in serving.conventions (Triton's LLM names); re-exported
 from serving.conventions import (ClientRequest, chunk_outputs, client_signature,  # noqa: F401
                                  join_chunks, parse_request)
-from serving.datatypes import DATATYPES
 from serving.engine import Engine
-from serving.generate import GenerateOptions, GenerationStats, Generator
-from serving.kv import CacheSpec, DecoderSpec
+from serving.generation import GenerateOptions, GenerationStats, Generator
 from serving.metrics import GenerationMetrics, Metrics, Stats
-from serving.model import LoadedModel, Signature, TensorSpec
+from serving.model import LoadedModel, Signature
 from serving.sampling import GenerationRequest
 from serving.text_config import load_text_config
 from serving.tokenizer import load_tokenizer
 from tuner.errors import BadInput
 from tuner.gate.right_pad import adapted
+from tuner.graph.cache_record import CacheRecord
 
 VERSION = "1"
 
 
-def decoder_spec(signature: Signature, cache: CacheSpec, vocab: int | None = None) -> DecoderSpec:
-    """The DecoderSpec of a cache export, from the cache its structure shows (serving.kv:
-    which inputs are past keys and values, which outputs are present, the ids, mask and
-    positions by role); ValueError naming what generation cannot drive."""
-    roles = cache.roles
-    if cache.layout != "bhsd":
-        raise ValueError(f"generation drives a (batch, kv_heads, past, head_dim) cache, not "
-                         f"layout {cache.layout!r}")
-    if roles.attention_mask is None:
-        raise ValueError("generation needs an attention mask input (batch, past + seq)")
-    inputs = {s.name: s for s in signature.inputs}
-    to_present = roles.past_to_present
-    missing = [n for n in cache.past if n not in to_present]
-    if missing:
-        raise ValueError(f"cache inputs {missing} have no present output to carry them on")
-    dims = []
-    for n in cache.past:
-        shape = list(inputs[n].shape)  # (b, kv_heads, past, d)
-        if len(shape) == 4:  # dims the graph leaves symbolic (genai's kv_cache_dim), from
-            shape[1] = shape[1] if shape[1] > 0 else (cache.kv_heads or -1)  # its structure
-            shape[3] = shape[3] if shape[3] > 0 else (cache.head_dim or -1)
-        if len(shape) != 4 or shape[1] < 1 or shape[3] < 1:
-            raise ValueError(f"cache input {n!r} must be (batch, kv_heads, past, head_dim) with "
-                             f"fixed heads and head dim, not {list(shape)}")
-        dims.append((shape[1], shape[3]))
+
+def decoder_vocab(signature: Signature, record: CacheRecord) -> int:
+    """The real vocabulary (token ids [0, vocab); padded logits columns are cut off);
+    ValueError when it is unknown."""
     outputs = {s.name: s for s in signature.outputs}
-    vocab = vocab or signature.vocab_size or outputs[roles.logits].shape[-1]
+    vocab = signature.vocab_size or record.vocab or outputs[record.logits].shape[-1]
     if vocab is None or vocab < 1:
         raise ValueError("the vocabulary size is unknown (no embedding table, dynamic logits)")
-    dtype = DATATYPES[inputs[cache.past[0]].datatype].name
-    return DecoderSpec(roles.input_ids, roles.attention_mask, roles.position_ids, cache.past,
-                       tuple(to_present[n] for n in cache.past), tuple(dims), dtype,
-                       roles.logits, int(vocab))
+    return int(vocab)
 
 
 def _stats_for(stats: Stats, metrics: Metrics | None, gm: GenerationMetrics | None
@@ -94,7 +69,16 @@ def _stats_for(stats: Stats, metrics: Metrics | None, gm: GenerationMetrics | No
             stats.record_failure({"cancelled": "CANCELED", "shutdown": "REJECTED"}.get(
                 reason, "BACKEND"), seconds)
 
-    return GenerationStats(on_token, on_step, on_streams, on_end)
+    def on_prefix(looked_up: int, hit: int) -> None:
+        if gm is not None:
+            gm.prefix_looked_up.inc(looked_up)
+            gm.prefix_hit.inc(hit)
+
+    def on_preempt() -> None:
+        if gm is not None:
+            gm.preempted.inc()
+
+    return GenerationStats(on_token, on_step, on_streams, on_end, on_prefix, on_preempt)
 
 
 class DecoderEngine:
@@ -118,21 +102,22 @@ class DecoderEngine:
             pad_to = "longest" if model.backend.endswith("cpu") else "bucket"
         self.pad_to = pad_to
         self.signature = client_signature(self.tokenizer is not None)
-        try:
-            spec = decoder_spec(model.signature, model.cache)
-        except ValueError as e:
-            raise BadInput(f"{model.name}: {e}") from None
         if not options.cache_buckets and model.buckets.past:  # the cache lengths optimize chose
             options = dataclasses.replace(options, cache_buckets=tuple(model.buckets.past))
             self.options = options
         # a graph that reads its mask as lengths (onnxruntime-genai's GroupQueryAttention)
         # gets the generator's left-padded batches moved to the right and back
-        runner = adapted(model.runner, model.cache.roles)
-        self.generator = Generator(runner, spec, options,
-                                   max_positions=_max_positions(model),
-                                   batch_buckets=model.buckets.batch, tokenizer=self.tokenizer,
-                                   stats=_stats_for(stats, metrics, gen_metrics),
-                                   pad_to=self.pad_to)
+        runner = adapted(model.runner, model.cache)
+        try:
+            self.generator = Generator(runner, model.cache,
+                                       decoder_vocab(model.signature, model.cache), options,
+                                       max_positions=_max_positions(model),
+                                       batch_buckets=model.buckets.batch,
+                                       tokenizer=self.tokenizer,
+                                       stats=_stats_for(stats, metrics, gen_metrics),
+                                       pad_to=self.pad_to)
+        except (ValueError, BadInput) as e:
+            raise BadInput(f"{model.name}: {e}") from None
 
     def parse(self, tensors: Mapping[str, np.ndarray], parameters: Mapping[str, object],
               request_id: str = "") -> ClientRequest:

@@ -143,14 +143,18 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 
 
 @dataclass
 class GenerationMetrics:
-    """A decoder's series (serving.generate): tokens, first-token and inter-token latency,
-    streams running and queued; rows per step go to `tuner_batch_size`."""
+    """A decoder's series (serving.generation): tokens, first-token and inter-token latency,
+    streams running and queued, prompt tokens looked up in / served from the prefix cache
+    (their ratio is the hit rate), preemptions; rows per step go to `tuner_batch_size`."""
 
     tokens: Counter
     first_token: Histogram
     inter_token: Histogram
     active: Gauge
     queued: Gauge
+    prefix_looked_up: Counter
+    prefix_hit: Counter
+    preempted: Counter
 
 
 def add_generation_metrics(metrics: Metrics, model: str, version: str) -> GenerationMetrics:
@@ -163,9 +167,16 @@ def add_generation_metrics(metrics: Metrics, model: str, version: str) -> Genera
                   labels, buckets=LATENCY_BUCKETS, registry=r),
         Gauge("tuner_active_streams", "Streams being decoded (in the batch)", labels,
               registry=r),
-        Gauge("tuner_queued_streams", "Streams waiting for a slot", labels, registry=r))
+        Gauge("tuner_queued_streams", "Streams waiting for a slot", labels, registry=r),
+        Counter("tuner_prefix_cache_lookup_tokens", "Prompt tokens looked up in the prefix "
+                "cache", labels, registry=r),
+        Counter("tuner_prefix_cache_hit_tokens", "Prompt tokens whose keys/values came from "
+                "the prefix cache", labels, registry=r),
+        Counter("tuner_preempted_streams", "Streams preempted (cache budget) and recomputed",
+                labels, registry=r))
     return GenerationMetrics(*(m.labels(model, version) for m in (
-        made.tokens, made.first_token, made.inter_token, made.active, made.queued)))
+        made.tokens, made.first_token, made.inter_token, made.active, made.queued,
+        made.prefix_looked_up, made.prefix_hit, made.preempted)))
 
 
 def start_metrics_server(metrics: Metrics, host: str, port: int):

@@ -11,12 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping
 
-import numpy as np
 import onnx
 import onnx_ir as ir
 
 from serving.batcher import Layout
-from serving.kv import CacheSpec, cache_spec
 from tuner.artifact.records import Buckets, Latency, Manifest
 from tuner.artifact.store import read_manifest, variant_path
 from tuner.errors import BadInput
@@ -24,6 +22,7 @@ from tuner.gate.feeds import make_feeds
 from tuner.gate.entry import prepare
 from tuner.gate.verify import Tolerance, VerifyResult
 from tuner.graph.dtypes import KSERVE_BY_ONNX, onnx_name
+from tuner.graph.cache_record import CacheRecord, find_cache_record
 from tuner.graph.io import embedding_rows, model_precision
 from tuner.graph.load import check_external_data, load_model, read_proto
 from tuner.graph.roles import (ATTENTION_MASK, INPUTS_EMBEDS, POSITION_IDS, TOKEN_IDS,
@@ -76,9 +75,9 @@ class LoadedModel:
     backend: str
     gate: VerifyResult | None  # None when the original was selected (nothing to compare)
     latency: Mapping[str, Latency] = field(default_factory=dict)  # the served variant's timings
-    # A decoder exported with its KV cache: generation (serving.generate) for requests of
+    # A decoder exported with its KV cache: generation (serving.generation) for requests of
     # token ids, a plain forward for requests that bring their own past.
-    cache: CacheSpec | None = None
+    cache: CacheRecord | None = None
     max_positions: int | None = None  # rows of the position table, when the graph has one
     folder: Path | None = None  # the artifact (its tokenizer.json, if any)
 
@@ -181,7 +180,7 @@ def load_artifact(out_dir: str | Path, backend: str | None = None,
     original = loader.load(original_path, settings, shapes, cache)
     vocab = signature.vocab_size or manifest.variant("original").shape.get("vocab_size") or 2
     chosen = manifest.selected_variant()
-    kv = cache_spec(original_model)  # None: no KV cache
+    kv = find_cache_record(original_model)  # None: no KV cache
     runner, served, gate = original, "original", None
     note = "serving the original (the artifact selected it)"
     if chosen.name != "original":
@@ -209,7 +208,7 @@ def load_artifact(out_dir: str | Path, backend: str | None = None,
         layout, positions = Layout((), None, {}), _position_rows(signature)
         if served != "original":
             served_path = variant_path(out, manifest.variant(served))
-            kv = cache_spec(candidate_model) or kv
+            kv = find_cache_record(candidate_model) or kv
             signature = read_signature(served_path, candidate_model)
     else:
         layout, positions = _probe_layout(runner, original_path, signature, vocab), None

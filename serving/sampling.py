@@ -48,22 +48,24 @@ class GenerationRequest:
     sampling: Sampling = field(default_factory=Sampling)
     stop_ids: frozenset[int] = frozenset()  # generating one ends the stream (not sent)
     id: str = ""
-    min_tokens: int = 0  # until this many were generated, stop_ids are masked out of sampling
-    # matched on the detokenized output (never the prompt), across token boundaries: the
-    # stream ends with reason "stop" and the text sent ends right before the match
-    stop_strings: tuple[str, ...] = ()
-    logprobs: bool = False  # each chunk carries log_softmax(raw logits)[id] per id
+    min_tokens: int = 0  # until this many tokens were generated, stop_ids are masked out of
+    # sampling (their logits set to -inf)
+    stop_strings: tuple[str, ...] = ()  # needs a tokenizer (else InvalidArgument); matched on
+    # the detokenized OUTPUT text (never the prompt), across token boundaries; the stream ends
+    # with reason "stop"; the text sent ends right before the match (the stop string is not
+    # sent); text that may be the start of a stop string is held back until it is decided
+    logprobs: bool = False  # each chunk carries, per id, log_softmax(raw logits)[id] (the
+    # model's own distribution, before temperature/top-k/p)
 
     def __post_init__(self) -> None:
         if not self.prompt:
             raise InvalidArgument("the prompt is empty: send at least one token")
         if self.max_tokens < 1:
             raise InvalidArgument(f"max_tokens must be >= 1, not {self.max_tokens}")
-        if not 0 <= self.min_tokens <= self.max_tokens:
-            raise InvalidArgument(f"min_tokens must be in [0, max_tokens={self.max_tokens}], "
-                                  f"not {self.min_tokens}")
-        if any(not isinstance(s, str) or not s for s in self.stop_strings):
-            raise InvalidArgument("every stop string must be a non-empty string")
+        if self.min_tokens < 0:
+            raise InvalidArgument(f"min_tokens must be >= 0, not {self.min_tokens}")
+        if any(not s for s in self.stop_strings):
+            raise InvalidArgument("a stop string must not be empty")
 
 
 @dataclass(frozen=True)

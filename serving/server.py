@@ -30,7 +30,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from serving.decoder import DecoderEngine
 from serving.engine import Engine, EngineOptions
-from serving.generate import GenerateOptions
+from serving.generation import GenerateOptions
 from serving.metrics import (Stats, add_endpoint_metrics, add_generation_metrics, make_metrics,
                              start_metrics_server)
 from serving.model import load_artifact

@@ -26,7 +26,7 @@ import pytest
 import tritonclient.grpc as tg
 
 from models import build, optimum
-from serving.generate import GenerateOptions
+from serving.generation import GenerateOptions
 from serving.server import Server, ServerOptions
 from tuner.cli import main
 

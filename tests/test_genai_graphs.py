@@ -27,10 +27,11 @@ import tritonclient.grpc as tg
 from serving_support import perturbed_copy
 
 from models import genai_builder
-from serving.generate import GenerateOptions
+from serving.generation import GenerateOptions
 from serving.server import Server, ServerOptions
 from tuner.cli import main
-from tuner.gate.kv_feeds import cache_roles, next_feeds, prefill_feeds
+from tuner.gate.kv_feeds import next_feeds, prefill_feeds
+from tuner.graph.cache_record import cache_record
 from tuner.gate.right_pad import RightPadded
 from tuner.graph.inspect import inspect_model
 from tuner.graph.load import load_model
@@ -88,7 +89,7 @@ def test_left_padded_rollout_through_right_padding_equals_transformers():
 
     path = genai_builder.cached("llama", "fp32")
     hf = transformers.AutoModelForCausalLM.from_pretrained(genai_builder.hf_folder("llama")).eval()
-    roles = cache_roles(load_model(path))
+    roles = cache_record(load_model(path))
     run = RightPadded(_Session(path), roles)
     ids = np.random.default_rng(0).integers(0, 1003, (2, 6))
     mask = np.ones_like(ids)

@@ -10,8 +10,9 @@ import pytest
 
 from models.build import EXPORTERS, cached, spec
 from tuner.errors import BadInput
-from tuner.gate.kv_feeds import (cache_roles, compare_rollouts, decode_feeds, greedy_rollout,
-                                 prefill_feeds)
+from rollout_checks import compare_rollouts
+from tuner.gate.kv_feeds import decode_feeds, greedy_rollout, prefill_feeds
+from tuner.graph.cache_record import cache_record
 from tuner.graph.lm_head import token_embedding
 from tuner.graph.load import load_model
 from tuner.runtime.ort import OrtRunner, load_cpu
@@ -22,7 +23,7 @@ def _runner(path) -> OrtRunner:
 
 
 def _roles(family: str, exporter: str):
-    return cache_roles(load_model(cached(f"{family}-kv", "awkward", exporter)))
+    return cache_record(load_model(cached(f"{family}-kv", "awkward", exporter)))
 
 
 @pytest.mark.parametrize("exporter", EXPORTERS)
@@ -41,14 +42,14 @@ def test_roles_do_not_depend_on_names(tmp_path):
     rename = {"input_ids": "tok", "attention_mask": "m", "position_ids": "p"}
     for i, v in enumerate(model.graph.inputs):  # past_key_values.* are inputs 3..6
         v.name = rename.get(v.name, f"c{i}")
-    roles = cache_roles(model)
+    roles = cache_record(model)
     assert (roles.input_ids, roles.attention_mask, roles.position_ids) == ("tok", "m", "p")
     assert sorted(roles.past_to_present) == ["c3", "c4", "c5", "c6"]
 
 
 def test_a_model_without_a_cache_is_refused():
     with pytest.raises(BadInput, match="no KV cache"):
-        cache_roles(load_model(cached("llama", "awkward", "torchscript")))
+        cache_record(load_model(cached("llama", "awkward", "torchscript")))
 
 
 @pytest.mark.parametrize("exporter", EXPORTERS)

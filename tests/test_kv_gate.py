@@ -11,8 +11,9 @@ import pytest
 
 from models.build import EXPORTERS, cached
 from tuner.cli import main
-from tuner.gate.kv_feeds import cache_roles, prefill_feeds
-from tuner.gate.kv_gate import CacheFeeds, cache_feeds, check, widen_feeds
+from tuner.graph.cache_record import cache_record
+from tuner.gate.kv_feeds import prefill_feeds
+from tuner.gate.kv_gate import SERVED, CacheFeeds, cache_feeds, check, widen_feeds
 from tuner.graph.inspect import inspect_model
 from tuner.graph.lm_head import token_embedding
 from tuner.graph.load import load_model
@@ -88,7 +89,7 @@ def test_vocab_and_ffn_padding_leave_the_cache_alone(family, exporter, tmp_path)
 
 
 def test_a_widened_candidate_is_fed_zeros_in_the_new_entries():
-    roles = cache_roles(load_model(_src("llama", "dynamo")))
+    roles = cache_record(load_model(_src("llama", "dynamo")))
     first = prefill_feeds(roles, np.array([[1, 2, 3]]))
     name = next(iter(roles.past_to_present))
     pos = tuple(range(0, 40)) + tuple(range(64, 104))  # per half, 80 -> 128
@@ -98,8 +99,8 @@ def test_a_widened_candidate_is_fed_zeros_in_the_new_entries():
 
 def test_the_gate_fails_closed_on_a_candidate_that_cannot_run():
     src = _src("gpt2", "torchscript")
-    feeds = cache_feeds(cache_roles(load_model(src)), 50257)
-    assert isinstance(feeds, CacheFeeds) and len(feeds) == 4
+    feeds = cache_feeds(cache_record(load_model(src)), 50257)
+    assert isinstance(feeds, CacheFeeds) and len(feeds) == 4 + len(SERVED)
 
     class Broken:
         def infer(self, feeds):
@@ -107,3 +108,47 @@ def test_the_gate_fails_closed_on_a_candidate_that_cannot_run():
 
     result = check(OrtRunner(load_cpu(src)), Broken(), feeds)
     assert not result and "the candidate failed to run" in result.errors[0]
+
+
+def _alone(runner, record, start, row: int, steps: int) -> np.ndarray:
+    """Row `row` of a served-shape start rolled out alone: its own cache, unpadded."""
+    from tuner.gate.decode_step import row_cache, step_feeds
+    from tuner.gate.kv_feeds import greedy_rollout
+
+    past = start.mask[:, : start.past]
+    mine = row_cache(record, {n: start.arrays[n] for n in record.past}, past[row], row)
+    tokens = start.arrays[record.input_ids][row][start.mask[row, start.past:] == 1]
+    length = int(past[row].sum())
+    feeds = step_feeds(record, [tuple(int(t) for t in tokens)], np.ones((1, length), np.int64),
+                       mine)
+    return greedy_rollout(runner.infer, feeds, steps).tokens[0]
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_the_served_shapes_give_each_row_what_it_gives_alone(family):
+    """Rows of different lengths, bucket padding, a chunk beside decoding rows: each real
+    row of a served-shape rollout generates what it generates alone (the shapes are right,
+    not only equal between two models)."""
+    from tuner.gate.kv_feeds import greedy_rollout
+
+    src = _src(family, "torchscript")
+    record = cache_record(load_model(src))
+    runner = OrtRunner(load_cpu(src))
+    feeds = cache_feeds(record, 1003)
+    served = feeds.starts[-len(SERVED):]
+    for (lengths, _, _, _, steps), (start, _) in zip(SERVED, served):
+        together = greedy_rollout(runner.infer, start, steps).tokens
+        for row in range(len(lengths)):
+            np.testing.assert_array_equal(together[row], _alone(runner, record, start, row, steps))
+
+
+def test_a_corrupted_model_fails_on_the_served_shapes_alone(tmp_path):
+    src = _src("llama", "torchscript")
+    model = load_model(src)
+    _corrupt(model, "ffn")
+    bad = tmp_path / "bad.onnx"
+    ir.save(model, bad)
+    feeds = cache_feeds(cache_record(load_model(src)), 1003)
+    served = CacheFeeds(feeds.roles, feeds.starts[-len(SERVED):])
+    assert check(OrtRunner(load_cpu(src)), OrtRunner(load_cpu(src)), served)
+    assert not check(OrtRunner(load_cpu(src)), OrtRunner(load_cpu(bad)), served)

@@ -20,7 +20,8 @@ from serving.engine import EngineOptions
 from serving.server import Server, ServerOptions
 from tuner.artifact.store import read_manifest
 from tuner.cli import main
-from tuner.gate.kv_feeds import cache_roles, decode_feeds, prefill_feeds
+from tuner.graph.cache_record import cache_record
+from tuner.gate.kv_feeds import decode_feeds, prefill_feeds
 from tuner.graph.inspect import inspect_model
 from tuner.graph.load import load_model
 from tuner.jobs.pad import pad_file
@@ -115,7 +116,7 @@ def _infer(server, feeds):
 def test_serve_answers_prefill_then_decode_with_the_clients_past_exactly(served):
     server, src = served
     assert server.slot.engine.model.served == "padded"  # the rollout gate passed on the server
-    roles = cache_roles(load_model(src))
+    roles = cache_record(load_model(src))
     direct = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"])
     names = [o.name for o in direct.get_outputs()]
     first = dict(prefill_feeds(roles, np.array([[3, 14, 15, 92, 65]])).arrays)  # past 0
@@ -135,7 +136,7 @@ def test_serve_answers_prefill_then_decode_with_the_clients_past_exactly(served)
 
 def test_serve_checks_the_past_against_the_mask(served):
     server, src = served
-    roles = cache_roles(load_model(src))
+    roles = cache_record(load_model(src))
     step = dict(decode_feeds(roles, batch=1, past=4, seq=1, vocab_size=1003).arrays)
     step = {k: (v.astype(np.float32) if v.dtype.kind == "f" else v) for k, v in step.items()}
     assert _infer(server, step)["logits"].shape == (1, 1, 1003)
@@ -167,7 +168,7 @@ def test_serve_a_widened_cache_the_client_feeds_wide(tmp_path):
     server.start()
     try:
         assert server.wait_ready(120) and server.slot.engine.model.served == "padded"
-        roles = cache_roles(load_model(src))
+        roles = cache_record(load_model(src))
         step = decode_feeds(roles, batch=1, past=3, seq=1, vocab_size=50257)
         wide = dict(widen_feeds(step, widened_cache(load_model(padded))).arrays)
         got = _infer(server, wide)
@@ -191,7 +192,7 @@ def test_serve_what_optimize_wrote(tmp_path):
     server.start()
     try:
         assert server.wait_ready(120), server.slot.status
-        roles = cache_roles(load_model(src))
+        roles = cache_record(load_model(src))
         step = dict(decode_feeds(roles, batch=2, past=6, seq=1, vocab_size=1003).arrays)
         direct = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"])
         want = dict(zip([o.name for o in direct.get_outputs()], direct.run(None, step)))

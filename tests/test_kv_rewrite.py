@@ -14,7 +14,8 @@ from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument
 from models.build import EXPORTERS, cached
 from tuner.cli import main
 from tuner.errors import BadInput
-from tuner.gate.kv_feeds import cache_roles, prefill_feeds
+from tuner.graph.cache_record import cache_record
+from tuner.gate.kv_feeds import prefill_feeds
 from tuner.gate.kv_gate import cache_feeds, check
 from tuner.graph.inspect import inspect_model
 from tuner.graph.kv_cache import widened_cache
@@ -98,7 +99,7 @@ def test_liars_of_the_widened_gate(tmp_path):
     shape = inspect_model(load_model(src))
     dst = tmp_path / "w.onnx"
     pad_file(src, dst, PadRequest.from_multiples(shape, head_dim=128, cache_policy="widen"))
-    roles = cache_roles(load_model(src))
+    roles = cache_record(load_model(src))
     # fed the original cache shape, the widened model does not run: the widening is real
     with pytest.raises(InvalidArgument,
                        match=r"invalid dimensions for input: past_key_values\.\d\.(key|value) "

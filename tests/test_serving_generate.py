@@ -19,7 +19,7 @@ import tritonclient.grpc as tg
 from serving_support import make_artifact
 from tritonclient.utils import InferenceServerException
 
-from serving.generate import GenerateOptions
+from serving.generation import GenerateOptions
 from serving.server import Server, ServerOptions
 from serving.tokenizer import IncrementalDecoder
 from tuner.artifact.records import Buckets

@@ -74,7 +74,7 @@ def serving_import_error(e: BaseException) -> str | None:
 
 try:
     from serving.engine import EngineOptions
-    from serving.generate import GenerateOptions
+    from serving.generation import GenerateOptions
     from serving.server import ServerOptions
     from serving.server import serve as run
     _SERVING_ERROR: BaseException | None = None
@@ -135,6 +135,16 @@ def serve(
     max_cache_len: Optional[int] = typer.Option(None, help="decoders: longest cache (default: "
                                                            "the model's positions)"),
     roles: list[str] = roles_option(),
+    kv_cache_bytes: Optional[int] = typer.Option(None, help="decoders: the KV cache's byte "
+                                                            "budget; past it, the newest "
+                                                            "stream is preempted and "
+                                                            "recomputed later (default: 30% "
+                                                            "of the available memory)"),
+    prefill_tokens: int = typer.Option(256, help="decoders: tokens one step feeds (decode "
+                                                 "rows and prompt chunks together); a longer "
+                                                 "prompt is prefilled in chunks"),
+    prefix_cache: bool = typer.Option(True, help="decoders: reuse the cached keys/values of a "
+                                                 "prompt prefix that streams share"),
 ) -> None:
     """Serve OUT's selected variant until SIGTERM: KServe v2 / Open Inference Protocol over
     gRPC (--port) and HTTP/REST (--http-port), and for a decoder Triton's generate endpoints
@@ -156,7 +166,9 @@ def serve(
                                pad_to=pad_to)
         settings = None if threads is None else SessionSettings(intra_op_threads=threads)
         generate = GenerateOptions(max_streams=max_streams, max_queue=max_queued_streams,
-                                   max_tokens=max_tokens, max_cache_len=max_cache_len)
+                                   max_tokens=max_tokens, max_cache_len=max_cache_len,
+                                   kv_cache_bytes=kv_cache_bytes, prefill_tokens=prefill_tokens,
+                                   prefix_cache=prefix_cache)
     except ValueError as e:
         raise BadInput(str(e)) from None
     options = ServerOptions(

@@ -22,11 +22,12 @@ import numpy as np
 import onnx_ir as ir
 
 from tuner.gate.feeds import DEFAULT_SHAPES, make_feeds
-from tuner.gate.kv_feeds import (CacheRoles, Rollout, StepFeeds, cache_roles, decode_feeds,
-                                 greedy_rollout, prefill_feeds)
+from tuner.gate.kv_feeds import (Rollout, StepFeeds, decode_feeds, greedy_rollout, prefill_feeds,
+                                 served_feeds)
 from tuner.gate.right_pad import adapted
 from tuner.gate.verify import (Stats, Tolerance, TolerancePolicy, VerifyResult, tolerance_label,
                                verify)
+from tuner.graph.cache_record import CacheRecord, cache_record
 from tuner.graph.kv_cache import CachePads, find_kv_cache
 from tuner.graph.roles import InputSpec
 
@@ -34,6 +35,11 @@ from tuner.graph.roles import InputSpec
 # the decode rollouts (seq 1: a decode step; seq 3: a chunk)
 PREFILL = ((2, 6, 1, 4), (1, 3, 0, 3))
 DECODE = ((2, 7, 1, 3), (2, 5, 3, 2))
+# The server's shapes (tuner.gate.decode_step): (cache length of each row, new tokens of each
+# row, batch, past, steps): rows of different lengths left-padded in one batch; a batch and a
+# past padded to their buckets (padding rows); a prompt chunk beside decoding rows.
+SERVED = (((3, 9), (1, 1), None, None, 3), ((2, 6), (1, 1), 4, 16, 2),
+          ((0, 5, 8), (4, 1, 1), None, None, 2))
 
 
 @dataclass(frozen=True)
@@ -41,7 +47,7 @@ class CacheFeeds:
     """The gate's inputs for a cache model: first steps and how many steps to roll from each.
     `len()` is the number of rollouts (what the gate's table calls feeds)."""
 
-    roles: CacheRoles
+    roles: CacheRecord
     starts: tuple[tuple[StepFeeds, int], ...]
 
     def __len__(self) -> int:
@@ -56,9 +62,10 @@ def has_cache(model: ir.Model) -> bool:
     return find_kv_cache(model.graph) is not None
 
 
-def cache_feeds(roles: CacheRoles, vocab_size: int, seed: int = 0) -> CacheFeeds:
-    """Prefill rollouts (past 0, one left-padded row) and decode rollouts from a random cache
-    of past P (seq 1 and seq 3). A graph with a static batch gets that batch."""
+def cache_feeds(roles: CacheRecord, vocab_size: int, seed: int = 0) -> CacheFeeds:
+    """Prefill rollouts (past 0, one left-padded row), decode rollouts from a random cache
+    of past P (seq 1 and seq 3), and the server's shapes (SERVED; graphs of a static batch
+    or that take no chunk beside a past get only the shapes they run)."""
     rng = np.random.default_rng(seed)
     starts: list[tuple[StepFeeds, int]] = []
     for batch, seq, padded, steps in PREFILL:
@@ -73,6 +80,12 @@ def cache_feeds(roles: CacheRoles, vocab_size: int, seed: int = 0) -> CacheFeeds
             batch = 1  # GroupQueryAttention runs a chunk against a past at batch 1 only
         starts.append((decode_feeds(roles, roles.batch or batch, past, seq, vocab_size,
                                     seed=seed + 1 + i), steps))
+    if roles.batch is None and roles.takes_chunks:
+        for i, (lengths, chunks, batch, past, steps) in enumerate(SERVED):
+            if roles.cache.mask == "lengths" and max(chunks) > 1:
+                continue  # GroupQueryAttention runs a chunk against a past at batch 1 only
+            starts.append((served_feeds(roles, lengths, chunks, vocab_size, batch, past,
+                                        seed=seed + 11 + i), steps))
     return CacheFeeds(roles, tuple(starts))
 
 
@@ -81,7 +94,7 @@ def gate_feeds(model: ir.Model, vocab_size: int, shapes: Sequence[tuple[int, int
     """What the gate runs `model`'s variants on: CacheFeeds for a cache model, else plain
     feed dicts (tuner.gate.feeds.make_feeds at `shapes`)."""
     if has_cache(model):
-        return cache_feeds(cache_roles(model), vocab_size, seed)
+        return cache_feeds(cache_record(model), vocab_size, seed)
     return make_feeds(model, vocab_size, shapes or DEFAULT_SHAPES, seed=seed)
 
 
@@ -124,7 +137,7 @@ def widen_feeds(step: StepFeeds, widened: CachePads) -> StepFeeds:
     if not widened:
         return step
     arrays = {n: (_scatter(a, widened[n]) if n in widened else a) for n, a in step.arrays.items()}
-    return StepFeeds(step.roles, arrays, step.mask)
+    return StepFeeds(step.record, arrays, step.mask)
 
 
 # ---------------------------------------------------------------------------------------------

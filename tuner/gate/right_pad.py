@@ -4,7 +4,7 @@ onnxruntime-genai's graphs turn the attention mask into GroupQueryAttention's `s
 (ReduceSum(mask) - 1) and `total_sequence_length` (the mask's width): a row's entries are
 taken to be the first seqlens_k + 1 of its timeline (past, then the new tokens), i.e. right
 padding, and the new keys are written right after the row's own past. The gate's prefills and
-the server's batched decode steps are left-padded (tuner.gate.kv_feeds, serving.generate): a
+the server's batched decode steps are left-padded (tuner.gate.decode_step, serving.generation): a
 row whose mask is 0 on its first `lead` entries is here rolled left by `lead` before the run
 and its outputs rolled back after, so both see the layout they were written for:
 
@@ -23,7 +23,7 @@ from typing import Mapping
 import numpy as np
 
 from tuner.errors import BadInput
-from tuner.gate.kv_feeds import CacheRoles
+from tuner.graph.cache_record import CacheRecord
 
 
 def _leads(mask: np.ndarray) -> np.ndarray:
@@ -48,7 +48,7 @@ class RightPadded:
     """A runner wrapper: `infer(left-padded feeds)` -> outputs as a left-padded run would
     give them, through a graph whose mask means lengths (KvCache.mask == "lengths")."""
 
-    def __init__(self, runner, roles: CacheRoles) -> None:
+    def __init__(self, runner, roles: CacheRecord) -> None:
         if roles.attention_mask is None:
             raise BadInput("a graph that reads its mask as lengths must take a mask")
         self.runner, self.roles = runner, roles
@@ -87,6 +87,6 @@ class RightPadded:
         self.runner.close()
 
 
-def adapted(runner, roles: CacheRoles):
+def adapted(runner, roles: CacheRecord):
     """`runner` as it is, or wrapped in RightPadded when the graph reads its mask as lengths."""
     return RightPadded(runner, roles) if roles.cache.mask == "lengths" else runner

@@ -14,6 +14,7 @@ import numpy as np
 import onnx_ir as ir
 
 from tuner.graph.dtypes import NUMPY_BY_ONNX, np_dtype  # noqa: F401 - np_dtype: callers' name
+from tuner.graph.kv_cache import find_kv_cache
 from tuner.graph.load import load_model
 from tuner.graph.role_names import (ATTENTION_MASK, INPUTS_EMBEDS, KV_CACHE, OTHER,
                                     POSITION_IDS, ROLES, TOKEN_IDS, TOKEN_TYPE_IDS)
@@ -148,23 +149,12 @@ def _name_role(name: str) -> str:
     return OTHER
 
 
-def _feeds_kv_concat(value: ir.Value) -> bool:
-    """True when `value` (through Cast/Transpose) is concatenated with a computed tensor: a
-    past key or value meeting the new ones."""
-    frontier, seen = [value], set()
-    while frontier:
-        v = frontier.pop()
-        if v in seen:
-            continue
-        seen.add(v)
-        for node, _ in v.uses():
-            if node.op_type == "Concat" and len(node.inputs) >= 2 and any(
-                    i is not None and i is not v and i.producer() is not None
-                    for i in node.inputs):
-                return True
-            if node.op_type in ("Cast", "Transpose", "Identity"):
-                frontier.extend(node.outputs)
-    return False
+def _cache_inputs(model: ir.Model) -> set[str]:
+    """The past key/value inputs tuner.graph.kv_cache finds (the one cache detector)."""
+    cache = find_kv_cache(model.graph)
+    if cache is None:
+        return set()
+    return {n for layer in cache.layers for n in (layer.past_key, layer.past_value)}
 
 
 def _length_is_total(v: ir.Value, ref_seq: str | None) -> bool:
@@ -208,10 +198,10 @@ def _integer_roles(ints: list[ir.Value], has_cache: bool, ref_seq: str | None) -
     return roles
 
 
-def _float_role(v: ir.Value) -> str:
+def _float_role(v: ir.Value, pasts: set[str]) -> str:
     """The KV cache (concatenated with the new keys/values), a float mask, or embeddings."""
     rank = len(_dims_of(v))
-    if _feeds_kv_concat(v):
+    if v.name in pasts:
         return KV_CACHE
     if rank == 2 and _reach(v)[1]:
         return ATTENTION_MASK  # a float mask (1 keep, 0 pad) or a bias
@@ -239,7 +229,8 @@ def _roles(model: ir.Model, inputs: list[ir.Value]) -> dict[str, str]:
             small = rows(v) <= 16 and _name_role(v.name) != POSITION_IDS
             roles[v.name] = TOKEN_TYPE_IDS if small else POSITION_IDS
     floats = [v for v in inputs if kinds[v.name] in ("FLOAT", "FLOAT16", "BFLOAT16", "DOUBLE")]
-    roles.update({v.name: _float_role(v) for v in floats})
+    pasts = _cache_inputs(model)
+    roles.update({v.name: _float_role(v, pasts) for v in floats})
     token = next((v for v in inputs if roles.get(v.name) == TOKEN_IDS), None)
     token_dims = _dims_of(token) if token is not None else ()
     ref_seq = token_dims[-1] if token_dims and isinstance(token_dims[-1], str) else None

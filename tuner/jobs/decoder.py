@@ -31,7 +31,8 @@ from tuner.artifact.codec import manifest_to_json
 from tuner.artifact.records import Manifest, shape_key
 from tuner.artifact.report_html import PhaseRow
 from tuner.errors import BadInput
-from tuner.gate.kv_feeds import CacheRoles, decode_feeds, prefill_feeds
+from tuner.gate.kv_feeds import decode_feeds, prefill_feeds
+from tuner.graph.cache_record import CacheRecord
 from tuner.gate.kv_gate import WidenedRunner
 from tuner.graph.kv_cache import KvCache, widened_cache
 from tuner.graph.load import load_model
@@ -138,14 +139,14 @@ def decode_shape(t: DecoderTraffic, prefill_shape: tuple[int, int]) -> tuple[int
     return prefill_shape[0], fit_bucket(t.past.seq_quantile(0.5), t.past_grid)
 
 
-def prefill_feeds_for(roles: CacheRoles, vocab: int, shape: tuple[int, int],
+def prefill_feeds_for(roles: CacheRecord, vocab: int, shape: tuple[int, int],
                       seed: int = 1) -> dict[str, np.ndarray]:
     b, s = shape
     ids = np.random.default_rng(seed).integers(0, vocab, (b, s))
     return dict(prefill_feeds(roles, ids).arrays)
 
 
-def decode_feeds_for(roles: CacheRoles, vocab: int, shape: tuple[int, int],
+def decode_feeds_for(roles: CacheRecord, vocab: int, shape: tuple[int, int],
                      seed: int = 1) -> dict[str, np.ndarray]:
     b, past = shape
     return dict(decode_feeds(roles, b, past, 1, vocab, seed=seed).arrays)
@@ -225,7 +226,7 @@ class DecoderWorkload:
     """Prefill (b x s against past 0) and decode (b x 1 against a cache of P), measured apart
     and weighed by tokens (RULE); variants with a widened cache are fed wider pasts."""
 
-    def __init__(self, cfg, roles: CacheRoles, cache: KvCache, vocab: int,
+    def __init__(self, cfg, roles: CacheRecord, cache: KvCache, vocab: int,
                  positions: int | None) -> None:
         self.roles, self.cache, self.vocab = roles, cache, vocab
         self.decoder = decoder_traffic(cfg.requests, cfg.max_seq, cfg.max_batch, positions)

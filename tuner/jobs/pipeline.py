@@ -30,9 +30,9 @@ from tuner.artifact.report import write_report
 from tuner.artifact.store import write_manifest
 from tuner.errors import BadInput
 from tuner.gate.entry import GateCheck, prepare
-from tuner.gate.kv_feeds import cache_roles
 from tuner.gate.kv_gate import WidenedRunner, has_cache
 from tuner.gate.verify import Tolerance
+from tuner.graph.cache_record import cache_record
 from tuner.graph.inspect import inspect_model, inspect_path
 from tuner.graph.io import max_positions, model_bytes, vocab_for_feeds
 from tuner.graph.paddable import BY_KIND
@@ -107,7 +107,7 @@ def workload_for(cfg, model: ir.Model, shape: ModelShape, vocab: int) -> Workloa
     measured by prefill and decode, anything else by its forward pass."""
     positions = max_positions(model, shape)
     if has_cache(model):
-        return DecoderWorkload(cfg, cache_roles(model), shape.cache, vocab, positions)
+        return DecoderWorkload(cfg, cache_record(model), shape.cache, vocab, positions)
     return PlainWorkload(cfg, input_specs(model), vocab, positions)
 
 

@@ -1,0 +1,219 @@
+"""The KV cache of every running stream, in the graph's own layout (tuner.graph.cache_record):
+a byte budget, the decode batch, each prefilling stream's own cache, and the prefix cache.
+
+The decode batch is the last decode step's `present` (B, .., P, ..) and its mask (B, P):
+the next step's past as it is (no copy per step; tuner.gate.decode_step). A stream joining
+it is written IN PLACE into a free row (one that ended or was preempted, or a bucket's
+padding row) when its entries fit the past; only when no row is free, or when freed rows
+and holes waste more than half of the batch, are the rows gathered into a new batch
+(left-padded to the longest row, or to the buckets).
+
+The byte budget counts the entries of running streams and of the prefix cache; a batch's
+padding and freed rows come on top, at most as much again (the gather rule above).
+
+The prefix cache keeps the keys/values of prompt prefixes in blocks of `block` tokens,
+keyed by the exact tokens up to the block's end (a dict of token tuples: hashed, and
+compared on a hit, so a collision can never serve another prompt's cache). A new stream
+starts from the longest cached prefix (at most its prompt less one token: the last one must
+run to give logits) and prefills only the rest. Least recently used blocks go first when
+the byte budget runs out.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from serving.generation.options import next_bucket
+from tuner.gate.decode_step import left_pad, row_cache, seq_index
+from tuner.graph.cache_record import CacheRecord
+
+Cache = dict[str, np.ndarray]  # past name -> (1, .., L, ..)
+
+
+@dataclass
+class DecodeBatch:
+    """The decode rows: `slots[i]` is the stream of row i (None: free); arrays and mask are
+    the next step's past, (B, .., P, ..) and (B, P)."""
+
+    slots: list
+    arrays: dict[str, np.ndarray]
+    mask: np.ndarray
+
+    @property
+    def past(self) -> int:
+        return int(self.mask.shape[1])
+
+
+@dataclass
+class PrefixCache:
+    """Blocks of prompt prefixes, least recently used first."""
+
+    block: int
+    bytes_per_token: int
+    blocks: OrderedDict = field(default_factory=OrderedDict)  # tokens up to the end -> Cache
+    hit_tokens: int = 0
+    looked_up_tokens: int = 0
+
+    @property
+    def bytes(self) -> int:
+        return len(self.blocks) * self.block * self.bytes_per_token
+
+    def lookup(self, tokens: Sequence[int], start: int = 0) -> list[Cache]:
+        """The cached blocks after the first `start` tokens (a multiple of the block) of
+        the longest cached prefix of `tokens` less its last token."""
+        found: list[Cache] = []
+        end = start + self.block
+        while end <= len(tokens) - 1:
+            key = tuple(tokens[:end])
+            if key not in self.blocks:
+                break
+            self.blocks.move_to_end(key)
+            found.append(self.blocks[key])
+            end += self.block
+        return found
+
+    def insert(self, record: CacheRecord, tokens: Sequence[int], cache: Cache) -> None:
+        """The full blocks of `tokens` (whose entries `cache` holds), copied out."""
+        for end in range(self.block, len(tokens) + 1, self.block):
+            key = tuple(tokens[:end])
+            if key in self.blocks:
+                self.blocks.move_to_end(key)
+                continue
+            span = slice(end - self.block, end)
+            self.blocks[key] = {n: np.ascontiguousarray(a[seq_index(record, slice(None), span)])
+                                for n, a in cache.items()}
+
+    def evict(self) -> bool:
+        if not self.blocks:
+            return False
+        self.blocks.popitem(last=False)
+        return True
+
+
+class CacheManager:
+    def __init__(self, record: CacheRecord, budget_bytes: int, pad_to: str,
+                 batch_buckets: Sequence[int] = (), cache_buckets: Sequence[int] = (),
+                 prefix_block: int | None = 16, max_past: int | None = None) -> None:
+        self.record, self.pad_to = record, pad_to
+        self.max_past = max_past  # a batch's past never grows beyond (the model's positions)
+        self.bytes_per_token = record.bytes_per_token
+        self.budget_tokens = max(1, budget_bytes // self.bytes_per_token)
+        self.batch_buckets, self.cache_buckets = tuple(batch_buckets), tuple(cache_buckets)
+        self.prefix = PrefixCache(prefix_block, self.bytes_per_token) if prefix_block else None
+        self.batch: DecodeBatch | None = None
+        self.gathers = 0  # batches formed by copying (a join in place copies only its row)
+
+    # ------------------------------------------------------------------------- bytes
+
+    def fits(self, tokens: int) -> bool:
+        """Whether `tokens` entries of running streams fit beside the prefix cache."""
+        held = self.prefix.bytes // self.bytes_per_token if self.prefix is not None else 0
+        return tokens + held <= self.budget_tokens
+
+    def evict_prefix(self) -> bool:
+        return self.prefix is not None and self.prefix.evict()
+
+    def release(self, stream) -> None:
+        """Free a stream's cache (it ended, or is preempted: recomputed from scratch)."""
+        if stream.slot is not None and self.batch is not None:
+            self.batch.slots[stream.slot] = None
+        stream.slot, stream.cache, stream.computed = None, None, 0
+        if not stream.prefix_counted:
+            stream.prefix_hit = 0  # what it found is counted when its prompt completes
+
+    # ------------------------------------------------------------------------- prefix
+
+    def lookup_prefix(self, stream) -> None:
+        """Extend a prefilling stream's cache with the cached blocks that follow what it has
+        (at admission: from nothing; between chunks: blocks another stream with the same
+        prefix computed meanwhile)."""
+        p = self.prefix
+        if p is None or stream.computed % p.block or stream.decoding:
+            return
+        blocks = p.lookup(stream.tokens, stream.computed)
+        if not blocks:
+            return
+        axis = self.record.layout.index("s")
+        own = self.own(stream)
+        parts = ([own] if stream.computed else []) + blocks
+        stream.cache = {n: np.concatenate([b[n] for b in parts], axis=axis)
+                        for n in self.record.past}
+        stream.computed += len(blocks) * p.block
+        stream.prefix_hit += len(blocks) * p.block
+
+    def store_prefix(self, stream) -> None:
+        """After a prefill chunk: the full blocks of the stream's prompt computed so far
+        into the prefix cache (so that streams behind it find them at once)."""
+        p = self.prefix
+        prompt = stream.request.prompt
+        if p is None or stream.prefix_stored:
+            return
+        done = min(stream.computed, len(prompt))
+        if done >= p.block:
+            p.insert(self.record, prompt[:done - done % p.block], self.own(stream))
+        stream.prefix_stored = done == len(prompt)
+
+    # ------------------------------------------------------------------------- rows
+
+    def own(self, stream) -> Cache:
+        """A stream's entries (past name -> (1, .., L, ..)): a view where it can be."""
+        b = self.batch
+        if stream.slot is not None and b is not None:
+            return row_cache(self.record, b.arrays, b.mask[stream.slot], stream.slot)
+        return stream.cache or {}
+
+    def padded(self, rows: int, longest: int) -> tuple[int, int]:
+        """(batch, past) a new batch of `rows` rows of up to `longest` entries gets."""
+        if self.pad_to == "bucket":
+            past = next_bucket(longest, self.cache_buckets) if longest else 0
+            return next_bucket(rows, self.batch_buckets), past
+        return rows, longest
+
+    def decode_batch(self, streams: Sequence) -> DecodeBatch:
+        """The batch holding every stream of `streams` (each decoding): joiners written in
+        place into free rows where they fit, else every row gathered anew."""
+        b = self.batch
+        joining = [s for s in streams if s.slot is None]
+        if (b is not None and (self.max_past is None or b.past < self.max_past)
+                and self._in_place(b, joining) and not self._wasteful(b, streams)):
+            return b
+        caches = [self.own(s) for s in streams]
+        batch, past = self.padded(len(streams), max(s.computed for s in streams))
+        arrays, mask = left_pad(self.record, caches, batch, past)
+        for i, s in enumerate(streams):
+            s.slot, s.cache = i, None
+        self.batch = DecodeBatch(list(streams) + [None] * (batch - len(streams)), arrays, mask)
+        self.gathers += 1
+        return self.batch
+
+    def _in_place(self, b: DecodeBatch, joining: Sequence) -> bool:
+        free = [i for i, s in enumerate(b.slots) if s is None]
+        if len(free) < len(joining) or any(s.computed > b.past for s in joining):
+            return False
+        for slot, s in zip(free, joining):
+            n, cache = s.computed, self.own(s)
+            for name in self.record.past:
+                b.arrays[name][seq_index(self.record, slot, slice(b.past - n, b.past))] = \
+                    cache[name][seq_index(self.record, 0, slice(None))]
+            b.mask[slot] = 0
+            b.mask[slot, b.past - n:] = 1
+            b.slots[slot], s.slot, s.cache = s, slot, None
+        return True
+
+    def _wasteful(self, b: DecodeBatch, streams: Sequence) -> bool:
+        """Freed rows and holes over half the batch's positions: a gather costs less."""
+        kept = sum(s.computed for s in streams)
+        return kept * 2 < len(b.slots) * b.past and self.padded(
+            len(streams), max(s.computed for s in streams)) != (len(b.slots), b.past)
+
+    def advance(self, b: DecodeBatch, mask: np.ndarray, presents: dict[str, np.ndarray]) -> None:
+        """After a decode step: its presents and mask are the next past."""
+        b.arrays, b.mask = presents, mask
+
+    def clear(self) -> None:
+        """Nothing is decoding: drop the batch (its arrays)."""
+        self.batch = None

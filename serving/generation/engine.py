@@ -1,0 +1,247 @@
+"""The generation engine: one thread that loops schedule -> run -> emit over every stream,
+in-flight batching on a decoder exported with its KV cache. Each iteration, between two
+model runs:
+  1. streams that were cancelled (or whose client went away) end, freeing their cache;
+  2. the scheduler plans the step (decode rows, prefill chunks, preemptions);
+  3. one run decodes every decoding stream (a batch of one token each, the cache written
+     in place), one run feeds the prefill chunks (a prompt's last chunk gives its first
+     token); the output processor samples and sends the chunks.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from typing import Callable, Iterator, Sequence
+
+from serving.errors import InvalidArgument, ResourceExhausted, Unavailable
+from serving.generation.cache import CacheManager
+from serving.generation.options import GenerateOptions, cache_budget, cache_buckets
+from serving.generation.output import GenerationStats, OutputProcessor, StreamOutput
+from serving.generation.runner import StepRunner
+from serving.generation.scheduler import Scheduler, StepPlan, Stream
+from serving.sampling import Chunk, GenerationRequest
+from tuner.graph.cache_record import CacheRecord
+
+log = logging.getLogger("serving")
+
+
+class Handle:
+    """What `submit` returns: cancel() frees the stream's slot at the next step."""
+
+    def __init__(self, stream: Stream) -> None:
+        self._stream = stream
+
+    def cancel(self) -> None:
+        self._stream.cancelled.set()
+
+
+class Generator:
+    """Owns the scheduler, the cache and the one thread that runs the model."""
+
+    def __init__(self, runner, record: CacheRecord, vocab: int,
+                 options: GenerateOptions = GenerateOptions(), *,
+                 max_positions: int | None = None, batch_buckets: Sequence[int] = (),
+                 tokenizer=None, stats: GenerationStats | None = None,
+                 pad_to: str = "longest") -> None:
+        if pad_to not in ("bucket", "longest"):
+            raise ValueError(f"pad_to must be bucket or longest, not {pad_to!r}")
+        if record.attention_mask is None:
+            raise ValueError("generation needs an attention mask input (batch, past + seq)")
+        record.past_to_present  # BadInput when a layer's cache is not returned
+        self.record, self.vocab, self.options = record, vocab, options
+        self.tokenizer, self.pad_to = tokenizer, pad_to
+        self.stats = stats or GenerationStats()
+        self.max_cache_len = options.max_cache_len or max_positions or 2048
+        if max_positions is not None and self.max_cache_len > max_positions:
+            raise ValueError(f"max cache length {self.max_cache_len} exceeds the model's "
+                             f"{max_positions} positions")
+        self.max_prompt = min(options.max_prompt or self.max_cache_len - 1,
+                              self.max_cache_len - 1)
+        self.batch_buckets = tuple(options.batch_buckets or batch_buckets)
+        self.cache_buckets = cache_buckets(self.max_cache_len, options.cache_buckets)
+        self.budget_bytes = cache_budget(options)
+        self.cache = CacheManager(record, self.budget_bytes, pad_to, self.batch_buckets,
+                                  self.cache_buckets,
+                                  options.prefix_block if options.prefix_cache else None,
+                                  self.max_cache_len)
+        self.step_runner = StepRunner(runner, record, vocab, self.stats.on_step)
+        self.scheduler = Scheduler(self.cache, options.max_streams, options.prefill_tokens,
+                                   record.takes_chunks)
+        self.output = OutputProcessor(self.stats)
+        self._submitted: deque[Stream] = deque()
+        self._cv = threading.Condition()
+        self._draining = False
+        self._deadline: float | None = None
+        self._thread = threading.Thread(target=self._loop, name="generate", daemon=True)
+        self._thread.start()
+
+    @property
+    def runner(self):
+        """The model (anything with `infer(feeds)`); tests may slow it down."""
+        return self.step_runner.runner
+
+    @runner.setter
+    def runner(self, value) -> None:
+        self.step_runner.runner = value
+
+    # ---------------------------------------------------------------------------- admission
+
+    def validate(self, request: GenerationRequest) -> None:
+        """InvalidArgument for a request this server can never run, saying which limit."""
+        n, o = len(request.prompt), self.options
+        if n > self.max_prompt:
+            raise InvalidArgument(f"the prompt has {n} tokens; at most {self.max_prompt} are "
+                                  "accepted")
+        if request.max_tokens > o.max_tokens:
+            raise InvalidArgument(f"max_tokens {request.max_tokens} is over the limit "
+                                  f"{o.max_tokens}")
+        if n + request.max_tokens - 1 > self.max_cache_len:
+            raise InvalidArgument(
+                f"prompt ({n}) + max_tokens ({request.max_tokens}) - 1 = "
+                f"{n + request.max_tokens - 1} cache entries exceed the maximum cache length "
+                f"{self.max_cache_len} (the model's positions)")
+        if n + request.max_tokens > self.cache.budget_tokens:
+            raise InvalidArgument(
+                f"prompt ({n}) + max_tokens ({request.max_tokens}) cache entries exceed the "
+                f"cache's byte budget ({self.budget_bytes} bytes: {self.cache.budget_tokens} "
+                "entries); raise --kv-cache-bytes")
+        bad = [t for t in request.prompt if not 0 <= t < self.vocab]
+        if bad:
+            raise InvalidArgument(f"token id {bad[0]} is outside the vocabulary "
+                                  f"[0, {self.vocab})")
+        if request.stop_strings and self.tokenizer is None:
+            raise InvalidArgument("stop strings need a tokenizer (no tokenizer.json in the "
+                                  "artifact): send stop ids instead")
+
+    def submit(self, request: GenerationRequest, on_chunk: Callable[[Chunk], None]) -> Handle:
+        """Queue a stream; `on_chunk` is called (from the engine's thread) for every chunk,
+        in order, the last one final. Raises InvalidArgument, ResourceExhausted or
+        Unavailable."""
+        self.validate(request)
+        stream = Stream(request, on_chunk, StreamOutput(request, self.tokenizer))
+        with self._cv:
+            if self._draining:
+                raise Unavailable("the server is shutting down: no new streams")
+            o, running = self.options, len(self.scheduler.running)
+            queued = len(self._submitted) + len(self.scheduler.waiting)
+            if queued + running >= o.max_streams + o.max_queue:
+                raise ResourceExhausted(
+                    f"the server is full: {running} streams running and {queued} queued "
+                    f"(the queue holds {o.max_queue})")
+            self._submitted.append(stream)
+            self.stats.on_streams(running, queued + 1)
+            self._cv.notify()
+        return Handle(stream)
+
+    def generate(self, request: GenerationRequest) -> Iterator[Chunk]:
+        """submit(), as an iterator of chunks (blocking); closing it cancels the stream."""
+        chunks: queue.Queue[Chunk] = queue.Queue()
+        handle = self.submit(request, chunks.put)
+        try:
+            while True:
+                chunk = chunks.get()
+                yield chunk
+                if chunk.final:
+                    return
+        finally:
+            handle.cancel()
+
+    def drain(self, grace_s: float) -> None:
+        """No new streams; those running get `grace_s` to finish, then end with a final chunk
+        saying so (reason "shutdown"). Returns at once; close() waits."""
+        with self._cv:
+            self._draining = True
+            self._deadline = time.perf_counter() + grace_s
+            self._cv.notify()
+
+    def close(self, grace_s: float = 0.0) -> None:
+        if not self._draining:
+            self.drain(grace_s)
+        self._thread.join()
+
+    @property
+    def active(self) -> int:
+        return len(self.scheduler.running)
+
+    # ---------------------------------------------------------------------------- the loop
+
+    def _busy(self) -> bool:
+        return bool(self._submitted or self.scheduler.waiting or self.scheduler.running)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._busy() or self._draining):
+                    self._cv.wait()
+                if self._draining and not self._busy():
+                    return
+                while self._submitted:
+                    self.scheduler.add(self._submitted.popleft())
+            try:
+                self._end_overdue()
+                self._drop_cancelled()
+                self._step(self.scheduler.schedule())
+            except Exception as e:  # noqa: BLE001 - the model failed: end every stream, go on
+                log.exception("generation step failed")
+                for s in list(self.scheduler.running):
+                    self._end(s, "error", f"the model failed: {type(e).__name__}: {e}")
+                self.cache.clear()
+            self.stats.on_streams(len(self.scheduler.running), len(self.scheduler.waiting))
+
+    def _step(self, plan: StepPlan) -> None:
+        for _ in plan.preempted:
+            self.stats.on_preempt()
+        if plan.decode:
+            batch = self.cache.decode_batch(plan.decode)
+            result = self.step_runner.decode(self.cache, batch)
+            rows = [s.slot for s in plan.decode]
+            self._emit(plan.decode, result.logits[rows])
+        if plan.prefill:
+            result = self.step_runner.prefill(self.cache, plan.prefill)
+            done = []
+            for i, ((s, n), cache) in enumerate(zip(plan.prefill, result.caches)):
+                s.cache, s.computed = cache, s.computed + n
+                self.cache.store_prefix(s)
+                prompt = len(s.request.prompt)
+                if not s.prefix_counted and s.computed >= prompt and self.cache.prefix:
+                    self.stats.on_prefix(prompt, s.prefix_hit)
+                    s.prefix_counted = True
+                if s.computed == len(s.tokens):  # the prompt's last chunk: a first token
+                    done.append(i)
+            self._emit([plan.prefill[i][0] for i in done], result.logits[done])
+        if not any(s.decoding for s in self.scheduler.running):
+            self.cache.clear()  # nothing decodes: free the batch
+
+    def _emit(self, streams: Sequence[Stream], logits) -> None:
+        if not streams:
+            return
+        tokens, logprobs = self.output.sample(streams, logits)
+        for i, (s, token) in enumerate(zip(streams, tokens)):
+            s.computed = len(s.tokens)  # every fed token is cached now
+            self.output.emit(s, token, None if logprobs is None else float(logprobs[i]))
+            if s.done:
+                self.scheduler.remove(s)
+
+    def _end(self, s: Stream, reason: str, detail: str = "") -> None:
+        self.output.finish(s, reason, detail)
+        self.scheduler.remove(s)
+
+    def _end_overdue(self) -> None:
+        if self._deadline is None or time.perf_counter() < self._deadline:
+            return
+        for s in list(self.scheduler.running) + list(self.scheduler.waiting):
+            self._end(s, "shutdown", "the server shut down before the stream finished "
+                                     "(grace period over)")
+
+    def _drop_cancelled(self) -> None:
+        sched = self.scheduler
+        for s in list(sched.running) + list(sched.waiting):
+            if s.cancelled.is_set():
+                self._end(s, "cancelled", "cancelled by the client" if s in sched.running
+                          else "cancelled before it started")
+            elif self._draining and s in sched.waiting and s.computed == 0 and not s.preemptions:
+                self._end(s, "shutdown", "the server shut down before the stream started")

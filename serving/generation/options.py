@@ -1,0 +1,87 @@
+"""What a server's generation may do (limits, budgets, padding), and the one bucket rule it
+pads batches and cache lengths with."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+
+def next_bucket(n: int, buckets: Sequence[int] = ()) -> int:
+    """The smallest bucket >= n; past the largest, the next power of two (so the shapes a
+    server sees stay few). Every padded shape generation runs comes from here."""
+    for b in buckets:
+        if b >= n:
+            return int(b)
+    return 1 << max(0, n - 1).bit_length()
+
+
+def cache_buckets(limit: int, given: Sequence[int]) -> tuple[int, ...]:
+    """Cache-length buckets up to `limit`: the given ones below it, else powers of two from 16."""
+    if given:
+        return tuple(b for b in given if b < limit) + (limit,)
+    out, b = [], 16
+    while b < limit:
+        out.append(b)
+        b *= 2
+    return tuple(out) + (limit,)
+
+
+@dataclass(frozen=True)
+class GenerateOptions:
+    max_streams: int = 32  # streams running at once (decoding or prefilling); more wait
+    max_queue: int = 256  # streams waiting; beyond, RESOURCE_EXHAUSTED
+    max_tokens: int = 1024  # the most a request may ask for
+    default_max_tokens: int = 16
+    max_prompt: int | None = None  # default: the cache length less one token
+    max_cache_len: int | None = None  # default: the model's positions (else 2048)
+    # Tokens one step feeds, decode rows (one each) and prefill chunks together: a long
+    # prompt is prefilled in chunks of what is left, so running streams never stall for a
+    # whole prompt (chunked prefill, where the graph takes seq > 1 beside a past).
+    prefill_tokens: int = 256
+    kv_cache_bytes: int | None = None  # the cache's byte budget; default a share of memory
+    kv_cache_share: float = 0.3  # that share of the machine's available memory
+    prefix_cache: bool = True  # reuse the cached keys/values of a shared token prefix
+    prefix_block: int = 16  # tokens per prefix-cache block
+    batch_buckets: tuple[int, ...] = ()  # default: the artifact's
+    cache_buckets: tuple[int, ...] = ()  # default: powers of two from 16
+    # "bucket": a batch and its past are padded to their buckets when the batch is formed
+    # (the shapes a GPU artifact was tuned at); "longest": to the rows and the longest row
+    # (any shape runs on a CPU, and every padded position costs time there); "auto":
+    # longest on CPU backends. Either way each step's present is the next past as it is.
+    pad_to: str = "auto"
+
+    def __post_init__(self) -> None:
+        for name in ("max_streams", "max_queue", "max_tokens", "default_max_tokens",
+                     "prefill_tokens", "prefix_block"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, not {getattr(self, name)}")
+        for name in ("max_prompt", "max_cache_len", "kv_cache_bytes"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ValueError(f"{name} must be >= 1, not {v}")
+        if not 0 < self.kv_cache_share <= 1:
+            raise ValueError(f"kv_cache_share must be in (0, 1], not {self.kv_cache_share}")
+        if self.pad_to not in ("auto", "bucket", "longest"):
+            raise ValueError(f"pad_to must be auto, bucket or longest, not {self.pad_to!r}")
+        for name in ("batch_buckets", "cache_buckets"):
+            v = getattr(self, name)
+            if list(v) != sorted(set(v)) or any(b < 1 for b in v):
+                raise ValueError(f"{name} must be increasing positive integers, not {list(v)}")
+
+
+def available_memory() -> int:
+    """Bytes the machine has available (MemAvailable), or 4 GiB where it cannot be read."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 << 30
+
+
+def cache_budget(options: GenerateOptions) -> int:
+    """The cache's byte budget: --kv-cache-bytes, else a share of the available memory."""
+    return options.kv_cache_bytes or int(available_memory() * options.kv_cache_share)

@@ -1,0 +1,151 @@
+"""From a step's logits to the chunks each stream's client gets: batched sampling (one argmax
+for every greedy row), stop ids (masked out until `min_tokens`), stop strings on the output
+text, incremental detokenizing, log-probs, the final chunk's reason, and the metrics."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+from serving.sampling import Chunk, GenerationRequest, sample
+from serving.tokenizer import IncrementalDecoder
+
+log = logging.getLogger("serving")
+
+
+@dataclass
+class GenerationStats:
+    """Counters the engine keeps (a metrics layer reads them; see serving.metrics)."""
+
+    on_token: Callable[[float | None, float | None], None] = lambda ttft, itl: None
+    on_step: Callable[[int, float], None] = lambda rows, seconds: None
+    on_streams: Callable[[int, int], None] = lambda active, queued: None
+    on_end: Callable[[str, float], None] = lambda reason, seconds: None
+    # prompt tokens looked up in the prefix cache, and how many of them were found there
+    on_prefix: Callable[[int, int], None] = lambda looked_up, hit: None
+    on_preempt: Callable[[], None] = lambda: None
+
+
+class StreamOutput:
+    """What one stream has produced: its sampler, its text so far and how much was sent."""
+
+    def __init__(self, request: GenerationRequest, tokenizer) -> None:
+        self.request = request
+        self.rng = np.random.default_rng(request.sampling.seed)
+        self.detok = IncrementalDecoder(tokenizer, request.prompt) if tokenizer else None
+        self.text = ""  # the output text decoded so far
+        self.sent = 0  # characters of it sent
+        self.generated = 0
+        self.submitted = time.perf_counter()
+        self.last_token_at: float | None = None
+
+    def release(self, final: bool) -> tuple[str | None, bool]:
+        """(text to send now, whether a stop string matched): up to a stop string's match,
+        else all but what may still become one (everything when `final`)."""
+        if self.detok is None:
+            return None, False
+        stops = self.request.stop_strings
+        # (held-back text means a match can only start in what was not sent)
+        hits = [i for i in (self.text.find(s, self.sent) for s in stops) if i >= 0]
+        if hits:
+            end, matched = min(hits), True
+        else:
+            end, matched = len(self.text), False
+            if not final:
+                end -= _held_back(self.text[self.sent:], stops)
+        piece, self.sent = self.text[self.sent:end], max(self.sent, end)
+        return piece, matched
+
+
+def _held_back(tail: str, stops: Sequence[str]) -> int:
+    """Characters at the end of `tail` that are the start of some stop string."""
+    for n in range(min(len(tail), max((len(s) for s in stops), default=0) - 1), 0, -1):
+        if any(s.startswith(tail[-n:]) for s in stops):
+            return n
+    return 0
+
+
+def log_softmax_at(logits: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """log_softmax(logits[i])[ids[i]] for each row (float64)."""
+    x = logits.astype(np.float64)
+    top = x.max(axis=1, keepdims=True)
+    lse = np.log(np.exp(x - top).sum(axis=1)) + top[:, 0]
+    return x[np.arange(len(ids)), ids] - lse
+
+
+class OutputProcessor:
+    def __init__(self, stats: GenerationStats) -> None:
+        self.stats = stats
+
+    def sample(self, streams: Sequence, logits: np.ndarray) -> tuple[list[int], np.ndarray | None]:
+        """One token per stream from its row of `logits` (rows, vocab), and each token's
+        log-prob under the raw logits (None when no stream asked)."""
+        work = logits
+        for i, s in enumerate(streams):
+            r = s.request
+            if r.stop_ids and s.output.generated < r.min_tokens:
+                if work is logits:
+                    work = logits.copy()
+                ids = [t for t in r.stop_ids if 0 <= t < logits.shape[1]]
+                work[i, ids] = -np.inf
+        tokens = np.argmax(work, axis=1).tolist()  # every greedy row at once (first maximum)
+        for i, s in enumerate(streams):
+            if not s.request.sampling.greedy:
+                tokens[i] = sample(work[i], s.request.sampling, s.output.rng)
+        wanted = any(s.request.logprobs for s in streams)
+        logprobs = log_softmax_at(logits, np.asarray(tokens)) if wanted else None
+        return tokens, logprobs
+
+    def emit(self, stream, token: int, logprob: float | None) -> None:
+        """A new token of `stream`: the stream ends (stream.done) on a stop or its length."""
+        out, request = stream.output, stream.request
+        now = time.perf_counter()
+        ttft = now - out.submitted if out.last_token_at is None else None
+        itl = None if out.last_token_at is None else now - out.last_token_at
+        out.last_token_at = now
+        if token in request.stop_ids and out.generated >= request.min_tokens:
+            self.finish(stream, "stop")
+            return
+        stream.tokens.append(token)
+        out.generated += 1
+        self.stats.on_token(ttft, itl)
+        if out.detok is not None:
+            out.text += out.detok.add(token)
+        last = out.generated >= request.max_tokens
+        if last and out.detok is not None:
+            out.text += out.detok.flush()
+        piece, matched = out.release(final=last)
+        probs = (logprob,) if request.logprobs else None
+        if matched or last:
+            self._end(stream, Chunk((token,), piece, True, "stop" if matched else "length",
+                                    logprobs=probs))
+        else:
+            self._send(stream, Chunk((token,), piece, logprobs=probs))
+
+    def finish(self, stream, reason: str, detail: str = "") -> None:
+        """The final chunk without a new token (stop id, cancel, shutdown, error)."""
+        if stream.done:
+            return
+        out = stream.output
+        if out.detok is not None:
+            out.text += out.detok.flush()
+        piece, matched = out.release(final=True)
+        self._end(stream, Chunk((), piece, True, "stop" if matched else reason,
+                                "" if matched else detail,
+                                () if stream.request.logprobs else None))
+
+    def _end(self, stream, chunk: Chunk) -> None:
+        stream.done = True
+        self._send(stream, chunk)
+        self.stats.on_end(chunk.reason or "", time.perf_counter() - stream.output.submitted)
+
+    def _send(self, stream, chunk: Chunk) -> None:
+        try:
+            stream.on_chunk(chunk)
+        except Exception:  # noqa: BLE001 - a broken consumer must not stop the others
+            log.exception("delivering a chunk failed; cancelling that stream")
+            stream.cancelled.set()

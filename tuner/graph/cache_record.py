@@ -1,0 +1,138 @@
+"""The one record of a decoder's KV cache interface, found once per model and taken by the
+gate (rollouts), optimize (the cache section, the decoder's feeds) and the server
+(generation, checks of a client's own past).
+
+    record = find_cache_record(model)       # None when the graph has no KV cache
+    record.past_to_present                  # past input -> the present output feeding it
+    record.past_shape(batch=2, length=7)    # in the cache's own layout, e.g. bhsd
+
+It joins what tuner.graph.kv_cache finds from the structure (layers, layout, kv heads,
+head dim, dtype) with the roles tuner.graph.roles finds for every model (token ids, mask,
+position ids), the logits output, and the widened entries a rewrite recorded (`widen`).
+The dims are the served graph's own: a widened cache is wider here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import onnx_ir as ir
+
+from tuner.errors import BadInput
+from tuner.graph.kv_cache import CachePads, KvCache, find_kv_cache, widened_cache
+from tuner.graph.roles import ATTENTION_MASK, POSITION_IDS, TOKEN_IDS, input_specs, with_role
+
+
+@dataclass(frozen=True)
+class CacheRecord:
+    """The graph names of a cache model's inputs/outputs by role, its cache, its dtypes."""
+
+    input_ids: str
+    attention_mask: str | None  # None: the graph takes no mask
+    position_ids: str | None  # None: positions come from inside the graph
+    logits: str
+    cache: KvCache
+    dtypes: Mapping[str, str] = field(default_factory=dict)  # input name -> numpy dtype name
+    batch: int | None = None  # the graph's batch when it is static (STYLE.md: static dims are real)
+    vocab: int | None = None  # the logits' last dim when static
+    widened: CachePads = field(default_factory=dict)  # {} unless a rewrite widened the cache
+    seq: int | None = None  # the ids' sequence dim when static (1: decode steps only)
+
+    @property
+    def layout(self) -> str:
+        return self.cache.layout
+
+    @property
+    def kv_heads(self) -> int | None:
+        return self.cache.num_kv_heads
+
+    @property
+    def head_dim(self) -> int | None:
+        return self.cache.head_dim
+
+    @property
+    def dtype(self) -> str:
+        return self.cache.dtype
+
+    @property
+    def past(self) -> tuple[str, ...]:
+        """Every past input, layer by layer, key before value."""
+        return tuple(n for layer in self.cache.layers for n in (layer.past_key, layer.past_value))
+
+    @property
+    def past_to_present(self) -> dict[str, str]:
+        """past input -> the present output that feeds it on the next step."""
+        pairs: dict[str, str] = {}
+        for layer in self.cache.layers:
+            if layer.present_key is None or layer.present_value is None:
+                raise BadInput(f"layer {layer.index}'s cache is not a graph output: "
+                               "no present to feed back")
+            pairs[layer.past_key] = layer.present_key
+            pairs[layer.past_value] = layer.present_value
+        return pairs
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one position of every layer's K and V takes (the served, maybe wider, dims)."""
+        if self.cache.bytes_per_token is None:
+            raise BadInput("the cache's kv heads / head dim are not static in the graph")
+        return self.cache.bytes_per_token
+
+    @property
+    def takes_chunks(self) -> bool:
+        """Whether the graph runs seq > 1 beside a past > 0 (chunked prefill, prefix hits)."""
+        return self.seq is None or self.seq > 1
+
+    def past_shape(self, batch: int, length: int) -> tuple[int, ...]:
+        """The shape of one past tensor holding `length` positions, in the cache's layout."""
+        if self.kv_heads is None or self.head_dim is None:
+            raise BadInput("the cache's kv heads / head dim are not static in the graph")
+        size = {"b": batch, "h": self.kv_heads, "s": length, "d": self.head_dim}
+        return tuple(size[letter] for letter in self.layout)  # e.g. bhsd: (B, kv_heads, P, d)
+
+
+def _logits(graph: ir.Graph, cache: KvCache) -> ir.Value:
+    presents = {n for layer in cache.layers for n in (layer.present_key, layer.present_value)}
+    rest = [v for v in graph.outputs if v.name not in presents]
+    if len(rest) != 1:
+        raise BadInput(f"a cache model should return logits and the cache; it returns "
+                       f"{len(rest)} other outputs: {[v.name for v in rest]}")
+    return rest[0]
+
+
+def _static_last(v: ir.Value) -> int | None:
+    d = v.shape[-1] if v.shape is not None and len(v.shape) else None
+    return d if isinstance(d, int) and d > 0 else None
+
+
+def cache_record(model: ir.Model) -> CacheRecord:
+    """The cache record of a cache model; BadInput when the model has no KV cache or its
+    roles cannot be told apart."""
+    graph = model.graph
+    cache = find_kv_cache(graph)
+    if cache is None:
+        raise BadInput("the model has no KV cache (no past key/value input joined by a Concat)")
+    specs = input_specs(model)  # roles from the structure (tuner.graph.roles)
+    ids, mask = with_role(specs, TOKEN_IDS), with_role(specs, ATTENTION_MASK)
+    pos = with_role(specs, POSITION_IDS)
+    if ids is None:
+        raise BadInput("no token-id input (one that reaches the token embedding) in the graph")
+    batch = ids.dims[ids.batch_axis] if ids.batch_axis is not None else None
+    seq = ids.dims[ids.seq_axis] if ids.seq_axis is not None else None
+    logits = _logits(graph, cache)
+    return CacheRecord(ids.name, mask.name if mask is not None else None,
+                       pos.name if pos is not None else None, logits.name or "", cache,
+                       {s.name: s.dtype for s in specs},
+                       batch if isinstance(batch, int) else None, _static_last(logits),
+                       widened_cache(model), seq if isinstance(seq, int) else None)
+
+
+def find_cache_record(model: ir.Model) -> CacheRecord | None:
+    """The record, or None for a model without a KV cache (or one whose roles are unclear)."""
+    if find_kv_cache(model.graph) is None:
+        return None
+    try:
+        return cache_record(model)
+    except BadInput:
+        return None
