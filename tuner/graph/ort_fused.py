@@ -17,7 +17,7 @@ import onnx_ir as ir
 from tuner.graph.attention import AttnMatch, linears_by_output, rotary_of, walk_projection
 from tuner.graph.dims import Dims
 from tuner.graph.shape import AttentionSite, ScaleSite
-from tuner.graph.walk import MS, Linear, as_linear, const_shape, consumers, op, source
+from tuner.graph.walk import MS, Linear, const_shape, consumers, op, source
 
 # Weight-quantized GEMMs: listed with the fused ops, but not a sign of the transformer optimizer.
 QUANTIZED = {f"{MS}.MatMulNBits", f"{MS}.DynamicQuantizeMatMul", f"{MS}.MatMulIntegerToFloat",
