@@ -147,7 +147,7 @@ def widen_feeds(step: StepFeeds, widened: CachePads) -> StepFeeds:
 def _rollout(runner, start: StepFeeds, steps: int) -> Rollout:
     # a graph that reads its mask as lengths (GroupQueryAttention) gets the left-padded rows
     # moved to the right and back (tuner.gate.right_pad)
-    return greedy_rollout(adapted(runner, start.roles).infer, start, steps)
+    return greedy_rollout(adapted(runner, start.record).infer, start, steps)
 
 
 def _first_line(e: Exception) -> str:
