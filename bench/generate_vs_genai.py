@@ -247,7 +247,7 @@ def start_server(artifact: Path, threads: int, *extra: str) -> tuple[subprocess.
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "tuner", "serve", str(artifact), "--port",
                              str(port), "--metrics-port", "-1", "--threads", str(threads),
-                             "--max-streams", "32", *extra], env=_env(),
+                             "--max-streams", "32", "--http-port", "-1", *extra], env=_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     client = tg.InferenceServerClient(f"127.0.0.1:{port}")
     for _ in range(600):
