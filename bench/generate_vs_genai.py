@@ -23,6 +23,7 @@ elsewhere in its own virtual environment (models/venvs.py, made on first use und
 $SHAPETUNER_CACHE/venvs/), because it needs the `onnxruntime` CPU wheel, which writes the same
 module as our one onnxruntime wheel (README: "One onnxruntime"): its builder and its timed
 runs are then this script again, started with that environment's python (`--genai-side`).
+Over 400 lines on purpose: a benchmark is one file a user runs and reads top to bottom.
 """
 
 from __future__ import annotations
@@ -78,18 +79,13 @@ class Run:
 # ------------------------------------------------------------------------------ prepare
 
 
-def _corpus() -> list[str]:
-    rng = np.random.default_rng(0)
-    words = ["".join(chr(int(c)) for c in rng.integers(97, 123, int(n)))
-             for n in rng.integers(2, 9, 4000)]
-    return [" ".join(rng.choice(words, 200)) for _ in range(200)]
-
-
 def prepare_hf(folder: Path, dims: dict) -> None:
     """Random-weight Llama + tokenizer, saved the way a user's checkpoint folder looks."""
     import torch
     import transformers
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    sys.path.insert(0, str(ROOT))
+    from models.genai_builder import save_tokenizer
 
     if (folder / "config.json").is_file():
         return
@@ -98,14 +94,7 @@ def prepare_hf(folder: Path, dims: dict) -> None:
                                       tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
     model = transformers.LlamaForCausalLM(config).eval()
     model.save_pretrained(folder)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(_corpus(), trainers.BpeTrainer(
-        vocab_size=VOCAB, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=["<unk>", "<s>", "</s>"], show_progress=False))
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>",
-                                         bos_token="<s>", eos_token="</s>").save_pretrained(folder)
+    save_tokenizer(folder, VOCAB)
 
 
 def _genai_importable() -> bool:

@@ -1,7 +1,9 @@
 """The generation engine's parts, each alone (serving/generation/: scheduler, cache manager,
 runner, output processor), and the engine on a real exported Llama with its KV cache:
 greedy output equal to transformers' generate and each stream equal to itself alone with
-chunked prefill, preemption and prefix-cache hits."""
+chunked prefill, preemption and prefix-cache hits.
+
+Over 400 lines on purpose: one file per part under test, each test with the model it needs."""
 
 from __future__ import annotations
 

@@ -320,3 +320,34 @@ def test_the_layout_check_names_the_module_it_misses(tmp_path):
     assert _missing_from_layout(tmp_path, readme) == [
         "tuner.gate.entry is missing from the README's Layout (add it to the line of "
         "tuner/gate/)"]
+
+
+LONG = 400  # lines; a module past this states why at its top (docs/design.md, the house rules)
+
+
+def _long_without_reason(root: Path) -> list[str]:
+    out = []
+    for top in ("tuner", "serving", "models", "bench", "tests"):
+        for path in sorted((root / top).rglob("*.py")):
+            if "_generated" in path.parts:
+                continue
+            text = path.read_text(encoding="utf-8")
+            doc = ast.get_docstring(ast.parse(text)) or ""
+            if text.count("\n") > LONG and f"{LONG} lines" not in doc:
+                out.append(f"{path.relative_to(root)}: {text.count(chr(10))} lines and no reason "
+                           f"at its top (say why it is over {LONG} lines in its docstring)")
+    return out
+
+
+def test_every_module_over_400_lines_says_why():
+    assert _long_without_reason(ROOT) == []
+
+
+def test_the_long_module_check_names_the_module(tmp_path):
+    (tmp_path / "tuner").mkdir()
+    (tmp_path / "tuner" / "big.py").write_text('"""A module."""\n' + "x = 1\n" * 401)
+    (tmp_path / "tuner" / "ok.py").write_text(
+        '"""A module.\n\nOver 400 lines on purpose: one table."""\n' + "x = 1\n" * 401)
+    assert _long_without_reason(tmp_path) == [
+        "tuner/big.py: 402 lines and no reason at its top (say why it is over 400 lines in "
+        "its docstring)"]

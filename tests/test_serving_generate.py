@@ -2,7 +2,9 @@
 tritonclient streaming client: greedy output token-identical to transformers' generate for
 GPT-2, Llama (GQA) and GPT-NeoX; a padded variant token-identical to the original; 16
 concurrent streams each identical to itself alone; cancelling; limits and their status
-codes; seeded sampling; text in and out; shutdown with streams in flight."""
+codes; seeded sampling; text in and out; shutdown with streams in flight.
+
+Over 400 lines on purpose: one file per part under test, each test with the model it needs."""
 
 from __future__ import annotations
 

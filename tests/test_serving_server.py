@@ -1,7 +1,9 @@
 """The server over real gRPC on loopback, driven by the real tritonclient: health, metadata,
 config, inference equal to running the ONNX directly, every invalid request answered with
 its code, 200 concurrent requests batched and exact, streaming, metrics, health and
-reflection services, the accuracy gate at start, shadow checks."""
+reflection services, the accuracy gate at start, shadow checks.
+
+Over 400 lines on purpose: one file per part under test, each test with the model it needs."""
 
 from __future__ import annotations
 

@@ -17,6 +17,10 @@ Concat feeds a fused attention op instead (ONNX's opset-23 Attention), the op's 
 says K or V. Graphs after ONNX Runtime's fusions have no Concat: the past goes straight into
 the op's past_key/past_value slots and present comes out of it. Layers are numbered in
 graph order. Names only break ties the structure leaves open, never override it.
+
+Over 400 lines on purpose: finding the cache is one search (joins, their classification,
+fused ops, GroupQueryAttention's packed dims, the widened-cache record), and its helpers
+read best beside the search that uses them.
 """
 
 from __future__ import annotations
