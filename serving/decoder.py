@@ -91,7 +91,7 @@ class DecoderEngine:
                  metrics: Metrics | None = None, gen_metrics: GenerationMetrics | None = None,
                  forward: Engine | None = None) -> None:
         self.model, self.options, self.stats = model, options, stats
-        # a request that brings its own past (DESIGN.md: a client may pass past) runs as one
+        # a request that brings its own past (docs/design.md: a client may pass past) runs as one
         # plain forward through serving.engine instead of being generated
         self.forward = forward
         self.name, self.version = model.name, VERSION

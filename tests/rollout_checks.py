@@ -68,7 +68,7 @@ def _compare_cache(ref: Rollout, got: Rollout, errors: tuple[float, ...],
     for name, r in ref.cache.items():
         g = got.cache.get(name)
         if g is None or g.shape != r.shape:
-            # A widened cache (DESIGN.md's `widen` policy) needs the rewrite's own map of
+            # A widened cache (docs/design.md's `widen` policy) needs the rewrite's own map of
             # original positions; without it nothing is compared, so nothing passes.
             shape = None if g is None else g.shape
             return RolloutCheck(False, errors, None, f"cache {name}: {shape}, reference {r.shape}")

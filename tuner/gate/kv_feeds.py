@@ -1,5 +1,5 @@
 """Feeds for decoders exported with a KV cache, and a greedy rollout through them: the basis
-of the cache-aware accuracy gate (DESIGN.md, "Decoders with a KV cache").
+of the cache-aware accuracy gate (docs/design.md, "Decoders with a KV cache").
 
     record = cache_record(model)                       # tuner.graph.cache_record
     first = prefill_feeds(record, ids, mask)           # past length 0
