@@ -2,6 +2,7 @@
 onnxruntime-genai on the same weights, same threads, same machine, in one run.
 
     .venv/bin/python bench/generate_vs_genai.py [--small] [--threads 2] [--repeats 3]
+                                                [--sources genai torch]
 
 One random-weight Llama (the issue's shape: 8 layers, h 1024, 16 heads, 4 kv heads, FFN
 2816, vocab 3072, ~96M parameters; `--small` for a quick run) is saved with save_pretrained,
@@ -10,10 +11,12 @@ folder:
   - onnxruntime-genai's model builder (`python -m onnxruntime_genai.models.builder -i HF -o
     OUT -p fp32 -e cpu`) makes its own optimised graph; it is run in this process, one
     request after another, and as one static batch of 8;
-  - models.kv exports the Hugging Face cache layout, `tuner optimize` makes the artifact
-    (its padded and fused variants gated and timed; the one it selects is served), and
-    `tuner serve` serves it as a subprocess (twice: with and without the prefix cache);
-    tritonclient streams from it.
+  - `tuner optimize` makes an artifact (its padded and fused variants gated and timed; the
+    one it selects is served) from each source: `genai`, the builder's graph above (what a
+    genai user brings: both engines then run the same graph, so the table compares engines),
+    and `torch`, models.kv's export of the Hugging Face cache layout (torch.onnx.export:
+    repeat_kv, no GroupQueryAttention); `tuner serve` serves it as a subprocess (twice: with
+    and without the prefix cache); tritonclient streams from it.
 The two never run at the same time (they would share the cores). Workloads, greedy: one
 stream (prompt 128, 64 new tokens); 8 and 32 streams sent at once (prompts 64..192); 32
 arriving over --spread-s; 32 sharing a 512-token system prompt. The whole alternation runs
@@ -128,16 +131,13 @@ def prepare_genai(hf: Path, out: Path, threads: int) -> None:
     path.write_text(json.dumps(config, indent=2))
 
 
-def prepare_artifact(hf: Path, out: Path, threads: int, quick: bool = False) -> Path:
-    """The cache export of the same weights (models.kv) with the tokenizer and config beside
-    it, through `tuner optimize`: the artifact is what optimize selects (padded and fused
-    variants gated, timed and chosen like for any model), served as it is."""
+def torch_export(hf: Path, export: Path) -> Path:
+    """The cache export of the same weights (models.kv), tokenizer and config beside it."""
     import transformers
 
     from models.build import IR_VERSION, OPSET_DYNAMO, OPSET_TORCHSCRIPT
     from models.kv import export_kv
 
-    export = out.parent / "export"
     graph = export / "llama.onnx"
     if not graph.is_file():
         model = transformers.AutoModelForCausalLM.from_pretrained(hf).eval().float()
@@ -145,6 +145,12 @@ def prepare_artifact(hf: Path, out: Path, threads: int, quick: bool = False) -> 
                   {"torchscript": OPSET_TORCHSCRIPT, "dynamo": OPSET_DYNAMO}, IR_VERSION)
     for name in ("tokenizer.json", "config.json"):
         shutil.copyfile(hf / name, export / name)
+    return graph
+
+
+def prepare_artifact(graph: Path, out: Path, threads: int, quick: bool = False) -> Path:
+    """`graph` through `tuner optimize`: the artifact is what optimize selects (padded and
+    fused variants gated, timed and chosen like for any model), served as it is."""
     if not (out / "manifest.json").is_file():
         rounds = ["--rounds", "2", "--warmup", "1", "--bucket-rounds", "1"] if quick else []
         subprocess.run([sys.executable, "-m", "tuner", "optimize", str(graph), "-o", str(out),
@@ -395,15 +401,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick-optimize", action="store_true", help="fewer timing rounds")
     ap.add_argument("--prefill-tokens", type=int, default=256,
                     help="the server's per-step token budget (tuner serve --prefill-tokens)")
+    ap.add_argument("--sources", nargs="+", choices=("genai", "torch"),
+                    default=["genai", "torch"],
+                    help="what `tuner optimize` is given: the builder's graph, the torch export")
     ap.add_argument("--work", type=Path, default=ROOT / ".cache" / "bench-generate-v2")
     a = ap.parse_args(argv)
     shape = "small" if a.small else "full"
     work = a.work / shape
-    hf, genai_dir, artifact = work / "hf", work / "genai", work / "artifact"
+    hf, genai_dir = work / "hf", work / "genai"
     print(f"preparing {shape} Llama under {work} ...", flush=True)
     prepare_hf(hf, SMALL if a.small else FULL)
     prepare_genai(hf, genai_dir, a.threads)
-    prepare_artifact(hf, artifact, a.threads, a.quick_optimize)
+    for source in a.sources:
+        graph = genai_dir / "model.onnx" if source == "genai" else torch_export(hf, work / "export")
+        artifact = prepare_artifact(graph, work / f"artifact-{source}", a.threads,
+                                    a.quick_optimize)
+        bench_source(a, shape, source, genai_dir, artifact)
+    return 0
+
+
+def bench_source(a, shape: str, source: str, genai_dir: Path, artifact: Path) -> None:
+    """The alternations against one artifact, and their table."""
     from tuner.artifact.store import read_manifest
 
     served = read_manifest(artifact).selected
@@ -423,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
         served_run(*servers["no prefix"], w["1"])
         runs = []
         for i in range(a.repeats):
-            print(f"alternation {i + 1} of {a.repeats} ...", flush=True)
+            print(f"{source}: alternation {i + 1} of {a.repeats} ...", flush=True)
             runs.append(alternation(genai_dir, servers, w))
             for label, value in ratios(runs[-1]).items():  # as it goes: a cut run keeps these
                 print(f"  {label:64s} {value:5.2f}x", flush=True)
@@ -431,8 +449,7 @@ def main(argv: list[str] | None = None) -> int:
         for proc in procs:
             proc.terminate()
             proc.wait(60)
-    print_table(shape, a, served, runs)
-    return 0
+    print_table(shape, a, f"{source} graph, variant {served}", runs)
 
 
 def _pooled(runs: list[Run]) -> Run:
@@ -448,7 +465,7 @@ def print_table(shape: str, a, served: str, runs: list[dict]) -> None:
           f"{dims['num_attention_heads']} heads, {dims['num_key_value_heads']} kv heads, FFN "
           f"{dims['intermediate_size']}, vocab {VOCAB}), greedy, {a.new} new tokens, "
           f"{a.threads} threads, prompts {a.prompt} (1 stream) or {a.prompt // 2}.."
-          f"{a.prompt * 3 // 2}; served variant: {served} (what `tuner optimize` selected), "
+          f"{a.prompt * 3 // 2}; served: {served} (what `tuner optimize` selected), "
           f"--prefill-tokens {a.prefill_tokens}; "
           f"median of {len(runs)} alternations [min..max]; {os.cpu_count()} cores, shared")
     head = (f"{'workload':34s} {'tokens/s':>22s} {'TTFT p50 ms':>12s} {'ITL p50':>8s} "

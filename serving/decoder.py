@@ -21,7 +21,6 @@ from serving.sampling import GenerationRequest
 from serving.text_config import load_text_config
 from serving.tokenizer import load_tokenizer
 from tuner.errors import BadInput
-from tuner.gate.right_pad import adapted
 from tuner.graph.cache_record import CacheRecord
 
 VERSION = "1"
@@ -106,10 +105,9 @@ class DecoderEngine:
             options = dataclasses.replace(options, cache_buckets=tuple(model.buckets.past))
             self.options = options
         # a graph that reads its mask as lengths (onnxruntime-genai's GroupQueryAttention)
-        # gets the generator's left-padded batches moved to the right and back
-        runner = adapted(model.runner, model.cache)
+        # is fed its rows from position 0 (tuner.gate.decode_step: CacheRecord.rows_at_start)
         try:
-            self.generator = Generator(runner, model.cache,
+            self.generator = Generator(model.runner, model.cache,
                                        decoder_vocab(model.signature, model.cache), options,
                                        max_positions=_max_positions(model),
                                        batch_buckets=model.buckets.batch,

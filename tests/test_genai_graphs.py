@@ -10,12 +10,16 @@ MatMulNBits int4 weights, genai's own I/O names.
 - vocab and FFN padding through MatMulNBits are exact (new rows and blocks dequantize to 0),
   head dim / heads are refused naming the GroupQueryAttention node;
 - `tuner optimize` writes an artifact, and `tuner serve` generates from it with in-flight
-  batching, token-identically to a plain ORT greedy loop on the original.
+  batching, token-identically to a plain ORT greedy loop on the original;
+- the engine feeds such a graph its rows from position 0 (no moving of the cache per step):
+  rows of different lengths, chunked prefill, prefix hits and preemption each give what a
+  plain greedy loop gives, and a row placed at the wrong end gives other logits.
 """
 
 from __future__ import annotations
 
 import json
+import queue
 import threading
 import urllib.request
 from pathlib import Path
@@ -27,15 +31,20 @@ import tritonclient.grpc as tg
 from serving_support import perturbed_copy
 
 from models import genai_builder
-from serving.generation import GenerateOptions
+from serving.generation import GenerateOptions, Generator
+from serving.generation.output import GenerationStats
+from serving.sampling import GenerationRequest
 from serving.server import Server, ServerOptions
 from tuner.cli import main
+from tuner.gate.decode_step import next_feeds as next_step
+from tuner.gate.decode_step import pad_rows, row_cache, step_feeds
 from tuner.gate.kv_feeds import next_feeds, prefill_feeds
-from tuner.graph.cache_record import cache_record
 from tuner.gate.right_pad import RightPadded
+from tuner.graph.cache_record import cache_record
 from tuner.graph.inspect import inspect_model
 from tuner.graph.load import load_model
 from tuner.rewrite import nbits
+from tuner.runtime.ort import OrtRunner, load_cpu
 
 CELLS = [("llama", "fp32"), ("llama", "int4"), ("qwen2", "int4"), ("mistral", "int4"),
          ("phi3", "int4")]
@@ -234,6 +243,104 @@ def test_optimize_then_serve_with_inflight_batching_equals_a_plain_greedy_loop(p
         assert sum(batched) > sum(single)  # some decode steps ran several streams at once
     finally:
         server.stop(5)
+
+
+def _own_cache(sess: _Session, record, prompt: list[int]) -> dict[str, np.ndarray]:
+    ids = np.array([prompt], np.int64)
+    past = {n: np.zeros(record.past_shape(1, 0), np.float32) for n in record.past}
+    out = sess.infer({"input_ids": ids, "attention_mask": np.ones_like(ids), **past})
+    return {p: out[q] for p, q in record.past_to_present.items()}
+
+
+def test_rows_at_the_start_decode_like_each_row_alone():
+    """A batch of rows of 3, 9 and 5 entries (and a padding row) in the rows-at-start layout:
+    two decode steps give each row's logits alone; the same rows left-padded (what a graph
+    that reads its mask by position takes) give other logits here."""
+    src = genai_builder.cached("llama", "fp32")
+    sess, record = _Session(src), cache_record(load_model(src))
+    assert record.rows_at_start
+    prompts = [[5, 9, 11], [7, 3, 2, 8, 10, 4, 6, 12, 13], [21, 22, 23, 24, 25]]
+    caches = [_own_cache(sess, record, p) for p in prompts]
+    arrays, mask = pad_rows(record, caches, batch=4, past=9)
+    assert mask.tolist()[0] == [1, 1, 1, 0, 0, 0, 0, 0, 0]  # row 0 from position 0
+    step = step_feeds(record, [(40,), (41,), (42,), None], mask, arrays)
+    out = sess.infer(step.arrays)
+    later = next_step(step, out, np.array([50, 51, 52, 0]))
+    out2 = sess.infer(later.arrays)
+    for i, prompt in enumerate(prompts):
+        alone = _plain_logits(sess, record, prompt, [40 + i, 50 + i])
+        np.testing.assert_allclose(out["logits"][i, 0], alone[0], atol=1e-4)
+        np.testing.assert_allclose(out2["logits"][i, 0], alone[1], atol=1e-4)
+        presents = {p: out[q] for p, q in record.past_to_present.items()}
+        mine = row_cache(record, presents, step.mask[i], i)  # the step's mask keeps its present
+        assert mine[record.past[0]].shape[2] == len(prompt) + 1
+    left = np.zeros_like(mask)
+    left[:, -3:] = 1  # row 0's three entries where left padding puts them
+    moved = {n: np.roll(a, 6, axis=2) for n, a in arrays.items()}
+    wrong = sess.infer(step_feeds(record, [(40,), (41,), (42,), None], left, moved).arrays)
+    assert np.abs(wrong["logits"][0, 0] - out["logits"][0, 0]).max() > 1e-2
+
+
+def _plain_logits(sess: _Session, record, prompt: list[int], tokens: list[int]) -> list:
+    past = _own_cache(sess, record, prompt)
+    got, n = [], len(prompt)
+    for t in tokens:
+        out = sess.infer({"input_ids": np.array([[t]], np.int64),
+                          "attention_mask": np.ones((1, n + 1), np.int64), **past})
+        got.append(out["logits"][0, 0])
+        past, n = {p: out[q] for p, q in record.past_to_present.items()}, n + 1
+    return got
+
+
+@pytest.mark.parametrize("options,binding", [
+    (dict(prefill_tokens=8), True), (dict(prefill_tokens=64), False),
+    (dict(prefill_tokens=16, budget_tokens=64), True),
+    (dict(prefill_tokens=8, share_buffers=False), True)],
+    ids=["chunked-shared", "whole-shared-no-binding", "preempted-shared", "chunked-copies"])
+def test_the_engine_on_a_genai_graph_equals_a_plain_greedy_loop(options, binding):
+    """Streams sharing a 32-token prefix (prefix hits), prompts 3..40 tokens, prefilled in
+    chunks of 8 (each chunk after a past runs alone: GroupQueryAttention's rule) or whole, and
+    a cache budget that forces preemption: every stream equals the plain loop. The decode
+    batch lives in shared buffers the graph writes into (IO binding; a runner without it
+    gets its past cut and its present copied in), or in each step's present."""
+    src = genai_builder.cached("llama", "fp32")
+    runner = OrtRunner(load_cpu(src)) if binding else _Session(src)
+    assert getattr(runner, "writes_into", False) == binding
+    record = cache_record(load_model(src))
+    rng = np.random.default_rng(3)
+    shared = rng.integers(3, 1003, 32).tolist()
+    prompts = [shared + rng.integers(3, 1003, int(k)).tolist() for k in (2, 5, 8)]
+    prompts += [rng.integers(3, 1003, int(k)).tolist() for k in (3, 17, 40)]
+    options = dict(options)
+    if "budget_tokens" in options:
+        options["kv_cache_bytes"] = options.pop("budget_tokens") * record.bytes_per_token
+    hits, preempted = [], []
+    stats = GenerationStats(on_prefix=lambda looked, hit: hits.append(hit),
+                            on_preempt=lambda: preempted.append(1))
+    gen = Generator(runner, record, 1003,
+                    GenerateOptions(max_streams=6, prefix_block=16, **options),
+                    max_positions=128, stats=stats)
+    assert gen.cache.shared == options.get("share_buffers", True)
+    try:
+        first = [t for c in gen.generate(GenerationRequest(tuple(prompts[0]), 12)) for t in c.ids]
+        queues = [queue.Queue() for _ in prompts]
+        for q, prompt in zip(queues, prompts):  # all at once: they share steps
+            gen.submit(GenerationRequest(tuple(prompt), 12), q.put)
+        got = []
+        for q in queues:
+            chunks = [q.get(timeout=120)]
+            while not chunks[-1].final:
+                chunks.append(q.get(timeout=120))
+            got.append([t for c in chunks for t in c.ids])
+    finally:
+        gen.close()
+    assert first == _plain_greedy(src, prompts[0], 12)
+    assert got == [_plain_greedy(src, p, 12) for p in prompts]
+    assert bool(preempted) == ("kv_cache_bytes" in options)
+    if gen.cache.shared:
+        assert gen.cache.gathers >= 2  # a full buffer moved to the next cache bucket
+    if "kv_cache_bytes" not in options:  # (a tight budget evicts prefix blocks first)
+        assert sum(hits) >= 32  # the streams behind the first found the shared prefix
 
 
 def test_builder_runs_in_its_own_venv():

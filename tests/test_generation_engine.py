@@ -21,7 +21,7 @@ from serving.generation.output import GenerationStats, OutputProcessor, StreamOu
 from serving.generation.runner import StepRunner
 from serving.generation.scheduler import Scheduler, Stream
 from serving.sampling import Chunk, GenerationRequest, Sampling
-from tuner.gate.decode_step import left_pad, row_cache
+from tuner.gate.decode_step import pad_rows, row_cache
 from tuner.graph.cache_record import cache_record
 from tuner.graph.load import load_model
 from tuner.runtime.ort import OrtRunner, load_cpu
@@ -154,7 +154,7 @@ def test_a_joining_stream_is_written_in_place_into_a_free_row(llama):
 def test_left_pad_and_row_cache_round_trip(llama):
     record, _ = llama
     rows = [_row(record, n, n) for n in (2, 6, 0)]
-    arrays, mask = left_pad(record, rows, batch=4, past=8)
+    arrays, mask = pad_rows(record, rows, batch=4, past=8)
     assert mask.sum(axis=1).tolist() == [2, 6, 0, 0]
     for i, row in enumerate(rows[:2]):
         back = row_cache(record, arrays, mask[i], i)
@@ -170,7 +170,7 @@ def test_another_cache_layout_is_padded_and_joined_on_its_own_axes(llama):
     bshd = dataclasses.replace(record, cache=dataclasses.replace(record.cache, layout="bshd"))
     rows = [_row(bshd, n, n) for n in (3, 5)]
     assert rows[0][bshd.past[0]].shape == (1, 3, bshd.kv_heads, bshd.head_dim)
-    arrays, mask = left_pad(bshd, rows, batch=2, past=6)
+    arrays, mask = pad_rows(bshd, rows, batch=2, past=6)
     assert arrays[bshd.past[0]].shape == (2, 6, bshd.kv_heads, bshd.head_dim)
     np.testing.assert_array_equal(arrays[bshd.past[0]][0, 3:], rows[0][bshd.past[0]][0])
     cache = _manager(bshd)

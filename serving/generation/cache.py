@@ -4,7 +4,8 @@ a byte budget, the decode batch, each prefilling stream's own cache, and the pre
 The decode batch is the last decode step's `present` (B, .., P, ..) and its mask (B, P):
 the next step's past as it is (no copy per step; tuner.gate.decode_step). A stream joining
 it is written IN PLACE into a free row (one that ended or was preempted, or a bucket's
-padding row) when its entries fit the past; only when no row is free, or when freed rows
+padding row) when its entries fit the past (tuner.gate.decode_step.place_row: left-padded,
+or from position 0 for a graph that reads its mask as lengths); only when no row is free, or when freed rows
 and holes waste more than half of the batch, are the rows gathered into a new batch
 (left-padded to the longest row, or to the buckets).
 
@@ -28,7 +29,7 @@ from typing import Sequence
 import numpy as np
 
 from serving.generation.options import next_bucket
-from tuner.gate.decode_step import left_pad, row_cache, seq_index
+from tuner.gate.decode_step import pad_rows, place_row, row_cache, seq_index
 from tuner.graph.cache_record import CacheRecord
 
 Cache = dict[str, np.ndarray]  # past name -> (1, .., L, ..)
@@ -42,10 +43,16 @@ class DecodeBatch:
     slots: list
     arrays: dict[str, np.ndarray]
     mask: np.ndarray
+    capacity: int | None = None  # shared buffers: positions the arrays hold (>= past)
 
     @property
     def past(self) -> int:
         return int(self.mask.shape[1])
+
+    @property
+    def full(self) -> bool:
+        """Shared buffers with no room for the next step's entry."""
+        return self.capacity is not None and self.past >= self.capacity
 
 
 @dataclass
@@ -95,10 +102,16 @@ class PrefixCache:
 
 
 class CacheManager:
+    """`shared`: the decode batch's arrays are buffers that the graph writes its new entries
+    into (past and present one buffer: GroupQueryAttention with IO binding), sized to the
+    next cache bucket and gathered into a bigger one when full; else each step's present
+    is the next past."""
+
     def __init__(self, record: CacheRecord, budget_bytes: int, pad_to: str,
                  batch_buckets: Sequence[int] = (), cache_buckets: Sequence[int] = (),
-                 prefix_block: int | None = 16, max_past: int | None = None) -> None:
-        self.record, self.pad_to = record, pad_to
+                 prefix_block: int | None = 16, max_past: int | None = None,
+                 shared: bool = False) -> None:
+        self.record, self.pad_to, self.shared = record, pad_to, shared
         self.max_past = max_past  # a batch's past never grows beyond (the model's positions)
         self.bytes_per_token = record.bytes_per_token
         self.budget_tokens = max(1, budget_bytes // self.bytes_per_token)
@@ -179,14 +192,19 @@ class CacheManager:
         b = self.batch
         joining = [s for s in streams if s.slot is None]
         if (b is not None and (self.max_past is None or b.past < self.max_past)
-                and self._in_place(b, joining) and not self._wasteful(b, streams)):
+                and not b.full and self._in_place(b, joining)
+                and not self._wasteful(b, streams)):
             return b
         caches = [self.own(s) for s in streams]
         batch, past = self.padded(len(streams), max(s.computed for s in streams))
-        arrays, mask = left_pad(self.record, caches, batch, past)
+        capacity = None
+        if self.shared:  # room to grow: the next cache bucket above the next step's entry
+            capacity = next_bucket(past + 1, self.cache_buckets)
+        arrays, mask = pad_rows(self.record, caches, batch, past, capacity)
         for i, s in enumerate(streams):
             s.slot, s.cache = i, None
-        self.batch = DecodeBatch(list(streams) + [None] * (batch - len(streams)), arrays, mask)
+        self.batch = DecodeBatch(list(streams) + [None] * (batch - len(streams)), arrays, mask,
+                                 capacity)
         self.gathers += 1
         return self.batch
 
@@ -195,12 +213,7 @@ class CacheManager:
         if len(free) < len(joining) or any(s.computed > b.past for s in joining):
             return False
         for slot, s in zip(free, joining):
-            n, cache = s.computed, self.own(s)
-            for name in self.record.past:
-                b.arrays[name][seq_index(self.record, slot, slice(b.past - n, b.past))] = \
-                    cache[name][seq_index(self.record, 0, slice(None))]
-            b.mask[slot] = 0
-            b.mask[slot, b.past - n:] = 1
+            place_row(self.record, b.arrays, b.mask, slot, self.own(s))
             b.slots[slot], s.slot, s.cache = s, slot, None
         return True
 
@@ -210,9 +223,13 @@ class CacheManager:
         return kept * 2 < len(b.slots) * b.past and self.padded(
             len(streams), max(s.computed for s in streams)) != (len(b.slots), b.past)
 
-    def advance(self, b: DecodeBatch, mask: np.ndarray, presents: dict[str, np.ndarray]) -> None:
-        """After a decode step: its presents and mask are the next past."""
-        b.arrays, b.mask = presents, mask
+    def advance(self, b: DecodeBatch, mask: np.ndarray,
+                presents: dict[str, np.ndarray] | None) -> None:
+        """After a decode step: its mask and presents (None: written into the shared
+        buffers) are the next past."""
+        b.mask = mask
+        if presents is not None:
+            b.arrays = presents
 
     def clear(self) -> None:
         """Nothing is decoding: drop the batch (its arrays)."""

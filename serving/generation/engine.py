@@ -67,7 +67,8 @@ class Generator:
         self.cache = CacheManager(record, self.budget_bytes, pad_to, self.batch_buckets,
                                   self.cache_buckets,
                                   options.prefix_block if options.prefix_cache else None,
-                                  self.max_cache_len)
+                                  self.max_cache_len,
+                                  shared=options.share_buffers and record.rows_at_start)
         self.step_runner = StepRunner(runner, record, vocab, self.stats.on_step)
         self.scheduler = Scheduler(self.cache, options.max_streams, options.prefill_tokens,
                                    record.takes_chunks)

@@ -50,6 +50,9 @@ class GenerateOptions:
     # (any shape runs on a CPU, and every padded position costs time there); "auto":
     # longest on CPU backends. Either way each step's present is the next past as it is.
     pad_to: str = "auto"
+    # A graph that reads its mask as lengths (GroupQueryAttention) decodes into preallocated
+    # buffers, past and present one buffer (IO binding): no copy of the cache per step.
+    share_buffers: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_streams", "max_queue", "max_tokens", "default_max_tokens",

@@ -10,7 +10,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from serving.generation.cache import Cache, CacheManager, DecodeBatch
-from tuner.gate.decode_step import empty_past, left_pad, row_cache, step_feeds
+from tuner.gate.decode_step import empty_past, pad_rows, row_cache, seq_index, step_feeds
 from tuner.graph.cache_record import CacheRecord
 
 
@@ -29,38 +29,79 @@ class StepRunner:
         self.runner, self.record, self.vocab, self.on_run = runner, record, vocab, on_run
         self.presents = record.past_to_present
 
-    def _run(self, feeds, rows: int):
+    def _run(self, arrays, rows: int, into=None):
         began = time.perf_counter()
-        out = self.runner.infer(feeds.arrays)
+        out = self.runner.infer(arrays) if into is None else self.runner.infer_into(arrays, into)
         seconds = time.perf_counter() - began
         self.on_run(rows, seconds)
         return out, seconds
 
     def decode(self, cache: CacheManager, batch: DecodeBatch) -> RunResult:
-        """One token for every stream in the batch (free rows are padding); the batch's
-        past becomes this step's present, as it is."""
+        """One token for every stream in the batch (free rows are padding): the batch's
+        past becomes this step's present, as it is, or (shared buffers) the graph writes
+        the new entries into the batch's buffers."""
         rows = [[s.tokens[-1]] if s is not None else None for s in batch.slots]
+        real = sum(r is not None for r in rows)
         feeds = step_feeds(self.record, rows, batch.mask, batch.arrays)
-        out, seconds = self._run(feeds, sum(r is not None for r in rows))
-        cache.advance(batch, feeds.mask, {p: out[q] for p, q in self.presents.items()})
-        logits = out[self.record.logits][:, -1, : self.vocab]  # (B, vocab)
-        return RunResult(logits, (), seconds)
+        if batch.capacity is None:
+            out, seconds = self._run(feeds.arrays, real)
+            cache.advance(batch, feeds.mask, {p: out[q] for p, q in self.presents.items()})
+        elif getattr(self.runner, "writes_into", False):
+            into = {q: batch.arrays[p] for p, q in self.presents.items()}
+            out, seconds = self._run(feeds.arrays, real, into)
+            cache.advance(batch, feeds.mask, None)
+        else:  # a runner without IO binding: the past cut to its length, the present copied in
+            out, seconds = self._run(self._cut(feeds.arrays, batch.past), real)
+            for p, q in self.presents.items():
+                batch.arrays[p][seq_index(self.record, slice(None), slice(0, batch.past + 1))] = out[q]
+            cache.advance(batch, feeds.mask, None)
+        return RunResult(self._last_logits(out, feeds), (), seconds)
+
+    def _cut(self, arrays, past: int) -> dict:
+        span = seq_index(self.record, slice(None), slice(0, past))
+        return {n: (a[span] if n in self.presents else a) for n, a in arrays.items()}
+
+    def _last_logits(self, out, feeds) -> np.ndarray:
+        logits = out[self.record.logits]  # (B, S, vocab)
+        if feeds.seq == 1:
+            return logits[:, 0, : self.vocab]  # (B, vocab)
+        return logits[np.arange(len(logits)), feeds.last, : self.vocab]  # (B, vocab)
 
     def prefill(self, cache: CacheManager, chunks: Sequence[tuple[object, int]]) -> RunResult:
         """Each (stream, n) feeds its next n uncomputed tokens against its own cache (empty,
-        a prefix hit, or its earlier chunks), all in one batch."""
+        a prefix hit, or its earlier chunks), in as few runs as the graph takes (`_groups`);
+        the results come back in the order of `chunks`."""
+        groups = self._groups(chunks)
+        if len(groups) == 1:
+            return self._prefill(cache, chunks)
+        parts = [self._prefill(cache, g) for g in groups]
+        order = [c for g in groups for c in g]
+        index = [order.index(c) for c in chunks]  # each chunk's row among the parts'
+        logits = np.concatenate([p.logits for p in parts])[index]
+        caches = [c for p in parts for c in p.caches]
+        return RunResult(logits, tuple(caches[i] for i in index), sum(p.seconds for p in parts))
+
+    def _groups(self, chunks: Sequence[tuple[object, int]]) -> list[list[tuple[object, int]]]:
+        """One batch for every chunk, except on GroupQueryAttention's graphs, which run
+        seq > 1 beside a past at batch 1 only: there the chunks of fresh prompts share a run
+        and each chunk after a past runs alone."""
+        if not self.record.rows_at_start or len(chunks) == 1 or all(n == 1 for _, n in chunks):
+            return [list(chunks)]
+        fresh = [c for c in chunks if not c[0].computed]
+        return ([fresh] if fresh else []) + [[c] for c in chunks if c[0].computed]
+
+    def _prefill(self, cache: CacheManager, chunks: Sequence[tuple[object, int]]) -> RunResult:
         streams = [s for s, _ in chunks]
         rows = [s.tokens[s.computed:s.computed + n] for s, n in chunks]
         longest = max(s.computed for s in streams)
         batch, past = cache.padded(len(streams), longest)
         if longest:
-            arrays, mask = left_pad(self.record, [cache.own(s) for s in streams], batch, past)
+            arrays, mask = pad_rows(self.record, [cache.own(s) for s in streams], batch, past)
         else:
             arrays, mask = empty_past(self.record, batch)
         feeds = step_feeds(self.record, rows, mask, arrays)
-        out, seconds = self._run(feeds, len(streams))
+        out, seconds = self._run(feeds.arrays, len(streams))
         presents = {p: out[q] for p, q in self.presents.items()}
         caches = tuple(row_cache(self.record, presents, feeds.mask[i], i)
                        for i in range(len(streams)))
-        logits = out[self.record.logits][: len(streams), -1, : self.vocab]  # (rows, vocab)
-        return RunResult(logits, caches, seconds)
+        return RunResult(self._last_logits(out, feeds)[: len(streams)], caches, seconds)

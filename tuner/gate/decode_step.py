@@ -3,19 +3,25 @@ gate's rollouts (tuner.gate.kv_feeds, kv_gate) and the server's runner
 (serving.generation.runner) build every step here, so the gate proves the shapes the server
 runs.
 
-    past, mask = left_pad(record, [row_a, row_b], batch=4, past=16)   # rows' own caches
+    past, mask = pad_rows(record, [row_a, row_b], batch=4, past=16)   # rows' own caches
     feeds = step_feeds(record, [(5,), (7, 8, 9)], mask, past)          # a decode row + a chunk
     feeds = next_feeds(feeds, outputs, tokens)                         # present -> next past
 
-How rows of different lengths share a step: the past is LEFT-padded to a common length P
-(each row's L_i entries end at P; the mask is 0 before them), the new tokens are
-RIGHT-aligned in the step's S slots (a decode row's one token at the last slot; a prompt
-chunk of k fills the last k), and rows beyond the real ones (bucket padding) see only their
-own last slot. Position ids count each row's kept mask entries (0, 1, ...), so a row's
-positions are its own whatever the padding. The present (P + S long) is the next step's
-past as it is, with the mask carried: no copy per step. A hole (the S - k unused slots of
-a short row) stays masked out for the rest of the generation; the server compacts the rows
-(`row_cache` + `left_pad`) when holes or freed rows cost more than a copy.
+How rows of different lengths share a step (the graph's mask says which way):
+  - left padding (a graph that reads its mask entry by entry): the past is LEFT-padded to a
+    common length P (each row's L_i entries end at P; the mask is 0 before them), the new
+    tokens are RIGHT-aligned in the step's S slots (a decode row's one token at the last
+    slot; a prompt chunk of k fills the last k), and rows beyond the real ones (bucket
+    padding) see only their own last slot. Position ids count each row's kept mask entries
+    (0, 1, ...), so a row's positions are its own whatever the padding. A hole (the S - k
+    unused slots of a short row) stays masked out for the rest of the generation.
+  - rows at the start (`record.rows_at_start`: a graph that reads its mask as lengths,
+    GroupQueryAttention): row i's entries are [0, L_i), its k new tokens fill the first k
+    slots and are written at [L_i, L_i + k) by the graph itself; the mask keeps
+    [0, L_i + k). No hole can form; `StepFeeds.counts` says where each row's last token is.
+Either way the present (P + S long) is the next step's past as it is, with the mask
+carried: no copy per step; the server compacts the rows (`row_cache` + `pad_rows`) when
+freed rows cost more than a copy.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ class StepFeeds:
     record: CacheRecord
     arrays: Mapping[str, np.ndarray]
     mask: np.ndarray
+    counts: np.ndarray | None = None  # (B,) new tokens per row when rows are at the start
 
     @property
     def seq(self) -> int:
@@ -45,6 +52,20 @@ class StepFeeds:
     @property
     def past(self) -> int:
         return int(self.mask.shape[1]) - self.seq
+
+    @property
+    def last(self) -> np.ndarray:
+        """(B,) the slot of each row's last new token: its logits give the next token."""
+        if self.counts is None:
+            return np.full(self.mask.shape[0], self.seq - 1)
+        return self.counts - 1
+
+    @property
+    def query_mask(self) -> np.ndarray:
+        """(B, S) which of the step's slots hold a row's new tokens."""
+        if self.counts is None:
+            return self.mask[:, self.past:]
+        return (np.arange(self.seq) < self.counts[:, None]).astype(np.int64)
 
 
 def positions(mask: np.ndarray) -> np.ndarray:
@@ -63,8 +84,9 @@ def seq_index(record: CacheRecord, row, span) -> tuple:
 
 
 def build_feeds(record: CacheRecord, ids: np.ndarray, mask: np.ndarray,
-                past: Mapping[str, np.ndarray]) -> StepFeeds:
-    """The graph's feeds from ids (B, S), mask (B, P + S) and every past (P long)."""
+                past: Mapping[str, np.ndarray], counts: np.ndarray | None = None) -> StepFeeds:
+    """The graph's feeds from ids (B, S), mask (B, P + S) and every past (P long); `counts`
+    (B,) when the rows are at the start (then row i's k_i new tokens are its first slots)."""
     batch, seq = ids.shape
     if record.batch is not None and batch != record.batch:
         raise BadInput(f"the graph's batch is fixed to {record.batch}; feeds of batch {batch} "
@@ -74,30 +96,34 @@ def build_feeds(record: CacheRecord, ids: np.ndarray, mask: np.ndarray,
     if record.attention_mask is not None:
         arrays[record.attention_mask] = mask.astype(dtypes[record.attention_mask], copy=False)
     if record.position_ids is not None:
-        pos = positions(mask)[:, mask.shape[1] - seq:]  # (B, S): the new tokens' positions
+        if counts is None:
+            pos = positions(mask)[:, mask.shape[1] - seq:]  # (B, S): the new tokens' positions
+        else:  # row i's new tokens follow its L_i = sum(mask) - k_i entries
+            pos = (mask.sum(1) - counts)[:, None] + np.arange(seq)  # (B, S)
         arrays[record.position_ids] = np.ascontiguousarray(
             pos.astype(dtypes[record.position_ids], copy=False))
     for name, arr in past.items():
         arrays[name] = np.ascontiguousarray(arr.astype(dtypes.get(name, arr.dtype), copy=False))
-    return StepFeeds(record, arrays, mask)
+    return StepFeeds(record, arrays, mask, counts)
 
 
-def new_columns(rows: Sequence[Sequence[int] | None], batch: int, seq: int | None = None
-                ) -> tuple[np.ndarray, np.ndarray]:
+def new_columns(rows: Sequence[Sequence[int] | None], batch: int, seq: int | None = None,
+                at_start: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """ids (B, S) and the mask's new columns (B, S) for `rows` (each its new tokens),
-    right-aligned; a None row and rows len(rows)..B-1 are padding (token 0, only their last
-    slot kept: no fully masked row)."""
+    right-aligned (left-aligned `at_start`); a None row and rows len(rows)..B-1 are padding
+    (token 0, only their last (first) slot kept: no fully masked row)."""
     real = [r for r in rows if r is not None]
     if not real or batch < len(rows) or any(len(r) < 1 for r in real):
         raise BadInput(f"a step needs 1..{batch} rows of >= 1 token each")
     seq = seq or max(len(r) for r in real)
     ids = np.zeros((batch, seq), np.int64)  # (B, S)
     mask = np.zeros((batch, seq), np.int64)  # (B, S)
-    mask[:, -1] = 1
+    mask[:, 0 if at_start else -1] = 1
     for i, tokens in enumerate(rows):
         if tokens is not None:
-            ids[i, seq - len(tokens):] = tokens
-            mask[i, seq - len(tokens):] = 1
+            span = slice(0, len(tokens)) if at_start else slice(seq - len(tokens), seq)
+            ids[i, span] = tokens
+            mask[i, span] = 1
     return ids, mask
 
 
@@ -106,8 +132,14 @@ def step_feeds(record: CacheRecord, rows: Sequence[Sequence[int] | None], past_m
     """A step of `rows` (each its new tokens: one to decode, k for a prompt chunk) against
     `past` (B, .., P, ..) whose kept entries `past_mask` (B, P) marks."""
     batch = int(past_mask.shape[0])
-    ids, new = new_columns(rows, batch, seq)
-    return build_feeds(record, ids, np.concatenate([past_mask, new], axis=1), past)
+    if not record.rows_at_start:
+        ids, new = new_columns(rows, batch, seq)
+        return build_feeds(record, ids, np.concatenate([past_mask, new], axis=1), past)
+    ids, new = new_columns(rows, batch, seq, at_start=True)
+    counts = new.sum(1)  # (B,) k_i
+    total = past_mask.sum(1) + counts  # (B,) L_i + k_i: the row's entries after the step
+    mask = (np.arange(past_mask.shape[1] + ids.shape[1]) < total[:, None]).astype(np.int64)
+    return build_feeds(record, ids, mask, past, counts)
 
 
 def empty_past(record: CacheRecord, batch: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
@@ -117,26 +149,40 @@ def empty_past(record: CacheRecord, batch: int) -> tuple[dict[str, np.ndarray], 
              for name in record.past}, np.zeros((batch, 0), np.int64))
 
 
-def left_pad(record: CacheRecord, caches: Sequence[Mapping[str, np.ndarray]],
-             batch: int, past: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
+def pad_rows(record: CacheRecord, caches: Sequence[Mapping[str, np.ndarray]],
+             batch: int, past: int, capacity: int | None = None
+             ) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """A batch from rows' own caches (each past name -> (1, .., L_i, ..)): every past
-    (B, .., P, ..) with row i's entries at [P - L_i, P), and the mask (B, P) keeping them."""
+    (B, .., P, ..) and the mask (B, P), row i's entries placed by `place_row`. `capacity`
+    (rows at the start only): buffers (B, .., C, ..) of C >= P positions, the mask still
+    (B, P): a graph that shares its past and present buffer writes the next ones there."""
     lengths = [_length(record, c) for c in caches]
     if batch < len(caches) or past < max(lengths, default=0):
         raise BadInput(f"{len(caches)} rows of up to {max(lengths, default=0)} entries do not "
                        f"fit a batch of {batch} and a past of {past}")
+    if capacity is not None and (capacity < past or not record.rows_at_start):
+        raise BadInput(f"a buffer of {capacity} positions needs rows at the start and >= {past}")
     mask = np.zeros((batch, past), np.int64)  # (B, P)
-    arrays = {}
-    for name in record.past:
-        buf = np.zeros(record.past_shape(batch, past), record.dtypes.get(name, record.dtype))
-        for i, (cache, n) in enumerate(zip(caches, lengths)):
-            if n:
-                buf[seq_index(record, i, slice(past - n, past))] = cache[name][
-                    seq_index(record, 0, slice(None))]
-        arrays[name] = buf
-    for i, n in enumerate(lengths):
-        mask[i, past - n:] = 1
+    arrays = {name: np.zeros(record.past_shape(batch, capacity or past),
+                             record.dtypes.get(name, record.dtype)) for name in record.past}
+    for i, cache in enumerate(caches):
+        place_row(record, arrays, mask, i, cache)
     return arrays, mask
+
+
+def place_row(record: CacheRecord, arrays: Mapping[str, np.ndarray], mask: np.ndarray,
+              row: int, cache: Mapping[str, np.ndarray]) -> None:
+    """Write one row's own cache (past name -> (1, .., L, ..)) into row `row` of a batch
+    (B, .., P, ..), in place: at [P - L, P) (left padding) or [0, L) (rows at the start);
+    the mask row keeps exactly those entries."""
+    n, past = _length(record, cache), int(mask.shape[1])
+    span = slice(0, n) if record.rows_at_start else slice(past - n, past)
+    if n:
+        for name in record.past:
+            arrays[name][seq_index(record, row, span)] = cache[name][
+                seq_index(record, 0, slice(None))]
+    mask[row] = 0
+    mask[row, span] = 1
 
 
 def _length(record: CacheRecord, cache: Mapping[str, np.ndarray]) -> int:
@@ -163,7 +209,12 @@ def next_feeds(feeds: StepFeeds, outputs: Mapping[str, np.ndarray],
                tokens: np.ndarray) -> StepFeeds:
     """The step after `feeds`: `tokens` (B,) one per row, this step's presents as the pasts."""
     record = feeds.record
-    ones = np.ones((len(tokens), 1), np.int64)
-    mask = np.concatenate([feeds.mask, ones], axis=1)  # (B, P + S + 1)
     past = {p: outputs[q] for p, q in record.past_to_present.items()}
-    return build_feeds(record, np.asarray(tokens).reshape(-1, 1), mask, past)
+    ids = np.asarray(tokens).reshape(-1, 1)  # (B, 1)
+    if feeds.counts is None:
+        ones = np.ones((len(tokens), 1), np.int64)
+        mask = np.concatenate([feeds.mask, ones], axis=1)  # (B, P + S + 1)
+        return build_feeds(record, ids, mask, past)
+    total = feeds.mask.sum(1) + 1  # (B,) each row one entry longer
+    mask = (np.arange(feeds.mask.shape[1] + 1) < total[:, None]).astype(np.int64)
+    return build_feeds(record, ids, mask, past, np.ones(len(tokens), np.int64))

@@ -20,7 +20,7 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 from tuner.errors import BadInput
-from tuner.gate.decode_step import (StepFeeds, build_feeds, empty_past, left_pad, next_feeds,
+from tuner.gate.decode_step import (StepFeeds, build_feeds, empty_past, next_feeds, pad_rows,
                                     step_feeds)
 from tuner.graph.cache_record import CacheRecord
 
@@ -58,14 +58,14 @@ def served_feeds(record: CacheRecord, lengths: Sequence[int], chunks: Sequence[i
                  vocab_size: int, batch: int | None = None, past: int | None = None,
                  seed: int = 0) -> StepFeeds:
     """A step in the server's shapes (tuner.gate.decode_step): row i holds a random cache of
-    lengths[i] entries, left-padded to `past` (default the longest), and feeds chunks[i] new
+    lengths[i] entries, padded to `past` (default the longest), and feeds chunks[i] new
     tokens (1: decoding; k: a prompt chunk beside the decoding rows); rows past len(lengths)
     up to `batch` are bucket padding."""
     rng = np.random.default_rng(seed)
     caches = [{name: rng.standard_normal(record.past_shape(1, n)) for name in record.past}
               for n in lengths]
     size = batch or len(lengths)
-    arrays, mask = left_pad(record, caches, size, past or max(lengths))
+    arrays, mask = pad_rows(record, caches, size, past or max(lengths))
     rows = [tuple(int(t) for t in rng.integers(0, vocab_size, k)) for k in chunks]
     return step_feeds(record, rows, mask, arrays)
 
@@ -96,8 +96,8 @@ def greedy_rollout(infer: Infer, feeds: StepFeeds, steps: int) -> Rollout:
         outputs = infer(feeds.arrays)
         out = np.asarray(outputs[feeds.record.logits])  # (B, S, vocab)
         logits.append(out)
-        query_masks.append(feeds.mask[:, feeds.past:])  # (B, S)
-        tokens.append(out[:, -1].argmax(-1))  # (B,)
+        query_masks.append(feeds.query_mask)  # (B, S)
+        tokens.append(out[np.arange(len(out)), feeds.last].argmax(-1))  # (B,)
         if step + 1 < steps:
             feeds = next_feeds(feeds, outputs, tokens[-1])
     cache = {q: np.asarray(outputs[q]) for q in feeds.record.past_to_present.values()}

@@ -80,6 +80,13 @@ class CacheRecord:
         return self.cache.bytes_per_token
 
     @property
+    def rows_at_start(self) -> bool:
+        """Whether a batch keeps each row's entries from position 0 (right padding): a graph
+        that reads its mask as lengths (GroupQueryAttention) writes a row's new keys right
+        after its own entries, wherever the mask's ones are. Other graphs take left padding."""
+        return self.cache.mask == "lengths"
+
+    @property
     def takes_chunks(self) -> bool:
         """Whether the graph runs seq > 1 beside a past > 0 (chunked prefill, prefix hits)."""
         return self.seq is None or self.seq > 1

@@ -116,6 +116,32 @@ class OrtRunner:
         outs = self.session.run(self.output_names, dict(feeds))
         return dict(zip(self.output_names, outs))
 
+    @property
+    def writes_into(self) -> bool:
+        """Whether `infer_into` can write outputs into the caller's buffers (CPU memory)."""
+        return self.name == "ort-cpu" and not self._bf16
+
+    def infer_into(self, feeds: Mapping[str, np.ndarray],
+                   into: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """`infer`, with each output named in `into` written into that array (C-contiguous,
+        its shape and dtype the output's) instead of a new one: IO binding. An output bound
+        to an input's own memory is how GroupQueryAttention shares its past and present
+        buffer (it then writes only the new entries). Returns the other outputs."""
+        binding = self.session.io_binding()
+        kept = [np.ascontiguousarray(a) for a in feeds.values()]  # alive until the run ends
+        for name, arr in zip(feeds, kept):
+            binding.bind_input(name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
+        rest = [n for n in self.output_names if n not in into]
+        for name, arr in into.items():
+            if not arr.flags.c_contiguous:
+                raise ValueError(f"output {name} must be written into a C-contiguous array")
+            binding.bind_output(name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
+        for name in rest:
+            binding.bind_output(name, "cpu")
+        self.session.run_with_iobinding(binding)
+        outs = binding.get_outputs()[len(into):]  # in binding order: `into` first
+        return {n: o.numpy() for n, o in zip(rest, outs)}
+
     def close(self) -> None:
         self.session = None
 
