@@ -56,6 +56,10 @@ class GenerationRequest:
     # sent); text that may be the start of a stop string is held back until it is decided
     logprobs: bool = False  # each chunk carries, per id, log_softmax(raw logits)[id] (the
     # model's own distribution, before temperature/top-k/p)
+    bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences never generated
+    # (TensorRT-LLM's bad words): where the sequence (prompt + output) ends with all but a
+    # bad word's last token, that token's logit is -inf for this step (a one-token word is
+    # never sampled)
 
     def __post_init__(self) -> None:
         if not self.prompt:
@@ -66,6 +70,8 @@ class GenerationRequest:
             raise InvalidArgument(f"min_tokens must be >= 0, not {self.min_tokens}")
         if any(not s for s in self.stop_strings):
             raise InvalidArgument("a stop string must not be empty")
+        if any(not w for w in self.bad_words):
+            raise InvalidArgument("a bad word must hold at least one token")
 
 
 @dataclass(frozen=True)

@@ -273,6 +273,22 @@ def test_stop_ids_are_masked_until_min_tokens_and_logprobs_come_from_raw_logits(
     assert chunks[0].logprobs == (-0.5,)
 
 
+def test_bad_words_mask_their_last_token_only_after_the_rest():
+    out = OutputProcessor(GenerationStats())
+    logits = np.zeros((1, 8), np.float32)
+    logits[0, 3], logits[0, 2] = 4.0, 2.0  # 3 is the argmax, 2 the next
+    prompt = (5, 7, 6)
+
+    def first(*bad_words) -> int:
+        return out.sample([_stream(prompt, bad_words=bad_words)], logits)[0][0]
+
+    assert first() == 3
+    assert first((3,)) == 2  # one token: always banned
+    assert first((6, 3)) == 2 and first((7, 6, 3)) == 2  # the rest ends the sequence
+    assert first((7, 3)) == 3 and first((5, 6, 3)) == 3 and first((1, 5, 7, 6, 3)) == 3
+    assert first((6, 4)) == 3  # another word's ban leaves 3 alone
+
+
 # ------------------------------------------------------------------ the engine, exactness
 
 

@@ -1,6 +1,7 @@
 """From a step's logits to the chunks each stream's client gets: batched sampling (one argmax
-for every greedy row), stop ids (masked out until `min_tokens`), stop strings on the output
-text, incremental detokenizing, log-probs, the final chunk's reason, and the metrics."""
+for every greedy row), stop ids (masked out until `min_tokens`) and bad words (masked where
+they would be completed), stop strings on the output text, incremental detokenizing,
+log-probs, the final chunk's reason, and the metrics."""
 
 from __future__ import annotations
 
@@ -77,6 +78,18 @@ def log_softmax_at(logits: np.ndarray, ids: np.ndarray) -> np.ndarray:
     return x[np.arange(len(ids)), ids] - lse
 
 
+def banned(stream) -> list[int]:
+    """The ids masked out of `stream`'s next sampling: its stop ids until `min_tokens`, and
+    each bad word's last token where the sequence ends with the rest of the word."""
+    r, tokens = stream.request, stream.tokens
+    out = list(r.stop_ids) if r.stop_ids and stream.output.generated < r.min_tokens else []
+    for word in r.bad_words:
+        k = len(word) - 1  # tokens[-k:] below is the whole list when k is 0
+        if k == 0 or (len(tokens) >= k and tuple(tokens[-k:]) == word[:-1]):
+            out.append(word[-1])
+    return out
+
+
 class OutputProcessor:
     def __init__(self, stats: GenerationStats) -> None:
         self.stats = stats
@@ -86,11 +99,10 @@ class OutputProcessor:
         log-prob under the raw logits (None when no stream asked)."""
         work = logits
         for i, s in enumerate(streams):
-            r = s.request
-            if r.stop_ids and s.output.generated < r.min_tokens:
+            ids = [t for t in banned(s) if 0 <= t < logits.shape[1]]
+            if ids:
                 if work is logits:
                     work = logits.copy()
-                ids = [t for t in r.stop_ids if 0 <= t < logits.shape[1]]
                 work[i, ids] = -np.inf
         tokens = np.argmax(work, axis=1).tolist()  # every greedy row at once (first maximum)
         for i, s in enumerate(streams):
