@@ -236,6 +236,16 @@ def test_bad_words_are_never_generated_and_multi_token_ones_only_after_their_sta
     assert want[k] not in vllm and vllm[:k] == want[:k]
 
 
+def test_bad_words_tokenize_as_each_backend_does() -> None:
+    from serving.conventions import bad_word_ids
+
+    tok, ids = tokenizer(), lambda text: tuple(tokenizer().encode(text).ids)  # noqa: E731
+    assert bad_word_ids(tok, [" fox", ""]) == (ids(" fox"),)  # TensorRT-LLM: as given
+    # vLLM: without leading spaces, and after one where that is as many other tokens
+    assert len(ids("The")) == len(ids(" The")) == 1 and len(ids("fox")) != len(ids(" fox"))
+    assert bad_word_ids(tok, ["The", " fox"], vllm=True) == (ids("The"), ids(" The"), ids("fox"))
+
+
 def test_exclude_input_in_output_false_sends_the_prompt_first(server) -> None:
     results = stream(server, [_text(PROMPT), _scalar("max_tokens", 3, "INT32"),
                               _scalar("exclude_input_in_output", False, "BOOL")])
