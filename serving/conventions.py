@@ -47,6 +47,7 @@ KNOWN_INPUTS = frozenset(_CONTROLS) | frozenset(_TEXTS)
 _VLLM = {"max_tokens": (int, "max_tokens"), "min_tokens": (int, "min_tokens"),
          "temperature": (float, "temperature"), "top_p": (float, "top_p"),
          "top_k": (int, "top_k"), "seed": (int, "seed"), "ignore_eos": (bool, "ignore_eos")}
+_VLLM_LISTS = ("bad_words", "stop", "stop_token_ids")  # and these, each a list
 
 
 def client_signature(tokenizer: bool) -> Signature:
@@ -125,8 +126,8 @@ def _strings(name: str, array) -> list[str]:
         raise InvalidArgument(f"'{name}' is not valid UTF-8") from None
 
 
-def _vllm(raw, values: dict, stops: list[str]) -> None:
-    """The vLLM backend's `sampling_parameters` JSON, into `values` and `stops`."""
+def _vllm(raw, values: dict, stops: list[str], bad: list[str]) -> None:
+    """The vLLM backend's `sampling_parameters` JSON, into `values`, `stops` and `bad`."""
     text = _strings("sampling_parameters", raw)
     if len(text) != 1:
         raise InvalidArgument("'sampling_parameters' must hold one JSON string")
@@ -137,8 +138,9 @@ def _vllm(raw, values: dict, stops: list[str]) -> None:
     if not isinstance(given, dict):
         raise InvalidArgument("'sampling_parameters' must be a JSON object")
     for key, value in given.items():
-        if key == "stop":
-            stops += [value] if isinstance(value, str) else _strings("stop", value)
+        if key in ("stop", "bad_words"):
+            (stops if key == "stop" else bad).extend(
+                [value] if isinstance(value, str) else _strings(key, value))
         elif key == "stop_token_ids":
             values["stop_ids"] = [int(_scalar("stop_token_ids", v, int, True)) for v in value]
         elif key in _VLLM:
@@ -146,7 +148,7 @@ def _vllm(raw, values: dict, stops: list[str]) -> None:
             values[target] = _scalar(key, value, kind, strings=True)
         else:
             raise InvalidArgument(f"sampling parameter '{key}' is not supported; this server "
-                                  f"takes {sorted(_VLLM) + ['stop', 'stop_token_ids']}")
+                                  f"takes {sorted(_VLLM) + list(_VLLM_LISTS)}")
     if values.get("top_k") == -1:  # vLLM's "no cut"
         values["top_k"] = 0
 
@@ -165,17 +167,18 @@ def parse_request(tensors: Mapping[str, np.ndarray], parameters: Mapping[str, ob
     values = {_CONTROLS[k][1]: _scalar(k, v, _CONTROLS[k][0]) for k, v in parameters.items()
               if k in _CONTROLS}
     stops: list[str] = []
+    bad: list[str] = []  # the vLLM backend's bad words
     vllm = "sampling_parameters" in tensors
     if vllm:
-        _vllm(tensors["sampling_parameters"], values, stops)
+        _vllm(tensors["sampling_parameters"], values, stops, bad)
     values.update({_CONTROLS[k][1]: _scalar(k, v, _CONTROLS[k][0]) for k, v in tensors.items()
                    if k in _CONTROLS})
     if values.get("beam_width", 1) != 1:
         raise InvalidArgument(f"beam_width {values['beam_width']} is not supported: only 1")
     if "stop_words" in tensors:
         stops += [w for w in _strings("stop_words", tensors["stop_words"]) if w]
-    if "bad_words" in tensors and any(_strings("bad_words", tensors["bad_words"])):
-        raise InvalidArgument("'bad_words' is not supported (send it empty or leave it out)")
+    trtllm_bad = _strings("bad_words", tensors["bad_words"]) if "bad_words" in tensors else []
+    bad_words = bad_word_ids(tokenizer, trtllm_bad) + bad_word_ids(tokenizer, bad, vllm=True)
     prompt = _prompt(tensors, tokenizer)
     stop_ids = set(values.get("stop_ids", ())) | _stop_ids(tensors, parameters)
     if "end_id" in values:
@@ -190,12 +193,38 @@ def parse_request(tensors: Mapping[str, np.ndarray], parameters: Mapping[str, ob
     generation = GenerationRequest(
         prompt, values.get("max_tokens", default_max_tokens), sampling, frozenset(stop_ids),
         request_id, min_tokens=values.get("min_tokens", 0), stop_strings=tuple(stops),
-        logprobs=values.get("logprobs", False))
+        logprobs=values.get("logprobs", False), bad_words=bad_words)
     echo = values.get("exclude_input", True) is False and tokenizer is not None
     # return_num_input_tokens / return_num_output_tokens (vLLM) are accepted: the counts
     # come in every response
     return ClientRequest(generation, values.get("stream", True),
                          _text_of(tensors, prompt, tokenizer) if echo else None)
+
+
+def bad_word_ids(tokenizer, words: Sequence[str], vllm: bool = False
+                 ) -> tuple[tuple[int, ...], ...]:
+    """Each bad word as the tokens the tokenizer makes of it (no special tokens), as
+    TensorRT-LLM's preprocessing makes them, an empty word skipped as there. `vllm`: as the
+    vLLM backend, the word without leading spaces, and also after one space where that is
+    other tokens of the same count (so it is banned inside a text too)."""
+    words = [w for w in words if w]
+    if words and tokenizer is None:
+        raise InvalidArgument("bad words need a tokenizer (no tokenizer.json in this "
+                              "artifact)")
+    out = []
+    for word in words:
+        ids = _tokens(tokenizer, word.lstrip() if vllm else word)
+        if not ids:
+            raise InvalidArgument(f"bad word {word!r} makes no tokens")
+        out.append(ids)
+        spaced = _tokens(tokenizer, " " + word.lstrip()) if vllm else ()
+        if spaced and spaced[0] != ids[0] and len(spaced) == len(ids):
+            out.append(spaced)
+    return tuple(out)
+
+
+def _tokens(tokenizer, text: str) -> tuple[int, ...]:
+    return tuple(tokenizer.encode(text, add_special_tokens=False).ids)
 
 
 def _stop_ids(tensors: Mapping[str, np.ndarray], parameters: Mapping[str, object]) -> set[int]:

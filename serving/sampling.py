@@ -56,6 +56,12 @@ class GenerationRequest:
     # sent); text that may be the start of a stop string is held back until it is decided
     logprobs: bool = False  # each chunk carries, per id, log_softmax(raw logits)[id] (the
     # model's own distribution, before temperature/top-k/p)
+    top_logprobs: int = 0  # each chunk carries, per id, the k most likely ids of that
+    # position with their log-probs (of the raw logits, most likely first)
+    bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences never generated
+    # (TensorRT-LLM's bad words): where the sequence (prompt + output) ends with all but a
+    # bad word's last token, that token's logit is -inf for this step (a one-token word is
+    # never sampled)
 
     def __post_init__(self) -> None:
         if not self.prompt:
@@ -66,6 +72,10 @@ class GenerationRequest:
             raise InvalidArgument(f"min_tokens must be >= 0, not {self.min_tokens}")
         if any(not s for s in self.stop_strings):
             raise InvalidArgument("a stop string must not be empty")
+        if self.top_logprobs < 0:
+            raise InvalidArgument(f"top_logprobs must be >= 0, not {self.top_logprobs}")
+        if any(not w for w in self.bad_words):
+            raise InvalidArgument("a bad word must hold at least one token")
 
 
 @dataclass(frozen=True)
@@ -79,6 +89,8 @@ class Chunk:
     reason: str | None = None  # one of FINISH_REASONS on the final chunk
     detail: str = ""  # a sentence for the client when the reason is not "length"/"stop"
     logprobs: tuple[float, ...] | None = None  # one per id when the request asked
+    # one per id when the request asked for top_logprobs: ((id, log-prob), ...) of that position
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
 
 
 def sample(logits: np.ndarray, s: Sampling, rng: np.random.Generator) -> int:

@@ -114,10 +114,14 @@ def test_kserve_manifest_runs_the_image_as_a_custom_predictor():
     assert any(e["name"] == "STORAGE_URI" for e in c["env"])
     options = _serve_options()
     assert all(a in options for a in args if a.startswith("--"))
-    port = int(args[args.index("--port") + 1])
-    (p,) = c["ports"]
-    assert p["name"] == "h2c" and p["containerPort"] == port  # KServe's gRPC port name
-    assert c["readinessProbe"]["grpc"]["port"] == port
+    grpc, http = (int(args[args.index(o) + 1]) for o in ("--port", "--http-port"))
+    assert (grpc, http) == (8001, 8000)  # Triton's ports
+    # Knative routes one port: serving both needs KServe's raw deployment
+    assert isvc["metadata"]["annotations"]["serving.kserve.io/deploymentMode"] == "RawDeployment"
+    assert [(p["name"], p["containerPort"]) for p in c["ports"]] == [("h2c", grpc), ("http", http)]
+    for probe, path in (("readinessProbe", "/v2/health/ready"),
+                        ("livenessProbe", "/v2/health/live")):
+        assert c[probe]["httpGet"] == {"path": path, "port": http}
     assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"
     user = [a for w, a in _instructions(DOCKERFILE.read_text()) if w == "USER"][-1]
     assert str(c["securityContext"]["runAsUser"]) == user.split(":")[0]

@@ -264,13 +264,33 @@ def test_stop_ids_are_masked_until_min_tokens_and_logprobs_come_from_raw_logits(
     logits[:, 1] = 2.0
     early = _stream((1,), 4, stop_ids=frozenset({3}), min_tokens=2, logprobs=True)
     late = _stream((1,), 4, stop_ids=frozenset({3}), min_tokens=0)
-    tokens, logprobs = out.sample([early, late], logits)
+    tokens, logprobs, tops = out.sample([early, late], logits)
     assert tokens == [1, 3]
     raw = logits[0].astype(np.float64)
     assert logprobs[0] == pytest.approx(raw[1] - np.log(np.exp(raw).sum()))
+    assert tops is None  # nobody asked
+    ranked = out.sample([_stream((1,), 4, top_logprobs=3)], logits)[2][0]
+    assert [t for t, _ in ranked][:2] == [3, 1] and len(ranked) == 3  # then a tie of 0s
+    assert ranked[1][1] == pytest.approx(logprobs[0])
     chunks = _feed(GenerationRequest((1,), 4, stop_ids=frozenset({3}), logprobs=True), [2, 3])
     assert [c.ids for c in chunks] == [(2,), ()] and chunks[-1].reason == "stop"
     assert chunks[0].logprobs == (-0.5,)
+
+
+def test_bad_words_mask_their_last_token_only_after_the_rest():
+    out = OutputProcessor(GenerationStats())
+    logits = np.zeros((1, 8), np.float32)
+    logits[0, 3], logits[0, 2] = 4.0, 2.0  # 3 is the argmax, 2 the next
+    prompt = (5, 7, 6)
+
+    def first(*bad_words) -> int:
+        return out.sample([_stream(prompt, bad_words=bad_words)], logits)[0][0]
+
+    assert first() == 3
+    assert first((3,)) == 2  # one token: always banned
+    assert first((6, 3)) == 2 and first((7, 6, 3)) == 2  # the rest ends the sequence
+    assert first((7, 3)) == 3 and first((5, 6, 3)) == 3 and first((1, 5, 7, 6, 3)) == 3
+    assert first((6, 4)) == 3  # another word's ban leaves 3 alone
 
 
 # ------------------------------------------------------------------ the engine, exactness

@@ -204,6 +204,48 @@ def test_stop_words_match_across_token_boundaries(server) -> None:
     assert results[-1].get_response().parameters["finish_reason"].string_param == "stop"
 
 
+def _words(name: str, words: list[str]):
+    made = tg.InferInput(name, [len(words)], "BYTES")
+    made.set_data_from_numpy(np.array([w.encode() for w in words], object))
+    return made
+
+
+def _own_tokens(ids: list[int], k: int, n: int) -> bool:
+    """Whether the text of ids[k:k+n] tokenizes (alone) to exactly those ids."""
+    text = tokenizer().decode(ids[k:k + n])
+    return tokenizer().encode(text, add_special_tokens=False).ids == ids[k:k + n]
+
+
+def test_bad_words_are_never_generated_and_multi_token_ones_only_after_their_start(
+        server, llama) -> None:
+    want, _ = greedy(llama, tokenizer().encode(PROMPT).ids, 12)
+    length = [_scalar("max_tokens", 12, "INT32"), _scalar("min_length", 12, "INT32")]
+    sent = lambda *extra: ids(stream(server, [_text(PROMPT), *length, *extra]))  # noqa: E731
+    assert sent() == want and sent(_words("bad_words", [""])) == want  # empty: no ban
+    k = next(i for i in range(1, 12) if want[i] not in want[:i] and _own_tokens(want, i, 1))
+    word = tokenizer().decode([want[k]])
+    banned = sent(_words("bad_words", ["", word]))
+    assert want[k] not in banned and banned[:k] == want[:k] and banned != want
+    # two tokens (a, b): a is still generated; b, which would follow it, is not
+    j = next(i for i in range(1, 11) if want[i + 1] not in want[:i + 1]
+             and _own_tokens(want, i, 2))
+    pair = sent(_words("bad_words", [tokenizer().decode(want[j:j + 2])]))
+    assert pair[:j + 1] == want[:j + 1] and pair[j + 1] != want[j + 1]
+    vllm = ids(stream(server, [_text(PROMPT), _words("sampling_parameters", [json.dumps(
+        {"max_tokens": 12, "min_tokens": 12, "bad_words": [word]})])]))
+    assert want[k] not in vllm and vllm[:k] == want[:k]
+
+
+def test_bad_words_tokenize_as_each_backend_does() -> None:
+    from serving.conventions import bad_word_ids
+
+    tok, ids = tokenizer(), lambda text: tuple(tokenizer().encode(text).ids)  # noqa: E731
+    assert bad_word_ids(tok, [" fox", ""]) == (ids(" fox"),)  # TensorRT-LLM: as given
+    # vLLM: without leading spaces, and after one where that is as many other tokens
+    assert len(ids("The")) == len(ids(" The")) == 1 and len(ids("fox")) != len(ids(" fox"))
+    assert bad_word_ids(tok, ["The", " fox"], vllm=True) == (ids("The"), ids(" The"), ids("fox"))
+
+
 def test_exclude_input_in_output_false_sends_the_prompt_first(server) -> None:
     results = stream(server, [_text(PROMPT), _scalar("max_tokens", 3, "INT32"),
                               _scalar("exclude_input_in_output", False, "BOOL")])
@@ -239,6 +281,15 @@ def test_a_cancelled_stream_frees_its_slot(server) -> None:
     client.close()
 
 
+def _word_level():
+    """A real tokenizer that makes no tokens of blanks (words split on whitespace)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "no": 1}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return tok
+
+
 def test_parse_request_names_what_is_wrong() -> None:
     from serving.conventions import parse_request
     from serving.errors import InvalidArgument
@@ -247,8 +298,11 @@ def test_parse_request_names_what_is_wrong() -> None:
     assert parse_request(ids, {}).generation.prompt == (1, 2, 3)  # INT32 ids too
     with pytest.raises(InvalidArgument, match="beam_width 2 is not supported"):
         parse_request({**ids, "beam_width": np.array([2], np.int32)}, {})
-    with pytest.raises(InvalidArgument, match="'bad_words' is not supported"):
+    with pytest.raises(InvalidArgument, match="bad words need a tokenizer"):
         parse_request({**ids, "bad_words": np.array([b"no"], object)}, {})
+    with pytest.raises(InvalidArgument, match="bad word '  ' makes no tokens"):
+        parse_request({**ids, "bad_words": np.array([b"", b"  "], object)}, {},
+                      tokenizer=_word_level())
     with pytest.raises(InvalidArgument, match="stop strings need a tokenizer"):
         parse_request({**ids, "stop_words": np.array([b"."], object)}, {})
     with pytest.raises(InvalidArgument, match="'max_tokens' must be an integer, not 'ten'"):

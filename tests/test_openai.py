@@ -2,8 +2,10 @@
 and by curl: models, completions and chat completions (the prompt rendered from the
 artifact's chat template exactly as transformers renders it), greedy text equal to ONNX
 Runtime's own greedy run, usage, stop strings across token boundaries, the end token and
-ignore_eos, log-probs, seeds, OpenAI error objects with their statuses, the bearer token,
-and a client that closes its stream freeing its slot."""
+ignore_eos, log-probs and the k most likely tokens' against ONNX Runtime's logits, seeds,
+`n` choices (equal when greedy, from seed, seed + 1, ... when sampled), OpenAI error objects
+with their statuses, the bearer token, and a client that closes its stream freeing its
+slots."""
 
 from __future__ import annotations
 
@@ -149,18 +151,93 @@ def test_seeded_sampling_is_reproducible(server) -> None:
     assert run(7) == run(7) and run(7) != run(8)
 
 
+def test_n_greedy_choices_are_equal_each_with_its_index(server, llama) -> None:
+    _, text = _want(llama, PROMPT, 8)
+    c = _client(server)
+    got = c.completions.create(model=server.slot.name, prompt=PROMPT, max_tokens=8, n=3,
+                               temperature=0, extra_body=NO_EOS)
+    assert [(x.index, x.text) for x in got.choices] == [(0, text), (1, text), (2, text)]
+    assert got.usage.completion_tokens == 3 * 8
+    assert got.usage.prompt_tokens == len(tokenizer().encode(PROMPT).ids)
+    chunks = list(c.chat.completions.create(
+        model=server.slot.name, messages=MESSAGES, max_tokens=6, n=2, temperature=0,
+        stream=True, stream_options={"include_usage": True}, extra_body=NO_EOS))
+    choices = [x.choices[0] for x in chunks if x.choices]
+    texts = ["".join(x.delta.content or "" for x in choices if x.index == i) for i in (0, 1)]
+    assert texts[0] == texts[1] and texts[0]
+    firsts = [next(x for x in choices if x.index == i) for i in (0, 1)]
+    assert all(x.delta.role == "assistant" for x in firsts)
+    assert [x.finish_reason for x in choices if x.finish_reason] == ["length", "length"]
+    assert chunks[-1].usage.completion_tokens == 2 * 6
+
+
+def test_n_sampled_choices_come_from_seed_seed_plus_1_and_so_on(server) -> None:
+    def run(seed: int, n: int = 1, stream: bool = False) -> list[str]:
+        got = _client(server).completions.create(
+            model=server.slot.name, prompt=PROMPT, max_tokens=10, temperature=1.0, seed=seed,
+            n=n, stream=stream, extra_body=NO_EOS)
+        if not stream:
+            return [x.text for x in sorted(got.choices, key=lambda x: x.index)]
+        texts = [""] * n
+        for chunk in got:
+            texts[chunk.choices[0].index] += chunk.choices[0].text
+        return texts
+
+    alone = [run(11)[0], run(12)[0], run(13)[0]]
+    assert len(set(alone)) == 3
+    assert run(11, 3) == alone and run(11, 3, stream=True) == alone
+
+
+def _top(logits: np.ndarray, k: int) -> list[tuple[str, float]]:
+    """The k most likely tokens' text and log-prob under one row of raw logits."""
+    x = logits.astype(np.float64)
+    lp = x - x.max() - np.log(np.exp(x - x.max()).sum())
+    return [(tokenizer().decode([int(i)]), float(lp[i])) for i in np.argsort(-lp)[:k]]
+
+
+def test_top_logprobs_are_the_models_k_most_likely(server, artifact, llama) -> None:
+    ids, logits = greedy(llama, tokenizer().encode(PROMPT).ids, 4)
+    want = [_top(v, 3) for v in logits]
+    c = _client(server)
+    for stream in (False, True):
+        got = c.completions.create(model=server.slot.name, prompt=PROMPT, max_tokens=4,
+                                   temperature=0, logprobs=3, stream=stream, extra_body=NO_EOS)
+        tops = [t for x in (got if stream else [got]) for t in x.choices[0].logprobs.top_logprobs]
+        assert len(tops) == 4
+        for top, expected in zip(tops, want):  # the sampled (greedy) token is the first
+            assert list(top) == [t for t, _ in expected]
+            np.testing.assert_allclose(list(top.values()), [p for _, p in expected], atol=1e-3)
+    prompt = tokenizer().encode(_rendered_by_transformers(artifact), add_special_tokens=False)
+    want = [_top(v, 2) for v in greedy(llama, prompt.ids, 3)[1]]
+    for stream in (False, True):
+        got = c.chat.completions.create(model=server.slot.name, messages=MESSAGES, max_tokens=3,
+                                        temperature=0, logprobs=True, top_logprobs=2,
+                                        stream=stream, extra_body=NO_EOS)
+        content = [t for x in (got if stream else [got]) if x.choices
+                   for t in (x.choices[0].logprobs.content if x.choices[0].logprobs else [])]
+        assert len(content) == 3
+        for t, expected in zip(content, want):
+            assert [a.token for a in t.top_logprobs] == [e for e, _ in expected]
+            np.testing.assert_allclose([a.logprob for a in t.top_logprobs],
+                                       [p for _, p in expected], atol=1e-3)
+            assert t.top_logprobs[0].token == t.token and t.top_logprobs[0].bytes == list(
+                t.token.encode())
+
+
 def test_errors_are_openai_error_objects(server) -> None:
     c = _client(server)
     with pytest.raises(openai.NotFoundError, match="unknown model: 'gpt-4'"):
         c.completions.create(model="gpt-4", prompt=PROMPT)
     with pytest.raises(openai.BadRequestError, match="temperature must be a finite number"):
         c.completions.create(model=server.slot.name, prompt=PROMPT, temperature=-1)
-    with pytest.raises(openai.BadRequestError, match="'logprobs' must be 0 or 1"):
-        c.completions.create(model=server.slot.name, prompt=PROMPT, logprobs=3)
+    with pytest.raises(openai.BadRequestError, match="'logprobs' must be between 0 and 20"):
+        c.completions.create(model=server.slot.name, prompt=PROMPT, logprobs=21)
+    with pytest.raises(openai.BadRequestError, match="'top_logprobs' needs 'logprobs'"):
+        c.chat.completions.create(model=server.slot.name, messages=MESSAGES, top_logprobs=2)
     with pytest.raises(openai.BadRequestError, match="no chat template|'messages' must be"):
         c.chat.completions.create(model=server.slot.name, messages=[])
-    with pytest.raises(openai.BadRequestError, match="'n' must be 1"):
-        c.chat.completions.create(model=server.slot.name, messages=MESSAGES, n=2)
+    with pytest.raises(openai.BadRequestError, match="'n' must be between 1 and 4 .*not 5"):
+        c.chat.completions.create(model=server.slot.name, messages=MESSAGES, n=5)
     with pytest.raises(openai.BadRequestError, match="max_tokens 400 is over the limit 64"):
         c.completions.create(model=server.slot.name, prompt=PROMPT, max_tokens=400)
 
@@ -190,10 +267,11 @@ def test_curl_streams_sse_ending_with_done(server, llama) -> None:
     assert "".join(c["choices"][0]["text"] for c in chunks) == text
 
 
-def test_closing_a_stream_frees_its_slot(server) -> None:
-    stream = _client(server).completions.create(model=server.slot.name, prompt=PROMPT,
+@pytest.mark.parametrize("n", [1, 2])
+def test_closing_a_stream_frees_its_slots(server, n) -> None:
+    stream = _client(server).completions.create(model=server.slot.name, prompt=PROMPT, n=n,
                                                 max_tokens=60, stream=True, extra_body=NO_EOS)
     next(iter(stream))
-    assert server.slot.engine.active() == 1
+    assert wait_for(lambda: server.slot.engine.active() == n)  # one stream per choice
     stream.close()
     assert wait_for(lambda: server.slot.engine.active() == 0)

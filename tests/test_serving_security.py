@@ -78,12 +78,12 @@ def test_token_guards_health_and_streams_too(secure) -> None:
     server, cert = secure
     creds = grpc.ssl_channel_credentials(cert.read_bytes())
     with grpc.secure_channel(f"localhost:{server.port}", creds) as channel:
-        with pytest.raises(grpc.RpcError) as info:
+        with pytest.raises(grpc.RpcError, match="missing or wrong bearer token") as info:
             health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
         request = protocol.encode_inputs(feeds_for(3), server.slot.name)
-        with pytest.raises(grpc.RpcError) as info:
+        with pytest.raises(grpc.RpcError, match="missing or wrong bearer token") as info:
             list(stub.ModelStreamInfer(iter([request]), timeout=10))
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
         answers = list(stub.ModelStreamInfer(iter([request]), timeout=10,
@@ -94,7 +94,7 @@ def test_token_guards_health_and_streams_too(secure) -> None:
 def test_plaintext_clients_cannot_talk_to_a_tls_server(secure) -> None:
     server, _ = secure
     with grpc.insecure_channel(f"localhost:{server.port}") as channel:
-        with pytest.raises(grpc.RpcError) as info:
+        with pytest.raises(grpc.RpcError, match="failed to connect to all addresses") as info:
             pb_grpc.GRPCInferenceServiceStub(channel).ServerLive(pb.ServerLiveRequest(),
                                                                  timeout=5)
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -106,7 +106,8 @@ def test_messages_over_the_limit_are_refused_and_the_server_lives_on(secure) -> 
     good = {"authorization": f"Bearer {TOKEN}"}
     big = {"input_ids": np.zeros((8, 32), np.int64), "attention_mask": np.ones((8, 32), np.int64)}
     big["pad"] = np.zeros(10_000, np.int64)  # 80 kB: over the 64 KiB limit
-    with pytest.raises(InferenceServerException) as info:
+    with pytest.raises(InferenceServerException,
+                       match=r"Received message larger than max \(\d+ vs\. 65536\)") as info:
         client.infer(server.slot.name, infer_inputs(big), headers=good)
     assert "RESOURCE_EXHAUSTED" in str(info.value.status())
     assert client.is_server_live(headers=good)

@@ -7,6 +7,7 @@ Over 400 lines on purpose: one file per part under test, each test with the mode
 
 from __future__ import annotations
 
+import re
 import urllib.request
 
 import grpc
@@ -112,9 +113,9 @@ def test_typed_contents_and_requested_outputs(bert) -> None:
                                rtol=RTOL)
 
 
-def _raw_call(server: Server, request: pb.ModelInferRequest) -> grpc.RpcError:
+def _raw_call(server: Server, request: pb.ModelInferRequest, text: str) -> grpc.RpcError:
     with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
-        with pytest.raises(grpc.RpcError) as info:
+        with pytest.raises(grpc.RpcError, match=re.escape(text)) as info:
             pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request, timeout=30)
     return info.value
 
@@ -164,7 +165,7 @@ def test_every_invalid_request_gets_its_code_and_the_server_lives_on(bert) -> No
     server, model = bert
     failures_before = server.stats.fail.count
     for case, (request, code, text) in _bad_requests(server.slot.name).items():
-        error = _raw_call(server, request)
+        error = _raw_call(server, request, text)
         assert error.code() == code, f"{case}: {error.code()} {error.details()}"
         assert text in error.details(), f"{case}: {error.details()!r}"
     assert server.stats.fail.count > failures_before
@@ -177,10 +178,11 @@ def test_every_invalid_request_gets_its_code_and_the_server_lives_on(bert) -> No
 def test_tritonclient_sees_the_same_codes(bert) -> None:
     server, _ = bert
     client = _client(server)
-    with pytest.raises(InferenceServerException) as info:
+    with pytest.raises(InferenceServerException, match="unknown model: 'no-such-model'") as info:
         client.infer("no-such-model", infer_inputs(feeds_for(4)))
     assert "NOT_FOUND" in str(info.value.status())
-    with pytest.raises(InferenceServerException) as info:
+    with pytest.raises(InferenceServerException,
+                       match="sequence length 40 is longer than the largest bucket 32") as info:
         client.infer(server.slot.name, infer_inputs(feeds_for(40)))
     assert "INVALID_ARGUMENT" in str(info.value.status())
 
@@ -328,7 +330,8 @@ def test_not_ready_until_the_model_is_loaded_and_checked(reference_model, tmp_pa
         client, name = _client(server), server.slot.name
         assert client.is_server_live()
         assert not client.is_server_ready() and not client.is_model_ready(name)
-        with pytest.raises(InferenceServerException) as info:
+        with pytest.raises(InferenceServerException,
+                           match=f"model '{name}' is not ready: loading and checking") as info:
             client.infer(name, infer_inputs(feeds_for(4)))
         assert "UNAVAILABLE" in str(info.value.status()) and "is not ready" in str(info.value)
         with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
@@ -353,7 +356,8 @@ def test_metadata_and_config_of_an_unknown_model_are_not_found(bert) -> None:
     client = _client(server)
     for call in (client.get_model_metadata, client.get_model_config,
                  client.get_inference_statistics):
-        with pytest.raises(InferenceServerException) as info:
+        with pytest.raises(InferenceServerException,
+                           match="unknown model: 'no-such-model'") as info:
             call("no-such-model")
         assert "NOT_FOUND" in str(info.value.status()), call
 

@@ -220,10 +220,11 @@ class Generator:
     def _emit(self, streams: Sequence[Stream], logits) -> None:
         if not streams:
             return
-        tokens, logprobs = self.output.sample(streams, logits)
+        tokens, logprobs, tops = self.output.sample(streams, logits)
         for i, (s, token) in enumerate(zip(streams, tokens)):
             s.computed = len(s.tokens)  # every fed token is cached now
-            self.output.emit(s, token, None if logprobs is None else float(logprobs[i]))
+            self.output.emit(s, token, None if logprobs is None else float(logprobs[i]),
+                             None if tops is None else tops[i])
             if s.done:
                 self.scheduler.remove(s)
 

@@ -1,6 +1,7 @@
 """From a step's logits to the chunks each stream's client gets: batched sampling (one argmax
-for every greedy row), stop ids (masked out until `min_tokens`), stop strings on the output
-text, incremental detokenizing, log-probs, the final chunk's reason, and the metrics."""
+for every greedy row), stop ids (masked out until `min_tokens`) and bad words (masked where
+they would be completed), stop strings on the output text, incremental detokenizing,
+log-probs, the final chunk's reason, and the metrics."""
 
 from __future__ import annotations
 
@@ -69,28 +70,55 @@ def _held_back(tail: str, stops: Sequence[str]) -> int:
     return 0
 
 
+def _logsumexp(x: np.ndarray) -> np.ndarray:
+    top = x.max(axis=-1, keepdims=True)
+    return np.log(np.exp(x - top).sum(axis=-1)) + top[..., 0]
+
+
 def log_softmax_at(logits: np.ndarray, ids: np.ndarray) -> np.ndarray:
     """log_softmax(logits[i])[ids[i]] for each row (float64)."""
     x = logits.astype(np.float64)
-    top = x.max(axis=1, keepdims=True)
-    lse = np.log(np.exp(x - top).sum(axis=1)) + top[:, 0]
-    return x[np.arange(len(ids)), ids] - lse
+    return x[np.arange(len(ids)), ids] - _logsumexp(x)
+
+
+def top_logprobs(row: np.ndarray, k: int) -> tuple[tuple[int, float], ...]:
+    """The k most likely ids of one row of logits (vocab,), most likely first, each with its
+    log_softmax value."""
+    x = row.astype(np.float64)
+    k = min(k, x.size)
+    ids = np.argpartition(-x, k - 1)[:k]
+    ids = ids[np.argsort(-x[ids], kind="stable")]
+    lse = float(_logsumexp(x))
+    return tuple((int(i), float(x[i]) - lse) for i in ids)
+
+
+def banned(stream) -> list[int]:
+    """The ids masked out of `stream`'s next sampling: its stop ids until `min_tokens`, and
+    each bad word's last token where the sequence ends with the rest of the word."""
+    r, tokens = stream.request, stream.tokens
+    out = list(r.stop_ids) if r.stop_ids and stream.output.generated < r.min_tokens else []
+    for word in r.bad_words:
+        k = len(word) - 1  # tokens[-k:] below is the whole list when k is 0
+        if k == 0 or (len(tokens) >= k and tuple(tokens[-k:]) == word[:-1]):
+            out.append(word[-1])
+    return out
 
 
 class OutputProcessor:
     def __init__(self, stats: GenerationStats) -> None:
         self.stats = stats
 
-    def sample(self, streams: Sequence, logits: np.ndarray) -> tuple[list[int], np.ndarray | None]:
-        """One token per stream from its row of `logits` (rows, vocab), and each token's
-        log-prob under the raw logits (None when no stream asked)."""
+    def sample(self, streams: Sequence, logits: np.ndarray
+               ) -> tuple[list[int], np.ndarray | None, list | None]:
+        """One token per stream from its row of `logits` (rows, vocab); each token's
+        log-prob under the raw logits (None when no stream asked); and per stream its
+        top_logprobs (None where not asked; the list None when no stream asked)."""
         work = logits
         for i, s in enumerate(streams):
-            r = s.request
-            if r.stop_ids and s.output.generated < r.min_tokens:
+            ids = [t for t in banned(s) if 0 <= t < logits.shape[1]]
+            if ids:
                 if work is logits:
                     work = logits.copy()
-                ids = [t for t in r.stop_ids if 0 <= t < logits.shape[1]]
                 work[i, ids] = -np.inf
         tokens = np.argmax(work, axis=1).tolist()  # every greedy row at once (first maximum)
         for i, s in enumerate(streams):
@@ -98,9 +126,14 @@ class OutputProcessor:
                 tokens[i] = sample(work[i], s.request.sampling, s.output.rng)
         wanted = any(s.request.logprobs for s in streams)
         logprobs = log_softmax_at(logits, np.asarray(tokens)) if wanted else None
-        return tokens, logprobs
+        tops = None
+        if any(s.request.top_logprobs for s in streams):  # off the path unless asked
+            tops = [top_logprobs(logits[i], s.request.top_logprobs)
+                    if s.request.top_logprobs else None for i, s in enumerate(streams)]
+        return tokens, logprobs, tops
 
-    def emit(self, stream, token: int, logprob: float | None) -> None:
+    def emit(self, stream, token: int, logprob: float | None,
+             top: tuple[tuple[int, float], ...] | None = None) -> None:
         """A new token of `stream`: the stream ends (stream.done) on a stop or its length."""
         out, request = stream.output, stream.request
         now = time.perf_counter()
@@ -120,11 +153,12 @@ class OutputProcessor:
             out.text += out.detok.flush()
         piece, matched = out.release(final=last)
         probs = (logprob,) if request.logprobs else None
+        tops = (top,) if request.top_logprobs else None
         if matched or last:
             self._end(stream, Chunk((token,), piece, True, "stop" if matched else "length",
-                                    logprobs=probs))
+                                    logprobs=probs, top_logprobs=tops))
         else:
-            self._send(stream, Chunk((token,), piece, logprobs=probs))
+            self._send(stream, Chunk((token,), piece, logprobs=probs, top_logprobs=tops))
 
     def finish(self, stream, reason: str, detail: str = "") -> None:
         """The final chunk without a new token (stop id, cancel, shutdown, error)."""
@@ -136,7 +170,8 @@ class OutputProcessor:
         piece, matched = out.release(final=True)
         self._end(stream, Chunk((), piece, True, "stop" if matched else reason,
                                 "" if matched else detail,
-                                () if stream.request.logprobs else None))
+                                () if stream.request.logprobs else None,
+                                () if stream.request.top_logprobs else None))
 
     def _end(self, stream, chunk: Chunk) -> None:
         stream.done = True

@@ -1,10 +1,11 @@
 """An OpenAI-compatible API on the HTTP port: `GET /v1/models`, `POST /v1/completions` and
 `POST /v1/chat/completions`, whole or streamed (`stream: true`: Server-Sent Events, one
 chunk per token chunk, then `data: [DONE]`), with `usage`, `max_tokens`, `temperature`,
-`top_p`, `seed`, `stop` (strings), `logprobs` (of the sampled tokens), and vLLM's `top_k`,
-`min_tokens` and `ignore_eos`. Errors are OpenAI error objects with the matching status.
-Generation stops at the model's end token (config.json / tokenizer_config.json) unless
-`ignore_eos`."""
+`top_p`, `seed`, `stop` (strings), `n` (choices, each its own stream in the engine),
+`logprobs` (of the sampled tokens, and of the k most likely: completions' `logprobs: k`,
+chat's `top_logprobs`), and vLLM's `top_k`, `min_tokens` and `ignore_eos`. Errors are
+OpenAI error objects with the matching status. Generation stops at the model's end token
+(config.json / tokenizer_config.json) unless `ignore_eos`."""
 
 from __future__ import annotations
 
@@ -18,13 +19,14 @@ from serving.decoder import DecoderEngine
 from serving.errors import InvalidArgument, NotFound
 from serving.http.chat import messages_of, render
 from serving.http.codec import http_status_for
-from serving.http.streams import ChunkStream, until_disconnect
+from serving.http.streams import ChunkStreams, until_disconnect
 from serving.http.triton_generate import SSE_HEADERS, sse
 from serving.sampling import Chunk, GenerationRequest, Sampling
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           429: "rate_limit_error", 503: "service_unavailable", 500: "internal_error"}
 STARTED = int(time.time())
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat's top_logprobs (vLLM's default max_logprobs)
 
 
 def error(exc: BaseException) -> Response:
@@ -61,8 +63,6 @@ def _stops(body: dict) -> tuple[str, ...]:
 
 
 def _check_unsupported(body: dict) -> None:
-    if _get(body, "n", (int,), 1) != 1:
-        raise InvalidArgument("'n' must be 1: one choice per request")
     for name in ("frequency_penalty", "presence_penalty"):
         if _get(body, name, (int, float), 0) != 0:
             raise InvalidArgument(f"'{name}' is not supported (leave it 0)")
@@ -70,23 +70,47 @@ def _check_unsupported(body: dict) -> None:
         raise InvalidArgument("'echo' is not supported")
 
 
-def _request(engine: DecoderEngine, body: dict, prompt: tuple[int, ...], logprobs: bool,
-             request_id: str, default_max_tokens: int | None = None) -> GenerationRequest:
-    """The generation a body asks for; without max_tokens, `default_max_tokens` (OpenAI's
-    16 for completions) or, for chat, as many as the cache and --max-tokens leave room for."""
+def _choices(engine: DecoderEngine, body: dict) -> int:
+    """`n`: at most the streams the engine runs at once (more would wait behind each other)."""
+    n, limit = _get(body, "n", (int,), 1), engine.options.max_streams
+    if not 1 <= n <= limit:
+        raise InvalidArgument(f"'n' must be between 1 and {limit} (the streams this server "
+                              f"runs at once: --max-streams), not {n}")
+    return n
+
+
+def _top(name: str, k) -> int:
+    if not 0 <= k <= MAX_TOP_LOGPROBS:
+        raise InvalidArgument(f"'{name}' must be between 0 and {MAX_TOP_LOGPROBS}, not {k}")
+    return k
+
+
+def _requests(engine: DecoderEngine, body: dict, prompt: tuple[int, ...], top: int | None,
+              request_id: str, default_max_tokens: int | None = None
+              ) -> list[GenerationRequest]:
+    """The `n` generations a body asks for (choice i samples with seed + i); without
+    max_tokens, `default_max_tokens` (OpenAI's 16 for completions) or, for chat, as many as
+    the cache and --max-tokens leave room for. `top`: None without log-probs, else how many
+    of the most likely tokens come with each."""
     _check_unsupported(body)
+    n = _choices(engine, body)
     room = engine.generator.max_cache_len - len(prompt) + 1
     limit = default_max_tokens or min(engine.options.max_tokens, max(1, room))
     max_tokens = _get(body, "max_completion_tokens", (int,)) or _get(body, "max_tokens", (int,))
     stop_ids = frozenset() if _get(body, "ignore_eos", (bool,), False) else \
         frozenset(engine.text.eos_ids)
-    sampling = Sampling(float(_get(body, "temperature", (int, float), 1.0)),
-                        _get(body, "top_k", (int,), 0) if body.get("top_k") != -1 else 0,
-                        float(_get(body, "top_p", (int, float), 1.0)),
-                        _get(body, "seed", (int,)))
-    return GenerationRequest(prompt, limit if max_tokens is None else max_tokens, sampling,
-                             stop_ids, request_id, min_tokens=_get(body, "min_tokens", (int,), 0),
-                             stop_strings=_stops(body), logprobs=logprobs)
+    seed = _get(body, "seed", (int,))
+    sampling = [Sampling(float(_get(body, "temperature", (int, float), 1.0)),
+                         _get(body, "top_k", (int,), 0) if body.get("top_k") != -1 else 0,
+                         float(_get(body, "top_p", (int, float), 1.0)),
+                         seed if seed is None or i == 0 else (seed + i) % 2**64)
+                for i in range(n)]
+    return [GenerationRequest(prompt, limit if max_tokens is None else max_tokens, s,
+                              stop_ids, f"{request_id}-{i}" if n > 1 else request_id,
+                              min_tokens=_get(body, "min_tokens", (int,), 0),
+                              stop_strings=_stops(body), logprobs=top is not None,
+                              top_logprobs=top or 0)
+            for i, s in enumerate(sampling)]
 
 
 def _engine(frontend, body: dict) -> DecoderEngine:
@@ -118,36 +142,42 @@ class _Shape:
     """How one endpoint writes choices: completions put text and token log-probs in the
     choice; chat puts a message (a delta when streaming) and content log-probs."""
 
-    def __init__(self, engine: DecoderEngine, chat: bool, logprobs: bool) -> None:
-        self.engine, self.chat, self.logprobs = engine, chat, logprobs
+    def __init__(self, engine: DecoderEngine, chat: bool, top: int | None, n: int) -> None:
+        self.engine, self.chat, self.logprobs, self.top = engine, chat, top is not None, top
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
-        self.offset = 0  # completions' text_offset
+        self.offsets = [0] * n  # each choice's text_offset (completions)
 
     def object(self, stream: bool) -> str:
         if self.chat:
             return "chat.completion.chunk" if stream else "chat.completion"
         return "text_completion"
 
-    def _logprobs(self, chunk: Chunk):
+    def _text(self, token: int) -> str:
+        return self.engine.tokenizer.decode([token], skip_special_tokens=False)
+
+    def _logprobs(self, chunk: Chunk, index: int):
         if not self.logprobs:
             return None
-        tokens = [self.engine.tokenizer.decode([t], skip_special_tokens=False)
-                  for t in chunk.ids]
+        tokens = [self._text(t) for t in chunk.ids]
         values = list(chunk.logprobs or ())
+        tops = [[(self._text(t), p) for t, p in top] for top in chunk.top_logprobs or ()]
+        tops += [[]] * (len(tokens) - len(tops))
         if self.chat:
-            return {"content": [{"token": t, "logprob": v, "bytes": list(t.encode()),
-                                 "top_logprobs": []} for t, v in zip(tokens, values)]}
+            return {"content": [{**_token(t, v), "top_logprobs": [_token(*a) for a in top]}
+                                for t, v, top in zip(tokens, values, tops)]}
         offsets = []
         for t in tokens:
-            offsets.append(self.offset)
-            self.offset += len(t)
-        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": None,
-                "text_offset": offsets}
+            offsets.append(self.offsets[index])
+            self.offsets[index] += len(t)
+        return {"tokens": tokens, "token_logprobs": values, "text_offset": offsets,
+                "top_logprobs": [_alternatives(top, t, v) for t, v, top in
+                                 zip(tokens, values, tops)] if self.top else None}
 
-    def choice(self, chunk: Chunk, stream: bool, first: bool = False) -> dict:
+    def choice(self, chunk: Chunk, stream: bool, first: bool = False, index: int = 0) -> dict:
         reason = chunk.reason if chunk.final else None
-        out = {"index": 0, "logprobs": self._logprobs(chunk), "finish_reason": reason}
+        out = {"index": index, "logprobs": self._logprobs(chunk, index),
+               "finish_reason": reason}
         if not self.chat:
             out["text"] = chunk.text or ""
         elif stream:
@@ -165,6 +195,21 @@ class _Shape:
         return out
 
 
+def _token(text: str, logprob: float) -> dict:
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+
+def _alternatives(top: list[tuple[str, float]], text: str, logprob: float) -> dict:
+    """A completion position's top_logprobs: text -> log-prob of the most likely tokens and
+    the sampled one (as OpenAI's legacy completions give it); the likelier of two tokens
+    with one text wins."""
+    out: dict[str, float] = {}
+    for t, p in top:
+        out.setdefault(t, p)
+    out.setdefault(text, logprob)
+    return out
+
+
 def _usage(prompt: int, completion: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}
@@ -173,37 +218,42 @@ def _usage(prompt: int, completion: int) -> dict:
 def _joined(chunks: list[Chunk]) -> Chunk:
     last = chunks[-1]
     logprobs = tuple(p for c in chunks for p in (c.logprobs or ()))
+    tops = tuple(t for c in chunks for t in (c.top_logprobs or ()))
     return Chunk(tuple(t for c in chunks for t in c.ids), "".join(c.text or "" for c in chunks),
-                 True, last.reason, last.detail, logprobs)
+                 True, last.reason, last.detail, logprobs, tops)
 
 
-async def _answer(request: Request, shape: _Shape, generation: GenerationRequest,
+async def _answer(request: Request, shape: _Shape, generations: list[GenerationRequest],
                   stream_opts: dict | None) -> Response:
-    engine = shape.engine
-    stream = ChunkStream(engine, generation)  # refusals answer with a status here
+    """The choices, one per generation (`index` in order), whole or as SSE chunks."""
+    streams = ChunkStreams(shape.engine, generations)  # refusals answer with a status here
+    prompt = len(generations[0].prompt)
     if stream_opts is None:
-        chunks = await until_disconnect(request.receive, stream.collect(), stream.close)
-        if chunks is None:
+        chosen = await until_disconnect(request.receive, streams.collect(), streams.close)
+        if chosen is None:
             return Response(status_code=499)
-        if chunks[-1].reason not in ("length", "stop"):
-            raise RuntimeError(chunks[-1].detail or f"generation ended: {chunks[-1].reason}")
-        whole = _joined(chunks)
-        return JSONResponse(shape.envelope([shape.choice(whole, False)], False,
-                                           _usage(len(generation.prompt), len(whole.ids))))
+        for chunks in chosen:
+            if chunks[-1].reason not in ("length", "stop"):
+                raise RuntimeError(chunks[-1].detail or f"generation ended: {chunks[-1].reason}")
+        wholes = [_joined(chunks) for chunks in chosen]
+        return JSONResponse(shape.envelope(
+            [shape.choice(whole, False, index=i) for i, whole in enumerate(wholes)], False,
+            _usage(prompt, sum(len(w.ids) for w in wholes))))
 
     async def events():
-        generated, first = 0, True
-        async for chunk in stream:
+        generated, started = 0, set()
+        async for index, chunk in streams:
             if chunk.final and chunk.reason not in ("length", "stop"):
                 yield sse({"error": {"message": chunk.detail or chunk.reason,
                                      "type": "internal_error", "param": None, "code": None}})
                 break
             generated += len(chunk.ids)
-            yield sse(shape.envelope([shape.choice(chunk, True, first)], True))
-            first = False
+            yield sse(shape.envelope([shape.choice(chunk, True, index not in started, index)],
+                                     True))
+            started.add(index)
         else:
             if stream_opts.get("include_usage"):
-                yield sse(shape.envelope([], True, _usage(len(generation.prompt), generated)))
+                yield sse(shape.envelope([], True, _usage(prompt, generated)))
         yield sse("[DONE]")
 
     return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
@@ -218,29 +268,27 @@ def _stream_options(body: dict) -> dict | None:
 async def completions(frontend, request: Request) -> Response:
     body = await frontend.json(request)
     engine = _engine(frontend, body)
-    logprobs = _get(body, "logprobs", (int,))
-    if logprobs is not None and not 0 <= logprobs <= 1:
-        raise InvalidArgument("'logprobs' must be 0 or 1: the log-probability of each "
-                              "sampled token is given, not the top alternatives")
+    logprobs = _get(body, "logprobs", (int,))  # k: the k most likely tokens too
+    top = None if logprobs is None else _top("logprobs", logprobs)
     prompt = _completion_prompt(engine, body.get("prompt"))
-    shape = _Shape(engine, chat=False, logprobs=logprobs is not None)
-    generation = _request(engine, body, prompt, logprobs is not None, shape.id, 16)
-    return await _answer(request, shape, generation, _stream_options(body))
+    shape = _Shape(engine, chat=False, top=top, n=_choices(engine, body))
+    generations = _requests(engine, body, prompt, top, shape.id, 16)
+    return await _answer(request, shape, generations, _stream_options(body))
 
 
 async def chat_completions(frontend, request: Request) -> Response:
     body = await frontend.json(request)
     engine = _engine(frontend, body)
     logprobs = _get(body, "logprobs", (bool,), False)
-    if _get(body, "top_logprobs", (int,), 0):
-        raise InvalidArgument("'top_logprobs' is not supported: 'logprobs' gives the "
-                              "log-probability of each sampled token")
+    top = _top("top_logprobs", _get(body, "top_logprobs", (int,), 0))
+    if top and not logprobs:
+        raise InvalidArgument("'top_logprobs' needs 'logprobs': true")
     text = render(engine.text, messages_of(body.get("messages")),
                   _get(body, "add_generation_prompt", (bool,), True))
     prompt = tuple(engine.tokenizer.encode(text, add_special_tokens=False).ids)
-    shape = _Shape(engine, chat=True, logprobs=logprobs)
-    generation = _request(engine, body, prompt, logprobs, shape.id)
-    return await _answer(request, shape, generation, _stream_options(body))
+    shape = _Shape(engine, chat=True, top=top if logprobs else None, n=_choices(engine, body))
+    generations = _requests(engine, body, prompt, top if logprobs else None, shape.id)
+    return await _answer(request, shape, generations, _stream_options(body))
 
 
 ROUTES = [("/v1/models", ["GET"], "v1/models", models, error),

@@ -7,39 +7,65 @@ the stream's slot at its next step."""
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator, Awaitable, Callable, TypeVar
+from typing import AsyncIterator, Awaitable, Callable, Sequence, TypeVar
 
 from serving.sampling import Chunk, GenerationRequest
 
 T = TypeVar("T")
 
 
-class ChunkStream:
-    """One submitted generation: iterate it for its chunks (the last one final); `close`
-    (also run when iteration stops early) cancels the generation."""
+class ChunkStreams:
+    """Submitted generations (OpenAI's `n` choices: one stream each in the engine): iterate
+    for (index, chunk) pairs, as the engine makes them, until every one has sent its final
+    chunk; `close` (also run when iteration stops early) cancels them all."""
 
-    def __init__(self, engine, generation: GenerationRequest) -> None:
+    def __init__(self, engine, generations: Sequence[GenerationRequest]) -> None:
         loop = asyncio.get_running_loop()
-        self._queue: asyncio.Queue[Chunk] = asyncio.Queue()
+        self._queue: asyncio.Queue[tuple[int, Chunk]] = asyncio.Queue()
         put = self._queue.put_nowait
-        # raises InvalidArgument / ResourceExhausted / Unavailable before anything is sent
-        self._handle = engine.submit(generation, lambda c: loop.call_soon_threadsafe(put, c))
+        self._handles: list = []
+        try:  # raises InvalidArgument / ResourceExhausted / Unavailable before anything is sent
+            for i, generation in enumerate(generations):
+                self._handles.append(engine.submit(
+                    generation, lambda c, i=i: loop.call_soon_threadsafe(put, (i, c))))
+        except Exception:
+            self.close()  # the ones already submitted
+            raise
 
-    async def __aiter__(self) -> AsyncIterator[Chunk]:
+    async def __aiter__(self) -> AsyncIterator[tuple[int, Chunk]]:
         try:
-            while True:
-                chunk = await self._queue.get()
-                yield chunk
-                if chunk.final:
-                    return
+            running = len(self._handles)
+            while running:
+                index, chunk = await self._queue.get()
+                running -= chunk.final
+                yield index, chunk
         finally:
             self.close()
 
-    async def collect(self) -> list[Chunk]:
-        return [c async for c in self]
+    async def collect(self) -> list[list[Chunk]]:
+        """Each generation's chunks, by index."""
+        out: list[list[Chunk]] = [[] for _ in self._handles]
+        async for index, chunk in self:
+            out[index].append(chunk)
+        return out
 
     def close(self) -> None:
-        self._handle.cancel()
+        for handle in self._handles:
+            handle.cancel()
+
+
+class ChunkStream(ChunkStreams):
+    """One submitted generation: iterate it for its chunks (the last one final)."""
+
+    def __init__(self, engine, generation: GenerationRequest) -> None:
+        super().__init__(engine, [generation])
+
+    async def __aiter__(self) -> AsyncIterator[Chunk]:
+        async for _, chunk in super().__aiter__():
+            yield chunk
+
+    async def collect(self) -> list[Chunk]:
+        return [c async for c in self]
 
 
 async def until_disconnect(receive: Callable[[], Awaitable[dict]], work: Awaitable[T],
