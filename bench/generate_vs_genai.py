@@ -242,7 +242,10 @@ def start_server(artifact: Path, threads: int, *extra: str) -> tuple[subprocess.
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "tuner", "serve", str(artifact), "--port",
                              str(port), "--metrics-port", "-1", "--threads", str(threads),
-                             "--max-streams", "32", "--http-port", "-1", *extra], env=_env(),
+                             "--max-streams", "32", "--http-port", "-1",
+                             # ORT's threads spin between runs in genai's sessions (the
+                             # runtime's default): the server's do the same here
+                             "--spin", *extra], env=_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     client = tg.InferenceServerClient(f"127.0.0.1:{port}")
     for _ in range(600):
@@ -401,6 +404,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick-optimize", action="store_true", help="fewer timing rounds")
     ap.add_argument("--prefill-tokens", type=int, default=256,
                     help="the server's per-step token budget (tuner serve --prefill-tokens)")
+    ap.add_argument("--max-stall", type=float, default=1.0,
+                    help="the server's bound on prompt work beside decoding rows "
+                         "(tuner serve --max-stall; 0: none)")
     ap.add_argument("--sources", nargs="+", choices=("genai", "torch"),
                     default=["genai", "torch"],
                     help="what `tuner optimize` is given: the builder's graph, the torch export")
@@ -431,7 +437,7 @@ def bench_source(a, shape: str, source: str, genai_dir: Path, artifact: Path) ->
     # workload by workload, so that a change in the shared machine's load hits both.
     procs, servers = [], {}
     try:
-        budget = ("--prefill-tokens", str(a.prefill_tokens))
+        budget = ("--prefill-tokens", str(a.prefill_tokens), "--max-stall", str(a.max_stall))
         for label, extra in (("prefix", ()), ("no prefix", ("--no-prefix-cache",))):
             proc, port = start_server(artifact, a.threads, *budget, *extra)
             procs.append(proc)
@@ -466,7 +472,7 @@ def print_table(shape: str, a, served: str, runs: list[dict]) -> None:
           f"{dims['intermediate_size']}, vocab {VOCAB}), greedy, {a.new} new tokens, "
           f"{a.threads} threads, prompts {a.prompt} (1 stream) or {a.prompt // 2}.."
           f"{a.prompt * 3 // 2}; served: {served} (what `tuner optimize` selected), "
-          f"--prefill-tokens {a.prefill_tokens}; "
+          f"--prefill-tokens {a.prefill_tokens} --max-stall {a.max_stall} --spin; "
           f"median of {len(runs)} alternations [min..max]; {os.cpu_count()} cores, shared")
     head = (f"{'workload':34s} {'tokens/s':>22s} {'TTFT p50 ms':>12s} {'ITL p50':>8s} "
             f"{'ITL p99':>8s} {'load before..after':>19s}")

@@ -123,3 +123,22 @@ def test_base_dependencies_bound_protobuf_and_grpc_extras_as_the_test_extra_does
     for dep in ("protobuf>=6.30.0,<7", "grpcio-health-checking>=1.72.2,<1.82",
                 "grpcio-reflection>=1.72.2,<1.82"):
         assert dep in base and dep in test, dep
+
+
+def test_serve_settings_come_from_the_artifact_and_its_flags(reference_model, tmp_path, capsys):
+    """--threads and --spin change only what they name of the artifact's recorded session
+    settings; a negative --max-stall is refused in one line."""
+    from serving_support import make_artifact
+
+    from tuner.cli.serve_cmd import _settings
+
+    out = make_artifact(tmp_path / "out", reference_model("gpt2", "small", "torchscript"),
+                        settings={"intra_op_threads": 2, "inter_op_threads": 1,
+                                  "graph_optimization": "basic", "allow_spinning": False})
+    assert _settings(out, None, None) is None  # the artifact's, as they are
+    spun = _settings(out, None, True)
+    assert (spun.allow_spinning, spun.intra_op_threads, spun.graph_optimization) == (
+        True, 2, "basic")
+    assert _settings(out, 1, None).intra_op_threads == 1 and not _settings(out, 1, None).allow_spinning
+    assert "max_stall must be > 0" in _one_line_exit_2(["serve", str(out), "--max-stall", "-1"],
+                                                       capsys)

@@ -19,7 +19,7 @@ from serving.generation import GenerateOptions, Generator
 from serving.generation.cache import CacheManager
 from serving.generation.output import GenerationStats, OutputProcessor, StreamOutput
 from serving.generation.runner import StepRunner
-from serving.generation.scheduler import Scheduler, Stream
+from serving.generation.scheduler import Scheduler, StepCosts, Stream
 from serving.sampling import Chunk, GenerationRequest, Sampling
 from tuner.gate.decode_step import pad_rows, row_cache
 from tuner.graph.cache_record import cache_record
@@ -92,6 +92,35 @@ def test_the_token_budget_is_shared_by_decode_rows_and_prefill_chunks(llama):
     assert plan.tokens == 10 and list(sched.waiting) == [late, later]  # max 3 running
     long.computed = 8
     assert [n for _, n in sched.schedule().prefill] == [8]  # the next chunk, still budgeted
+
+
+def test_while_streams_decode_prefill_is_held_to_a_share_of_a_decode_run(llama):
+    """Measured costs: a decode run 40 ms, prefill 1 ms a token; with max_stall 0.5 a step
+    beside decoding rows feeds 20 prompt tokens, never under MIN_CHUNK, and the whole budget
+    once nothing decodes; before anything is measured only the budget bounds it."""
+    record, _ = llama
+
+    def plan(stall, decoding: int, costs=(0.040, 0.001)) -> list[int]:
+        sched = Scheduler(_manager(record), max_streams=8, token_budget=200, takes_chunks=True,
+                          max_stall=stall)
+        if costs is not None:
+            sched.costs.observe_decode(costs[0])
+            sched.costs.observe_prefill(10, costs[1] * 10)
+        for i in range(decoding):
+            s = _stream(_prompt(5, i))
+            s.computed = 4
+            sched.running.append(s)
+        sched.add(_stream(_prompt(150, 9)))
+        return [n for _, n in sched.schedule().prefill]
+
+    assert plan(0.5, 2) == [20]
+    assert plan(0.5, 2, costs=(0.004, 0.001)) == [Scheduler.MIN_CHUNK]  # 2 tokens: too few
+    assert plan(0.5, 0) == [150]  # nothing waits for a token: the whole budget
+    assert plan(None, 2) == [150] and plan(0.5, 2, costs=None) == [150]
+    costs = StepCosts()
+    costs.observe_prefill(100, 0.2)
+    costs.observe_prefill(10, 0.1)  # a moving average: 0.8 x 2 ms + 0.2 x 10 ms
+    assert costs.prefill_token_s == pytest.approx(0.0036)
 
 
 def test_without_chunks_a_prompt_is_prefilled_whole(llama):

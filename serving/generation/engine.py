@@ -71,7 +71,7 @@ class Generator:
                                   shared=options.share_buffers and record.rows_at_start)
         self.step_runner = StepRunner(runner, record, vocab, self.stats.on_step)
         self.scheduler = Scheduler(self.cache, options.max_streams, options.prefill_tokens,
-                                   record.takes_chunks)
+                                   record.takes_chunks, options.max_stall)
         self.output = OutputProcessor(self.stats)
         self._submitted: deque[Stream] = deque()
         self._cv = threading.Condition()
@@ -199,10 +199,12 @@ class Generator:
         if plan.decode:
             batch = self.cache.decode_batch(plan.decode)
             result = self.step_runner.decode(self.cache, batch)
+            self.scheduler.costs.observe_decode(result.seconds)
             rows = [s.slot for s in plan.decode]
             self._emit(plan.decode, result.logits[rows])
         if plan.prefill:
             result = self.step_runner.prefill(self.cache, plan.prefill)
+            self.scheduler.costs.observe_prefill(sum(n for _, n in plan.prefill), result.seconds)
             done = []
             for i, ((s, n), cache) in enumerate(zip(plan.prefill, result.caches)):
                 s.cache, s.computed = cache, s.computed + n

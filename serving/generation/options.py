@@ -39,6 +39,10 @@ class GenerateOptions:
     # prompt is prefilled in chunks of what is left, so running streams never stall for a
     # whole prompt (chunked prefill, where the graph takes seq > 1 beside a past).
     prefill_tokens: int = 256
+    # While streams decode, a step's prefill work costs at most this share of a decode run
+    # (measured as it serves): a burst of prompts delays the next token by at most that.
+    # None: only prefill_tokens bounds it (first tokens sooner, later tokens less even).
+    max_stall: float | None = 1.0
     kv_cache_bytes: int | None = None  # the cache's byte budget; default a share of memory
     kv_cache_share: float = 0.3  # that share of the machine's available memory
     prefix_cache: bool = True  # reuse the cached keys/values of a shared token prefix
@@ -63,6 +67,8 @@ class GenerateOptions:
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ValueError(f"{name} must be >= 1, not {v}")
+        if self.max_stall is not None and not self.max_stall > 0:
+            raise ValueError(f"max_stall must be > 0 (or None: no bound), not {self.max_stall}")
         if not 0 < self.kv_cache_share <= 1:
             raise ValueError(f"kv_cache_share must be in (0, 1], not {self.kv_cache_share}")
         if self.pad_to not in ("auto", "bucket", "longest"):

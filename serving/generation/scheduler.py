@@ -8,7 +8,10 @@ Each step (vLLM v1's scheduler, on the graph's (batch, seq) shapes):
   2. the rest of the step's token budget (`prefill_tokens`) goes to prefill chunks, first
      of streams already running, then of waiting ones admitted up to `max_streams` (a
      prompt longer than what is left is prefilled over several steps, when the graph takes
-     a chunk beside a past: chunked prefill);
+     a chunk beside a past: chunked prefill). While streams decode, the budget is also
+     held to what `max_stall` of a decode run's time buys at the measured prefill cost per
+     token (StepCosts), so a burst of prompts delays the decoding streams' next token by at
+     most that share: inter-token latency stays under (1 + max_stall) decode runs;
   3. the cache's byte budget holds every running stream's entries plus this step's new
      ones; past it, prefix-cache blocks are evicted, then the newest stream is PREEMPTED:
      its cache dropped, it waits again at the head of the queue and is recomputed (prompt
@@ -55,6 +58,32 @@ class Stream:
         return len(self.tokens) - self.computed
 
 
+@dataclass
+class StepCosts:
+    """Moving averages of measured run times: a decode run, and prefill per token (a run's
+    fixed cost included, so small chunks count dear, as they cost)."""
+
+    decode_s: float | None = None
+    prefill_token_s: float | None = None
+    weight: float = 0.2  # of the newest observation
+
+    def _mix(self, old: float | None, new: float) -> float:
+        return new if old is None else (1 - self.weight) * old + self.weight * new
+
+    def observe_decode(self, seconds: float) -> None:
+        self.decode_s = self._mix(self.decode_s, seconds)
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        if tokens > 0:
+            self.prefill_token_s = self._mix(self.prefill_token_s, seconds / tokens)
+
+    def prefill_tokens_within(self, share: float) -> int | None:
+        """How many prefill tokens cost `share` of a decode run (None: not measured yet)."""
+        if self.decode_s is None or not self.prefill_token_s:
+            return None
+        return int(share * self.decode_s / self.prefill_token_s)
+
+
 @dataclass(frozen=True)
 class StepPlan:
     """One step: the decoding streams (one token each) and the prefill chunks (stream, how
@@ -73,9 +102,13 @@ class Scheduler:
     """Waiting and running streams. `cache` (serving.generation.cache.CacheManager) answers
     for bytes: `fits(tokens)`, `evict_prefix()`, `release(stream)`, `lookup_prefix(stream)`."""
 
-    def __init__(self, cache, max_streams: int, token_budget: int, takes_chunks: bool) -> None:
+    MIN_CHUNK = 16  # prefill tokens a step feeds at least, however dear: prompts progress
+
+    def __init__(self, cache, max_streams: int, token_budget: int, takes_chunks: bool,
+                 max_stall: float | None = None) -> None:
         self.cache, self.max_streams, self.token_budget = cache, max_streams, token_budget
-        self.takes_chunks = takes_chunks
+        self.takes_chunks, self.max_stall = takes_chunks, max_stall
+        self.costs = StepCosts()
         self.waiting: deque[Stream] = deque()
         self.running: list[Stream] = []
 
@@ -94,7 +127,7 @@ class Scheduler:
         preempted = self._make_room()
         decode = [s for s in self.running if s.decoding]
         held = sum(s.computed for s in self.running) + len(decode)
-        budget = self.token_budget - len(decode)
+        budget = self._prefill_budget(len(decode))
         prefill: list[tuple[Stream, int]] = []
         for s in [s for s in self.running if not s.decoding]:
             if self.takes_chunks:
@@ -122,6 +155,14 @@ class Scheduler:
             prefill.append((s, n))
             budget, held = budget - n, held + s.computed + n
         return StepPlan(tuple(decode), tuple(prefill), tuple(preempted))
+
+    def _prefill_budget(self, decoding: int) -> int:
+        budget = self.token_budget - decoding
+        if decoding and self.max_stall is not None:
+            cap = self.costs.prefill_tokens_within(self.max_stall)
+            if cap is not None:
+                budget = min(budget, max(self.MIN_CHUNK, cap))
+        return budget
 
     def _chunk(self, s: Stream, budget: int, planned: list) -> int:
         """How many uncomputed tokens `s` feeds now: all but what the budget leaves for

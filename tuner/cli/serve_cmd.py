@@ -7,6 +7,7 @@ of the CLI still works and `tuner serve` says in one line which package and how 
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Optional
@@ -86,6 +87,16 @@ def _say(line: str) -> None:
     print(f"tuner serve: {line}", file=sys.stderr, flush=True)
 
 
+def _settings(out: Path, threads: int | None, spin: bool | None) -> SessionSettings | None:
+    """The runtime's settings: the artifact's (None) unless --threads / --spin change them."""
+    if threads is None and spin is None:
+        return None
+    base = read_manifest(out).session_settings(ignore_unknown=True)
+    return dataclasses.replace(
+        base, intra_op_threads=base.intra_op_threads if threads is None else threads,
+        allow_spinning=base.allow_spinning if spin is None else spin)
+
+
 @app.command()
 def serve(
     out: Path = typer.Argument(..., help="artifact folder written by `tuner optimize` "
@@ -118,6 +129,12 @@ def serve(
     threads: Optional[int] = typer.Option(None, help="intra-op threads of the runtime "
                                                      "(default: as the artifact was timed; "
                                                      "0: the runtime's default)"),
+    spin: Optional[bool] = typer.Option(None, "--spin/--no-spin",
+                                        help="let the runtime's idle threads spin-wait for "
+                                             "the next run: a little latency per run for "
+                                             "CPU time that a busy machine's other work "
+                                             "would have (default: as the artifact was "
+                                             "timed, off)"),
     tls_cert: Optional[Path] = typer.Option(None, help="PEM certificate: serve TLS"),
     tls_key: Optional[Path] = typer.Option(None, help="PEM private key of --tls-cert"),
     token: Optional[str] = typer.Option(None, envvar="TUNER_SERVE_TOKEN",
@@ -145,6 +162,11 @@ def serve(
                                                  "prompt is prefilled in chunks"),
     prefix_cache: bool = typer.Option(True, help="decoders: reuse the cached keys/values of a "
                                                  "prompt prefix that streams share"),
+    max_stall: float = typer.Option(1.0, help="decoders: while streams decode, a step's "
+                                               "prompt work costs at most this share of a "
+                                               "decode step (measured), so new prompts delay "
+                                               "the next token by at most that; 0: no bound "
+                                               "but --prefill-tokens"),
 ) -> None:
     """Serve OUT's selected variant until SIGTERM: KServe v2 / Open Inference Protocol over
     gRPC (--port) and HTTP/REST (--http-port), and for a decoder Triton's generate endpoints
@@ -164,11 +186,12 @@ def serve(
     try:
         engine = EngineOptions(max_batch, max_queue_delay_ms, shadow_fraction, workers,
                                pad_to=pad_to)
-        settings = None if threads is None else SessionSettings(intra_op_threads=threads)
+        settings = _settings(out, threads, spin)
         generate = GenerateOptions(max_streams=max_streams, max_queue=max_queued_streams,
                                    max_tokens=max_tokens, max_cache_len=max_cache_len,
                                    kv_cache_bytes=kv_cache_bytes, prefill_tokens=prefill_tokens,
-                                   prefix_cache=prefix_cache)
+                                   prefix_cache=prefix_cache,
+                                   max_stall=None if max_stall == 0 else max_stall)
     except ValueError as e:
         raise BadInput(str(e)) from None
     options = ServerOptions(
