@@ -1,7 +1,8 @@
 """Build the candidate variants into the artifact folder, each through the accuracy gate.
 
     OUT/variants/original/model.onnx      a copy of the input (and its external data)
-    OUT/variants/<name>/model.onnx        padded (tuner.jobs.pad), or fused (tuner.runtime.ort_fusion)
+    OUT/variants/<name>/model.onnx        padded (tuner.jobs.pad), or fused (repeat_kv regrouped,
+                                          tuner.rewrite.grouped_attention; tuner.runtime.ort_fusion)
 
 The rewrites and the gate are the project's own (tuner.jobs.pad, tuner.gate.verify); this
 module only decides where files go and turns their results into manifest records.
@@ -9,6 +10,7 @@ module only decides where files go and turns their results into manifest records
 
 from __future__ import annotations
 
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,12 +22,14 @@ from tuner.artifact.records import Accuracy
 from tuner.errors import BadInput
 from tuner.gate.entry import GateCheck
 from tuner.gate.verify import VerifyResult
-from tuner.graph.load import check_external_data, external_locations, read_proto
+from tuner.graph.load import (check_external_data, external_locations, load_model,
+                              read_proto, save_model)
 from tuner.graph.paddable import Transform
 from tuner.graph.shape import ModelShape
 from tuner.jobs.pad import NotExact, pad_model
 from tuner.plan.propose import Candidate
 from tuner.rewrite.compose import PadRequest
+from tuner.rewrite.grouped_attention import regroup_attention
 from tuner.runtime.ort_fusion import fuse_file
 
 MODEL_FILE = "model.onnx"
@@ -104,24 +108,45 @@ def build_padded(model: ir.Model, shape: ModelShape, root: Path, cand: Candidate
 
 def build_fused(base: Built, root: Path, cand: Candidate, shape: ModelShape, check: GateCheck,
                 backend, settings) -> Built:
-    """Run ORT's transformer optimizer on an already-built variant (`base`), then gate it
-    through `check`, against the original on the same feeds."""
+    """An already-built variant (`base`) with its repeat_kv regrouped (exact GQA without
+    repeating the cache: tuner.rewrite.grouped_attention) and ONNX Runtime's transformer
+    optimizer run on it, then gated through `check`, against the original on the same feeds."""
     dst, rel = variant_dir(root, cand.name)
+    work = dst.parent / ".regrouped"
     try:
-        stats = fuse_file(base.path, dst, shape.num_heads, shape.hidden_size)
-        if not stats:
+        src, regrouped = _regrouped(base.path, work, shape)
+        stats = fuse_file(src, dst, shape.num_heads, shape.hidden_size)
+        if not stats and not regrouped:
             raise BadInput(f"{cand.name}: ONNX Runtime's optimizer found nothing to fuse")
+        if not stats:  # nothing for ORT's optimizer: the regrouped graph is the variant
+            for f in work.iterdir():
+                os.replace(f, dst.parent / f.name)
         result = check.check(backend.load(dst, settings), dst)
     except BaseException:
         shutil.rmtree(dst.parent, ignore_errors=True)
         raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     acc = accuracy_of(result)
     if not acc.passed:
         shutil.rmtree(dst.parent, ignore_errors=True)
         raise BadInput(f"{cand.name} failed the accuracy gate: {acc.detail}")
-    fused = ", ".join(f"{k} x{v}" for k, v in sorted(stats.items()))
+    done = [f"{k} x{v}" for k, v in sorted(stats.items())]
+    done += [f"repeat_kv regrouped x{regrouped}"] if regrouped else []
     return Built(cand.name, dst, rel, True, (*base.transforms, Transform("fuse")), acc,
-                 note=f"fused: {fused}")
+                 note=f"fused: {', '.join(done)}")
+
+
+def _regrouped(src: Path, work: Path, shape: ModelShape) -> tuple[Path, int]:
+    """`src` with its repeat_kv regrouped, written under `work` (and how many), or `src`
+    itself and 0 where the graph has no grouped attention to regroup."""
+    if not shape.num_kv_heads or shape.num_kv_heads >= shape.num_heads:
+        return src, 0
+    model = load_model(src)
+    count = regroup_attention(model, shape.num_heads, shape.num_kv_heads)
+    if not count:
+        return src, 0
+    return save_model(model, work / src.name), count
 
 
 def graph_files(built: Built) -> list[Path]:
