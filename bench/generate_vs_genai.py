@@ -150,11 +150,13 @@ def torch_export(hf: Path, export: Path) -> Path:
 
 def prepare_artifact(graph: Path, out: Path, threads: int, quick: bool = False) -> Path:
     """`graph` through `tuner optimize`: the artifact is what optimize selects (padded and
-    fused variants gated, timed and chosen like for any model), served as it is."""
+    fused variants gated, timed and chosen like for any model, decode steps compared at the
+    32 streams the server runs at once), served as it is."""
     if not (out / "manifest.json").is_file():
         rounds = ["--rounds", "2", "--warmup", "1", "--bucket-rounds", "1"] if quick else []
         subprocess.run([sys.executable, "-m", "tuner", "optimize", str(graph), "-o", str(out),
-                        "--threads", str(threads), "--max-batch", "32", "--force", "-q",
+                        "--threads", str(threads), "--max-batch", "32", "--streams", "32",
+                        "--force", "-q",
                         "--no-cache", *rounds], check=True, env=_env())
     return out
 
@@ -442,9 +444,9 @@ def bench_source(a, shape: str, source: str, genai_dir: Path, artifact: Path) ->
             proc, port = start_server(artifact, a.threads, *budget, *extra)
             procs.append(proc)
             servers[label] = (port, artifact_name(artifact))
-        genai_run(genai_dir, w["1"])  # warm-ups
-        served_run(*servers["prefix"], w["1"])
-        served_run(*servers["no prefix"], w["1"])
+        genai_run(genai_dir, w["1"])  # warm-ups: each genai run also warms up in its process;
+        for server in servers.values():  # a server has seen every batch size once (ORT's
+            served_run(*server, w["32"])  # arena and kernels at new shapes; first gathers)
         runs = []
         for i in range(a.repeats):
             print(f"{source}: alternation {i + 1} of {a.repeats} ...", flush=True)

@@ -80,6 +80,19 @@ def test_traffic_of_prompts_alone_assumes_an_output_length(tmp_path):
     assert t.past.max_seq == 20 + DEFAULT_OUTPUT_TOKENS - 1
 
 
+def test_decode_is_compared_at_the_servers_streams():
+    """--streams 32: decode steps are compared at the batch bucket of 32 streams (a server's
+    in-flight batch), prefill stays at the traffic's; 1 (the default) keeps the traffic's."""
+    from tuner.jobs.decoder import decode_shape, decoder_traffic
+
+    t = decoder_traffic(None, 64, 32, 1024)
+    assert decode_shape(t, (1, 32))[0] == 1
+    assert decode_shape(t, (1, 32), streams=32)[0] == 32
+    assert decode_shape(t, (1, 32), streams=20)[0] == 32  # the bucket that holds 20
+    assert decode_shape(t, (1, 32), streams=64)[0] == 32  # no bigger bucket: the largest
+    assert decode_shape(t, (1, 32), streams=20)[1] == decode_shape(t, (1, 32))[1]
+
+
 # ---------------------------------------------------------------------------------------------
 # serve
 

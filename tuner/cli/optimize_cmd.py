@@ -47,6 +47,10 @@ def optimize(
         "(default: lengths up to --max-seq equally likely, batches up to --max-batch)")),
     max_seq: Optional[int] = typer.Option(None, help="longest sequence to serve (default: the model's, capped at 512)"),
     max_batch: int = typer.Option(2, help="largest batch bucket without --requests (powers of two up to it)"),
+    streams: int = typer.Option(1, help="decoders: streams the server decodes at once (its "
+                                        "in-flight batch); variants' decode steps are compared "
+                                        "at that batch, where a step's costs differ from one "
+                                        "stream's"),
     rounds: int = typer.Option(7, help="interleaved timing rounds per shape when comparing variants"),
     warmup: int = typer.Option(2, help="untimed runs per variant and shape first"),
     bucket_rounds: int = typer.Option(3, help="timing rounds per shape on the bucket grid"),
@@ -81,7 +85,7 @@ def optimize(
     path = _demo_model(demo) if demo is not None else model
     cfg = OptimizeConfig(
         model=Path(path), out=out, backend=backend, requests=requests, max_seq=max_seq,
-        max_batch=max_batch, rounds=rounds, warmup=warmup, bucket_rounds=bucket_rounds,
+        max_batch=max_batch, streams=streams, rounds=rounds, warmup=warmup, bucket_rounds=bucket_rounds,
         margin=margin, max_variants=max_variants, max_buckets=max_buckets, fuse=fuse,
         probe=probe, advise=advise, threads=threads, graph_optimization=graph_opt, atol=atol, rtol=rtol,
         cache_policy=cache_policy,

@@ -15,7 +15,8 @@ buckets as prompt lengths choose the sequence buckets.
 
 The selection rule weighs the phases by tokens: the expected time of one request is one
 prefill at its prompt bucket plus (mean output tokens) decode steps at the median cache
-bucket; speedups are paired ratios of that sum, round by round.
+bucket, at the batch of `--streams` (the server's in-flight batch) where that is larger
+than the traffic's; speedups are paired ratios of that sum, round by round.
 """
 
 from __future__ import annotations
@@ -133,10 +134,15 @@ def decoder_traffic(requests: Path | None, max_seq: int | None, max_batch: int,
                           tuple(batch), note)
 
 
-def decode_shape(t: DecoderTraffic, prefill_shape: tuple[int, int]) -> tuple[int, int]:
+def decode_shape(t: DecoderTraffic, prefill_shape: tuple[int, int], streams: int = 1
+                 ) -> tuple[int, int]:
     """(batch, cache length) where variants are compared for decode: the selection's batch,
+    or the batch bucket of the server's streams decoding at once (whichever is larger), and
     the bucket of the median cache length."""
-    return prefill_shape[0], fit_bucket(t.past.seq_quantile(0.5), t.past_grid)
+    batch = prefill_shape[0]
+    if streams > batch:
+        batch = min((b for b in t.batch if b >= streams), default=max(t.batch))
+    return batch, fit_bucket(t.past.seq_quantile(0.5), t.past_grid)
 
 
 def prefill_feeds_for(roles: CacheRecord, vocab: int, shape: tuple[int, int],
@@ -229,7 +235,9 @@ class DecoderWorkload:
     def __init__(self, cfg, roles: CacheRecord, cache: KvCache, vocab: int,
                  positions: int | None) -> None:
         self.roles, self.cache, self.vocab = roles, cache, vocab
-        self.decoder = decoder_traffic(cfg.requests, cfg.max_seq, cfg.max_batch, positions)
+        self.streams = cfg.streams
+        self.decoder = decoder_traffic(cfg.requests, cfg.max_seq,
+                                       max(cfg.max_batch, self.streams), positions)
         d = self.decoder
         self.traffic = Traffic(d.prompts, d.prompt_grid, d.batch, d.note)
 
@@ -237,7 +245,8 @@ class DecoderWorkload:
         d = self.decoder
         prefill = Phase("prefill", tuple(selection), d.prompts, d.prompt_grid,
                         memo(lambda s: prefill_feeds_for(self.roles, self.vocab, s)))
-        decode = Phase("decode", (decode_shape(d, selection[0]),), d.past, d.past_grid,
+        decode = Phase("decode", (decode_shape(d, selection[0], self.streams),), d.past,
+                       d.past_grid,
                        memo(lambda s: decode_feeds_for(self.roles, self.vocab, s)),
                        key=decode_key, latency_field="latency_decode", bucket_field="past",
                        settings={"phase": "decode"})

@@ -29,6 +29,7 @@ class OptimizeConfig:
     requests: Path | None = None
     max_seq: int | None = None
     max_batch: int = 2
+    streams: int = 1  # decoders: streams decoding at once in the server (decode's batch)
     rounds: int = 7
     warmup: int = 2
     bucket_rounds: int = 3
@@ -55,6 +56,7 @@ class OptimizeConfig:
                   (self.max_variants >= 1, "--max-variants must be >= 1"),
                   (1 <= self.max_buckets <= 16, "--max-buckets must be in 1..16"),
                   (self.max_batch >= 1, "--max-batch must be >= 1"),
+                  (self.streams >= 1, "--streams must be >= 1"),
                   (self.max_seq is None or self.max_seq >= 1, "--max-seq must be >= 1"),
                   (self.threads >= 0, "--threads must be >= 0"),
                   (self.atol >= 0 and self.rtol >= 0, "tolerances must be >= 0"),
