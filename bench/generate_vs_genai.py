@@ -321,11 +321,14 @@ def served_run(port: int, name: str, jobs: list[Job]) -> Run:
 # ------------------------------------------------------------------------------ main
 
 
-def workloads(prompt: int, new: int, spread_s: float, system: int) -> dict[str, list[Job]]:
-    """1 stream; 8 and 32 streams sent at once; 32 arriving over `spread_s`; 32 sharing a
-    `system`-token prefix (each its own 16-token question, 16 new tokens); genai's static
-    batch of 8 (equal prompts)."""
-    rng = np.random.default_rng(0)
+def workloads(prompt: int, new: int, spread_s: float, system: int, seed: int = 0
+              ) -> dict[str, list[Job]]:
+    """1 stream (three prompts, one after another); 8 and 32 streams sent at once (prompts
+    prompt/2..3*prompt/2); 32 arriving over `spread_s`; 32 sharing a `system`-token prefix
+    (each its own 16-token question, 16 new tokens); genai's static batch of 8 (equal
+    prompts). Every prompt is new for each `seed`: a server's prefix cache must not find an
+    earlier alternation's (or the warm-up's) prompts, which genai could not."""
+    rng = np.random.default_rng(seed)
 
     def tokens(n: int) -> tuple[int, ...]:
         return tuple(rng.integers(3, VOCAB, int(n)).tolist())
@@ -336,8 +339,8 @@ def workloads(prompt: int, new: int, spread_s: float, system: int) -> dict[str, 
         return [Job(tokens(k), new, float(a)) for k, a in zip(lengths, arrivals)]
 
     shared = tokens(system)
-    return {"1": [Job(tokens(prompt), new)], "8": jobs(8, 0.0), "32": jobs(32, 0.0),
-            "32 over time": jobs(32, spread_s),
+    return {"1": [Job(tokens(prompt), new) for _ in range(3)], "8": jobs(8, 0.0),
+            "32": jobs(32, 0.0), "32 over time": jobs(32, spread_s),
             "shared prefix": [Job(shared + tokens(16), 16, float(a))
                               for a in np.sort(rng.uniform(0, spread_s, 32))],
             "static8": [Job(tokens(prompt), new) for _ in range(8)]}
@@ -356,8 +359,8 @@ def alternation(genai_dir: Path, servers: dict, w: dict) -> dict[str, tuple[Run,
         out[label] = (fn(), before, _load())
 
     port, name = servers["prefix"]
-    timed("genai 1", lambda: genai_run(genai_dir, w["1"] * 3))
-    timed("serve 1", lambda: _pooled([served_run(port, name, w["1"]) for _ in range(3)]))
+    timed("genai 1", lambda: genai_run(genai_dir, w["1"]))
+    timed("serve 1", lambda: _pooled([served_run(port, name, [job]) for job in w["1"]]))
     timed("genai static8", lambda: genai_run(genai_dir, w["static8"], batch=8))
     timed("serve 8", lambda: served_run(port, name, w["8"]))
     timed("serve 32", lambda: served_run(port, name, w["32"]))
@@ -433,7 +436,7 @@ def bench_source(a, shape: str, source: str, genai_dir: Path, artifact: Path) ->
     from tuner.artifact.store import read_manifest
 
     served = read_manifest(artifact).selected
-    w = workloads(a.prompt, a.new, a.spread_s, a.system)
+    warm = workloads(a.prompt, a.new, a.spread_s, a.system, seed=1000)
 
     # The servers start first and idle (no CPU) while genai runs; the two alternate,
     # workload by workload, so that a change in the shared machine's load hits both.
@@ -444,12 +447,13 @@ def bench_source(a, shape: str, source: str, genai_dir: Path, artifact: Path) ->
             proc, port = start_server(artifact, a.threads, *budget, *extra)
             procs.append(proc)
             servers[label] = (port, artifact_name(artifact))
-        genai_run(genai_dir, w["1"])  # warm-ups: each genai run also warms up in its process;
-        for server in servers.values():  # a server has seen every batch size once (ORT's
-            served_run(*server, w["32"])  # arena and kernels at new shapes; first gathers)
+        genai_run(genai_dir, warm["1"][:1])  # warm-ups (prompts of their own): each genai run
+        for server in servers.values():  # also warms up in its process; a server has seen
+            served_run(*server, warm["32"])  # every batch size once (ORT's arena, first gathers)
         runs = []
         for i in range(a.repeats):
             print(f"{source}: alternation {i + 1} of {a.repeats} ...", flush=True)
+            w = workloads(a.prompt, a.new, a.spread_s, a.system, seed=i)
             runs.append(alternation(genai_dir, servers, w))
             for label, value in ratios(runs[-1]).items():  # as it goes: a cut run keeps these
                 print(f"  {label:64s} {value:5.2f}x", flush=True)

@@ -343,6 +343,41 @@ def test_the_engine_on_a_genai_graph_equals_a_plain_greedy_loop(options, binding
         assert sum(hits) >= 32  # the streams behind the first found the shared prefix
 
 
+def test_a_stream_joins_shared_buffers_in_a_spare_row_without_a_gather():
+    """Shared buffers hold rows to spare (the next batch bucket): a third stream joining a
+    batch of two takes row 2 of the same storage (views grow, nothing else is copied), its
+    entries written there from position 0 and its mask row keeping exactly them; the rows
+    already there are untouched. With no spare row left, the rows are gathered anew."""
+    from serving.generation.cache import CacheManager
+
+    record = cache_record(load_model(genai_builder.cached("llama", "fp32")))
+    cache = CacheManager(record, 10_000 * record.bytes_per_token, "longest", shared=True)
+    rng = np.random.default_rng(0)
+
+    class Row:  # what the cache manager reads of a stream
+        def __init__(self, n: int) -> None:
+            self.computed, self.slot, self.prefix_counted = n, None, True
+            self.cache = {name: rng.standard_normal(record.past_shape(1, n)).astype(np.float32)
+                          for name in record.past}
+
+    a, b, c = Row(5), Row(9), Row(7)
+    batch = cache.decode_batch([a, b])
+    name = record.past[0]
+    storage = batch.storage[name]
+    assert (len(batch.slots), batch.past, len(storage), cache.gathers) == (2, 9, 4, 1)
+    before = storage[:2].copy()
+    joined = c.cache[name]
+    assert cache.decode_batch([a, b, c]) is batch and cache.gathers == 1
+    assert np.shares_memory(batch.arrays[name], storage) and len(batch.arrays[name]) == 3
+    assert np.array_equal(storage[:2], before)
+    axis = record.layout.index("s")
+    assert np.array_equal(np.take(storage[2:3], range(7), axis=axis), joined)
+    assert batch.mask[2].tolist() == [1] * 7 + [0] * 2
+    d, e = Row(3), Row(4)
+    assert cache.decode_batch([a, b, c, d]) is batch  # the last spare row
+    assert cache.decode_batch([a, b, c, d, e]) is not batch and cache.gathers == 2
+
+
 def test_builder_runs_in_its_own_venv():
     """onnxruntime-genai pulls the `onnxruntime` CPU wheel: it lives in its own venv, which
     has it, apart from this one."""

@@ -95,12 +95,12 @@ def test_the_token_budget_is_shared_by_decode_rows_and_prefill_chunks(llama):
 
 
 def test_while_streams_decode_prefill_is_held_to_a_share_of_a_decode_run(llama):
-    """Measured costs: a decode run 40 ms, prefill 1 ms a token; with max_stall 0.5 a step
-    beside decoding rows feeds 20 prompt tokens, never under MIN_CHUNK, and the whole budget
+    """Measured costs: a decode run 200 ms, prefill 1 ms a token; with max_stall 0.5 a step
+    beside decoding rows feeds 100 prompt tokens, never under MIN_CHUNK, and the whole budget
     once nothing decodes; before anything is measured only the budget bounds it."""
     record, _ = llama
 
-    def plan(stall, decoding: int, costs=(0.040, 0.001)) -> list[int]:
+    def plan(stall, decoding: int, costs=(0.200, 0.001)) -> list[int]:
         sched = Scheduler(_manager(record), max_streams=8, token_budget=200, takes_chunks=True,
                           max_stall=stall)
         if costs is not None:
@@ -113,14 +113,39 @@ def test_while_streams_decode_prefill_is_held_to_a_share_of_a_decode_run(llama):
         sched.add(_stream(_prompt(150, 9)))
         return [n for _, n in sched.schedule().prefill]
 
-    assert plan(0.5, 2) == [20]
-    assert plan(0.5, 2, costs=(0.004, 0.001)) == [Scheduler.MIN_CHUNK]  # 2 tokens: too few
+    assert plan(0.5, 2) == [100]
+    assert plan(0.5, 2, costs=(0.040, 0.001)) == [Scheduler.MIN_CHUNK]  # 20 tokens: too few
     assert plan(0.5, 0) == [150]  # nothing waits for a token: the whole budget
     assert plan(None, 2) == [150] and plan(0.5, 2, costs=None) == [150]
     costs = StepCosts()
     costs.observe_prefill(100, 0.2)
     costs.observe_prefill(10, 0.1)  # a moving average: 0.8 x 2 ms + 0.2 x 10 ms
     assert costs.prefill_token_s == pytest.approx(0.0036)
+
+
+def test_beside_decoding_rows_one_chunk_after_a_past_where_each_runs_alone(llama):
+    """GroupQueryAttention's graphs run a chunk after a past alone, a run (every weight read)
+    per chunk: beside decoding rows a step feeds one such chunk, fresh prompts still join;
+    with nothing decoding, or where chunks share a run, every stream gets its chunk."""
+    record, _ = llama
+
+    def plan(share: bool, decoding: int) -> list[tuple[int, int]]:
+        sched = Scheduler(_manager(record), max_streams=8, token_budget=200, takes_chunks=True,
+                          chunks_share_runs=share)
+        for i in range(decoding):
+            s = _stream(_prompt(5, i))
+            s.computed = 4
+            sched.running.append(s)
+        for i in range(2):  # two prompts half prefilled: each chunk after its past
+            s = _stream(_prompt(60, 10 + i))
+            s.computed = 30
+            sched.running.append(s)
+        sched.add(_stream(_prompt(20, 20)))  # a fresh prompt: no past
+        return [(s.computed, n) for s, n in sched.schedule().prefill]
+
+    assert plan(share=False, decoding=2) == [(30, 30), (0, 20)]
+    assert plan(share=False, decoding=0) == [(30, 30), (30, 30), (0, 20)]
+    assert plan(share=True, decoding=2) == [(30, 30), (30, 30), (0, 20)]
 
 
 def test_without_chunks_a_prompt_is_prefilled_whole(llama):

@@ -71,7 +71,8 @@ class Generator:
                                   shared=options.share_buffers and record.rows_at_start)
         self.step_runner = StepRunner(runner, record, vocab, self.stats.on_step)
         self.scheduler = Scheduler(self.cache, options.max_streams, options.prefill_tokens,
-                                   record.takes_chunks, options.max_stall)
+                                   record.takes_chunks, options.max_stall,
+                                   chunks_share_runs=not record.rows_at_start)
         self.output = OutputProcessor(self.stats)
         self._submitted: deque[Stream] = deque()
         self._cv = threading.Condition()

@@ -102,12 +102,18 @@ class Scheduler:
     """Waiting and running streams. `cache` (serving.generation.cache.CacheManager) answers
     for bytes: `fits(tokens)`, `evict_prefix()`, `release(stream)`, `lookup_prefix(stream)`."""
 
-    MIN_CHUNK = 16  # prefill tokens a step feeds at least, however dear: prompts progress
+    # Prefill tokens a step feeds at least, however dear. A chunk's run pays a fixed cost
+    # (every weight read, about a decode run) whatever its length: at 16 tokens a chunk cost
+    # 2.3 ms a token against 0.8 beyond 64 (Llama h 1024, 2 cores), and 32 prompts arriving
+    # over 1 s waited 9.8 s for a first token at 91 tok/s; at 64, 4.5 s at 147 tok/s, the
+    # decoding rows' inter-token p99 going from 1.5x to 3.2x their p50.
+    MIN_CHUNK = 64
 
     def __init__(self, cache, max_streams: int, token_budget: int, takes_chunks: bool,
-                 max_stall: float | None = None) -> None:
+                 max_stall: float | None = None, chunks_share_runs: bool = True) -> None:
         self.cache, self.max_streams, self.token_budget = cache, max_streams, token_budget
         self.takes_chunks, self.max_stall = takes_chunks, max_stall
+        self.chunks_share_runs = chunks_share_runs
         self.costs = StepCosts()
         self.waiting: deque[Stream] = deque()
         self.running: list[Stream] = []
@@ -129,11 +135,16 @@ class Scheduler:
         held = sum(s.computed for s in self.running) + len(decode)
         budget = self._prefill_budget(len(decode))
         prefill: list[tuple[Stream, int]] = []
+
+        def runs_alone_again(s: Stream) -> bool:  # a second chunk with a run of its own
+            return (bool(decode) and not self.chunks_share_runs and s.computed > 0
+                    and any(p.computed > 0 for p, _ in prefill))
+
         for s in [s for s in self.running if not s.decoding]:
             if self.takes_chunks:
                 self.cache.lookup_prefix(s)  # blocks a stream ahead computed meanwhile
             n = self._chunk(s, budget, prefill)
-            if n == 0 or not self.cache.fits(held + n):
+            if n == 0 or runs_alone_again(s) or not self.cache.fits(held + n):
                 break
             prefill.append((s, n))
             budget, held = budget - n, held + n
@@ -144,6 +155,9 @@ class Scheduler:
             if self.takes_chunks:
                 self.cache.lookup_prefix(s)  # a shared prefix: cached already
             n = self._chunk(s, budget, prefill)
+            if runs_alone_again(s):
+                self.cache.release(s)
+                break
             while not self.cache.fits(held + s.computed + n) and self.cache.evict_prefix():
                 pass  # running streams come before cached prefixes
             alone = not self.running
