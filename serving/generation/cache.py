@@ -216,7 +216,7 @@ class CacheManager:
         capacity, held, storage = None, batch, None
         if self.shared:  # room to grow: the next cache bucket above the next step's entry,
             capacity = next_bucket(past + 1, self.cache_buckets)  # and spare rows to join
-            held = max(batch, next_bucket(batch + 1, self.batch_buckets))
+            held = next_bucket(batch + 1, self.batch_buckets)  # > batch: rows to spare
         arrays, mask = pad_rows(self.record, caches, held, past, capacity)
         if self.shared:
             storage, arrays, mask = arrays, {n: a[:batch] for n, a in arrays.items()}, mask[:batch]
@@ -230,11 +230,10 @@ class CacheManager:
     def _in_place(self, b: DecodeBatch, joining: Sequence) -> bool:
         if any(s.computed > b.past for s in joining):
             return False
+        short = len(joining) - sum(s is None for s in b.slots)
+        if short > 0 and not b.grow(short):
+            return False
         free = [i for i, s in enumerate(b.slots) if s is None]
-        if len(free) < len(joining):
-            if not b.grow(len(joining) - len(free)):
-                return False
-            free = [i for i, s in enumerate(b.slots) if s is None]
         for slot, s in zip(free, joining):
             place_row(self.record, b.arrays, b.mask, slot, self.own(s))
             b.slots[slot], s.slot, s.cache = s, slot, None
