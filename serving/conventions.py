@@ -6,8 +6,15 @@ so that a client written for either works unchanged (every input optional):
   `runtime_top_p`, `stop_words`, `bad_words`, `return_log_probs`, `beam_width`; outputs
   `text_output`, `output_ids`, `sequence_length`, `output_log_probs`, `cum_log_probs`.
 - the vLLM backend: `text_input`, `stream`, `exclude_input_in_output`, `sampling_parameters`
-  (a JSON object whose values may be strings or numbers), `return_num_input_tokens`,
-  `return_num_output_tokens` (outputs `num_input_tokens`, `num_output_tokens`).
+  (a JSON object whose values may be strings or numbers; its keys may also come as request
+  parameters, which the vLLM backend reads when no `sampling_parameters` tensor comes),
+  `return_num_input_tokens`, `return_num_output_tokens`, `return_finish_reason`,
+  `return_cumulative_logprob` and `return_logprobs`, each output sent only when asked:
+  `num_input_tokens`, `num_output_tokens`, `finish_reason`, `cumulative_logprob`, and
+  `logprobs` (per token a JSON object of the sampled id and the `logprobs` most likely, each
+  with its log-prob, rank and text, as vLLM's Logprob).
+- both: a text prompt whose client turned `stream` off gets the prompt first unless
+  `exclude_input_in_output` says otherwise (their default).
 - this server's own: `input_ids`, `top_k`, `top_p`, `seed`, `stop_ids`.
 
 Integer controls take any integer width. A name no convention knows is INVALID_ARGUMENT
@@ -24,7 +31,8 @@ import numpy as np
 
 from serving.errors import InvalidArgument
 from serving.model import Signature, TensorSpec
-from serving.sampling import Chunk, GenerationRequest, Sampling
+from serving.sampling import MAX_TOP_LOGPROBS, Chunk, GenerationRequest, Sampling
+from serving.tokenizer import token_text
 
 # name -> (python kind, the field of _Controls it sets); TensorRT-LLM names beside ours
 _CONTROLS: dict[str, tuple[type, str]] = {
@@ -38,7 +46,15 @@ _CONTROLS: dict[str, tuple[type, str]] = {
     "return_log_probs": (bool, "logprobs"),
     "return_num_input_tokens": (bool, "num_input_tokens"),
     "return_num_output_tokens": (bool, "num_output_tokens"),
+    "return_finish_reason": (bool, "want_finish_reason"),
+    "return_cumulative_logprob": (bool, "want_cumulative_logprob"),
+    "return_logprobs": (bool, "want_logprobs"),
 }
+# outputs each sent only when its return_* input is true, as both backends send them: the
+# token counts, and the vLLM backend's additional outputs
+COUNTS = ("num_input_tokens", "num_output_tokens")
+VLLM_OUTPUTS = ("finish_reason", "cumulative_logprob", "logprobs")
+_VLLM_REASONS = {"length": "length", "stop": "stop"}  # else vLLM's "abort"
 _TEXTS = ("input_ids", "text_input", "stop_ids", "stop_words", "bad_words",
           "sampling_parameters")
 KNOWN_INPUTS = frozenset(_CONTROLS) | frozenset(_TEXTS)
@@ -46,7 +62,8 @@ KNOWN_INPUTS = frozenset(_CONTROLS) | frozenset(_TEXTS)
 # the vLLM backend's sampling_parameters keys -> (kind, field)
 _VLLM = {"max_tokens": (int, "max_tokens"), "min_tokens": (int, "min_tokens"),
          "temperature": (float, "temperature"), "top_p": (float, "top_p"),
-         "top_k": (int, "top_k"), "seed": (int, "seed"), "ignore_eos": (bool, "ignore_eos")}
+         "top_k": (int, "top_k"), "seed": (int, "seed"), "ignore_eos": (bool, "ignore_eos"),
+         "logprobs": (int, "vllm_logprobs")}
 _VLLM_LISTS = ("bad_words", "stop", "stop_token_ids")  # and these, each a list
 
 
@@ -64,13 +81,16 @@ def client_signature(tokenizer: bool) -> Signature:
         ("end_id", i), ("pad_id", i), ("beam_width", i), ("temperature", f),
         ("runtime_top_k", i), ("runtime_top_p", f), ("random_seed", u), ("top_k", i),
         ("top_p", f), ("seed", u), ("return_log_probs", b), ("return_num_input_tokens", b),
-        ("return_num_output_tokens", b))]
+        ("return_num_output_tokens", b), ("return_finish_reason", b),
+        ("return_cumulative_logprob", b), ("return_logprobs", b))]
     inputs.append(TensorSpec("stop_ids", "INT64", (-1,)))
     outputs = [TensorSpec("output_ids", "INT64", (1, -1)),
                TensorSpec("sequence_length", i, (1,)),
                TensorSpec("output_log_probs", f, (-1,)), TensorSpec("cum_log_probs", f, (1,)),
                TensorSpec("num_input_tokens", "UINT32", (1,)),
-               TensorSpec("num_output_tokens", "UINT32", (1,))]
+               TensorSpec("num_output_tokens", "UINT32", (1,)),
+               TensorSpec("finish_reason", s, (1,)), TensorSpec("cumulative_logprob", f, (1,)),
+               TensorSpec("logprobs", s, (1,))]
     if tokenizer:
         outputs.insert(1, TensorSpec("text_output", s, (1,)))
     return Signature(tuple(inputs), tuple(outputs), "input_ids", None)
@@ -83,6 +103,7 @@ class ClientRequest:
     generation: GenerationRequest
     stream: bool = True
     prompt_text: str | None = None  # sent first when the client set exclude_input_in_output false
+    extras: frozenset[str] = frozenset()  # of VLLM_OUTPUTS and COUNTS: what was asked for
 
 
 def _one(name: str, value):
@@ -164,8 +185,12 @@ def parse_request(tensors: Mapping[str, np.ndarray], parameters: Mapping[str, ob
         if name not in KNOWN_INPUTS:
             raise InvalidArgument(f"unexpected input '{name}'; a decoder takes "
                                   f"{sorted(KNOWN_INPUTS)}")
-    values = {_CONTROLS[k][1]: _scalar(k, v, _CONTROLS[k][0]) for k, v in parameters.items()
-              if k in _CONTROLS}
+    values = {_VLLM[k][1]: _scalar(k, v, _VLLM[k][0], strings=True)
+              for k, v in parameters.items() if k in _VLLM and k not in _CONTROLS}
+    # request parameters may come as strings (the vLLM backend's own test client sends
+    # "temperature": "0" both in sampling_parameters and as parameters)
+    values.update({_CONTROLS[k][1]: _scalar(k, v, _CONTROLS[k][0], strings=True)
+                   for k, v in parameters.items() if k in _CONTROLS})
     stops: list[str] = []
     bad: list[str] = []  # the vLLM backend's bad words
     vllm = "sampling_parameters" in tensors
@@ -190,15 +215,30 @@ def parse_request(tensors: Mapping[str, np.ndarray], parameters: Mapping[str, ob
                               "artifact): send stop token ids instead")
     sampling = Sampling(values.get("temperature", 0.0), values.get("top_k", 0),
                         values.get("top_p", 1.0), values.get("seed"))
+    extras = frozenset([name for name in VLLM_OUTPUTS if values.get("want_" + name)]
+                       + [name for name in COUNTS if values.get(name)])
+    top = _vllm_logprobs(values) if "logprobs" in extras else None  # None: "null"
     generation = GenerationRequest(
         prompt, values.get("max_tokens", default_max_tokens), sampling, frozenset(stop_ids),
         request_id, min_tokens=values.get("min_tokens", 0), stop_strings=tuple(stops),
-        logprobs=values.get("logprobs", False), bad_words=bad_words)
-    echo = values.get("exclude_input", True) is False and tokenizer is not None
-    # return_num_input_tokens / return_num_output_tokens (vLLM) are accepted: the counts
-    # come in every response
+        logprobs=values.get("logprobs", False) or "cumulative_logprob" in extras
+        or top is not None, top_logprobs=top or 0, ranks=top is not None, bad_words=bad_words)
+    # the prompt text first: when asked, or, as both Triton LLM backends do, when the client
+    # turned streaming off for a text prompt and did not say (their default prepends it)
+    text_prompt_whole = values.get("stream") is False and "text_input" in tensors
+    echo = tokenizer is not None and not values.get("exclude_input", not text_prompt_whole)
     return ClientRequest(generation, values.get("stream", True),
-                         _text_of(tensors, prompt, tokenizer) if echo else None)
+                         _text_of(tensors, prompt, tokenizer) if echo else None, extras)
+
+
+def _vllm_logprobs(values: dict) -> int | None:
+    """vLLM's `logprobs`: how many of the most likely ids each token lists besides itself
+    (None: the listing is "null", as vLLM sends when it was not set)."""
+    k = values.get("vllm_logprobs")
+    if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
+        raise InvalidArgument(f"sampling parameter 'logprobs' must be between 0 and "
+                              f"{MAX_TOP_LOGPROBS}, not {k}")
+    return k
 
 
 def bad_word_ids(tokenizer, words: Sequence[str], vllm: bool = False
@@ -285,7 +325,7 @@ class Reply:
     log-probability) and the prompt text sent ahead of the first one when asked."""
 
     request: ClientRequest
-    with_text: bool
+    tokenizer: object | None  # the artifact's (None: no text outputs)
     generated: int = 0
     cum_logprob: float = 0.0
     started: bool = field(default=False)
@@ -295,27 +335,46 @@ class Reply:
         if not self.started and self.request.prompt_text is not None:
             text = self.request.prompt_text + (text or "")
         self.started = True
-        out = chunk_outputs(Chunk(chunk.ids, text), self.with_text)
+        out = chunk_outputs(Chunk(chunk.ids, text), self.tokenizer is not None)
         self.generated += len(chunk.ids)
         out["sequence_length"] = np.array([self.generated], np.int32)
-        # every declared output in every response, as Triton's LLM models answer (a client
-        # such as perf_analyzer reads them all): log-probs are 0 unless asked for, as
-        # TensorRT-LLM's are
+        # TensorRT-LLM's outputs in every response, as its ensemble answers (a client such as
+        # perf_analyzer reads them): log-probs are 0 unless asked for, as TensorRT-LLM's are
         lp = np.array(chunk.logprobs if chunk.logprobs is not None else [0.0] * len(chunk.ids),
                       np.float32)
         self.cum_logprob += float(lp.sum())
         out["output_log_probs"] = lp
         out["cum_log_probs"] = np.array([self.cum_logprob], np.float32)
-        out["num_input_tokens"] = np.array([len(self.request.generation.prompt)], np.uint32)
-        out["num_output_tokens"] = np.array([len(chunk.ids)], np.uint32)
+        out.update(self._asked_for(chunk))
         return out
 
+    def _asked_for(self, chunk: Chunk) -> dict[str, np.ndarray]:
+        """The outputs sent only when asked (COUNTS, VLLM_OUTPUTS), as the backends write
+        them: the finish reason as Python's str() of vLLM's ("None" until the last one)."""
+        extras, out = self.request.extras, {}
+        if "num_input_tokens" in extras:
+            out["num_input_tokens"] = np.array([len(self.request.generation.prompt)], np.uint32)
+        if "num_output_tokens" in extras:
+            out["num_output_tokens"] = np.array([len(chunk.ids)], np.uint32)
+        if "finish_reason" in extras:
+            reason = _VLLM_REASONS.get(chunk.reason, "abort") if chunk.final else "None"
+            out["finish_reason"] = np.array([reason.encode()], dtype=object)
+        if "cumulative_logprob" in extras:
+            out["cumulative_logprob"] = np.array([self.cum_logprob], np.float32)
+        if "logprobs" in extras:
+            listing = None if chunk.ranks is None else [
+                self._listing(*at) for at in zip(chunk.ids, chunk.logprobs, chunk.ranks,
+                                                 chunk.top_logprobs or [()] * len(chunk.ids))]
+            out["logprobs"] = np.array([json.dumps(listing).encode()], dtype=object)
+        return out
 
-def join_chunks(chunks: Sequence[Chunk]) -> Chunk:
-    """The whole sequence as one final chunk (the unary call's answer)."""
-    ids = tuple(t for c in chunks for t in c.ids)
-    texts = [c.text for c in chunks if c.text is not None]
-    logprobs = [p for c in chunks for p in (c.logprobs or ())]
-    last = chunks[-1]
-    return Chunk(ids, "".join(texts) if texts else None, True, last.reason, last.detail,
-                 tuple(logprobs) if any(c.logprobs is not None for c in chunks) else None)
+    def _listing(self, token: int, logprob: float, rank: int, top) -> dict:
+        """One position as vLLM lists it: the sampled id first, then the most likely (rank
+        1, 2, ...); JSON keys are the ids as strings."""
+        entries = {token: (logprob, rank)}
+        entries.update((t, (p, k)) for k, (t, p) in enumerate(top, 1))
+        return {str(t): {"logprob": p, "rank": k, "decoded_token": self._text(t)}
+                for t, (p, k) in entries.items()}
+
+    def _text(self, token: int) -> str | None:
+        return None if self.tokenizer is None else token_text(self.tokenizer, token)

@@ -10,9 +10,8 @@ from typing import Mapping
 
 import numpy as np
 
-# the request-parsing half lives in serving.conventions (Triton's LLM names); re-exported
-from serving.conventions import (ClientRequest, chunk_outputs, client_signature,  # noqa: F401
-                                 join_chunks, parse_request)
+# the request-parsing half lives in serving.conventions (Triton's LLM names)
+from serving.conventions import ClientRequest, client_signature, parse_request
 from serving.engine import Engine
 from serving.generation import GenerateOptions, GenerationStats, Generator
 from serving.metrics import GenerationMetrics, Metrics, Stats

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import numpy as np
 
 from serving.errors import InvalidArgument
 
 FINISH_REASONS = ("length", "stop", "cancelled", "shutdown", "error")
+MAX_TOP_LOGPROBS = 20  # the most alternatives a position reports (OpenAI's limit for chat's
+# top_logprobs; vLLM's default max_logprobs)
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,8 @@ class GenerationRequest:
     # model's own distribution, before temperature/top-k/p)
     top_logprobs: int = 0  # each chunk carries, per id, the k most likely ids of that
     # position with their log-probs (of the raw logits, most likely first)
+    ranks: bool = False  # each chunk carries, per id, its rank under the raw logits: how many
+    # ids score at least as high (1 for the most likely; vLLM's rank)
     bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences never generated
     # (TensorRT-LLM's bad words): where the sequence (prompt + output) ends with all but a
     # bad word's last token, that token's logit is -inf for this step (a one-token word is
@@ -72,8 +77,9 @@ class GenerationRequest:
             raise InvalidArgument(f"min_tokens must be >= 0, not {self.min_tokens}")
         if any(not s for s in self.stop_strings):
             raise InvalidArgument("a stop string must not be empty")
-        if self.top_logprobs < 0:
-            raise InvalidArgument(f"top_logprobs must be >= 0, not {self.top_logprobs}")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidArgument(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, "
+                                  f"not {self.top_logprobs}")
         if any(not w for w in self.bad_words):
             raise InvalidArgument("a bad word must hold at least one token")
 
@@ -91,6 +97,22 @@ class Chunk:
     logprobs: tuple[float, ...] | None = None  # one per id when the request asked
     # one per id when the request asked for top_logprobs: ((id, log-prob), ...) of that position
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
+    ranks: tuple[int, ...] | None = None  # one per id when the request asked for ranks
+
+
+def _joined(chunks: Sequence[Chunk], name: str) -> tuple | None:
+    if all(getattr(c, name) is None for c in chunks):
+        return None
+    return tuple(x for c in chunks for x in (getattr(c, name) or ()))
+
+
+def join_chunks(chunks: Sequence[Chunk]) -> Chunk:
+    """A whole stream as one final chunk (an answer that is not streamed)."""
+    texts = [c.text for c in chunks if c.text is not None]
+    last = chunks[-1]
+    return Chunk(tuple(t for c in chunks for t in c.ids), "".join(texts) if texts else None,
+                 True, last.reason, last.detail, _joined(chunks, "logprobs"),
+                 _joined(chunks, "top_logprobs"), _joined(chunks, "ranks"))
 
 
 def sample(logits: np.ndarray, s: Sampling, rng: np.random.Generator) -> int:

@@ -26,6 +26,11 @@ def load_tokenizer(folder: Path):
     return Tokenizer.from_file(str(path))
 
 
+def token_text(tokenizer, token: int) -> str:
+    """One token's own text, special tokens included (what log-prob listings show)."""
+    return tokenizer.decode([int(token)], skip_special_tokens=False)
+
+
 class IncrementalDecoder:
     """Text for a growing list of token ids, one piece per call, never splitting a character.
 

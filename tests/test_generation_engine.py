@@ -17,7 +17,7 @@ from models.build import cached
 from serving.errors import InvalidArgument
 from serving.generation import GenerateOptions, Generator
 from serving.generation.cache import CacheManager
-from serving.generation.output import GenerationStats, OutputProcessor, StreamOutput
+from serving.generation.output import GenerationStats, OutputProcessor, Scores, StreamOutput
 from serving.generation.runner import StepRunner
 from serving.generation.scheduler import Scheduler, StepCosts, Stream
 from serving.sampling import Chunk, GenerationRequest, Sampling
@@ -294,7 +294,7 @@ def _feed(request: GenerationRequest, tokens, tokenizer=None) -> list[Chunk]:
     for t in tokens:
         if stream.done:
             break
-        out.emit(stream, t, -0.5)
+        out.emit(stream, t, Scores(-0.5))
     return sent
 
 
@@ -316,16 +316,21 @@ def test_stop_ids_are_masked_until_min_tokens_and_logprobs_come_from_raw_logits(
     logits = np.zeros((2, 5), np.float32)
     logits[:, 3] = 4.0  # token 3 is the stop id and the argmax
     logits[:, 1] = 2.0
-    early = _stream((1,), 4, stop_ids=frozenset({3}), min_tokens=2, logprobs=True)
+    early = _stream((1,), 4, stop_ids=frozenset({3}), min_tokens=2, logprobs=True, ranks=True)
     late = _stream((1,), 4, stop_ids=frozenset({3}), min_tokens=0)
-    tokens, logprobs, tops = out.sample([early, late], logits)
+    tokens, scores = out.sample([early, late], logits)
     assert tokens == [1, 3]
     raw = logits[0].astype(np.float64)
-    assert logprobs[0] == pytest.approx(raw[1] - np.log(np.exp(raw).sum()))
-    assert tops is None  # nobody asked
-    ranked = out.sample([_stream((1,), 4, top_logprobs=3)], logits)[2][0]
+    assert scores[0].logprob == pytest.approx(raw[1] - np.log(np.exp(raw).sum()))
+    assert scores[0].rank == 2  # under the raw logits: the masked stop id scores higher
+    assert scores[0].top is None and scores[1] is None  # only what was asked
+    assert out.sample([late], logits)[1] == [None]
+    ranked = out.sample([_stream((1,), 4, top_logprobs=3)], logits)[1][0].top
     assert [t for t, _ in ranked][:2] == [3, 1] and len(ranked) == 3  # then a tie of 0s
-    assert ranked[1][1] == pytest.approx(logprobs[0])
+    assert ranked[1][1] == pytest.approx(scores[0].logprob)
+    tied = out.sample([_stream((1,), 4, stop_ids=frozenset({3, 1}), min_tokens=1,
+                               ranks=True)], logits)[1][0]
+    assert tied.rank == 5  # a 0 among three 0s: every id scoring as high counts (vLLM's)
     chunks = _feed(GenerationRequest((1,), 4, stop_ids=frozenset({3}), logprobs=True), [2, 3])
     assert [c.ids for c in chunks] == [(2,), ()] and chunks[-1].reason == "stop"
     assert chunks[0].logprobs == (-0.5,)

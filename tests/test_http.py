@@ -173,6 +173,24 @@ def test_generate_and_generate_stream(decoder, llama) -> None:
     assert "top_p must be in (0, 1]" in json.loads(bad.stdout)["error"]
 
 
+def test_generate_as_the_vllm_backend_answers_it(decoder, llama) -> None:
+    """Triton's vLLM quickstart: `stream` false in the parameters (the text comes with its
+    prompt first), vLLM's sampling keys as request parameters, the additional outputs asked
+    for as inputs (the logprobs listing a JSON string, as that backend's BYTES output)."""
+    want, _ = greedy(llama, tokenizer().encode(PROMPT).ids, 4)
+    base = f"http://127.0.0.1:{decoder.http_port}/v2/models/{decoder.slot.name}"
+    body = json.dumps({"text_input": PROMPT, "return_finish_reason": True,
+                       "return_logprobs": True, "parameters": {
+                           "stream": False, "temperature": 0, "max_tokens": 4,
+                           "logprobs": 1}})
+    one = json.loads(_curl("-X", "POST", "-d", body, base + "/generate").stdout)
+    assert one["text_output"] == PROMPT + tokenizer().decode(want)
+    assert one["finish_reason"] == "length"
+    listing = json.loads(one["logprobs"])
+    assert [list(position) for position in listing] == [[str(t)] for t in want]  # greedy
+    assert all(p[str(t)]["rank"] == 1 for p, t in zip(listing, want))
+
+
 def test_a_client_that_disconnects_frees_its_slot(decoder) -> None:
     conn = http.client.HTTPConnection("127.0.0.1", decoder.http_port, timeout=60)
     conn.request("POST", f"/v2/models/{decoder.slot.name}/generate_stream",

@@ -313,3 +313,87 @@ def test_parse_request_names_what_is_wrong() -> None:
         {}, tokenizer=object())
     assert (got.generation.max_tokens, got.generation.sampling.temperature,
             got.generation.sampling.top_k, got.generation.stop_strings) == (9, 0.5, 0, ("END",))
+
+
+# ------------------------- the vLLM backend's additional outputs, asked as its own tests ask
+
+
+def _vllm_inputs(stream_: bool, sampling: dict, **asked) -> list:
+    """As the vLLM backend's own test of its additional outputs builds them: text_input,
+    stream, sampling_parameters, then each return_* BOOL that is not None."""
+    made = [_text(PROMPT), _scalar("stream", stream_, "BOOL"),
+            _words("sampling_parameters", [json.dumps(sampling)])]
+    return made + [_scalar(k, v, "BOOL") for k, v in asked.items() if v is not None]
+
+
+def _llm_infer(server, inputs: list, parameters: dict) -> list:
+    """That test's client: sampling parameters also as request parameters, no empty final."""
+    got: list = []
+    with tg.InferenceServerClient(f"127.0.0.1:{server.port}") as client:
+        client.start_stream(lambda result, error: got.append((result, error)))
+        client.async_stream_infer(server.slot.name, inputs=inputs, parameters=parameters)
+        client.stop_stream()
+    assert got and all(error is None for _, error in got), got
+    return [result for result, _ in got]
+
+
+def _log_softmax(row: np.ndarray) -> np.ndarray:
+    return (x := row.astype(np.float64)) - x.max() - np.log(np.exp(x - x.max()).sum())
+
+
+@pytest.mark.parametrize("streamed", [True, False])
+@pytest.mark.parametrize("logprobs", [None, 0, 2])
+def test_vllm_additional_outputs_as_its_backend_sends_them(server, llama, streamed,
+                                                          logprobs) -> None:
+    sampling = {"temperature": "0", "top_p": "1", "max_tokens": "6"}
+    if logprobs is not None:
+        sampling["logprobs"] = logprobs
+    results = _llm_infer(server, _vllm_inputs(
+        streamed, sampling, return_finish_reason=True, return_cumulative_logprob=True,
+        return_logprobs=True, return_num_input_tokens=True, return_num_output_tokens=True),
+        sampling)
+    want, logits = greedy(llama, tokenizer().encode(PROMPT).ids, 6)
+    expected = [_log_softmax(row) for row in logits]
+    assert len(results) == (6 if streamed else 1)
+    reasons = [r.as_numpy("finish_reason")[0].decode() for r in results]
+    assert reasons == ["None"] * (len(results) - 1) + ["length"]
+    sums = [float(r.as_numpy("cumulative_logprob")[0]) for r in results]
+    running = np.cumsum([e[t] for e, t in zip(expected, want)])
+    np.testing.assert_allclose(sums, running if streamed else running[-1:], atol=1e-3)
+    assert [int(r.as_numpy("num_input_tokens")[0]) for r in results] == [
+        len(tokenizer().encode(PROMPT).ids)] * len(results)
+    counts = [int(r.as_numpy("num_output_tokens")[0]) for r in results]
+    listings = [json.loads(r.as_numpy("logprobs")[0].decode()) for r in results]
+    text = "".join(texts(results))
+    if not streamed:  # no exclude_input_in_output, no streaming: the prompt comes first
+        assert text.startswith(PROMPT)
+        text = text[len(PROMPT):]
+    if logprobs is None:  # asked for the listing, but vLLM's `logprobs` was not set
+        assert listings == [None] * len(results)
+        return
+    assert [len(listing) for listing in listings] == counts  # one entry per token sent
+    positions = [p for listing in listings for p in listing]
+    assert len(positions) == 6
+    ranked_first = ""
+    for position, token, e in zip(positions, want, expected):
+        order = np.argsort(-e, kind="stable")
+        # the sampled id first, then the most likely (vLLM's dict: a repeat keeps its place)
+        assert list(position) == list(dict.fromkeys(str(t) for t in [token, *order[:logprobs]]))
+        for key, entry in position.items():
+            assert set(entry) == {"logprob", "rank", "decoded_token"}
+            assert entry["logprob"] == pytest.approx(e[int(key)], abs=1e-3)
+            assert entry["rank"] == int((e >= e[int(key)]).sum())
+            assert entry["decoded_token"] == tokenizer().decode([int(key)])
+        ranked_first += next(v["decoded_token"] for v in position.values() if v["rank"] == 1)
+    assert ranked_first == text  # greedy: the rank-1 tokens are the text
+
+
+def test_vllm_outputs_only_when_asked_and_its_logprobs_bounded(server) -> None:
+    sampling = {"temperature": "0", "max_tokens": "3", "logprobs": 2}
+    results = _llm_infer(server, _vllm_inputs(True, sampling, return_logprobs=False), sampling)
+    for name in ("finish_reason", "cumulative_logprob", "logprobs", "num_input_tokens",
+                 "num_output_tokens"):
+        assert all(r.as_numpy(name) is None for r in results), name
+    assert all(r.as_numpy("text_output") is not None for r in results)
+    with pytest.raises(InferenceServerException, match="'logprobs' must be between 0 and 20"):
+        stream(server, _vllm_inputs(True, {"logprobs": 21}, return_logprobs=True))

@@ -223,11 +223,10 @@ class Generator:
     def _emit(self, streams: Sequence[Stream], logits) -> None:
         if not streams:
             return
-        tokens, logprobs, tops = self.output.sample(streams, logits)
-        for i, (s, token) in enumerate(zip(streams, tokens)):
+        tokens, scores = self.output.sample(streams, logits)
+        for s, token, score in zip(streams, tokens, scores):
             s.computed = len(s.tokens)  # every fed token is cached now
-            self.output.emit(s, token, None if logprobs is None else float(logprobs[i]),
-                             None if tops is None else tops[i])
+            self.output.emit(s, token, score)
             if s.done:
                 self.scheduler.remove(s)
 

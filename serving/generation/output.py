@@ -1,7 +1,8 @@
 """From a step's logits to the chunks each stream's client gets: batched sampling (one argmax
 for every greedy row), stop ids (masked out until `min_tokens`) and bad words (masked where
 they would be completed), stop strings on the output text, incremental detokenizing,
-log-probs, the final chunk's reason, and the metrics."""
+log-probs (with alternatives and ranks where asked), the final chunk's reason, and the
+metrics."""
 
 from __future__ import annotations
 
@@ -16,6 +17,15 @@ from serving.sampling import Chunk, GenerationRequest, sample
 from serving.tokenizer import IncrementalDecoder
 
 log = logging.getLogger("serving")
+
+
+@dataclass(frozen=True)
+class Scores:
+    """What a stream asked to know of its sampled token, under the raw logits."""
+
+    logprob: float | None = None
+    top: tuple[tuple[int, float], ...] | None = None  # the k most likely (id, log-prob)
+    rank: int | None = None  # how many ids score at least as high (1: the most likely)
 
 
 @dataclass
@@ -109,10 +119,9 @@ class OutputProcessor:
         self.stats = stats
 
     def sample(self, streams: Sequence, logits: np.ndarray
-               ) -> tuple[list[int], np.ndarray | None, list | None]:
-        """One token per stream from its row of `logits` (rows, vocab); each token's
-        log-prob under the raw logits (None when no stream asked); and per stream its
-        top_logprobs (None where not asked; the list None when no stream asked)."""
+               ) -> tuple[list[int], list[Scores | None]]:
+        """One token per stream from its row of `logits` (rows, vocab), and per stream the
+        Scores it asked for (None where it asked for none)."""
         work = logits
         for i, s in enumerate(streams):
             ids = [t for t in banned(s) if 0 <= t < logits.shape[1]]
@@ -124,16 +133,25 @@ class OutputProcessor:
         for i, s in enumerate(streams):
             if not s.request.sampling.greedy:
                 tokens[i] = sample(work[i], s.request.sampling, s.output.rng)
-        wanted = any(s.request.logprobs for s in streams)
-        logprobs = log_softmax_at(logits, np.asarray(tokens)) if wanted else None
-        tops = None
-        if any(s.request.top_logprobs for s in streams):  # off the path unless asked
-            tops = [top_logprobs(logits[i], s.request.top_logprobs)
-                    if s.request.top_logprobs else None for i, s in enumerate(streams)]
-        return tokens, logprobs, tops
+        return tokens, self._scores(streams, logits, tokens)
 
-    def emit(self, stream, token: int, logprob: float | None,
-             top: tuple[tuple[int, float], ...] | None = None) -> None:
+    @staticmethod
+    def _scores(streams: Sequence, logits: np.ndarray, tokens: list[int]
+                ) -> list[Scores | None]:
+        asked = [r.logprobs or r.top_logprobs or r.ranks for r in (s.request for s in streams)]
+        if not any(asked):  # the usual case: nothing beyond the token, nothing computed
+            return [None] * len(streams)
+        logprobs = log_softmax_at(logits, np.asarray(tokens))
+        out: list[Scores | None] = []
+        for i, s in enumerate(streams):
+            r = s.request
+            out.append(None if not asked[i] else Scores(
+                float(logprobs[i]) if r.logprobs else None,
+                top_logprobs(logits[i], r.top_logprobs) if r.top_logprobs else None,
+                int((logits[i] >= logits[i, tokens[i]]).sum()) if r.ranks else None))
+        return out
+
+    def emit(self, stream, token: int, scores: Scores | None = None) -> None:
         """A new token of `stream`: the stream ends (stream.done) on a stop or its length."""
         out, request = stream.output, stream.request
         now = time.perf_counter()
@@ -152,13 +170,15 @@ class OutputProcessor:
         if last and out.detok is not None:
             out.text += out.detok.flush()
         piece, matched = out.release(final=last)
-        probs = (logprob,) if request.logprobs else None
-        tops = (top,) if request.top_logprobs else None
+        scores = scores or Scores()
+        asked = dict(logprobs=(scores.logprob,) if request.logprobs else None,
+                     top_logprobs=(scores.top,) if request.top_logprobs else None,
+                     ranks=(scores.rank,) if request.ranks else None)
         if matched or last:
             self._end(stream, Chunk((token,), piece, True, "stop" if matched else "length",
-                                    logprobs=probs, top_logprobs=tops))
+                                    **asked))
         else:
-            self._send(stream, Chunk((token,), piece, logprobs=probs, top_logprobs=tops))
+            self._send(stream, Chunk((token,), piece, **asked))
 
     def finish(self, stream, reason: str, detail: str = "") -> None:
         """The final chunk without a new token (stop id, cancel, shutdown, error)."""
@@ -171,7 +191,8 @@ class OutputProcessor:
         self._end(stream, Chunk((), piece, True, "stop" if matched else reason,
                                 "" if matched else detail,
                                 () if stream.request.logprobs else None,
-                                () if stream.request.top_logprobs else None))
+                                () if stream.request.top_logprobs else None,
+                                () if stream.request.ranks else None))
 
     def _end(self, stream, chunk: Chunk) -> None:
         stream.done = True

@@ -10,11 +10,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 import serving
-from serving.conventions import Reply, join_chunks
+from serving.conventions import Reply
 from serving.decoder import DecoderEngine
 from serving.errors import InvalidArgument
 from serving.http import codec
 from serving.http.streams import ChunkStream, until_disconnect
+from serving.sampling import join_chunks
 from serving.wire._generated import inference_pb2 as pb
 from serving.wire.servicer import (EXTENSIONS, SERVER_NAME, config_for, model_metadata,
                                    model_statistics)
@@ -130,7 +131,7 @@ async def _generate_whole(engine: DecoderEngine, request: Request, feeds, parame
         return None
     if chunks[-1].reason == "error":
         raise RuntimeError(chunks[-1].detail)
-    return Reply(parsed, engine.tokenizer is not None).outputs(join_chunks(chunks))
+    return Reply(parsed, engine.tokenizer).outputs(join_chunks(chunks))
 
 
 _M = "/v2/models/{model}"

@@ -21,12 +21,12 @@ from serving.http.chat import messages_of, render
 from serving.http.codec import http_status_for
 from serving.http.streams import ChunkStreams, until_disconnect
 from serving.http.triton_generate import SSE_HEADERS, sse
-from serving.sampling import Chunk, GenerationRequest, Sampling
+from serving.sampling import MAX_TOP_LOGPROBS, Chunk, GenerationRequest, Sampling, join_chunks
+from serving.tokenizer import token_text
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           429: "rate_limit_error", 503: "service_unavailable", 500: "internal_error"}
 STARTED = int(time.time())
-MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat's top_logprobs (vLLM's default max_logprobs)
 
 
 def error(exc: BaseException) -> Response:
@@ -154,7 +154,7 @@ class _Shape:
         return "text_completion"
 
     def _text(self, token: int) -> str:
-        return self.engine.tokenizer.decode([token], skip_special_tokens=False)
+        return token_text(self.engine.tokenizer, token)
 
     def _logprobs(self, chunk: Chunk, index: int):
         if not self.logprobs:
@@ -215,14 +215,6 @@ def _usage(prompt: int, completion: int) -> dict:
             "total_tokens": prompt + completion}
 
 
-def _joined(chunks: list[Chunk]) -> Chunk:
-    last = chunks[-1]
-    logprobs = tuple(p for c in chunks for p in (c.logprobs or ()))
-    tops = tuple(t for c in chunks for t in (c.top_logprobs or ()))
-    return Chunk(tuple(t for c in chunks for t in c.ids), "".join(c.text or "" for c in chunks),
-                 True, last.reason, last.detail, logprobs, tops)
-
-
 async def _answer(request: Request, shape: _Shape, generations: list[GenerationRequest],
                   stream_opts: dict | None) -> Response:
     """The choices, one per generation (`index` in order), whole or as SSE chunks."""
@@ -235,7 +227,7 @@ async def _answer(request: Request, shape: _Shape, generations: list[GenerationR
         for chunks in chosen:
             if chunks[-1].reason not in ("length", "stop"):
                 raise RuntimeError(chunks[-1].detail or f"generation ended: {chunks[-1].reason}")
-        wholes = [_joined(chunks) for chunks in chosen]
+        wholes = [join_chunks(chunks) for chunks in chosen]
         return JSONResponse(shape.envelope(
             [shape.choice(whole, False, index=i) for i, whole in enumerate(wholes)], False,
             _usage(prompt, sum(len(w.ids) for w in wholes))))

@@ -12,11 +12,12 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from serving.conventions import Reply, join_chunks
+from serving.conventions import Reply
 from serving.datatypes import DATATYPES
 from serving.decoder import DecoderEngine
 from serving.errors import InvalidArgument
 from serving.http.streams import ChunkStream, until_disconnect
+from serving.sampling import join_chunks
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -81,7 +82,7 @@ async def generate(frontend, request: Request) -> Response:
         return Response(status_code=499)
     if chunks[-1].reason == "error":
         raise RuntimeError(chunks[-1].detail)
-    outputs = Reply(parsed, engine.tokenizer is not None).outputs(join_chunks(chunks))
+    outputs = Reply(parsed, engine.tokenizer).outputs(join_chunks(chunks))
     return JSONResponse({**_head(engine), **_json_outputs(outputs)})
 
 
@@ -93,7 +94,7 @@ def sse(data: dict | str) -> bytes:
 async def generate_stream(frontend, request: Request) -> Response:
     engine, parsed = await _parse(frontend, request)
     stream = ChunkStream(engine, parsed.generation)  # refusals answer with a status here
-    reply = Reply(parsed, engine.tokenizer is not None)
+    reply = Reply(parsed, engine.tokenizer)
 
     async def events():
         async for chunk in stream:

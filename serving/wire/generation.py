@@ -10,10 +10,10 @@ import threading
 from typing import Iterator
 
 from serving.datatypes import triton_type
-from serving.conventions import Reply, join_chunks
+from serving.conventions import Reply
 from serving.decoder import DecoderEngine
 from serving.errors import ServingError
-from serving.sampling import Chunk
+from serving.sampling import Chunk, join_chunks
 from serving.wire import protocol
 from serving.wire._generated import inference_pb2 as pb
 
@@ -34,7 +34,7 @@ def generate_whole(engine: DecoderEngine, request, context) -> pb.ModelInferResp
     if got[-1].reason == "error":
         raise RuntimeError(got[-1].detail)
     return _chunk_response(engine, request.id, join_chunks(got),
-                           Reply(parsed, engine.tokenizer is not None))
+                           Reply(parsed, engine.tokenizer))
 
 
 def generate_stream(engine: DecoderEngine, request_iterator, context
@@ -90,7 +90,7 @@ def _read_requests(engine: DecoderEngine, request_iterator, events: queue.Queue,
                 parsed = engine.parse(protocol.decode_inputs(request),
                                       protocol.parameter_values(request.parameters), request.id)
                 state.stream = parsed.stream
-                state.reply = Reply(parsed, engine.tokenizer is not None)
+                state.reply = Reply(parsed, engine.tokenizer)
                 handles.append(engine.submit(
                     parsed.generation,
                     lambda c, r=request, st=state: events.put(("chunk", r, (c, st)))))
