@@ -107,6 +107,7 @@ class OrtRunner:
         self.output_names = [o.name for o in session.get_outputs()]
         self._bf16 = any(o.type == "tensor(bfloat16)" for o in session.get_outputs()) or any(
             i.type == "tensor(bfloat16)" for i in session.get_inputs())
+        self._binding = None  # infer_into's: (names, IOBinding, what is bound, arrays kept)
 
     def infer(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         if self._bf16 or any(np.asarray(a).dtype == _BF16 for a in feeds.values()):
@@ -126,20 +127,34 @@ class OrtRunner:
         """`infer`, with each output named in `into` written into that array (C-contiguous,
         its shape and dtype the output's) instead of a new one: IO binding. An output bound
         to an input's own memory is how GroupQueryAttention shares its past and present
-        buffer (it then writes only the new entries). Returns the other outputs."""
-        binding = self.session.io_binding()
-        kept = [np.ascontiguousarray(a) for a in feeds.values()]  # alive until the run ends
-        for name, arr in zip(feeds, kept):
-            binding.bind_input(name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
-        rest = [n for n in self.output_names if n not in into]
+        buffer (it then writes only the new entries). Returns the other outputs.
+
+        One binding is kept while the names stay the same, and an array is bound again only
+        where its address, shape or dtype changed: a decode step rebinds its new tokens and
+        mask, not the dozens of cache buffers it runs in (binding them all anew cost ~0.2 ms
+        a step, 2% of a batch-1 decode run of an 8-layer h-1024 Llama)."""
+        names = (tuple(feeds), tuple(into))
+        if self._binding is None or self._binding[0] != names:
+            self._binding = (names, self.session.io_binding(), {}, {})
+        _, binding, bound, kept = self._binding
+        for name, arr in feeds.items():
+            arr = np.ascontiguousarray(arr)
+            kept[name] = arr  # alive while bound
+            if bound.get(name) != (arr.ctypes.data, arr.shape, arr.dtype):
+                binding.bind_input(name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
+                bound[name] = (arr.ctypes.data, arr.shape, arr.dtype)
         for name, arr in into.items():
             if not arr.flags.c_contiguous:
                 raise ValueError(f"output {name} must be written into a C-contiguous array")
-            binding.bind_output(name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
-        for name in rest:
+            kept["out " + name] = arr
+            if bound.get("out " + name) != (arr.ctypes.data, arr.shape, arr.dtype):
+                binding.bind_output(name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
+                bound["out " + name] = (arr.ctypes.data, arr.shape, arr.dtype)
+        rest = [n for n in self.output_names if n not in into]
+        for name in rest:  # bound to the device alone, every run: ONNX Runtime allocates it
             binding.bind_output(name, "cpu")
         self.session.run_with_iobinding(binding)
-        outs = binding.get_outputs()[len(into):]  # in binding order: `into` first
+        outs = binding.get_outputs()[len(into):]  # in the order first bound: `into` first
         return {n: o.numpy() for n, o in zip(rest, outs)}
 
     def close(self) -> None:
