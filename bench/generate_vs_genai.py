@@ -194,7 +194,9 @@ def _genai_side() -> int:
 
 
 def genai_here(folder: Path, jobs: list[Job], batch: int = 1) -> Run:
-    """Jobs one after another (batch 1), or in static batches of `batch` equal prompts."""
+    """Jobs one after another (batch 1), or in static batches of `batch` equal prompts. A
+    batch runs until its longest job is done; the tokens counted are what each job asked
+    for (a shorter job's row goes on being computed: what a static batch costs)."""
     import onnxruntime_genai as og
 
     model = og.Model(str(folder))
@@ -212,7 +214,7 @@ def genai_here(folder: Path, jobs: list[Job], batch: int = 1) -> Run:
         group = jobs[i:i + batch]
         length = len(group[0].prompt)
         params = og.GeneratorParams(model)
-        total = length + group[0].new
+        total = length + max(j.new for j in group)
         params.set_search_options(max_length=total, min_length=total, do_sample=False,
                                   batch_size=len(group))
         generator = og.Generator(model, params)
@@ -224,7 +226,8 @@ def genai_here(folder: Path, jobs: list[Job], batch: int = 1) -> Run:
             now = time.perf_counter()
             (ttft.append(now - began) if last is None else itl.append(now - last))
             last = now
-        tokens += sum(len(generator.get_sequence(r)) - length for r in range(len(group)))
+        tokens += sum(min(len(generator.get_sequence(r)) - length, j.new)
+                      for r, j in enumerate(group))
         del generator
     return Run(tokens, time.perf_counter() - start, tuple(ttft), tuple(itl))
 
@@ -326,7 +329,8 @@ def workloads(prompt: int, new: int, spread_s: float, system: int, seed: int = 0
     """1 stream (three prompts, one after another); 8 and 32 streams sent at once (prompts
     prompt/2..3*prompt/2); 32 arriving over `spread_s`; 32 sharing a `system`-token prefix
     (each its own 16-token question, 16 new tokens); genai's static batch of 8 (equal
-    prompts). Every prompt is new for each `seed`: a server's prefix cache must not find an
+    prompts); 32 of equal prompts asking for new/4..7*new/4 tokens (as many in all as the
+    others), sent at once to the server and as static batches of 8 to genai. Every prompt is new for each `seed`: a server's prefix cache must not find an
     earlier alternation's (or the warm-up's) prompts, which genai could not."""
     rng = np.random.default_rng(seed)
 
@@ -343,7 +347,9 @@ def workloads(prompt: int, new: int, spread_s: float, system: int, seed: int = 0
             "32": jobs(32, 0.0), "32 over time": jobs(32, spread_s),
             "shared prefix": [Job(shared + tokens(16), 16, float(a))
                               for a in np.sort(rng.uniform(0, spread_s, 32))],
-            "static8": [Job(tokens(prompt), new) for _ in range(8)]}
+            "static8": [Job(tokens(prompt), new) for _ in range(8)],
+            "varied": [Job(tokens(prompt), int(n))
+                       for n in rng.integers(new // 4, new * 7 // 4 + 1, 32)]}
 
 
 def _load() -> float:
@@ -365,6 +371,8 @@ def alternation(genai_dir: Path, servers: dict, w: dict) -> dict[str, tuple[Run,
     timed("serve 8", lambda: served_run(port, name, w["8"]))
     timed("serve 32", lambda: served_run(port, name, w["32"]))
     timed("serve 32 over time", lambda: served_run(port, name, w["32 over time"]))
+    timed("genai static8, varied lengths", lambda: genai_run(genai_dir, w["varied"], batch=8))
+    timed("serve 32, varied lengths", lambda: served_run(port, name, w["varied"]))
     timed("serve shared, prefix cache", lambda: served_run(port, name, w["shared prefix"]))
     cold_port, cold_name = servers["no prefix"]
     timed("serve shared, no prefix cache",
@@ -383,6 +391,9 @@ def ratios(a: dict[str, tuple[Run, float, float]]) -> dict[str, float]:
             r["serve 8"].tokens_per_s / r["genai static8"].tokens_per_s,
         "32 streams / genai static 8 (goal >= 1.5)":
             r["serve 32"].tokens_per_s / r["genai static8"].tokens_per_s,
+        "32 varied lengths / genai static 8 on them (no goal)":
+            r["serve 32, varied lengths"].tokens_per_s
+            / r["genai static8, varied lengths"].tokens_per_s,
         "32 over 1 s: 2 x ITL p50 / p99 (goal >= 1)": 2 * spread.itl_ms(50) / spread.itl_ms(99),
         "32 over 1 s: genai static 8 TTFT / TTFT p50 (goal > 1)":
             float(np.median(r["genai static8"].ttft_s)) / float(np.median(spread.ttft_s)),

@@ -34,12 +34,15 @@ def test_ratios_and_their_median_and_range():
         "genai 1": (run(50, 0.1), 1.0, 1.0), "serve 1": (run(55, 0.1), 1.0, 1.0),
         "genai static8": (run(100, 1.0), 1.0, 1.0), "serve 8": (run(140, 0.5), 1.0, 1.0),
         "serve 32": (run(160, 0.9), 1.0, 1.0), "serve 32 over time": (run(150, 0.5), 1.0, 1.0),
+        "genai static8, varied lengths": (run(80, 1.0), 1.0, 1.0),
+        "serve 32, varied lengths": (run(120, 0.9), 1.0, 1.0),
         "serve shared, prefix cache": (run(90, 0.2), 1.0, 1.0),
         "serve shared, no prefix cache": (run(60, 0.8), 1.0, 1.0),
     }
     r = bench.ratios(alternation)
     assert r["1 stream / genai (goal >= 1.0)"] == pytest.approx(1.1)
     assert r["32 streams / genai static 8 (goal >= 1.5)"] == pytest.approx(1.6)
+    assert r["32 varied lengths / genai static 8 on them (no goal)"] == pytest.approx(1.5)
     assert r["32 over 1 s: 2 x ITL p50 / p99 (goal >= 1)"] == pytest.approx(
         2 * 10 / 29.6, rel=1e-3)  # p99 of (10, 10, 30) ms
     assert r["shared prefix: TTFT p50 without / with prefix cache (goal >= 3)"] == pytest.approx(4)
