@@ -170,10 +170,10 @@ class OutputProcessor:
         if last and out.detok is not None:
             out.text += out.detok.flush()
         piece, matched = out.release(final=last)
-        scores = scores or Scores()
-        asked = dict(logprobs=(scores.logprob,) if request.logprobs else None,
-                     top_logprobs=(scores.top,) if request.top_logprobs else None,
-                     ranks=(scores.rank,) if request.ranks else None)
+        asked = {} if scores is None else dict(  # None: the stream asked for no scores
+            logprobs=(scores.logprob,) if request.logprobs else None,
+            top_logprobs=(scores.top,) if request.top_logprobs else None,
+            ranks=(scores.rank,) if request.ranks else None)
         if matched or last:
             self._end(stream, Chunk((token,), piece, True, "stop" if matched else "length",
                                     **asked))
