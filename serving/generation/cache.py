@@ -11,7 +11,9 @@ and holes waste more than half of the batch, are the rows gathered into a new ba
 spare, up to the next batch bucket: the batch's arrays are views of their first rows, and a
 joiner with no free row takes the next spare one (the views grow, nothing is copied), so a
 stream that joins a batch of n costs its own row, not n rows (32 streams sharing a 512-token
-prompt spent 4.4 s of 11 in gathers before).
+prompt spent 4.4 s of 11 in gathers before). Where the byte budget holds every stream that
+may decode at the model's full length, they are allocated so once (`_storage_shape`) and
+never gathered: a longer joiner widens the mask, an ended stream's row takes the last row.
 
 The byte budget counts the entries of running streams and of the prefix cache; a batch's
 padding and freed rows come on top, at most as much again (the gather rule above).
@@ -60,6 +62,22 @@ class DecodeBatch:
         self.mask = np.concatenate([self.mask, np.zeros((rows, self.past), self.mask.dtype)])
         self.slots.extend([None] * rows)
         return True
+
+    def shrink(self, rows: int) -> None:
+        """Shared buffers: the batch ends after `rows` rows (the ones cut are free)."""
+        if rows < len(self.slots):
+            assert all(s is None for s in self.slots[rows:])
+            self.slots = self.slots[:rows]
+            self.arrays = {n: a[:rows] for n, a in self.storage.items()}
+            self.mask = self.mask[:rows]
+
+    def widen(self, past: int) -> None:
+        """Shared buffers (rows at the start): a past of `past` positions (< capacity), every
+        row's mask padded with empty columns; the buffers are the same."""
+        extra = past - self.past
+        if extra > 0:
+            self.mask = np.concatenate(
+                [self.mask, np.zeros((len(self.mask), extra), self.mask.dtype)], axis=1)
 
     @property
     def past(self) -> int:
@@ -126,9 +144,11 @@ class CacheManager:
     def __init__(self, record: CacheRecord, budget_bytes: int, pad_to: str,
                  batch_buckets: Sequence[int] = (), cache_buckets: Sequence[int] = (),
                  prefix_block: int | None = 16, max_past: int | None = None,
-                 shared: bool = False) -> None:
+                 shared: bool = False, max_rows: int | None = None) -> None:
         self.record, self.pad_to, self.shared = record, pad_to, shared
         self.max_past = max_past  # a batch's past never grows beyond (the model's positions)
+        self.max_rows = max_rows  # streams that may decode at once (shared buffers hold them)
+        self.budget_bytes = budget_bytes
         self.bytes_per_token = record.bytes_per_token
         self.budget_tokens = max(1, budget_bytes // self.bytes_per_token)
         self.batch_buckets, self.cache_buckets = tuple(batch_buckets), tuple(cache_buckets)
@@ -214,9 +234,8 @@ class CacheManager:
         caches = [self.own(s) for s in streams]
         batch, past = self.padded(len(streams), max(s.computed for s in streams))
         capacity, held, storage = None, batch, None
-        if self.shared:  # room to grow: the next cache bucket above the next step's entry,
-            capacity = next_bucket(past + 1, self.cache_buckets)  # and spare rows to join
-            held = next_bucket(batch + 1, self.batch_buckets)  # > batch: rows to spare
+        if self.shared:
+            held, capacity = self._storage_shape(batch, past)
         arrays, mask = pad_rows(self.record, caches, held, past, capacity)
         if self.shared:
             storage, arrays, mask = arrays, {n: a[:batch] for n, a in arrays.items()}, mask[:batch]
@@ -227,8 +246,31 @@ class CacheManager:
         self.gathers += 1
         return self.batch
 
+    def _storage_shape(self, batch: int, past: int) -> tuple[int, int]:
+        """Shared buffers' (rows, positions). Where every stream that may decode fits at the
+        model's full length within the byte budget, that is allocated once: np.zeros maps
+        untouched pages lazily, so memory follows the entries written, and the batch is
+        never gathered again (streams join and leave by their own rows). Else rows to spare
+        up to the next batch bucket and the next cache bucket above the next step's entry,
+        gathered into bigger buffers when outgrown."""
+        held = next_bucket(batch + 1, self.batch_buckets)  # > batch: rows to spare
+        grown = next_bucket(past + 1, self.cache_buckets)
+        if self.max_rows is None or self.max_past is None:
+            return held, grown
+        rows = max(held, next_bucket(self.max_rows, self.batch_buckets))
+        if rows * self.max_past * self.bytes_per_token <= self.budget_bytes:
+            return rows, max(self.max_past, grown)
+        return held, grown
+
     def _in_place(self, b: DecodeBatch, joining: Sequence) -> bool:
-        if any(s.computed > b.past for s in joining):
+        if b.storage is not None:
+            self._compact(b)
+            longest = max((s.computed for s in joining), default=0)
+            if longest > b.past:
+                if longest >= b.capacity:
+                    return False
+                b.widen(longest)
+        elif any(s.computed > b.past for s in joining):
             return False
         short = len(joining) - sum(s is None for s in b.slots)
         if short > 0 and not b.grow(short):
@@ -239,8 +281,33 @@ class CacheManager:
             b.slots[slot], s.slot, s.cache = s, slot, None
         return True
 
+    def _compact(self, b: DecodeBatch) -> None:
+        """Shared buffers: each free row below the last stream's takes the last stream's
+        row (a copy of that row's entries, from position 0), and the batch ends at its last
+        stream (or that many rows' bucket): a stream that ends costs one row's copy, not a
+        gather, and no step computes a hole."""
+        while True:
+            used = [i for i, s in enumerate(b.slots) if s is not None]
+            free = [i for i, s in enumerate(b.slots) if s is None]
+            if not used or not free or free[0] > used[-1]:
+                break
+            to, at = free[0], used[-1]
+            n = int(b.mask[at].sum())
+            for name in self.record.past:
+                a = b.arrays[name]
+                a[seq_index(self.record, to, slice(0, n))] = a[seq_index(self.record, at,
+                                                                        slice(0, n))]
+            b.mask[to], b.mask[at] = b.mask[at], 0
+            b.slots[to], b.slots[at] = b.slots[at], None
+            b.slots[to].slot = to
+        used = sum(s is not None for s in b.slots)
+        b.shrink(next_bucket(used, self.batch_buckets) if self.pad_to == "bucket" else used)
+
     def _wasteful(self, b: DecodeBatch, streams: Sequence) -> bool:
-        """Freed rows and holes over half the batch's positions: a gather costs less."""
+        """Freed rows and holes over half the batch's positions: a gather costs less
+        (shared buffers compact instead)."""
+        if b.storage is not None:
+            return False
         kept = sum(s.computed for s in streams)
         return kept * 2 < len(b.slots) * b.past and self.padded(
             len(streams), max(s.computed for s in streams)) != (len(b.slots), b.past)

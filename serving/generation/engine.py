@@ -68,7 +68,8 @@ class Generator:
                                   self.cache_buckets,
                                   options.prefix_block if options.prefix_cache else None,
                                   self.max_cache_len,
-                                  shared=options.share_buffers and record.rows_at_start)
+                                  shared=options.share_buffers and record.rows_at_start,
+                                  max_rows=options.max_streams)
         self.step_runner = StepRunner(runner, record, vocab, self.stats.on_step)
         self.scheduler = Scheduler(self.cache, options.max_streams, options.prefill_tokens,
                                    record.takes_chunks, options.max_stall,
