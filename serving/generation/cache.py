@@ -286,12 +286,12 @@ class CacheManager:
         row (a copy of that row's entries, from position 0), and the batch ends at its last
         stream (or that many rows' bucket): a stream that ends costs one row's copy, not a
         gather, and no step computes a hole."""
-        while True:
+        while None in b.slots:
             used = [i for i, s in enumerate(b.slots) if s is not None]
-            free = [i for i, s in enumerate(b.slots) if s is None]
-            if not used or not free or free[0] > used[-1]:
+            to = b.slots.index(None)
+            if not used or to > used[-1]:
                 break
-            to, at = free[0], used[-1]
+            at = used[-1]
             n = int(b.mask[at].sum())
             for name in self.record.past:
                 a = b.arrays[name]
