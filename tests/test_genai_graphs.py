@@ -18,6 +18,7 @@ MatMulNBits int4 weights, genai's own I/O names.
 
 from __future__ import annotations
 
+import functools
 import json
 import queue
 import threading
@@ -343,6 +344,17 @@ def test_the_engine_on_a_genai_graph_equals_a_plain_greedy_loop(options, binding
         assert sum(hits) >= 32  # the streams behind the first found the shared prefix
 
 
+class _Row:
+    """What the cache manager reads of a stream: its length, its slot and its own cache
+    (random entries; `want` keeps a copy to compare with)."""
+
+    def __init__(self, record, n: int, rng: np.random.Generator) -> None:
+        self.computed, self.slot, self.prefix_counted = n, None, True
+        self.cache = {name: rng.standard_normal(record.past_shape(1, n)).astype(np.float32)
+                      for name in record.past}
+        self.want = {k: v.copy() for k, v in self.cache.items()}
+
+
 def test_a_stream_joins_shared_buffers_in_a_spare_row_without_a_gather():
     """Shared buffers hold rows to spare (the next batch bucket): a third stream joining a
     batch of two takes row 2 of the same storage (views grow, nothing else is copied), its
@@ -353,12 +365,7 @@ def test_a_stream_joins_shared_buffers_in_a_spare_row_without_a_gather():
     record = cache_record(load_model(genai_builder.cached("llama", "fp32")))
     cache = CacheManager(record, 10_000 * record.bytes_per_token, "longest", shared=True)
     rng = np.random.default_rng(0)
-
-    class Row:  # what the cache manager reads of a stream
-        def __init__(self, n: int) -> None:
-            self.computed, self.slot, self.prefix_counted = n, None, True
-            self.cache = {name: rng.standard_normal(record.past_shape(1, n)).astype(np.float32)
-                          for name in record.past}
+    Row = functools.partial(_Row, record, rng=rng)
 
     a, b, c = Row(5), Row(9), Row(7)
     batch = cache.decode_batch([a, b])
@@ -388,14 +395,7 @@ def test_preallocated_shared_buffers_never_gather_as_streams_join_and_leave():
     from serving.generation.cache import CacheManager
 
     record = cache_record(load_model(genai_builder.cached("llama", "fp32")))
-    rng = np.random.default_rng(1)
-
-    class Row:  # what the cache manager reads of a stream
-        def __init__(self, n: int) -> None:
-            self.computed, self.slot, self.prefix_counted = n, None, True
-            self.cache = {name: rng.standard_normal(record.past_shape(1, n)).astype(np.float32)
-                          for name in record.past}
-            self.want = {k: v.copy() for k, v in self.cache.items()}
+    Row = functools.partial(_Row, record, rng=np.random.default_rng(1))
 
     def check(cache, *rows):
         for r in rows:
