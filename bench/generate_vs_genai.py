@@ -420,9 +420,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick-optimize", action="store_true", help="fewer timing rounds")
     ap.add_argument("--prefill-tokens", type=int, default=256,
                     help="the server's per-step token budget (tuner serve --prefill-tokens)")
-    ap.add_argument("--max-stall", type=float, default=1.0,
+    ap.add_argument("--max-stall", type=float, default=0.0,
                     help="the server's bound on prompt work beside decoding rows "
-                         "(tuner serve --max-stall; 0: none)")
+                         "(tuner serve --max-stall; 0, the default of both: none)")
     ap.add_argument("--sources", nargs="+", choices=("genai", "torch"),
                     default=["genai", "torch"],
                     help="what `tuner optimize` is given: the builder's graph, the torch export")

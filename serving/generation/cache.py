@@ -35,7 +35,7 @@ from typing import Sequence
 import numpy as np
 
 from serving.generation.options import next_bucket
-from tuner.gate.decode_step import pad_rows, place_row, row_cache, seq_index
+from tuner.gate.decode_step import cache_length, pad_rows, place_row, row_cache, seq_index
 from tuner.graph.cache_record import CacheRecord
 
 Cache = dict[str, np.ndarray]  # past name -> (1, .., L, ..)
@@ -194,16 +194,20 @@ class CacheManager:
         stream.computed += len(blocks) * p.block
         stream.prefix_hit += len(blocks) * p.block
 
-    def store_prefix(self, stream) -> None:
+    def store_prefix(self, stream, cache: Cache | None = None) -> None:
         """After a prefill chunk: the full blocks of the stream's prompt computed so far
-        into the prefix cache (so that streams behind it find them at once)."""
+        into the prefix cache (so that streams behind it find them at once). `cache`: the
+        stream's entries after the chunk, when the stream may have ended meanwhile (its
+        own are then released); by default its own."""
         p = self.prefix
         prompt = stream.request.prompt
         if p is None or stream.prefix_stored:
             return
-        done = min(stream.computed, len(prompt))
+        done = min(stream.computed if cache is None else cache_length(self.record, cache),
+                   len(prompt))
         if done >= p.block:
-            p.insert(self.record, prompt[:done - done % p.block], self.own(stream))
+            p.insert(self.record, prompt[:done - done % p.block],
+                     self.own(stream) if cache is None else cache)
         stream.prefix_stored = done == len(prompt)
 
     # ------------------------------------------------------------------------- rows

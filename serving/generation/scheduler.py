@@ -8,10 +8,11 @@ Each step (vLLM v1's scheduler, on the graph's (batch, seq) shapes):
   2. the rest of the step's token budget (`prefill_tokens`) goes to prefill chunks, first
      of streams already running, then of waiting ones admitted up to `max_streams` (a
      prompt longer than what is left is prefilled over several steps, when the graph takes
-     a chunk beside a past: chunked prefill). While streams decode, the budget is also
-     held to what `max_stall` of a decode run's time buys at the measured prefill cost per
-     token (StepCosts), so a burst of prompts delays the decoding streams' next token by at
-     most that share: inter-token latency stays under (1 + max_stall) decode runs;
+     a chunk beside a past: chunked prefill). With `max_stall` set, while streams decode,
+     the budget is also held to what `max_stall` of a decode run's time buys at the
+     measured prefill cost per token (StepCosts), so a burst of prompts delays the decoding
+     streams' next token by at most that share: inter-token latency stays under
+     (1 + max_stall) decode runs (at a cost in throughput: off by default);
   3. the cache's byte budget holds every running stream's entries plus this step's new
      ones; past it, prefix-cache blocks are evicted, then the newest stream is PREEMPTED:
      its cache dropped, it waits again at the head of the queue and is recomputed (prompt

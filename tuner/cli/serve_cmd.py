@@ -162,10 +162,12 @@ def serve(
                                                  "prompt is prefilled in chunks"),
     prefix_cache: bool = typer.Option(True, help="decoders: reuse the cached keys/values of a "
                                                  "prompt prefix that streams share"),
-    max_stall: float = typer.Option(1.0, help="decoders: while streams decode, a step's "
+    max_stall: float = typer.Option(0.0, help="decoders: while streams decode, a step's "
                                                "prompt work costs at most this share of a "
                                                "decode step (measured), so new prompts delay "
-                                               "the next token by at most that; 0: no bound "
+                                               "the next token by at most that (even "
+                                               "inter-token times, at a cost in throughput "
+                                               "and first tokens); 0 (default): no bound "
                                                "but --prefill-tokens"),
 ) -> None:
     """Serve OUT's selected variant until SIGTERM: KServe v2 / Open Inference Protocol over

@@ -156,7 +156,7 @@ def pad_rows(record: CacheRecord, caches: Sequence[Mapping[str, np.ndarray]],
     (B, .., P, ..) and the mask (B, P), row i's entries placed by `place_row`. `capacity`
     (rows at the start only): buffers (B, .., C, ..) of C >= P positions, the mask still
     (B, P): a graph that shares its past and present buffer writes the next ones there."""
-    lengths = [_length(record, c) for c in caches]
+    lengths = [cache_length(record, c) for c in caches]
     if batch < len(caches) or past < max(lengths, default=0):
         raise BadInput(f"{len(caches)} rows of up to {max(lengths, default=0)} entries do not "
                        f"fit a batch of {batch} and a past of {past}")
@@ -175,7 +175,7 @@ def place_row(record: CacheRecord, arrays: Mapping[str, np.ndarray], mask: np.nd
     """Write one row's own cache (past name -> (1, .., L, ..)) into row `row` of a batch
     (B, .., P, ..), in place: at [P - L, P) (left padding) or [0, L) (rows at the start);
     the mask row keeps exactly those entries."""
-    n, past = _length(record, cache), int(mask.shape[1])
+    n, past = cache_length(record, cache), int(mask.shape[1])
     span = slice(0, n) if record.rows_at_start else slice(past - n, past)
     if n:
         for name in record.past:
@@ -185,7 +185,8 @@ def place_row(record: CacheRecord, arrays: Mapping[str, np.ndarray], mask: np.nd
     mask[row, span] = 1
 
 
-def _length(record: CacheRecord, cache: Mapping[str, np.ndarray]) -> int:
+def cache_length(record: CacheRecord, cache: Mapping[str, np.ndarray]) -> int:
+    """How many entries a row's own cache (past name -> (1, .., L, ..)) holds: L."""
     first = cache[record.past[0]] if cache else None
     return 0 if first is None else int(first.shape[record.layout.index("s")])
 
