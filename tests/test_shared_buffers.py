@@ -97,6 +97,41 @@ def test_preallocated_shared_buffers_never_gather_as_streams_join_and_leave():
     assert first.storage[name].shape[0] == 4 and first.capacity == 16
 
 
+def test_idle_shared_buffers_are_kept_for_the_next_batch():
+    """Shared buffers allocated once are kept while nothing decodes (`clear()`): the next
+    batch is placed into the same memory (pages already touched: a burst after an idle
+    moment pays no page fault per page), each row holding exactly its new stream's entries
+    and mask, whatever the old rows left beyond them (never read: the engine tests in
+    tests/test_genai_graphs.py run a second burst through kept buffers and equal a plain
+    greedy loop). Buffers of another shape (a tight budget's, grown by gathers) are dropped."""
+    from serving.generation.cache import CacheManager
+
+    record = cache_record(load_model(genai_builder.cached("llama", "fp32")))
+    Row = functools.partial(_Row, record, rng=np.random.default_rng(2))
+    name = record.past[0]
+    cache = CacheManager(record, 8 * 64 * record.bytes_per_token, "longest", shared=True,
+                         max_past=64, max_rows=6)
+    old = cache.decode_batch([Row(20), Row(9)])
+    cache.clear()
+    assert cache.batch is None
+    c, d = Row(5), Row(7)
+    new = cache.decode_batch([c, d])
+    assert new is not old and new.storage[name] is old.storage[name]
+    assert new.mask.tolist() == [[1] * 5 + [0] * 2, [1] * 7]
+    for r in (c, d):
+        got = cache.own(r)
+        for n in record.past:
+            np.testing.assert_array_equal(got[n], r.want[n])
+    axis = record.layout.index("s")  # the old row 0's entries 5..19 are still there, masked
+    assert np.abs(np.take(new.storage[name][:1], range(5, 20), axis=axis)).sum() > 0
+
+    tight = CacheManager(record, 4 * 64 * record.bytes_per_token, "longest", shared=True,
+                         max_past=64, max_rows=6)  # grown buffers: not kept
+    first = tight.decode_batch([Row(5), Row(9)])
+    tight.clear()
+    assert tight.decode_batch([Row(30), Row(3)]).storage[name] is not first.storage[name]
+
+
 def test_prefill_runs_group_chunks_of_like_length():
     """A prefill run is padded to its longest chunk: chunks share a run only while the
     padding stays within PAD_SLACK of their tokens; on GroupQueryAttention's graphs each

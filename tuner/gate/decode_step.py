@@ -150,21 +150,28 @@ def empty_past(record: CacheRecord, batch: int) -> tuple[dict[str, np.ndarray], 
 
 
 def pad_rows(record: CacheRecord, caches: Sequence[Mapping[str, np.ndarray]],
-             batch: int, past: int, capacity: int | None = None
+             batch: int, past: int, capacity: int | None = None,
+             into: Mapping[str, np.ndarray] | None = None
              ) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """A batch from rows' own caches (each past name -> (1, .., L_i, ..)): every past
     (B, .., P, ..) and the mask (B, P), row i's entries placed by `place_row`. `capacity`
     (rows at the start only): buffers (B, .., C, ..) of C >= P positions, the mask still
-    (B, P): a graph that shares its past and present buffer writes the next ones there."""
+    (B, P): a graph that shares its past and present buffer writes the next ones there.
+    `into`: such buffers to reuse (rows at the start only: what lies past a row's entries
+    is never read, so old entries there need no clearing)."""
     lengths = [cache_length(record, c) for c in caches]
     if batch < len(caches) or past < max(lengths, default=0):
         raise BadInput(f"{len(caches)} rows of up to {max(lengths, default=0)} entries do not "
                        f"fit a batch of {batch} and a past of {past}")
     if capacity is not None and (capacity < past or not record.rows_at_start):
         raise BadInput(f"a buffer of {capacity} positions needs rows at the start and >= {past}")
+    shape = record.past_shape(batch, capacity or past)
+    if into is not None and not (record.rows_at_start and capacity is not None and all(
+            into[n].shape == shape for n in record.past)):
+        raise BadInput(f"buffers to reuse must be {shape} per past, rows at the start")
     mask = np.zeros((batch, past), np.int64)  # (B, P)
-    arrays = {name: np.zeros(record.past_shape(batch, capacity or past),
-                             record.dtypes.get(name, record.dtype)) for name in record.past}
+    arrays = dict(into) if into is not None else {
+        name: np.zeros(shape, record.dtypes.get(name, record.dtype)) for name in record.past}
     for i, cache in enumerate(caches):
         place_row(record, arrays, mask, i, cache)
     return arrays, mask
