@@ -104,6 +104,8 @@ class ClientRequest:
     stream: bool = True
     prompt_text: str | None = None  # sent first when the client set exclude_input_in_output false
     extras: frozenset[str] = frozenset()  # of VLLM_OUTPUTS and COUNTS: what was asked for
+    # the request's `outputs` (KServe v2): only these, in this order; empty: all
+    outputs: tuple[str, ...] = ()
 
 
 def _one(name: str, value):
@@ -346,6 +348,8 @@ class Reply:
         out["output_log_probs"] = lp
         out["cum_log_probs"] = np.array([self.cum_logprob], np.float32)
         out.update(self._asked_for(chunk))
+        if self.request.outputs:  # those the client named (one its flags leave out stays out)
+            return {n: out[n] for n in self.request.outputs if n in out}
         return out
 
     def _asked_for(self, chunk: Chunk) -> dict[str, np.ndarray]:

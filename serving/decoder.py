@@ -6,13 +6,14 @@ the artifact's buckets and the model's limits, and its statistics and metrics. N
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import numpy as np
 
 # the request-parsing half lives in serving.conventions (Triton's LLM names)
 from serving.conventions import ClientRequest, client_signature, parse_request
 from serving.engine import Engine
+from serving.errors import InvalidArgument
 from serving.generation import GenerateOptions, GenerationStats, Generator
 from serving.metrics import GenerationMetrics, Metrics, Stats
 from serving.model import LoadedModel, Signature
@@ -117,9 +118,17 @@ class DecoderEngine:
             raise BadInput(f"{model.name}: {e}") from None
 
     def parse(self, tensors: Mapping[str, np.ndarray], parameters: Mapping[str, object],
-              request_id: str = "") -> ClientRequest:
-        return parse_request(tensors, parameters, self.tokenizer,
-                             self.options.default_max_tokens, request_id, self.text.eos_ids)
+              request_id: str = "", outputs: Sequence[str] = ()) -> ClientRequest:
+        """`outputs`: the request's own list (KServe v2: its responses carry only those); a
+        name this model never answers with is INVALID_ARGUMENT before anything runs."""
+        known = {spec.name for spec in self.signature.outputs}
+        for name in outputs:
+            if name not in known:
+                raise InvalidArgument(f"unexpected inference output '{name}' for model "
+                                      f"'{self.name}'")
+        parsed = parse_request(tensors, parameters, self.tokenizer,
+                               self.options.default_max_tokens, request_id, self.text.eos_ids)
+        return dataclasses.replace(parsed, outputs=tuple(outputs)) if outputs else parsed
 
     def active(self) -> int:
         """Streams being decoded now (each holds a slot and its cache)."""

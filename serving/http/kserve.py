@@ -99,7 +99,9 @@ async def infer(frontend, request: Request) -> Response:
         raise InvalidArgument("'id' must be a string")
     parameters = header.get("parameters") or {}
     if isinstance(engine, DecoderEngine) and not engine.takes_forward(feeds):
-        outputs = await _generate_whole(engine, request, feeds, parameters, request_id or "")
+        # the decoder answers with the outputs named, those its flags produce (Reply)
+        outputs = await _generate_whole(engine, request, feeds, parameters, request_id or "",
+                                        names)
         if outputs is None:  # the client went away
             return Response(status_code=499)
         final = {"triton_final_response": True}
@@ -107,12 +109,12 @@ async def infer(frontend, request: Request) -> Response:
         runner = engine.forward if isinstance(engine, DecoderEngine) else engine
         outputs, _ = await frontend.run(runner.infer, feeds, names)
         final = None
-    if names:
-        missing = [n for n in names if n not in outputs]
-        if missing:
-            raise InvalidArgument(f"unexpected inference output '{missing[0]}' for model "
-                                  f"'{engine.name}'")
-        outputs = {n: outputs[n] for n in names}
+        if names:
+            missing = [n for n in names if n not in outputs]
+            if missing:
+                raise InvalidArgument(f"unexpected inference output '{missing[0]}' for model "
+                                      f"'{engine.name}'")
+            outputs = {n: outputs[n] for n in names}
     content, header_length = codec.encode_response(engine.name, engine.version, request_id,
                                                    outputs, as_binary, final)
     if header_length is None:
@@ -122,9 +124,9 @@ async def infer(frontend, request: Request) -> Response:
 
 
 async def _generate_whole(engine: DecoderEngine, request: Request, feeds, parameters,
-                          request_id: str):
+                          request_id: str, names=()):
     """A decoder's unary infer: the whole sequence in one response (None if the client left)."""
-    parsed = engine.parse(feeds, parameters, request_id)
+    parsed = engine.parse(feeds, parameters, request_id, names)
     stream = ChunkStream(engine, parsed.generation)
     chunks = await until_disconnect(request.receive, stream.collect(), stream.close)
     if chunks is None:

@@ -24,7 +24,8 @@ PLATFORM = "onnxruntime_onnx"  # as serving.service says
 def generate_whole(engine: DecoderEngine, request, context) -> pb.ModelInferResponse:
     """Unary: the whole generated sequence in one response."""
     parsed = engine.parse(protocol.decode_inputs(request),
-                          protocol.parameter_values(request.parameters), request.id)
+                          protocol.parameter_values(request.parameters), request.id,
+                          protocol.requested_outputs(request))
     chunks: queue.Queue[Chunk] = queue.Queue()
     handle = engine.submit(parsed.generation, chunks.put)
     context.add_callback(handle.cancel)  # the client went away: free the slot
@@ -88,7 +89,8 @@ def _read_requests(engine: DecoderEngine, request_iterator, events: queue.Queue,
             events.put(("opened", request, None))
             try:
                 parsed = engine.parse(protocol.decode_inputs(request),
-                                      protocol.parameter_values(request.parameters), request.id)
+                                      protocol.parameter_values(request.parameters), request.id,
+                                      protocol.requested_outputs(request))
                 state.stream = parsed.stream
                 state.reply = Reply(parsed, engine.tokenizer)
                 handles.append(engine.submit(
