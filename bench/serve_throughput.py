@@ -1,5 +1,6 @@
-"""Throughput with 32 concurrent clients: `tuner serve` with dynamic batching on and off,
-against MLServer 1.7 serving the same ONNX model through a minimal onnxruntime runtime
+"""Throughput with 32 concurrent clients: `tuner serve` with its defaults (on a CPU, two
+runs at a time when requests overlap: serving.overlap), and one run at a time with dynamic
+batching on and off, against MLServer 1.7 serving the same ONNX model through a minimal onnxruntime runtime
 (bench/mlserver_ort_runtime.py), over gRPC and over REST. Goal: at least 1.5x MLServer on
 each protocol.
 
@@ -155,7 +156,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--mlserver", default="/tmp/mlserver-venv/bin/mlserver")
     ap.add_argument("--protocol", default="grpc", choices=("grpc", "rest", "both"))
-    ap.add_argument("--servers", default="tuner serve, batching on;tuner serve, batching off",
+    ap.add_argument("--servers", default="tuner serve, defaults;tuner serve, batching on;"
+                                          "tuner serve, batching off",
                     type=lambda v: v.split(";"),
                     help="which tuner rows, ';'-separated (also: 'tuner serve, 2 workers x 1 "
                          "thread')")
@@ -182,8 +184,12 @@ def main() -> int:
         out = make_artifact(tmp / "art", model, batch=(1, 4, 8, 16, 32), seq=(16, 32, 64, 128))
         try:
             procs = []
-            for label, extra in (("tuner serve, batching on", ("--max-batch", "32")),
-                                 ("tuner serve, batching off", ("--max-batch", "1")),
+            for label, extra in (("tuner serve, defaults", ()),
+                                 # one model run at a time, batched or not
+                                 ("tuner serve, batching on", ("--max-batch", "32",
+                                                               "--workers", "1")),
+                                 ("tuner serve, batching off", ("--max-batch", "1",
+                                                                "--workers", "1")),
                                  # two model runs at a time, one intra-op thread each
                                  ("tuner serve, 2 workers x 1 thread",
                                   ("--max-batch", "1", "--workers", "2", "--threads", "1"))):
@@ -195,8 +201,8 @@ def main() -> int:
                     servers[label] = ("grpc", port)
                 if rest_on:
                     servers[label.replace("tuner serve", "tuner serve REST")] = ("rest", http_port)
-                    if label == "tuner serve, batching on":
-                        servers["tuner serve REST binary, batching on"] = ("binary", http_port)
+                    if label == "tuner serve, defaults":
+                        servers["tuner serve REST binary, defaults"] = ("binary", http_port)
             if shutil.which(args.mlserver) or Path(args.mlserver).exists():
                 kinds = [(False, 1)] + ([] if args.no_adaptive else [(True, 1)])
                 if "tuner serve, 2 workers x 1 thread" in args.servers:

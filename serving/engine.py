@@ -18,6 +18,7 @@ from serving.datatypes import DATATYPES, datatype_of
 from serving.errors import InvalidArgument, ServingError, Unavailable
 from serving.kv import check_cache_feeds
 from serving.metrics import Metrics, Stats
+from serving.overlap import OverlapRunner
 from serving.model import LoadedModel, TensorSpec
 from tuner.artifact.records import Latency, parse_shape_key
 from tuner.gate.verify import Tolerance, kept_positions
@@ -36,7 +37,9 @@ class EngineOptions:
     max_batch: int | None = None
     max_queue_delay_ms: float = 0.0  # 0: batch whatever is queued when the model is free
     shadow_fraction: float = 0.0  # share of requests re-run on the original and compared
-    workers: int = 1  # model executions at a time
+    # model runs at a time; None: as many as the model's runner takes (an OverlapRunner: the
+    # runtime's threads, each run beside another on one thread), else 1
+    workers: int | None = None
     max_queue: int = 4096
     # "bucket": pad batches to their sequence bucket; "longest": only to the longest request
     # in the batch (a lone request runs unpadded); "auto": longest on CPU backends, where
@@ -53,7 +56,7 @@ class EngineOptions:
             raise ValueError(f"shadow fraction must be in [0, 1], not {self.shadow_fraction}")
         if self.pad_to not in ("auto", "bucket", "longest"):
             raise ValueError(f"pad_to must be auto, bucket or longest, not {self.pad_to!r}")
-        if not 1 <= self.workers <= 64:
+        if self.workers is not None and not 1 <= self.workers <= 64:
             raise ValueError(f"workers must be in [1, 64], not {self.workers}")
 
 
@@ -119,8 +122,10 @@ class Engine:
         policy = BatchPolicy(self.join_rows, options.max_queue_delay_ms / 1e3,
                              tuple(model.buckets.seq), options.max_queue,
                              pad_to_bucket=pad_to == "bucket")
+        self.workers = options.workers or (
+            model.runner.workers if isinstance(model.runner, OverlapRunner) else 1)
         self.batcher = Batcher(model.runner.infer, model.layout, policy,
-                               on_batch=self._on_batch, workers=options.workers)
+                               on_batch=self._on_batch, workers=self.workers)
         self._shadow = (ThreadPoolExecutor(1, thread_name_prefix="shadow")
                         if options.shadow_fraction > 0 else None)
         self._shadow_backlog = 0

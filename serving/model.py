@@ -7,6 +7,7 @@ tuner.runtime.registry (how to run it) and tuner.gate.entry.prepare (whether it 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping
@@ -15,6 +16,7 @@ import onnx
 import onnx_ir as ir
 
 from serving.batcher import Layout
+from serving.overlap import OverlapRunner, cpu_threads, overlap_wanted
 from tuner.artifact.records import Buckets, Latency, Manifest
 from tuner.artifact.store import read_manifest, variant_path
 from tuner.errors import BadInput
@@ -23,7 +25,7 @@ from tuner.gate.entry import prepare
 from tuner.gate.verify import Tolerance, VerifyResult
 from tuner.graph.dtypes import KSERVE_BY_ONNX, onnx_name
 from tuner.graph.cache_record import CacheRecord, find_cache_record
-from tuner.graph.io import embedding_rows, model_precision
+from tuner.graph.io import embedding_rows, model_bytes, model_precision
 from tuner.graph.load import check_external_data, load_model, read_proto
 from tuner.graph.roles import (ATTENTION_MASK, INPUTS_EMBEDS, POSITION_IDS, TOKEN_IDS,
                                TOKEN_TYPE_IDS, InputSpec, batch_limit, input_specs, with_role)
@@ -160,12 +162,28 @@ def _gate_shapes(buckets: Buckets) -> list[tuple[int, int]]:
     return sorted({(1, min(7, top)), (2, min(16, top)), (3, top)})
 
 
+def _with_overlap(runner: Runner, note: str, path: Path, loader, backend: str,
+                  settings: SessionSettings, shapes, cache: Path) -> tuple[Runner, str]:
+    """`runner`, with a one-thread session of the same graph beside it where it pays. The
+    same file on the same provider: only the thread count differs, which the gate's
+    tolerances (and the shadow checks) cover."""
+    if not overlap_wanted(backend, settings, model_bytes(path), decoder=False):
+        return runner, note
+    single = loader.load(path, dataclasses.replace(settings, intra_op_threads=1), shapes, cache)
+    threads = cpu_threads(settings)
+    return (OverlapRunner(runner, single, workers=threads),
+            f"{note}; up to {threads} requests at a time, each beside another on one thread")
+
+
 def load_artifact(out_dir: str | Path, backend: str | None = None,
                   settings: SessionSettings | None = None, model_name: str | None = None,
                   tolerance: Tolerance = Tolerance(),
-                  log: Callable[[str], None] = lambda line: None) -> LoadedModel:
+                  log: Callable[[str], None] = lambda line: None,
+                  overlap: bool = False) -> LoadedModel:
     """Load OUT's selected variant, re-check it against the original on this machine, and
-    fall back to the original (saying so through `log`) if it fails here."""
+    fall back to the original (saying so through `log`) if it fails here. `overlap`: where
+    serving.overlap says it pays, the served graph is loaded a second time on one thread,
+    for requests that run beside another (the runner is then an OverlapRunner)."""
     out = Path(out_dir)
     manifest: Manifest = read_manifest(out)
     backend = backend or manifest.backend
@@ -212,6 +230,9 @@ def load_artifact(out_dir: str | Path, backend: str | None = None,
             signature = read_signature(served_path, candidate_model)
     else:
         layout, positions = _probe_layout(runner, original_path, signature, vocab), None
+        if overlap:
+            runner, note = _with_overlap(runner, note, variant_path(out, manifest.variant(served)),
+                                         loader, backend, settings, shapes, cache)
     return LoadedModel(name, served, note, runner, original, signature, layout,
                        manifest.buckets, backend, gate, manifest.variant(served).latency, kv,
                        positions, out)

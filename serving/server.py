@@ -285,7 +285,7 @@ class Server:
         o = self.options
         try:
             model = load_artifact(self.artifact, o.backend, o.settings, self.slot.name,
-                                  log=self.say)
+                                  log=self.say, overlap=o.engine.workers is None)
             if model.cache_model:  # generation, and a plain forward for requests with a past
                 engine = DecoderEngine(model, o.generate, self.stats, self.metrics,
                                        add_generation_metrics(self.metrics, self.slot.name, "1"),
@@ -304,7 +304,8 @@ class Server:
                 self.say(f"model '{self.slot.name}' ready ({model.note}); {engine.note()}")
                 return
             self.say(f"model '{self.slot.name}' ready ({model.note}); requests up to "
-                     f"{engine.max_batch} rows, dynamic batching up to {engine.join_rows} rows "
+                     f"{engine.max_batch} rows, {engine.workers} at a time, dynamic batching "
+                     f"up to {engine.join_rows} rows "
                      f"({engine.batch_note}), sequence buckets "
                      f"{list(model.buckets.seq)}, padding to the {engine.pad_to}")
         except BaseException as e:  # noqa: BLE001 - reported; `serve` exits 1

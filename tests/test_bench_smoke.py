@@ -77,11 +77,12 @@ def test_serve_latency_smoke():
 
 
 def test_serve_throughput_smoke(tmp_path):
-    """tuner serve with batching on and off; MLServer's rows say why they are skipped when
+    """tuner serve with its defaults and with batching on and off; MLServer's rows say why they are skipped when
     its venv is absent (here: a path that does not exist)."""
     out = _bench("serve_throughput.py", "--model", "bert", "--seconds", "1", "--rounds", "1",
                  "--mlserver", str(tmp_path / "no-mlserver"))
-    for row in ("tuner serve, batching on", "tuner serve, batching off"):
+    for row in ("tuner serve, defaults", "tuner serve, batching on",
+                "tuner serve, batching off"):
         assert re.search(rf"^{row} +\d+\.\d+ ", out, re.M), out
     assert f"skipped MLServer: {tmp_path / 'no-mlserver'} not found" in out
 

@@ -186,7 +186,7 @@ def model_config(engine: Engine) -> pb.ModelConfig:
             b for b in engine.model.buckets.batch if b <= engine.join_rows)
         config.dynamic_batching.max_queue_delay_microseconds = int(
             engine.options.max_queue_delay_ms * 1e3)
-    config.instance_group.add(name=engine.name, kind="KIND_CPU", count=engine.options.workers)
+    config.instance_group.add(name=engine.name, kind="KIND_CPU", count=engine.workers)
     config.parameters["served_variant"].string_value = engine.model.served
     config.parameters["sequence_buckets"].string_value = ",".join(
         str(s) for s in engine.model.buckets.seq)

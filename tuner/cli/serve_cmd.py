@@ -122,7 +122,11 @@ def serve(
                                                        "queued when the model is free)"),
     shadow_fraction: float = typer.Option(0.0, help="share of requests also run on the "
                                                     "original and compared (metrics)"),
-    workers: int = typer.Option(1, help="model runs at a time"),
+    workers: Optional[int] = typer.Option(
+        None, help="model runs at a time (default: on a CPU, for a model under 1 GiB that is "
+                   "not a decoder, as many as the runtime's threads, a run that starts beside "
+                   "another taking a one-thread session of its own (the model's weights a "
+                   "second time) while a lone request still gets every thread; else 1)"),
     pad_to: str = typer.Option("auto", help="pad batches to their sequence 'bucket', or only "
                                             "to the 'longest' request in the batch; 'auto': "
                                             "longest on CPU backends, bucket elsewhere"),
