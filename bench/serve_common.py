@@ -50,6 +50,20 @@ def make_artifact(out: Path, model: Path, batch=(1, 4, 8, 16, 32), seq=(16, 32, 
     return out
 
 
+def optimized_artifact(out: Path, model: Path, max_batch: int = 32, max_seq: int = 128,
+                       quick: bool = False) -> Path:
+    """`tuner optimize` on `model`: the artifact a user serves, its batch buckets timed on
+    this machine, so `tuner serve`'s defaults (how many rows it joins) are the ones that
+    user gets. `quick`: the fewest timing rounds (smoke runs)."""
+    rounds = ["--rounds", "2", "--warmup", "1", "--bucket-rounds", "1", "--no-fuse",
+              "--no-probe"] if quick else []
+    subprocess.run([sys.executable, "-m", "tuner", "optimize", str(model), "-o", str(out),
+                    "--max-batch", str(max_batch), "--max-seq", str(max_seq), "--no-cache",
+                    "--force", "-q", *rounds], check=True, cwd=ROOT,
+                   stdout=subprocess.DEVNULL)
+    return out
+
+
 def wait_ready(port: int, proc: subprocess.Popen | None = None, timeout: float = 120,
                model: str = MODEL_NAME) -> None:
     deadline = time.monotonic() + timeout

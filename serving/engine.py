@@ -107,6 +107,14 @@ class Engine:
             self.join_rows, self.batch_note = batch_limit(model.latency, model.buckets.batch)
         if model.cache is not None:  # each request brings its own past: never joined
             self.join_rows, self.batch_note = 1, "a KV-cache model: each request runs alone"
+        elif options.max_batch is None and isinstance(model.runner, OverlapRunner):
+            # The timings compare a batch with single runs on every thread, at equal
+            # lengths; here requests that meet overlap on one-thread sessions instead, and a
+            # batch would pad its rows to the longest. MiniLM on 2 cores, lengths 8-128, 32
+            # clients: 112 req/s overlapping, 83 with batches of up to 16 that its timings
+            # said pay (bench/serve_throughput.py).
+            self.join_rows, self.batch_note = 1, ("requests that meet run side by side "
+                                                  "instead; --max-batch N batches them")
         fixed = model.signature.fixed_batch
         if fixed is not None and (self.max_batch != fixed or self.join_rows != 1):
             # a graph that takes one batch size only: requests of that many rows, never joined

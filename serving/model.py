@@ -167,7 +167,7 @@ def _with_overlap(runner: Runner, note: str, path: Path, loader, backend: str,
     """`runner`, with a one-thread session of the same graph beside it where it pays. The
     same file on the same provider: only the thread count differs, which the gate's
     tolerances (and the shadow checks) cover."""
-    if not overlap_wanted(backend, settings, model_bytes(path), decoder=False):
+    if not overlap_wanted(backend, settings, model_bytes(path)):
         return runner, note
     single = loader.load(path, dataclasses.replace(settings, intra_op_threads=1), shapes, cache)
     threads = cpu_threads(settings)

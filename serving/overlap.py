@@ -30,12 +30,12 @@ def cpu_threads(settings: SessionSettings) -> int:
     return settings.intra_op_threads or os.cpu_count() or 1
 
 
-def overlap_wanted(backend: str, settings: SessionSettings, model_bytes: int,
-                   decoder: bool) -> bool:
+def overlap_wanted(backend: str, settings: SessionSettings, model_bytes: int) -> bool:
     """Whether a server should run overlapping requests on a one-thread session beside its
-    own: a CPU backend, more than one thread, a model under OVERLAP_MAX_BYTES, and not a
-    decoder (generation runs one model run at a time and wants every thread for it)."""
-    return (backend == "ort-cpu" and cpu_threads(settings) > 1 and not decoder
+    own: a CPU backend, more than one thread and a model under OVERLAP_MAX_BYTES. (Never
+    asked for a decoder with a KV cache: its engine runs one model run at a time and wants
+    every thread for it.)"""
+    return (backend == "ort-cpu" and cpu_threads(settings) > 1
             and 0 < model_bytes <= OVERLAP_MAX_BYTES)
 
 

@@ -77,10 +77,12 @@ def test_serve_latency_smoke():
 
 
 def test_serve_throughput_smoke(tmp_path):
-    """tuner serve with its defaults and with batching on and off; MLServer's rows say why they are skipped when
-    its venv is absent (here: a path that does not exist)."""
+    """tuner serve, on what tuner optimize wrote, with its defaults and with batching on and
+    off; MLServer's rows say why they are skipped when its venv is absent (here: a path
+    that does not exist)."""
     out = _bench("serve_throughput.py", "--model", "bert", "--seconds", "1", "--rounds", "1",
-                 "--mlserver", str(tmp_path / "no-mlserver"))
+                 "--quick", "--mlserver", str(tmp_path / "no-mlserver"))
+    assert re.search(r"^tuner optimize's artifact: (batching|no batch timings)", out, re.M), out
     for row in ("tuner serve, defaults", "tuner serve, batching on",
                 "tuner serve, batching off"):
         assert re.search(rf"^{row} +\d+\.\d+ ", out, re.M), out

@@ -24,12 +24,11 @@ TWO = SessionSettings(intra_op_threads=2)
 
 
 def test_overlap_is_wanted_for_a_small_cpu_model_on_several_threads_only():
-    assert overlap_wanted("ort-cpu", TWO, 10 << 20, decoder=False)
-    assert not overlap_wanted("ort-cpu", SessionSettings(intra_op_threads=1), 10 << 20, False)
-    assert not overlap_wanted("ort-cpu", TWO, 10 << 20, decoder=True)
-    assert not overlap_wanted("ort-cpu", TWO, OVERLAP_MAX_BYTES + 1, decoder=False)
-    assert not overlap_wanted("ort-cuda", TWO, 10 << 20, decoder=False)
-    assert not overlap_wanted("ort-cpu", TWO, 0, decoder=False)  # size unknown: one session
+    assert overlap_wanted("ort-cpu", TWO, 10 << 20)
+    assert not overlap_wanted("ort-cpu", SessionSettings(intra_op_threads=1), 10 << 20)
+    assert not overlap_wanted("ort-cpu", TWO, OVERLAP_MAX_BYTES + 1)
+    assert not overlap_wanted("ort-cuda", TWO, 10 << 20)
+    assert not overlap_wanted("ort-cpu", TWO, 0)  # size unknown: one session
 
 
 def _runner(model) -> OverlapRunner:
@@ -89,12 +88,14 @@ def test_the_server_overlaps_by_default_and_not_when_told(reference_model, tmp_p
         want = load_artifact(out).runner.infer(feeds)["last_hidden_state"]
         got = client.infer(server.slot.name, infer_inputs(feeds)).as_numpy("last_hidden_state")
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
-        if workers is None:
+        if workers is None:  # requests that meet overlap; none is joined into a batch
             assert isinstance(engine.model.runner, OverlapRunner)
             assert engine.workers == 2 and _config_count(server) == 2
-        else:
+            assert engine.join_rows == 1 and "side by side" in engine.batch_note
+        else:  # one run at a time: the artifact's timings decide (it has none: batch)
             assert not isinstance(engine.model.runner, OverlapRunner)
             assert engine.workers == 1 and _config_count(server) == 1
+            assert engine.join_rows == max(engine.model.buckets.batch) > 1
     finally:
         server.stop(5)
 

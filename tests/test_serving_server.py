@@ -39,7 +39,9 @@ def _start(out, **engine) -> Server:
 @pytest.fixture(scope="module")
 def bert(reference_model, tmp_path_factory):
     model = reference_model("bert", "small", "dynamo")
-    server = _start(make_artifact(tmp_path_factory.mktemp("bert"), model))  # default: no delay
+    # one run at a time (no overlapping sessions): the batcher joins requests, which the
+    # tests here check; default delay: none
+    server = _start(make_artifact(tmp_path_factory.mktemp("bert"), model), workers=1)
     yield server, model
     server.stop(5)
 
@@ -47,7 +49,8 @@ def bert(reference_model, tmp_path_factory):
 @pytest.fixture(scope="module")
 def gpt2(reference_model, tmp_path_factory):
     model = reference_model("gpt2", "small", "torchscript")
-    server = _start(make_artifact(tmp_path_factory.mktemp("gpt2"), model), pad_to="bucket")
+    server = _start(make_artifact(tmp_path_factory.mktemp("gpt2"), model), pad_to="bucket",
+                    workers=1)
     yield server, model
     server.stop(5)
 
@@ -393,7 +396,7 @@ def test_batching_that_does_not_pay_still_takes_batched_requests(reference_model
     slow = {f"{b}x{s}": Latency(*(1.1 * b,) * 5, 5) for b in (1, 4, 8) for s in (8, 16, 32)}
     original = dataclasses.replace(manifest.variants[0], latency=slow)
     write_manifest(out, dataclasses.replace(manifest, variants=(original,)))
-    server = _start(out)
+    server = _start(out, workers=1)  # one run at a time: the timings decide
     try:
         engine = server.slot.engine
         assert (engine.max_batch, engine.join_rows) == (8, 1)
