@@ -239,3 +239,58 @@ def test_the_optimum_exports_come_from_the_pinned_exporter(optimum_exports) -> N
         made = json.loads((path.parent / "exporter.json").read_text())
         assert made["optimum-onnx"] == optimum.OPTIMUM_ONNX.split("==")[1]
         assert made["transformers"].startswith("4.57"), made
+
+
+def test_requests_that_meet_on_an_optimum_export_over_http(optimum_exports, tmp_path) -> None:
+    """An Optimum export without its cache, optimized and served with the defaults (on a CPU
+    of 2+ threads: every thread for a lone request, a one-thread session for one that starts
+    beside another) and driven by tritonclient.http with 24 requests in flight at once: both
+    sessions answer, and every answer is the original's."""
+    import time
+
+    import tritonclient.http as th
+
+    from serving.overlap import OverlapRunner
+
+    src = optimum_exports[("llama", False)]
+    art, traffic = tmp_path / "art", tmp_path / "traffic.jsonl"
+    traffic.write_text("".join(json.dumps(r) + "\n" for r in TRAFFIC[False]))
+    code, _, err = _run(["optimize", str(src), "-o", str(art), "--requests", str(traffic),
+                         "--threads", "2", *FAST])
+    assert code == 0, err
+    server = Server(art, ServerOptions(port=0, http_port=0, metrics_port=0),
+                    say=lambda line: None)
+    server.start()
+    try:
+        assert server.wait_ready(120), server.slot.status
+        runner = server.slot.engine.model.runner
+        assert isinstance(runner, OverlapRunner)
+        # this two-layer graph runs in well under a millisecond, less than an HTTP request
+        # takes to parse: its full-thread runs are held 20 ms longer, as a real model's last,
+        # so that requests meet (the sessions still compute every answer)
+        full_infer = runner.full.infer
+        runner.full.infer = lambda feeds: (time.sleep(0.02), full_infer(feeds))[1]
+        sess = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"])
+        rng = np.random.default_rng(3)
+        feeds = []
+        for _ in range(24):
+            ids = rng.integers(3, 200, (1, int(rng.integers(4, 21)))).astype(np.int64)
+            feed = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+            if "position_ids" in [i.name for i in sess.get_inputs()]:
+                feed["position_ids"] = np.arange(ids.shape[1], dtype=np.int64)[None]
+            feeds.append(feed)
+        client = th.InferenceServerClient(f"127.0.0.1:{server.http_port}", concurrency=24)
+        pending = []
+        for feed in feeds:
+            made = [th.InferInput(n, list(a.shape), "INT64") for n, a in feed.items()]
+            for m, a in zip(made, feed.values()):
+                m.set_data_from_numpy(a)
+            pending.append(client.async_infer(server.slot.name, made))
+        for feed, call in zip(feeds, pending):
+            want = sess.run(["logits"], feed)[0]
+            np.testing.assert_allclose(call.get_result().as_numpy("logits"), want, atol=1e-4,
+                                       rtol=1e-4)
+        assert runner.runs["full"] > 0 and runner.runs["single"] > 0, runner.runs
+        client.close()
+    finally:
+        server.stop(5)

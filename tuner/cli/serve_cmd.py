@@ -116,7 +116,9 @@ def serve(
                                                        "(default: requests up to the largest "
                                                        "batch bucket, joined into runs as far "
                                                        "as the artifact's timings show "
-                                                       "batching pays; 1: no batching)"),
+                                                       "batching pays, and not at all where "
+                                                       "requests overlap (--workers); 1: no "
+                                                       "batching)"),
     max_queue_delay_ms: float = typer.Option(0.0, help="how long the oldest request may wait "
                                                        "for a fuller batch (0: batch what is "
                                                        "queued when the model is free)"),
