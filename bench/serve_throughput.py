@@ -247,8 +247,7 @@ def _batch_note(artifact: Path) -> str:
     from tuner.artifact.store import read_manifest
 
     manifest = read_manifest(artifact)
-    selected = next(v for v in manifest.variants if v.name == manifest.selected)
-    return batch_limit(selected.latency, manifest.buckets.batch)[1]
+    return batch_limit(manifest.variant(manifest.selected).latency, manifest.buckets.batch)[1]
 
 
 def _window(server: tuple, workloads: dict, seconds: float) -> Window:

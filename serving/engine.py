@@ -95,6 +95,8 @@ class Engine:
     def __init__(self, model: LoadedModel, options: EngineOptions, stats: Stats,
                  metrics: Metrics | None = None, tolerance: Tolerance = Tolerance()) -> None:
         self.model, self.options, self.stats, self.metrics = model, options, stats, metrics
+        # runs the model's runner lets overlap, each on one thread (serving.overlap); None: one
+        overlapping = model.runner.workers if isinstance(model.runner, OverlapRunner) else None
         self.name, self.version = model.name, VERSION
         # Two limits: rows one request may carry (the artifact's largest batch bucket, or
         # --max-batch), and rows the batcher may join from several requests (what the
@@ -107,7 +109,7 @@ class Engine:
             self.join_rows, self.batch_note = batch_limit(model.latency, model.buckets.batch)
         if model.cache is not None:  # each request brings its own past: never joined
             self.join_rows, self.batch_note = 1, "a KV-cache model: each request runs alone"
-        elif options.max_batch is None and isinstance(model.runner, OverlapRunner):
+        elif options.max_batch is None and overlapping:
             # The timings compare a batch with single runs on every thread, at equal
             # lengths; here requests that meet overlap on one-thread sessions instead, and a
             # batch would pad its rows to the longest. MiniLM on 2 cores, lengths 8-128, 32
@@ -130,8 +132,7 @@ class Engine:
         policy = BatchPolicy(self.join_rows, options.max_queue_delay_ms / 1e3,
                              tuple(model.buckets.seq), options.max_queue,
                              pad_to_bucket=pad_to == "bucket")
-        self.workers = options.workers or (
-            model.runner.workers if isinstance(model.runner, OverlapRunner) else 1)
+        self.workers = options.workers or overlapping or 1
         self.batcher = Batcher(model.runner.infer, model.layout, policy,
                                on_batch=self._on_batch, workers=self.workers)
         self._shadow = (ThreadPoolExecutor(1, thread_name_prefix="shadow")
