@@ -63,6 +63,11 @@ class GenerationRequest:
     # position with their log-probs (of the raw logits, most likely first)
     ranks: bool = False  # each chunk carries, per id, its rank under the raw logits: how many
     # ids score at least as high (1 for the most likely; vLLM's rank)
+    prompt_logprobs: int | None = None  # None: nothing of the prompt; k: the first chunk
+    # carries every prompt token's log-prob after the first (under the logits of the
+    # position before it) and, where k > 0, the k most likely ids there (vLLM's
+    # prompt_logprobs, OpenAI's `echo` with `logprobs`): the whole prompt is computed, never
+    # taken from the prefix cache
     bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences never generated
     # (TensorRT-LLM's bad words): where the sequence (prompt + output) ends with all but a
     # bad word's last token, that token's logit is -inf for this step (a one-token word is
@@ -80,6 +85,9 @@ class GenerationRequest:
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidArgument(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, "
                                   f"not {self.top_logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidArgument(f"prompt_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, "
+                                  f"not {self.prompt_logprobs}")
         if any(not w for w in self.bad_words):
             raise InvalidArgument("a bad word must hold at least one token")
 
@@ -98,6 +106,10 @@ class Chunk:
     # one per id when the request asked for top_logprobs: ((id, log-prob), ...) of that position
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
     ranks: tuple[int, ...] | None = None  # one per id when the request asked for ranks
+    # the first chunk of a request that asked for prompt_logprobs: prompt tokens 1.. each
+    # with its log-prob and (k > 0) the k most likely (id, log-prob) at its position
+    prompt_logprobs: tuple[float, ...] | None = None
+    prompt_top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
 
 
 def _joined(chunks: Sequence[Chunk], name: str) -> tuple | None:
@@ -110,9 +122,11 @@ def join_chunks(chunks: Sequence[Chunk]) -> Chunk:
     """A whole stream as one final chunk (an answer that is not streamed)."""
     texts = [c.text for c in chunks if c.text is not None]
     last = chunks[-1]
+    first = next((c for c in chunks if c.prompt_logprobs is not None), last)
     return Chunk(tuple(t for c in chunks for t in c.ids), "".join(texts) if texts else None,
                  True, last.reason, last.detail, _joined(chunks, "logprobs"),
-                 _joined(chunks, "top_logprobs"), _joined(chunks, "ranks"))
+                 _joined(chunks, "top_logprobs"), _joined(chunks, "ranks"),
+                 first.prompt_logprobs, first.prompt_top_logprobs)
 
 
 def sample(logits: np.ndarray, s: Sampling, rng: np.random.Generator) -> int:

@@ -36,29 +36,45 @@ def tokenizer():
     return byte_level_bpe(VOCAB)
 
 
+@lru_cache(maxsize=2)
+def _session(model: Path):
+    import onnxruntime as ort
+
+    return ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+
+
+def logits_of(model: Path, ids: list[int]) -> np.ndarray:
+    """(S, vocab): the raw logits at every position of `ids`, by ONNX Runtime in one run
+    from an empty cache."""
+    sess, s = _session(model), len(ids)
+    feeds = {}
+    for i in sess.get_inputs():
+        if i.name == "input_ids":
+            feeds[i.name] = np.array([ids], np.int64)
+        elif i.name == "attention_mask":
+            feeds[i.name] = np.ones((1, s), np.int64)
+        elif i.name == "position_ids":
+            feeds[i.name] = np.arange(s, dtype=np.int64)[None]
+        else:  # past keys/values: (1, kv_heads, 0, head_dim)
+            feeds[i.name] = np.zeros((1, i.shape[1], 0, i.shape[3]), np.float32)
+    return sess.run(["logits"], feeds)[0][0]
+
+
 def greedy(model: Path, prompt: list[int], n: int) -> tuple[list[int], list[np.ndarray]]:
     """n greedy tokens and the raw logits each was drawn from, by ONNX Runtime on the whole
     sequence each step (past length 0)."""
-    import onnxruntime as ort
-
-    sess = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
     ids, logits_seen = list(prompt), []
     for _ in range(n):
-        s = len(ids)
-        feeds = {}
-        for i in sess.get_inputs():
-            if i.name == "input_ids":
-                feeds[i.name] = np.array([ids], np.int64)
-            elif i.name == "attention_mask":
-                feeds[i.name] = np.ones((1, s), np.int64)
-            elif i.name == "position_ids":
-                feeds[i.name] = np.arange(s, dtype=np.int64)[None]
-            else:  # past keys/values: (1, kv_heads, 0, head_dim)
-                feeds[i.name] = np.zeros((1, i.shape[1], 0, i.shape[3]), np.float32)
-        logits = sess.run(["logits"], feeds)[0][0, -1]
+        logits = logits_of(model, ids)[-1]
         logits_seen.append(logits)
         ids.append(int(np.argmax(logits)))
     return ids[len(prompt):], logits_seen
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    x = logits.astype(np.float64)
+    top = x.max(-1, keepdims=True)
+    return x - top - np.log(np.exp(x - top).sum(-1, keepdims=True))
 
 
 def decoder_artifact(tmp: Path, model: Path) -> Path:

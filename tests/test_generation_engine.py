@@ -487,6 +487,54 @@ def test_a_stream_behind_another_picks_up_its_prefix_blocks_between_chunks(llama
     assert sorted(counts)[0] == 0 and sorted(counts)[1] >= 32  # the second found blocks
 
 
+def _transformers_prompt_logprobs(prompt, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """transformers' log-probs of prompt tokens 1.. (one forward pass), and the k most likely
+    ids at each of those positions."""
+    import torch
+
+    from models.build import build_torch_model, spec
+
+    model = build_torch_model(spec("llama-kv", "awkward"))
+    with torch.no_grad():
+        logits = model(torch.tensor([list(prompt)])).logits[0, :-1].double()  # (S - 1, V)
+    lp = torch.log_softmax(logits, -1)
+    return (lp[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])].numpy(),
+            torch.topk(lp, k, -1).indices.numpy())
+
+
+def test_prompt_logprobs_are_transformers_own_whatever_the_chunks_cache_and_preemption(llama):
+    """A stream asking for its prompt's log-probs gets transformers' numbers in its first
+    chunk: prefilled in chunks of 8, its prompt in the prefix cache already (never taken: every
+    position must be computed), and preempted and recomputed under a tight cache budget."""
+    record, runner = llama
+    prompt = _prompt(37, 123)
+    want, want_top = _transformers_prompt_logprobs(prompt, 3)
+    ask = GenerationRequest(prompt, 20, prompt_logprobs=3)
+    counts, preempted = [], []
+    chunked = Generator(runner, record, VOCAB, GenerateOptions(prefill_tokens=8),
+                        max_positions=256, stats=GenerationStats(
+                            on_prefix=lambda looked, hit: counts.append(hit)))
+    tight = Generator(runner, record, VOCAB, GenerateOptions(
+        kv_cache_bytes=80 * record.bytes_per_token, prefix_cache=False), max_positions=256,
+        stats=GenerationStats(on_preempt=lambda: preempted.append(1)))
+    try:
+        plain = _collect(chunked, [GenerationRequest(prompt, 20)])[0]  # caches its blocks
+        scored = _collect(chunked, [ask])[0]
+        # 20 + 37 entries fit the 80 at first; grown by 12 tokens each they do not: the
+        # newest (ask) is preempted after its first chunk went out, and recomputed later
+        crowded = _collect(tight, [GenerationRequest(_prompt(20, 300), 30), ask])[-1]
+    finally:
+        chunked.close()
+        tight.close()
+    assert plain[0].prompt_logprobs is None and counts == [0, 0] and preempted
+    for chunks in (scored, crowded):
+        first = chunks[0]
+        np.testing.assert_allclose(first.prompt_logprobs, want, atol=1e-4)
+        assert [[i for i, _ in top] for top in first.prompt_top_logprobs] == want_top.tolist()
+        assert all(c.prompt_logprobs is None for c in chunks[1:])
+        assert _ids(chunks) == _ids(plain)
+
+
 def test_the_one_bucket_rule_and_the_cache_buckets():
     from serving.generation.options import cache_buckets, next_bucket
 

@@ -17,7 +17,7 @@ import numpy as np
 import openai
 import pytest
 from llm_support import (CHAT_TEMPLATE, EOS_PROMPT, PROMPT, decoder_artifact, greedy,  # noqa: F401
-                         llama, start, tokenizer, wait_for)
+                         llama, log_softmax, logits_of, start, tokenizer, wait_for)
 
 MESSAGES = [{"role": "system", "content": "You are terse."},
             {"role": "user", "content": "Name a fox."}]
@@ -222,6 +222,75 @@ def test_top_logprobs_are_the_models_k_most_likely(server, artifact, llama) -> N
                                        [p for _, p in expected], atol=1e-3)
             assert t.top_logprobs[0].token == t.token and t.top_logprobs[0].bytes == list(
                 t.token.encode())
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_the_model_does(server, llama) -> None:
+    """What lm-evaluation-harness sends to score a continuation: the prompt echoed with every
+    token's log-prob (the first one null) under ONNX Runtime's own logits of the whole prompt,
+    with no token (max_tokens 0) or after it the greedy ones, whole or streamed."""
+    ids = tokenizer().encode(PROMPT).ids
+    lp = log_softmax(logits_of(llama, ids))  # (S, V)
+    want = [float(lp[j, ids[j + 1]]) for j in range(len(ids) - 1)]
+    c, name = _client(server), server.slot.name
+    alone = c.completions.create(model=name, prompt=PROMPT, echo=True, logprobs=1,
+                                 max_tokens=0, temperature=0)
+    got = alone.choices[0]
+    assert got.text == PROMPT and alone.usage.completion_tokens == 0
+    assert got.logprobs.tokens == [tokenizer().decode([t]) for t in ids]
+    assert got.logprobs.token_logprobs[0] is None and got.logprobs.top_logprobs[0] is None
+    np.testing.assert_allclose(got.logprobs.token_logprobs[1:], want, atol=1e-3)
+    for j, top in enumerate(got.logprobs.top_logprobs[1:]):  # the most likely, and the token
+        likeliest = tokenizer().decode([int(np.argmax(lp[j]))])
+        assert top[likeliest] == pytest.approx(lp[j].max(), abs=1e-3)
+    assert got.logprobs.text_offset[:2] == [0, len(got.logprobs.tokens[0])]
+    new, _ = greedy(llama, ids, 3)
+    for stream in (False, True):
+        answer = c.completions.create(model=name, prompt=PROMPT, echo=True, logprobs=1,
+                                      max_tokens=3, temperature=0, stream=stream,
+                                      extra_body=NO_EOS)
+        chunks = list(answer) if stream else [answer]
+        assert "".join(x.choices[0].text for x in chunks) == PROMPT + tokenizer().decode(new)
+        values = [v for x in chunks for v in x.choices[0].logprobs.token_logprobs]
+        assert len(values) == len(ids) + 3 and values[0] is None
+        np.testing.assert_allclose(values[1:len(ids)], want, atol=1e-3)
+    without = c.completions.create(model=name, prompt=PROMPT, echo=True, max_tokens=2,
+                                   temperature=0, extra_body=NO_EOS)
+    assert without.choices[0].text == PROMPT + tokenizer().decode(new[:2])
+    assert without.choices[0].logprobs is None
+
+
+def test_a_batch_of_prompts_answers_each_in_order(server, llama) -> None:
+    """OpenAI's list of prompts (strings or token ids): choice index = prompt * n + choice,
+    each prompt's tokens counted once."""
+    prompts = [PROMPT, EOS_PROMPT]
+    want = [_want(llama, p, 4)[1] for p in prompts]
+    c = _client(server)
+    for batch in (prompts, [tokenizer().encode(p).ids for p in prompts]):
+        got = c.completions.create(model=server.slot.name, prompt=batch, max_tokens=4, n=2,
+                                   temperature=0, extra_body=NO_EOS)
+        assert [(x.index, x.text) for x in sorted(got.choices, key=lambda x: x.index)] == [
+            (0, want[0]), (1, want[0]), (2, want[1]), (3, want[1])]
+        assert got.usage.prompt_tokens == sum(len(tokenizer().encode(p).ids) for p in prompts)
+        assert got.usage.completion_tokens == 4 * 4
+
+
+def test_what_cannot_be_honoured_is_refused_not_ignored(server) -> None:
+    c, name = _client(server), server.slot.name
+    with pytest.raises(openai.BadRequestError, match="'response_format' 'json_object' is not"):
+        c.chat.completions.create(model=name, messages=MESSAGES,
+                                  response_format={"type": "json_object"})
+    with pytest.raises(openai.BadRequestError, match="'tools' is not supported"):
+        c.chat.completions.create(model=name, messages=MESSAGES, tools=[{
+            "type": "function", "function": {"name": "f", "parameters": {}}}])
+    with pytest.raises(openai.BadRequestError, match="'logit_bias' is not supported"):
+        c.completions.create(model=name, prompt=PROMPT, logit_bias={"5": 10})
+    with pytest.raises(openai.BadRequestError, match="'echo' is a parameter of /v1/completions"):
+        c.chat.completions.create(model=name, messages=MESSAGES, extra_body={"echo": True})
+    with pytest.raises(openai.BadRequestError, match="'prompt' must be a string, a list"):
+        c.completions.create(model=name, prompt=[PROMPT, 5])
+    fine = c.chat.completions.create(model=name, messages=MESSAGES, max_tokens=2,
+                                     response_format={"type": "text"}, tool_choice="none")
+    assert fine.choices[0].message.role == "assistant"
 
 
 def test_errors_are_openai_error_objects(server) -> None:

@@ -182,9 +182,11 @@ class CacheManager:
     def lookup_prefix(self, stream) -> None:
         """Extend a prefilling stream's cache with the cached blocks that follow what it has
         (at admission: from nothing; between chunks: blocks another stream with the same
-        prefix computed meanwhile)."""
+        prefix computed meanwhile). Never for a stream that asked for its prompt's log-probs:
+        those come from computing every prompt position."""
         p = self.prefix
-        if p is None or stream.computed % p.block or stream.decoding:
+        if (p is None or stream.computed % p.block or stream.decoding
+                or stream.request.prompt_logprobs is not None):
             return
         blocks = p.lookup(stream.tokens, stream.computed)
         if not blocks:

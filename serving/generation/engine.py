@@ -209,6 +209,8 @@ class Generator:
             self.scheduler.costs.observe_prefill(sum(n for _, n in plan.prefill), result.seconds)
             done = []
             for i, ((s, n), cache) in enumerate(zip(plan.prefill, result.caches)):
+                if result.chunk_logits and result.chunk_logits[i] is not None:
+                    self.output.score_prompt(s, s.computed, result.chunk_logits[i])
                 s.cache, s.computed = cache, s.computed + n
                 prompt = len(s.request.prompt)
                 if not s.prefix_counted and s.computed >= prompt and self.cache.prefix:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 import numpy as np
@@ -53,6 +53,10 @@ class StreamOutput:
         self.generated = 0
         self.submitted = time.perf_counter()
         self.last_token_at: float | None = None
+        # prompt_logprobs: prompt tokens 1.. scored so far, and whether they went out
+        self.prompt_logprobs: list[float] = []
+        self.prompt_top: list[tuple[tuple[int, float], ...]] = []
+        self.prompt_sent = False
 
     def release(self, final: bool) -> tuple[str | None, bool]:
         """(text to send now, whether a stop string matched): up to a stop string's match,
@@ -151,6 +155,21 @@ class OutputProcessor:
                 int((logits[i] >= logits[i, tokens[i]]).sum()) if r.ranks else None))
         return out
 
+    @staticmethod
+    def score_prompt(stream, start: int, logits: np.ndarray) -> None:
+        """A prefill chunk's logits (n, vocab) for tokens start..start + n - 1: position j
+        scores token j + 1 of the prompt. A recomputed chunk (after a preemption) finds its
+        positions scored already."""
+        out, prompt, k = stream.output, stream.request.prompt, stream.request.prompt_logprobs
+        first = len(out.prompt_logprobs) - start  # the first position not yet scored
+        ids = np.asarray(prompt[start + 1 + first:start + 1 + len(logits)])
+        if first < 0 or not len(ids):
+            return
+        rows = logits[first:first + len(ids)]
+        out.prompt_logprobs += log_softmax_at(rows, ids).tolist()
+        if k:
+            out.prompt_top += [top_logprobs(row, k) for row in rows]
+
     def emit(self, stream, token: int, scores: Scores | None = None) -> None:
         """A new token of `stream`: the stream ends (stream.done) on a stop or its length."""
         out, request = stream.output, stream.request
@@ -200,6 +219,12 @@ class OutputProcessor:
         self.stats.on_end(chunk.reason or "", time.perf_counter() - stream.output.submitted)
 
     def _send(self, stream, chunk: Chunk) -> None:
+        out, k = stream.output, stream.request.prompt_logprobs
+        if k is not None and not out.prompt_sent and (
+                len(out.prompt_logprobs) == len(stream.request.prompt) - 1):
+            chunk = replace(chunk, prompt_logprobs=tuple(out.prompt_logprobs),
+                            prompt_top_logprobs=tuple(out.prompt_top) if k else None)
+            out.prompt_sent = True
         try:
             stream.on_chunk(chunk)
         except Exception:  # noqa: BLE001 - a broken consumer must not stop the others

@@ -22,6 +22,9 @@ class RunResult:
     logits: np.ndarray  # (rows, vocab): each row's last position, padded columns cut off
     caches: tuple[Cache, ...]  # prefill runs: each row's own cache after the run
     seconds: float
+    # prefill runs: per chunk, the logits (n, vocab) of each of its n tokens' positions where
+    # the stream asked for its prompt's log-probs, else None
+    chunk_logits: tuple[np.ndarray | None, ...] = ()
 
 
 class StepRunner:
@@ -82,7 +85,9 @@ class StepRunner:
         index = [order.index(c) for c in chunks]  # each chunk's row among the parts'
         logits = np.concatenate([p.logits for p in parts])[index]
         caches = [c for p in parts for c in p.caches]
-        return RunResult(logits, tuple(caches[i] for i in index), sum(p.seconds for p in parts))
+        chunk_logits = [c for p in parts for c in p.chunk_logits]
+        return RunResult(logits, tuple(caches[i] for i in index), sum(p.seconds for p in parts),
+                         tuple(chunk_logits[i] for i in index))
 
     def _groups(self, chunks: Sequence[tuple[object, int]]) -> list[list[tuple[object, int]]]:
         """The runs that feed `chunks`. GroupQueryAttention's graphs run seq > 1 beside a
@@ -118,4 +123,14 @@ class StepRunner:
         presents = {p: out[q] for p, q in self.presents.items()}
         caches = tuple(row_cache(self.record, presents, feeds.mask[i], i)
                        for i in range(len(streams)))
-        return RunResult(self._last_logits(out, feeds)[: len(streams)], caches, seconds)
+        return RunResult(self._last_logits(out, feeds)[: len(streams)], caches, seconds,
+                         self._chunk_logits(out, feeds, chunks))
+
+    def _chunk_logits(self, out, feeds, chunks) -> tuple[np.ndarray | None, ...]:
+        """Row i's chunk of n tokens sits at slots last_i - n + 1 .. last_i (rows at the start
+        or right-aligned alike). Views: the run's logits live as long as they do."""
+        logits, last = out[self.record.logits], feeds.last  # (B, S, vocab), (B,)
+        return tuple(
+            logits[i, last[i] - n + 1:last[i] + 1, : self.vocab]  # (n, vocab)
+            if s.request.prompt_logprobs is not None else None
+            for i, (s, n) in enumerate(chunks))

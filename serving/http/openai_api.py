@@ -3,14 +3,20 @@
 chunk per token chunk, then `data: [DONE]`), with `usage`, `max_tokens`, `temperature`,
 `top_p`, `seed`, `stop` (strings), `n` (choices, each its own stream in the engine),
 `logprobs` (of the sampled tokens, and of the k most likely: completions' `logprobs: k`,
-chat's `top_logprobs`), and vLLM's `top_k`, `min_tokens` and `ignore_eos`. Errors are
-OpenAI error objects with the matching status. Generation stops at the model's end token
+chat's `top_logprobs`), and vLLM's `top_k`, `min_tokens` and `ignore_eos`. Completions also
+take a batch of prompts (choice `index` = prompt * n + choice) and `echo` (the prompt before
+the completion; with `logprobs`, every prompt token's log-prob too, the first one null, and
+`max_tokens: 0` for the prompt alone): what lm-evaluation-harness sends to score a model.
+Errors are OpenAI error objects with the matching status; a parameter this server cannot
+honour (penalties, `logit_bias`, `response_format` other than text, tools, `best_of`,
+`suffix`) is refused rather than ignored. Generation stops at the model's end token
 (config.json / tokenizer_config.json) unless `ignore_eos`."""
 
 from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import dataclass, replace
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -63,11 +69,21 @@ def _stops(body: dict) -> tuple[str, ...]:
 
 
 def _check_unsupported(body: dict) -> None:
+    """A parameter that would change the output and that this server cannot honour is an
+    error: silently ignoring JSON mode or tools would answer something else than asked."""
     for name in ("frequency_penalty", "presence_penalty"):
         if _get(body, name, (int, float), 0) != 0:
             raise InvalidArgument(f"'{name}' is not supported (leave it 0)")
-    if body.get("echo"):
-        raise InvalidArgument("'echo' is not supported")
+    for name in ("logit_bias", "tools", "functions", "suffix"):
+        if body.get(name):
+            raise InvalidArgument(f"'{name}' is not supported")
+    if body.get("tool_choice") not in (None, "none"):
+        raise InvalidArgument("'tool_choice' is not supported (no tools)")
+    kind = (_get(body, "response_format", (dict,), {}) or {}).get("type", "text")
+    if kind != "text":
+        raise InvalidArgument(f"'response_format' {kind!r} is not supported (only 'text')")
+    if _get(body, "best_of", (int,), None) not in (None, _get(body, "n", (int,), 1)):
+        raise InvalidArgument("'best_of' is not supported (leave it equal to 'n')")
 
 
 def _choices(engine: DecoderEngine, body: dict) -> int:
@@ -86,17 +102,20 @@ def _top(name: str, k) -> int:
 
 
 def _requests(engine: DecoderEngine, body: dict, prompt: tuple[int, ...], top: int | None,
-              request_id: str, default_max_tokens: int | None = None
-              ) -> list[GenerationRequest]:
+              request_id: str, default_max_tokens: int | None = None,
+              echo: bool = False) -> list[GenerationRequest]:
     """The `n` generations a body asks for (choice i samples with seed + i); without
     max_tokens, `default_max_tokens` (OpenAI's 16 for completions) or, for chat, as many as
     the cache and --max-tokens leave room for. `top`: None without log-probs, else how many
-    of the most likely tokens come with each."""
+    of the most likely tokens come with each (and, with `echo`, with each prompt token).
+    `echo` with max_tokens 0 runs one token that the answer leaves out (_Shape.drop)."""
     _check_unsupported(body)
     n = _choices(engine, body)
     room = engine.generator.max_cache_len - len(prompt) + 1
     limit = default_max_tokens or min(engine.options.max_tokens, max(1, room))
     max_tokens = _get(body, "max_completion_tokens", (int,)) or _get(body, "max_tokens", (int,))
+    if echo and max_tokens == 0:
+        max_tokens = 1
     stop_ids = frozenset() if _get(body, "ignore_eos", (bool,), False) else \
         frozenset(engine.text.eos_ids)
     seed = _get(body, "seed", (int,))
@@ -109,7 +128,8 @@ def _requests(engine: DecoderEngine, body: dict, prompt: tuple[int, ...], top: i
                               stop_ids, f"{request_id}-{i}" if n > 1 else request_id,
                               min_tokens=_get(body, "min_tokens", (int,), 0),
                               stop_strings=_stops(body), logprobs=top is not None,
-                              top_logprobs=top or 0)
+                              top_logprobs=top or 0,
+                              prompt_logprobs=top if echo and top is not None else None)
             for i, s in enumerate(sampling)]
 
 
@@ -124,26 +144,49 @@ def _engine(frontend, body: dict) -> DecoderEngine:
     return engine
 
 
-def _completion_prompt(engine: DecoderEngine, prompt) -> tuple[int, ...]:
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # one prompt in a list
-    if isinstance(prompt, str):
-        return tuple(engine.tokenizer.encode(prompt).ids)
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and
-                                                   not isinstance(t, bool) for t in prompt):
-        return tuple(prompt)
-    raise InvalidArgument("'prompt' must be a string or a list of token ids (one prompt)")
+def _token_ids(x) -> bool:
+    return isinstance(x, list) and bool(x) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
+def _completion_prompts(engine: DecoderEngine, prompt) -> list[tuple[tuple[int, ...], str]]:
+    """OpenAI's `prompt`: a string, token ids, or a list of either (a batch); each as (ids,
+    its text: the string as sent, or the ids decoded)."""
+    batch = prompt if isinstance(prompt, list) and prompt and all(
+        isinstance(p, str) or _token_ids(p) for p in prompt) else [prompt]
+    out = []
+    for p in batch:
+        if isinstance(p, str):
+            out.append((tuple(engine.tokenizer.encode(p).ids), p))
+        elif _token_ids(p):
+            out.append((tuple(p), engine.tokenizer.decode(p, skip_special_tokens=False)))
+        else:
+            raise InvalidArgument("'prompt' must be a string, a list of token ids, or a "
+                                  "non-empty list of those (a batch)")
+    return out
 
 
 # ---------------------------------------------------------------------------- responses
+
+
+@dataclass(frozen=True)
+class _Echo:
+    """Completions' `echo`: each choice's prompt goes before its completion (`prompts`: per
+    choice index, the prompt's ids and text); `drop`: max_tokens was 0, so the one token
+    generated is left out."""
+
+    prompts: tuple[tuple[tuple[int, ...], str], ...]
+    drop: bool
 
 
 class _Shape:
     """How one endpoint writes choices: completions put text and token log-probs in the
     choice; chat puts a message (a delta when streaming) and content log-probs."""
 
-    def __init__(self, engine: DecoderEngine, chat: bool, top: int | None, n: int) -> None:
+    def __init__(self, engine: DecoderEngine, chat: bool, top: int | None, n: int,
+                 echo: _Echo | None = None) -> None:
         self.engine, self.chat, self.logprobs, self.top = engine, chat, top is not None, top
+        self.echo = echo
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.offsets = [0] * n  # each choice's text_offset (completions)
@@ -163,23 +206,50 @@ class _Shape:
         values = list(chunk.logprobs or ())
         tops = [[(self._text(t), p) for t, p in top] for top in chunk.top_logprobs or ()]
         tops += [[]] * (len(tokens) - len(tops))
+        if chunk.prompt_logprobs is not None and self.echo is not None:
+            return self._with_prompt(chunk, index, tokens, values, tops)
         if self.chat:
             return {"content": [{**_token(t, v), "top_logprobs": [_token(*a) for a in top]}
                                 for t, v, top in zip(tokens, values, tops)]}
-        offsets = []
-        for t in tokens:
-            offsets.append(self.offsets[index])
-            self.offsets[index] += len(t)
+        offsets = self._offsets(tokens, index)
         return {"tokens": tokens, "token_logprobs": values, "text_offset": offsets,
                 "top_logprobs": [_alternatives(top, t, v) for t, v, top in
                                  zip(tokens, values, tops)] if self.top else None}
 
+    def _with_prompt(self, chunk: Chunk, index: int, tokens, values, tops) -> dict:
+        """Completion log-probs after the prompt's: its first token has none (nothing comes
+        before it), the others the model's, with their most likely alternatives."""
+        ids = self.echo.prompts[index][0]
+        texts = [self._text(t) for t in ids]
+        alternatives = [None] + [
+            _alternatives([(self._text(t), p) for t, p in top], text, value)
+            for top, text, value in zip(chunk.prompt_top_logprobs or (), texts[1:],
+                                        chunk.prompt_logprobs)] if self.top else None
+        offsets = self._offsets(texts, index)  # the prompt's text comes first
+        tail = self._logprobs(replace(chunk, prompt_logprobs=None), index)
+        return {"tokens": texts + tail["tokens"],
+                "token_logprobs": [None, *chunk.prompt_logprobs] + tail["token_logprobs"],
+                "text_offset": offsets + tail["text_offset"],
+                "top_logprobs": alternatives + tail["top_logprobs"] if self.top else None}
+
+    def _offsets(self, texts: list[str], index: int) -> list[int]:
+        out = []
+        for t in texts:
+            out.append(self.offsets[index])
+            self.offsets[index] += len(t)
+        return out
+
     def choice(self, chunk: Chunk, stream: bool, first: bool = False, index: int = 0) -> dict:
+        if self.echo is not None and self.echo.drop:
+            chunk = replace(chunk, ids=(), text="", logprobs=() if chunk.logprobs else None,
+                            top_logprobs=() if chunk.top_logprobs else None)
         reason = chunk.reason if chunk.final else None
         out = {"index": index, "logprobs": self._logprobs(chunk, index),
                "finish_reason": reason}
         if not self.chat:
             out["text"] = chunk.text or ""
+            if self.echo is not None and (first or not stream):
+                out["text"] = self.echo.prompts[index][1] + out["text"]
         elif stream:
             out["delta"] = ({"role": "assistant", "content": chunk.text or ""} if first
                             else {"content": chunk.text} if chunk.text else {})
@@ -216,10 +286,12 @@ def _usage(prompt: int, completion: int) -> dict:
 
 
 async def _answer(request: Request, shape: _Shape, generations: list[GenerationRequest],
-                  stream_opts: dict | None) -> Response:
-    """The choices, one per generation (`index` in order), whole or as SSE chunks."""
+                  stream_opts: dict | None, prompt: int) -> Response:
+    """The choices, one per generation (`index` in order), whole or as SSE chunks; `prompt`:
+    the prompt tokens of the request (each prompt once, whatever `n`)."""
     streams = ChunkStreams(shape.engine, generations)  # refusals answer with a status here
-    prompt = len(generations[0].prompt)
+    counted = (lambda chunk: 0) if shape.echo is not None and shape.echo.drop else (
+        lambda chunk: len(chunk.ids))
     if stream_opts is None:
         chosen = await until_disconnect(request.receive, streams.collect(), streams.close)
         if chosen is None:
@@ -230,7 +302,7 @@ async def _answer(request: Request, shape: _Shape, generations: list[GenerationR
         wholes = [join_chunks(chunks) for chunks in chosen]
         return JSONResponse(shape.envelope(
             [shape.choice(whole, False, index=i) for i, whole in enumerate(wholes)], False,
-            _usage(prompt, sum(len(w.ids) for w in wholes))))
+            _usage(prompt, sum(counted(w) for w in wholes))))
 
     async def events():
         generated, started = 0, set()
@@ -239,7 +311,7 @@ async def _answer(request: Request, shape: _Shape, generations: list[GenerationR
                 yield sse({"error": {"message": chunk.detail or chunk.reason,
                                      "type": "internal_error", "param": None, "code": None}})
                 break
-            generated += len(chunk.ids)
+            generated += counted(chunk)
             yield sse(shape.envelope([shape.choice(chunk, True, index not in started, index)],
                                      True))
             started.add(index)
@@ -262,15 +334,23 @@ async def completions(frontend, request: Request) -> Response:
     engine = _engine(frontend, body)
     logprobs = _get(body, "logprobs", (int,))  # k: the k most likely tokens too
     top = None if logprobs is None else _top("logprobs", logprobs)
-    prompt = _completion_prompt(engine, body.get("prompt"))
-    shape = _Shape(engine, chat=False, top=top, n=_choices(engine, body))
-    generations = _requests(engine, body, prompt, top, shape.id, 16)
-    return await _answer(request, shape, generations, _stream_options(body))
+    prompts = _completion_prompts(engine, body.get("prompt"))
+    n, echo = _choices(engine, body), _get(body, "echo", (bool,), False)
+    max_tokens = _get(body, "max_completion_tokens", (int,)) or _get(body, "max_tokens", (int,))
+    shape = _Shape(engine, chat=False, top=top, n=n * len(prompts), echo=_Echo(
+        tuple(p for p in prompts for _ in range(n)), max_tokens == 0) if echo else None)
+    generations = [g for i, (ids, _) in enumerate(prompts) for g in _requests(
+        engine, body, ids, top, shape.id if len(prompts) == 1 else f"{shape.id}-{i}", 16,
+        echo)]
+    return await _answer(request, shape, generations, _stream_options(body),
+                         sum(len(ids) for ids, _ in prompts))
 
 
 async def chat_completions(frontend, request: Request) -> Response:
     body = await frontend.json(request)
     engine = _engine(frontend, body)
+    if body.get("echo"):
+        raise InvalidArgument("'echo' is a parameter of /v1/completions")
     logprobs = _get(body, "logprobs", (bool,), False)
     top = _top("top_logprobs", _get(body, "top_logprobs", (int,), 0))
     if top and not logprobs:
@@ -280,7 +360,7 @@ async def chat_completions(frontend, request: Request) -> Response:
     prompt = tuple(engine.tokenizer.encode(text, add_special_tokens=False).ids)
     shape = _Shape(engine, chat=True, top=top if logprobs else None, n=_choices(engine, body))
     generations = _requests(engine, body, prompt, top if logprobs else None, shape.id)
-    return await _answer(request, shape, generations, _stream_options(body))
+    return await _answer(request, shape, generations, _stream_options(body), len(prompt))
 
 
 ROUTES = [("/v1/models", ["GET"], "v1/models", models, error),
