@@ -54,6 +54,9 @@ def test_completions_default_to_16_tokens_as_openai(server) -> None:
 
 def test_models_lists_the_served_model(server) -> None:
     assert [m.id for m in _client(server).models.list().data] == [server.slot.name]
+    assert _client(server).models.retrieve(server.slot.name).id == server.slot.name
+    with pytest.raises(openai.NotFoundError, match="The model 'gpt-4' does not exist"):
+        _client(server).models.retrieve("gpt-4")
 
 
 def test_completion_is_greedy_with_usage(server, llama) -> None:

@@ -1,16 +1,16 @@
-"""An OpenAI-compatible API on the HTTP port: `GET /v1/models`, `POST /v1/completions` and
-`POST /v1/chat/completions`, whole or streamed (`stream: true`: Server-Sent Events, one
-chunk per token chunk, then `data: [DONE]`), with `usage`, `max_tokens`, `temperature`,
-`top_p`, `seed`, `stop` (strings), `n` (choices, each its own stream in the engine),
-`logprobs` (of the sampled tokens, and of the k most likely: completions' `logprobs: k`,
-chat's `top_logprobs`), and vLLM's `top_k`, `min_tokens` and `ignore_eos`. Completions also
-take a batch of prompts (choice `index` = prompt * n + choice) and `echo` (the prompt before
-the completion; with `logprobs`, every prompt token's log-prob too, the first one null, and
-`max_tokens: 0` for the prompt alone): what lm-evaluation-harness sends to score a model.
-Errors are OpenAI error objects with the matching status; a parameter this server cannot
-honour (penalties, `logit_bias`, `response_format` other than text, tools, `best_of`,
-`suffix`) is refused rather than ignored. Generation stops at the model's end token
-(config.json / tokenizer_config.json) unless `ignore_eos`."""
+"""An OpenAI-compatible API on the HTTP port: `GET /v1/models[/{model}]`, `POST
+/v1/completions` and `POST /v1/chat/completions`, whole or streamed (`stream: true`:
+Server-Sent Events, one chunk per token chunk, then `data: [DONE]`), with `usage`, `max_tokens`,
+`temperature`, `top_p`, `seed`, `stop` (strings), `n` (choices, each its own stream in the
+engine), `logprobs` (of the sampled tokens, and of the k most likely: completions'
+`logprobs: k`, chat's `top_logprobs`), and vLLM's `top_k`, `min_tokens` and `ignore_eos`.
+Completions also take a batch of prompts (choice `index` = prompt * n + choice) and `echo`
+(the prompt before the completion; with `logprobs`, every prompt token's log-prob too, the
+first one null, and `max_tokens: 0` for the prompt alone): what lm-evaluation-harness sends
+to score a model. Errors are OpenAI error objects with the matching status; a parameter this
+server cannot honour (penalties, `logit_bias`, `response_format` other than text, tools,
+`best_of`, `suffix`) is refused rather than ignored. Generation stops at the model's end
+token (config.json / tokenizer_config.json) unless `ignore_eos`."""
 
 from __future__ import annotations
 
@@ -42,10 +42,20 @@ def error(exc: BaseException) -> Response:
                                    "param": None, "code": code}}, status)
 
 
+def _model(name: str) -> dict:
+    return {"id": name, "object": "model", "created": STARTED, "owned_by": "shapetuner"}
+
+
 async def models(frontend, request: Request) -> Response:
-    return JSONResponse({"object": "list", "data": [
-        {"id": frontend.slot.name, "object": "model", "created": STARTED,
-         "owned_by": "shapetuner"}]})
+    return JSONResponse({"object": "list", "data": [_model(frontend.slot.name)]})
+
+
+async def model(frontend, request: Request) -> Response:
+    """`client.models.retrieve(name)`: the served model, or 404 model_not_found."""
+    name = request.path_params["model"]
+    if name != frontend.slot.name:
+        raise NotFound(f"The model '{name}' does not exist")
+    return JSONResponse(_model(name))
 
 
 # ----------------------------------------------------------------------------- requests
@@ -364,5 +374,6 @@ async def chat_completions(frontend, request: Request) -> Response:
 
 
 ROUTES = [("/v1/models", ["GET"], "v1/models", models, error),
+          ("/v1/models/{model:path}", ["GET"], "v1/models/{model}", model, error),
           ("/v1/completions", ["POST"], "v1/completions", completions, error),
           ("/v1/chat/completions", ["POST"], "v1/chat/completions", chat_completions, error)]
