@@ -17,13 +17,19 @@ _REPLACEMENT = "\ufffd"  # what a decoder writes for an incomplete UTF-8 sequenc
 
 
 def load_tokenizer(folder: Path):
-    """The `tokenizers.Tokenizer` in `folder/tokenizer.json`, or None when there is none."""
+    """The `tokenizers.Tokenizer` in `folder/tokenizer.json`, or None when there is none.
+    Padding and truncation saved in the file are turned off, as transformers turns them off
+    for a call that does not ask for them: a tokenizer.json saved with fixed padding (MiniLM's
+    pads to 128) would otherwise fill every prompt with pad tokens."""
     path = Path(folder) / TOKENIZER_FILE
     if not path.is_file():
         return None
     from tokenizers import Tokenizer
 
-    return Tokenizer.from_file(str(path))
+    tokenizer = Tokenizer.from_file(str(path))
+    tokenizer.no_padding()
+    tokenizer.no_truncation()
+    return tokenizer
 
 
 def token_text(tokenizer, token: int) -> str:

@@ -454,7 +454,7 @@ def test_stop_ends_running_streams_with_a_reason_within_the_grace(reference_mode
 
 
 def test_optimize_copies_the_tokenizer_and_config_into_the_artifact(tmp_path) -> None:
-    from tuner.jobs.optimize import _copy_generation_files
+    from tuner.jobs.optimize import _copy_text_files
 
     model_dir, out = tmp_path / "hf", tmp_path / "out"
     model_dir.mkdir()
@@ -462,8 +462,11 @@ def test_optimize_copies_the_tokenizer_and_config_into_the_artifact(tmp_path) ->
     (model_dir / "tokenizer.json").write_text("{}")
     (model_dir / "config.json").write_text('{"max_position_embeddings": 64}')
     (model_dir / "notes.txt").write_text("not copied")
-    _copy_generation_files(model_dir, out)
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "tokenizer.json"]
+    (model_dir / "1_Pooling").mkdir()
+    (model_dir / "1_Pooling" / "config.json").write_text('{"pooling_mode_cls_token": true}')
+    _copy_text_files(model_dir, out)
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*.json")) == [
+        "1_Pooling/config.json", "config.json", "tokenizer.json"]
 
 
 def test_a_bad_request_on_a_stream_answers_an_error_and_the_stream_goes_on(servers) -> None:

