@@ -7,6 +7,7 @@ limit) and equal to sentence-transformers' own `encode` of the same texts."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -89,6 +90,48 @@ def test_bad_requests_are_openai_errors(server) -> None:
         c.embeddings.create(model=server.slot.name, input="")
     with pytest.raises(openai.NotFoundError):
         c.embeddings.create(model="text-embedding-3-small", input="x")
+
+
+def _pooled_in_the_graph(model: Path, dst: Path) -> Path:
+    """The export with its pooling inside, as Optimum's sentence-transformers export writes
+    it: outputs `token_embeddings` (B, S, H) and `sentence_embedding` (B, H), the mean over
+    the attention mask, L2-normalized."""
+    import onnx
+    from onnx import helper
+
+    m = onnx.load(str(model))
+    g = m.graph
+    g.output[0].name = "token_embeddings"
+    for node in g.node:
+        node.output[:] = ["token_embeddings" if o == "last_hidden_state" else o
+                          for o in node.output]
+    g.initializer.append(onnx.numpy_helper.from_array(np.array([1], np.int64), "axis1"))
+    g.initializer.append(onnx.numpy_helper.from_array(np.array([-1], np.int64), "axis_last"))
+    g.node.extend([
+        helper.make_node("Cast", ["attention_mask"], ["mask_f"], to=onnx.TensorProto.FLOAT),
+        helper.make_node("Unsqueeze", ["mask_f", "axis_last"], ["mask3"]),
+        helper.make_node("Mul", ["token_embeddings", "mask3"], ["masked"]),
+        helper.make_node("ReduceSum", ["masked", "axis1"], ["summed"], keepdims=0),
+        helper.make_node("ReduceSum", ["mask3", "axis1"], ["count"], keepdims=0),
+        helper.make_node("Div", ["summed", "count"], ["mean"]),
+        helper.make_node("LpNormalization", ["mean"], ["sentence_embedding"], axis=1, p=2)])
+    g.output.append(helper.make_tensor_value_info("sentence_embedding", onnx.TensorProto.FLOAT,
+                                                  ["batch", 384]))
+    onnx.save(m, str(dst))
+    return dst
+
+
+def test_a_graph_that_pools_itself_is_taken_as_it_is(tmp_path, reference) -> None:
+    """No pooling files beside it: the graph's `sentence_embedding` is the answer."""
+    model = _pooled_in_the_graph(cached("minilm", "real", "torchscript"), tmp_path / "m.onnx")
+    out = make_artifact(tmp_path / "out", model, Buckets(batch=(1, 2, 4), seq=(16, 64, 512)))
+    shutil.copyfile(_package_dir() / "tokenizer.json", out / "tokenizer.json")
+    s = start(out)
+    try:
+        got = _client(s).embeddings.create(model=s.slot.name, input=TEXTS[:3])
+    finally:
+        s.stop(5)
+    np.testing.assert_allclose([d.embedding for d in got.data], reference[:3], atol=1e-5)
 
 
 def test_pooling_follows_the_sentence_transformers_files(tmp_path) -> None:
