@@ -18,7 +18,7 @@ from starlette.responses import JSONResponse, Response
 from serving.embedding import Embedder, load_embedder
 from serving.engine import Engine
 from serving.errors import InvalidArgument
-from serving.http.openai_api import error
+from serving.http.openai_api import error, token_ids
 
 MAX_INPUTS = 2048  # OpenAI's limit on one call's inputs
 
@@ -29,13 +29,9 @@ def _embedder(engine: Engine) -> Embedder:
 
 
 def _texts(raw) -> list[str | list[int]]:
-    def ids(x) -> bool:
-        return isinstance(x, list) and bool(x) and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in x)
-
-    items = [raw] if isinstance(raw, str) or ids(raw) else raw
+    items = [raw] if isinstance(raw, str) or token_ids(raw) else raw
     if not isinstance(items, list) or not items or any(
-            not (isinstance(x, str) and x) and not ids(x) for x in items):
+            not (isinstance(x, str) and x) and not token_ids(x) for x in items):
         raise InvalidArgument("'input' must be a non-empty string, token ids, or a non-empty "
                               "list of those")
     if len(items) > MAX_INPUTS:

@@ -154,7 +154,9 @@ def _engine(frontend, body: dict) -> DecoderEngine:
     return engine
 
 
-def _token_ids(x) -> bool:
+def token_ids(x) -> bool:
+    """Whether `x` is a non-empty list of token ids (ints, not bools), as OpenAI's prompt and
+    input lists carry them."""
     return isinstance(x, list) and bool(x) and all(
         isinstance(t, int) and not isinstance(t, bool) for t in x)
 
@@ -163,12 +165,12 @@ def _completion_prompts(engine: DecoderEngine, prompt) -> list[tuple[tuple[int, 
     """OpenAI's `prompt`: a string, token ids, or a list of either (a batch); each as (ids,
     its text: the string as sent, or the ids decoded)."""
     batch = prompt if isinstance(prompt, list) and prompt and all(
-        isinstance(p, str) or _token_ids(p) for p in prompt) else [prompt]
+        isinstance(p, str) or token_ids(p) for p in prompt) else [prompt]
     out = []
     for p in batch:
         if isinstance(p, str):
             out.append((tuple(engine.tokenizer.encode(p).ids), p))
-        elif _token_ids(p):
+        elif token_ids(p):
             out.append((tuple(p), engine.tokenizer.decode(p, skip_special_tokens=False)))
         else:
             raise InvalidArgument("'prompt' must be a string, a list of token ids, or a "
