@@ -2,7 +2,8 @@
 a user runs it, so that the figures the README publishes come from scripts that work.
 
 Covered elsewhere: bench/big_model.py (tests/test_bench_big_model.py, --smoke),
-bench/generation_bounds.py (tests/test_bench_bounds.py), bench/
+bench/generation_bounds.py (tests/test_bench_bounds.py), bench/generate_one_stream.py
+(tests/test_bench_one_stream.py), bench/
 gpu_session.sh and bench/gpu_check.py --smoke (tests/test_gpu_session.py). bench/
 serve_common.py is the library of the serve_* scripts and bench/serve_floor_server.py is
 started by serve_latency.py: both run here through those. bench/generate_vs_genai.py needs
