@@ -47,7 +47,9 @@ def load_pooling(folder: Path) -> Pooling:
     modules = modules if isinstance(modules, list) else []
     kinds = {str(m.get("type", "")).rsplit(".", 1)[-1]: str(m.get("path", ""))
              for m in modules if isinstance(m, dict)}
-    config = _json(folder / kinds.get("Pooling", "1_Pooling") / "config.json")
+    where = (folder / kinds.get("Pooling", "1_Pooling") / "config.json").resolve()
+    # the file's own paths are not trusted: nothing outside the artifact is read
+    config = _json(where) if where.is_relative_to(Path(folder).resolve()) else None
     modes = tuple(m for m in MODES if isinstance(config, dict)
                   and config.get(f"pooling_mode_{m}") is True) or ("mean_tokens",)
     bert = _json(folder / "sentence_bert_config.json")

@@ -145,5 +145,9 @@ def test_pooling_follows_the_sentence_transformers_files(tmp_path) -> None:
         {"pooling_mode_cls_token": True, "pooling_mode_max_tokens": True}))
     p = load_pooling(tmp_path)
     assert p == Pooling(("cls_token", "max_tokens"), False, None)
+    (tmp_path / "inner").mkdir()
+    (tmp_path / "inner" / "modules.json").write_text(json.dumps([  # a path out of the folder
+        {"path": "../pool", "type": "sentence_transformers.models.Pooling"}]))
+    assert load_pooling(tmp_path / "inner") == Pooling()
     tokens = np.array([[1.0, -2.0], [3.0, 0.5]], np.float32)
     np.testing.assert_allclose(pool(tokens, p), [1.0, -2.0, 3.0, 0.5])
