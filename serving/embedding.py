@@ -9,20 +9,19 @@ taken as it is. What `/v1/embeddings` serves; no grpc, no HTTP here.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from serving.errors import InvalidArgument
+from serving.text_config import read_json
 from serving.tokenizer import load_tokenizer
 from tuner.graph.roles import ATTENTION_MASK, POSITION_IDS, TOKEN_IDS, TOKEN_TYPE_IDS
 
 # sentence-transformers' Pooling modes, in the order it concatenates them
 MODES = ("cls_token", "max_tokens", "mean_tokens", "mean_sqrt_len_tokens", "lasttoken")
 SENTENCE_OUTPUT = "sentence_embedding"
-_MAX_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -32,27 +31,18 @@ class Pooling:
     max_tokens: int | None = None  # ids past this are cut (sentence_bert_config.json)
 
 
-def _json(path: Path):
-    try:
-        if path.is_file() and path.stat().st_size <= _MAX_BYTES:
-            return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        pass
-    return None
-
-
 def load_pooling(folder: Path) -> Pooling:
     """The pooling sentence-transformers' files in `folder` describe; mean without them."""
-    modules = _json(folder / "modules.json")
+    modules = read_json(folder / "modules.json")
     modules = modules if isinstance(modules, list) else []
     kinds = {str(m.get("type", "")).rsplit(".", 1)[-1]: str(m.get("path", ""))
              for m in modules if isinstance(m, dict)}
     where = (folder / kinds.get("Pooling", "1_Pooling") / "config.json").resolve()
     # the file's own paths are not trusted: nothing outside the artifact is read
-    config = _json(where) if where.is_relative_to(Path(folder).resolve()) else None
+    config = read_json(where) if where.is_relative_to(Path(folder).resolve()) else None
     modes = tuple(m for m in MODES if isinstance(config, dict)
                   and config.get(f"pooling_mode_{m}") is True) or ("mean_tokens",)
-    bert = _json(folder / "sentence_bert_config.json")
+    bert = read_json(folder / "sentence_bert_config.json")
     limit = bert.get("max_seq_length") if isinstance(bert, dict) else None
     return Pooling(modes, "Normalize" in kinds,
                    limit if isinstance(limit, int) and limit > 0 else None)

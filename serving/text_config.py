@@ -23,14 +23,20 @@ class TextConfig:
     eos_token: str = ""
 
 
-def _read(path: Path) -> dict:
+def read_json(path: Path):
+    """A small JSON file beside the model (16 MiB at most), or None when it is absent, too
+    large or unreadable: these files add facts, never errors."""
     try:
         if path.is_file() and path.stat().st_size <= _MAX_BYTES:
-            data = json.loads(path.read_text(encoding="utf-8"))
-            return data if isinstance(data, dict) else {}
+            return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         pass
-    return {}
+    return None
+
+
+def _read(path: Path) -> dict:
+    data = read_json(path)
+    return data if isinstance(data, dict) else {}
 
 
 def _token(value) -> str:

@@ -133,8 +133,7 @@ def test_the_end_token_stops_unless_ignore_eos(server, llama) -> None:
 
 def test_logprobs_are_the_models_own(server, llama) -> None:
     ids, logits = greedy(llama, tokenizer().encode(PROMPT).ids, 5)
-    want = [float(v[t] - v.max() - np.log(np.exp(v - v.max()).sum()))
-            for v, t in zip((lg.astype(np.float64) for lg in logits), ids)]
+    want = [float(log_softmax(v)[t]) for v, t in zip(logits, ids)]
     c = _client(server)
     got = c.completions.create(model=server.slot.name, prompt=PROMPT, max_tokens=5,
                                temperature=0, logprobs=0, extra_body=NO_EOS)
@@ -193,8 +192,7 @@ def test_n_sampled_choices_come_from_seed_seed_plus_1_and_so_on(server) -> None:
 
 def _top(logits: np.ndarray, k: int) -> list[tuple[str, float]]:
     """The k most likely tokens' text and log-prob under one row of raw logits."""
-    x = logits.astype(np.float64)
-    lp = x - x.max() - np.log(np.exp(x - x.max()).sum())
+    lp = log_softmax(logits)
     return [(tokenizer().decode([int(i)]), float(lp[i])) for i in np.argsort(-lp)[:k]]
 
 
