@@ -90,6 +90,11 @@ def test_bad_requests_are_openai_errors(server) -> None:
         c.embeddings.create(model=server.slot.name, input="")
     with pytest.raises(openai.NotFoundError):
         c.embeddings.create(model="text-embedding-3-small", input="x")
+    import requests
+
+    other = requests.post(f"http://127.0.0.1:{server.http_port}/tokenize",
+                          json={"prompt": "x"}, timeout=30)  # vLLM's, on an encoder
+    assert other.status_code == 400 and "is not a decoder" in other.json()["error"]["message"]
 
 
 def _pooled_in_the_graph(model: Path, dst: Path) -> Path:

@@ -22,9 +22,12 @@ def _engine(frontend, name) -> DecoderEngine:
     if name is not None and not isinstance(name, str):
         raise InvalidArgument("'model' must be the name of a served model")
     engine = frontend.slot.find(frontend.slot.name if name is None else name)
-    if not isinstance(engine, DecoderEngine) or engine.tokenizer is None:
-        raise InvalidArgument(f"model '{frontend.slot.name}' has no tokenizer (it needs a "
-                              "decoder artifact with tokenizer.json)")
+    if not isinstance(engine, DecoderEngine):
+        raise InvalidArgument(f"model '{frontend.slot.name}' is not a decoder: the tokenizer "
+                              "endpoints serve decoder artifacts")
+    if engine.tokenizer is None:
+        raise InvalidArgument(f"model '{frontend.slot.name}' has no tokenizer (tokenizer.json "
+                              "in its artifact)")
     return engine
 
 
