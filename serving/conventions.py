@@ -3,7 +3,8 @@ so that a client written for either works unchanged (every input optional):
 
 - TensorRT-LLM's ensemble: `text_input`, `max_tokens`, `stream`, `exclude_input_in_output`,
   `min_length`, `end_id`, `pad_id`, `random_seed`, `temperature`, `runtime_top_k`,
-  `runtime_top_p`, `stop_words`, `bad_words`, `return_log_probs`, `beam_width`; outputs
+  `runtime_top_p`, `repetition_penalty`, `presence_penalty`, `frequency_penalty`,
+  `stop_words`, `bad_words`, `return_log_probs`, `beam_width`; outputs
   `text_output`, `output_ids`, `sequence_length`, `output_log_probs`, `cum_log_probs`.
 - the vLLM backend: `text_input`, `stream`, `exclude_input_in_output`, `sampling_parameters`
   (a JSON object whose values may be strings or numbers; its keys may also come as request
@@ -41,6 +42,9 @@ _CONTROLS: dict[str, tuple[type, str]] = {
     "top_k": (int, "top_k"), "runtime_top_k": (int, "top_k"),
     "top_p": (float, "top_p"), "runtime_top_p": (float, "top_p"),
     "seed": (int, "seed"), "random_seed": (int, "seed"),
+    "repetition_penalty": (float, "repetition_penalty"),
+    "presence_penalty": (float, "presence_penalty"),
+    "frequency_penalty": (float, "frequency_penalty"),
     "end_id": (int, "end_id"), "pad_id": (int, "pad_id"), "beam_width": (int, "beam_width"),
     "stream": (bool, "stream"), "exclude_input_in_output": (bool, "exclude_input"),
     "return_log_probs": (bool, "logprobs"),
@@ -63,8 +67,12 @@ KNOWN_INPUTS = frozenset(_CONTROLS) | frozenset(_TEXTS)
 _VLLM = {"max_tokens": (int, "max_tokens"), "min_tokens": (int, "min_tokens"),
          "temperature": (float, "temperature"), "top_p": (float, "top_p"),
          "top_k": (int, "top_k"), "seed": (int, "seed"), "ignore_eos": (bool, "ignore_eos"),
-         "logprobs": (int, "vllm_logprobs")}
+         "logprobs": (int, "vllm_logprobs"),
+         "repetition_penalty": (float, "repetition_penalty"),
+         "presence_penalty": (float, "presence_penalty"),
+         "frequency_penalty": (float, "frequency_penalty")}
 _VLLM_LISTS = ("bad_words", "stop", "stop_token_ids")  # and these, each a list
+_PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")  # both names
 
 
 def client_signature(tokenizer: bool) -> Signature:
@@ -79,7 +87,8 @@ def client_signature(tokenizer: bool) -> Signature:
     inputs += [TensorSpec(n, t, (1,)) for n, t in (
         ("max_tokens", i), ("min_length", i), ("stream", b), ("exclude_input_in_output", b),
         ("end_id", i), ("pad_id", i), ("beam_width", i), ("temperature", f),
-        ("runtime_top_k", i), ("runtime_top_p", f), ("random_seed", u), ("top_k", i),
+        ("runtime_top_k", i), ("runtime_top_p", f), ("random_seed", u),
+        ("repetition_penalty", f), ("presence_penalty", f), ("frequency_penalty", f), ("top_k", i),
         ("top_p", f), ("seed", u), ("return_log_probs", b), ("return_num_input_tokens", b),
         ("return_num_output_tokens", b), ("return_finish_reason", b),
         ("return_cumulative_logprob", b), ("return_logprobs", b))]
@@ -216,7 +225,8 @@ def parse_request(tensors: Mapping[str, np.ndarray], parameters: Mapping[str, ob
         raise InvalidArgument("stop strings need a tokenizer (no tokenizer.json in this "
                               "artifact): send stop token ids instead")
     sampling = Sampling(values.get("temperature", 0.0), values.get("top_k", 0),
-                        values.get("top_p", 1.0), values.get("seed"))
+                        values.get("top_p", 1.0), values.get("seed"),
+                        **{k: values[k] for k in _PENALTIES if k in values})
     extras = frozenset([name for name in VLLM_OUTPUTS if values.get("want_" + name)]
                        + [name for name in COUNTS if values.get(name)])
     top = _vllm_logprobs(values) if "logprobs" in extras else None  # None: "null"

@@ -21,12 +21,20 @@ MAX_TOP_LOGPROBS = 20  # the most alternatives a position reports (OpenAI's limi
 class Sampling:
     """temperature 0 (the default) or top_k 1 is greedy; otherwise softmax(logits / t),
     cut to the top k and to the smallest set holding top_p of the mass. A seed makes it
-    reproducible (one generator per stream, so other streams cannot change the draws)."""
+    reproducible (one generator per stream, so other streams cannot change the draws).
+    Before either, the logits are adjusted (`adjust`) as vLLM's sampler and transformers'
+    logits processors do, in their order: the bias first, then the penalties."""
 
     temperature: float = 0.0
     top_k: int = 0  # 0: no cut
     top_p: float = 1.0
     seed: int | None = None
+    # ids seen in the prompt or the output: a positive logit divided by it, a negative one
+    # multiplied (transformers', vLLM's and TensorRT-LLM's repetition penalty; 1: none)
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0  # subtracted once from every id the OUTPUT holds (OpenAI's)
+    frequency_penalty: float = 0.0  # subtracted per time the output holds the id (OpenAI's)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (id, bias) added to the logits (OpenAI's)
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
@@ -38,10 +46,28 @@ class Sampling:
             raise InvalidArgument(f"top_p must be in (0, 1], not {self.top_p}")
         if self.seed is not None and not 0 <= self.seed < 2**64:
             raise InvalidArgument(f"seed must be in [0, 2^64), not {self.seed}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise InvalidArgument(f"repetition_penalty must be a finite number > 0, not "
+                                  f"{self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise InvalidArgument(f"{name} must be a finite number, not "
+                                      f"{getattr(self, name)}")
+        ids = [t for t, _ in self.logit_bias]
+        if len(set(ids)) != len(ids) or any(t < 0 for t in ids):
+            raise InvalidArgument("logit_bias must name each token id (>= 0) once")
+        if not all(math.isfinite(b) for _, b in self.logit_bias):
+            raise InvalidArgument("a logit_bias value must be a finite number")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def adjusts(self) -> bool:
+        """Whether `adjust` changes anything (most requests: no copy of their logits)."""
+        return bool(self.repetition_penalty != 1 or self.presence_penalty
+                    or self.frequency_penalty or self.logit_bias)
 
 
 @dataclass(frozen=True)
@@ -146,3 +172,19 @@ def sample(logits: np.ndarray, s: Sampling, rng: np.random.Generator) -> int:
         q[keep] = p[keep]
         p = q / q.sum()
     return int(rng.choice(p.size, p=p))
+
+
+def adjust(row: np.ndarray, s: Sampling, prompt: Sequence[int], output: Sequence[int]) -> None:
+    """`row` (vocab,), in place: + logit_bias, then the repetition penalty over the ids of
+    prompt + output, then - frequency x count - presence over the output's ids (vLLM's
+    apply_penalties; transformers' SequenceBias then RepetitionPenalty processors)."""
+    if s.logit_bias:
+        ids, bias = zip(*s.logit_bias)
+        row[list(ids)] += np.asarray(bias, row.dtype)
+    if s.repetition_penalty != 1:
+        seen = np.unique(np.fromiter((*prompt, *output), np.int64))
+        x, r = row[seen], row.dtype.type(s.repetition_penalty)  # in the row's precision
+        row[seen] = np.where(x > 0, x / r, x * r)
+    if (s.presence_penalty or s.frequency_penalty) and len(output):
+        ids, counts = np.unique(np.asarray(output, np.int64), return_counts=True)
+        row[ids] -= (s.frequency_penalty * counts + s.presence_penalty).astype(row.dtype)

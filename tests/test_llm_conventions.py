@@ -131,8 +131,8 @@ def test_genai_perf_payloads_stream_with_ids_and_final_flags(server, llama, conv
 
 def test_unknown_tensor_is_invalid_argument_naming_it(server) -> None:
     client = tg.InferenceServerClient(f"127.0.0.1:{server.port}")
-    payload = {**trtllm_payload(PROMPT, 4), "repetition_penalty": [1.2]}
-    with pytest.raises(InferenceServerException, match="unexpected input 'repetition_penalty'"):
+    payload = {**trtllm_payload(PROMPT, 4), "lora_task_id": [3]}
+    with pytest.raises(InferenceServerException, match="unexpected input 'lora_task_id'"):
         stream(server, perf_analyzer_inputs(client, server.slot.name, payload))
     with pytest.raises(InferenceServerException, match="sampling parameter 'best_of'"):
         stream(server, perf_analyzer_inputs(client, server.slot.name, {

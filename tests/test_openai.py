@@ -283,8 +283,8 @@ def test_what_cannot_be_honoured_is_refused_not_ignored(server) -> None:
     with pytest.raises(openai.BadRequestError, match="'tools' is not supported"):
         c.chat.completions.create(model=name, messages=MESSAGES, tools=[{
             "type": "function", "function": {"name": "f", "parameters": {}}}])
-    with pytest.raises(openai.BadRequestError, match="'logit_bias' is not supported"):
-        c.completions.create(model=name, prompt=PROMPT, logit_bias={"5": 10})
+    with pytest.raises(openai.BadRequestError, match="'suffix' is not supported"):
+        c.completions.create(model=name, prompt=PROMPT, suffix="the end")
     with pytest.raises(openai.BadRequestError, match="'echo' is a parameter of /v1/completions"):
         c.chat.completions.create(model=name, messages=MESSAGES, extra_body={"echo": True})
     with pytest.raises(openai.BadRequestError, match="'prompt' must be a string, a list"):

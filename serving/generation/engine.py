@@ -113,6 +113,7 @@ class Generator:
                 f"cache's byte budget ({self.budget_bytes} bytes: {self.cache.budget_tokens} "
                 "entries); raise --kv-cache-bytes")
         bad = [t for t in request.prompt if not 0 <= t < self.vocab]
+        bad += [t for t, _ in request.sampling.logit_bias if not 0 <= t < self.vocab]
         if bad:
             raise InvalidArgument(f"token id {bad[0]} is outside the vocabulary "
                                   f"[0, {self.vocab})")

@@ -1,5 +1,5 @@
 """From a step's logits to the chunks each stream's client gets: batched sampling (one argmax
-for every greedy row), stop ids (masked out until `min_tokens`) and bad words (masked where
+for every greedy row; logit bias and penalties where asked), stop ids (masked out until `min_tokens`) and bad words (masked where
 they would be completed), stop strings on the output text, incremental detokenizing,
 log-probs (with alternatives and ranks where asked), the final chunk's reason, and the
 metrics."""
@@ -13,7 +13,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from serving.sampling import Chunk, GenerationRequest, sample
+from serving.sampling import Chunk, GenerationRequest, adjust, sample
 from serving.tokenizer import IncrementalDecoder
 
 log = logging.getLogger("serving")
@@ -129,9 +129,13 @@ class OutputProcessor:
         work = logits
         for i, s in enumerate(streams):
             ids = [t for t in banned(s) if 0 <= t < logits.shape[1]]
-            if ids:
-                if work is logits:
+            sampling = s.request.sampling
+            if ids or sampling.adjusts:
+                if work is logits:  # the raw logits stay for the log-probs
                     work = logits.copy()
+                if sampling.adjusts:
+                    adjust(work[i], sampling, s.request.prompt,
+                           s.tokens[len(s.request.prompt):])
                 work[i, ids] = -np.inf
         tokens = np.argmax(work, axis=1).tolist()  # every greedy row at once (first maximum)
         for i, s in enumerate(streams):

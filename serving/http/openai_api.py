@@ -3,13 +3,14 @@
 Server-Sent Events, one chunk per token chunk, then `data: [DONE]`), with `usage`, `max_tokens`,
 `temperature`, `top_p`, `seed`, `stop` (strings), `n` (choices, each its own stream in the
 engine), `logprobs` (of the sampled tokens, and of the k most likely: completions'
-`logprobs: k`, chat's `top_logprobs`), and vLLM's `top_k`, `min_tokens` and `ignore_eos`.
+`logprobs: k`, chat's `top_logprobs`), `frequency_penalty`, `presence_penalty` and
+`logit_bias`, and vLLM's `top_k`, `min_tokens`, `repetition_penalty` and `ignore_eos`.
 Completions also take a batch of prompts (choice `index` = prompt * n + choice) and `echo`
 (the prompt before the completion; with `logprobs`, every prompt token's log-prob too, the
 first one null, and `max_tokens: 0` for the prompt alone): what lm-evaluation-harness sends
 to score a model. Errors are OpenAI error objects with the matching status; a parameter this
-server cannot honour (penalties, `logit_bias`, `response_format` other than text, tools,
-`best_of`, `suffix`) is refused rather than ignored. Generation stops at the model's end
+server cannot honour (`response_format` other than text, tools, `best_of`, `suffix`) is
+refused rather than ignored. Generation stops at the model's end
 token (config.json / tokenizer_config.json) unless `ignore_eos`."""
 
 from __future__ import annotations
@@ -81,10 +82,7 @@ def _stops(body: dict) -> tuple[str, ...]:
 def _check_unsupported(body: dict) -> None:
     """A parameter that would change the output and that this server cannot honour is an
     error: silently ignoring JSON mode or tools would answer something else than asked."""
-    for name in ("frequency_penalty", "presence_penalty"):
-        if _get(body, name, (int, float), 0) != 0:
-            raise InvalidArgument(f"'{name}' is not supported (leave it 0)")
-    for name in ("logit_bias", "tools", "functions", "suffix"):
+    for name in ("tools", "functions", "suffix"):
         if body.get(name):
             raise InvalidArgument(f"'{name}' is not supported")
     if body.get("tool_choice") not in (None, "none"):
@@ -94,6 +92,33 @@ def _check_unsupported(body: dict) -> None:
         raise InvalidArgument(f"'response_format' {kind!r} is not supported (only 'text')")
     if _get(body, "best_of", (int,), None) not in (None, _get(body, "n", (int,), 1)):
         raise InvalidArgument("'best_of' is not supported (leave it equal to 'n')")
+
+
+def _adjustments(body: dict) -> dict:
+    """The logit adjustments of a body, as Sampling's fields: OpenAI's `frequency_penalty`
+    and `presence_penalty` (-2..2) and `logit_bias` ({"id": -100..100}), and vLLM's
+    `repetition_penalty` (> 0)."""
+    out = {}
+    for name in ("frequency_penalty", "presence_penalty"):
+        value = float(_get(body, name, (int, float), 0))
+        if not -2 <= value <= 2:
+            raise InvalidArgument(f"'{name}' must be between -2 and 2, not {value}")
+        out[name] = value
+    out["repetition_penalty"] = float(_get(body, "repetition_penalty", (int, float), 1))
+    bias = _get(body, "logit_bias", (dict,), {})
+    pairs = []
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise InvalidArgument(f"'logit_bias' keys must be token ids, not {key!r}") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                not -100 <= value <= 100:
+            raise InvalidArgument(f"'logit_bias' values must be numbers between -100 and 100, "
+                                  f"not {value!r} (token {key})")
+        pairs.append((token, float(value)))
+    out["logit_bias"] = tuple(pairs)
+    return out
 
 
 def _choices(engine: DecoderEngine, body: dict) -> int:
@@ -129,10 +154,11 @@ def _requests(engine: DecoderEngine, body: dict, prompt: tuple[int, ...], top: i
     stop_ids = frozenset() if _get(body, "ignore_eos", (bool,), False) else \
         frozenset(engine.text.eos_ids)
     seed = _get(body, "seed", (int,))
+    adjustments = _adjustments(body)
     sampling = [Sampling(float(_get(body, "temperature", (int, float), 1.0)),
                          _get(body, "top_k", (int,), 0) if body.get("top_k") != -1 else 0,
                          float(_get(body, "top_p", (int, float), 1.0)),
-                         seed if seed is None or i == 0 else (seed + i) % 2**64)
+                         seed if seed is None or i == 0 else (seed + i) % 2**64, **adjustments)
                 for i in range(n)]
     return [GenerationRequest(prompt, limit if max_tokens is None else max_tokens, s,
                               stop_ids, f"{request_id}-{i}" if n > 1 else request_id,
