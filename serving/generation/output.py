@@ -1,8 +1,8 @@
 """From a step's logits to the chunks each stream's client gets: batched sampling (one argmax
-for every greedy row; logit bias and penalties where asked), stop ids (masked out until `min_tokens`) and bad words (masked where
-they would be completed), stop strings on the output text, incremental detokenizing,
-log-probs (with alternatives and ranks where asked), the final chunk's reason, and the
-metrics."""
+for every greedy row; logit bias and penalties where asked), stop ids (masked out until
+`min_tokens`) and bad words (masked where they would be completed), stop strings on the
+output text, incremental detokenizing, log-probs (with alternatives and ranks where
+asked), the final chunk's reason, and the metrics."""
 
 from __future__ import annotations
 

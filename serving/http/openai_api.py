@@ -62,7 +62,7 @@ async def model(frontend, request: Request) -> Response:
 # ----------------------------------------------------------------------------- requests
 
 
-def _get(body: dict, name: str, kinds: tuple, default=None):
+def body_value(body: dict, name: str, kinds: tuple, default=None):
     value = body.get(name, default)
     if value is None:
         return default
@@ -87,10 +87,10 @@ def _check_unsupported(body: dict) -> None:
             raise InvalidArgument(f"'{name}' is not supported")
     if body.get("tool_choice") not in (None, "none"):
         raise InvalidArgument("'tool_choice' is not supported (no tools)")
-    kind = (_get(body, "response_format", (dict,), {}) or {}).get("type", "text")
+    kind = (body_value(body, "response_format", (dict,), {}) or {}).get("type", "text")
     if kind != "text":
         raise InvalidArgument(f"'response_format' {kind!r} is not supported (only 'text')")
-    if _get(body, "best_of", (int,), None) not in (None, _get(body, "n", (int,), 1)):
+    if body_value(body, "best_of", (int,), None) not in (None, body_value(body, "n", (int,), 1)):
         raise InvalidArgument("'best_of' is not supported (leave it equal to 'n')")
 
 
@@ -100,12 +100,12 @@ def _adjustments(body: dict) -> dict:
     `repetition_penalty` (> 0)."""
     out = {}
     for name in ("frequency_penalty", "presence_penalty"):
-        value = float(_get(body, name, (int, float), 0))
+        value = float(body_value(body, name, (int, float), 0))
         if not -2 <= value <= 2:
             raise InvalidArgument(f"'{name}' must be between -2 and 2, not {value}")
         out[name] = value
-    out["repetition_penalty"] = float(_get(body, "repetition_penalty", (int, float), 1))
-    bias = _get(body, "logit_bias", (dict,), {})
+    out["repetition_penalty"] = float(body_value(body, "repetition_penalty", (int, float), 1))
+    bias = body_value(body, "logit_bias", (dict,), {})
     pairs = []
     for key, value in bias.items():
         try:
@@ -123,22 +123,27 @@ def _adjustments(body: dict) -> dict:
 
 def _choices(engine: DecoderEngine, body: dict) -> int:
     """`n`: at most the streams the engine runs at once (more would wait behind each other)."""
-    n, limit = _get(body, "n", (int,), 1), engine.options.max_streams
+    n, limit = body_value(body, "n", (int,), 1), engine.options.max_streams
     if not 1 <= n <= limit:
         raise InvalidArgument(f"'n' must be between 1 and {limit} (the streams this server "
                               f"runs at once: --max-streams), not {n}")
     return n
 
 
-def _top(name: str, k) -> int:
+def top_count(name: str, k) -> int:
     if not 0 <= k <= MAX_TOP_LOGPROBS:
         raise InvalidArgument(f"'{name}' must be between 0 and {MAX_TOP_LOGPROBS}, not {k}")
     return k
 
 
-def _requests(engine: DecoderEngine, body: dict, prompt: tuple[int, ...], top: int | None,
-              request_id: str, default_max_tokens: int | None = None,
-              echo: bool = False) -> list[GenerationRequest]:
+def _max_tokens(body: dict) -> int | None:
+    return body_value(body, "max_completion_tokens", (int,)) or body_value(body, "max_tokens",
+                                                                           (int,))
+
+
+def generations_for(engine: DecoderEngine, body: dict, prompt: tuple[int, ...],
+                    top: int | None, request_id: str, default_max_tokens: int | None = None,
+                    echo: bool = False) -> list[GenerationRequest]:
     """The `n` generations a body asks for (choice i samples with seed + i); without
     max_tokens, `default_max_tokens` (OpenAI's 16 for completions) or, for chat, as many as
     the cache and --max-tokens leave room for. `top`: None without log-probs, else how many
@@ -148,28 +153,28 @@ def _requests(engine: DecoderEngine, body: dict, prompt: tuple[int, ...], top: i
     n = _choices(engine, body)
     room = engine.generator.max_cache_len - len(prompt) + 1
     limit = default_max_tokens or min(engine.options.max_tokens, max(1, room))
-    max_tokens = _get(body, "max_completion_tokens", (int,)) or _get(body, "max_tokens", (int,))
+    max_tokens = _max_tokens(body)
     if echo and max_tokens == 0:
         max_tokens = 1
-    stop_ids = frozenset() if _get(body, "ignore_eos", (bool,), False) else \
+    stop_ids = frozenset() if body_value(body, "ignore_eos", (bool,), False) else \
         frozenset(engine.text.eos_ids)
-    seed = _get(body, "seed", (int,))
+    seed = body_value(body, "seed", (int,))
     adjustments = _adjustments(body)
-    sampling = [Sampling(float(_get(body, "temperature", (int, float), 1.0)),
-                         _get(body, "top_k", (int,), 0) if body.get("top_k") != -1 else 0,
-                         float(_get(body, "top_p", (int, float), 1.0)),
+    sampling = [Sampling(float(body_value(body, "temperature", (int, float), 1.0)),
+                         body_value(body, "top_k", (int,), 0) if body.get("top_k") != -1 else 0,
+                         float(body_value(body, "top_p", (int, float), 1.0)),
                          seed if seed is None or i == 0 else (seed + i) % 2**64, **adjustments)
                 for i in range(n)]
     return [GenerationRequest(prompt, limit if max_tokens is None else max_tokens, s,
                               stop_ids, f"{request_id}-{i}" if n > 1 else request_id,
-                              min_tokens=_get(body, "min_tokens", (int,), 0),
+                              min_tokens=body_value(body, "min_tokens", (int,), 0),
                               stop_strings=_stops(body), logprobs=top is not None,
                               top_logprobs=top or 0,
                               prompt_logprobs=top if echo and top is not None else None)
             for i, s in enumerate(sampling)]
 
 
-def _engine(frontend, body: dict) -> DecoderEngine:
+def text_engine(frontend, body: dict) -> DecoderEngine:
     name = body.get("model")
     if not isinstance(name, str):
         raise InvalidArgument("'model' must be the name of a served model")
@@ -247,7 +252,8 @@ class _Shape:
         if chunk.prompt_logprobs is not None and self.echo is not None:
             return self._with_prompt(chunk, index, tokens, values, tops)
         if self.chat:
-            return {"content": [{**_token(t, v), "top_logprobs": [_token(*a) for a in top]}
+            return {"content": [{**token_entry(t, v),
+                                 "top_logprobs": [token_entry(*a) for a in top]}
                                 for t, v, top in zip(tokens, values, tops)]}
         offsets = self._offsets(tokens, index)
         return {"tokens": tokens, "token_logprobs": values, "text_offset": offsets,
@@ -303,7 +309,7 @@ class _Shape:
         return out
 
 
-def _token(text: str, logprob: float) -> dict:
+def token_entry(text: str, logprob: float) -> dict:
     return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
 
@@ -362,22 +368,22 @@ async def _answer(request: Request, shape: _Shape, generations: list[GenerationR
 
 
 def _stream_options(body: dict) -> dict | None:
-    if not _get(body, "stream", (bool,), False):
+    if not body_value(body, "stream", (bool,), False):
         return None
-    return _get(body, "stream_options", (dict,), {})
+    return body_value(body, "stream_options", (dict,), {})
 
 
 async def completions(frontend, request: Request) -> Response:
     body = await frontend.json(request)
-    engine = _engine(frontend, body)
-    logprobs = _get(body, "logprobs", (int,))  # k: the k most likely tokens too
-    top = None if logprobs is None else _top("logprobs", logprobs)
+    engine = text_engine(frontend, body)
+    logprobs = body_value(body, "logprobs", (int,))  # k: the k most likely tokens too
+    top = None if logprobs is None else top_count("logprobs", logprobs)
     prompts = _completion_prompts(engine, body.get("prompt"))
-    n, echo = _choices(engine, body), _get(body, "echo", (bool,), False)
-    max_tokens = _get(body, "max_completion_tokens", (int,)) or _get(body, "max_tokens", (int,))
+    n, echo = _choices(engine, body), body_value(body, "echo", (bool,), False)
+    max_tokens = _max_tokens(body)
     shape = _Shape(engine, chat=False, top=top, n=n * len(prompts), echo=_Echo(
         tuple(p for p in prompts for _ in range(n)), max_tokens == 0) if echo else None)
-    generations = [g for i, (ids, _) in enumerate(prompts) for g in _requests(
+    generations = [g for i, (ids, _) in enumerate(prompts) for g in generations_for(
         engine, body, ids, top, shape.id if len(prompts) == 1 else f"{shape.id}-{i}", 16,
         echo)]
     return await _answer(request, shape, generations, _stream_options(body),
@@ -386,18 +392,18 @@ async def completions(frontend, request: Request) -> Response:
 
 async def chat_completions(frontend, request: Request) -> Response:
     body = await frontend.json(request)
-    engine = _engine(frontend, body)
+    engine = text_engine(frontend, body)
     if body.get("echo"):
         raise InvalidArgument("'echo' is a parameter of /v1/completions")
-    logprobs = _get(body, "logprobs", (bool,), False)
-    top = _top("top_logprobs", _get(body, "top_logprobs", (int,), 0))
+    logprobs = body_value(body, "logprobs", (bool,), False)
+    top = top_count("top_logprobs", body_value(body, "top_logprobs", (int,), 0))
     if top and not logprobs:
         raise InvalidArgument("'top_logprobs' needs 'logprobs': true")
     text = render(engine.text, messages_of(body.get("messages")),
-                  _get(body, "add_generation_prompt", (bool,), True))
+                  body_value(body, "add_generation_prompt", (bool,), True))
     prompt = tuple(engine.tokenizer.encode(text, add_special_tokens=False).ids)
     shape = _Shape(engine, chat=True, top=top if logprobs else None, n=_choices(engine, body))
-    generations = _requests(engine, body, prompt, top if logprobs else None, shape.id)
+    generations = generations_for(engine, body, prompt, top if logprobs else None, shape.id)
     return await _answer(request, shape, generations, _stream_options(body), len(prompt))
 
 

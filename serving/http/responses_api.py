@@ -1,0 +1,225 @@
+"""OpenAI's Responses API, `POST /v1/responses`: what the openai client's `responses.create`
+and `responses.stream`, and the agent frameworks built on them, send a decoder with a chat
+template. `input` is a string (one user message) or a list of messages (`role`, `content` as
+a string or `input_text` / `output_text` parts; `"type": "message"` optional);
+`instructions` comes first as a system message; `max_output_tokens`, `temperature`,
+`top_p`, `top_logprobs` with `include: ["message.output_text.logprobs"]`, `metadata`
+(answered back) and vLLM's sampling extras (`top_k`, `min_tokens`, `seed`,
+`repetition_penalty`, `ignore_eos`) as on /v1/chat/completions. Answered whole, or with
+`stream: true` as the API's typed events, each `event: TYPE` with its `sequence_number`:
+response.created, response.in_progress, response.output_item.added,
+response.content_part.added, response.output_text.delta (one per token chunk),
+response.output_text.done, response.content_part.done, response.output_item.done, then
+response.completed, or response.incomplete when `max_output_tokens` cut the answer
+(response.failed when the engine failed).
+
+Nothing is stored (`store` is answered false), so what needs a stored response is refused
+with 400 rather than ignored: `previous_response_id`, `conversation`, `background`; so are
+tools, a text format other than plain text, reasoning settings (these models do not reason)
+and `truncation: auto`."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from serving.decoder import DecoderEngine
+from serving.errors import InvalidArgument
+from serving.http.chat import messages_of, render
+from serving.http.openai_api import (body_value, error, generations_for, text_engine,
+                                     token_entry, top_count)
+from serving.http.streams import ChunkStream, until_disconnect
+from serving.http.triton_generate import SSE_HEADERS
+from serving.sampling import Chunk, join_chunks
+from serving.tokenizer import token_text
+
+LOGPROBS = "message.output_text.logprobs"  # the `include` entry that asks for them
+# body keys passed on to the sampling as /v1/chat/completions takes them
+_SAMPLING = ("temperature", "top_p", "top_k", "min_tokens", "seed", "repetition_penalty",
+             "ignore_eos")
+
+
+def _refuse_unsupported(body: dict) -> None:
+    for name, why in (("previous_response_id", "nothing is stored"),
+                      ("conversation", "nothing is stored"),
+                      ("background", "nothing is stored"), ("tools", "no tools")):
+        if body.get(name):
+            raise InvalidArgument(f"'{name}' is not supported ({why})")
+    if body.get("tool_choice") not in (None, "none", "auto"):
+        raise InvalidArgument("'tool_choice' is not supported (no tools)")
+    kind = ((body_value(body, "text", (dict,), {}) or {}).get("format") or {}).get("type", "text")
+    if kind != "text":
+        raise InvalidArgument(f"'text.format' {kind!r} is not supported (only 'text')")
+    reasoning = body_value(body, "reasoning", (dict,), {}) or {}
+    if any(v is not None for v in reasoning.values()):
+        raise InvalidArgument("'reasoning' is not supported (this model does not reason)")
+    if body.get("truncation") not in (None, "disabled"):
+        raise InvalidArgument("'truncation' must be 'disabled': an input too long for the "
+                              "model is refused, not cut")
+    include = body_value(body, "include", (list,), []) or []
+    if any(x != LOGPROBS for x in include):
+        raise InvalidArgument(f"'include' may only name {LOGPROBS!r}")
+
+
+def _messages(body: dict) -> list[dict]:
+    """`instructions` and `input` as chat messages for the template."""
+    raw = body.get("input")
+    items = [{"role": "user", "content": raw}] if isinstance(raw, str) else raw
+    if not isinstance(items, list) or not items:
+        raise InvalidArgument("'input' must be a string or a non-empty list of messages")
+    out = []
+    for i, item in enumerate(items):
+        if not isinstance(item, dict) or item.get("type", "message") != "message":
+            raise InvalidArgument(f"input[{i}] must be a message (no tool calls or outputs "
+                                  "here)")
+        content = item.get("content")
+        if isinstance(content, list):
+            if any(not isinstance(p, dict) or p.get("type") not in ("input_text", "output_text")
+                   for p in content):
+                raise InvalidArgument(f"input[{i}]: only input_text and output_text content "
+                                      "parts are supported")
+            content = [{"type": "text", "text": p.get("text")} for p in content]
+        out.append({"role": item.get("role"), "content": content})
+    instructions = body_value(body, "instructions", (str,))
+    if instructions:
+        out.insert(0, {"role": "system", "content": instructions})
+    return messages_of(out)
+
+
+@dataclass
+class _Answer:
+    """One response as it is built: its ids and settings, and its text so far."""
+
+    engine: DecoderEngine
+    body: dict
+    prompt: int  # tokens
+    logprobs: bool
+    id: str = field(default_factory=lambda: "resp_" + uuid.uuid4().hex)
+    item: str = field(default_factory=lambda: "msg_" + uuid.uuid4().hex)
+    created: int = field(default_factory=lambda: int(time.time()))
+    text: str = ""
+    tokens: list = field(default_factory=list)  # log-prob entries, when asked
+    generated: int = 0
+    sequence: int = 0
+
+    def add(self, chunk: Chunk) -> list[dict]:
+        """The chunk's text and tokens; its log-prob entries (empty unless asked)."""
+        self.text += chunk.text or ""
+        self.generated += len(chunk.ids)
+        if not self.logprobs:
+            return []
+        tops = list(chunk.top_logprobs or ()) + [()] * len(chunk.ids)
+        entries = [{**token_entry(self._text(t), p),
+                    "top_logprobs": [token_entry(self._text(a), q) for a, q in top]}
+                   for t, p, top in zip(chunk.ids, chunk.logprobs or (), tops)]
+        self.tokens += entries
+        return entries
+
+    def _text(self, token: int) -> str:
+        return token_text(self.engine.tokenizer, token)
+
+    def part(self) -> dict:
+        return {"type": "output_text", "text": self.text, "annotations": [],
+                "logprobs": self.tokens}
+
+    def message(self, status: str, content: list) -> dict:
+        return {"id": self.item, "type": "message", "status": status, "role": "assistant",
+                "content": content}
+
+    def response(self, status: str, output: list, reason: str | None = None,
+                 failure: str | None = None) -> dict:
+        b = self.body
+        done = status in ("completed", "incomplete")
+        return {
+            "id": self.id, "object": "response", "created_at": self.created,
+            "completed_at": int(time.time()) if done else None, "status": status,
+            "error": None if failure is None else {"code": "server_error", "message": failure},
+            "incomplete_details": None if status != "incomplete" else {
+                "reason": "max_output_tokens"},
+            "instructions": b.get("instructions"), "max_output_tokens": b.get(
+                "max_output_tokens"), "model": self.engine.name, "output": output,
+            "parallel_tool_calls": b.get("parallel_tool_calls", True),
+            "previous_response_id": None, "reasoning": {"effort": None, "summary": None},
+            "store": False, "temperature": b.get("temperature", 1.0),
+            "text": {"format": {"type": "text"}}, "tool_choice": b.get("tool_choice", "auto"),
+            "tools": [], "top_logprobs": b.get("top_logprobs", 0),
+            "top_p": b.get("top_p", 1.0), "truncation": "disabled",
+            "usage": None if not done else {
+                "input_tokens": self.prompt, "input_tokens_details": {"cached_tokens": 0},
+                "output_tokens": self.generated,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": self.prompt + self.generated},
+            "user": b.get("user"), "metadata": b.get("metadata") or {}}
+
+    def final(self, chunk: Chunk) -> dict:
+        """The finished response (the chunk is the generation's last)."""
+        status = "completed" if chunk.reason == "stop" else "incomplete"
+        return self.response(status, [self.message(status, [self.part()])])
+
+    def event(self, kind: str, **fields) -> bytes:
+        data = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return f"event: {kind}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+
+async def responses(frontend, request: Request) -> Response:
+    body = await frontend.json(request)
+    engine = text_engine(frontend, body)
+    _refuse_unsupported(body)
+    text = render(engine.text, _messages(body))
+    prompt = tuple(engine.tokenizer.encode(text, add_special_tokens=False).ids)
+    logprobs = LOGPROBS in (body.get("include") or [])
+    top = top_count("top_logprobs", body_value(body, "top_logprobs", (int,), 0))
+    max_tokens = body_value(body, "max_output_tokens", (int,))
+    if max_tokens is not None and max_tokens < 1:
+        raise InvalidArgument(f"'max_output_tokens' must be >= 1, not {max_tokens}")
+    answer = _Answer(engine, body, len(prompt), logprobs)
+    asked = {k: body[k] for k in _SAMPLING if k in body} | {"max_tokens": max_tokens}
+    (generation,) = generations_for(engine, asked, prompt, top if logprobs else None, answer.id)
+    stream = ChunkStream(engine, generation)  # refusals answer with a status here
+    if not body_value(body, "stream", (bool,), False):
+        chunks = await until_disconnect(request.receive, stream.collect(), stream.close)
+        if chunks is None:
+            return Response(status_code=499)
+        whole = join_chunks(chunks)
+        if whole.reason not in ("length", "stop"):
+            raise RuntimeError(whole.detail or f"generation ended: {whole.reason}")
+        answer.add(whole)
+        return JSONResponse(answer.final(whole))
+    return StreamingResponse(_events(answer, stream), media_type="text/event-stream",
+                             headers=SSE_HEADERS)
+
+
+async def _events(answer: _Answer, stream: ChunkStream):
+    """The typed events of one streamed response, in the API's order."""
+    a, where = answer, {"item_id": answer.item, "output_index": 0, "content_index": 0}
+    yield a.event("response.created", response=a.response("in_progress", []))
+    yield a.event("response.in_progress", response=a.response("in_progress", []))
+    yield a.event("response.output_item.added", output_index=0,
+                  item=a.message("in_progress", []))
+    yield a.event("response.content_part.added", **where, part=a.part())
+    async for chunk in stream:
+        if chunk.final and chunk.reason not in ("length", "stop"):
+            failure = chunk.detail or f"generation ended: {chunk.reason}"
+            yield a.event("response.failed", response=a.response("failed", [], failure=failure))
+            return
+        entries = a.add(chunk)
+        if chunk.text:
+            yield a.event("response.output_text.delta", **where, delta=chunk.text,
+                          logprobs=entries)
+        if chunk.final:
+            final = a.final(chunk)
+            yield a.event("response.output_text.done", **where, text=a.text,
+                          logprobs=a.tokens)
+            yield a.event("response.content_part.done", **where, part=a.part())
+            yield a.event("response.output_item.done", output_index=0,
+                          item=final["output"][0])
+            yield a.event(f"response.{final['status']}", response=final)
+
+
+ROUTES = [("/v1/responses", ["POST"], "v1/responses", responses, error)]

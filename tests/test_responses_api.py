@@ -1,0 +1,136 @@
+"""OpenAI's Responses API (`POST /v1/responses`) driven by the real openai client:
+`responses.create` whole and streamed, the `responses.stream` helper (which checks the
+events' order and identities itself), against a greedy reference computed with ONNX
+Runtime on the prompt transformers' `apply_chat_template` renders; log-probs against ONNX
+Runtime's own; what cannot be honoured refused with 400."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import openai
+import pytest
+from llm_support import (CHAT_TEMPLATE, decoder_artifact, greedy, llama,  # noqa: F401
+                         log_softmax, start, tokenizer)
+
+INSTRUCTIONS = "You are terse."
+QUESTION = "Name a fox."
+END_AT = 5  # the artifact's end token is the 6th token greedy answers QUESTION with
+
+
+def _prompt(artifact, messages: list[dict]) -> list[int]:
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(artifact / "tokenizer.json"),
+                                  bos_token="<s>", eos_token="<|im_end|>")
+    text = tok.apply_chat_template(messages, chat_template=CHAT_TEMPLATE, tokenize=False,
+                                   add_generation_prompt=True)
+    return tokenizer().encode(text, add_special_tokens=False).ids
+
+
+MESSAGES = [{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": QUESTION}]
+
+
+@pytest.fixture(scope="module")
+def artifact(llama, tmp_path_factory):
+    """The decoder artifact, its end token one that greedy answers QUESTION with (so an
+    answer completes), first met at END_AT."""
+    out = decoder_artifact(tmp_path_factory.mktemp("responses"), llama)
+    answer = greedy(llama, _prompt(out, MESSAGES), 12)[0]
+    end = answer[END_AT]
+    assert end not in answer[:END_AT], answer
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "eos_token_id": end}))
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(artifact):
+    s = start(artifact, generate={"max_streams": 4, "max_tokens": 64})
+    yield s
+    s.stop(5)
+
+
+@pytest.fixture(scope="module")
+def want(artifact, llama) -> tuple[list[int], list[np.ndarray]]:
+    """Greedy ids (END_AT of them before the end token) and the logits of each."""
+    return greedy(llama, _prompt(artifact, MESSAGES), END_AT)
+
+
+def _client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key="x",
+                         max_retries=0, timeout=60)
+
+
+def test_an_answer_that_meets_the_end_token_completes(server, artifact, want) -> None:
+    got = _client(server).responses.create(model=server.slot.name, instructions=INSTRUCTIONS,
+                                           input=QUESTION, temperature=0)
+    assert got.status == "completed" and got.incomplete_details is None
+    assert got.output_text == tokenizer().decode(want[0])
+    assert [o.type for o in got.output] == ["message"] and got.output[0].role == "assistant"
+    assert got.usage.output_tokens == END_AT
+    assert got.usage.input_tokens == len(_prompt(artifact, MESSAGES)) and got.store is False
+
+
+def test_the_stream_helper_accepts_the_events_and_the_final_response(server, want) -> None:
+    with _client(server).responses.stream(model=server.slot.name, input=[
+            {"role": "system", "content": INSTRUCTIONS},
+            {"type": "message", "role": "user",
+             "content": [{"type": "input_text", "text": QUESTION}]}],
+            temperature=0) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == final.output_text == tokenizer().decode(want[0])
+    assert final.status == "completed"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    kinds = [e.type for e in events if e.type != "response.output_text.delta"]
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.content_part.added", "response.output_text.done",
+                     "response.content_part.done", "response.output_item.done",
+                     "response.completed"]
+
+
+def test_max_output_tokens_leaves_it_incomplete(server, want) -> None:
+    c, name = _client(server), server.slot.name
+    got = c.responses.create(model=name, instructions=INSTRUCTIONS, input=QUESTION,
+                             temperature=0, max_output_tokens=3)
+    assert got.status == "incomplete" and got.incomplete_details.reason == "max_output_tokens"
+    assert got.output_text == tokenizer().decode(want[0][:3])
+    events = list(c.responses.create(model=name, instructions=INSTRUCTIONS, input=QUESTION,
+                                     temperature=0, max_output_tokens=3, stream=True))
+    assert events[-1].type == "response.incomplete"
+    assert events[-1].response.output_text == got.output_text
+
+
+def test_logprobs_are_the_models_own(server, want) -> None:
+    ids, logits = want
+    got = _client(server).responses.create(
+        model=server.slot.name, instructions=INSTRUCTIONS, input=QUESTION, temperature=0,
+        max_output_tokens=3, top_logprobs=2, include=["message.output_text.logprobs"])
+    entries = got.output[0].content[0].logprobs
+    assert len(entries) == 3
+    for entry, token, row in zip(entries, ids, logits):
+        lp = log_softmax(row)
+        assert entry.token == tokenizer().decode([token])
+        assert entry.logprob == pytest.approx(lp[token], abs=1e-3)
+        best = np.argsort(-lp)[:2]
+        assert [a.token for a in entry.top_logprobs] == [tokenizer().decode([int(t)])
+                                                          for t in best]
+
+
+@pytest.mark.parametrize("extra, says", [
+    ({"previous_response_id": "resp_1"}, "'previous_response_id' is not supported"),
+    ({"tools": [{"type": "function", "name": "f", "parameters": {}}]},
+     "'tools' is not supported"),
+    ({"text": {"format": {"type": "json_object"}}}, "'text.format' 'json_object' is not"),
+    ({"reasoning": {"effort": "low"}}, "'reasoning' is not supported"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]},
+     "input\\[0\\] must be a message"),
+    ({"max_output_tokens": 0}, "'max_output_tokens' must be >= 1"),
+])
+def test_what_cannot_be_honoured_is_400(server, extra, says) -> None:
+    body = {"model": server.slot.name, "input": QUESTION, **extra}
+    with pytest.raises(openai.BadRequestError, match=says):
+        _client(server).responses.create(**body)
