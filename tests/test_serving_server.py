@@ -14,11 +14,13 @@ import grpc
 import numpy as np
 import onnxruntime as ort
 import pytest
+import requests
 import tritonclient.grpc as tg
 from serving_support import (Answers, assert_close_where_valid, feeds_for, infer_inputs,
                              make_artifact, perturbed_copy)
 from tritonclient.utils import InferenceServerException
 
+import serving
 from serving.engine import EngineOptions
 from serving.server import Server, ServerOptions
 from serving.wire import protocol
@@ -327,12 +329,17 @@ def test_not_ready_until_the_model_is_loaded_and_checked(reference_model, tmp_pa
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     out = make_artifact(tmp_path / "art", reference_model("bert", "small", "torchscript"))
-    server = Server(out, ServerOptions(port=0, metrics_port=None), say=lambda line: None)
+    server = Server(out, ServerOptions(port=0, http_port=0, metrics_port=None),
+                    say=lambda line: None)
     server.start(load=False)  # listening, nothing loaded yet
     try:
         client, name = _client(server), server.slot.name
         assert client.is_server_live()
         assert not client.is_server_ready() and not client.is_model_ready(name)
+        http = f"http://127.0.0.1:{server.http_port}"
+        # vLLM's probe, as its deployments send it: 503 until the model serves
+        assert requests.get(f"{http}/health", timeout=10).status_code == 503
+        assert requests.get(f"{http}/v2/health/ready", timeout=10).status_code == 503
         with pytest.raises(InferenceServerException,
                            match=f"model '{name}' is not ready: loading and checking") as info:
             client.infer(name, infer_inputs(feeds_for(4)))
@@ -346,6 +353,9 @@ def test_not_ready_until_the_model_is_loaded_and_checked(reference_model, tmp_pa
             assert health.Check(request, timeout=10).status == \
                 health_pb2.HealthCheckResponse.SERVING
         assert client.is_model_ready(name)
+        assert requests.get(f"{http}/health", timeout=10).status_code == 200
+        assert requests.get(f"{http}/version", timeout=10).json() == {
+            "version": serving.__version__}
         got = client.infer(name, infer_inputs(feeds_for(4))).as_numpy("last_hidden_state")
         want = ort.InferenceSession(str(reference_model("bert", "small", "torchscript")),
                                     providers=["CPUExecutionProvider"]).run(None, feeds_for(4))[0]

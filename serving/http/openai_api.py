@@ -1,4 +1,5 @@
-"""An OpenAI-compatible API on the HTTP port: `GET /v1/models[/{model}]`, `POST
+"""An OpenAI-compatible API on the HTTP port (and vLLM's `GET /health` and `/version`, which
+its deployments probe): `GET /v1/models[/{model}]`, `POST
 /v1/completions` and `POST /v1/chat/completions`, whole or streamed (`stream: true`:
 Server-Sent Events, one chunk per token chunk, then `data: [DONE]`), with `usage`, `max_tokens`,
 `temperature`, `top_p`, `seed`, `stop` (strings), `n` (choices, each its own stream in the
@@ -22,6 +23,7 @@ from dataclasses import dataclass, replace
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+import serving
 from serving.decoder import DecoderEngine
 from serving.errors import InvalidArgument, NotFound
 from serving.http.chat import messages_of, render
@@ -57,6 +59,17 @@ async def model(frontend, request: Request) -> Response:
     if name != frontend.slot.name:
         raise NotFound(f"The model '{name}' does not exist")
     return JSONResponse(_model(name))
+
+
+async def health(frontend, request: Request) -> Response:
+    """vLLM's `GET /health`, which its deployments probe: 200 once the model serves (its
+    accuracy re-checked), 503 before."""
+    return Response(status_code=200 if frontend.slot.ready() else 503)
+
+
+async def version(frontend, request: Request) -> Response:
+    """vLLM's `GET /version`."""
+    return JSONResponse({"version": serving.__version__})
 
 
 # ----------------------------------------------------------------------------- requests
@@ -407,7 +420,9 @@ async def chat_completions(frontend, request: Request) -> Response:
     return await _answer(request, shape, generations, _stream_options(body), len(prompt))
 
 
-ROUTES = [("/v1/models", ["GET"], "v1/models", models, error),
+ROUTES = [("/health", ["GET"], "health", health, error),
+          ("/version", ["GET"], "version", version, error),
+          ("/v1/models", ["GET"], "v1/models", models, error),
           ("/v1/models/{model:path}", ["GET"], "v1/models/{model}", model, error),
           ("/v1/completions", ["POST"], "v1/completions", completions, error),
           ("/v1/chat/completions", ["POST"], "v1/chat/completions", chat_completions, error)]
