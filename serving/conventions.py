@@ -4,10 +4,12 @@ so that a client written for either works unchanged (every input optional):
 - TensorRT-LLM's ensemble: `text_input`, `max_tokens`, `stream`, `exclude_input_in_output`,
   `min_length`, `end_id`, `pad_id`, `random_seed`, `temperature`, `runtime_top_k`,
   `runtime_top_p`, `repetition_penalty`, `presence_penalty`, `frequency_penalty`,
-  `stop_words`, `bad_words`, `return_log_probs`, `beam_width`; outputs
+  `stop_words`, `bad_words`, `guided_decoding_guide_type` / `guided_decoding_guide` (json,
+  json_schema, regex), `return_log_probs`, `beam_width`; outputs
   `text_output`, `output_ids`, `sequence_length`, `output_log_probs`, `cum_log_probs`.
 - the vLLM backend: `text_input`, `stream`, `exclude_input_in_output`, `sampling_parameters`
-  (a JSON object whose values may be strings or numbers; its keys may also come as request
+  (a JSON object whose values may be strings or numbers, and `structured_outputs` /
+  `guided_decoding` an object as vLLM's; its keys may also come as request
   parameters, which the vLLM backend reads when no `sampling_parameters` tensor comes),
   `return_num_input_tokens`, `return_num_output_tokens`, `return_finish_reason`,
   `return_cumulative_logprob` and `return_logprobs`, each output sent only when asked:
@@ -32,7 +34,7 @@ import numpy as np
 
 from serving.errors import InvalidArgument
 from serving.model import Signature, TensorSpec
-from serving.sampling import MAX_TOP_LOGPROBS, Chunk, GenerationRequest, Sampling
+from serving.sampling import MAX_TOP_LOGPROBS, Chunk, GenerationRequest, Grammar, Sampling
 from serving.tokenizer import token_text
 
 # name -> (python kind, the field of _Controls it sets); TensorRT-LLM names beside ours
@@ -60,7 +62,9 @@ COUNTS = ("num_input_tokens", "num_output_tokens")
 VLLM_OUTPUTS = ("finish_reason", "cumulative_logprob", "logprobs")
 _VLLM_REASONS = {"length": "length", "stop": "stop"}  # else vLLM's "abort"
 _TEXTS = ("input_ids", "text_input", "stop_ids", "stop_words", "bad_words",
-          "sampling_parameters")
+          "sampling_parameters", "guided_decoding_guide_type", "guided_decoding_guide")
+# TensorRT-LLM's guided decoding: guide type -> the Grammar kind its guide is read as
+_GUIDES = {"json": "json", "json_schema": "json", "regex": "regex"}
 KNOWN_INPUTS = frozenset(_CONTROLS) | frozenset(_TEXTS)
 
 # the vLLM backend's sampling_parameters keys -> (kind, field)
@@ -83,7 +87,9 @@ def client_signature(tokenizer: bool) -> Signature:
     inputs = [TensorSpec("input_ids", "INT64", (1, -1))]
     if tokenizer:
         inputs += [TensorSpec("text_input", s, (1,)), TensorSpec("stop_words", s, (-1,)),
-                   TensorSpec("bad_words", s, (-1,)), TensorSpec("sampling_parameters", s, (1,))]
+                   TensorSpec("bad_words", s, (-1,)), TensorSpec("sampling_parameters", s, (1,)),
+                   TensorSpec("guided_decoding_guide_type", s, (1,)),
+                   TensorSpec("guided_decoding_guide", s, (1,))]
     inputs += [TensorSpec(n, t, (1,)) for n, t in (
         ("max_tokens", i), ("min_length", i), ("stream", b), ("exclude_input_in_output", b),
         ("end_id", i), ("pad_id", i), ("beam_width", i), ("temperature", f),
@@ -173,6 +179,8 @@ def _vllm(raw, values: dict, stops: list[str], bad: list[str]) -> None:
         if key in ("stop", "bad_words"):
             (stops if key == "stop" else bad).extend(
                 [value] if isinstance(value, str) else _strings(key, value))
+        elif key in ("structured_outputs", "guided_decoding"):
+            values["grammar"] = Grammar.from_vllm(value)
         elif key == "stop_token_ids":
             values["stop_ids"] = [int(_scalar("stop_token_ids", v, int, True)) for v in value]
         elif key in _VLLM:
@@ -180,7 +188,8 @@ def _vllm(raw, values: dict, stops: list[str], bad: list[str]) -> None:
             values[target] = _scalar(key, value, kind, strings=True)
         else:
             raise InvalidArgument(f"sampling parameter '{key}' is not supported; this server "
-                                  f"takes {sorted(_VLLM) + list(_VLLM_LISTS)}")
+                                  f"takes {sorted(_VLLM) + list(_VLLM_LISTS)} and "
+                                  "structured_outputs (guided_decoding)")
     if values.get("top_k") == -1:  # vLLM's "no cut"
         values["top_k"] = 0
 
@@ -234,13 +243,33 @@ def parse_request(tensors: Mapping[str, np.ndarray], parameters: Mapping[str, ob
         prompt, values.get("max_tokens", default_max_tokens), sampling, frozenset(stop_ids),
         request_id, min_tokens=values.get("min_tokens", 0), stop_strings=tuple(stops),
         logprobs=values.get("logprobs", False) or "cumulative_logprob" in extras
-        or top is not None, top_logprobs=top or 0, ranks=top is not None, bad_words=bad_words)
+        or top is not None, top_logprobs=top or 0, ranks=top is not None, bad_words=bad_words,
+        grammar=_trtllm_guide(tensors) or values.get("grammar"))
     # the prompt text first: when asked, or, as both Triton LLM backends do, when the client
     # turned streaming off for a text prompt and did not say (their default prepends it)
     text_prompt_whole = values.get("stream") is False and "text_input" in tensors
     echo = tokenizer is not None and not values.get("exclude_input", not text_prompt_whole)
     return ClientRequest(generation, values.get("stream", True),
                          _text_of(tensors, prompt, tokenizer) if echo else None, extras)
+
+
+def _trtllm_guide(tensors: Mapping[str, np.ndarray]) -> Grammar | None:
+    """TensorRT-LLM's guided decoding: `guided_decoding_guide_type` (json: any JSON value;
+    json_schema, regex: the `guided_decoding_guide`)."""
+    if "guided_decoding_guide_type" not in tensors:
+        if "guided_decoding_guide" in tensors:
+            raise InvalidArgument("'guided_decoding_guide' needs 'guided_decoding_guide_type'")
+        return None
+    kind = _strings("guided_decoding_guide_type", tensors["guided_decoding_guide_type"])
+    if len(kind) != 1 or kind[0] not in _GUIDES:
+        raise InvalidArgument(f"'guided_decoding_guide_type' must be one of {list(_GUIDES)}, "
+                              f"not {kind}")
+    if kind[0] == "json":
+        return Grammar.of("json", {})
+    guide = _strings("guided_decoding_guide", tensors.get("guided_decoding_guide", []))
+    if len(guide) != 1:
+        raise InvalidArgument(f"guide type {kind[0]!r} needs one 'guided_decoding_guide'")
+    return Grammar.of(_GUIDES[kind[0]], guide[0])
 
 
 def _vllm_logprobs(values: dict) -> int | None:

@@ -111,7 +111,7 @@ class DecoderEngine:
                                        decoder_vocab(model.signature, model.cache), options,
                                        max_positions=_max_positions(model),
                                        batch_buckets=model.buckets.batch,
-                                       tokenizer=self.tokenizer,
+                                       tokenizer=self.tokenizer, eos_ids=self.text.eos_ids,
                                        stats=_stats_for(stats, metrics, gen_metrics),
                                        pad_to=self.pad_to)
         except (ValueError, BadInput) as e:

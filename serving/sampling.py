@@ -4,6 +4,7 @@ and how one token is drawn from one row of logits. Plain data and numpy: no grpc
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -70,6 +71,55 @@ class Sampling:
                     or self.frequency_penalty or self.logit_bias)
 
 
+GRAMMAR_KINDS = ("json", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """Structured output: the output must match `source`, read as `kind` says: "json" a JSON
+    schema (as JSON text; '{"type": "object"}' for any object: OpenAI's JSON mode),
+    "regex" a regular expression, "choice" a JSON list of the strings allowed, "grammar" a
+    Lark grammar (llguidance's dialect). Compiled and applied by
+    serving.generation.grammar."""
+
+    kind: str
+    source: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in GRAMMAR_KINDS:
+            raise InvalidArgument(f"a structured output is one of {list(GRAMMAR_KINDS)}, not "
+                                  f"{self.kind!r}")
+
+    @classmethod
+    def of(cls, kind: str, value) -> "Grammar":
+        """From a client's value: a schema or a choice as JSON or as the object itself."""
+        if kind in ("json", "choice") and not isinstance(value, str):
+            value = json.dumps(value)
+        if not isinstance(value, str) or not value:
+            raise InvalidArgument(f"the {kind} of a structured output must be a non-empty "
+                                  "string")
+        return cls(kind, value)
+
+    @classmethod
+    def from_vllm(cls, spec) -> "Grammar":
+        """vLLM's structured-output options (`structured_outputs`, formerly
+        `guided_decoding`): one of json (a schema), regex, choice, grammar, or json_object
+        true."""
+        if not isinstance(spec, dict):
+            raise InvalidArgument("structured output options must be an object with one of "
+                                  "json, regex, choice, grammar, json_object")
+        given = {k: v for k, v in spec.items() if v not in (None, False)}
+        if spec.get("json_object") is True:
+            given = {**{k: v for k, v in given.items() if k != "json_object"},
+                     "json": {"type": "object"}}
+        unknown = set(given) - set(GRAMMAR_KINDS)
+        if unknown or len(given) != 1:
+            raise InvalidArgument("structured output options take exactly one of json, regex, "
+                                  f"choice, grammar, json_object; got {sorted(spec)}")
+        ((kind, value),) = given.items()
+        return cls.of(kind, value)
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     prompt: tuple[int, ...]
@@ -98,6 +148,8 @@ class GenerationRequest:
     # (TensorRT-LLM's bad words): where the sequence (prompt + output) ends with all but a
     # bad word's last token, that token's logit is -inf for this step (a one-token word is
     # never sampled)
+    grammar: Grammar | None = None  # structured output: every token keeps the output a
+    # prefix of a match; the stream ends ("stop") when the match is complete
 
     def __post_init__(self) -> None:
         if not self.prompt:

@@ -124,7 +124,7 @@ def test_logprobs_are_the_models_own(server, want) -> None:
     ({"previous_response_id": "resp_1"}, "'previous_response_id' is not supported"),
     ({"tools": [{"type": "function", "name": "f", "parameters": {}}]},
      "'tools' is not supported"),
-    ({"text": {"format": {"type": "json_object"}}}, "'text.format' 'json_object' is not"),
+    ({"text": {"format": {"type": "grammar"}}}, "'text.format' 'grammar' is not"),
     ({"reasoning": {"effort": "low"}}, "'reasoning' is not supported"),
     ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]},
      "input\\[0\\] must be a message"),

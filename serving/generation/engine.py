@@ -19,6 +19,7 @@ from typing import Callable, Iterator, Sequence
 
 from serving.errors import InvalidArgument, ResourceExhausted, Unavailable
 from serving.generation.cache import CacheManager
+from serving.generation.grammar import GrammarCompiler
 from serving.generation.options import GenerateOptions, cache_budget, cache_buckets
 from serving.generation.output import GenerationStats, OutputProcessor, StreamOutput
 from serving.generation.runner import StepRunner
@@ -45,8 +46,8 @@ class Generator:
     def __init__(self, runner, record: CacheRecord, vocab: int,
                  options: GenerateOptions = GenerateOptions(), *,
                  max_positions: int | None = None, batch_buckets: Sequence[int] = (),
-                 tokenizer=None, stats: GenerationStats | None = None,
-                 pad_to: str = "longest") -> None:
+                 tokenizer=None, eos_ids: Sequence[int] = (),
+                 stats: GenerationStats | None = None, pad_to: str = "longest") -> None:
         if pad_to not in ("bucket", "longest"):
             raise ValueError(f"pad_to must be bucket or longest, not {pad_to!r}")
         if record.attention_mask is None:
@@ -54,6 +55,7 @@ class Generator:
         record.past_to_present  # BadInput when a layer's cache is not returned
         self.record, self.vocab, self.options = record, vocab, options
         self.tokenizer, self.pad_to = tokenizer, pad_to
+        self.grammars = GrammarCompiler(tokenizer, vocab, eos_ids)  # structured output
         self.stats = stats or GenerationStats()
         self.max_cache_len = options.max_cache_len or max_positions or 2048
         if max_positions is not None and self.max_cache_len > max_positions:
@@ -126,7 +128,8 @@ class Generator:
         in order, the last one final. Raises InvalidArgument, ResourceExhausted or
         Unavailable."""
         self.validate(request)
-        stream = Stream(request, on_chunk, StreamOutput(request, self.tokenizer))
+        matcher = self.grammars.matcher(request.grammar) if request.grammar else None
+        stream = Stream(request, on_chunk, StreamOutput(request, self.tokenizer, matcher))
         with self._cv:
             if self._draining:
                 raise Unavailable("the server is shutting down: no new streams")

@@ -44,8 +44,9 @@ class GenerationStats:
 class StreamOutput:
     """What one stream has produced: its sampler, its text so far and how much was sent."""
 
-    def __init__(self, request: GenerationRequest, tokenizer) -> None:
+    def __init__(self, request: GenerationRequest, tokenizer, matcher=None) -> None:
         self.request = request
+        self.matcher = matcher  # its grammar's (serving.generation.grammar), if it has one
         self.rng = np.random.default_rng(request.sampling.seed)
         self.detok = IncrementalDecoder(tokenizer, request.prompt) if tokenizer else None
         self.text = ""  # the output text decoded so far
@@ -129,14 +130,16 @@ class OutputProcessor:
         work = logits
         for i, s in enumerate(streams):
             ids = [t for t in banned(s) if 0 <= t < logits.shape[1]]
-            sampling = s.request.sampling
-            if ids or sampling.adjusts:
+            sampling, matcher = s.request.sampling, s.output.matcher
+            if ids or sampling.adjusts or matcher is not None:
                 if work is logits:  # the raw logits stay for the log-probs
                     work = logits.copy()
                 if sampling.adjusts:
                     adjust(work[i], sampling, s.request.prompt,
                            s.tokens[len(s.request.prompt):])
                 work[i, ids] = -np.inf
+                if matcher is not None:
+                    matcher.restrict(work[i])
         tokens = np.argmax(work, axis=1).tolist()  # every greedy row at once (first maximum)
         for i, s in enumerate(streams):
             if not s.request.sampling.greedy:
@@ -184,12 +187,16 @@ class OutputProcessor:
         if token in request.stop_ids and out.generated >= request.min_tokens:
             self.finish(stream, "stop")
             return
+        complete = out.matcher is not None and out.matcher.advance(token)
+        if complete and token in out.matcher.eos:  # the end where the grammar allows it
+            self.finish(stream, "stop")
+            return
         stream.tokens.append(token)
         out.generated += 1
         self.stats.on_token(ttft, itl)
         if out.detok is not None:
             out.text += out.detok.add(token)
-        last = out.generated >= request.max_tokens
+        last = out.generated >= request.max_tokens or complete
         if last and out.detok is not None:
             out.text += out.detok.flush()
         piece, matched = out.release(final=last)
@@ -198,8 +205,8 @@ class OutputProcessor:
             top_logprobs=(scores.top,) if request.top_logprobs else None,
             ranks=(scores.rank,) if request.ranks else None)
         if matched or last:
-            self._end(stream, Chunk((token,), piece, True, "stop" if matched else "length",
-                                    **asked))
+            self._end(stream, Chunk((token,), piece, True,
+                                    "stop" if matched or complete else "length", **asked))
         else:
             self._send(stream, Chunk((token,), piece, **asked))
 

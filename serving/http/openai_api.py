@@ -5,14 +5,16 @@ Server-Sent Events, one chunk per token chunk, then `data: [DONE]`), with `usage
 `temperature`, `top_p`, `seed`, `stop` (strings), `n` (choices, each its own stream in the
 engine), `logprobs` (of the sampled tokens, and of the k most likely: completions'
 `logprobs: k`, chat's `top_logprobs`), `frequency_penalty`, `presence_penalty` and
-`logit_bias`, and vLLM's `top_k`, `min_tokens`, `repetition_penalty` and `ignore_eos`.
-Completions also take a batch of prompts (choice `index` = prompt * n + choice) and `echo`
+`logit_bias`, structured output (`response_format` json_object or json_schema; vLLM's
+`structured_outputs` and `guided_json` / `guided_regex` / `guided_choice` /
+`guided_grammar`), and vLLM's `top_k`, `min_tokens`, `repetition_penalty` and
+`ignore_eos`. Completions also take a batch of prompts (choice `index` = prompt * n + choice) and `echo`
 (the prompt before the completion; with `logprobs`, every prompt token's log-prob too, the
 first one null, and `max_tokens: 0` for the prompt alone): what lm-evaluation-harness sends
 to score a model. Errors are OpenAI error objects with the matching status; a parameter this
-server cannot honour (`response_format` other than text, tools, `best_of`, `suffix`) is
-refused rather than ignored. Generation stops at the model's end
-token (config.json / tokenizer_config.json) unless `ignore_eos`."""
+server cannot honour (tools, `best_of`, `suffix`) is refused rather than ignored.
+Generation stops at the model's end token (config.json / tokenizer_config.json) unless
+`ignore_eos`."""
 
 from __future__ import annotations
 
@@ -30,7 +32,8 @@ from serving.http.chat import messages_of, render
 from serving.http.codec import http_status_for
 from serving.http.streams import ChunkStreams, until_disconnect
 from serving.http.triton_generate import SSE_HEADERS, sse
-from serving.sampling import MAX_TOP_LOGPROBS, Chunk, GenerationRequest, Sampling, join_chunks
+from serving.sampling import (MAX_TOP_LOGPROBS, Chunk, GenerationRequest, Grammar, Sampling,
+                              join_chunks)
 from serving.tokenizer import token_text
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -94,15 +97,12 @@ def _stops(body: dict) -> tuple[str, ...]:
 
 def _check_unsupported(body: dict) -> None:
     """A parameter that would change the output and that this server cannot honour is an
-    error: silently ignoring JSON mode or tools would answer something else than asked."""
+    error: silently ignoring tools would answer something else than asked."""
     for name in ("tools", "functions", "suffix"):
         if body.get(name):
             raise InvalidArgument(f"'{name}' is not supported")
     if body.get("tool_choice") not in (None, "none"):
         raise InvalidArgument("'tool_choice' is not supported (no tools)")
-    kind = (body_value(body, "response_format", (dict,), {}) or {}).get("type", "text")
-    if kind != "text":
-        raise InvalidArgument(f"'response_format' {kind!r} is not supported (only 'text')")
     if body_value(body, "best_of", (int,), None) not in (None, body_value(body, "n", (int,), 1)):
         raise InvalidArgument("'best_of' is not supported (leave it equal to 'n')")
 
@@ -132,6 +132,38 @@ def _adjustments(body: dict) -> dict:
         pairs.append((token, float(value)))
     out["logit_bias"] = tuple(pairs)
     return out
+
+
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+           "guided_grammar": "grammar"}  # vLLM's older names
+
+
+def structured_output(body: dict) -> Grammar | None:
+    """The grammar a body asks for: OpenAI's `response_format` (json_object, or json_schema
+    with its `schema`), vLLM's `structured_outputs` or its older `guided_*` keys; at most
+    one of them."""
+    asked = []
+    fmt = body_value(body, "response_format", (dict,), {}) or {}
+    kind = fmt.get("type", "text")
+    if kind == "json_object":
+        asked.append(Grammar.of("json", {"type": "object"}))
+    elif kind == "json_schema":
+        schema = (fmt.get("json_schema") or {}).get("schema")
+        if not isinstance(schema, dict):
+            raise InvalidArgument("'response_format' json_schema needs 'json_schema.schema', "
+                                  "a JSON schema object")
+        asked.append(Grammar.of("json", schema))
+    elif kind != "text":
+        raise InvalidArgument(f"'response_format' {kind!r} is not supported (text, "
+                              "json_object, json_schema)")
+    if body.get("structured_outputs") is not None:
+        asked.append(Grammar.from_vllm(body["structured_outputs"]))
+    asked += [Grammar.of(kind, body[key]) for key, kind in _GUIDED.items()
+              if body.get(key) is not None]
+    if len(asked) > 1:
+        raise InvalidArgument("ask for one structured output (response_format, "
+                              "structured_outputs or one guided_* key), not several")
+    return asked[0] if asked else None
 
 
 def _choices(engine: DecoderEngine, body: dict) -> int:
@@ -172,7 +204,7 @@ def generations_for(engine: DecoderEngine, body: dict, prompt: tuple[int, ...],
     stop_ids = frozenset() if body_value(body, "ignore_eos", (bool,), False) else \
         frozenset(engine.text.eos_ids)
     seed = body_value(body, "seed", (int,))
-    adjustments = _adjustments(body)
+    adjustments, grammar = _adjustments(body), structured_output(body)
     sampling = [Sampling(float(body_value(body, "temperature", (int, float), 1.0)),
                          body_value(body, "top_k", (int,), 0) if body.get("top_k") != -1 else 0,
                          float(body_value(body, "top_p", (int, float), 1.0)),
@@ -183,7 +215,8 @@ def generations_for(engine: DecoderEngine, body: dict, prompt: tuple[int, ...],
                               min_tokens=body_value(body, "min_tokens", (int,), 0),
                               stop_strings=_stops(body), logprobs=top is not None,
                               top_logprobs=top or 0,
-                              prompt_logprobs=top if echo and top is not None else None)
+                              prompt_logprobs=top if echo and top is not None else None,
+                              grammar=grammar)
             for i, s in enumerate(sampling)]
 
 

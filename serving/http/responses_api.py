@@ -3,8 +3,8 @@ and `responses.stream`, and the agent frameworks built on them, send a decoder w
 template. `input` is a string (one user message) or a list of messages (`role`, `content` as
 a string or `input_text` / `output_text` parts; `"type": "message"` optional);
 `instructions` comes first as a system message; `max_output_tokens`, `temperature`,
-`top_p`, `top_logprobs` with `include: ["message.output_text.logprobs"]`, `metadata`
-(answered back) and vLLM's sampling extras (`top_k`, `min_tokens`, `seed`,
+`top_p`, `top_logprobs` with `include: ["message.output_text.logprobs"]`, structured
+output (`text.format` json_object or json_schema), `metadata` (answered back) and vLLM's sampling extras (`top_k`, `min_tokens`, `seed`,
 `repetition_penalty`, `ignore_eos`) as on /v1/chat/completions. Answered whole, or with
 `stream: true` as the API's typed events, each `event: TYPE` with its `sequence_number`:
 response.created, response.in_progress, response.output_item.added,
@@ -15,15 +15,14 @@ response.completed, or response.incomplete when `max_output_tokens` cut the answ
 
 Nothing is stored (`store` is answered false), so what needs a stored response is refused
 with 400 rather than ignored: `previous_response_id`, `conversation`, `background`; so are
-tools, a text format other than plain text, reasoning settings (these models do not reason)
-and `truncation: auto`."""
+tools, reasoning settings (these models do not reason) and `truncation: auto`."""
 
 from __future__ import annotations
 
 import json
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -35,7 +34,7 @@ from serving.http.openai_api import (body_value, error, generations_for, text_en
                                      token_entry, top_count)
 from serving.http.streams import ChunkStream, until_disconnect
 from serving.http.triton_generate import SSE_HEADERS
-from serving.sampling import Chunk, join_chunks
+from serving.sampling import Chunk, Grammar, join_chunks
 from serving.tokenizer import token_text
 
 LOGPROBS = "message.output_text.logprobs"  # the `include` entry that asks for them
@@ -52,9 +51,6 @@ def _refuse_unsupported(body: dict) -> None:
             raise InvalidArgument(f"'{name}' is not supported ({why})")
     if body.get("tool_choice") not in (None, "none", "auto"):
         raise InvalidArgument("'tool_choice' is not supported (no tools)")
-    kind = ((body_value(body, "text", (dict,), {}) or {}).get("format") or {}).get("type", "text")
-    if kind != "text":
-        raise InvalidArgument(f"'text.format' {kind!r} is not supported (only 'text')")
     reasoning = body_value(body, "reasoning", (dict,), {}) or {}
     if any(v is not None for v in reasoning.values()):
         raise InvalidArgument("'reasoning' is not supported (this model does not reason)")
@@ -64,6 +60,24 @@ def _refuse_unsupported(body: dict) -> None:
     include = body_value(body, "include", (list,), []) or []
     if any(x != LOGPROBS for x in include):
         raise InvalidArgument(f"'include' may only name {LOGPROBS!r}")
+
+
+def _format(body: dict) -> Grammar | None:
+    """`text.format`: text, json_object, or json_schema with its `schema` (structured
+    output)."""
+    fmt = (body_value(body, "text", (dict,), {}) or {}).get("format") or {}
+    kind = fmt.get("type", "text")
+    if kind == "json_object":
+        return Grammar.of("json", {"type": "object"})
+    if kind == "json_schema":
+        if not isinstance(fmt.get("schema"), dict):
+            raise InvalidArgument("'text.format' json_schema needs 'schema', a JSON schema "
+                                  "object")
+        return Grammar.of("json", fmt["schema"])
+    if kind != "text":
+        raise InvalidArgument(f"'text.format' {kind!r} is not supported (text, json_object, "
+                              "json_schema)")
+    return None
 
 
 def _messages(body: dict) -> list[dict]:
@@ -131,8 +145,7 @@ class _Answer:
         return {"id": self.item, "type": "message", "status": status, "role": "assistant",
                 "content": content}
 
-    def response(self, status: str, output: list, reason: str | None = None,
-                 failure: str | None = None) -> dict:
+    def response(self, status: str, output: list, failure: str | None = None) -> dict:
         b = self.body
         done = status in ("completed", "incomplete")
         return {
@@ -146,7 +159,8 @@ class _Answer:
             "parallel_tool_calls": b.get("parallel_tool_calls", True),
             "previous_response_id": None, "reasoning": {"effort": None, "summary": None},
             "store": False, "temperature": b.get("temperature", 1.0),
-            "text": {"format": {"type": "text"}}, "tool_choice": b.get("tool_choice", "auto"),
+            "text": b.get("text") or {"format": {"type": "text"}},
+            "tool_choice": b.get("tool_choice", "auto"),
             "tools": [], "top_logprobs": b.get("top_logprobs", 0),
             "top_p": b.get("top_p", 1.0), "truncation": "disabled",
             "usage": None if not done else {
@@ -181,6 +195,7 @@ async def responses(frontend, request: Request) -> Response:
     answer = _Answer(engine, body, len(prompt), logprobs)
     asked = {k: body[k] for k in _SAMPLING if k in body} | {"max_tokens": max_tokens}
     (generation,) = generations_for(engine, asked, prompt, top if logprobs else None, answer.id)
+    generation = replace(generation, grammar=_format(body))
     stream = ChunkStream(engine, generation)  # refusals answer with a status here
     if not body_value(body, "stream", (bool,), False):
         chunks = await until_disconnect(request.receive, stream.collect(), stream.close)

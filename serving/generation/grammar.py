@@ -1,0 +1,99 @@
+"""Structured output (JSON schemas, JSON mode, regexes, choices, Lark grammars), as vLLM's
+`guidance` backend does it: llguidance compiles a request's grammar against the served
+tokenizer; before each of the stream's samplings the tokens that would leave the grammar
+are masked out (-inf), and after it the sampled token moves the matcher on. The stream
+ends ("stop") when the match is complete: nothing may follow, or the end token came where
+the grammar allows the end.
+
+JSON is compact (no free whitespace between tokens of the JSON): a model may otherwise fill
+its output with whitespace, which every schema allows (vLLM's `disable_any_whitespace`)."""
+
+from __future__ import annotations
+
+import json
+from typing import Sequence
+
+import numpy as np
+
+from serving.errors import InvalidArgument
+from serving.sampling import Grammar
+
+
+def _source(grammar: Grammar) -> str:
+    """llguidance's grammar text for a request's Grammar."""
+    from llguidance import LLMatcher
+
+    if grammar.kind == "json":
+        try:
+            return LLMatcher.grammar_from_json_schema(
+                grammar.source, defaults={"whitespace_flexible": False})
+        except ValueError as e:
+            raise InvalidArgument(f"the JSON schema is not a JSON object: {e}") from None
+    if grammar.kind == "regex":
+        return LLMatcher.grammar_from_regex(grammar.source)
+    if grammar.kind == "choice":
+        try:
+            choices = json.loads(grammar.source)
+        except ValueError:
+            choices = None
+        if not isinstance(choices, list) or not choices or not all(
+                isinstance(c, str) for c in choices):
+            raise InvalidArgument("a choice must be a non-empty list of strings")
+        return LLMatcher.grammar_from_lark(
+            "start: " + " | ".join(json.dumps(c) for c in choices))
+    return LLMatcher.grammar_from_lark(grammar.source)
+
+
+class Matcher:
+    """One stream's place in its grammar."""
+
+    def __init__(self, matcher, eos: frozenset[int], vocab: int, tokens: int) -> None:
+        self._m, self.eos, self._vocab = matcher, eos, vocab  # vocab: the logits' width
+        self._words = np.empty((tokens + 31) // 32, np.int32)  # one bit per token it knows
+
+    def restrict(self, row: np.ndarray) -> None:
+        """`row` (vocab,), in place: -inf for every token the grammar does not allow next."""
+        self._m.unsafe_compute_mask_ptr(self._words.ctypes.data, self._words.nbytes)
+        allowed = np.unpackbits(self._words.view(np.uint8), bitorder="little")[:self._vocab]
+        row[:len(allowed)][allowed[:len(row)] == 0] = -np.inf
+
+    def advance(self, token: int) -> bool:
+        """Take the sampled token; whether the match is complete (the stream ends)."""
+        if token in self.eos:
+            return True
+        if not self._m.consume_token(token):
+            raise RuntimeError(f"the grammar refused token {token}: {self._m.get_error()}")
+        return self._m.is_stopped()
+
+
+class GrammarCompiler:
+    """Builds matchers for one served tokenizer (its llguidance twin made on first use: for
+    a 150k vocabulary that takes about a second)."""
+
+    def __init__(self, tokenizer, vocab: int, eos_ids: Sequence[int]) -> None:
+        self.tokenizer, self.vocab, self.eos = tokenizer, vocab, frozenset(eos_ids)
+        self._twin = None
+
+    def _tokenizer(self):
+        if self._twin is None:
+            from llguidance import LLTokenizer
+
+            size = max(self.vocab, self.tokenizer.get_vocab_size(with_added_tokens=True))
+            self._twin = LLTokenizer(self.tokenizer.to_str(), n_vocab=size,
+                                     eos_token=sorted(self.eos))
+        return self._twin
+
+    def matcher(self, grammar: Grammar) -> Matcher:
+        """InvalidArgument, with llguidance's reason, for a grammar it cannot compile."""
+        if self.tokenizer is None:
+            raise InvalidArgument("structured output needs the model's tokenizer (no "
+                                  "tokenizer.json in this artifact)")
+        if not self.eos:
+            raise InvalidArgument("structured output needs the model's end token (no "
+                                  "eos_token_id in config.json or tokenizer_config.json)")
+        from llguidance import LLMatcher
+
+        m = LLMatcher(self._tokenizer(), _source(grammar), log_level=0)
+        if m.is_error():
+            raise InvalidArgument(f"the {grammar.kind} cannot be compiled: {m.get_error()}")
+        return Matcher(m, self.eos, self.vocab, self._tokenizer().vocab_size)
