@@ -71,6 +71,32 @@ def greedy(model: Path, prompt: list[int], n: int) -> tuple[list[int], list[np.n
     return ids[len(prompt):], logits_seen
 
 
+def guided_greedy(model, prompt: list[int], grammar: str, eos: int, n: int = 48) -> list[int]:
+    """Greedy under a grammar (llguidance's text), masked with llguidance's own numpy
+    helpers on ONNX Runtime's logits of the whole sequence; stops at `eos` or when the
+    grammar is complete."""
+    from llguidance import LLMatcher, LLTokenizer
+    from llguidance.numpy import (allocate_token_bitmask, apply_token_bitmask_inplace,
+                                  fill_next_token_bitmask)
+
+    twin = LLTokenizer(tokenizer().to_str(), n_vocab=VOCAB, eos_token=[eos])
+    matcher, ids, out = LLMatcher(twin, grammar), list(prompt), []
+    mask = allocate_token_bitmask(1, twin.vocab_size)
+    for _ in range(n):
+        row = logits_of(model, ids)[-1:].copy()
+        fill_next_token_bitmask(matcher, mask)
+        apply_token_bitmask_inplace(row, mask)
+        token = int(np.argmax(row[0]))
+        if token == eos:
+            break
+        assert matcher.consume_token(token)
+        ids.append(token)
+        out.append(token)
+        if matcher.is_stopped():
+            break
+    return out
+
+
 def log_softmax(logits: np.ndarray) -> np.ndarray:
     x = logits.astype(np.float64)
     top = x.max(-1, keepdims=True)

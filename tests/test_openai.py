@@ -280,9 +280,11 @@ def test_what_cannot_be_honoured_is_refused_not_ignored(server) -> None:
     with pytest.raises(openai.BadRequestError, match="'response_format' 'grammar' is not"):
         c.chat.completions.create(model=name, messages=MESSAGES,
                                   response_format={"type": "grammar"})
-    with pytest.raises(openai.BadRequestError, match="'tools' is not supported"):
+    with pytest.raises(openai.BadRequestError, match="'auto' \\(the model decides\\)"):
         c.chat.completions.create(model=name, messages=MESSAGES, tools=[{
             "type": "function", "function": {"name": "f", "parameters": {}}}])
+    with pytest.raises(openai.BadRequestError, match="'tools' is not supported here"):
+        c.completions.create(model=name, prompt=PROMPT, extra_body={"tools": [{}]})
     with pytest.raises(openai.BadRequestError, match="'suffix' is not supported"):
         c.completions.create(model=name, prompt=PROMPT, suffix="the end")
     with pytest.raises(openai.BadRequestError, match="'echo' is a parameter of /v1/completions"):

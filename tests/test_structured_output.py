@@ -16,7 +16,7 @@ import openai
 import pytest
 import tritonclient.grpc as tg
 from llm_support import decoder as server  # noqa: F401 - a fixture
-from llm_support import PROMPT, VOCAB, llama, logits_of, tokenizer  # noqa: F401
+from llm_support import PROMPT, VOCAB, guided_greedy, llama, tokenizer  # noqa: F401
 from pydantic import BaseModel, Field
 
 from serving.errors import InvalidArgument
@@ -36,30 +36,6 @@ class Person(BaseModel):
 
 def _eos(server) -> int:
     return server.slot.engine.text.eos_ids[0]
-
-
-def reference(model, prompt: list[int], grammar: str, eos: int, n: int = 48) -> list[int]:
-    """Greedy under llguidance's mask, applied with its own numpy helpers."""
-    from llguidance import LLMatcher, LLTokenizer
-    from llguidance.numpy import (allocate_token_bitmask, apply_token_bitmask_inplace,
-                                  fill_next_token_bitmask)
-
-    twin = LLTokenizer(tokenizer().to_str(), n_vocab=VOCAB, eos_token=[eos])
-    matcher, ids, out = LLMatcher(twin, grammar), list(prompt), []
-    mask = allocate_token_bitmask(1, twin.vocab_size)
-    for _ in range(n):
-        row = logits_of(model, ids)[-1:].copy()
-        fill_next_token_bitmask(matcher, mask)
-        apply_token_bitmask_inplace(row, mask)
-        token = int(np.argmax(row[0]))
-        if token == eos:
-            break
-        assert matcher.consume_token(token)
-        ids.append(token)
-        out.append(token)
-        if matcher.is_stopped():
-            break
-    return out
 
 
 def _json(schema: dict) -> str:
@@ -87,7 +63,7 @@ def test_chat_completions_parse_a_pydantic_model(server, llama) -> None:
                                                  response_format=Person, temperature=0)
     person = got.choices[0].message.parsed
     assert isinstance(person, Person) and got.choices[0].finish_reason == "stop"
-    want = reference(llama, _chat_prompt(server), _json(to_strict_json_schema(Person)),
+    want = guided_greedy(llama, _chat_prompt(server), _json(to_strict_json_schema(Person)),
                      _eos(server))
     assert got.choices[0].message.content == tokenizer().decode(want)
 
@@ -98,7 +74,7 @@ def test_json_mode_answers_an_object(server, llama) -> None:
         response_format={"type": "json_object"})
     content = got.choices[0].message.content
     assert isinstance(json.loads(content), dict)
-    want = reference(llama, _chat_prompt(server), _json({"type": "object"}), _eos(server), 40)
+    want = guided_greedy(llama, _chat_prompt(server), _json({"type": "object"}), _eos(server), 40)
     assert content == tokenizer().decode(want)
 
 
@@ -109,7 +85,7 @@ def test_vllm_guided_choice_and_regex_whole_and_streamed(server, llama) -> None:
                                max_tokens=10, extra_body={"guided_choice": choices})
     assert got.choices[0].text in choices and got.choices[0].finish_reason == "stop"
     grammar = "start: " + " | ".join(json.dumps(x) for x in choices)
-    assert got.choices[0].text == tokenizer().decode(reference(llama, prompt, grammar,
+    assert got.choices[0].text == tokenizer().decode(guided_greedy(llama, prompt, grammar,
                                                                _eos(server)))
     regex = r"[0-9]{3}-[a-z]{2,4}"
     streamed = c.completions.create(model=server.slot.name, prompt=PROMPT, temperature=0,
@@ -119,7 +95,7 @@ def test_vllm_guided_choice_and_regex_whole_and_streamed(server, llama) -> None:
     assert re.fullmatch(regex, text)
     from llguidance import LLMatcher
 
-    assert text == tokenizer().decode(reference(llama, prompt, LLMatcher.grammar_from_regex(
+    assert text == tokenizer().decode(guided_greedy(llama, prompt, LLMatcher.grammar_from_regex(
         regex), _eos(server)))
 
 
@@ -163,7 +139,7 @@ def test_tensorrt_llm_guides_and_the_vllm_backends_structured_outputs(server, ll
                               _tensor("max_tokens", 12, "INT32"),
                               _tensor("guided_decoding_guide_type", "regex"),
                               _tensor("guided_decoding_guide", "(ab|cd)[0-9]{2}")])
-    assert ids == reference(llama, prompt, LLMatcher.grammar_from_regex("(ab|cd)[0-9]{2}"),
+    assert ids == guided_greedy(llama, prompt, LLMatcher.grammar_from_regex("(ab|cd)[0-9]{2}"),
                             _eos(server))
     schema = {**Person.model_json_schema(), "additionalProperties": False}
     _, text = _stream(server, [_tensor("text_input", PROMPT), _tensor(
@@ -219,7 +195,7 @@ def test_a_constrained_stream_leaves_the_others_in_its_batch_alone(llama) -> Non
         assert together[1:] == alone
         from llguidance import LLMatcher
 
-        assert together[0] == reference(llama, list(prompts[0]),
+        assert together[0] == guided_greedy(llama, list(prompts[0]),
                                         LLMatcher.grammar_from_regex("[a-c]{5}"), eos)
         with pytest.raises(InvalidArgument, match="the grammar cannot be compiled"):
             gen.submit(GenerationRequest(prompts[0], 4, grammar=Grammar("grammar", "start: (")),

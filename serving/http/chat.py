@@ -62,13 +62,16 @@ def messages_of(raw) -> list[dict]:
     return out
 
 
-def render(text: TextConfig, messages: list[dict], add_generation_prompt: bool = True) -> str:
+def render(text: TextConfig, messages: list[dict], add_generation_prompt: bool = True,
+           tools: list | None = None) -> str:
+    """The prompt text; `tools` (OpenAI's tool list) reaches the template as `tools`, as
+    transformers' apply_chat_template passes it (None when there are none)."""
     if text.chat_template is None:
         raise InvalidArgument("this model has no chat template (no 'chat_template' in the "
                               "artifact's tokenizer_config.json): use /v1/completions")
     try:
         return _compiled(text.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
+            messages=messages, add_generation_prompt=add_generation_prompt, tools=tools or None,
             bos_token=text.bos_token, eos_token=text.eos_token)
     except jinja2.exceptions.TemplateError as e:
         raise InvalidArgument(f"the chat template refused these messages: {e}") from None

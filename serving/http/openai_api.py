@@ -1,18 +1,19 @@
 """An OpenAI-compatible API on the HTTP port (and vLLM's `GET /health` and `/version`, which
-its deployments probe): `GET /v1/models[/{model}]`, `POST
-/v1/completions` and `POST /v1/chat/completions`, whole or streamed (`stream: true`:
-Server-Sent Events, one chunk per token chunk, then `data: [DONE]`), with `usage`, `max_tokens`,
-`temperature`, `top_p`, `seed`, `stop` (strings), `n` (choices, each its own stream in the
-engine), `logprobs` (of the sampled tokens, and of the k most likely: completions'
-`logprobs: k`, chat's `top_logprobs`), `frequency_penalty`, `presence_penalty` and
-`logit_bias`, structured output (`response_format` json_object or json_schema; vLLM's
-`structured_outputs` and `guided_json` / `guided_regex` / `guided_choice` /
-`guided_grammar`), and vLLM's `top_k`, `min_tokens`, `repetition_penalty` and
-`ignore_eos`. Completions also take a batch of prompts (choice `index` = prompt * n + choice) and `echo`
-(the prompt before the completion; with `logprobs`, every prompt token's log-prob too, the
-first one null, and `max_tokens: 0` for the prompt alone): what lm-evaluation-harness sends
-to score a model. Errors are OpenAI error objects with the matching status; a parameter this
-server cannot honour (tools, `best_of`, `suffix`) is refused rather than ignored.
+its deployments probe): `GET /v1/models[/{model}]`, `POST /v1/completions` and `POST
+/v1/chat/completions`, whole or streamed (`stream: true`: Server-Sent Events, one chunk per
+token chunk, then `data: [DONE]`), with `usage`, `max_tokens`, `temperature`, `top_p`,
+`seed`, `stop` (strings), `n` (choices, each its own stream in the engine), `logprobs` (of
+the sampled tokens, and of the k most likely: completions' `logprobs: k`, chat's
+`top_logprobs`), `frequency_penalty`, `presence_penalty` and `logit_bias`, structured output
+(`response_format` json_object or json_schema; vLLM's `structured_outputs` and
+`guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`), chat's `tools` with
+`tool_choice` "required" or a named function (serving/http/tools.py), and vLLM's `top_k`,
+`min_tokens`, `repetition_penalty` and `ignore_eos`. Completions also take a batch of
+prompts (choice `index` = prompt * n + choice) and `echo` (the prompt before the
+completion; with `logprobs`, every prompt token's log-prob too, the first one null, and
+`max_tokens: 0` for the prompt alone): what lm-evaluation-harness sends to score a model.
+Errors are OpenAI error objects with the matching status; a parameter this server cannot
+honour (`tool_choice` "auto", `best_of`, `suffix`) is refused rather than ignored.
 Generation stops at the model's end token (config.json / tokenizer_config.json) unless
 `ignore_eos`."""
 
@@ -31,6 +32,7 @@ from serving.errors import InvalidArgument, NotFound
 from serving.http.chat import messages_of, render
 from serving.http.codec import http_status_for
 from serving.http.streams import ChunkStreams, until_disconnect
+from serving.http.tools import ToolChoice, tool_choice
 from serving.http.triton_generate import SSE_HEADERS, sse
 from serving.sampling import (MAX_TOP_LOGPROBS, Chunk, GenerationRequest, Grammar, Sampling,
                               join_chunks)
@@ -98,11 +100,11 @@ def _stops(body: dict) -> tuple[str, ...]:
 def _check_unsupported(body: dict) -> None:
     """A parameter that would change the output and that this server cannot honour is an
     error: silently ignoring tools would answer something else than asked."""
-    for name in ("tools", "functions", "suffix"):
+    for name in ("tools", "functions", "suffix"):  # (chat takes its tools out before)
         if body.get(name):
-            raise InvalidArgument(f"'{name}' is not supported")
+            raise InvalidArgument(f"'{name}' is not supported here")
     if body.get("tool_choice") not in (None, "none"):
-        raise InvalidArgument("'tool_choice' is not supported (no tools)")
+        raise InvalidArgument("'tool_choice' needs 'tools'")
     if body_value(body, "best_of", (int,), None) not in (None, body_value(body, "n", (int,), 1)):
         raise InvalidArgument("'best_of' is not supported (leave it equal to 'n')")
 
@@ -273,9 +275,10 @@ class _Shape:
     choice; chat puts a message (a delta when streaming) and content log-probs."""
 
     def __init__(self, engine: DecoderEngine, chat: bool, top: int | None, n: int,
-                 echo: _Echo | None = None) -> None:
+                 echo: _Echo | None = None, tools: ToolChoice | None = None) -> None:
         self.engine, self.chat, self.logprobs, self.top = engine, chat, top is not None, top
-        self.echo = echo
+        self.echo, self.tools = echo, tools
+        self.held = [""] * n  # each choice's text so far, when it becomes tool calls
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.offsets = [0] * n  # each choice's text_offset (completions)
@@ -340,12 +343,33 @@ class _Shape:
             out["text"] = chunk.text or ""
             if self.echo is not None and (first or not stream):
                 out["text"] = self.echo.prompts[index][1] + out["text"]
+        elif self.tools is not None:
+            self._tool_calls(out, chunk, stream, first, index)
         elif stream:
             out["delta"] = ({"role": "assistant", "content": chunk.text or ""} if first
                             else {"content": chunk.text} if chunk.text else {})
         else:
             out["message"] = {"role": "assistant", "content": chunk.text or ""}
         return out
+
+    def _tool_calls(self, out: dict, chunk: Chunk, stream: bool, first: bool,
+                    index: int) -> None:
+        """A forced call's choice: the text is held until the end, then sent as the
+        message's tool_calls (streamed: one delta carrying them whole); a call cut by
+        max_tokens stays text, finish reason "length"."""
+        self.held[index] += chunk.text or ""
+        calls = self.tools.calls(self.held[index]) if chunk.final and chunk.reason == "stop" \
+            else None
+        if calls is not None:
+            out["finish_reason"] = "tool_calls"
+        message: dict = {"role": "assistant"} if first or not stream else {}
+        if calls is not None and stream:  # deltas name each call's place in the list
+            message["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
+        elif calls is not None:
+            message.update(content=None, tool_calls=calls)
+        elif chunk.final:
+            message["content"] = self.held[index]
+        out["delta" if stream else "message"] = message
 
     def envelope(self, choices: list, stream: bool, usage: dict | None = None) -> dict:
         out = {"id": self.id, "object": self.object(stream), "created": self.created,
@@ -445,11 +469,20 @@ async def chat_completions(frontend, request: Request) -> Response:
     top = top_count("top_logprobs", body_value(body, "top_logprobs", (int,), 0))
     if top and not logprobs:
         raise InvalidArgument("'top_logprobs' needs 'logprobs': true")
+    forced = tool_choice(body)
     text = render(engine.text, messages_of(body.get("messages")),
-                  body_value(body, "add_generation_prompt", (bool,), True))
+                  body_value(body, "add_generation_prompt", (bool,), True), body.get("tools"))
     prompt = tuple(engine.tokenizer.encode(text, add_special_tokens=False).ids)
-    shape = _Shape(engine, chat=True, top=top if logprobs else None, n=_choices(engine, body))
-    generations = generations_for(engine, body, prompt, top if logprobs else None, shape.id)
+    shape = _Shape(engine, chat=True, top=top if logprobs else None, n=_choices(engine, body),
+                   tools=forced)
+    sampling = {k: v for k, v in body.items() if k not in ("tools", "tool_choice",
+                                                             "parallel_tool_calls")}
+    generations = generations_for(engine, sampling, prompt, top if logprobs else None,
+                                  shape.id)
+    if forced is not None:
+        if generations[0].grammar is not None:
+            raise InvalidArgument("ask for tool calls or a structured output, not both")
+        generations = [replace(g, grammar=forced.grammar()) for g in generations]
     return await _answer(request, shape, generations, _stream_options(body), len(prompt))
 
 

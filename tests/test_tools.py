@@ -1,0 +1,143 @@
+"""Tool calling as the openai client sends it, where the client forces the call: a named
+function (also through the client's `chat.completions.stream` helper with
+`pydantic_function_tool`, which parses the streamed arguments itself) and "required".
+The arguments equal an independent reference (greedy under llguidance's mask on ONNX
+Runtime's logits of the prompt transformers renders with the tools), and "auto" is refused
+with a reason."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+from llm_support import (CHAT_TEMPLATE, decoder_artifact, guided_greedy, llama,  # noqa: F401
+                         start, tokenizer)
+from pydantic import BaseModel, Field
+
+# ChatML that names the tools in a system turn, as tool-calling models' templates do (theirs
+# write whole schemas, too long for this model's 256 positions)
+TOOLS_TEMPLATE = ("{% if tools %}<|im_start|>system\nTools:{% for t in tools %} "
+                  "{{ t.function.name | tojson }}{% endfor %}<|im_end|>\n{% endif %}"
+                  + CHAT_TEMPLATE)
+MESSAGES = [{"role": "user", "content": "Weather in Oslo?"}]
+WEATHER = {"type": "object", "properties": {
+    "city": {"type": "string", "maxLength": 10},
+    "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "days"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {
+             "type": "object", "properties": {"zone": {"type": "string", "enum": [
+                 "UTC", "CET"]}}, "required": ["zone"], "additionalProperties": False}}}]
+
+
+class Lookup(BaseModel):
+    word: str = Field(max_length=6)
+
+
+@pytest.fixture(scope="module")
+def artifact(llama, tmp_path_factory):
+    out = decoder_artifact(tmp_path_factory.mktemp("tools"), llama)
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    (out / "tokenizer_config.json").write_text(json.dumps({**config,
+                                                           "chat_template": TOOLS_TEMPLATE}))
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(artifact):
+    s = start(artifact, generate={"max_streams": 4, "max_tokens": 64})
+    yield s
+    s.stop(5)
+
+
+def _client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key="x",
+                         max_retries=0, timeout=60)
+
+
+def _prompt(artifact, tools) -> list[int]:
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(artifact / "tokenizer.json"),
+                                  bos_token="<s>", eos_token="<|im_end|>")
+    text = tok.apply_chat_template(MESSAGES, tools=tools, chat_template=TOOLS_TEMPLATE,
+                                   tokenize=False, add_generation_prompt=True)
+    return tokenizer().encode(text, add_special_tokens=False).ids
+
+
+def _grammar(schema: dict) -> str:
+    from llguidance import LLMatcher
+
+    return LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
+
+
+def test_a_named_function_is_called_with_the_models_arguments(server, artifact, llama) -> None:
+    got = _client(server).chat.completions.create(
+        model=server.slot.name, messages=MESSAGES, tools=TOOLS, temperature=0,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    choice = got.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather"
+    arguments = json.loads(call.function.arguments)
+    assert set(arguments) == {"city", "days"} and 1 <= arguments["days"] <= 7
+    eos = server.slot.engine.text.eos_ids[0]
+    want = guided_greedy(llama, _prompt(artifact, TOOLS), _grammar(WEATHER), eos)
+    assert arguments == json.loads(tokenizer().decode(want))
+
+
+def test_the_stream_helper_parses_a_pydantic_tools_arguments(server) -> None:
+    tool = openai.pydantic_function_tool(Lookup)
+    with _client(server).chat.completions.stream(
+            model=server.slot.name, messages=MESSAGES, tools=[tool], temperature=0,
+            tool_choice={"type": "function", "function": {"name": "Lookup"}}) as stream:
+        final = stream.get_final_completion()
+    (call,) = final.choices[0].message.tool_calls
+    assert call.function.name == "Lookup" and isinstance(call.function.parsed_arguments,
+                                                         Lookup)
+    assert final.choices[0].finish_reason == "tool_calls"
+
+
+def test_required_calls_one_of_the_tools_or_more(server, artifact, llama) -> None:
+    c, name = _client(server), server.slot.name
+    got = c.chat.completions.create(model=name, messages=MESSAGES, tools=TOOLS,
+                                    tool_choice="required", parallel_tool_calls=False,
+                                    temperature=0, max_tokens=60)
+    (call,) = got.choices[0].message.tool_calls
+    assert got.choices[0].finish_reason == "tool_calls"
+    assert call.function.name in ("get_weather", "get_time")
+    assert isinstance(json.loads(call.function.arguments), dict)
+    # several calls allowed: this model keeps calling, and max_tokens cuts the list; what
+    # came is then text (finish reason "length"), not a half call
+    cut = c.chat.completions.create(model=name, messages=MESSAGES, tools=TOOLS,
+                                    tool_choice="required", temperature=0, max_tokens=40)
+    assert cut.choices[0].finish_reason == "length" and cut.choices[0].message.tool_calls is None
+    assert cut.choices[0].message.content.startswith('[{"name":')
+
+
+def test_a_tool_result_turn_is_taken(server) -> None:
+    history = MESSAGES + [
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "call_1", "type": "function",
+            "function": {"name": "get_time", "arguments": "{\"zone\": \"UTC\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]
+    got = _client(server).chat.completions.create(model=server.slot.name, messages=history,
+                                                  tools=TOOLS, tool_choice="none",
+                                                  max_tokens=4, temperature=0)
+    assert got.choices[0].message.tool_calls is None and got.choices[0].message.content
+
+
+@pytest.mark.parametrize("extra, says", [
+    ({"tools": TOOLS}, "'auto' \\(the model decides\\) would need"),
+    ({"tool_choice": "required"}, "'tool_choice' needs 'tools'"),
+    ({"tools": [{"type": "function"}], "tool_choice": "required"}, "tools\\[0\\] must be"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "'nope', which is not among the tools"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "tool calls or a structured output, not both"),
+])
+def test_what_cannot_be_done_is_400(server, extra, says) -> None:
+    with pytest.raises(openai.BadRequestError, match=says):
+        _client(server).chat.completions.create(model=server.slot.name, messages=MESSAGES,
+                                                max_tokens=4, **extra)
