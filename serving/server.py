@@ -31,6 +31,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2
 from serving.decoder import DecoderEngine
 from serving.engine import Engine, EngineOptions
 from serving.generation import GenerateOptions
+from serving.http.tools import PARSERS
 from serving.metrics import (Stats, add_endpoint_metrics, add_generation_metrics, make_metrics,
                              start_metrics_server)
 from serving.model import load_artifact
@@ -63,6 +64,7 @@ class ServerOptions:
     max_message_bytes: int = 256 * 1024 * 1024
     threads: int = 128  # gRPC handler threads: a waiting request holds one
     drain_timeout_s: float = 120.0
+    tool_call_parser: str | None = None  # chat's tool_choice "auto": serving/http/tools.py
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -78,6 +80,9 @@ class ServerOptions:
             raise BadInput("both gRPC and HTTP are turned off: serve at least one")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise BadInput(f"metrics port must be in [0, 65535], not {self.metrics_port}")
+        if self.tool_call_parser not in (None, *PARSERS):
+            raise BadInput(f"--tool-call-parser must be one of {list(PARSERS)}, not "
+                           f"{self.tool_call_parser!r}")
         if self.token is not None and (not self.token or any(c.isspace() for c in self.token)):
             raise BadInput("the token must be non-empty and hold no whitespace")
         if not 1024 <= self.max_message_bytes <= 2**31 - 1:
@@ -273,7 +278,8 @@ class Server:
                            "--http-port -1") from None
 
         o = self.options
-        frontend = Frontend(self.slot, o.token, self.endpoint_metrics, o.max_message_bytes)
+        frontend = Frontend(self.slot, o.token, self.endpoint_metrics, o.max_message_bytes,
+                            tool_parser=o.tool_call_parser)
         try:
             return HttpServer(frontend, HttpOptions(o.host, o.http_port, o.tls_cert, o.tls_key,
                                                     o.drain_timeout_s, o.threads))

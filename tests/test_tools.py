@@ -129,7 +129,7 @@ def test_a_tool_result_turn_is_taken(server) -> None:
 
 
 @pytest.mark.parametrize("extra, says", [
-    ({"tools": TOOLS}, "'auto' \\(the model decides\\) would need"),
+    ({"tools": TOOLS}, "'auto' \\(the model decides\\) needs .* --tool-call-parser"),
     ({"tool_choice": "required"}, "'tool_choice' needs 'tools'"),
     ({"tools": [{"type": "function"}], "tool_choice": "required"}, "tools\\[0\\] must be"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
@@ -141,3 +141,76 @@ def test_what_cannot_be_done_is_400(server, extra, says) -> None:
     with pytest.raises(openai.BadRequestError, match=says):
         _client(server).chat.completions.create(model=server.slot.name, messages=MESSAGES,
                                                 max_tokens=4, **extra)
+
+
+# ------------------------------------------------- tool_choice "auto" with a call parser
+
+CALL = '{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}'
+
+
+def _read_streamed(pieces: list[str]) -> tuple[str, list | None]:
+    """Hermes' reader fed as a stream is fed: each piece, then the end."""
+    from serving.http.tools import Hermes
+
+    reader, held, sent, content, calls = Hermes(), "", 0, "", None
+    for i, piece in enumerate(pieces):
+        held += piece
+        out, calls = reader.read(held, sent, i == len(pieces) - 1)
+        sent += len(out)
+        content += out
+    return content, calls
+
+
+@pytest.mark.parametrize("text, content, names", [
+    (f"<tool_call>\n{CALL}\n</tool_call>", "", ["get_weather"]),
+    (f"Let me check.\n<tool_call>\n{CALL}\n</tool_call>\n<tool_call>\n"
+     '{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>', "Let me check.\n",
+     ["get_weather", "get_time"]),
+    (f"<tool_call>\n{CALL}", "", ["get_weather"]),  # cut after the JSON: still a call
+    ("<tool_call>\n{\"name\": \"get_wea", "<tool_call>\n{\"name\": \"get_wea", None),
+    ("It is 12:00 in Oslo (a <b>tool</b> said).", "It is 12:00 in Oslo (a <b>tool</b> said).",
+     None),
+])
+def test_hermes_calls_are_read_out_of_the_text_whole_and_streamed(text, content,
+                                                                  names) -> None:
+    for pieces in ([text], [text[i:i + 3] for i in range(0, len(text), 3)]):
+        got, calls = _read_streamed(pieces)
+        assert got == content
+        assert (None if calls is None else [c["function"]["name"] for c in calls]) == names
+    if names:
+        _, calls = _read_streamed([text])
+        assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo", "days": 2}
+
+
+def test_streamed_content_is_held_back_only_while_a_call_may_start() -> None:
+    from serving.http.tools import Hermes
+
+    assert Hermes().read("Sure <tool_", 0, False) == ("Sure ", None)
+    assert Hermes().read("Sure <tool_x", 0, False) == ("Sure <tool_x", None)
+
+
+def test_auto_with_the_parser_answers_text_when_the_model_calls_nothing(artifact,
+                                                                         llama) -> None:
+    from llm_support import greedy
+
+    s = start(artifact, tool_call_parser="hermes", generate={"max_tokens": 64})
+    try:
+        c = _client(s)
+        got = c.chat.completions.create(model=s.slot.name, messages=MESSAGES, tools=TOOLS,
+                                        temperature=0, max_tokens=8)
+        want = tokenizer().decode(greedy(llama, _prompt(artifact, TOOLS), 8)[0])
+        assert got.choices[0].message.content == want and got.choices[0].finish_reason == \
+            "length" and got.choices[0].message.tool_calls is None
+        streamed = c.chat.completions.create(model=s.slot.name, messages=MESSAGES, tools=TOOLS,
+                                             temperature=0, max_tokens=8, stream=True)
+        assert "".join(x.choices[0].delta.content or "" for x in streamed) == want
+    finally:
+        s.stop(5)
+
+
+def test_an_unknown_parser_is_refused_before_serving() -> None:
+    from serving.server import ServerOptions
+    from tuner.errors import BadInput
+
+    with pytest.raises(BadInput, match="--tool-call-parser must be one of \\['hermes'\\]"):
+        ServerOptions(tool_call_parser="mistral")

@@ -45,6 +45,7 @@ class Frontend:
     metrics: EndpointMetrics | None = None
     max_body_bytes: int = 256 * 1024 * 1024
     pool: ThreadPoolExecutor | None = None
+    tool_parser: str | None = None  # how chat's tool_choice "auto" reads calls (tools.PARSERS)
 
     async def run(self, fn, *args):
         """`fn(*args)` in the model's thread pool (the event loop stays free)."""

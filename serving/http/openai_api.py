@@ -6,14 +6,15 @@ token chunk, then `data: [DONE]`), with `usage`, `max_tokens`, `temperature`, `t
 the sampled tokens, and of the k most likely: completions' `logprobs: k`, chat's
 `top_logprobs`), `frequency_penalty`, `presence_penalty` and `logit_bias`, structured output
 (`response_format` json_object or json_schema; vLLM's `structured_outputs` and
-`guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`), chat's `tools` with
-`tool_choice` "required" or a named function (serving/http/tools.py), and vLLM's `top_k`,
+`guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`), chat's `tools` (forced
+calls, or "auto" with --tool-call-parser: serving/http/tools.py), and vLLM's `top_k`,
 `min_tokens`, `repetition_penalty` and `ignore_eos`. Completions also take a batch of
 prompts (choice `index` = prompt * n + choice) and `echo` (the prompt before the
 completion; with `logprobs`, every prompt token's log-prob too, the first one null, and
 `max_tokens: 0` for the prompt alone): what lm-evaluation-harness sends to score a model.
 Errors are OpenAI error objects with the matching status; a parameter this server cannot
-honour (`tool_choice` "auto", `best_of`, `suffix`) is refused rather than ignored.
+honour (`tool_choice` "auto" without a parser, `best_of`, `suffix`) is refused rather than
+ignored.
 Generation stops at the model's end token (config.json / tokenizer_config.json) unless
 `ignore_eos`."""
 
@@ -32,7 +33,7 @@ from serving.errors import InvalidArgument, NotFound
 from serving.http.chat import messages_of, render
 from serving.http.codec import http_status_for
 from serving.http.streams import ChunkStreams, until_disconnect
-from serving.http.tools import ToolChoice, tool_choice
+from serving.http.tools import Forced, Hermes, tool_reader
 from serving.http.triton_generate import SSE_HEADERS, sse
 from serving.sampling import (MAX_TOP_LOGPROBS, Chunk, GenerationRequest, Grammar, Sampling,
                               join_chunks)
@@ -275,10 +276,11 @@ class _Shape:
     choice; chat puts a message (a delta when streaming) and content log-probs."""
 
     def __init__(self, engine: DecoderEngine, chat: bool, top: int | None, n: int,
-                 echo: _Echo | None = None, tools: ToolChoice | None = None) -> None:
+                 echo: _Echo | None = None, tools: Forced | Hermes | None = None) -> None:
         self.engine, self.chat, self.logprobs, self.top = engine, chat, top is not None, top
         self.echo, self.tools = echo, tools
-        self.held = [""] * n  # each choice's text so far, when it becomes tool calls
+        self.held = [""] * n  # each choice's text so far, when it may hold tool calls
+        self.sent = [0] * n  # and how much of it went out as content
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.offsets = [0] * n  # each choice's text_offset (completions)
@@ -354,22 +356,23 @@ class _Shape:
 
     def _tool_calls(self, out: dict, chunk: Chunk, stream: bool, first: bool,
                     index: int) -> None:
-        """A forced call's choice: the text is held until the end, then sent as the
-        message's tool_calls (streamed: one delta carrying them whole); a call cut by
-        max_tokens stays text, finish reason "length"."""
+        """A choice whose text may hold tool calls: the reader (serving/http/tools.py) says
+        what content may go now and, at the end, the calls (streamed: one delta carrying
+        them whole)."""
         self.held[index] += chunk.text or ""
-        calls = self.tools.calls(self.held[index]) if chunk.final and chunk.reason == "stop" \
-            else None
+        content, calls = self.tools.read(self.held[index], self.sent[index], chunk.final)
+        self.sent[index] += len(content)
         if calls is not None:
             out["finish_reason"] = "tool_calls"
-        message: dict = {"role": "assistant"} if first or not stream else {}
-        if calls is not None and stream:  # deltas name each call's place in the list
-            message["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
-        elif calls is not None:
-            message.update(content=None, tool_calls=calls)
-        elif chunk.final:
-            message["content"] = self.held[index]
-        out["delta" if stream else "message"] = message
+        if stream:
+            delta: dict = {"role": "assistant", "content": content} if first else (
+                {"content": content} if content else {})
+            if calls is not None:  # deltas name each call's place in the list
+                delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
+            out["delta"] = delta
+        else:
+            out["message"] = {"role": "assistant", "content": content or (
+                None if calls else "")} | ({"tool_calls": calls} if calls else {})
 
     def envelope(self, choices: list, stream: bool, usage: dict | None = None) -> dict:
         out = {"id": self.id, "object": self.object(stream), "created": self.created,
@@ -469,20 +472,20 @@ async def chat_completions(frontend, request: Request) -> Response:
     top = top_count("top_logprobs", body_value(body, "top_logprobs", (int,), 0))
     if top and not logprobs:
         raise InvalidArgument("'top_logprobs' needs 'logprobs': true")
-    forced = tool_choice(body)
+    tools = tool_reader(body, frontend.tool_parser)
     text = render(engine.text, messages_of(body.get("messages")),
                   body_value(body, "add_generation_prompt", (bool,), True), body.get("tools"))
     prompt = tuple(engine.tokenizer.encode(text, add_special_tokens=False).ids)
     shape = _Shape(engine, chat=True, top=top if logprobs else None, n=_choices(engine, body),
-                   tools=forced)
+                   tools=tools)
     sampling = {k: v for k, v in body.items() if k not in ("tools", "tool_choice",
                                                              "parallel_tool_calls")}
     generations = generations_for(engine, sampling, prompt, top if logprobs else None,
                                   shape.id)
-    if forced is not None:
+    if tools is not None and tools.grammar is not None:  # forced calls
         if generations[0].grammar is not None:
             raise InvalidArgument("ask for tool calls or a structured output, not both")
-        generations = [replace(g, grammar=forced.grammar()) for g in generations]
+        generations = [replace(g, grammar=tools.grammar) for g in generations]
     return await _answer(request, shape, generations, _stream_options(body), len(prompt))
 
 

@@ -1,34 +1,54 @@
-"""Tool calling on chat completions where the client decides that a tool is called:
-`tool_choice` "required" (one or more calls of the given tools; one with
-`parallel_tool_calls` false) or a named function. The
-output is held to a JSON schema of the call(s) by structured output (vLLM's way for these
-two choices), so no parser of the model's own call syntax is needed, and it comes back as
-the message's `tool_calls` (finish reason "tool_calls"). The tools also reach the chat
-template as `tools`, as transformers' apply_chat_template passes them. "auto" (the model
-decides whether to call) would need the model family's call syntax parsed: refused with
-400, naming the two choices that work."""
+"""Tool calling on chat completions. The tools reach the chat template as `tools` (as
+transformers' apply_chat_template passes them), and the output comes back as the message's
+`tool_calls` (finish reason "tool_calls") in one of two ways:
+
+- the client forces the call, `tool_choice` "required" (one or more calls of the given
+  tools; one with `parallel_tool_calls` false) or a named function: the output is held to
+  a JSON schema of the call(s) by structured output (vLLM's way for these two choices), so
+  any model works, whatever its own call syntax;
+- `tool_choice` "auto" (the default with tools: the model decides) with `tuner serve
+  --tool-call-parser hermes`: the model writes calls in its own syntax, here Hermes' (Qwen
+  2.5 / 3, Hermes, many fine-tunes: `<tool_call>{"name": ..., "arguments": {...}}
+  </tool_call>`), which is parsed out of the text; text before the first call is the
+  content. Streamed, the content flows until a call may start, the calls come whole at the
+  end. Without a parser "auto" is refused with 400 naming the choices that work.
+
+A reader sees a choice's text grow (`held`) and says what may be sent now: content text,
+and at the end the calls (None: the text stays content, e.g. a call cut by max_tokens)."""
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass
 
 from serving.errors import InvalidArgument
 from serving.sampling import Grammar
 
+PARSERS = ("hermes",)
+
+
+def _call(name: str, arguments) -> dict:
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments)
+    return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+            "function": {"name": name, "arguments": text}}
+
 
 @dataclass(frozen=True)
-class ToolChoice:
-    """The tools of a request whose calls are forced: `named` one, or any ("required")."""
+class Forced:
+    """Calls the client forced: a `named` one, or any of the tools ("required")."""
 
     tools: tuple[dict, ...]  # each {"name", "parameters"} of the body's function tools
     named: str | None
     parallel: bool = True  # "required": several calls allowed (parallel_tool_calls)
 
+    @property
     def grammar(self) -> Grammar:
+        """The output's grammar: the named function's parameters, or the list of calls."""
         if self.named is not None:
-            return Grammar.of("json", self._parameters(self.named))
+            return Grammar.of("json", next(t["parameters"] for t in self.tools
+                                           if t["name"] == self.named))
         # vLLM's "required": a list of {"name", "parameters"}, each name one of the tools
         calls = [{"type": "object", "properties": {
             "name": {"type": "string", "enum": [t["name"]]}, "parameters": t["parameters"]},
@@ -37,21 +57,57 @@ class ToolChoice:
         array = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
         return Grammar.of("json", array if self.parallel else {**array, "maxItems": 1})
 
-    def _parameters(self, name: str) -> dict:
-        return next(t["parameters"] for t in self.tools if t["name"] == name)
-
-    def calls(self, text: str) -> list[dict] | None:
-        """The `tool_calls` of a whole output (None where it is not a complete call: the
-        output was cut by max_tokens)."""
+    def read(self, held: str, sent: int, final: bool) -> tuple[str, list[dict] | None]:
+        """Nothing before the end (the text is JSON for the calls); then the calls."""
+        if not final:
+            return "", None
         try:
-            value = json.loads(text)
-        except ValueError:
-            return None
+            value = json.loads(held)
+        except ValueError:  # cut by max_tokens: the text as it is
+            return held, None
         pairs = [(self.named, value)] if self.named is not None else [
             (c["name"], c["parameters"]) for c in value]
-        return [{"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
-                 "function": {"name": name, "arguments": json.dumps(arguments)}}
-                for name, arguments in pairs]
+        return "", [_call(name, arguments) for name, arguments in pairs]
+
+
+class Hermes:
+    """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks in the text (vLLM's
+    `hermes` parser: a last block may be left unclosed at the end)."""
+
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    grammar = None  # the model writes freely
+
+    def read(self, held: str, sent: int, final: bool) -> tuple[str, list[dict] | None]:
+        start = held.find(self.OPEN)
+        if not final:  # content up to where a call starts or may start
+            end = start if start >= 0 else len(held) - _partial(held, self.OPEN)
+            return held[sent:max(sent, end)], None
+        calls = self.calls(held[start:]) if start >= 0 else None
+        if calls is None:
+            return held[sent:], None
+        return held[sent:max(sent, start)], calls
+
+    def calls(self, text: str) -> list[dict] | None:
+        """The calls of the text from the first block on (None if one is not JSON with a
+        name: then it all stays content, as vLLM answers)."""
+        out = []
+        for block in re.findall(r"<tool_call>(.*?)(?:</tool_call>|$)", text, re.DOTALL):
+            try:
+                call = json.loads(block)
+            except ValueError:
+                return None
+            if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+                return None
+            out.append(_call(call["name"], call.get("arguments", {})))
+        return out or None
+
+
+def _partial(text: str, tag: str) -> int:
+    """How many characters at the end of `text` are the start of `tag`."""
+    for n in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
 
 
 def _function(i: int, tool) -> dict:
@@ -65,9 +121,10 @@ def _function(i: int, tool) -> dict:
     return {"name": tool["function"]["name"], "parameters": parameters}
 
 
-def tool_choice(body: dict) -> ToolChoice | None:
-    """The forced calls a chat body asks for; None without tools or with tool_choice
-    "none" (the tools are then only shown to the model)."""
+def tool_reader(body: dict, parser: str | None) -> Forced | Hermes | None:
+    """How a chat body's tool calls are made and read; None without tools or with
+    tool_choice "none" (the tools are then only shown to the model). `parser`: the
+    server's --tool-call-parser, which "auto" needs."""
     tools, choice = body.get("tools") or [], body.get("tool_choice")
     if body.get("functions"):
         raise InvalidArgument("'functions' is not supported: send 'tools'")
@@ -84,12 +141,18 @@ def tool_choice(body: dict) -> ToolChoice | None:
         parallel = body.get("parallel_tool_calls", True)
         if not isinstance(parallel, bool):
             raise InvalidArgument("'parallel_tool_calls' must be true or false")
-        return ToolChoice(functions, None, parallel)
+        return Forced(functions, None, parallel)
     if isinstance(choice, dict) and choice.get("type") == "function":
         name = (choice.get("function") or {}).get("name")
         if name not in {f["name"] for f in functions}:
             raise InvalidArgument(f"tool_choice names {name!r}, which is not among the tools")
-        return ToolChoice(functions, name)
-    raise InvalidArgument("'tool_choice' must be 'none', 'required' or a named function: "
-                          "'auto' (the model decides) would need the model's own tool-call "
-                          "syntax parsed, which this server does not do")
+        return Forced(functions, name)
+    if choice in (None, "auto") and parser == "hermes":
+        return Hermes()
+    if choice in (None, "auto"):
+        raise InvalidArgument("tool_choice 'auto' (the model decides) needs the model's own "
+                              "call syntax parsed: start the server with --tool-call-parser "
+                              "hermes for a Hermes-style model, or send tool_choice "
+                              "'required' or a named function")
+    raise InvalidArgument("'tool_choice' must be 'none', 'auto', 'required' or a named "
+                          "function")

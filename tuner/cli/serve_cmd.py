@@ -175,6 +175,11 @@ def serve(
                                                "inter-token times, at a cost in throughput "
                                                "and first tokens); 0 (default): no bound "
                                                "but --prefill-tokens"),
+    tool_call_parser: Optional[str] = typer.Option(
+        None, help="decoders: how chat's tool_choice 'auto' reads the model's own tool calls "
+                   "out of its text: 'hermes' (<tool_call>{...}</tool_call>: Qwen 2.5 / 3, "
+                   "Hermes). Without it 'auto' is refused; 'required' and a named function "
+                   "work with any model"),
 ) -> None:
     """Serve OUT's selected variant until SIGTERM: KServe v2 / Open Inference Protocol over
     gRPC (--port) and HTTP/REST (--http-port), and for a decoder Triton's generate endpoints
@@ -209,7 +214,8 @@ def serve(
         model_name=model_name, backend=backend, engine=engine, generate=generate,
         settings=settings,
         tls_cert=tls_cert, tls_key=tls_key, token=token,
-        max_message_bytes=max_message_mb * 1024 * 1024, drain_timeout_s=drain_timeout_s)
+        max_message_bytes=max_message_mb * 1024 * 1024, drain_timeout_s=drain_timeout_s,
+        tool_call_parser=tool_call_parser)
     _check_before_binding(out, backend)
     # the manifest's role overrides (those optimize ran with), then this command's own
     with overriding({**(read_manifest(out).roles or {}), **parse_roles(roles)}):
