@@ -132,6 +132,14 @@ def start(out: Path, **options) -> Server:
     return server
 
 
+def openai_client(server, key: str = "unused"):
+    """The real openai client on a server's HTTP port (no retries: a failure shows)."""
+    import openai
+
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key=key,
+                         max_retries=0, timeout=60)
+
+
 def wait_for(condition, timeout: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import openai
 import pytest
-from llm_support import start
+from llm_support import openai_client, start
 from serving_support import make_artifact
 
 from models.build import cached
@@ -50,13 +50,9 @@ def reference() -> np.ndarray:
     return SentenceTransformer(str(_package_dir()), device="cpu").encode(TEXTS)
 
 
-def _client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key="unused",
-                         max_retries=0, timeout=60)
-
 
 def test_embeddings_are_sentence_transformers_own(server, reference) -> None:
-    c = _client(server)
+    c = openai_client(server)
     for fmt in ("base64", "float"):  # the client asks for base64 unless told otherwise
         got = c.embeddings.create(model=server.slot.name, input=TEXTS,
                                   **({"encoding_format": fmt} if fmt == "float" else {}))
@@ -73,7 +69,7 @@ def test_token_ids_and_one_string(server, reference) -> None:
     assert len(saved.encode("hi").ids) == 128  # the file pads every text to 128 ids
     tok = load_tokenizer(_package_dir())  # as transformers calls it: no padding
     assert len(tok.encode("hi").ids) == 3
-    c = _client(server)
+    c = openai_client(server)
     ids = tok.encode(TEXTS[0]).ids
     by_ids = c.embeddings.create(model=server.slot.name, input=[ids], encoding_format="float")
     one = c.embeddings.create(model=server.slot.name, input=TEXTS[0], encoding_format="float")
@@ -83,7 +79,7 @@ def test_token_ids_and_one_string(server, reference) -> None:
 
 
 def test_bad_requests_are_openai_errors(server) -> None:
-    c = _client(server)
+    c = openai_client(server)
     with pytest.raises(openai.BadRequestError, match="'dimensions' must be this model's own, 384"):
         c.embeddings.create(model=server.slot.name, input="x", dimensions=128)
     with pytest.raises(openai.BadRequestError, match="'input' must be a non-empty string"):
@@ -133,7 +129,7 @@ def test_a_graph_that_pools_itself_is_taken_as_it_is(tmp_path, reference) -> Non
     shutil.copyfile(_package_dir() / "tokenizer.json", out / "tokenizer.json")
     s = start(out)
     try:
-        got = _client(s).embeddings.create(model=s.slot.name, input=TEXTS[:3])
+        got = openai_client(s).embeddings.create(model=s.slot.name, input=TEXTS[:3])
     finally:
         s.stop(5)
     np.testing.assert_allclose([d.embedding for d in got.data], reference[:3], atol=1e-5)

@@ -16,8 +16,9 @@ import subprocess
 import numpy as np
 import openai
 import pytest
-from llm_support import (CHAT_TEMPLATE, EOS_PROMPT, PROMPT, decoder_artifact, greedy,  # noqa: F401
-                         llama, log_softmax, logits_of, start, tokenizer, wait_for)
+from llm_support import (CHAT_TEMPLATE, EOS_PROMPT, PROMPT, decoder_artifact,  # noqa: F401
+                         greedy, llama, log_softmax, logits_of, openai_client, start,
+                         tokenizer, wait_for)
 
 MESSAGES = [{"role": "system", "content": "You are terse."},
             {"role": "user", "content": "Name a fox."}]
@@ -36,10 +37,6 @@ def server(artifact):
     s.stop(5)
 
 
-def _client(server, key: str = "unused") -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key=key,
-                         max_retries=0, timeout=60)
-
 
 def _want(llama, prompt: str, n: int) -> tuple[list[int], str]:
     ids, _ = greedy(llama, tokenizer().encode(prompt).ids, n)
@@ -47,21 +44,21 @@ def _want(llama, prompt: str, n: int) -> tuple[list[int], str]:
 
 
 def test_completions_default_to_16_tokens_as_openai(server) -> None:
-    got = _client(server).completions.create(model=server.slot.name, prompt=PROMPT,
+    got = openai_client(server).completions.create(model=server.slot.name, prompt=PROMPT,
                                              extra_body=NO_EOS)
     assert got.usage.completion_tokens == 16
 
 
 def test_models_lists_the_served_model(server) -> None:
-    assert [m.id for m in _client(server).models.list().data] == [server.slot.name]
-    assert _client(server).models.retrieve(server.slot.name).id == server.slot.name
+    assert [m.id for m in openai_client(server).models.list().data] == [server.slot.name]
+    assert openai_client(server).models.retrieve(server.slot.name).id == server.slot.name
     with pytest.raises(openai.NotFoundError, match="The model 'gpt-4' does not exist"):
-        _client(server).models.retrieve("gpt-4")
+        openai_client(server).models.retrieve("gpt-4")
 
 
 def test_completion_is_greedy_with_usage(server, llama) -> None:
     ids, text = _want(llama, PROMPT, 8)
-    got = _client(server).completions.create(model=server.slot.name, prompt=PROMPT,
+    got = openai_client(server).completions.create(model=server.slot.name, prompt=PROMPT,
                                              max_tokens=8, temperature=0, extra_body=NO_EOS)
     assert got.choices[0].text == text and got.choices[0].finish_reason == "length"
     assert got.usage.prompt_tokens == len(tokenizer().encode(PROMPT).ids)
@@ -70,7 +67,7 @@ def test_completion_is_greedy_with_usage(server, llama) -> None:
 
 def test_streamed_completion_ends_with_usage(server, llama) -> None:
     _, text = _want(llama, PROMPT, 8)
-    chunks = list(_client(server).completions.create(
+    chunks = list(openai_client(server).completions.create(
         model=server.slot.name, prompt=PROMPT, max_tokens=8, temperature=0, stream=True,
         stream_options={"include_usage": True}, extra_body=NO_EOS))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == text
@@ -91,13 +88,13 @@ def test_chat_renders_the_template_as_transformers_does(server, artifact, llama)
     text = _rendered_by_transformers(artifact)
     prompt = tokenizer().encode(text, add_special_tokens=False).ids
     ids, _ = greedy(llama, prompt, 6)
-    got = _client(server).chat.completions.create(model=server.slot.name, messages=MESSAGES,
+    got = openai_client(server).chat.completions.create(model=server.slot.name, messages=MESSAGES,
                                                   max_tokens=6, temperature=0,
                                                   extra_body=NO_EOS)
     assert got.usage.prompt_tokens == len(prompt)
     assert got.choices[0].message.role == "assistant"
     assert got.choices[0].message.content == tokenizer().decode(ids)
-    streamed = list(_client(server).chat.completions.create(
+    streamed = list(openai_client(server).chat.completions.create(
         model=server.slot.name, messages=MESSAGES, max_tokens=6, temperature=0, stream=True,
         extra_body=NO_EOS))
     assert streamed[0].choices[0].delta.role == "assistant"
@@ -111,7 +108,7 @@ def test_stop_strings_across_tokens_trim_the_text(server, llama) -> None:
     i = next(k for k in range(1, 15) if pieces[k] and len(pieces[k + 1]) >= 2)
     stop = pieces[i][-1:] + pieces[i + 1][:2]
     for stream in (False, True):
-        got = _client(server).completions.create(model=server.slot.name, prompt=PROMPT,
+        got = openai_client(server).completions.create(model=server.slot.name, prompt=PROMPT,
                                                  max_tokens=16, temperature=0, stop=[stop],
                                                  stream=stream, extra_body=NO_EOS)
         chunks = list(got) if stream else [got]
@@ -122,7 +119,7 @@ def test_stop_strings_across_tokens_trim_the_text(server, llama) -> None:
 def test_the_end_token_stops_unless_ignore_eos(server, llama) -> None:
     eos = server.slot.engine.text.eos_ids[0]
     k = _want(llama, EOS_PROMPT, 16)[0].index(eos)
-    c = _client(server)
+    c = openai_client(server)
     stopped = c.completions.create(model=server.slot.name, prompt=EOS_PROMPT, max_tokens=20,
                                    temperature=0)
     assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens == k
@@ -134,7 +131,7 @@ def test_the_end_token_stops_unless_ignore_eos(server, llama) -> None:
 def test_logprobs_are_the_models_own(server, llama) -> None:
     ids, logits = greedy(llama, tokenizer().encode(PROMPT).ids, 5)
     want = [float(log_softmax(v)[t]) for v, t in zip(logits, ids)]
-    c = _client(server)
+    c = openai_client(server)
     got = c.completions.create(model=server.slot.name, prompt=PROMPT, max_tokens=5,
                                temperature=0, logprobs=0, extra_body=NO_EOS)
     np.testing.assert_allclose(got.choices[0].logprobs.token_logprobs, want, atol=1e-3)
@@ -146,7 +143,7 @@ def test_logprobs_are_the_models_own(server, llama) -> None:
 
 def test_seeded_sampling_is_reproducible(server) -> None:
     def run(seed: int) -> str:
-        return _client(server).completions.create(
+        return openai_client(server).completions.create(
             model=server.slot.name, prompt=PROMPT, max_tokens=12, temperature=1.0, top_p=0.9,
             seed=seed, extra_body=NO_EOS).choices[0].text
 
@@ -155,7 +152,7 @@ def test_seeded_sampling_is_reproducible(server) -> None:
 
 def test_n_greedy_choices_are_equal_each_with_its_index(server, llama) -> None:
     _, text = _want(llama, PROMPT, 8)
-    c = _client(server)
+    c = openai_client(server)
     got = c.completions.create(model=server.slot.name, prompt=PROMPT, max_tokens=8, n=3,
                                temperature=0, extra_body=NO_EOS)
     assert [(x.index, x.text) for x in got.choices] == [(0, text), (1, text), (2, text)]
@@ -175,7 +172,7 @@ def test_n_greedy_choices_are_equal_each_with_its_index(server, llama) -> None:
 
 def test_n_sampled_choices_come_from_seed_seed_plus_1_and_so_on(server) -> None:
     def run(seed: int, n: int = 1, stream: bool = False) -> list[str]:
-        got = _client(server).completions.create(
+        got = openai_client(server).completions.create(
             model=server.slot.name, prompt=PROMPT, max_tokens=10, temperature=1.0, seed=seed,
             n=n, stream=stream, extra_body=NO_EOS)
         if not stream:
@@ -199,7 +196,7 @@ def _top(logits: np.ndarray, k: int) -> list[tuple[str, float]]:
 def test_top_logprobs_are_the_models_k_most_likely(server, artifact, llama) -> None:
     ids, logits = greedy(llama, tokenizer().encode(PROMPT).ids, 4)
     want = [_top(v, 3) for v in logits]
-    c = _client(server)
+    c = openai_client(server)
     for stream in (False, True):
         got = c.completions.create(model=server.slot.name, prompt=PROMPT, max_tokens=4,
                                    temperature=0, logprobs=3, stream=stream, extra_body=NO_EOS)
@@ -232,7 +229,7 @@ def test_echo_with_logprobs_scores_the_prompt_as_the_model_does(server, llama) -
     ids = tokenizer().encode(PROMPT).ids
     lp = log_softmax(logits_of(llama, ids))  # (S, V)
     want = [float(lp[j, ids[j + 1]]) for j in range(len(ids) - 1)]
-    c, name = _client(server), server.slot.name
+    c, name = openai_client(server), server.slot.name
     alone = c.completions.create(model=name, prompt=PROMPT, echo=True, logprobs=1,
                                  max_tokens=0, temperature=0)
     got = alone.choices[0]
@@ -265,7 +262,7 @@ def test_a_batch_of_prompts_answers_each_in_order(server, llama) -> None:
     each prompt's tokens counted once."""
     prompts = [PROMPT, EOS_PROMPT]
     want = [_want(llama, p, 4)[1] for p in prompts]
-    c = _client(server)
+    c = openai_client(server)
     for batch in (prompts, [tokenizer().encode(p).ids for p in prompts]):
         got = c.completions.create(model=server.slot.name, prompt=batch, max_tokens=4, n=2,
                                    temperature=0, extra_body=NO_EOS)
@@ -276,7 +273,7 @@ def test_a_batch_of_prompts_answers_each_in_order(server, llama) -> None:
 
 
 def test_what_cannot_be_honoured_is_refused_not_ignored(server) -> None:
-    c, name = _client(server), server.slot.name
+    c, name = openai_client(server), server.slot.name
     with pytest.raises(openai.BadRequestError, match="'response_format' 'grammar' is not"):
         c.chat.completions.create(model=name, messages=MESSAGES,
                                   response_format={"type": "grammar"})
@@ -297,7 +294,7 @@ def test_what_cannot_be_honoured_is_refused_not_ignored(server) -> None:
 
 
 def test_errors_are_openai_error_objects(server) -> None:
-    c = _client(server)
+    c = openai_client(server)
     with pytest.raises(openai.NotFoundError, match="unknown model: 'gpt-4'"):
         c.completions.create(model="gpt-4", prompt=PROMPT)
     with pytest.raises(openai.BadRequestError, match="temperature must be a finite number"):
@@ -318,8 +315,8 @@ def test_a_bearer_token_guards_the_api(artifact) -> None:
     guarded = start(artifact, token="tok-123", generate={"max_tokens": 8})
     try:
         with pytest.raises(openai.AuthenticationError, match="bearer token"):
-            _client(guarded, "wrong").models.list()
-        assert _client(guarded, "tok-123").models.list().data[0].id == guarded.slot.name
+            openai_client(guarded, "wrong").models.list()
+        assert openai_client(guarded, "tok-123").models.list().data[0].id == guarded.slot.name
     finally:
         guarded.stop(5)
 
@@ -341,7 +338,7 @@ def test_curl_streams_sse_ending_with_done(server, llama) -> None:
 
 @pytest.mark.parametrize("n", [1, 2])
 def test_closing_a_stream_frees_its_slots(server, n) -> None:
-    stream = _client(server).completions.create(model=server.slot.name, prompt=PROMPT, n=n,
+    stream = openai_client(server).completions.create(model=server.slot.name, prompt=PROMPT, n=n,
                                                 max_tokens=60, stream=True, extra_body=NO_EOS)
     next(iter(stream))
     assert wait_for(lambda: server.slot.engine.active() == n)  # one stream per choice

@@ -15,7 +15,7 @@ import openai
 import pytest
 import tritonclient.grpc as tg
 from llm_support import decoder as server  # noqa: F401 - a fixture
-from llm_support import PROMPT, llama, logits_of, tokenizer  # noqa: F401
+from llm_support import PROMPT, llama, logits_of, openai_client, tokenizer  # noqa: F401
 
 from models.build import cached
 from serving.generation import GenerateOptions, Generator
@@ -155,13 +155,9 @@ def want(llama):
     return penalized
 
 
-def _client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key="x",
-                         max_retries=0, timeout=60)
-
 
 def test_openai_penalties_and_bias(server, llama, want) -> None:
-    c = _client(server)
+    c = openai_client(server)
     got = c.completions.create(model=server.slot.name, prompt=PROMPT, max_tokens=12,
                                temperature=0, presence_penalty=0.1, frequency_penalty=0.3,
                                extra_body={"repetition_penalty": 1.05, "ignore_eos": True})
@@ -186,7 +182,7 @@ def test_openai_penalties_and_bias(server, llama, want) -> None:
 ])
 def test_openai_bad_adjustments_are_400(server, body, says) -> None:
     with pytest.raises(openai.BadRequestError, match=says):
-        _client(server).completions.create(model=server.slot.name, prompt=PROMPT,
+        openai_client(server).completions.create(model=server.slot.name, prompt=PROMPT,
                                            max_tokens=2, extra_body=body)
 
 

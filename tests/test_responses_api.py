@@ -12,7 +12,7 @@ import numpy as np
 import openai
 import pytest
 from llm_support import (CHAT_TEMPLATE, decoder_artifact, greedy, llama,  # noqa: F401
-                         log_softmax, start, tokenizer)
+                         log_softmax, openai_client, start, tokenizer)
 
 INSTRUCTIONS = "You are terse."
 QUESTION = "Name a fox."
@@ -58,13 +58,9 @@ def want(artifact, llama) -> tuple[list[int], list[np.ndarray]]:
     return greedy(llama, _prompt(artifact, MESSAGES), END_AT)
 
 
-def _client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key="x",
-                         max_retries=0, timeout=60)
-
 
 def test_an_answer_that_meets_the_end_token_completes(server, artifact, want) -> None:
-    got = _client(server).responses.create(model=server.slot.name, instructions=INSTRUCTIONS,
+    got = openai_client(server).responses.create(model=server.slot.name, instructions=INSTRUCTIONS,
                                            input=QUESTION, temperature=0)
     assert got.status == "completed" and got.incomplete_details is None
     assert got.output_text == tokenizer().decode(want[0])
@@ -74,7 +70,7 @@ def test_an_answer_that_meets_the_end_token_completes(server, artifact, want) ->
 
 
 def test_the_stream_helper_accepts_the_events_and_the_final_response(server, want) -> None:
-    with _client(server).responses.stream(model=server.slot.name, input=[
+    with openai_client(server).responses.stream(model=server.slot.name, input=[
             {"role": "system", "content": INSTRUCTIONS},
             {"type": "message", "role": "user",
              "content": [{"type": "input_text", "text": QUESTION}]}],
@@ -93,7 +89,7 @@ def test_the_stream_helper_accepts_the_events_and_the_final_response(server, wan
 
 
 def test_max_output_tokens_leaves_it_incomplete(server, want) -> None:
-    c, name = _client(server), server.slot.name
+    c, name = openai_client(server), server.slot.name
     got = c.responses.create(model=name, instructions=INSTRUCTIONS, input=QUESTION,
                              temperature=0, max_output_tokens=3)
     assert got.status == "incomplete" and got.incomplete_details.reason == "max_output_tokens"
@@ -106,7 +102,7 @@ def test_max_output_tokens_leaves_it_incomplete(server, want) -> None:
 
 def test_logprobs_are_the_models_own(server, want) -> None:
     ids, logits = want
-    got = _client(server).responses.create(
+    got = openai_client(server).responses.create(
         model=server.slot.name, instructions=INSTRUCTIONS, input=QUESTION, temperature=0,
         max_output_tokens=3, top_logprobs=2, include=["message.output_text.logprobs"])
     entries = got.output[0].content[0].logprobs
@@ -133,4 +129,4 @@ def test_logprobs_are_the_models_own(server, want) -> None:
 def test_what_cannot_be_honoured_is_400(server, extra, says) -> None:
     body = {"model": server.slot.name, "input": QUESTION, **extra}
     with pytest.raises(openai.BadRequestError, match=says):
-        _client(server).responses.create(**body)
+        openai_client(server).responses.create(**body)

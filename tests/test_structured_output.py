@@ -16,7 +16,8 @@ import openai
 import pytest
 import tritonclient.grpc as tg
 from llm_support import decoder as server  # noqa: F401 - a fixture
-from llm_support import PROMPT, VOCAB, guided_greedy, llama, tokenizer  # noqa: F401
+from llm_support import (PROMPT, VOCAB, guided_greedy, llama, openai_client,  # noqa: F401
+                         tokenizer)
 from pydantic import BaseModel, Field
 
 from serving.errors import InvalidArgument
@@ -51,15 +52,11 @@ def _chat_prompt(server) -> list[int]:
     return tokenizer().encode(text, add_special_tokens=False).ids
 
 
-def _client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key="x",
-                         max_retries=0, timeout=60)
-
 
 def test_chat_completions_parse_a_pydantic_model(server, llama) -> None:
     from openai.lib._pydantic import to_strict_json_schema
 
-    got = _client(server).chat.completions.parse(model=server.slot.name, messages=MESSAGES,
+    got = openai_client(server).chat.completions.parse(model=server.slot.name, messages=MESSAGES,
                                                  response_format=Person, temperature=0)
     person = got.choices[0].message.parsed
     assert isinstance(person, Person) and got.choices[0].finish_reason == "stop"
@@ -69,7 +66,7 @@ def test_chat_completions_parse_a_pydantic_model(server, llama) -> None:
 
 
 def test_json_mode_answers_an_object(server, llama) -> None:
-    got = _client(server).chat.completions.create(
+    got = openai_client(server).chat.completions.create(
         model=server.slot.name, messages=MESSAGES, temperature=0, max_tokens=40,
         response_format={"type": "json_object"})
     content = got.choices[0].message.content
@@ -79,7 +76,7 @@ def test_json_mode_answers_an_object(server, llama) -> None:
 
 
 def test_vllm_guided_choice_and_regex_whole_and_streamed(server, llama) -> None:
-    c, prompt = _client(server), tokenizer().encode(PROMPT).ids
+    c, prompt = openai_client(server), tokenizer().encode(PROMPT).ids
     choices = ["red fox", "grey wolf", "brown bear"]
     got = c.completions.create(model=server.slot.name, prompt=PROMPT, temperature=0,
                                max_tokens=10, extra_body={"guided_choice": choices})
@@ -100,7 +97,7 @@ def test_vllm_guided_choice_and_regex_whole_and_streamed(server, llama) -> None:
 
 
 def test_responses_parse_a_pydantic_model(server) -> None:
-    got = _client(server).responses.parse(model=server.slot.name, input="Who are you?",
+    got = openai_client(server).responses.parse(model=server.slot.name, input="Who are you?",
                                           text_format=Person, temperature=0)
     assert isinstance(got.output_parsed, Person) and got.status == "completed"
 
@@ -163,7 +160,7 @@ def test_tensorrt_llm_guides_and_the_vllm_backends_structured_outputs(server, ll
 ])
 def test_bad_structured_output_is_400(server, body, says) -> None:
     with pytest.raises(openai.BadRequestError, match=says):
-        _client(server).chat.completions.create(model=server.slot.name, messages=MESSAGES,
+        openai_client(server).chat.completions.create(model=server.slot.name, messages=MESSAGES,
                                                 max_tokens=4, **body)
 
 

@@ -12,7 +12,7 @@ import json
 import openai
 import pytest
 from llm_support import (CHAT_TEMPLATE, decoder_artifact, guided_greedy, llama,  # noqa: F401
-                         start, tokenizer)
+                         openai_client, start, tokenizer)
 from pydantic import BaseModel, Field
 
 # ChatML that names the tools in a system turn, as tool-calling models' templates do (theirs
@@ -51,10 +51,6 @@ def server(artifact):
     s.stop(5)
 
 
-def _client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key="x",
-                         max_retries=0, timeout=60)
-
 
 def _prompt(artifact, tools) -> list[int]:
     from transformers import PreTrainedTokenizerFast
@@ -73,7 +69,7 @@ def _grammar(schema: dict) -> str:
 
 
 def test_a_named_function_is_called_with_the_models_arguments(server, artifact, llama) -> None:
-    got = _client(server).chat.completions.create(
+    got = openai_client(server).chat.completions.create(
         model=server.slot.name, messages=MESSAGES, tools=TOOLS, temperature=0,
         tool_choice={"type": "function", "function": {"name": "get_weather"}})
     choice = got.choices[0]
@@ -89,7 +85,7 @@ def test_a_named_function_is_called_with_the_models_arguments(server, artifact, 
 
 def test_the_stream_helper_parses_a_pydantic_tools_arguments(server) -> None:
     tool = openai.pydantic_function_tool(Lookup)
-    with _client(server).chat.completions.stream(
+    with openai_client(server).chat.completions.stream(
             model=server.slot.name, messages=MESSAGES, tools=[tool], temperature=0,
             tool_choice={"type": "function", "function": {"name": "Lookup"}}) as stream:
         final = stream.get_final_completion()
@@ -100,7 +96,7 @@ def test_the_stream_helper_parses_a_pydantic_tools_arguments(server) -> None:
 
 
 def test_required_calls_one_of_the_tools_or_more(server, artifact, llama) -> None:
-    c, name = _client(server), server.slot.name
+    c, name = openai_client(server), server.slot.name
     got = c.chat.completions.create(model=name, messages=MESSAGES, tools=TOOLS,
                                     tool_choice="required", parallel_tool_calls=False,
                                     temperature=0, max_tokens=60)
@@ -122,7 +118,7 @@ def test_a_tool_result_turn_is_taken(server) -> None:
             "id": "call_1", "type": "function",
             "function": {"name": "get_time", "arguments": "{\"zone\": \"UTC\"}"}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]
-    got = _client(server).chat.completions.create(model=server.slot.name, messages=history,
+    got = openai_client(server).chat.completions.create(model=server.slot.name, messages=history,
                                                   tools=TOOLS, tool_choice="none",
                                                   max_tokens=4, temperature=0)
     assert got.choices[0].message.tool_calls is None and got.choices[0].message.content
@@ -139,7 +135,7 @@ def test_a_tool_result_turn_is_taken(server) -> None:
 ])
 def test_what_cannot_be_done_is_400(server, extra, says) -> None:
     with pytest.raises(openai.BadRequestError, match=says):
-        _client(server).chat.completions.create(model=server.slot.name, messages=MESSAGES,
+        openai_client(server).chat.completions.create(model=server.slot.name, messages=MESSAGES,
                                                 max_tokens=4, **extra)
 
 
@@ -195,7 +191,7 @@ def test_auto_with_the_parser_answers_text_when_the_model_calls_nothing(artifact
 
     s = start(artifact, tool_call_parser="hermes", generate={"max_tokens": 64})
     try:
-        c = _client(s)
+        c = openai_client(s)
         got = c.chat.completions.create(model=s.slot.name, messages=MESSAGES, tools=TOOLS,
                                         temperature=0, max_tokens=8)
         want = tokenizer().decode(greedy(llama, _prompt(artifact, TOOLS), 8)[0])

@@ -18,7 +18,8 @@ from starlette.responses import JSONResponse, Response
 from serving.embedding import Embedder, load_embedder
 from serving.engine import Engine
 from serving.errors import InvalidArgument
-from serving.http.openai_api import error, token_ids
+from serving.http.openai_api import error
+from serving.http.openai_requests import token_ids
 
 MAX_INPUTS = 2048  # OpenAI's limit on one call's inputs
 

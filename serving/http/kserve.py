@@ -10,7 +10,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 import serving
-from serving.conventions import Reply
+from serving.replies import Reply
 from serving.decoder import DecoderEngine
 from serving.errors import InvalidArgument
 from serving.http import codec

@@ -32,11 +32,11 @@ from serving.decoder import DecoderEngine
 from serving.errors import InvalidArgument, NotFound
 from serving.http.chat import messages_of, render
 from serving.http.codec import http_status_for
+from serving.http.openai_requests import (body_value, choice_count, completion_prompts, generations_for, max_tokens_of, text_engine, top_count)
 from serving.http.streams import ChunkStreams, until_disconnect
 from serving.http.tools import Forced, Hermes, tool_reader
 from serving.http.triton_generate import SSE_HEADERS, sse
-from serving.sampling import (MAX_TOP_LOGPROBS, Chunk, GenerationRequest, Grammar, Sampling,
-                              join_chunks)
+from serving.sampling import Chunk, GenerationRequest, join_chunks
 from serving.tokenizer import token_text
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -76,186 +76,6 @@ async def health(frontend, request: Request) -> Response:
 async def version(frontend, request: Request) -> Response:
     """vLLM's `GET /version`."""
     return JSONResponse({"version": serving.__version__})
-
-
-# ----------------------------------------------------------------------------- requests
-
-
-def body_value(body: dict, name: str, kinds: tuple, default=None):
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-        raise InvalidArgument(f"'{name}' must be {' or '.join(k.__name__ for k in kinds)}")
-    return value
-
-
-def _stops(body: dict) -> tuple[str, ...]:
-    stop = body.get("stop")
-    stops = [stop] if isinstance(stop, str) else stop or []
-    if not isinstance(stops, list) or any(not isinstance(s, str) for s in stops):
-        raise InvalidArgument("'stop' must be a string or a list of strings")
-    return tuple(s for s in stops if s)
-
-
-def _check_unsupported(body: dict) -> None:
-    """A parameter that would change the output and that this server cannot honour is an
-    error: silently ignoring tools would answer something else than asked."""
-    for name in ("tools", "functions", "suffix"):  # (chat takes its tools out before)
-        if body.get(name):
-            raise InvalidArgument(f"'{name}' is not supported here")
-    if body.get("tool_choice") not in (None, "none"):
-        raise InvalidArgument("'tool_choice' needs 'tools'")
-    if body_value(body, "best_of", (int,), None) not in (None, body_value(body, "n", (int,), 1)):
-        raise InvalidArgument("'best_of' is not supported (leave it equal to 'n')")
-
-
-def _adjustments(body: dict) -> dict:
-    """The logit adjustments of a body, as Sampling's fields: OpenAI's `frequency_penalty`
-    and `presence_penalty` (-2..2) and `logit_bias` ({"id": -100..100}), and vLLM's
-    `repetition_penalty` (> 0)."""
-    out = {}
-    for name in ("frequency_penalty", "presence_penalty"):
-        value = float(body_value(body, name, (int, float), 0))
-        if not -2 <= value <= 2:
-            raise InvalidArgument(f"'{name}' must be between -2 and 2, not {value}")
-        out[name] = value
-    out["repetition_penalty"] = float(body_value(body, "repetition_penalty", (int, float), 1))
-    bias = body_value(body, "logit_bias", (dict,), {})
-    pairs = []
-    for key, value in bias.items():
-        try:
-            token = int(key)
-        except ValueError:
-            raise InvalidArgument(f"'logit_bias' keys must be token ids, not {key!r}") from None
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-                not -100 <= value <= 100:
-            raise InvalidArgument(f"'logit_bias' values must be numbers between -100 and 100, "
-                                  f"not {value!r} (token {key})")
-        pairs.append((token, float(value)))
-    out["logit_bias"] = tuple(pairs)
-    return out
-
-
-_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
-           "guided_grammar": "grammar"}  # vLLM's older names
-
-
-def structured_output(body: dict) -> Grammar | None:
-    """The grammar a body asks for: OpenAI's `response_format` (json_object, or json_schema
-    with its `schema`), vLLM's `structured_outputs` or its older `guided_*` keys; at most
-    one of them."""
-    asked = []
-    fmt = body_value(body, "response_format", (dict,), {}) or {}
-    kind = fmt.get("type", "text")
-    if kind == "json_object":
-        asked.append(Grammar.of("json", {"type": "object"}))
-    elif kind == "json_schema":
-        schema = (fmt.get("json_schema") or {}).get("schema")
-        if not isinstance(schema, dict):
-            raise InvalidArgument("'response_format' json_schema needs 'json_schema.schema', "
-                                  "a JSON schema object")
-        asked.append(Grammar.of("json", schema))
-    elif kind != "text":
-        raise InvalidArgument(f"'response_format' {kind!r} is not supported (text, "
-                              "json_object, json_schema)")
-    if body.get("structured_outputs") is not None:
-        asked.append(Grammar.from_vllm(body["structured_outputs"]))
-    asked += [Grammar.of(kind, body[key]) for key, kind in _GUIDED.items()
-              if body.get(key) is not None]
-    if len(asked) > 1:
-        raise InvalidArgument("ask for one structured output (response_format, "
-                              "structured_outputs or one guided_* key), not several")
-    return asked[0] if asked else None
-
-
-def _choices(engine: DecoderEngine, body: dict) -> int:
-    """`n`: at most the streams the engine runs at once (more would wait behind each other)."""
-    n, limit = body_value(body, "n", (int,), 1), engine.options.max_streams
-    if not 1 <= n <= limit:
-        raise InvalidArgument(f"'n' must be between 1 and {limit} (the streams this server "
-                              f"runs at once: --max-streams), not {n}")
-    return n
-
-
-def top_count(name: str, k) -> int:
-    if not 0 <= k <= MAX_TOP_LOGPROBS:
-        raise InvalidArgument(f"'{name}' must be between 0 and {MAX_TOP_LOGPROBS}, not {k}")
-    return k
-
-
-def _max_tokens(body: dict) -> int | None:
-    return body_value(body, "max_completion_tokens", (int,)) or body_value(body, "max_tokens",
-                                                                           (int,))
-
-
-def generations_for(engine: DecoderEngine, body: dict, prompt: tuple[int, ...],
-                    top: int | None, request_id: str, default_max_tokens: int | None = None,
-                    echo: bool = False) -> list[GenerationRequest]:
-    """The `n` generations a body asks for (choice i samples with seed + i); without
-    max_tokens, `default_max_tokens` (OpenAI's 16 for completions) or, for chat, as many as
-    the cache and --max-tokens leave room for. `top`: None without log-probs, else how many
-    of the most likely tokens come with each (and, with `echo`, with each prompt token).
-    `echo` with max_tokens 0 runs one token that the answer leaves out (_Shape.drop)."""
-    _check_unsupported(body)
-    n = _choices(engine, body)
-    room = engine.generator.max_cache_len - len(prompt) + 1
-    limit = default_max_tokens or min(engine.options.max_tokens, max(1, room))
-    max_tokens = _max_tokens(body)
-    if echo and max_tokens == 0:
-        max_tokens = 1
-    stop_ids = frozenset() if body_value(body, "ignore_eos", (bool,), False) else \
-        frozenset(engine.text.eos_ids)
-    seed = body_value(body, "seed", (int,))
-    adjustments, grammar = _adjustments(body), structured_output(body)
-    sampling = [Sampling(float(body_value(body, "temperature", (int, float), 1.0)),
-                         body_value(body, "top_k", (int,), 0) if body.get("top_k") != -1 else 0,
-                         float(body_value(body, "top_p", (int, float), 1.0)),
-                         seed if seed is None or i == 0 else (seed + i) % 2**64, **adjustments)
-                for i in range(n)]
-    return [GenerationRequest(prompt, limit if max_tokens is None else max_tokens, s,
-                              stop_ids, f"{request_id}-{i}" if n > 1 else request_id,
-                              min_tokens=body_value(body, "min_tokens", (int,), 0),
-                              stop_strings=_stops(body), logprobs=top is not None,
-                              top_logprobs=top or 0,
-                              prompt_logprobs=top if echo and top is not None else None,
-                              grammar=grammar)
-            for i, s in enumerate(sampling)]
-
-
-def text_engine(frontend, body: dict) -> DecoderEngine:
-    name = body.get("model")
-    if not isinstance(name, str):
-        raise InvalidArgument("'model' must be the name of a served model")
-    engine = frontend.slot.find(name)
-    if not isinstance(engine, DecoderEngine) or engine.tokenizer is None:
-        raise InvalidArgument(f"model '{name}' does not generate text (it needs a decoder "
-                              "artifact with tokenizer.json)")
-    return engine
-
-
-def token_ids(x) -> bool:
-    """Whether `x` is a non-empty list of token ids (ints, not bools), as OpenAI's prompt and
-    input lists carry them."""
-    return isinstance(x, list) and bool(x) and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in x)
-
-
-def _completion_prompts(engine: DecoderEngine, prompt) -> list[tuple[tuple[int, ...], str]]:
-    """OpenAI's `prompt`: a string, token ids, or a list of either (a batch); each as (ids,
-    its text: the string as sent, or the ids decoded)."""
-    batch = prompt if isinstance(prompt, list) and prompt and all(
-        isinstance(p, str) or token_ids(p) for p in prompt) else [prompt]
-    out = []
-    for p in batch:
-        if isinstance(p, str):
-            out.append((tuple(engine.tokenizer.encode(p).ids), p))
-        elif token_ids(p):
-            out.append((tuple(p), engine.tokenizer.decode(p, skip_special_tokens=False)))
-        else:
-            raise InvalidArgument("'prompt' must be a string, a list of token ids, or a "
-                                  "non-empty list of those (a batch)")
-    return out
 
 
 # ---------------------------------------------------------------------------- responses
@@ -451,9 +271,9 @@ async def completions(frontend, request: Request) -> Response:
     engine = text_engine(frontend, body)
     logprobs = body_value(body, "logprobs", (int,))  # k: the k most likely tokens too
     top = None if logprobs is None else top_count("logprobs", logprobs)
-    prompts = _completion_prompts(engine, body.get("prompt"))
-    n, echo = _choices(engine, body), body_value(body, "echo", (bool,), False)
-    max_tokens = _max_tokens(body)
+    prompts = completion_prompts(engine, body.get("prompt"))
+    n, echo = choice_count(engine, body), body_value(body, "echo", (bool,), False)
+    max_tokens = max_tokens_of(body)
     shape = _Shape(engine, chat=False, top=top, n=n * len(prompts), echo=_Echo(
         tuple(p for p in prompts for _ in range(n)), max_tokens == 0) if echo else None)
     generations = [g for i, (ids, _) in enumerate(prompts) for g in generations_for(
@@ -476,7 +296,7 @@ async def chat_completions(frontend, request: Request) -> Response:
     text = render(engine.text, messages_of(body.get("messages")),
                   body_value(body, "add_generation_prompt", (bool,), True), body.get("tools"))
     prompt = tuple(engine.tokenizer.encode(text, add_special_tokens=False).ids)
-    shape = _Shape(engine, chat=True, top=top if logprobs else None, n=_choices(engine, body),
+    shape = _Shape(engine, chat=True, top=top if logprobs else None, n=choice_count(engine, body),
                    tools=tools)
     sampling = {k: v for k, v in body.items() if k not in ("tools", "tool_choice",
                                                              "parallel_tool_calls")}

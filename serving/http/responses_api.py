@@ -30,8 +30,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from serving.decoder import DecoderEngine
 from serving.errors import InvalidArgument
 from serving.http.chat import messages_of, render
-from serving.http.openai_api import (body_value, error, generations_for, text_engine,
-                                     token_entry, top_count)
+from serving.http.openai_api import error, token_entry
+from serving.http.openai_requests import body_value, generations_for, text_engine, top_count
 from serving.http.streams import ChunkStream, until_disconnect
 from serving.http.triton_generate import SSE_HEADERS
 from serving.sampling import Chunk, Grammar, join_chunks

@@ -12,7 +12,7 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from serving.conventions import Reply
+from serving.replies import Reply
 from serving.datatypes import DATATYPES
 from serving.decoder import DecoderEngine
 from serving.errors import InvalidArgument

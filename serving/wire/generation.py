@@ -10,7 +10,7 @@ import threading
 from typing import Iterator
 
 from serving.datatypes import triton_type
-from serving.conventions import Reply
+from serving.replies import Reply
 from serving.decoder import DecoderEngine
 from serving.errors import ServingError
 from serving.sampling import Chunk, join_chunks

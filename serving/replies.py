@@ -1,0 +1,90 @@
+"""What a decoder's client gets back, in the names of Triton's LLM backends
+(serving/conventions.py parses what it sent): per chunk of tokens, `output_ids` and
+`text_output` (the prompt's text first when the request asked), TensorRT-LLM's
+`sequence_length`, `output_log_probs` and `cum_log_probs` in every response, and the
+outputs sent only when asked (the token counts, the vLLM backend's `finish_reason`,
+`cumulative_logprob` and `logprobs`), as those backends write them."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from serving.conventions import ClientRequest
+from serving.sampling import Chunk
+from serving.tokenizer import token_text
+
+_VLLM_REASONS = {"length": "length", "stop": "stop"}  # else vLLM's "abort"
+
+
+def chunk_outputs(chunk: Chunk, with_text: bool) -> dict[str, np.ndarray]:
+    """The response tensors of one chunk: output_ids [1, k] and text_output [1]."""
+    out = {"output_ids": np.array([chunk.ids], np.int64).reshape(1, len(chunk.ids))}
+    if with_text:
+        out["text_output"] = np.array([(chunk.text or "").encode()], dtype=object)
+    return out
+
+
+@dataclass
+class Reply:
+    """One request's responses: the totals they carry (sequence length, cumulative
+    log-probability) and the prompt text sent ahead of the first one when asked."""
+
+    request: ClientRequest
+    tokenizer: object | None  # the artifact's (None: no text outputs)
+    generated: int = 0
+    cum_logprob: float = 0.0
+    started: bool = field(default=False)
+
+    def outputs(self, chunk: Chunk) -> dict[str, np.ndarray]:
+        text = chunk.text
+        if not self.started and self.request.prompt_text is not None:
+            text = self.request.prompt_text + (text or "")
+        self.started = True
+        out = chunk_outputs(Chunk(chunk.ids, text), self.tokenizer is not None)
+        self.generated += len(chunk.ids)
+        out["sequence_length"] = np.array([self.generated], np.int32)
+        # TensorRT-LLM's outputs in every response, as its ensemble answers (a client such as
+        # perf_analyzer reads them): log-probs are 0 unless asked for, as TensorRT-LLM's are
+        lp = np.array(chunk.logprobs if chunk.logprobs is not None else [0.0] * len(chunk.ids),
+                      np.float32)
+        self.cum_logprob += float(lp.sum())
+        out["output_log_probs"] = lp
+        out["cum_log_probs"] = np.array([self.cum_logprob], np.float32)
+        out.update(self._asked_for(chunk))
+        if self.request.outputs:  # those the client named (one its flags leave out stays out)
+            return {n: out[n] for n in self.request.outputs if n in out}
+        return out
+
+    def _asked_for(self, chunk: Chunk) -> dict[str, np.ndarray]:
+        """The outputs sent only when asked (COUNTS, VLLM_OUTPUTS), as the backends write
+        them: the finish reason as Python's str() of vLLM's ("None" until the last one)."""
+        extras, out = self.request.extras, {}
+        if "num_input_tokens" in extras:
+            out["num_input_tokens"] = np.array([len(self.request.generation.prompt)], np.uint32)
+        if "num_output_tokens" in extras:
+            out["num_output_tokens"] = np.array([len(chunk.ids)], np.uint32)
+        if "finish_reason" in extras:
+            reason = _VLLM_REASONS.get(chunk.reason, "abort") if chunk.final else "None"
+            out["finish_reason"] = np.array([reason.encode()], dtype=object)
+        if "cumulative_logprob" in extras:
+            out["cumulative_logprob"] = np.array([self.cum_logprob], np.float32)
+        if "logprobs" in extras:
+            listing = None if chunk.ranks is None else [
+                self._listing(*at) for at in zip(chunk.ids, chunk.logprobs, chunk.ranks,
+                                                 chunk.top_logprobs or [()] * len(chunk.ids))]
+            out["logprobs"] = np.array([json.dumps(listing).encode()], dtype=object)
+        return out
+
+    def _listing(self, token: int, logprob: float, rank: int, top) -> dict:
+        """One position as vLLM lists it: the sampled id first, then the most likely (rank
+        1, 2, ...); JSON keys are the ids as strings."""
+        entries = {token: (logprob, rank)}
+        entries.update((t, (p, k)) for k, (t, p) in enumerate(top, 1))
+        return {str(t): {"logprob": p, "rank": k, "decoded_token": self._text(t)}
+                for t, (p, k) in entries.items()}
+
+    def _text(self, token: int) -> str | None:
+        return None if self.tokenizer is None else token_text(self.tokenizer, token)
