@@ -445,3 +445,19 @@ def test_int4_quantized_graph_is_read_from_matmulnbits_attributes(reference_mode
     assert any(f.rule == "quantized-weights" for f in audited(found).findings)
     nodes = {n.name: n for n in load_model(path).graph}
     assert nodes[found.sites.layers[0].ffn.down].op_type == "MatMulNBits"
+
+
+def test_inspect_imports_neither_torch_nor_the_design_search(reference_model):
+    """`tuner inspect` (and pad, verify: every command) starts in about a second: ORT's
+    symbolic shape inference is loaded from its own file, since `onnxruntime.tools` imports
+    torch wherever torch is installed (as here), and the design search is imported by
+    `tuner design` alone."""
+    path = reference_model("gpt2", "awkward", "torchscript")
+    probe = ("import sys; from tuner.cli import main; "
+             f"code = main(['inspect', {str(path)!r}, '--json']); "
+             "print(sorted(m for m in ('torch', 'tuner.design.search') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.splitlines()[-1] == "[]", r.stdout[-500:]
+    assert '"hidden"' in r.stdout or '"hidden_size"' in r.stdout  # it did inspect

@@ -9,9 +9,6 @@ import typer
 from rich.console import Console
 
 from tuner.cli.app import app
-from tuner.design import report
-from tuner.design.search import (DEFAULT_VOCAB, DesignRequest, family_for, parse_layers, run,
-                                 start_from_flags, start_from_model)
 from tuner.errors import BadInput
 from tuner.util.files import ensure_writable_dir
 from tuner.util.progress import rich_progress
@@ -57,6 +54,11 @@ def design(
     import json
     import sys
 
+    # here, not at the top: every `tuner` command would otherwise import the search and
+    # its runtime probes (0.4 s) before doing anything
+    from tuner.design import report
+    from tuner.design.search import (DEFAULT_VOCAB, DesignRequest, family_for, parse_layers,
+                                     run, start_from_flags, start_from_model)
 
     if top < 1:
         raise BadInput(f"--top must be >= 1, not {top}")
@@ -92,6 +94,8 @@ def design(
 
 
 def print_ranking(ranking, meta: dict, top: int) -> None:
+    from tuner.design import report
+
     console = Console()
     if not console.is_terminal:  # a file or a pipe: do not wrap the table at 80 columns
         console = Console(width=160)

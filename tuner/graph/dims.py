@@ -10,7 +10,10 @@ so nothing of a 2 GB model is read or copied.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import logging
+from pathlib import Path
 
 import onnx
 import onnx_ir as ir
@@ -47,13 +50,30 @@ def _light_proto(model: ir.Model) -> onnx.ModelProto:
     return proto
 
 
+@functools.lru_cache(maxsize=1)
+def _symbolic_shape_inference():
+    """ORT's SymbolicShapeInference, loaded from its own file: imported through
+    `onnxruntime.tools`, that package's __init__ imports torch wherever torch is installed
+    (1.4 s of every `tuner inspect` / `pad` / `verify` on a machine that exports with it);
+    the module itself needs only onnx and numpy."""
+    import onnxruntime
+
+    path = Path(onnxruntime.__file__).parent / "tools" / "symbolic_shape_infer.py"
+    spec = importlib.util.spec_from_file_location("_ort_symbolic_shape_infer", path)
+    if spec is None or not path.is_file():  # moved in some release: the package's way
+        from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+        return SymbolicShapeInference
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.SymbolicShapeInference
+
+
 def infer_symbolic(model: ir.Model) -> dict[str, tuple[Dim, ...]]:
     """value name -> dims, from ORT's symbolic shape inference ({} when it fails)."""
     try:
-        from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
-
-        out = SymbolicShapeInference.infer_shapes(_light_proto(model), auto_merge=True,
-                                                  guess_output_rank=True)
+        out = _symbolic_shape_inference().infer_shapes(_light_proto(model), auto_merge=True,
+                                                       guess_output_rank=True)
     except Exception as e:  # noqa: BLE001 - inference is a helper: fall back to annotations
         log.debug("symbolic shape inference failed: %s", e)
         return {}
