@@ -173,6 +173,7 @@ def test_a_constrained_stream_leaves_the_others_in_its_batch_alone(llama) -> Non
 
     def run(requests) -> list[list[int]]:
         queues = [queue.Queue() for _ in requests]
+        reasons.clear()
         for q, r in zip(queues, requests):
             gen.submit(r, q.put)
         out = []
@@ -181,7 +182,10 @@ def test_a_constrained_stream_leaves_the_others_in_its_batch_alone(llama) -> Non
             while not chunks[-1].final:
                 chunks.append(q.get(timeout=60))
             out.append([t for c in chunks for t in c.ids])
+            reasons.append(chunks[-1].reason)
         return out
+
+    reasons: list[str] = []
 
     try:
         prompts = [tuple(tokenizer().encode(t).ids) for t in (PROMPT, "A dog", "Cafe au lait")]
@@ -194,6 +198,11 @@ def test_a_constrained_stream_leaves_the_others_in_its_batch_alone(llama) -> Non
 
         assert together[0] == guided_greedy(llama, list(prompts[0]),
                                         LLMatcher.grammar_from_regex("[a-c]{5}"), eos)
+        # the only token the grammar allows is a bad word: that stream alone ends, an error
+        a = tokenizer().token_to_id("a")
+        stuck, beside = run([GenerationRequest(prompts[0], 4, grammar=Grammar("regex", "a"),
+                                               bad_words=((a,),)), free[0]])
+        assert stuck == [] and beside == alone[0] and reasons == ["error", "length"]
         with pytest.raises(InvalidArgument, match="the grammar cannot be compiled"):
             gen.submit(GenerationRequest(prompts[0], 4, grammar=Grammar("grammar", "start: (")),
                        lambda c: None)

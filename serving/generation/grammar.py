@@ -58,12 +58,19 @@ class Matcher:
         row[:len(allowed)][allowed[:len(row)] == 0] = -np.inf
 
     def advance(self, token: int) -> bool:
-        """Take the sampled token; whether the match is complete (the stream ends)."""
+        """Take the sampled token; whether the match is complete (the stream ends).
+        GrammarError where the grammar cannot take it (every token it allows was masked
+        out besides it, e.g. by the request's bad words): that stream ends alone."""
         if token in self.eos:
             return True
         if not self._m.consume_token(token):
-            raise RuntimeError(f"the grammar refused token {token}: {self._m.get_error()}")
+            raise GrammarError(f"no token the grammar allows was left to sample (token "
+                               f"{token}: {self._m.get_error()})")
         return self._m.is_stopped()
+
+
+class GrammarError(ValueError):
+    """A constrained stream cannot go on."""
 
 
 class GrammarCompiler:

@@ -13,6 +13,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from serving.generation.grammar import GrammarError
 from serving.sampling import Chunk, GenerationRequest, adjust, sample
 from serving.tokenizer import IncrementalDecoder
 
@@ -129,8 +130,9 @@ class OutputProcessor:
         Scores it asked for (None where it asked for none)."""
         work = logits
         for i, s in enumerate(streams):
-            ids = [t for t in banned(s) if 0 <= t < logits.shape[1]]
             sampling, matcher = s.request.sampling, s.output.matcher
+            ids = [t for t in banned(s) if 0 <= t < logits.shape[1]
+                   and (matcher is None or t not in matcher.eos)]  # a grammar ends itself
             if ids or sampling.adjusts or matcher is not None:
                 if work is logits:  # the raw logits stay for the log-probs
                     work = logits.copy()
@@ -187,7 +189,11 @@ class OutputProcessor:
         if token in request.stop_ids and out.generated >= request.min_tokens:
             self.finish(stream, "stop")
             return
-        complete = out.matcher is not None and out.matcher.advance(token)
+        try:
+            complete = out.matcher is not None and out.matcher.advance(token)
+        except GrammarError as e:
+            self.finish(stream, "error", str(e))
+            return
         if complete and token in out.matcher.eos:  # the end where the grammar allows it
             self.finish(stream, "stop")
             return
