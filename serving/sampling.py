@@ -196,6 +196,15 @@ def _joined(chunks: Sequence[Chunk], name: str) -> tuple | None:
     return tuple(x for c in chunks for x in (getattr(c, name) or ()))
 
 
+def held_back(tail: str, marks: Sequence[str]) -> int:
+    """Characters at the end of `tail` that are the start of one of `marks` (text to hold
+    back while it may still become a stop string, or a tool call's opening tag)."""
+    for n in range(min(len(tail), max((len(m) for m in marks), default=0) - 1), 0, -1):
+        if any(m.startswith(tail[-n:]) for m in marks):
+            return n
+    return 0
+
+
 def join_chunks(chunks: Sequence[Chunk]) -> Chunk:
     """A whole stream as one final chunk (an answer that is not streamed)."""
     texts = [c.text for c in chunks if c.text is not None]

@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from serving.generation.grammar import GrammarError
-from serving.sampling import Chunk, GenerationRequest, adjust, sample
+from serving.sampling import Chunk, GenerationRequest, adjust, held_back, sample
 from serving.tokenizer import IncrementalDecoder
 
 log = logging.getLogger("serving")
@@ -73,17 +73,9 @@ class StreamOutput:
         else:
             end, matched = len(self.text), False
             if not final:
-                end -= _held_back(self.text[self.sent:], stops)
+                end -= held_back(self.text[self.sent:], stops)
         piece, self.sent = self.text[self.sent:end], max(self.sent, end)
         return piece, matched
-
-
-def _held_back(tail: str, stops: Sequence[str]) -> int:
-    """Characters at the end of `tail` that are the start of some stop string."""
-    for n in range(min(len(tail), max((len(s) for s in stops), default=0) - 1), 0, -1):
-        if any(s.startswith(tail[-n:]) for s in stops):
-            return n
-    return 0
 
 
 def _logsumexp(x: np.ndarray) -> np.ndarray:

@@ -24,7 +24,7 @@ import uuid
 from dataclasses import dataclass
 
 from serving.errors import InvalidArgument
-from serving.sampling import Grammar
+from serving.sampling import Grammar, held_back
 
 PARSERS = ("hermes",)
 
@@ -80,7 +80,7 @@ class Hermes:
     def read(self, held: str, sent: int, final: bool) -> tuple[str, list[dict] | None]:
         start = held.find(self.OPEN)
         if not final:  # content up to where a call starts or may start
-            end = start if start >= 0 else len(held) - _partial(held, self.OPEN)
+            end = start if start >= 0 else len(held) - held_back(held, (self.OPEN,))
             return held[sent:max(sent, end)], None
         calls = self.calls(held[start:]) if start >= 0 else None
         if calls is None:
@@ -100,14 +100,6 @@ class Hermes:
                 return None
             out.append(_call(call["name"], call.get("arguments", {})))
         return out or None
-
-
-def _partial(text: str, tag: str) -> int:
-    """How many characters at the end of `text` are the start of `tag`."""
-    for n in range(min(len(text), len(tag) - 1), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
 
 
 def _function(i: int, tool) -> dict:
