@@ -142,13 +142,14 @@ def test_what_cannot_be_done_is_400(server, extra, says) -> None:
 # ------------------------------------------------- tool_choice "auto" with a call parser
 
 CALL = '{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}'
+TIME = '{"name": "get_time", "arguments": {"zone": "UTC"}}'
 
 
-def _read_streamed(pieces: list[str]) -> tuple[str, list | None]:
-    """Hermes' reader fed as a stream is fed: each piece, then the end."""
-    from serving.http.tools import Hermes
+def _read_streamed(parser: str, pieces: list[str]) -> tuple[str, list | None]:
+    """A parser's reader fed as a stream is fed: each piece, then the end."""
+    from serving.http.tools import READERS
 
-    reader, held, sent, content, calls = Hermes(), "", 0, "", None
+    reader, held, sent, content, calls = READERS[parser](), "", 0, "", None
     for i, piece in enumerate(pieces):
         held += piece
         out, calls = reader.read(held, sent, i == len(pieces) - 1)
@@ -157,32 +158,90 @@ def _read_streamed(pieces: list[str]) -> tuple[str, list | None]:
     return content, calls
 
 
-@pytest.mark.parametrize("text, content, names", [
-    (f"<tool_call>\n{CALL}\n</tool_call>", "", ["get_weather"]),
-    (f"Let me check.\n<tool_call>\n{CALL}\n</tool_call>\n<tool_call>\n"
-     '{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>', "Let me check.\n",
-     ["get_weather", "get_time"]),
-    (f"<tool_call>\n{CALL}", "", ["get_weather"]),  # cut after the JSON: still a call
-    ("<tool_call>\n{\"name\": \"get_wea", "<tool_call>\n{\"name\": \"get_wea", None),
-    ("It is 12:00 in Oslo (a <b>tool</b> said).", "It is 12:00 in Oslo (a <b>tool</b> said).",
-     None),
-])
-def test_hermes_calls_are_read_out_of_the_text_whole_and_streamed(text, content,
-                                                                  names) -> None:
+# what each model family writes (vLLM's parser tests and the models' chat templates)
+PROSE = "It is 12:00 in Oslo (a <b>tool</b> said; {see} [TOOL] notes)."
+WRITTEN = [
+    ("hermes", f"<tool_call>\n{CALL}\n</tool_call>", "", ["get_weather"]),
+    ("hermes", f"Let me check.\n<tool_call>\n{CALL}\n</tool_call>\n<tool_call>\n{TIME}\n"
+     "</tool_call>", "Let me check.\n", ["get_weather", "get_time"]),
+    ("hermes", f"<tool_call>\n{CALL}", "", ["get_weather"]),  # cut after the JSON: a call
+    ("hermes", '<tool_call>\n{"name": "get_wea', '<tool_call>\n{"name": "get_wea', None),
+    ("hermes", PROSE, PROSE, None),
+    # Mistral before its v11 tokenizer: a JSON list after the token
+    ("mistral", f"[TOOL_CALLS][{CALL}, {TIME}]", "", ["get_weather", "get_time"]),
+    ("mistral", f"Checking. [TOOL_CALLS] [{CALL}]", "Checking. ", ["get_weather"]),
+    # v11 and later: name{arguments} after each token; v13: name[ARGS]{arguments}
+    ("mistral", '[TOOL_CALLS]get_weather{"city": "Oslo", "days": 2}[TOOL_CALLS]get_time'
+     '{"zone": "UTC"}', "", ["get_weather", "get_time"]),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo", "days": 2}', "",
+     ["get_weather"]),
+    ("mistral", "[TOOL_CALLS][{\"name\": \"get_", "[TOOL_CALLS][{\"name\": \"get_", None),
+    ("mistral", PROSE, PROSE, None),
+    # Llama 3.1 - 3.3: the output is the call, "parameters" as their template asks
+    ("llama3_json", CALL.replace("arguments", "parameters"), "", ["get_weather"]),
+    ("llama3_json", f"<|python_tag|>{CALL}; {TIME}", "", ["get_weather", "get_time"]),
+    ("llama3_json", f" \n{CALL}", "", ["get_weather"]),
+    ("llama3_json", f"{CALL} and then", f"{CALL} and then", None),
+    ("llama3_json", PROSE, PROSE, None),
+]
+
+
+@pytest.mark.parametrize("parser, text, content, names", WRITTEN)
+def test_calls_are_read_out_of_the_text_whole_and_streamed(parser, text, content,
+                                                           names) -> None:
     for pieces in ([text], [text[i:i + 3] for i in range(0, len(text), 3)]):
-        got, calls = _read_streamed(pieces)
+        got, calls = _read_streamed(parser, pieces)
         assert got == content
         assert (None if calls is None else [c["function"]["name"] for c in calls]) == names
     if names:
-        _, calls = _read_streamed([text])
+        _, calls = _read_streamed(parser, [text])
         assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo", "days": 2}
 
 
-def test_streamed_content_is_held_back_only_while_a_call_may_start() -> None:
-    from serving.http.tools import Hermes
+@pytest.mark.parametrize("parser, held, now", [
+    ("hermes", "Sure <tool_", "Sure "), ("hermes", "Sure <tool_x", "Sure <tool_x"),
+    ("mistral", "Sure [TOOL", "Sure "), ("mistral", "Sure [TOOLS]", "Sure [TOOLS]"),
+    ("llama3_json", " <|python", ""), ("llama3_json", " {", ""), ("llama3_json", "Sure", "Sure"),
+])
+def test_streamed_content_is_held_back_only_while_a_call_may_start(parser, held, now) -> None:
+    from serving.http.tools import READERS
 
-    assert Hermes().read("Sure <tool_", 0, False) == ("Sure ", None)
-    assert Hermes().read("Sure <tool_x", 0, False) == ("Sure <tool_x", None)
+    assert READERS[parser]().read(held, 0, False) == (now, None)
+
+
+def _literal(text: str) -> str:
+    """A regex matching exactly `text` (llguidance's Rust syntax: escape its metacharacters
+    only)."""
+    return "".join("\\" + c if c in "\\.^$|?*+()[]{}" else c for c in text)
+
+
+@pytest.mark.parametrize("parser, text, content", [
+    ("hermes", f"On it.<tool_call>{TIME}</tool_call>", "On it."),
+    ("mistral", '[TOOL_CALLS]get_time{"zone": "UTC"}', ""),
+    ("llama3_json", TIME.replace("arguments", "parameters"), ""),
+])
+def test_a_call_the_model_writes_comes_back_as_tool_calls(artifact, parser, text,
+                                                          content) -> None:
+    """The served path end to end: a regex makes this random model write a call in its
+    family's syntax; the server answers it as `tool_calls`, whole and streamed."""
+    s = start(artifact, tool_call_parser=parser, generate={"max_tokens": 128})
+    try:
+        c = openai_client(s)
+        ask = dict(model=s.slot.name, messages=MESSAGES, tools=TOOLS, temperature=0,
+                   max_tokens=128, extra_body={"structured_outputs": {"regex": _literal(text)}})
+        got = c.chat.completions.create(**ask).choices[0]
+        assert got.finish_reason == "tool_calls" and (got.message.content or "") == content
+        [call] = got.message.tool_calls
+        assert call.function.name == "get_time" and json.loads(call.function.arguments) == {
+            "zone": "UTC"}
+        chunks = list(c.chat.completions.create(**ask, stream=True))
+        assert "".join(x.choices[0].delta.content or "" for x in chunks) == content
+        [streamed] = [t for x in chunks for t in x.choices[0].delta.tool_calls or []]
+        assert (streamed.function.name, streamed.function.arguments) == (
+            "get_time", call.function.arguments)
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    finally:
+        s.stop(5)
 
 
 def test_auto_with_the_parser_answers_text_when_the_model_calls_nothing(artifact,
@@ -208,5 +267,6 @@ def test_an_unknown_parser_is_refused_before_serving() -> None:
     from serving.server import ServerOptions
     from tuner.errors import BadInput
 
-    with pytest.raises(BadInput, match="--tool-call-parser must be one of \\['hermes'\\]"):
-        ServerOptions(tool_call_parser="mistral")
+    with pytest.raises(BadInput, match="--tool-call-parser must be one of \\['hermes', "
+                       "'llama3_json', 'mistral'\\], not 'pythonic'"):
+        ServerOptions(tool_call_parser="pythonic")

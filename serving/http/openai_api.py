@@ -34,7 +34,7 @@ from serving.http.chat import messages_of, render
 from serving.http.codec import http_status_for
 from serving.http.openai_requests import (body_value, choice_count, completion_prompts, generations_for, max_tokens_of, text_engine, top_count)
 from serving.http.streams import ChunkStreams, until_disconnect
-from serving.http.tools import Forced, Hermes, tool_reader
+from serving.http.tools import Reader, tool_reader
 from serving.http.triton_generate import SSE_HEADERS, sse
 from serving.sampling import Chunk, GenerationRequest, join_chunks
 from serving.tokenizer import token_text
@@ -96,7 +96,7 @@ class _Shape:
     choice; chat puts a message (a delta when streaming) and content log-probs."""
 
     def __init__(self, engine: DecoderEngine, chat: bool, top: int | None, n: int,
-                 echo: _Echo | None = None, tools: Forced | Hermes | None = None) -> None:
+                 echo: _Echo | None = None, tools: Reader | None = None) -> None:
         self.engine, self.chat, self.logprobs, self.top = engine, chat, top is not None, top
         self.echo, self.tools = echo, tools
         self.held = [""] * n  # each choice's text so far, when it may hold tool calls

@@ -7,11 +7,13 @@ transformers' apply_chat_template passes them), and the output comes back as the
   a JSON schema of the call(s) by structured output (vLLM's way for these two choices), so
   any model works, whatever its own call syntax;
 - `tool_choice` "auto" (the default with tools: the model decides) with `tuner serve
-  --tool-call-parser hermes`: the model writes calls in its own syntax, here Hermes' (Qwen
-  2.5 / 3, Hermes, many fine-tunes: `<tool_call>{"name": ..., "arguments": {...}}
-  </tool_call>`), which is parsed out of the text; text before the first call is the
-  content. Streamed, the content flows until a call may start, the calls come whole at the
-  end. Without a parser "auto" is refused with 400 naming the choices that work.
+  --tool-call-parser NAME`: the model writes calls in its own syntax, parsed out of the
+  text as vLLM's parser of that name does: `hermes` (Qwen 2.5 / 3, Hermes and many
+  fine-tunes: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`), `mistral`
+  (`[TOOL_CALLS]...`) or `llama3_json` (Llama 3.1 - 3.3: the output is the call's JSON).
+  Text before the first call is the content. Streamed, the content flows until a call may
+  start, the calls come whole at the end. Without a parser "auto" is refused with 400
+  naming the choices that work.
 
 A reader sees a choice's text grow (`held`) and says what may be sent now: content text,
 and at the end the calls (None: the text stays content, e.g. a call cut by max_tokens)."""
@@ -25,9 +27,6 @@ from dataclasses import dataclass
 
 from serving.errors import InvalidArgument
 from serving.sampling import Grammar, held_back
-
-PARSERS = ("hermes",)
-
 
 def _call(name: str, arguments) -> dict:
     text = arguments if isinstance(arguments, str) else json.dumps(arguments)
@@ -70,11 +69,11 @@ class Forced:
         return "", [_call(name, arguments) for name, arguments in pairs]
 
 
-class Hermes:
-    """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks in the text (vLLM's
-    `hermes` parser: a last block may be left unclosed at the end)."""
+class _Marked:
+    """Calls that start at a marker in the text, content before it (vLLM's `hermes` and
+    `mistral` parsers). Streamed, content flows up to where a call starts or may start."""
 
-    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    OPEN = ""
     grammar = None  # the model writes freely
 
     def read(self, held: str, sent: int, final: bool) -> tuple[str, list[dict] | None]:
@@ -88,18 +87,116 @@ class Hermes:
         return held[sent:max(sent, start)], calls
 
     def calls(self, text: str) -> list[dict] | None:
-        """The calls of the text from the first block on (None if one is not JSON with a
-        name: then it all stays content, as vLLM answers)."""
+        """The calls of `text` (which starts at the marker); None if they do not parse:
+        then it all stays content, as vLLM answers."""
+        raise NotImplementedError
+
+
+class Hermes(_Marked):
+    """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks (Qwen 2.5 / 3,
+    Hermes and many fine-tunes; a last block may be left unclosed at the end)."""
+
+    OPEN = "<tool_call>"
+
+    def calls(self, text: str) -> list[dict] | None:
         out = []
         for block in re.findall(r"<tool_call>(.*?)(?:</tool_call>|$)", text, re.DOTALL):
             try:
-                call = json.loads(block)
+                call = _named(json.loads(block))
             except ValueError:
                 return None
-            if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-                return None
-            out.append(_call(call["name"], call.get("arguments", {})))
+            out.append(call)
         return out or None
+
+
+class Mistral(_Marked):
+    """Mistral's `[TOOL_CALLS]` token, then the calls in either of its tokenizers' syntaxes:
+    a JSON list `[{"name": ..., "arguments": {...}}, ...]` (before v11), or `name{...}`,
+    `name[ARGS]{...}` in later ones, one call after each `[TOOL_CALLS]`."""
+
+    OPEN = "[TOOL_CALLS]"
+
+    def calls(self, text: str) -> list[dict] | None:
+        out = []
+        try:
+            for part in text.split(self.OPEN)[1:]:
+                part = part.strip()
+                if part.startswith("["):
+                    listed = _whole_json(part)
+                    if not isinstance(listed, list):
+                        return None
+                    out += [_named(c) for c in listed]
+                    continue
+                name, _, arguments = part.partition("{")
+                name = name.removesuffix("[ARGS]").strip()
+                if not name or not arguments:
+                    return None
+                out.append(_call(name, _whole_json("{" + arguments)))
+        except ValueError:
+            return None
+        return out or None
+
+
+class Llama3Json:
+    """Llama 3.1 - 3.3's JSON calls (vLLM's `llama3_json`): the whole output is
+    `{"name": ..., "parameters": {...}}` (or "arguments"), several joined by "; ", perhaps
+    after the `<|python_tag|>` token. Output that starts otherwise is content, streamed as
+    it comes; output that starts like a call is held until the end (vLLM also finds a call
+    inside prose when the answer is whole; here whole and streamed answers always agree)."""
+
+    TAG = "<|python_tag|>"
+    grammar = None
+
+    def _maybe_call(self, held: str) -> bool:
+        text = held.lstrip()
+        return self.TAG.startswith(text) or text.startswith((self.TAG, "{"))
+
+    def read(self, held: str, sent: int, final: bool) -> tuple[str, list[dict] | None]:
+        if not self._maybe_call(held):
+            return held[sent:], None
+        if not final:
+            return "", None
+        calls = self.calls(held.lstrip().removeprefix(self.TAG))
+        return ("", calls) if calls is not None else (held[sent:], None)
+
+    @staticmethod
+    def calls(text: str) -> list[dict] | None:
+        decoder, out, at = json.JSONDecoder(), [], 0
+        try:
+            while True:
+                at = len(text) - len(text[at:].lstrip())
+                value, at = decoder.raw_decode(text, at)
+                if isinstance(value, dict) and "arguments" not in value:
+                    value = {"name": value.get("name"), "arguments": value.get("parameters", {})}
+                out.append(_named(value))
+                rest = text[at:].lstrip()
+                if not rest:
+                    return out
+                if not rest.startswith(";"):
+                    return None
+                at = len(text) - len(rest) + 1
+        except ValueError:
+            return None
+
+
+def _whole_json(text: str):
+    """`text` as one JSON value (ValueError if it is not, or if more follows it)."""
+    value, end = json.JSONDecoder().raw_decode(text)
+    if text[end:].strip():
+        raise ValueError("text after the JSON value")
+    return value
+
+
+def _named(value) -> dict:
+    """A call from `{"name": ..., "arguments": ...}` (ValueError if it is not one)."""
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        raise ValueError("a call is an object with a name")
+    return _call(value["name"], value.get("arguments", {}))
+
+
+READERS = {"hermes": Hermes, "llama3_json": Llama3Json, "mistral": Mistral}
+PARSERS = tuple(READERS)  # --tool-call-parser's choices, vLLM's names
+Reader = Forced | Hermes | Mistral | Llama3Json
 
 
 def _function(i: int, tool) -> dict:
@@ -113,7 +210,7 @@ def _function(i: int, tool) -> dict:
     return {"name": tool["function"]["name"], "parameters": parameters}
 
 
-def tool_reader(body: dict, parser: str | None) -> Forced | Hermes | None:
+def tool_reader(body: dict, parser: str | None) -> Reader | None:
     """How a chat body's tool calls are made and read; None without tools or with
     tool_choice "none" (the tools are then only shown to the model). `parser`: the
     server's --tool-call-parser, which "auto" needs."""
@@ -139,12 +236,12 @@ def tool_reader(body: dict, parser: str | None) -> Forced | Hermes | None:
         if name not in {f["name"] for f in functions}:
             raise InvalidArgument(f"tool_choice names {name!r}, which is not among the tools")
         return Forced(functions, name)
-    if choice in (None, "auto") and parser == "hermes":
-        return Hermes()
+    if choice in (None, "auto") and parser is not None:
+        return READERS[parser]()
     if choice in (None, "auto"):
         raise InvalidArgument("tool_choice 'auto' (the model decides) needs the model's own "
                               "call syntax parsed: start the server with --tool-call-parser "
-                              "hermes for a Hermes-style model, or send tool_choice "
-                              "'required' or a named function")
+                              f"({' | '.join(PARSERS)}), or send tool_choice 'required' or a "
+                              "named function")
     raise InvalidArgument("'tool_choice' must be 'none', 'auto', 'required' or a named "
                           "function")

@@ -177,9 +177,11 @@ def serve(
                                                "but --prefill-tokens"),
     tool_call_parser: Optional[str] = typer.Option(
         None, help="decoders: how chat's tool_choice 'auto' reads the model's own tool calls "
-                   "out of its text: 'hermes' (<tool_call>{...}</tool_call>: Qwen 2.5 / 3, "
-                   "Hermes). Without it 'auto' is refused; 'required' and a named function "
-                   "work with any model"),
+                   "out of its text, as vLLM's parser of the name: 'hermes' "
+                   "(<tool_call>{...}</tool_call>: Qwen 2.5 / 3, Hermes), 'mistral' "
+                   "([TOOL_CALLS]...), 'llama3_json' (Llama 3.1 - 3.3: the output is the "
+                   "call's JSON). Without it 'auto' is refused; 'required' and a named "
+                   "function work with any model"),
 ) -> None:
     """Serve OUT's selected variant until SIGTERM: KServe v2 / Open Inference Protocol over
     gRPC (--port) and HTTP/REST (--http-port), and for a decoder Triton's generate endpoints
