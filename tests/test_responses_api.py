@@ -118,12 +118,12 @@ def test_logprobs_are_the_models_own(server, want) -> None:
 
 @pytest.mark.parametrize("extra, says", [
     ({"previous_response_id": "resp_1"}, "'previous_response_id' is not supported"),
-    ({"tools": [{"type": "function", "name": "f", "parameters": {}}]},
-     "'tools' is not supported"),
+    ({"tools": [{"type": "web_search"}]}, "built-in tools are not served"),
     ({"text": {"format": {"type": "grammar"}}}, "'text.format' 'grammar' is not"),
     ({"reasoning": {"effort": "low"}}, "'reasoning' is not supported"),
-    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]},
-     "input\\[0\\] must be a message"),
+    ({"input": [{"type": "reasoning", "summary": []}]},
+     "input\\[0\\] must be a message, a function_call or a function_call_output"),
+    ({"input": [{"type": "function_call", "name": "f"}]}, "needs 'call_id', 'name' and"),
     ({"max_output_tokens": 0}, "'max_output_tokens' must be >= 1"),
 ])
 def test_what_cannot_be_honoured_is_400(server, extra, says) -> None:

@@ -11,8 +11,8 @@ import json
 
 import openai
 import pytest
-from llm_support import (CHAT_TEMPLATE, decoder_artifact, guided_greedy, llama,  # noqa: F401
-                         openai_client, start, tokenizer)
+from llm_support import (CHAT_TEMPLATE, decoder_artifact, greedy, guided_greedy,  # noqa: F401
+                         llama, openai_client, start, tokenizer)
 from pydantic import BaseModel, Field
 
 # ChatML that names the tools in a system turn, as tool-calling models' templates do (theirs
@@ -52,12 +52,12 @@ def server(artifact):
 
 
 
-def _prompt(artifact, tools) -> list[int]:
+def _prompt(artifact, tools, messages: list[dict] = MESSAGES) -> list[int]:
     from transformers import PreTrainedTokenizerFast
 
     tok = PreTrainedTokenizerFast(tokenizer_file=str(artifact / "tokenizer.json"),
                                   bos_token="<s>", eos_token="<|im_end|>")
-    text = tok.apply_chat_template(MESSAGES, tools=tools, chat_template=TOOLS_TEMPLATE,
+    text = tok.apply_chat_template(messages, tools=tools, chat_template=TOOLS_TEMPLATE,
                                    tokenize=False, add_generation_prompt=True)
     return tokenizer().encode(text, add_special_tokens=False).ids
 
@@ -246,8 +246,6 @@ def test_a_call_the_model_writes_comes_back_as_tool_calls(artifact, parser, text
 
 def test_auto_with_the_parser_answers_text_when_the_model_calls_nothing(artifact,
                                                                          llama) -> None:
-    from llm_support import greedy
-
     s = start(artifact, tool_call_parser="hermes", generate={"max_tokens": 64})
     try:
         c = openai_client(s)
@@ -259,6 +257,84 @@ def test_auto_with_the_parser_answers_text_when_the_model_calls_nothing(artifact
         streamed = c.chat.completions.create(model=s.slot.name, messages=MESSAGES, tools=TOOLS,
                                              temperature=0, max_tokens=8, stream=True)
         assert "".join(x.choices[0].delta.content or "" for x in streamed) == want
+    finally:
+        s.stop(5)
+
+
+# ------------------------------------------------- the Responses API's function tools
+
+FLAT_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]  # the Responses form
+
+
+def test_responses_calls_a_named_function_as_chat_does(server, artifact, llama) -> None:
+    got = openai_client(server).responses.create(
+        model=server.slot.name, input=MESSAGES[0]["content"], tools=FLAT_TOOLS,
+        tool_choice={"type": "function", "name": "get_weather"}, temperature=0)
+    assert got.status == "completed" and [o.type for o in got.output] == ["function_call"]
+    call = got.output[0]
+    assert call.name == "get_weather" and call.call_id.startswith("call_")
+    eos = server.slot.engine.text.eos_ids[0]
+    want = guided_greedy(llama, _prompt(artifact, TOOLS), _grammar(WEATHER), eos)
+    assert json.loads(call.arguments) == json.loads(tokenizer().decode(want))
+
+
+def test_responses_stream_helper_parses_a_pydantic_tools_arguments(server) -> None:
+    from openai.lib._tools import pydantic_responses_function_tool
+
+    with openai_client(server).responses.stream(
+            model=server.slot.name, input=MESSAGES, temperature=0,
+            tools=[pydantic_responses_function_tool(Lookup)],
+            tool_choice={"type": "function", "name": "Lookup"}) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    assert [e.type for e in events] == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.function_call_arguments.delta", "response.function_call_arguments.done",
+        "response.output_item.done", "response.completed"]
+    (call,) = final.output
+    assert call.type == "function_call" and isinstance(call.parsed_arguments, Lookup)
+    # each event names the call's place in the final output
+    assert {e.output_index for e in events if hasattr(e, "output_index")} == {0}
+    assert {e.item_id for e in events if hasattr(e, "item_id")} == {call.id}
+
+
+def test_responses_takes_earlier_calls_and_their_outputs(server, artifact, llama) -> None:
+    """An agent's second turn: the model's call and the tool's output, as input items, give
+    the prompt transformers renders for the same turns in chat's form."""
+    args = '{"zone": "UTC"}'
+    items = MESSAGES + [
+        {"type": "function_call", "call_id": "call_1", "name": "get_time", "arguments": args},
+        {"type": "function_call_output", "call_id": "call_1", "output": "12:00"}]
+    chat = MESSAGES + [
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function",
+         "function": {"name": "get_time", "arguments": args}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]
+    got = openai_client(server).responses.create(
+        model=server.slot.name, input=items, tools=FLAT_TOOLS, tool_choice="none",
+        temperature=0, max_output_tokens=4)
+    assert [o.type for o in got.output] == ["message"]
+    want = greedy(llama, _prompt(artifact, TOOLS, chat), 4)[0]
+    assert got.output_text == tokenizer().decode(want)
+
+
+def test_responses_auto_reads_the_models_own_call(artifact) -> None:
+    """"auto" on the Responses API with a parser: a JSON schema makes this random model write
+    a Llama 3.1 call; it comes back as a function_call item, whole and streamed."""
+    schema = {"type": "object", "properties": {"name": {"const": "get_time"}, "parameters": {
+        "type": "object", "properties": {"zone": {"const": "UTC"}}, "required": ["zone"],
+        "additionalProperties": False}}, "required": ["name", "parameters"],
+        "additionalProperties": False}
+    s = start(artifact, tool_call_parser="llama3_json", generate={"max_tokens": 64})
+    try:
+        ask = dict(model=s.slot.name, input=MESSAGES, tools=FLAT_TOOLS, temperature=0,
+                   text={"format": {"type": "json_schema", "name": "call", "schema": schema}})
+        got = openai_client(s).responses.create(**ask)
+        assert [(o.type, o.name, json.loads(o.arguments)) for o in got.output] == [
+            ("function_call", "get_time", {"zone": "UTC"})]
+        events = list(openai_client(s).responses.create(**ask, stream=True))
+        assert not [e for e in events if e.type == "response.output_text.delta"]
+        assert events[-1].type == "response.completed"
+        assert [o.name for o in events[-1].response.output] == ["get_time"]
     finally:
         s.stop(5)
 

@@ -4,18 +4,23 @@ template. `input` is a string (one user message) or a list of messages (`role`, 
 a string or `input_text` / `output_text` parts; `"type": "message"` optional);
 `instructions` comes first as a system message; `max_output_tokens`, `temperature`,
 `top_p`, `top_logprobs` with `include: ["message.output_text.logprobs"]`, structured
-output (`text.format` json_object or json_schema), `metadata` (answered back) and vLLM's sampling extras (`top_k`, `min_tokens`, `seed`,
-`repetition_penalty`, `ignore_eos`) as on /v1/chat/completions. Answered whole, or with
+output (`text.format` json_object or json_schema), `metadata` (answered back) and vLLM's
+sampling extras (`top_k`, `min_tokens`, `seed`, `repetition_penalty`, `ignore_eos`) as on
+/v1/chat/completions. Function tools, `tool_choice` and the earlier turns' `function_call` /
+`function_call_output` items work as chat completions' tools (serving/http/tools.py: forced
+calls from any model, "auto" with --tool-call-parser); calls come back as `function_call`
+output items after the message (when there is text). Answered whole, or with
 `stream: true` as the API's typed events, each `event: TYPE` with its `sequence_number`:
 response.created, response.in_progress, response.output_item.added,
 response.content_part.added, response.output_text.delta (one per token chunk),
-response.output_text.done, response.content_part.done, response.output_item.done, then
-response.completed, or response.incomplete when `max_output_tokens` cut the answer
+response.output_text.done, response.content_part.done, response.output_item.done, for
+each call response.output_item.added, response.function_call_arguments.delta and .done,
+response.output_item.done, then response.completed, or response.incomplete when `max_output_tokens` cut the answer
 (response.failed when the engine failed).
 
 Nothing is stored (`store` is answered false), so what needs a stored response is refused
 with 400 rather than ignored: `previous_response_id`, `conversation`, `background`; so are
-tools, reasoning settings (these models do not reason) and `truncation: auto`."""
+built-in tools, reasoning settings (these models do not reason) and `truncation: auto`."""
 
 from __future__ import annotations
 
@@ -29,10 +34,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from serving.decoder import DecoderEngine
 from serving.errors import InvalidArgument
-from serving.http.chat import messages_of, render
+from serving.http.chat import render
 from serving.http.openai_api import error, token_entry
 from serving.http.openai_requests import body_value, generations_for, text_engine, top_count
+from serving.http.responses_items import chat_tools, function_call, messages
 from serving.http.streams import ChunkStream, until_disconnect
+from serving.http.tools import Reader, tool_reader
 from serving.http.triton_generate import SSE_HEADERS
 from serving.sampling import Chunk, Grammar, join_chunks
 from serving.tokenizer import token_text
@@ -46,11 +53,9 @@ _SAMPLING = ("temperature", "top_p", "top_k", "min_tokens", "seed", "repetition_
 def _refuse_unsupported(body: dict) -> None:
     for name, why in (("previous_response_id", "nothing is stored"),
                       ("conversation", "nothing is stored"),
-                      ("background", "nothing is stored"), ("tools", "no tools")):
+                      ("background", "nothing is stored")):
         if body.get(name):
             raise InvalidArgument(f"'{name}' is not supported ({why})")
-    if body.get("tool_choice") not in (None, "none", "auto"):
-        raise InvalidArgument("'tool_choice' is not supported (no tools)")
     reasoning = body_value(body, "reasoning", (dict,), {}) or {}
     if any(v is not None for v in reasoning.values()):
         raise InvalidArgument("'reasoning' is not supported (this model does not reason)")
@@ -80,70 +85,70 @@ def _format(body: dict) -> Grammar | None:
     return None
 
 
-def _messages(body: dict) -> list[dict]:
-    """`instructions` and `input` as chat messages for the template."""
-    raw = body.get("input")
-    items = [{"role": "user", "content": raw}] if isinstance(raw, str) else raw
-    if not isinstance(items, list) or not items:
-        raise InvalidArgument("'input' must be a string or a non-empty list of messages")
-    out = []
-    for i, item in enumerate(items):
-        if not isinstance(item, dict) or item.get("type", "message") != "message":
-            raise InvalidArgument(f"input[{i}] must be a message (no tool calls or outputs "
-                                  "here)")
-        content = item.get("content")
-        if isinstance(content, list):
-            if any(not isinstance(p, dict) or p.get("type") not in ("input_text", "output_text")
-                   for p in content):
-                raise InvalidArgument(f"input[{i}]: only input_text and output_text content "
-                                      "parts are supported")
-            content = [{"type": "text", "text": p.get("text")} for p in content]
-        out.append({"role": item.get("role"), "content": content})
-    instructions = body_value(body, "instructions", (str,))
-    if instructions:
-        out.insert(0, {"role": "system", "content": instructions})
-    return messages_of(out)
-
-
 @dataclass
 class _Answer:
-    """One response as it is built: its ids and settings, and its text so far."""
+    """One response as it is built: its ids and settings, its text so far, and what of it
+    is the message's content (all of it, unless a tool reader holds calls back)."""
 
     engine: DecoderEngine
     body: dict
     prompt: int  # tokens
     logprobs: bool
+    tools: Reader | None = None
     id: str = field(default_factory=lambda: "resp_" + uuid.uuid4().hex)
     item: str = field(default_factory=lambda: "msg_" + uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
-    text: str = ""
+    text: str = ""  # everything generated
+    content: str = ""  # the message's text so far
+    calls: list[dict] | None = None  # the tool calls read out of the text, at the end
     tokens: list = field(default_factory=list)  # log-prob entries, when asked
+    pending: list = field(default_factory=list)  # entries not yet sent with a delta
     generated: int = 0
     sequence: int = 0
 
-    def add(self, chunk: Chunk) -> list[dict]:
-        """The chunk's text and tokens; its log-prob entries (empty unless asked)."""
+    def add(self, chunk: Chunk) -> str:
+        """Take the chunk: the message text it releases (the tool reader may hold it)."""
         self.text += chunk.text or ""
         self.generated += len(chunk.ids)
-        if not self.logprobs:
-            return []
-        tops = list(chunk.top_logprobs or ()) + [()] * len(chunk.ids)
-        entries = [{**token_entry(self._text(t), p),
-                    "top_logprobs": [token_entry(self._text(a), q) for a, q in top]}
-                   for t, p, top in zip(chunk.ids, chunk.logprobs or (), tops)]
-        self.tokens += entries
-        return entries
+        if self.logprobs:
+            tops = list(chunk.top_logprobs or ()) + [()] * len(chunk.ids)
+            entries = [{**token_entry(self._text(t), p),
+                        "top_logprobs": [token_entry(self._text(a), q) for a, q in top]}
+                       for t, p, top in zip(chunk.ids, chunk.logprobs or (), tops)]
+            self.tokens += entries
+            self.pending += entries
+        if self.tools is None:
+            piece = chunk.text or ""
+        else:
+            piece, self.calls = self.tools.read(self.text, len(self.content), chunk.final)
+        self.content += piece
+        return piece
+
+    def sent(self) -> list:
+        """The log-prob entries a delta carries now (those since the last delta)."""
+        out, self.pending = self.pending, []
+        return out
 
     def _text(self, token: int) -> str:
         return token_text(self.engine.tokenizer, token)
 
     def part(self) -> dict:
-        return {"type": "output_text", "text": self.text, "annotations": [],
+        return {"type": "output_text", "text": self.content, "annotations": [],
                 "logprobs": self.tokens}
+
+    @property
+    def has_message(self) -> bool:
+        """A reply of tool calls alone has no message item."""
+        return bool(self.content) or not self.calls
 
     def message(self, status: str, content: list) -> dict:
         return {"id": self.item, "type": "message", "status": status, "role": "assistant",
                 "content": content}
+
+    def output(self, status: str) -> list[dict]:
+        """The finished output items: the message, then the calls."""
+        message = [self.message(status, [self.part()])] if self.has_message else []
+        return message + [function_call(c, "completed") for c in self.calls or ()]
 
     def response(self, status: str, output: list, failure: str | None = None) -> dict:
         b = self.body
@@ -161,7 +166,7 @@ class _Answer:
             "store": False, "temperature": b.get("temperature", 1.0),
             "text": b.get("text") or {"format": {"type": "text"}},
             "tool_choice": b.get("tool_choice", "auto"),
-            "tools": [], "top_logprobs": b.get("top_logprobs", 0),
+            "tools": b.get("tools") or [], "top_logprobs": b.get("top_logprobs", 0),
             "top_p": b.get("top_p", 1.0), "truncation": "disabled",
             "usage": None if not done else {
                 "input_tokens": self.prompt, "input_tokens_details": {"cached_tokens": 0},
@@ -173,7 +178,7 @@ class _Answer:
     def final(self, chunk: Chunk) -> dict:
         """The finished response (the chunk is the generation's last)."""
         status = "completed" if chunk.reason == "stop" else "incomplete"
-        return self.response(status, [self.message(status, [self.part()])])
+        return self.response(status, self.output(status))
 
     def event(self, kind: str, **fields) -> bytes:
         data = {"type": kind, "sequence_number": self.sequence, **fields}
@@ -185,17 +190,19 @@ async def responses(frontend, request: Request) -> Response:
     body = await frontend.json(request)
     engine = text_engine(frontend, body)
     _refuse_unsupported(body)
-    text = render(engine.text, _messages(body))
+    tools = chat_tools(body)
+    reader = tool_reader(tools, frontend.tool_parser)
+    text = render(engine.text, messages(body), True, tools["tools"])
     prompt = tuple(engine.tokenizer.encode(text, add_special_tokens=False).ids)
     logprobs = LOGPROBS in (body.get("include") or [])
     top = top_count("top_logprobs", body_value(body, "top_logprobs", (int,), 0))
     max_tokens = body_value(body, "max_output_tokens", (int,))
     if max_tokens is not None and max_tokens < 1:
         raise InvalidArgument(f"'max_output_tokens' must be >= 1, not {max_tokens}")
-    answer = _Answer(engine, body, len(prompt), logprobs)
+    answer = _Answer(engine, body, len(prompt), logprobs, reader)
     asked = {k: body[k] for k in _SAMPLING if k in body} | {"max_tokens": max_tokens}
     (generation,) = generations_for(engine, asked, prompt, top if logprobs else None, answer.id)
-    generation = replace(generation, grammar=_format(body))
+    generation = replace(generation, grammar=_grammar(body, reader))
     stream = ChunkStream(engine, generation)  # refusals answer with a status here
     if not body_value(body, "stream", (bool,), False):
         chunks = await until_disconnect(request.receive, stream.collect(), stream.close)
@@ -210,31 +217,60 @@ async def responses(frontend, request: Request) -> Response:
                              headers=SSE_HEADERS)
 
 
+def _grammar(body: dict, reader: Reader | None) -> Grammar | None:
+    """`text.format`'s grammar, or the forced tool calls' (not both)."""
+    fmt = _format(body)
+    forced = reader.grammar if reader is not None else None
+    if fmt is not None and forced is not None:
+        raise InvalidArgument("ask for tool calls or a structured output, not both")
+    return fmt or forced
+
+
 async def _events(answer: _Answer, stream: ChunkStream):
-    """The typed events of one streamed response, in the API's order."""
+    """The typed events of one streamed response, in the API's order: the message item is
+    opened by its first text (or at the end, when there are no calls), the calls follow."""
     a, where = answer, {"item_id": answer.item, "output_index": 0, "content_index": 0}
     yield a.event("response.created", response=a.response("in_progress", []))
     yield a.event("response.in_progress", response=a.response("in_progress", []))
-    yield a.event("response.output_item.added", output_index=0,
-                  item=a.message("in_progress", []))
-    yield a.event("response.content_part.added", **where, part=a.part())
+    opened = False
     async for chunk in stream:
         if chunk.final and chunk.reason not in ("length", "stop"):
             failure = chunk.detail or f"generation ended: {chunk.reason}"
             yield a.event("response.failed", response=a.response("failed", [], failure=failure))
             return
-        entries = a.add(chunk)
-        if chunk.text:
-            yield a.event("response.output_text.delta", **where, delta=chunk.text,
-                          logprobs=entries)
+        piece = a.add(chunk)
+        if not opened and (piece or (chunk.final and a.has_message)):
+            opened = True
+            yield a.event("response.output_item.added", output_index=0,
+                          item=a.message("in_progress", []))
+            yield a.event("response.content_part.added", **where,
+                          part={**a.part(), "text": "", "logprobs": []})
+        if piece:
+            yield a.event("response.output_text.delta", **where, delta=piece,
+                          logprobs=a.sent())
         if chunk.final:
             final = a.final(chunk)
-            yield a.event("response.output_text.done", **where, text=a.text,
-                          logprobs=a.tokens)
-            yield a.event("response.content_part.done", **where, part=a.part())
-            yield a.event("response.output_item.done", output_index=0,
-                          item=final["output"][0])
+            if opened:
+                yield a.event("response.output_text.done", **where, text=a.content,
+                              logprobs=a.tokens)
+                yield a.event("response.content_part.done", **where, part=a.part())
+                yield a.event("response.output_item.done", output_index=0,
+                              item=final["output"][0])
+            for index, item in enumerate(final["output"][int(opened):], start=int(opened)):
+                for event in _call_events(a, index, item):
+                    yield event
             yield a.event(f"response.{final['status']}", response=final)
+
+
+def _call_events(a: _Answer, index: int, item: dict) -> list[bytes]:
+    """One function call's events: its item, its arguments (whole, in one delta), done."""
+    at = {"item_id": item["id"], "output_index": index}
+    return [a.event("response.output_item.added", output_index=index,
+                    item={**item, "status": "in_progress", "arguments": ""}),
+            a.event("response.function_call_arguments.delta", **at, delta=item["arguments"]),
+            a.event("response.function_call_arguments.done", **at, name=item["name"],
+                    arguments=item["arguments"]),
+            a.event("response.output_item.done", output_index=index, item=item)]
 
 
 ROUTES = [("/v1/responses", ["POST"], "v1/responses", responses, error)]
