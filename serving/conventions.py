@@ -5,7 +5,7 @@ so that a client written for either works unchanged (every input optional):
   `min_length`, `end_id`, `pad_id`, `random_seed`, `temperature`, `runtime_top_k`,
   `runtime_top_p`, `repetition_penalty`, `presence_penalty`, `frequency_penalty`,
   `stop_words`, `bad_words`, `guided_decoding_guide_type` / `guided_decoding_guide` (json,
-  json_schema, regex), `return_log_probs`, `beam_width`; outputs
+  json_schema, regex, ebnf_grammar), `return_log_probs`, `beam_width`; outputs
   `text_output`, `output_ids`, `sequence_length`, `output_log_probs`, `cum_log_probs`.
 - the vLLM backend: `text_input`, `stream`, `exclude_input_in_output`, `sampling_parameters`
   (a JSON object whose values may be strings or numbers, and `structured_outputs` /
@@ -62,7 +62,7 @@ VLLM_OUTPUTS = ("finish_reason", "cumulative_logprob", "logprobs")
 _TEXTS = ("input_ids", "text_input", "stop_ids", "stop_words", "bad_words",
           "sampling_parameters", "guided_decoding_guide_type", "guided_decoding_guide")
 # TensorRT-LLM's guided decoding: guide type -> the Grammar kind its guide is read as
-_GUIDES = {"json": "json", "json_schema": "json", "regex": "regex"}
+_GUIDES = {"json": "json", "json_schema": "json", "regex": "regex", "ebnf_grammar": "grammar"}
 KNOWN_INPUTS = frozenset(_CONTROLS) | frozenset(_TEXTS)
 
 # the vLLM backend's sampling_parameters keys -> (kind, field)
@@ -253,7 +253,7 @@ def parse_request(tensors: Mapping[str, np.ndarray], parameters: Mapping[str, ob
 
 def _trtllm_guide(tensors: Mapping[str, np.ndarray]) -> Grammar | None:
     """TensorRT-LLM's guided decoding: `guided_decoding_guide_type` (json: any JSON value;
-    json_schema, regex: the `guided_decoding_guide`)."""
+    json_schema, regex, ebnf_grammar: the `guided_decoding_guide`)."""
     if "guided_decoding_guide_type" not in tensors:
         if "guided_decoding_guide" in tensors:
             raise InvalidArgument("'guided_decoding_guide' needs 'guided_decoding_guide_type'")

@@ -79,7 +79,8 @@ class Grammar:
     """Structured output: the output must match `source`, read as `kind` says: "json" a JSON
     schema (as JSON text; '{"type": "object"}' for any object: OpenAI's JSON mode),
     "regex" a regular expression, "choice" a JSON list of the strings allowed, "grammar" a
-    Lark grammar (llguidance's dialect). Compiled and applied by
+    Lark grammar (llguidance's dialect) or an EBNF one (GBNF / xgrammar: `root ::= ...`).
+    Compiled and applied by
     serving.generation.grammar."""
 
     kind: str

@@ -143,10 +143,20 @@ def test_tensorrt_llm_guides_and_the_vllm_backends_structured_outputs(server, ll
         "sampling_parameters", json.dumps({"max_tokens": "40", "ignore_eos": "true",
                                            "structured_outputs": {"json": schema}}))])
     assert Person.model_validate_json(text)
-    with pytest.raises(Exception, match="'guided_decoding_guide_type' must be one of"):
+    # an EBNF grammar (xgrammar's / GBNF's, as TensorRT-LLM takes it) of the regex's language
+    ebnf = 'root ::= pair digit digit\npair ::= "ab" | "cd"\ndigit ::= [0-9]'
+    got, _ = _stream(server, [_tensor("text_input", PROMPT), _tensor("max_tokens", 12, "INT32"),
+                              _tensor("guided_decoding_guide_type", "ebnf_grammar"),
+                              _tensor("guided_decoding_guide", ebnf)])
+    assert got == ids
+    with pytest.raises(Exception, match="the grammar cannot be compiled: Expected"):
         _stream(server, [_tensor("text_input", PROMPT),
                          _tensor("guided_decoding_guide_type", "ebnf_grammar"),
-                         _tensor("guided_decoding_guide", "root ::= \"a\"")])
+                         _tensor("guided_decoding_guide", "root ::= (\"a\"")])
+    with pytest.raises(Exception, match="'guided_decoding_guide_type' must be one of"):
+        _stream(server, [_tensor("text_input", PROMPT),
+                         _tensor("guided_decoding_guide_type", "structural_tag"),
+                         _tensor("guided_decoding_guide", "{}")])
 
 
 @pytest.mark.parametrize("body, says", [

@@ -1,5 +1,5 @@
-"""Structured output (JSON schemas, JSON mode, regexes, choices, Lark grammars), as vLLM's
-`guidance` backend does it: llguidance compiles a request's grammar against the served
+"""Structured output (JSON schemas, JSON mode, regexes, choices, Lark or EBNF grammars), as
+vLLM's `guidance` backend does it: llguidance compiles a request's grammar against the served
 tokenizer; before each of the stream's samplings the tokens that would leave the grammar
 are masked out (-inf), and after it the sampled token moves the matcher on. The stream
 ends ("stop") when the match is complete: nothing may follow, or the end token came where
@@ -41,7 +41,19 @@ def _source(grammar: Grammar) -> str:
             raise InvalidArgument("a choice must be a non-empty list of strings")
         return LLMatcher.grammar_from_lark(
             "start: " + " | ".join(json.dumps(c) for c in choices))
-    return LLMatcher.grammar_from_lark(grammar.source)
+    return LLMatcher.grammar_from_lark(_lark(grammar.source))
+
+
+def _lark(source: str) -> str:
+    """A grammar in llguidance's Lark, or in the EBNF of llama.cpp's GBNF and xgrammar
+    (`root ::= ...`: TensorRT-LLM's `ebnf_grammar`, what vLLM's `grammar` also takes),
+    converted to Lark by llguidance's own converter (a Lark grammar passes unchanged)."""
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    try:
+        return any_to_lark(source)
+    except Exception as e:  # noqa: BLE001 - the converter raises its own and others
+        raise InvalidArgument(f"the grammar cannot be compiled: {e}") from None
 
 
 class Matcher:
