@@ -1,8 +1,12 @@
 """What Hugging Face's files beside a decoder say about its text: the end-of-sequence ids
-(config.json `eos_token_id`, else tokenizer_config.json's `eos_token`) and the chat template
-(tokenizer_config.json `chat_template`, a string or a list of named templates) with the
-special tokens it refers to. Absent or unreadable files give empty facts, never an error:
-generation without them still works (the OpenAI chat endpoint then says what is missing).
+(every one that config.json, generation_config.json and onnxruntime-genai's
+genai_config.json name, as transformers' generate and vLLM stop at the generation config's
+too: a Llama 3 Instruct folder may name only <|end_of_text|> in config.json and list
+<|eot_id|>, which ends every chat turn, in generation_config.json; without any, the id of
+tokenizer_config.json's `eos_token`) and the chat template (tokenizer_config.json
+`chat_template`, a string or a list of named templates) with the special tokens it refers
+to. Absent or unreadable files give empty facts, never an error: generation without them
+still works (the OpenAI chat endpoint then says what is missing).
 """
 
 from __future__ import annotations
@@ -56,13 +60,23 @@ def _template(value) -> str | None:
     return None
 
 
+def _ids(value) -> list[int]:
+    """An `eos_token_id` as these files write it: an id or a list of ids."""
+    if isinstance(value, list):
+        return [i for i in value if isinstance(i, int) and not isinstance(i, bool)]
+    return [value] if isinstance(value, int) and not isinstance(value, bool) else []
+
+
 def load_text_config(folder: Path | None, tokenizer=None) -> TextConfig:
     if folder is None:
         return TextConfig()
-    config, tok = _read(Path(folder) / "config.json"), _read(Path(folder) / TOKENIZER_CONFIG)
-    eos = config.get("eos_token_id")
-    ids = [eos] if isinstance(eos, int) else [i for i in eos if isinstance(i, int)] \
-        if isinstance(eos, list) else []
+    folder = Path(folder)
+    config, tok = _read(folder / "config.json"), _read(folder / TOKENIZER_CONFIG)
+    genai = _read(folder / "genai_config.json").get("model")
+    named = (_ids(config.get("eos_token_id"))
+             + _ids(_read(folder / "generation_config.json").get("eos_token_id"))
+             + _ids(genai.get("eos_token_id") if isinstance(genai, dict) else None))
+    ids = list(dict.fromkeys(named))  # each once, in the files' order
     eos_token = _token(tok.get("eos_token"))
     if not ids and eos_token and tokenizer is not None:
         found = tokenizer.token_to_id(eos_token)

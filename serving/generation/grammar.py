@@ -109,7 +109,8 @@ class GrammarCompiler:
                                   "tokenizer.json in this artifact)")
         if not self.eos:
             raise InvalidArgument("structured output needs the model's end token (no "
-                                  "eos_token_id in config.json or tokenizer_config.json)")
+                                  "eos_token_id in config.json, generation_config.json or "
+                                  "genai_config.json, no eos_token in tokenizer_config.json)")
         from llguidance import LLMatcher
 
         m = LLMatcher(self._tokenizer(), _source(grammar), log_level=0)

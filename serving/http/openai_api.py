@@ -15,8 +15,8 @@ completion; with `logprobs`, every prompt token's log-prob too, the first one nu
 Errors are OpenAI error objects with the matching status; a parameter this server cannot
 honour (`tool_choice` "auto" without a parser, `best_of`, `suffix`) is refused rather than
 ignored.
-Generation stops at the model's end token (config.json / tokenizer_config.json) unless
-`ignore_eos`."""
+Generation stops at the model's end tokens (serving/text_config.py: config.json,
+generation_config.json, genai_config.json, tokenizer_config.json) unless `ignore_eos`."""
 
 from __future__ import annotations
 

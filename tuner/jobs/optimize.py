@@ -106,10 +106,13 @@ def _check_out(cfg: OptimizeConfig) -> None:
 
 # Files beside a model that `tuner serve` reads for text: the tokenizer (text in and out,
 # and its config with the chat template and special tokens), Hugging Face's config (the
-# model's positions, for rotary families), and sentence-transformers' modules, max length
-# and pooling (how an encoder's token outputs become the embeddings of /v1/embeddings).
-TEXT_FILES = ("tokenizer.json", "tokenizer_config.json", "config.json", "modules.json",
-                    "sentence_bert_config.json", "1_Pooling/config.json")
+# model's positions, for rotary families), the generation configs of Hugging Face and
+# onnxruntime-genai (the end tokens: serving/text_config.py), and sentence-transformers'
+# modules, max length and pooling (how an encoder's token outputs become the embeddings of
+# /v1/embeddings).
+TEXT_FILES = ("tokenizer.json", "tokenizer_config.json", "config.json",
+              "generation_config.json", "genai_config.json", "modules.json",
+              "sentence_bert_config.json", "1_Pooling/config.json")
 _TEXT_FILE_MAX = 64 * 1024 * 1024
 
 
