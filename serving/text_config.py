@@ -3,9 +3,10 @@
 genai_config.json name, as transformers' generate and vLLM stop at the generation config's
 too: a Llama 3 Instruct folder may name only <|end_of_text|> in config.json and list
 <|eot_id|>, which ends every chat turn, in generation_config.json; without any, the id of
-tokenizer_config.json's `eos_token`) and the chat template (tokenizer_config.json
-`chat_template`, a string or a list of named templates) with the special tokens it refers
-to. Absent or unreadable files give empty facts, never an error: generation without them
+tokenizer_config.json's `eos_token`) and the chat template with the special tokens it
+refers to: `chat_template.jinja`, where transformers' save_pretrained writes it now, else
+tokenizer_config.json's `chat_template` (a string or a list of named templates), else
+`chat_template.json` (a processor's). Absent or unreadable files give empty facts, never an error: generation without them
 still works (the OpenAI chat endpoint then says what is missing).
 """
 
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 TOKENIZER_CONFIG = "tokenizer_config.json"
+# where the chat template may be, in transformers' order: its own file first
+CHAT_TEMPLATE_FILES = ("chat_template.jinja", TOKENIZER_CONFIG, "chat_template.json")
 _MAX_BYTES = 16 * 1024 * 1024
 
 
@@ -81,5 +84,16 @@ def load_text_config(folder: Path | None, tokenizer=None) -> TextConfig:
     if not ids and eos_token and tokenizer is not None:
         found = tokenizer.token_to_id(eos_token)
         ids = [found] if found is not None else []
-    return TextConfig(tuple(ids), _template(tok.get("chat_template")),
-                      _token(tok.get("bos_token")), eos_token)
+    return TextConfig(tuple(ids), _chat_template(folder, tok), _token(tok.get("bos_token")),
+                      eos_token)
+
+
+def _chat_template(folder: Path, tok: dict) -> str | None:
+    jinja = folder / CHAT_TEMPLATE_FILES[0]
+    try:
+        if jinja.is_file() and jinja.stat().st_size <= _MAX_BYTES:
+            return jinja.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        pass
+    return (_template(tok.get("chat_template"))
+            or _template(_read(folder / CHAT_TEMPLATE_FILES[2]).get("chat_template")))

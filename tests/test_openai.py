@@ -128,33 +128,6 @@ def test_the_end_token_stops_unless_ignore_eos(server, llama) -> None:
     assert going.usage.completion_tokens == 20
 
 
-@pytest.mark.parametrize("files", [
-    # Hugging Face's generation config (Llama 3 Instruct's <|eot_id|> is named only there)
-    {"generation_config.json": lambda eos: {"eos_token_id": [3, eos]}},
-    # onnxruntime-genai's builder writes no config.json, its end tokens in genai_config.json
-    {"genai_config.json": lambda eos: {"model": {"eos_token_id": [eos], "type": "llama"}}},
-])
-def test_end_tokens_named_by_a_generation_config_stop_the_stream(artifact, llama, tmp_path,
-                                                                 files) -> None:
-    config = json.loads((artifact / "config.json").read_text())
-    eos = config["eos_token_id"]
-    out = tmp_path / "artifact"
-    shutil.copytree(artifact, out)
-    (out / "config.json").write_text(json.dumps({k: v for k, v in config.items()
-                                                 if k != "eos_token_id"}))
-    for name, content in files.items():
-        (out / name).write_text(json.dumps(content(eos)))
-    k = _want(llama, EOS_PROMPT, 16)[0].index(eos)
-    s = start(out)
-    try:
-        assert eos in s.slot.engine.text.eos_ids
-        got = openai_client(s).completions.create(model=s.slot.name, prompt=EOS_PROMPT,
-                                                  max_tokens=20, temperature=0)
-        assert got.choices[0].finish_reason == "stop" and got.usage.completion_tokens == k
-    finally:
-        s.stop(5)
-
-
 def test_logprobs_are_the_models_own(server, llama) -> None:
     ids, logits = greedy(llama, tokenizer().encode(PROMPT).ids, 5)
     want = [float(log_softmax(v)[t]) for v, t in zip(logits, ids)]

@@ -463,10 +463,12 @@ def test_optimize_copies_the_tokenizer_and_config_into_the_artifact(tmp_path) ->
     (model_dir / "config.json").write_text('{"max_position_embeddings": 64}')
     (model_dir / "generation_config.json").write_text('{"eos_token_id": [2, 7]}')
     (model_dir / "genai_config.json").write_text('{"model": {"eos_token_id": 2}}')
+    (model_dir / "chat_template.jinja").write_text("{{ messages }}")
     (model_dir / "notes.txt").write_text("not copied")
     (model_dir / "1_Pooling").mkdir()
     (model_dir / "1_Pooling" / "config.json").write_text('{"pooling_mode_cls_token": true}')
     _copy_text_files(model_dir, out)
+    assert (out / "chat_template.jinja").read_text() == "{{ messages }}"
     assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*.json")) == [
         "1_Pooling/config.json", "config.json", "genai_config.json", "generation_config.json",
         "tokenizer.json"]

@@ -1,5 +1,5 @@
-"""A chat (OpenAI `messages`) as the model's prompt text: the chat template from the
-tokenizer's tokenizer_config.json, rendered with jinja2 the way transformers'
+"""A chat (OpenAI `messages`) as the model's prompt text: the model's chat template
+(serving/text_config.py), rendered with jinja2 the way transformers'
 `apply_chat_template` renders it (a sandboxed, immutable environment with trim_blocks and
 lstrip_blocks, the loop-control extension, `raise_exception`, `strftime_now` and a `tojson`
 that keeps non-ASCII text), so the prompt is the one the model was trained on."""
@@ -67,8 +67,9 @@ def render(text: TextConfig, messages: list[dict], add_generation_prompt: bool =
     """The prompt text; `tools` (OpenAI's tool list) reaches the template as `tools`, as
     transformers' apply_chat_template passes it (None when there are none)."""
     if text.chat_template is None:
-        raise InvalidArgument("this model has no chat template (no 'chat_template' in the "
-                              "artifact's tokenizer_config.json): use /v1/completions")
+        raise InvalidArgument("this model has no chat template (no chat_template.jinja, and "
+                              "no 'chat_template' in the artifact's tokenizer_config.json): "
+                              "use /v1/completions")
     try:
         return _compiled(text.chat_template).render(
             messages=messages, add_generation_prompt=add_generation_prompt, tools=tools or None,

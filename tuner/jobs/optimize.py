@@ -104,15 +104,16 @@ def _check_out(cfg: OptimizeConfig) -> None:
         ensure_writable_dir(cfg.cache_dir, "results cache", " (choose --cache-dir, or --no-cache)")
 
 
-# Files beside a model that `tuner serve` reads for text: the tokenizer (text in and out,
-# and its config with the chat template and special tokens), Hugging Face's config (the
-# model's positions, for rotary families), the generation configs of Hugging Face and
-# onnxruntime-genai (the end tokens: serving/text_config.py), and sentence-transformers'
-# modules, max length and pooling (how an encoder's token outputs become the embeddings of
-# /v1/embeddings).
-TEXT_FILES = ("tokenizer.json", "tokenizer_config.json", "config.json",
-              "generation_config.json", "genai_config.json", "modules.json",
-              "sentence_bert_config.json", "1_Pooling/config.json")
+# Files beside a model that `tuner serve` reads for text (serving/text_config.py): the
+# tokenizer (text in and out, its config with the special tokens, and the chat template,
+# in its own file or in that config), Hugging Face's config (the model's positions, for
+# rotary families), the generation configs of Hugging Face and onnxruntime-genai (the end
+# tokens), and sentence-transformers' modules, max length and pooling (how an encoder's
+# token outputs become the embeddings of /v1/embeddings).
+TEXT_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+              "chat_template.json", "config.json", "generation_config.json",
+              "genai_config.json", "modules.json", "sentence_bert_config.json",
+              "1_Pooling/config.json")
 _TEXT_FILE_MAX = 64 * 1024 * 1024
 
 
