@@ -62,17 +62,67 @@ def messages_of(raw) -> list[dict]:
     return out
 
 
+# what the renderer passes itself: chat_template_kwargs may not replace them
+_RESERVED = ("messages", "tools", "documents", "add_generation_prompt", "bos_token",
+             "eos_token")
+
+
 def render(text: TextConfig, messages: list[dict], add_generation_prompt: bool = True,
-           tools: list | None = None) -> str:
-    """The prompt text; `tools` (OpenAI's tool list) reaches the template as `tools`, as
-    transformers' apply_chat_template passes it (None when there are none)."""
+           tools: list | None = None, *, documents: list | None = None,
+           extra: dict | None = None, continue_final: bool = False) -> str:
+    """The prompt text; `tools` (OpenAI's tool list) and `documents` reach the template as
+    transformers' apply_chat_template passes them (None when there are none), `extra` as
+    more variables (vLLM's chat_template_kwargs, e.g. Qwen 3's enable_thinking).
+    `continue_final`: the text ends with the last message's content, which the model goes
+    on writing (transformers' continue_final_message)."""
     if text.chat_template is None:
         raise InvalidArgument("this model has no chat template (no chat_template.jinja, and "
                               "no 'chat_template' in the artifact's tokenizer_config.json): "
                               "use /v1/completions")
     try:
-        return _compiled(text.chat_template).render(
+        rendered = _compiled(text.chat_template).render(
             messages=messages, add_generation_prompt=add_generation_prompt, tools=tools or None,
-            bos_token=text.bos_token, eos_token=text.eos_token)
+            documents=documents or None, bos_token=text.bos_token, eos_token=text.eos_token,
+            **(extra or {}))
     except jinja2.exceptions.TemplateError as e:
         raise InvalidArgument(f"the chat template refused these messages: {e}") from None
+    return _continued(rendered, messages[-1]["content"]) if continue_final else rendered
+
+
+def _continued(rendered: str, final: str) -> str:
+    """The rendered chat cut right after the final message's content, as transformers cuts
+    it (the template may have trimmed the message's trailing spaces)."""
+    if final.strip() not in rendered:
+        raise InvalidArgument("continue_final_message: the final message does not appear in "
+                              "the chat the template renders")
+    at = rendered.rindex(final.strip())
+    if rendered[at:at + len(final.lstrip())] == final:
+        return rendered[:at + len(final.lstrip())]
+    return rendered[:at + len(final.strip())]
+
+
+def chat_prompt(text: TextConfig, body: dict) -> str:
+    """A chat body's prompt text: its `messages`, `tools` and vLLM's chat options
+    (`add_generation_prompt`, `continue_final_message`, `chat_template_kwargs`,
+    `documents`)."""
+    messages = messages_of(body.get("messages"))
+    add = body.get("add_generation_prompt", True)
+    final = body.get("continue_final_message", False)
+    if not isinstance(add, bool) or not isinstance(final, bool):
+        raise InvalidArgument("'add_generation_prompt' and 'continue_final_message' must be "
+                              "true or false")
+    if add and final:
+        raise InvalidArgument("'continue_final_message' continues the last message: send "
+                              "'add_generation_prompt': false with it")
+    if final and messages[-1]["role"] != "assistant":
+        raise InvalidArgument("'continue_final_message' needs an assistant message last")
+    extra = body.get("chat_template_kwargs") or {}
+    if not isinstance(extra, dict) or any(k in _RESERVED for k in extra):
+        raise InvalidArgument(f"'chat_template_kwargs' must be an object whose keys are none "
+                              f"of {list(_RESERVED)}")
+    documents = body.get("documents")
+    if documents is not None and not (isinstance(documents, list) and all(
+            isinstance(d, dict) for d in documents)):
+        raise InvalidArgument("'documents' must be a list of objects")
+    return render(text, messages, add, body.get("tools"), documents=documents, extra=extra,
+                  continue_final=final)

@@ -7,8 +7,9 @@ the sampled tokens, and of the k most likely: completions' `logprobs: k`, chat's
 `top_logprobs`), `frequency_penalty`, `presence_penalty` and `logit_bias`, structured output
 (`response_format` json_object or json_schema; vLLM's `structured_outputs` and
 `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`), chat's `tools` (forced
-calls, or "auto" with --tool-call-parser: serving/http/tools.py), and vLLM's `top_k`,
-`min_tokens`, `repetition_penalty` and `ignore_eos`. Completions also take a batch of
+calls, or "auto" with --tool-call-parser: serving/http/tools.py), vLLM's `top_k`,
+`min_tokens`, `repetition_penalty` and `ignore_eos`, and its chat options
+(`chat_template_kwargs`, `documents`, `continue_final_message`: serving/http/chat.py). Completions also take a batch of
 prompts (choice `index` = prompt * n + choice) and `echo` (the prompt before the
 completion; with `logprobs`, every prompt token's log-prob too, the first one null, and
 `max_tokens: 0` for the prompt alone): what lm-evaluation-harness sends to score a model.
@@ -30,7 +31,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 import serving
 from serving.decoder import DecoderEngine
 from serving.errors import InvalidArgument, NotFound
-from serving.http.chat import messages_of, render
+from serving.http.chat import chat_prompt
 from serving.http.codec import http_status_for
 from serving.http.openai_requests import (body_value, choice_count, completion_prompts, generations_for, max_tokens_of, text_engine, top_count)
 from serving.http.streams import ChunkStreams, until_disconnect
@@ -293,8 +294,7 @@ async def chat_completions(frontend, request: Request) -> Response:
     if top and not logprobs:
         raise InvalidArgument("'top_logprobs' needs 'logprobs': true")
     tools = tool_reader(body, frontend.tool_parser)
-    text = render(engine.text, messages_of(body.get("messages")),
-                  body_value(body, "add_generation_prompt", (bool,), True), body.get("tools"))
+    text = chat_prompt(engine.text, body)
     prompt = tuple(engine.tokenizer.encode(text, add_special_tokens=False).ids)
     shape = _Shape(engine, chat=True, top=top if logprobs else None, n=choice_count(engine, body),
                    tools=tools)

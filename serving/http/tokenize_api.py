@@ -1,7 +1,7 @@
 """vLLM's tokenizer endpoints on the HTTP port, for clients that count tokens with the
 server's own tokenizer instead of a copy of it (lm-evaluation-harness's `remote` tokenizer
 backend, prompt-budget tools): `POST /tokenize` (a prompt, or chat messages rendered with the
-chat template, to ids: {"count", "max_model_len", "tokens", "token_strs"}), `POST
+chat template and chat completions' options, to ids: {"count", "max_model_len", "tokens", "token_strs"}), `POST
 /detokenize` (ids to text: {"prompt"}) and `GET /tokenizer_info` (the special tokens, the chat
 template, the longest sequence). `model` is optional in a body; when given it must name the
 served model. Errors are OpenAI error objects, as vLLM answers them."""
@@ -13,7 +13,7 @@ from starlette.responses import JSONResponse, Response
 
 from serving.decoder import DecoderEngine
 from serving.errors import InvalidArgument
-from serving.http.chat import messages_of, render
+from serving.http.chat import chat_prompt
 from serving.http.openai_api import error
 from serving.tokenizer import token_text
 
@@ -42,8 +42,7 @@ async def tokenize(frontend, request: Request) -> Response:
     body = await frontend.json(request)
     engine = _engine(frontend, body.get("model"))
     if "messages" in body:  # a chat: its template adds the special tokens
-        text = render(engine.text, messages_of(body["messages"]),
-                      _flag(body, "add_generation_prompt", True))
+        text = chat_prompt(engine.text, body)
         special = _flag(body, "add_special_tokens", False)
     elif isinstance(body.get("prompt"), str):
         text, special = body["prompt"], _flag(body, "add_special_tokens", True)
