@@ -31,6 +31,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2
 from serving.decoder import DecoderEngine
 from serving.engine import Engine, EngineOptions
 from serving.generation import GenerateOptions
+from serving.http.reasoning import PARSERS as REASONING_PARSERS
 from serving.http.tools import PARSERS
 from serving.metrics import (Stats, add_endpoint_metrics, add_generation_metrics, make_metrics,
                              start_metrics_server)
@@ -65,6 +66,7 @@ class ServerOptions:
     threads: int = 128  # gRPC handler threads: a waiting request holds one
     drain_timeout_s: float = 120.0
     tool_call_parser: str | None = None  # chat's tool_choice "auto": serving/http/tools.py
+    reasoning_parser: str | None = None  # chat's thinking apart: serving/http/reasoning.py
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -83,6 +85,9 @@ class ServerOptions:
         if self.tool_call_parser not in (None, *PARSERS):
             raise BadInput(f"--tool-call-parser must be one of {list(PARSERS)}, not "
                            f"{self.tool_call_parser!r}")
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            raise BadInput(f"--reasoning-parser must be one of {list(REASONING_PARSERS)}, "
+                           f"not {self.reasoning_parser!r}")
         if self.token is not None and (not self.token or any(c.isspace() for c in self.token)):
             raise BadInput("the token must be non-empty and hold no whitespace")
         if not 1024 <= self.max_message_bytes <= 2**31 - 1:
@@ -279,7 +284,8 @@ class Server:
 
         o = self.options
         frontend = Frontend(self.slot, o.token, self.endpoint_metrics, o.max_message_bytes,
-                            tool_parser=o.tool_call_parser)
+                            tool_parser=o.tool_call_parser,
+                            reasoning_parser=o.reasoning_parser)
         try:
             return HttpServer(frontend, HttpOptions(o.host, o.http_port, o.tls_cert, o.tls_key,
                                                     o.drain_timeout_s, o.threads))

@@ -120,9 +120,9 @@ def test_logprobs_are_the_models_own(server, want) -> None:
     ({"previous_response_id": "resp_1"}, "'previous_response_id' is not supported"),
     ({"tools": [{"type": "web_search"}]}, "built-in tools are not served"),
     ({"text": {"format": {"type": "grammar"}}}, "'text.format' 'grammar' is not"),
-    ({"reasoning": {"effort": "low"}}, "'reasoning' is not supported"),
-    ({"input": [{"type": "reasoning", "summary": []}]},
-     "input\\[0\\] must be a message, a function_call or a function_call_output"),
+    ({"reasoning": {"effort": "low"}}, "'reasoning' settings are not supported"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]},
+     "input\\[0\\] must be a message, a function_call, a function_call_output or a"),
     ({"input": [{"type": "function_call", "name": "f"}]}, "needs 'call_id', 'name' and"),
     ({"max_output_tokens": 0}, "'max_output_tokens' must be >= 1"),
 ])

@@ -46,6 +46,7 @@ class Frontend:
     max_body_bytes: int = 256 * 1024 * 1024
     pool: ThreadPoolExecutor | None = None
     tool_parser: str | None = None  # how chat's tool_choice "auto" reads calls (tools.PARSERS)
+    reasoning_parser: str | None = None  # how chat splits thinking off (reasoning.PARSERS)
 
     async def run(self, fn, *args):
         """`fn(*args)` in the model's thread pool (the event loop stays free)."""

@@ -5,18 +5,17 @@ token chunk, then `data: [DONE]`), with `usage`, `max_tokens`, `temperature`, `t
 `seed`, `stop` (strings), `n` (choices, each its own stream in the engine), `logprobs` (of
 the sampled tokens, and of the k most likely: completions' `logprobs: k`, chat's
 `top_logprobs`), `frequency_penalty`, `presence_penalty` and `logit_bias`, structured output
-(`response_format` json_object or json_schema; vLLM's `structured_outputs` and
-`guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`), chat's `tools` (forced
-calls, or "auto" with --tool-call-parser: serving/http/tools.py), vLLM's `top_k`,
-`min_tokens`, `repetition_penalty` and `ignore_eos`, and its chat options
-(`chat_template_kwargs`, `documents`, `continue_final_message`: serving/http/chat.py). Completions also take a batch of
-prompts (choice `index` = prompt * n + choice) and `echo` (the prompt before the
+(`response_format` json_object or json_schema; vLLM's `structured_outputs` and `guided_json`
+/ `guided_regex` / `guided_choice` / `guided_grammar`), chat's `tools` (forced calls, or
+"auto" with --tool-call-parser: serving/http/tools.py), vLLM's `top_k`, `min_tokens`,
+`repetition_penalty` and `ignore_eos`, and its chat options (`chat_template_kwargs`,
+`documents`, `continue_final_message`: serving/http/chat.py). Completions also take a batch
+of prompts (choice `index` = prompt * n + choice) and `echo` (the prompt before the
 completion; with `logprobs`, every prompt token's log-prob too, the first one null, and
 `max_tokens: 0` for the prompt alone): what lm-evaluation-harness sends to score a model.
 Errors are OpenAI error objects with the matching status; a parameter this server cannot
 honour (`tool_choice` "auto" without a parser, `best_of`, `suffix`) is refused rather than
-ignored.
-Generation stops at the model's end tokens (serving/text_config.py: config.json,
+ignored. Generation stops at the model's end tokens (serving/text_config.py: config.json,
 generation_config.json, genai_config.json, tokenizer_config.json) unless `ignore_eos`."""
 
 from __future__ import annotations
@@ -33,7 +32,10 @@ from serving.decoder import DecoderEngine
 from serving.errors import InvalidArgument, NotFound
 from serving.http.chat import chat_prompt
 from serving.http.codec import http_status_for
-from serving.http.openai_requests import (body_value, choice_count, completion_prompts, generations_for, max_tokens_of, text_engine, top_count)
+from serving.http.openai_requests import (body_value, choice_count, completion_prompts,
+                                          generations_for, max_tokens_of, text_engine,
+                                          top_count)
+from serving.http.reasoning import Thinking
 from serving.http.streams import ChunkStreams, until_disconnect
 from serving.http.tools import Reader, tool_reader
 from serving.http.triton_generate import SSE_HEADERS, sse
@@ -97,11 +99,15 @@ class _Shape:
     choice; chat puts a message (a delta when streaming) and content log-probs."""
 
     def __init__(self, engine: DecoderEngine, chat: bool, top: int | None, n: int,
-                 echo: _Echo | None = None, tools: Reader | None = None) -> None:
+                 echo: _Echo | None = None, tools: Reader | None = None,
+                 thinking: Thinking | None = None) -> None:
         self.engine, self.chat, self.logprobs, self.top = engine, chat, top is not None, top
-        self.echo, self.tools = echo, tools
-        self.held = [""] * n  # each choice's text so far, when it may hold tool calls
-        self.sent = [0] * n  # and how much of it went out as content
+        self.echo, self.tools, self.thinking = echo, tools, thinking
+        # each choice's text so far, when it may hold reasoning or tool calls, and how much
+        # of its reasoning and of its content went out
+        self.held = [""] * n
+        self.sent_reasoning = [0] * n
+        self.sent = [0] * n
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.offsets = [0] * n  # each choice's text_offset (completions)
@@ -166,8 +172,8 @@ class _Shape:
             out["text"] = chunk.text or ""
             if self.echo is not None and (first or not stream):
                 out["text"] = self.echo.prompts[index][1] + out["text"]
-        elif self.tools is not None:
-            self._tool_calls(out, chunk, stream, first, index)
+        elif self.tools is not None or self.thinking is not None:
+            self._message(out, chunk, stream, first, index)
         elif stream:
             out["delta"] = ({"role": "assistant", "content": chunk.text or ""} if first
                             else {"content": chunk.text} if chunk.text else {})
@@ -175,25 +181,37 @@ class _Shape:
             out["message"] = {"role": "assistant", "content": chunk.text or ""}
         return out
 
-    def _tool_calls(self, out: dict, chunk: Chunk, stream: bool, first: bool,
-                    index: int) -> None:
-        """A choice whose text may hold tool calls: the reader (serving/http/tools.py) says
-        what content may go now and, at the end, the calls (streamed: one delta carrying
-        them whole)."""
+    def _message(self, out: dict, chunk: Chunk, stream: bool, first: bool,
+                 index: int) -> None:
+        """A choice whose text may hold reasoning (serving/http/reasoning.py) or tool calls:
+        the parsers say what reasoning and content may go now and, at the end, the calls
+        (streamed: one delta carrying them whole)."""
         self.held[index] += chunk.text or ""
-        content, calls = self.tools.read(self.held[index], self.sent[index], chunk.final)
+        reasoning, text = self.thinking.split(self.held[index], chunk.final) \
+            if self.thinking is not None else ("", self.held[index])
+        thought = reasoning[self.sent_reasoning[index]:]
+        self.sent_reasoning[index] = len(reasoning)
+        if self.tools is not None:
+            content, calls = self.tools.read(text, self.sent[index], chunk.final)
+        else:
+            content, calls = text[self.sent[index]:], None
         self.sent[index] += len(content)
         if calls is not None:
             out["finish_reason"] = "tool_calls"
+        # vLLM's field is now `reasoning`; `reasoning_content`, its first name, is what many
+        # clients (LangChain's, DeepSeek's SDK examples) read
+        thinking = {"reasoning": thought, "reasoning_content": thought} if thought else {}
         if stream:
             delta: dict = {"role": "assistant", "content": content} if first else (
                 {"content": content} if content else {})
+            delta |= thinking
             if calls is not None:  # deltas name each call's place in the list
                 delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
             out["delta"] = delta
         else:
             out["message"] = {"role": "assistant", "content": content or (
-                None if calls else "")} | ({"tool_calls": calls} if calls else {})
+                None if calls or thought else "")} | thinking | (
+                {"tool_calls": calls} if calls else {})
 
     def envelope(self, choices: list, stream: bool, usage: dict | None = None) -> dict:
         out = {"id": self.id, "object": self.object(stream), "created": self.created,
@@ -296,8 +314,9 @@ async def chat_completions(frontend, request: Request) -> Response:
     tools = tool_reader(body, frontend.tool_parser)
     text = chat_prompt(engine.text, body)
     prompt = tuple(engine.tokenizer.encode(text, add_special_tokens=False).ids)
+    thinking = Thinking.named(frontend.reasoning_parser) if frontend.reasoning_parser else None
     shape = _Shape(engine, chat=True, top=top if logprobs else None, n=choice_count(engine, body),
-                   tools=tools)
+                   tools=tools, thinking=thinking)
     sampling = {k: v for k, v in body.items() if k not in ("tools", "tool_choice",
                                                              "parallel_tool_calls")}
     generations = generations_for(engine, sampling, prompt, top if logprobs else None,
@@ -306,6 +325,8 @@ async def chat_completions(frontend, request: Request) -> Response:
         if generations[0].grammar is not None:
             raise InvalidArgument("ask for tool calls or a structured output, not both")
         generations = [replace(g, grammar=tools.grammar) for g in generations]
+    if generations[0].grammar is not None:
+        shape.thinking = None  # the grammar holds every token: no free thinking to split off
     return await _answer(request, shape, generations, _stream_options(body), len(prompt))
 
 

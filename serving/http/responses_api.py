@@ -2,25 +2,28 @@
 and `responses.stream`, and the agent frameworks built on them, send a decoder with a chat
 template. `input` is a string (one user message) or a list of messages (`role`, `content` as
 a string or `input_text` / `output_text` parts; `"type": "message"` optional);
-`instructions` comes first as a system message; `max_output_tokens`, `temperature`,
-`top_p`, `top_logprobs` with `include: ["message.output_text.logprobs"]`, structured
-output (`text.format` json_object or json_schema), `metadata` (answered back) and vLLM's
-sampling extras (`top_k`, `min_tokens`, `seed`, `repetition_penalty`, `ignore_eos`) as on
+`instructions` comes first as a system message; `max_output_tokens`, `temperature`, `top_p`,
+`top_logprobs` with `include: ["message.output_text.logprobs"]`, structured output
+(`text.format` json_object or json_schema), `metadata` (answered back) and vLLM's sampling
+extras (`top_k`, `min_tokens`, `seed`, `repetition_penalty`, `ignore_eos`) as on
 /v1/chat/completions. Function tools, `tool_choice` and the earlier turns' `function_call` /
 `function_call_output` items work as chat completions' tools (serving/http/tools.py: forced
 calls from any model, "auto" with --tool-call-parser); calls come back as `function_call`
-output items after the message (when there is text). Answered whole, or with
-`stream: true` as the API's typed events, each `event: TYPE` with its `sequence_number`:
-response.created, response.in_progress, response.output_item.added,
+output items after the message (when there is text). With --reasoning-parser a reasoning
+model's thinking is a `reasoning` item before the message (serving/http/reasoning.py).
+Answered whole, or with `stream: true` as the API's typed events, each `event: TYPE` with
+its `sequence_number`: response.created, response.in_progress, response.output_item.added,
 response.content_part.added, response.output_text.delta (one per token chunk),
-response.output_text.done, response.content_part.done, response.output_item.done, for
-each call response.output_item.added, response.function_call_arguments.delta and .done,
-response.output_item.done, then response.completed, or response.incomplete when `max_output_tokens` cut the answer
+response.output_text.done, response.content_part.done, response.output_item.done (the
+reasoning item first: output_item.added, response.reasoning_text.delta..., .done,
+output_item.done), for each call response.output_item.added,
+response.function_call_arguments.delta and .done, response.output_item.done, then
+response.completed, or response.incomplete when `max_output_tokens` cut the answer
 (response.failed when the engine failed).
 
 Nothing is stored (`store` is answered false), so what needs a stored response is refused
 with 400 rather than ignored: `previous_response_id`, `conversation`, `background`; so are
-built-in tools, reasoning settings (these models do not reason) and `truncation: auto`."""
+built-in tools, reasoning settings (effort, summaries) and `truncation: auto`."""
 
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ from serving.errors import InvalidArgument
 from serving.http.chat import render
 from serving.http.openai_api import error, token_entry
 from serving.http.openai_requests import body_value, generations_for, text_engine, top_count
+from serving.http.reasoning import Thinking
 from serving.http.responses_items import chat_tools, function_call, messages
 from serving.http.streams import ChunkStream, until_disconnect
 from serving.http.tools import Reader, tool_reader
@@ -45,6 +49,9 @@ from serving.sampling import Chunk, Grammar, join_chunks
 from serving.tokenizer import token_text
 
 LOGPROBS = "message.output_text.logprobs"  # the `include` entry that asks for them
+# what agent frameworks ask for to send a reasoning model's thinking back when nothing is
+# stored: here the reasoning item carries its text in the clear, and is taken back as it is
+ENCRYPTED = "reasoning.encrypted_content"
 # body keys passed on to the sampling as /v1/chat/completions takes them
 _SAMPLING = ("temperature", "top_p", "top_k", "min_tokens", "seed", "repetition_penalty",
              "ignore_eos")
@@ -58,13 +65,14 @@ def _refuse_unsupported(body: dict) -> None:
             raise InvalidArgument(f"'{name}' is not supported ({why})")
     reasoning = body_value(body, "reasoning", (dict,), {}) or {}
     if any(v is not None for v in reasoning.values()):
-        raise InvalidArgument("'reasoning' is not supported (this model does not reason)")
+        raise InvalidArgument("'reasoning' settings are not supported (a reasoning model's "
+                              "effort and summaries are not controlled here)")
     if body.get("truncation") not in (None, "disabled"):
         raise InvalidArgument("'truncation' must be 'disabled': an input too long for the "
                               "model is refused, not cut")
     include = body_value(body, "include", (list,), []) or []
-    if any(x != LOGPROBS for x in include):
-        raise InvalidArgument(f"'include' may only name {LOGPROBS!r}")
+    if any(x not in (LOGPROBS, ENCRYPTED) for x in include):
+        raise InvalidArgument(f"'include' may only name {LOGPROBS!r} and {ENCRYPTED!r}")
 
 
 def _format(body: dict) -> Grammar | None:
@@ -95,10 +103,13 @@ class _Answer:
     prompt: int  # tokens
     logprobs: bool
     tools: Reader | None = None
+    thinking: Thinking | None = None
     id: str = field(default_factory=lambda: "resp_" + uuid.uuid4().hex)
     item: str = field(default_factory=lambda: "msg_" + uuid.uuid4().hex)
+    thought: str = field(default_factory=lambda: "rs_" + uuid.uuid4().hex)  # its item's id
     created: int = field(default_factory=lambda: int(time.time()))
     text: str = ""  # everything generated
+    reasoning: str = ""  # the thinking split off it so far
     content: str = ""  # the message's text so far
     calls: list[dict] | None = None  # the tool calls read out of the text, at the end
     tokens: list = field(default_factory=list)  # log-prob entries, when asked
@@ -106,8 +117,9 @@ class _Answer:
     generated: int = 0
     sequence: int = 0
 
-    def add(self, chunk: Chunk) -> str:
-        """Take the chunk: the message text it releases (the tool reader may hold it)."""
+    def add(self, chunk: Chunk) -> tuple[str, str]:
+        """Take the chunk: the reasoning and the message text it releases (the reasoning
+        parser and the tool reader may hold text back)."""
         self.text += chunk.text or ""
         self.generated += len(chunk.ids)
         if self.logprobs:
@@ -117,12 +129,15 @@ class _Answer:
                        for t, p, top in zip(chunk.ids, chunk.logprobs or (), tops)]
             self.tokens += entries
             self.pending += entries
+        reasoning, text = self.thinking.split(self.text, chunk.final) \
+            if self.thinking is not None else ("", self.text)
+        thought, self.reasoning = reasoning[len(self.reasoning):], reasoning
         if self.tools is None:
-            piece = chunk.text or ""
+            piece = text[len(self.content):]
         else:
-            piece, self.calls = self.tools.read(self.text, len(self.content), chunk.final)
+            piece, self.calls = self.tools.read(text, len(self.content), chunk.final)
         self.content += piece
-        return piece
+        return thought, piece
 
     def sent(self) -> list:
         """The log-prob entries a delta carries now (those since the last delta)."""
@@ -138,17 +153,23 @@ class _Answer:
 
     @property
     def has_message(self) -> bool:
-        """A reply of tool calls alone has no message item."""
-        return bool(self.content) or not self.calls
+        """A reply of tool calls alone, or of thinking cut short, has no message item."""
+        return bool(self.content) or not (self.calls or self.reasoning)
 
     def message(self, status: str, content: list) -> dict:
         return {"id": self.item, "type": "message", "status": status, "role": "assistant",
                 "content": content}
 
+    def thinking_item(self, status: str, text: str | None = None) -> dict:
+        text = self.reasoning if text is None else text
+        return {"id": self.thought, "type": "reasoning", "status": status, "summary": [],
+                "content": [{"type": "reasoning_text", "text": text}] if text else []}
+
     def output(self, status: str) -> list[dict]:
-        """The finished output items: the message, then the calls."""
+        """The finished output items: the reasoning, the message, then the calls."""
+        thinking = [self.thinking_item("completed")] if self.reasoning else []
         message = [self.message(status, [self.part()])] if self.has_message else []
-        return message + [function_call(c, "completed") for c in self.calls or ()]
+        return thinking + message + [function_call(c, "completed") for c in self.calls or ()]
 
     def response(self, status: str, output: list, failure: str | None = None) -> dict:
         b = self.body
@@ -169,7 +190,8 @@ class _Answer:
             "tools": b.get("tools") or [], "top_logprobs": b.get("top_logprobs", 0),
             "top_p": b.get("top_p", 1.0), "truncation": "disabled",
             "usage": None if not done else {
-                "input_tokens": self.prompt, "input_tokens_details": {"cached_tokens": 0},
+                "input_tokens": self.prompt,
+                "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
                 "output_tokens": self.generated,
                 "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": self.prompt + self.generated},
@@ -199,10 +221,13 @@ async def responses(frontend, request: Request) -> Response:
     max_tokens = body_value(body, "max_output_tokens", (int,))
     if max_tokens is not None and max_tokens < 1:
         raise InvalidArgument(f"'max_output_tokens' must be >= 1, not {max_tokens}")
-    answer = _Answer(engine, body, len(prompt), logprobs, reader)
+    thinking = Thinking.named(frontend.reasoning_parser) if frontend.reasoning_parser else None
+    answer = _Answer(engine, body, len(prompt), logprobs, reader, thinking)
     asked = {k: body[k] for k in _SAMPLING if k in body} | {"max_tokens": max_tokens}
     (generation,) = generations_for(engine, asked, prompt, top if logprobs else None, answer.id)
     generation = replace(generation, grammar=_grammar(body, reader))
+    if generation.grammar is not None:
+        answer.thinking = None  # the grammar holds every token: no free thinking to split off
     stream = ChunkStream(engine, generation)  # refusals answer with a status here
     if not body_value(body, "stream", (bool,), False):
         chunks = await until_disconnect(request.receive, stream.collect(), stream.close)
@@ -226,40 +251,62 @@ def _grammar(body: dict, reader: Reader | None) -> Grammar | None:
     return fmt or forced
 
 
-async def _events(answer: _Answer, stream: ChunkStream):
-    """The typed events of one streamed response, in the API's order: the message item is
-    opened by its first text (or at the end, when there are no calls), the calls follow."""
-    a, where = answer, {"item_id": answer.item, "output_index": 0, "content_index": 0}
+async def _events(a: _Answer, stream: ChunkStream):
+    """The typed events of one streamed response, in the API's order: the reasoning item
+    (when the model thinks) opened by its first thought and closed when the answer starts,
+    the message item opened by its first text (or at the end, when there are no calls),
+    then the calls. Items take their output_index in that order."""
     yield a.event("response.created", response=a.response("in_progress", []))
     yield a.event("response.in_progress", response=a.response("in_progress", []))
-    opened = False
+    items = 0  # output items opened so far
+    thinking: int | None = None  # the reasoning item's index, while it is open
+    message: int | None = None  # the message item's index, once opened
     async for chunk in stream:
         if chunk.final and chunk.reason not in ("length", "stop"):
             failure = chunk.detail or f"generation ended: {chunk.reason}"
             yield a.event("response.failed", response=a.response("failed", [], failure=failure))
             return
-        piece = a.add(chunk)
-        if not opened and (piece or (chunk.final and a.has_message)):
-            opened = True
-            yield a.event("response.output_item.added", output_index=0,
+        thought, piece = a.add(chunk)
+        if thought:
+            if thinking is None:
+                thinking, items = items, items + 1
+                yield a.event("response.output_item.added", output_index=thinking,
+                              item=a.thinking_item("in_progress", ""))
+            yield a.event("response.reasoning_text.delta", item_id=a.thought,
+                          output_index=thinking, content_index=0, delta=thought)
+        if thinking is not None and (piece or chunk.final):  # the thinking is over
+            for event in _thinking_done(a, thinking):
+                yield event
+            thinking = None
+        if message is None and (piece or (chunk.final and a.has_message)):
+            message, items = items, items + 1
+            yield a.event("response.output_item.added", output_index=message,
                           item=a.message("in_progress", []))
-            yield a.event("response.content_part.added", **where,
-                          part={**a.part(), "text": "", "logprobs": []})
+            yield a.event("response.content_part.added", item_id=a.item, output_index=message,
+                          content_index=0, part={**a.part(), "text": "", "logprobs": []})
+        where = {"item_id": a.item, "output_index": message, "content_index": 0}
         if piece:
             yield a.event("response.output_text.delta", **where, delta=piece,
                           logprobs=a.sent())
         if chunk.final:
             final = a.final(chunk)
-            if opened:
+            if message is not None:
                 yield a.event("response.output_text.done", **where, text=a.content,
                               logprobs=a.tokens)
                 yield a.event("response.content_part.done", **where, part=a.part())
-                yield a.event("response.output_item.done", output_index=0,
-                              item=final["output"][0])
-            for index, item in enumerate(final["output"][int(opened):], start=int(opened)):
-                for event in _call_events(a, index, item):
+                yield a.event("response.output_item.done", output_index=message,
+                              item=final["output"][message])
+            for index in range(items, len(final["output"])):
+                for event in _call_events(a, index, final["output"][index]):
                     yield event
             yield a.event(f"response.{final['status']}", response=final)
+
+
+def _thinking_done(a: _Answer, index: int) -> list[bytes]:
+    return [a.event("response.reasoning_text.done", item_id=a.thought, output_index=index,
+                    content_index=0, text=a.reasoning),
+            a.event("response.output_item.done", output_index=index,
+                    item=a.thinking_item("completed"))]
 
 
 def _call_events(a: _Answer, index: int, item: dict) -> list[bytes]:

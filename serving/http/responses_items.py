@@ -59,9 +59,11 @@ def messages(body: dict) -> list[dict]:
             out[-1].setdefault("tool_calls", []).append(_call(i, item))
         elif kind == "function_call_output":
             out.append(_result(i, item))
+        elif kind == "reasoning":
+            continue  # an earlier turn's thinking: reasoning models' templates drop it
         else:
-            raise InvalidArgument(f"input[{i}] must be a message, a function_call or a "
-                                  "function_call_output")
+            raise InvalidArgument(f"input[{i}] must be a message, a function_call, a "
+                                  "function_call_output or a reasoning item")
     instructions = body_value(body, "instructions", (str,))
     if instructions:
         out.insert(0, {"role": "system", "content": instructions})

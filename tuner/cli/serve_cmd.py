@@ -182,6 +182,12 @@ def serve(
                    "([TOOL_CALLS]...), 'llama3_json' (Llama 3.1 - 3.3: the output is the "
                    "call's JSON). Without it 'auto' is refused; 'required' and a named "
                    "function work with any model"),
+    reasoning_parser: Optional[str] = typer.Option(
+        None, help="decoders: chat replies' thinking (<think>...</think>) apart from the "
+                   "answer, as the message's 'reasoning', as vLLM's parser of the name: "
+                   "'deepseek_r1' (DeepSeek-R1 and distills, QwQ: the prompt opens the "
+                   "block) or 'qwen3' (Qwen3's hybrid models: thinks only when the reply "
+                   "opens the block)"),
 ) -> None:
     """Serve OUT's selected variant until SIGTERM: KServe v2 / Open Inference Protocol over
     gRPC (--port) and HTTP/REST (--http-port), and for a decoder Triton's generate endpoints
@@ -217,7 +223,7 @@ def serve(
         settings=settings,
         tls_cert=tls_cert, tls_key=tls_key, token=token,
         max_message_bytes=max_message_mb * 1024 * 1024, drain_timeout_s=drain_timeout_s,
-        tool_call_parser=tool_call_parser)
+        tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser)
     _check_before_binding(out, backend)
     # the manifest's role overrides (those optimize ran with), then this command's own
     with overriding({**(read_manifest(out).roles or {}), **parse_roles(roles)}):
