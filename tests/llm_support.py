@@ -27,6 +27,10 @@ VOCAB = 1003
 CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}{{ '<|im_start|>' + message['role']"
                  " + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
                  "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+# a chat turn, and the body extra that has generation run its whole length
+CHAT = [{"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Name a fox."}]
+NO_EOS = {"ignore_eos": True}
 PROMPT = "The quick brown fox jumps over"  # greedy never meets the end token in 32 tokens
 EOS_PROMPT = "Café, naïve"  # greedy meets the end token after a few tokens
 
@@ -101,6 +105,22 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     x = logits.astype(np.float64)
     top = x.max(-1, keepdims=True)
     return x - top - np.log(np.exp(x - top).sum(-1, keepdims=True))
+
+
+def rendered(messages: list[dict], template: str = CHAT_TEMPLATE, **kwargs) -> str:
+    """The chat as transformers' apply_chat_template renders it with the test tokenizer's
+    special tokens (the reference every served chat prompt is checked against)."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(tokenizer_object=tokenizer(), bos_token="<s>",
+                                  eos_token="<|im_end|>")
+    return tok.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                   **{"add_generation_prompt": True, **kwargs})
+
+
+def rendered_ids(messages: list[dict], template: str = CHAT_TEMPLATE, **kwargs) -> list[int]:
+    return tokenizer().encode(rendered(messages, template, **kwargs),
+                              add_special_tokens=False).ids
 
 
 def decoder_artifact(tmp: Path, model: Path) -> Path:

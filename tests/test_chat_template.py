@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from llm_support import decoder_artifact, llama, openai_client, start, tokenizer  # noqa: F401
+from llm_support import (decoder_artifact, llama, openai_client, rendered,  # noqa: F401
+                         start, tokenizer)
 
 # a template with the features real ones use: a thinking switch (Qwen 3 writes an empty
 # think block when thinking is off), documents, and the generation prompt
@@ -25,21 +26,13 @@ REPLY = MESSAGES + [{"role": "assistant", "content": "The fox is "}]
 DOCS = [{"title": "Foxes", "text": "Red foxes are common."}]
 
 
-def _transformers(messages, **kwargs) -> str:
-    from transformers import PreTrainedTokenizerFast
-
-    tok = PreTrainedTokenizerFast(tokenizer_object=tokenizer(), bos_token="<s>",
-                                  eos_token="<|im_end|>")
-    return tok.apply_chat_template(messages, chat_template=TEMPLATE, tokenize=False, **kwargs)
-
-
 CASES = [
     ({}, {"add_generation_prompt": True}),
     ({"chat_template_kwargs": {"enable_thinking": False}},
      {"add_generation_prompt": True, "enable_thinking": False}),
     ({"documents": DOCS}, {"add_generation_prompt": True, "documents": DOCS}),
     ({"messages": REPLY, "add_generation_prompt": False, "continue_final_message": True},
-     {"continue_final_message": True}),
+     {"continue_final_message": True, "add_generation_prompt": False}),
 ]
 
 
@@ -50,7 +43,7 @@ def test_the_prompt_is_what_transformers_renders(body, kwargs) -> None:
 
     text = TextConfig(chat_template=TEMPLATE, bos_token="<s>", eos_token="<|im_end|>")
     messages = body.get("messages", MESSAGES)
-    assert chat_prompt(text, {"messages": MESSAGES, **body}) == _transformers(messages, **kwargs)
+    assert chat_prompt(text, {"messages": MESSAGES, **body}) == rendered(messages, TEMPLATE, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +60,7 @@ def server(llama, tmp_path_factory):
 def test_the_served_prompt_is_those_tokens(server, body, kwargs) -> None:
     import requests
 
-    want = tokenizer().encode(_transformers(body.get("messages", MESSAGES), **kwargs),
+    want = tokenizer().encode(rendered(body.get("messages", MESSAGES), TEMPLATE, **kwargs),
                               add_special_tokens=False).ids
     got = openai_client(server).chat.completions.create(
         model=server.slot.name, messages=body.get("messages", MESSAGES), max_tokens=1,

@@ -16,13 +16,11 @@ import subprocess
 import numpy as np
 import openai
 import pytest
-from llm_support import (CHAT_TEMPLATE, EOS_PROMPT, PROMPT, decoder_artifact,  # noqa: F401
-                         greedy, llama, log_softmax, logits_of, openai_client, start,
-                         tokenizer, wait_for)
+from llm_support import (CHAT, EOS_PROMPT, NO_EOS, PROMPT, decoder_artifact,  # noqa: F401
+                         greedy, llama, log_softmax, logits_of, openai_client, rendered,
+                         start, tokenizer, wait_for)
 
-MESSAGES = [{"role": "system", "content": "You are terse."},
-            {"role": "user", "content": "Name a fox."}]
-NO_EOS = {"ignore_eos": True}
+MESSAGES = CHAT
 
 
 @pytest.fixture(scope="module")
@@ -75,17 +73,8 @@ def test_streamed_completion_ends_with_usage(server, llama) -> None:
     assert chunks[-1].usage.completion_tokens == 8 and len(chunks) >= 9
 
 
-def _rendered_by_transformers(artifact) -> str:
-    from transformers import PreTrainedTokenizerFast
-
-    tok = PreTrainedTokenizerFast(tokenizer_file=str(artifact / "tokenizer.json"),
-                                  bos_token="<s>", eos_token="<|im_end|>")
-    return tok.apply_chat_template(MESSAGES, chat_template=CHAT_TEMPLATE, tokenize=False,
-                                   add_generation_prompt=True)
-
-
 def test_chat_renders_the_template_as_transformers_does(server, artifact, llama) -> None:
-    text = _rendered_by_transformers(artifact)
+    text = rendered(MESSAGES)
     prompt = tokenizer().encode(text, add_special_tokens=False).ids
     ids, _ = greedy(llama, prompt, 6)
     got = openai_client(server).chat.completions.create(model=server.slot.name, messages=MESSAGES,
@@ -205,7 +194,7 @@ def test_top_logprobs_are_the_models_k_most_likely(server, artifact, llama) -> N
         for top, expected in zip(tops, want):  # the sampled (greedy) token is the first
             assert list(top) == [t for t, _ in expected]
             np.testing.assert_allclose(list(top.values()), [p for _, p in expected], atol=1e-3)
-    prompt = tokenizer().encode(_rendered_by_transformers(artifact), add_special_tokens=False)
+    prompt = tokenizer().encode(rendered(MESSAGES), add_special_tokens=False)
     want = [_top(v, 2) for v in greedy(llama, prompt.ids, 3)[1]]
     for stream in (False, True):
         got = c.chat.completions.create(model=server.slot.name, messages=MESSAGES, max_tokens=3,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 from llm_support import (PROMPT, decoder_artifact, greedy, llama, openai_client,  # noqa: F401
-                         start, tokenizer)
+                         rendered_ids, start, tokenizer)
 
 WRITTEN = [
     # DeepSeek-R1: the prompt opened the block; a <think> written anyway is dropped
@@ -50,19 +50,6 @@ def test_a_streamed_close_tag_is_held_back_until_decided() -> None:
     assert Thinking.named("qwen3").split(" <thi", False) == ("", "")
 
 
-def _chat_prompt(artifact) -> list[int]:
-    """PROMPT as one user turn, rendered by transformers with the artifact's template."""
-    from llm_support import CHAT_TEMPLATE
-    from transformers import PreTrainedTokenizerFast
-
-    tok = PreTrainedTokenizerFast(tokenizer_file=str(artifact / "tokenizer.json"),
-                                  bos_token="<s>", eos_token="<|im_end|>")
-    text = tok.apply_chat_template([{"role": "user", "content": PROMPT}],
-                                   chat_template=CHAT_TEMPLATE, tokenize=False,
-                                   add_generation_prompt=True)
-    return tokenizer().encode(text, add_special_tokens=False).ids
-
-
 @pytest.fixture(scope="module")
 def artifact(llama, tmp_path_factory):
     return decoder_artifact(tmp_path_factory.mktemp("reasoning"), llama)
@@ -74,7 +61,7 @@ def test_served_replies_carry_the_reasoning(artifact, llama, parser) -> None:
     reasoning (the prompt opened the block, and the reply was cut), to Qwen3's it is all
     content (the reply did not open one)."""
     messages = [{"role": "user", "content": PROMPT}]
-    want = tokenizer().decode(greedy(llama, _chat_prompt(artifact), 8)[0])
+    want = tokenizer().decode(greedy(llama, rendered_ids([{"role": "user", "content": PROMPT}]), 8)[0])
     s = start(artifact, reasoning_parser=parser)
     try:
         ask = dict(model=s.slot.name, messages=messages, max_tokens=8, temperature=0,
@@ -102,7 +89,7 @@ def test_the_responses_api_answers_a_reasoning_item(artifact, llama, parser) -> 
     no message (as OpenAI answers a reasoning model cut while it thinks), streamed as
     reasoning_text events that the openai client's stream helper accepts (it checks their
     items' identities)."""
-    want = tokenizer().decode(greedy(llama, _chat_prompt(artifact), 8)[0])
+    want = tokenizer().decode(greedy(llama, rendered_ids([{"role": "user", "content": PROMPT}]), 8)[0])
     s = start(artifact, reasoning_parser=parser)
     try:
         ask = dict(model=s.slot.name, input=PROMPT, max_output_tokens=8, temperature=0,
@@ -188,7 +175,7 @@ def test_an_agents_next_turn_sends_the_reasoning_back(artifact) -> None:
                                   max_output_tokens=2)
     finally:
         s.stop(5)
-    assert back.usage.input_tokens == alone.usage.input_tokens == len(_chat_prompt(artifact))
+    assert back.usage.input_tokens == alone.usage.input_tokens == len(rendered_ids([{"role": "user", "content": PROMPT}]))
 
 
 def test_an_unknown_parser_is_refused_before_serving() -> None:

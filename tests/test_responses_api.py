@@ -11,22 +11,12 @@ import json
 import numpy as np
 import openai
 import pytest
-from llm_support import (CHAT_TEMPLATE, decoder_artifact, greedy, llama,  # noqa: F401
-                         log_softmax, openai_client, start, tokenizer)
+from llm_support import (decoder_artifact, greedy, llama, log_softmax,  # noqa: F401
+                         openai_client, rendered_ids, start, tokenizer)
 
 INSTRUCTIONS = "You are terse."
 QUESTION = "Name a fox."
 END_AT = 5  # the artifact's end token is the 6th token greedy answers QUESTION with
-
-
-def _prompt(artifact, messages: list[dict]) -> list[int]:
-    from transformers import PreTrainedTokenizerFast
-
-    tok = PreTrainedTokenizerFast(tokenizer_file=str(artifact / "tokenizer.json"),
-                                  bos_token="<s>", eos_token="<|im_end|>")
-    text = tok.apply_chat_template(messages, chat_template=CHAT_TEMPLATE, tokenize=False,
-                                   add_generation_prompt=True)
-    return tokenizer().encode(text, add_special_tokens=False).ids
 
 
 MESSAGES = [{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": QUESTION}]
@@ -37,7 +27,7 @@ def artifact(llama, tmp_path_factory):
     """The decoder artifact, its end token one that greedy answers QUESTION with (so an
     answer completes), first met at END_AT."""
     out = decoder_artifact(tmp_path_factory.mktemp("responses"), llama)
-    answer = greedy(llama, _prompt(out, MESSAGES), 12)[0]
+    answer = greedy(llama, rendered_ids(MESSAGES), 12)[0]
     end = answer[END_AT]
     assert end not in answer[:END_AT], answer
     config = json.loads((out / "config.json").read_text())
@@ -55,7 +45,7 @@ def server(artifact):
 @pytest.fixture(scope="module")
 def want(artifact, llama) -> tuple[list[int], list[np.ndarray]]:
     """Greedy ids (END_AT of them before the end token) and the logits of each."""
-    return greedy(llama, _prompt(artifact, MESSAGES), END_AT)
+    return greedy(llama, rendered_ids(MESSAGES), END_AT)
 
 
 
@@ -66,7 +56,7 @@ def test_an_answer_that_meets_the_end_token_completes(server, artifact, want) ->
     assert got.output_text == tokenizer().decode(want[0])
     assert [o.type for o in got.output] == ["message"] and got.output[0].role == "assistant"
     assert got.usage.output_tokens == END_AT
-    assert got.usage.input_tokens == len(_prompt(artifact, MESSAGES)) and got.store is False
+    assert got.usage.input_tokens == len(rendered_ids(MESSAGES)) and got.store is False
 
 
 def test_the_stream_helper_accepts_the_events_and_the_final_response(server, want) -> None:

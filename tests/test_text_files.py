@@ -11,26 +11,14 @@ import json
 import shutil
 
 import pytest
-from llm_support import (CHAT_TEMPLATE, EOS_PROMPT, decoder_artifact, greedy,  # noqa: F401
-                         llama, openai_client, start, tokenizer)
-
-MESSAGES = [{"role": "system", "content": "You are terse."},
-            {"role": "user", "content": "Name a fox."}]
-NO_EOS = {"ignore_eos": True}
+from llm_support import (CHAT, CHAT_TEMPLATE, EOS_PROMPT, NO_EOS,  # noqa: F401
+                         decoder_artifact, greedy, llama, openai_client, rendered_ids, start,
+                         tokenizer)
 
 
 @pytest.fixture(scope="module")
 def artifact(llama, tmp_path_factory):
     return decoder_artifact(tmp_path_factory.mktemp("text-files"), llama)
-
-
-def _rendered(artifact) -> str:
-    from transformers import PreTrainedTokenizerFast
-
-    tok = PreTrainedTokenizerFast(tokenizer_file=str(artifact / "tokenizer.json"),
-                                  bos_token="<s>", eos_token="<|im_end|>")
-    return tok.apply_chat_template(MESSAGES, chat_template=CHAT_TEMPLATE, tokenize=False,
-                                   add_generation_prompt=True)
 
 
 def test_a_chat_template_saved_by_transformers_in_its_own_file_is_used(artifact, llama,
@@ -51,10 +39,10 @@ def test_a_chat_template_saved_by_transformers_in_its_own_file_is_used(artifact,
     shutil.copytree(artifact, out)
     (out / "tokenizer_config.json").unlink()
     _copy_text_files(saved, out)
-    prompt = tokenizer().encode(_rendered(artifact), add_special_tokens=False).ids
+    prompt = rendered_ids(CHAT)
     s = start(out)
     try:
-        got = openai_client(s).chat.completions.create(model=s.slot.name, messages=MESSAGES,
+        got = openai_client(s).chat.completions.create(model=s.slot.name, messages=CHAT,
                                                        max_tokens=6, temperature=0,
                                                        extra_body=NO_EOS)
         assert got.usage.prompt_tokens == len(prompt)

@@ -12,7 +12,7 @@ import json
 import openai
 import pytest
 from llm_support import (CHAT_TEMPLATE, decoder_artifact, greedy, guided_greedy,  # noqa: F401
-                         llama, openai_client, start, tokenizer)
+                         llama, openai_client, rendered_ids, start, tokenizer)
 from pydantic import BaseModel, Field
 
 # ChatML that names the tools in a system turn, as tool-calling models' templates do (theirs
@@ -52,16 +52,6 @@ def server(artifact):
 
 
 
-def _prompt(artifact, tools, messages: list[dict] = MESSAGES) -> list[int]:
-    from transformers import PreTrainedTokenizerFast
-
-    tok = PreTrainedTokenizerFast(tokenizer_file=str(artifact / "tokenizer.json"),
-                                  bos_token="<s>", eos_token="<|im_end|>")
-    text = tok.apply_chat_template(messages, tools=tools, chat_template=TOOLS_TEMPLATE,
-                                   tokenize=False, add_generation_prompt=True)
-    return tokenizer().encode(text, add_special_tokens=False).ids
-
-
 def _grammar(schema: dict) -> str:
     from llguidance import LLMatcher
 
@@ -79,7 +69,7 @@ def test_a_named_function_is_called_with_the_models_arguments(server, artifact, 
     arguments = json.loads(call.function.arguments)
     assert set(arguments) == {"city", "days"} and 1 <= arguments["days"] <= 7
     eos = server.slot.engine.text.eos_ids[0]
-    want = guided_greedy(llama, _prompt(artifact, TOOLS), _grammar(WEATHER), eos)
+    want = guided_greedy(llama, rendered_ids(MESSAGES, TOOLS_TEMPLATE, tools=TOOLS), _grammar(WEATHER), eos)
     assert arguments == json.loads(tokenizer().decode(want))
 
 
@@ -251,7 +241,7 @@ def test_auto_with_the_parser_answers_text_when_the_model_calls_nothing(artifact
         c = openai_client(s)
         got = c.chat.completions.create(model=s.slot.name, messages=MESSAGES, tools=TOOLS,
                                         temperature=0, max_tokens=8)
-        want = tokenizer().decode(greedy(llama, _prompt(artifact, TOOLS), 8)[0])
+        want = tokenizer().decode(greedy(llama, rendered_ids(MESSAGES, TOOLS_TEMPLATE, tools=TOOLS), 8)[0])
         assert got.choices[0].message.content == want and got.choices[0].finish_reason == \
             "length" and got.choices[0].message.tool_calls is None
         streamed = c.chat.completions.create(model=s.slot.name, messages=MESSAGES, tools=TOOLS,
@@ -274,7 +264,7 @@ def test_responses_calls_a_named_function_as_chat_does(server, artifact, llama) 
     call = got.output[0]
     assert call.name == "get_weather" and call.call_id.startswith("call_")
     eos = server.slot.engine.text.eos_ids[0]
-    want = guided_greedy(llama, _prompt(artifact, TOOLS), _grammar(WEATHER), eos)
+    want = guided_greedy(llama, rendered_ids(MESSAGES, TOOLS_TEMPLATE, tools=TOOLS), _grammar(WEATHER), eos)
     assert json.loads(call.arguments) == json.loads(tokenizer().decode(want))
 
 
@@ -313,7 +303,7 @@ def test_responses_takes_earlier_calls_and_their_outputs(server, artifact, llama
         model=server.slot.name, input=items, tools=FLAT_TOOLS, tool_choice="none",
         temperature=0, max_output_tokens=4)
     assert [o.type for o in got.output] == ["message"]
-    want = greedy(llama, _prompt(artifact, TOOLS, chat), 4)[0]
+    want = greedy(llama, rendered_ids(chat, TOOLS_TEMPLATE, tools=TOOLS), 4)[0]
     assert got.output_text == tokenizer().decode(want)
 
 
