@@ -172,6 +172,7 @@ WRITTEN = [
     ("llama3_json", f"<|python_tag|>{CALL}; {TIME}", "", ["get_weather", "get_time"]),
     ("llama3_json", f" \n{CALL}", "", ["get_weather"]),
     ("llama3_json", f"{CALL} and then", f"{CALL} and then", None),
+    ("llama3_json", '{"name": "Oslo", "days": 2}', '{"name": "Oslo", "days": 2}', None),
     ("llama3_json", PROSE, PROSE, None),
 ]
 

@@ -166,9 +166,10 @@ class Llama3Json:
             while True:
                 at = len(text) - len(text[at:].lstrip())
                 value, at = decoder.raw_decode(text, at)
-                if isinstance(value, dict) and "arguments" not in value:
-                    value = {"name": value.get("name"), "arguments": value.get("parameters", {})}
-                out.append(_named(value))
+                if not isinstance(value, dict) or not {"arguments", "parameters"} & set(value):
+                    return None  # JSON that is not a call (an answer in JSON) is content
+                out.append(_named({"name": value.get("name"), "arguments": value.get(
+                    "arguments", value.get("parameters"))}))
                 rest = text[at:].lstrip()
                 if not rest:
                     return out
