@@ -80,11 +80,13 @@ class Grammar:
     schema (as JSON text; '{"type": "object"}' for any object: OpenAI's JSON mode),
     "regex" a regular expression, "choice" a JSON list of the strings allowed, "grammar" a
     Lark grammar (llguidance's dialect) or an EBNF one (GBNF / xgrammar: `root ::= ...`).
-    Compiled and applied by
-    serving.generation.grammar."""
+    Compiled and applied by serving.generation.grammar. `thinking`: a reasoning model's
+    family (serving.generation.grammar.THINKING): the reply thinks freely first, and the
+    grammar holds what follows its `</think>`."""
 
     kind: str
     source: str
+    thinking: str | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in GRAMMAR_KINDS:

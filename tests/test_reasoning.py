@@ -26,7 +26,7 @@ WRITTEN = [
 def _streamed(parser: str, text: str) -> tuple[str, str]:
     from serving.http.reasoning import Thinking
 
-    thinking, reasoning, content = Thinking.named(parser), "", ""
+    thinking, reasoning, content = Thinking(parser), "", ""
     pieces = [text[i:i + 3] for i in range(0, len(text), 3)]
     for i in range(len(pieces)):
         r, c = thinking.split("".join(pieces[:i + 1]), i == len(pieces) - 1)
@@ -39,15 +39,15 @@ def _streamed(parser: str, text: str) -> tuple[str, str]:
 def test_thinking_is_split_off_whole_and_streamed(parser, text, reasoning, content) -> None:
     from serving.http.reasoning import Thinking
 
-    assert Thinking.named(parser).split(text, True) == (reasoning, content)
+    assert Thinking(parser).split(text, True) == (reasoning, content)
     assert _streamed(parser, text) == (reasoning, content)
 
 
 def test_a_streamed_close_tag_is_held_back_until_decided() -> None:
     from serving.http.reasoning import Thinking
 
-    assert Thinking.named("deepseek_r1").split("Hmm </thi", False) == ("Hmm ", "")
-    assert Thinking.named("qwen3").split(" <thi", False) == ("", "")
+    assert Thinking("deepseek_r1").split("Hmm </thi", False) == ("Hmm ", "")
+    assert Thinking("qwen3").split(" <thi", False) == ("", "")
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +138,7 @@ def test_streamed_thinking_then_answer_are_two_items_in_order(artifact) -> None:
 
     s = start(artifact)
     try:
-        answer = _Answer(s.slot.engine, {}, 3, False, thinking=Thinking.named("deepseek_r1"))
+        answer = _Answer(s.slot.engine, {}, 3, False, thinking=Thinking("deepseek_r1"))
         events = asyncio.run(written(answer))
     finally:
         s.stop(5)
@@ -176,6 +176,63 @@ def test_an_agents_next_turn_sends_the_reasoning_back(artifact) -> None:
     finally:
         s.stop(5)
     assert back.usage.input_tokens == alone.usage.input_tokens == len(rendered_ids([{"role": "user", "content": PROMPT}]))
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+          "additionalProperties": False}
+
+
+@pytest.mark.parametrize("parser, text, fits", [
+    ("deepseek_r1", 'Hmm, a number.</think>{"a":1}', True),
+    ("deepseek_r1", '</think>{"a":2}', True),
+    ("deepseek_r1", "Hmm.</think>no JSON", False),
+    ("qwen3", '{"a":1}', True),  # thinking off: the answer at once
+    ("qwen3", '<think>Hmm.</think>{"a":1}', True),
+    ("qwen3", 'Hmm.</think>{"a":1}', False),  # thinking without opening the block
+])
+def test_a_grammar_holds_the_answer_after_the_thinking(parser, text, fits) -> None:
+    """The engine's matcher for a JSON schema under each family's thinking, fed a text's
+    tokens: free thinking up to </think>, then the schema."""
+    from serving.generation.grammar import GrammarCompiler, GrammarError
+    from serving.sampling import Grammar
+
+    grammar = Grammar.of("json", SCHEMA)
+    matcher = GrammarCompiler(tokenizer(), tokenizer().get_vocab_size(), [0]).matcher(
+        Grammar(grammar.kind, grammar.source, thinking=parser))
+    try:
+        done = [matcher.advance(t) for t in tokenizer().encode(text).ids][-1]
+    except GrammarError:
+        done = False
+    assert done is fits
+
+
+def test_a_served_grammar_leaves_the_thinking_free(artifact, llama) -> None:
+    """Served with DeepSeek-R1's parser, a JSON schema constrains only what follows
+    </think>: this random model's reply equals greedy under the same composition written
+    here (llguidance's own grammars), and, never closing its thinking, is all reasoning."""
+    import json
+
+    from llguidance import LLMatcher
+
+    from llm_support import guided_greedy
+
+    answer = json.loads(LLMatcher.grammar_from_json_schema(
+        json.dumps(SCHEMA), defaults={"whitespace_flexible": False}))["grammars"][0]
+    composed = json.dumps({"grammars": [
+        {"lark_grammar": 'start: t @a\nt[stop="</think>"]: /(.|\n)*/'},
+        {**answer, "name": "a"}]})
+    s = start(artifact, reasoning_parser="deepseek_r1")
+    try:
+        eos = s.slot.engine.text.eos_ids[0]
+        want = tokenizer().decode(guided_greedy(llama, rendered_ids(
+            [{"role": "user", "content": PROMPT}]), composed, eos, 8))
+        message = openai_client(s).chat.completions.create(
+            model=s.slot.name, messages=[{"role": "user", "content": PROMPT}], max_tokens=8,
+            temperature=0, response_format={"type": "json_schema", "json_schema": {
+                "name": "a", "schema": SCHEMA}}).choices[0].message
+    finally:
+        s.stop(5)
+    assert (message.content, message.model_extra["reasoning"]) == (None, want)
 
 
 def test_an_unknown_parser_is_refused_before_serving() -> None:

@@ -44,6 +44,26 @@ def _source(grammar: Grammar) -> str:
     return LLMatcher.grammar_from_lark(_lark(grammar.source))
 
 
+# What a reasoning model writes before the answer its grammar holds, by family (vLLM's
+# reasoning parser names): free text up to `</think>` (the lexeme stops there, the tag
+# itself part of the output), after the prompt opened the block (DeepSeek-R1), or inside a
+# block the reply may open (Qwen3's hybrid models, which answer at once with thinking off).
+THINKING = {
+    "deepseek_r1": 'start: think @answer\nthink[stop="</think>"]: /(.|\n)*/',
+    "qwen3": 'start: thought? @answer\nthought: "<think>" think\n'
+             'think[stop="</think>"]: /(.|\n)*/',
+}
+
+
+def _after_thinking(source: str, family: str) -> str:
+    """llguidance's grammar `source` (top-level JSON) after the family's thinking: a Lark
+    grammar first that names the answer's grammar `@answer`."""
+    spec = json.loads(source)
+    answer, *rest = spec["grammars"]
+    return json.dumps({**spec, "grammars": [{"lark_grammar": THINKING[family]},
+                                            {**answer, "name": "answer"}, *rest]})
+
+
 def _lark(source: str) -> str:
     """A grammar in llguidance's Lark, or in the EBNF of llama.cpp's GBNF and xgrammar
     (`root ::= ...`: TensorRT-LLM's `ebnf_grammar`, what vLLM's `grammar` also takes),
@@ -113,7 +133,10 @@ class GrammarCompiler:
                                   "genai_config.json, no eos_token in tokenizer_config.json)")
         from llguidance import LLMatcher
 
-        m = LLMatcher(self._tokenizer(), _source(grammar), log_level=0)
+        source = _source(grammar)
+        if grammar.thinking is not None:
+            source = _after_thinking(source, grammar.thinking)
+        m = LLMatcher(self._tokenizer(), source, log_level=0)
         if m.is_error():
             raise InvalidArgument(f"the {grammar.kind} cannot be compiled: {m.get_error()}")
         return Matcher(m, self.eos, self.vocab, self._tokenizer().vocab_size)

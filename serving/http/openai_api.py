@@ -314,7 +314,7 @@ async def chat_completions(frontend, request: Request) -> Response:
     tools = tool_reader(body, frontend.tool_parser)
     text = chat_prompt(engine.text, body)
     prompt = tuple(engine.tokenizer.encode(text, add_special_tokens=False).ids)
-    thinking = Thinking.named(frontend.reasoning_parser) if frontend.reasoning_parser else None
+    thinking = Thinking(frontend.reasoning_parser) if frontend.reasoning_parser else None
     shape = _Shape(engine, chat=True, top=top if logprobs else None, n=choice_count(engine, body),
                    tools=tools, thinking=thinking)
     sampling = {k: v for k, v in body.items() if k not in ("tools", "tool_choice",
@@ -325,8 +325,8 @@ async def chat_completions(frontend, request: Request) -> Response:
         if generations[0].grammar is not None:
             raise InvalidArgument("ask for tool calls or a structured output, not both")
         generations = [replace(g, grammar=tools.grammar) for g in generations]
-    if generations[0].grammar is not None:
-        shape.thinking = None  # the grammar holds every token: no free thinking to split off
+    if thinking is not None:  # a grammar holds the answer after the thinking
+        generations = [replace(g, grammar=thinking.constrain(g.grammar)) for g in generations]
     return await _answer(request, shape, generations, _stream_options(body), len(prompt))
 
 

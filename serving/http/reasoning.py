@@ -12,28 +12,34 @@ reply `<think>...</think>answer` comes back as the message's `reasoning` (also u
   that does not start with `<think>` is all content.
 
 Whatever follows `</think>` is the content, which a tool reader (serving/http/tools.py)
-then reads. A constrained reply (structured output, forced tool calls) is all content: its
-grammar holds every token, so there is no free thinking to split off."""
+then reads. A constrained reply (structured output, forced tool calls) thinks freely first
+as well: its grammar holds what follows `</think>` (serving.generation.grammar.THINKING),
+as vLLM constrains a reasoning model's answer and not its thinking."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from serving.sampling import held_back
+from serving.generation.grammar import THINKING
+from serving.sampling import Grammar, held_back
 
-PARSERS = ("deepseek_r1", "qwen3")
+PARSERS = tuple(THINKING)
 OPEN, CLOSE = "<think>", "</think>"
 
 
 @dataclass(frozen=True)
 class Thinking:
-    """Splits a reply's text into reasoning and content."""
+    """Splits a reply's text into reasoning and content, as the parser named (PARSERS)."""
 
-    opened_by_prompt: bool  # deepseek_r1: the prompt opened the block
+    parser: str
 
-    @classmethod
-    def named(cls, parser: str) -> "Thinking":
-        return cls(opened_by_prompt=parser == "deepseek_r1")
+    @property
+    def opened_by_prompt(self) -> bool:
+        return self.parser == "deepseek_r1"
+
+    def constrain(self, grammar: Grammar | None) -> Grammar | None:
+        """A request's grammar, held to the answer after the thinking."""
+        return None if grammar is None else replace(grammar, thinking=self.parser)
 
     def split(self, text: str, final: bool) -> tuple[str, str]:
         """(reasoning, content) of the text so far: what of each may be sent now. Both only

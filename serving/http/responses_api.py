@@ -221,13 +221,14 @@ async def responses(frontend, request: Request) -> Response:
     max_tokens = body_value(body, "max_output_tokens", (int,))
     if max_tokens is not None and max_tokens < 1:
         raise InvalidArgument(f"'max_output_tokens' must be >= 1, not {max_tokens}")
-    thinking = Thinking.named(frontend.reasoning_parser) if frontend.reasoning_parser else None
+    thinking = Thinking(frontend.reasoning_parser) if frontend.reasoning_parser else None
     answer = _Answer(engine, body, len(prompt), logprobs, reader, thinking)
     asked = {k: body[k] for k in _SAMPLING if k in body} | {"max_tokens": max_tokens}
     (generation,) = generations_for(engine, asked, prompt, top if logprobs else None, answer.id)
-    generation = replace(generation, grammar=_grammar(body, reader))
-    if generation.grammar is not None:
-        answer.thinking = None  # the grammar holds every token: no free thinking to split off
+    grammar = _grammar(body, reader)
+    if thinking is not None:  # a grammar holds the answer after the thinking
+        grammar = thinking.constrain(grammar)
+    generation = replace(generation, grammar=grammar)
     stream = ChunkStream(engine, generation)  # refusals answer with a status here
     if not body_value(body, "stream", (bool,), False):
         chunks = await until_disconnect(request.receive, stream.collect(), stream.close)
