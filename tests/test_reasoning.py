@@ -133,8 +133,8 @@ def test_streamed_thinking_then_answer_are_two_items_in_order(artifact) -> None:
             yield Chunk((i,), text, i == len(texts) - 1, "stop" if i == len(texts) - 1 else None)
 
     async def written(answer) -> list[dict]:
-        return [json.loads(e.decode().split("data: ", 1)[1]) async for e in _events(answer,
-                                                                                  chunks())]
+        return [json.loads(e.decode().split("data: ", 1)[1]) async for e in _events(
+            answer, chunks(), lambda final: None)]
 
     s = start(artifact)
     try:

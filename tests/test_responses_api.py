@@ -56,7 +56,7 @@ def test_an_answer_that_meets_the_end_token_completes(server, artifact, want) ->
     assert got.output_text == tokenizer().decode(want[0])
     assert [o.type for o in got.output] == ["message"] and got.output[0].role == "assistant"
     assert got.usage.output_tokens == END_AT
-    assert got.usage.input_tokens == len(rendered_ids(MESSAGES)) and got.store is False
+    assert got.usage.input_tokens == len(rendered_ids(MESSAGES)) and got.store is True
 
 
 def test_the_stream_helper_accepts_the_events_and_the_final_response(server, want) -> None:
@@ -106,8 +106,50 @@ def test_logprobs_are_the_models_own(server, want) -> None:
                                                           for t in best]
 
 
+def test_a_stored_response_is_continued_retrieved_and_deleted(server) -> None:
+    """`store` (true by default, as OpenAI's): `previous_response_id` continues the kept
+    conversation (its instructions not carried over, as OpenAI answers), streamed answers
+    are kept too, `retrieve` gives the response back, `delete` forgets it."""
+    c, name = openai_client(server), server.slot.name
+    first = c.responses.create(model=name, instructions=INSTRUCTIONS, input=QUESTION,
+                               temperature=0)
+    again = "Another one?"
+    events = list(c.responses.create(model=name, previous_response_id=first.id, input=again,
+                                     temperature=0, max_output_tokens=2, stream=True))
+    second = events[-1].response
+    history = [{"role": "user", "content": QUESTION},
+               {"role": "assistant", "content": first.output_text},
+               {"role": "user", "content": again}]
+    assert second.usage.input_tokens == len(rendered_ids(history))
+    assert second.previous_response_id == first.id
+    assert c.responses.retrieve(second.id).output_text == second.output_text
+    third = c.responses.create(model=name, previous_response_id=second.id, input="Why?",
+                               max_output_tokens=1, store=False)
+    assert third.usage.input_tokens == len(rendered_ids(history + [
+        {"role": "assistant", "content": second.output_text},
+        {"role": "user", "content": "Why?"}]))
+    c.responses.delete(first.id)
+    for call in (lambda: c.responses.retrieve(first.id),  # deleted
+                 lambda: c.responses.retrieve(third.id),  # never stored
+                 lambda: c.responses.create(model=name, previous_response_id=first.id,
+                                            input=again)):
+        with pytest.raises(openai.NotFoundError, match="not found"):
+            call()
+
+
+def test_the_store_keeps_the_newest() -> None:
+    from serving.http.response_store import ResponseStore, Stored
+
+    store = ResponseStore(capacity=2)
+    for i in range(3):
+        store.put(Stored((), {"id": f"resp_{i}"}))
+    assert len(store) == 2 and store.get("resp_2").response == {"id": "resp_2"}
+    with pytest.raises(Exception, match="resp_0' not found"):
+        store.get("resp_0")
+
+
 @pytest.mark.parametrize("extra, says", [
-    ({"previous_response_id": "resp_1"}, "'previous_response_id' is not supported"),
+    ({"background": True}, "'background' is not supported"),
     ({"tools": [{"type": "web_search"}]}, "built-in tools are not served"),
     ({"text": {"format": {"type": "grammar"}}}, "'text.format' 'grammar' is not"),
     ({"reasoning": {"effort": "low"}}, "'reasoning' settings are not supported"),

@@ -17,7 +17,7 @@ import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Awaitable, Callable
 
@@ -29,6 +29,7 @@ from starlette.routing import Route
 
 from serving.errors import InvalidArgument, Unauthenticated
 from serving.http.codec import http_status_for
+from serving.http.response_store import ResponseStore
 from serving.metrics import EndpointMetrics
 from serving.wire.servicer import Slot
 
@@ -47,6 +48,7 @@ class Frontend:
     pool: ThreadPoolExecutor | None = None
     tool_parser: str | None = None  # how chat's tool_choice "auto" reads calls (tools.PARSERS)
     reasoning_parser: str | None = None  # how chat splits thinking off (reasoning.PARSERS)
+    responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses' kept
 
     async def run(self, fn, *args):
         """`fn(*args)` in the model's thread pool (the event loop stays free)."""

@@ -21,9 +21,11 @@ response.function_call_arguments.delta and .done, response.output_item.done, the
 response.completed, or response.incomplete when `max_output_tokens` cut the answer
 (response.failed when the engine failed).
 
-Nothing is stored (`store` is answered false), so what needs a stored response is refused
-with 400 rather than ignored: `previous_response_id`, `conversation`, `background`; so are
-built-in tools, reasoning settings (effort, summaries) and `truncation: auto`."""
+Responses are kept (`store`, true by default as OpenAI's; serving/http/response_store.py):
+`previous_response_id` continues a kept conversation, `GET` / `DELETE /v1/responses/{id}`
+return and forget one. What cannot be honoured is refused with 400 rather than ignored:
+`conversation`, `background`, built-in tools, reasoning settings (effort, summaries) and
+`truncation: auto`."""
 
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field, replace
+from typing import Callable
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -41,7 +44,8 @@ from serving.http.chat import render
 from serving.http.openai_api import error, token_entry
 from serving.http.openai_requests import body_value, generations_for, text_engine, top_count
 from serving.http.reasoning import Thinking
-from serving.http.responses_items import chat_tools, function_call, messages
+from serving.http.response_store import Stored
+from serving.http.responses_items import chat_tools, function_call, messages, reply, turn
 from serving.http.streams import ChunkStream, until_disconnect
 from serving.http.tools import Reader, tool_reader
 from serving.http.triton_generate import SSE_HEADERS
@@ -58,11 +62,10 @@ _SAMPLING = ("temperature", "top_p", "top_k", "min_tokens", "seed", "repetition_
 
 
 def _refuse_unsupported(body: dict) -> None:
-    for name, why in (("previous_response_id", "nothing is stored"),
-                      ("conversation", "nothing is stored"),
-                      ("background", "nothing is stored")):
+    for name in ("conversation", "background"):
         if body.get(name):
-            raise InvalidArgument(f"'{name}' is not supported ({why})")
+            raise InvalidArgument(f"'{name}' is not supported (responses are kept in memory "
+                                  "for previous_response_id, not as conversations or jobs)")
     reasoning = body_value(body, "reasoning", (dict,), {}) or {}
     if any(v is not None for v in reasoning.values()):
         raise InvalidArgument("'reasoning' settings are not supported (a reasoning model's "
@@ -183,8 +186,9 @@ class _Answer:
             "instructions": b.get("instructions"), "max_output_tokens": b.get(
                 "max_output_tokens"), "model": self.engine.name, "output": output,
             "parallel_tool_calls": b.get("parallel_tool_calls", True),
-            "previous_response_id": None, "reasoning": {"effort": None, "summary": None},
-            "store": False, "temperature": b.get("temperature", 1.0),
+            "previous_response_id": b.get("previous_response_id"),
+            "reasoning": {"effort": None, "summary": None},
+            "store": b.get("store", True), "temperature": b.get("temperature", 1.0),
             "text": b.get("text") or {"format": {"type": "text"}},
             "tool_choice": b.get("tool_choice", "auto"),
             "tools": b.get("tools") or [], "top_logprobs": b.get("top_logprobs", 0),
@@ -212,9 +216,12 @@ async def responses(frontend, request: Request) -> Response:
     body = await frontend.json(request)
     engine = text_engine(frontend, body)
     _refuse_unsupported(body)
+    store = body_value(body, "store", (bool,), True)
+    previous = body_value(body, "previous_response_id", (str,))
+    history = [*(frontend.responses.get(previous).messages if previous else ()), *turn(body)]
     tools = chat_tools(body)
     reader = tool_reader(tools, frontend.tool_parser)
-    text = render(engine.text, messages(body), True, tools["tools"])
+    text = render(engine.text, messages(body, history), True, tools["tools"])
     prompt = tuple(engine.tokenizer.encode(text, add_special_tokens=False).ids)
     logprobs = LOGPROBS in (body.get("include") or [])
     top = top_count("top_logprobs", body_value(body, "top_logprobs", (int,), 0))
@@ -230,6 +237,12 @@ async def responses(frontend, request: Request) -> Response:
         grammar = thinking.constrain(grammar)
     generation = replace(generation, grammar=grammar)
     stream = ChunkStream(engine, generation)  # refusals answer with a status here
+
+    def kept(final: dict) -> None:  # a finished response, stored when asked (the default)
+        if store:
+            frontend.responses.put(Stored(
+                (*history, reply(answer.content, answer.calls)), final))
+
     if not body_value(body, "stream", (bool,), False):
         chunks = await until_disconnect(request.receive, stream.collect(), stream.close)
         if chunks is None:
@@ -238,8 +251,10 @@ async def responses(frontend, request: Request) -> Response:
         if whole.reason not in ("length", "stop"):
             raise RuntimeError(whole.detail or f"generation ended: {whole.reason}")
         answer.add(whole)
-        return JSONResponse(answer.final(whole))
-    return StreamingResponse(_events(answer, stream), media_type="text/event-stream",
+        final = answer.final(whole)
+        kept(final)
+        return JSONResponse(final)
+    return StreamingResponse(_events(answer, stream, kept), media_type="text/event-stream",
                              headers=SSE_HEADERS)
 
 
@@ -252,7 +267,7 @@ def _grammar(body: dict, reader: Reader | None) -> Grammar | None:
     return fmt or forced
 
 
-async def _events(a: _Answer, stream: ChunkStream):
+async def _events(a: _Answer, stream: ChunkStream, kept: Callable[[dict], None]):
     """The typed events of one streamed response, in the API's order: the reasoning item
     (when the model thinks) opened by its first thought and closed when the answer starts,
     the message item opened by its first text (or at the end, when there are no calls),
@@ -300,6 +315,7 @@ async def _events(a: _Answer, stream: ChunkStream):
             for index in range(items, len(final["output"])):
                 for event in _call_events(a, index, final["output"][index]):
                     yield event
+            kept(final)
             yield a.event(f"response.{final['status']}", response=final)
 
 
@@ -321,4 +337,18 @@ def _call_events(a: _Answer, index: int, item: dict) -> list[bytes]:
             a.event("response.output_item.done", output_index=index, item=item)]
 
 
-ROUTES = [("/v1/responses", ["POST"], "v1/responses", responses, error)]
+async def retrieve(frontend, request: Request) -> Response:
+    """`client.responses.retrieve(id)`: a stored response as it was answered."""
+    return JSONResponse(frontend.responses.get(request.path_params["response_id"]).response)
+
+
+async def delete(frontend, request: Request) -> Response:
+    """`client.responses.delete(id)`: forgotten (later requests that continue it get 404)."""
+    response_id = request.path_params["response_id"]
+    frontend.responses.delete(response_id)
+    return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+
+ROUTES = [("/v1/responses", ["POST"], "v1/responses", responses, error),
+          ("/v1/responses/{response_id}", ["GET"], "v1/responses/{id}", retrieve, error),
+          ("/v1/responses/{response_id}", ["DELETE"], "v1/responses/{id}", delete, error)]

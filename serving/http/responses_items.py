@@ -1,7 +1,8 @@
 """The Responses API's items in chat terms, and back: `input` items as the chat messages the
 template renders (messages, the model's earlier `function_call`s, their
-`function_call_output`s), its flat function tools and `tool_choice` as chat's, and the
-calls a tool reader found as `function_call` output items. No HTTP here."""
+`function_call_output`s), its flat function tools and `tool_choice` as chat's, a reply as
+the chat message a later turn renders, and the calls a tool reader found as
+`function_call` output items. No HTTP here."""
 
 from __future__ import annotations
 
@@ -40,8 +41,8 @@ def _result(i: int, item: dict) -> dict:
     return {"role": "tool", "tool_call_id": item["call_id"], "content": output}
 
 
-def messages(body: dict) -> list[dict]:
-    """`instructions` and `input` as chat messages for the template. Function calls join the
+def turn(body: dict) -> list[dict]:
+    """`input` as chat messages (checked when the whole prompt is). Function calls join the
     assistant message before them (or start one), as chat completions' `tool_calls` do."""
     raw = body.get("input")
     items = [{"role": "user", "content": raw}] if isinstance(raw, str) else raw
@@ -64,10 +65,20 @@ def messages(body: dict) -> list[dict]:
         else:
             raise InvalidArgument(f"input[{i}] must be a message, a function_call, a "
                                   "function_call_output or a reasoning item")
+    return out
+
+
+def messages(body: dict, history: list[dict]) -> list[dict]:
+    """The prompt's messages, checked: `instructions` first (a system message; an earlier
+    response's are not carried over, as OpenAI answers), then the conversation."""
     instructions = body_value(body, "instructions", (str,))
-    if instructions:
-        out.insert(0, {"role": "system", "content": instructions})
-    return messages_of(out)
+    return messages_of(([{"role": "system", "content": instructions}] if instructions else [])
+                       + history)
+
+
+def reply(content: str, calls: list[dict] | None) -> dict:
+    """A response's answer as the chat message a later turn's template renders."""
+    return {"role": "assistant", "content": content} | ({"tool_calls": calls} if calls else {})
 
 
 def chat_tools(body: dict) -> dict:
