@@ -71,6 +71,14 @@ def test_streamed_completion_ends_with_usage(server, llama) -> None:
     assert "".join(c.choices[0].text for c in chunks if c.choices) == text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].usage.completion_tokens == 8 and len(chunks) >= 9
+    # vLLM's continuous_usage_stats: each chunk's usage counts the tokens sent so far
+    chunks = list(openai_client(server).completions.create(
+        model=server.slot.name, prompt=PROMPT, max_tokens=8, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+        extra_body=NO_EOS))
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts == sorted(counts) and counts[0] >= 1 and counts[-1] == 8
+    assert all(c.usage.prompt_tokens == len(tokenizer().encode(PROMPT).ids) for c in chunks)
 
 
 def test_chat_renders_the_template_as_transformers_does(server, artifact, llama) -> None:

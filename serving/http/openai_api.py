@@ -260,6 +260,10 @@ async def _answer(request: Request, shape: _Shape, generations: list[GenerationR
             [shape.choice(whole, False, index=i) for i, whole in enumerate(wholes)], False,
             _usage(prompt, sum(counted(w) for w in wholes))))
 
+    # vLLM's continuous_usage_stats: every chunk carries the usage so far
+    running = bool(stream_opts and stream_opts.get("include_usage")
+                   and stream_opts.get("continuous_usage_stats"))
+
     async def events():
         generated, started = 0, set()
         async for index, chunk in streams:
@@ -269,7 +273,7 @@ async def _answer(request: Request, shape: _Shape, generations: list[GenerationR
                 break
             generated += counted(chunk)
             yield sse(shape.envelope([shape.choice(chunk, True, index not in started, index)],
-                                     True))
+                                     True, _usage(prompt, generated) if running else None))
             started.add(index)
         else:
             if stream_opts.get("include_usage"):
