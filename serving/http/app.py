@@ -110,12 +110,12 @@ def endpoint(frontend: Frontend, name: str, handler: Handler,
 
 
 def build_app(frontend: Frontend) -> Starlette:
-    from serving.http import (embeddings_api, kserve, openai_api, responses_api, tokenize_api,
-                              triton_generate)
+    from serving.http import (embeddings_api, kserve, openai_api, rerank_api, responses_api,
+                              tokenize_api, triton_generate)
 
     routes = []
     for module in (kserve, triton_generate, openai_api, responses_api, tokenize_api,
-                   embeddings_api):
+                   embeddings_api, rerank_api):
         for path, methods, name, handler, errors in module.ROUTES:
             routes.append(Route(path, endpoint(frontend, name, handler, errors or kserve_error),
                                 methods=methods))

@@ -1,0 +1,127 @@
+"""Reranking (`/rerank`, `/v1/rerank`, Cohere's `/v2/rerank`) on a cross-encoder that `tuner
+optimize` made an artifact of (models/cross_encoder.py: a BERT classifier with one label,
+its WordPiece tokenizer with BERT's pair template), equal to sentence-transformers'
+CrossEncoder on the same folder: the scores, their order, `top_n`, `return_documents`, a
+document past the model's length, and the config's Identity activation."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import requests
+from llm_support import start
+
+from models.cross_encoder import cached
+
+QUERY = "Where do foxes live?"
+DOCUMENTS = ["Foxes live in forests and eat mice.", "The dog sleeps all day.",
+             "A red fox jumps over the lazy dog.", "mice " * 200]  # the last past 128 tokens
+
+
+def _artifact(out):
+    r = subprocess.run([sys.executable, "-m", "tuner", "optimize", str(cached() / "model.onnx"),
+                        "-o", str(out), "--max-seq", "128", "--max-batch", "4", "--rounds", "2",
+                        "--bucket-rounds", "1", "--max-variants", "1", "--no-probe",
+                        "--no-fuse", "--no-cache"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory):
+    return _artifact(tmp_path_factory.mktemp("rerank") / "out")
+
+
+@pytest.fixture(scope="module")
+def server(artifact):
+    s = start(artifact)
+    yield s
+    s.stop(5)
+
+
+def _reference(activation=None) -> list[float]:
+    from sentence_transformers import CrossEncoder
+
+    model = CrossEncoder(str(cached()), device="cpu", activation_fn=activation)
+    return [float(x) for x in model.predict([(QUERY, d) for d in DOCUMENTS])]
+
+
+def _rerank(server, path: str = "/v1/rerank", **body) -> dict:
+    r = requests.post(f"http://127.0.0.1:{server.http_port}{path}", timeout=60,
+                      json={"model": server.slot.name, "query": QUERY, "documents": DOCUMENTS,
+                            **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_scores_are_cross_encoders_own_highest_first(server) -> None:
+    want = _reference()
+    got = _rerank(server)
+    assert [x["index"] for x in got["results"]] == sorted(range(4), key=lambda i: -want[i])
+    for x in got["results"]:
+        assert x["relevance_score"] == pytest.approx(want[x["index"]], abs=1e-5)
+        assert x["document"]["text"] == DOCUMENTS[x["index"]]
+    assert got["usage"]["total_tokens"] > 128
+
+
+def test_cohere_and_jina_shapes_top_n_and_no_documents(server) -> None:
+    whole = _rerank(server)["results"]
+    top = _rerank(server, "/v2/rerank", documents=[{"text": d} for d in DOCUMENTS], top_n=2,
+                  return_documents=False)["results"]
+    assert [x["index"] for x in top] == [x["index"] for x in whole[:2]]
+    assert all("document" not in x for x in top)
+    assert _rerank(server, "/rerank")["results"] == whole
+
+
+def test_the_identity_activation_gives_the_raw_logits(artifact, tmp_path) -> None:
+    import torch
+
+    out = tmp_path / "identity"
+    shutil.copytree(artifact, out)
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "sentence_transformers": {
+        "activation_fn": "torch.nn.modules.linear.Identity"}}))
+    s = start(out)
+    try:
+        got = {x["index"]: x["relevance_score"] for x in _rerank(s)["results"]}
+    finally:
+        s.stop(5)
+    want = _reference(torch.nn.Identity())
+    assert [got[i] for i in range(4)] == pytest.approx(want, abs=1e-5)
+    assert [got[i] for i in range(4)] != pytest.approx(_reference(), abs=1e-3)  # not sigmoid
+
+
+@pytest.mark.parametrize("body, says", [
+    ({"documents": []}, "'documents' must be a non-empty list"),
+    ({"documents": [1]}, "documents\\[0\\] must be a string"),
+    ({"query": ""}, "'query' must be a non-empty string"),
+    ({"top_n": 0}, "'top_n' must be a positive integer"),
+    ({"model": "other"}, "unknown model: 'other'"),
+])
+def test_bad_requests_are_400(server, body, says) -> None:
+    import re
+
+    r = requests.post(f"http://127.0.0.1:{server.http_port}/v1/rerank", timeout=60,
+                      json={"model": server.slot.name, "query": QUERY, "documents": DOCUMENTS,
+                            **body})
+    assert r.status_code in (400, 404) and re.search(says, r.json()["error"]["message"])
+
+
+def test_an_embedding_model_is_not_a_reranker(tmp_path) -> None:
+    from serving_support import make_artifact
+
+    from models.build import cached as built
+
+    out = make_artifact(tmp_path / "encoder", built("bert", "small"))
+    shutil.copyfile(cached() / "tokenizer.json", out / "tokenizer.json")
+    s = start(out)
+    try:
+        r = requests.post(f"http://127.0.0.1:{s.http_port}/v1/rerank", timeout=60,
+                          json={"model": s.slot.name, "query": QUERY, "documents": DOCUMENTS})
+    finally:
+        s.stop(5)
+    assert r.status_code == 400 and "is not a reranker" in r.json()["error"]["message"]
