@@ -16,7 +16,7 @@ import numpy as np
 
 from serving.errors import InvalidArgument
 from serving.text_config import read_json
-from serving.tokenizer import load_tokenizer
+from serving.tokenizer import engine_tokenizer
 from tuner.graph.roles import ATTENTION_MASK, POSITION_IDS, TOKEN_IDS, TOKEN_TYPE_IDS
 
 # sentence-transformers' Pooling modes, in the order it concatenates them
@@ -50,11 +50,7 @@ def load_pooling(folder: Path) -> Pooling:
 
 def load_embedder(engine) -> "Embedder":
     """The embedder of an encoder engine whose artifact has a tokenizer.json."""
-    folder = engine.model.folder
-    tokenizer = load_tokenizer(folder) if folder is not None else None
-    if tokenizer is None:
-        raise InvalidArgument(f"model '{engine.name}' has no tokenizer (tokenizer.json in "
-                              "its artifact): send token ids to /v2/models/.../infer instead")
+    folder, tokenizer = engine.model.folder, engine_tokenizer(engine)
     return Embedder(engine, tokenizer, load_pooling(folder))
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
+from serving.errors import InvalidArgument
+
 TOKENIZER_FILE = "tokenizer.json"
 _REPLACEMENT = "\ufffd"  # what a decoder writes for an incomplete UTF-8 sequence
 
@@ -29,6 +31,17 @@ def load_tokenizer(folder: Path):
     tokenizer = Tokenizer.from_file(str(path))
     tokenizer.no_padding()
     tokenizer.no_truncation()
+    return tokenizer
+
+
+def engine_tokenizer(engine):
+    """An encoder engine's tokenizer (its artifact's tokenizer.json), for the endpoints that
+    take text; InvalidArgument without one."""
+    folder = engine.model.folder
+    tokenizer = load_tokenizer(folder) if folder is not None else None
+    if tokenizer is None:
+        raise InvalidArgument(f"model '{engine.name}' has no tokenizer (tokenizer.json in "
+                              "its artifact): send token ids to /v2/models/.../infer instead")
     return tokenizer
 
 
