@@ -35,7 +35,7 @@ from serving.http.codec import http_status_for
 from serving.http.openai_requests import (body_value, choice_count, completion_prompts,
                                           generations_for, max_tokens_of, text_engine,
                                           top_count)
-from serving.http.reasoning import Thinking
+from serving.http.reasoning import Thinking, released
 from serving.http.streams import ChunkStreams, until_disconnect
 from serving.http.tools import Reader, tool_reader
 from serving.http.triton_generate import SSE_HEADERS, sse
@@ -187,14 +187,10 @@ class _Shape:
         the parsers say what reasoning and content may go now and, at the end, the calls
         (streamed: one delta carrying them whole)."""
         self.held[index] += chunk.text or ""
-        reasoning, text = self.thinking.split(self.held[index], chunk.final) \
-            if self.thinking is not None else ("", self.held[index])
-        thought = reasoning[self.sent_reasoning[index]:]
-        self.sent_reasoning[index] = len(reasoning)
-        if self.tools is not None:
-            content, calls = self.tools.read(text, self.sent[index], chunk.final)
-        else:
-            content, calls = text[self.sent[index]:], None
+        thought, content, calls = released(self.held[index], chunk.final, self.thinking,
+                                           self.tools, self.sent_reasoning[index],
+                                           self.sent[index])
+        self.sent_reasoning[index] += len(thought)
         self.sent[index] += len(content)
         if calls is not None:
             out["finish_reason"] = "tool_calls"

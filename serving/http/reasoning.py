@@ -55,3 +55,15 @@ class Thinking:
         if end >= 0:
             return body[:end], body[end + len(CLOSE):]
         return (body if final else body[:len(body) - held_back(body, (CLOSE,))]), ""
+
+
+def released(text: str, final: bool, thinking: Thinking | None, tools, sent_reasoning: int,
+             sent_content: int) -> tuple[str, str, list[dict] | None]:
+    """What a reply's text so far releases past what went out (`sent_*`, in characters):
+    the new reasoning, the new content (the tool reader, serving/http/tools.py, may hold
+    some back), and at the end the calls. Chat completions and the Responses API both."""
+    reasoning, answer = thinking.split(text, final) if thinking is not None else ("", text)
+    if tools is None:
+        return reasoning[sent_reasoning:], answer[sent_content:], None
+    content, calls = tools.read(answer, sent_content, final)
+    return reasoning[sent_reasoning:], content, calls

@@ -43,7 +43,7 @@ from serving.errors import InvalidArgument
 from serving.http.chat import render
 from serving.http.openai_api import error, token_entry
 from serving.http.openai_requests import body_value, generations_for, text_engine, top_count
-from serving.http.reasoning import Thinking
+from serving.http.reasoning import Thinking, released
 from serving.http.response_store import Stored
 from serving.http.responses_items import chat_tools, function_call, messages, reply, turn
 from serving.http.streams import ChunkStream, until_disconnect
@@ -132,14 +132,9 @@ class _Answer:
                        for t, p, top in zip(chunk.ids, chunk.logprobs or (), tops)]
             self.tokens += entries
             self.pending += entries
-        reasoning, text = self.thinking.split(self.text, chunk.final) \
-            if self.thinking is not None else ("", self.text)
-        thought, self.reasoning = reasoning[len(self.reasoning):], reasoning
-        if self.tools is None:
-            piece = text[len(self.content):]
-        else:
-            piece, self.calls = self.tools.read(text, len(self.content), chunk.final)
-        self.content += piece
+        thought, piece, self.calls = released(self.text, chunk.final, self.thinking,
+                                              self.tools, len(self.reasoning), len(self.content))
+        self.reasoning, self.content = self.reasoning + thought, self.content + piece
         return thought, piece
 
     def sent(self) -> list:
