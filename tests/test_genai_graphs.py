@@ -10,7 +10,7 @@ MatMulNBits int4 weights, genai's own I/O names.
 - vocab and FFN padding through MatMulNBits are exact (new rows and blocks dequantize to 0),
   head dim / heads are refused naming the GroupQueryAttention node;
 - `tuner optimize` writes an artifact, and `tuner serve` generates from it with in-flight
-  batching, token-identically to a plain ORT greedy loop on the original;
+  batching, token-identically to a plain ORT greedy loop on the original (every family);
 - the engine feeds such a graph its rows from position 0 (no moving of the cache per step):
   rows of different lengths, chunked prefill, prefix hits and preemption each give what a
   plain greedy loop gives, and a row placed at the wrong end gives other logits.
@@ -202,10 +202,10 @@ def _infer(port: int, name: str, prompt: list[int], max_tokens: int) -> list[int
     return client.infer(name, [ids, limit]).as_numpy("output_ids").reshape(-1).tolist()
 
 
-@pytest.mark.parametrize("precision", ["int4", "fp32"])
-def test_optimize_then_serve_with_inflight_batching_equals_a_plain_greedy_loop(precision,
+@pytest.mark.parametrize("family,precision", CELLS, ids=[f"{f}-{p}" for f, p in CELLS])
+def test_optimize_then_serve_with_inflight_batching_equals_a_plain_greedy_loop(family, precision,
                                                                                 tmp_path):
-    src = genai_builder.cached("llama", precision)
+    src = genai_builder.cached(family, precision)
     traffic = tmp_path / "traffic.jsonl"
     traffic.write_text("".join(json.dumps({"prompt_tokens": p, "output_tokens": o}) + "\n"
                                for p, o in ((5, 8), (12, 12))))
@@ -297,13 +297,15 @@ def _plain_logits(sess: _Session, record, prompt: list[int], tokens: list[int]) 
     (dict(prefill_tokens=16, budget_tokens=64), True),
     (dict(prefill_tokens=8, share_buffers=False), True)],
     ids=["chunked-shared", "whole-shared-no-binding", "preempted-shared", "chunked-copies"])
-def test_the_engine_on_a_genai_graph_equals_a_plain_greedy_loop(options, binding):
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "phi3"])
+def test_the_engine_on_a_genai_graph_equals_a_plain_greedy_loop(options, binding, family):
     """Streams sharing a 32-token prefix (prefix hits), prompts 3..40 tokens, prefilled in
     chunks of 8 (each chunk after a past runs alone: GroupQueryAttention's rule) or whole, and
     a cache budget that forces preemption: every stream equals the plain loop. The decode
     batch lives in shared buffers the graph writes into (IO binding; a runner without it
-    gets its past cut and its present copied in), or in each step's present."""
-    src = genai_builder.cached("llama", "fp32")
+    gets its past cut and its present copied in), or in each step's present. Llama at fp32,
+    the other families at int4 (their bias, rotary and layer-norm layouts differ)."""
+    src = genai_builder.cached(family, "fp32" if family == "llama" else "int4")
     runner = OrtRunner(load_cpu(src)) if binding else _Session(src)
     assert getattr(runner, "writes_into", False) == binding
     record = cache_record(load_model(src))
