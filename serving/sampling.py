@@ -183,6 +183,8 @@ class Chunk:
     final: bool = False
     reason: str | None = None  # one of FINISH_REASONS on the final chunk
     detail: str = ""  # a sentence for the client when the reason is not "length"/"stop"
+    stop: str | None = None  # on the final chunk: the stop string that ended the stream
+    # (None when an end token, a grammar's end or max_tokens did)
     logprobs: tuple[float, ...] | None = None  # one per id when the request asked
     # one per id when the request asked for top_logprobs: ((id, log-prob), ...) of that position
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
@@ -214,7 +216,7 @@ def join_chunks(chunks: Sequence[Chunk]) -> Chunk:
     last = chunks[-1]
     first = next((c for c in chunks if c.prompt_logprobs is not None), last)
     return Chunk(tuple(t for c in chunks for t in c.ids), "".join(texts) if texts else None,
-                 True, last.reason, last.detail, _joined(chunks, "logprobs"),
+                 True, last.reason, last.detail, last.stop, _joined(chunks, "logprobs"),
                  _joined(chunks, "top_logprobs"), _joined(chunks, "ranks"),
                  first.prompt_logprobs, first.prompt_top_logprobs)
 

@@ -35,6 +35,22 @@ PROMPT = "The quick brown fox jumps over"  # greedy never meets the end token in
 EOS_PROMPT = "Café, naïve"  # greedy meets the end token after a few tokens
 
 
+# ChatML that names the tools in a system turn, as tool-calling models' templates do (theirs
+# write whole schemas, too long for this model's 256 positions)
+TOOLS_TEMPLATE = ("{% if tools %}<|im_start|>system\nTools:{% for t in tools %} "
+                  "{{ t.function.name | tojson }}{% endfor %}<|im_end|>\n{% endif %}"
+                  + CHAT_TEMPLATE)
+TOOL_CHAT = [{"role": "user", "content": "Weather in Oslo?"}]  # a turn the tools answer
+WEATHER = {"type": "object", "properties": {
+    "city": {"type": "string", "maxLength": 10},
+    "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "days"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {
+             "type": "object", "properties": {"zone": {"type": "string", "enum": [
+                 "UTC", "CET"]}}, "required": ["zone"], "additionalProperties": False}}}]
+
+
 @lru_cache(maxsize=1)
 def tokenizer():
     return byte_level_bpe(VOCAB)
@@ -99,6 +115,13 @@ def guided_greedy(model, prompt: list[int], grammar: str, eos: int, n: int = 48)
         if matcher.is_stopped():
             break
     return out
+
+
+def schema_grammar(schema: dict) -> str:
+    """A JSON schema as llguidance's grammar, compact JSON (as the server constrains it)."""
+    from llguidance import LLMatcher
+
+    return LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:

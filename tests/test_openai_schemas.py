@@ -2,7 +2,7 @@
 client itself builds its objects without validation, so a missing required field or a
 wrong type passes it unseen): completions, chat completions and their stream chunks, with
 log-probs, tool calls and reasoning; the model list; the Responses API's response and every
-stream event."""
+stream event; and Anthropic's Messages API against the anthropic package's types."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import json
 import requests
 import pytest
 from llm_support import PROMPT, decoder_artifact, llama, start  # noqa: F401
+from anthropic.types import Message, RawMessageStreamEvent
 from openai.types import Completion, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.responses import Response, ResponseStreamEvent
@@ -36,7 +37,7 @@ def _post(server, path: str, body: dict) -> list[dict]:
     if not body.get("stream"):
         return [r.json()]
     data = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]
-    assert data[-1] == "[DONE]" or path == "/v1/responses"
+    assert data[-1] == "[DONE]" or path in ("/v1/responses", "/v1/messages")
     return [json.loads(d) for d in data if d != "[DONE]"]
 
 
@@ -58,11 +59,21 @@ CASES = [
     ("/v1/responses", {"input": MESSAGES, "max_output_tokens": 40, "stream": True,
                        "tools": [{"type": "function", **TOOL["function"]}],
                        "tool_choice": "required"}, ResponseStreamEvent),
+    # Anthropic's Messages API, against the anthropic package's types
+    ("/v1/messages", {"messages": MESSAGES, "max_tokens": 4, "system": "Be terse."}, Message),
+    ("/v1/messages", {"messages": MESSAGES, "max_tokens": 4, "stream": True},
+     RawMessageStreamEvent),
+    ("/v1/messages", {"messages": MESSAGES, "max_tokens": 40, "tool_choice": {"type": "any"},
+                      "tools": [{"name": "pick", "input_schema": TOOL["function"]["parameters"]}],
+                      "stream": True}, RawMessageStreamEvent),
+    ("/v1/messages", {"messages": MESSAGES, "max_tokens": 40, "tool_choice": {"type": "any"},
+                      "tools": [{"name": "pick", "input_schema": TOOL["function"]["parameters"]}]},
+     Message),
 ]
 
 
 @pytest.mark.parametrize("path, body, kind", CASES)
-def test_each_answer_is_a_valid_openai_object(server, path, body, kind) -> None:
+def test_each_answer_is_a_valid_object_of_its_api(server, path, body, kind) -> None:
     objects = _post(server, path, {"model": server.slot.name, "temperature": 0, **body})
     adapter = TypeAdapter(kind)
     for obj in objects:

@@ -1,7 +1,8 @@
 """`tuner serve --reasoning-parser`: a reasoning model's thinking apart from its answer, on
 what DeepSeek-R1-style and Qwen3-style models write (whole, and streamed 3 characters at a
 time: the pieces join to the whole), and served through the openai client: the message's
-`reasoning` (and `reasoning_content`) against greedy on ONNX Runtime's logits."""
+`reasoning` (and `reasoning_content`), the Responses API's reasoning item and the Messages
+API's thinking block, against greedy on ONNX Runtime's logits."""
 
 from __future__ import annotations
 
@@ -110,6 +111,31 @@ def test_the_responses_api_answers_a_reasoning_item(artifact, llama, parser) -> 
     else:
         assert [o.type for o in got.output] == ["message"] and got.output_text == want
         assert final.output_text == want and "response.reasoning_text.delta" not in kinds
+
+
+def test_the_messages_api_answers_a_thinking_block(artifact, llama) -> None:
+    """Anthropic's Messages API with DeepSeek-R1's parser: the cut thinking is one thinking
+    block (no text block), streamed as thinking_delta events that the anthropic client's
+    stream helper joins into the same block."""
+    import anthropic
+
+    want = tokenizer().decode(greedy(llama, rendered_ids([{"role": "user", "content": PROMPT}]), 8)[0])
+    s = start(artifact, reasoning_parser="deepseek_r1")
+    try:
+        c = anthropic.Anthropic(base_url=f"http://127.0.0.1:{s.http_port}", api_key="unused",
+                                max_retries=0, timeout=60)
+        ask = dict(model=s.slot.name, max_tokens=8, messages=[{"role": "user", "content": PROMPT}],
+                   thinking={"type": "adaptive"}, extra_body={"temperature": 0, "ignore_eos": True})
+        got = c.messages.create(**ask)
+        with c.messages.stream(**ask) as stream:
+            deltas = [e.thinking for e in stream if e.type == "thinking"]
+            final = stream.get_final_message()
+    finally:
+        s.stop(5)
+    for message in (got, final):
+        assert [(b.type, b.thinking) for b in message.content] == [("thinking", want)]
+        assert message.stop_reason == "max_tokens"
+    assert "".join(deltas) == want
 
 
 def test_streamed_thinking_then_answer_are_two_items_in_order(artifact) -> None:

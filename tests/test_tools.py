@@ -11,24 +11,11 @@ import json
 
 import openai
 import pytest
-from llm_support import (CHAT_TEMPLATE, decoder_artifact, greedy, guided_greedy,  # noqa: F401
-                         llama, openai_client, rendered_ids, start, tokenizer)
+from llm_support import TOOL_CHAT as MESSAGES
+from llm_support import (TOOLS, TOOLS_TEMPLATE, WEATHER,  # noqa: F401
+                         decoder_artifact, greedy, guided_greedy, llama, openai_client,
+                         rendered_ids, schema_grammar, start, tokenizer)
 from pydantic import BaseModel, Field
-
-# ChatML that names the tools in a system turn, as tool-calling models' templates do (theirs
-# write whole schemas, too long for this model's 256 positions)
-TOOLS_TEMPLATE = ("{% if tools %}<|im_start|>system\nTools:{% for t in tools %} "
-                  "{{ t.function.name | tojson }}{% endfor %}<|im_end|>\n{% endif %}"
-                  + CHAT_TEMPLATE)
-MESSAGES = [{"role": "user", "content": "Weather in Oslo?"}]
-WEATHER = {"type": "object", "properties": {
-    "city": {"type": "string", "maxLength": 10},
-    "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-    "required": ["city", "days"], "additionalProperties": False}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
-         {"type": "function", "function": {"name": "get_time", "parameters": {
-             "type": "object", "properties": {"zone": {"type": "string", "enum": [
-                 "UTC", "CET"]}}, "required": ["zone"], "additionalProperties": False}}}]
 
 
 class Lookup(BaseModel):
@@ -52,12 +39,6 @@ def server(artifact):
 
 
 
-def _grammar(schema: dict) -> str:
-    from llguidance import LLMatcher
-
-    return LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
-
-
 def test_a_named_function_is_called_with_the_models_arguments(server, artifact, llama) -> None:
     got = openai_client(server).chat.completions.create(
         model=server.slot.name, messages=MESSAGES, tools=TOOLS, temperature=0,
@@ -69,7 +50,7 @@ def test_a_named_function_is_called_with_the_models_arguments(server, artifact, 
     arguments = json.loads(call.function.arguments)
     assert set(arguments) == {"city", "days"} and 1 <= arguments["days"] <= 7
     eos = server.slot.engine.text.eos_ids[0]
-    want = guided_greedy(llama, rendered_ids(MESSAGES, TOOLS_TEMPLATE, tools=TOOLS), _grammar(WEATHER), eos)
+    want = guided_greedy(llama, rendered_ids(MESSAGES, TOOLS_TEMPLATE, tools=TOOLS), schema_grammar(WEATHER), eos)
     assert arguments == json.loads(tokenizer().decode(want))
 
 
@@ -265,7 +246,7 @@ def test_responses_calls_a_named_function_as_chat_does(server, artifact, llama) 
     call = got.output[0]
     assert call.name == "get_weather" and call.call_id.startswith("call_")
     eos = server.slot.engine.text.eos_ids[0]
-    want = guided_greedy(llama, rendered_ids(MESSAGES, TOOLS_TEMPLATE, tools=TOOLS), _grammar(WEATHER), eos)
+    want = guided_greedy(llama, rendered_ids(MESSAGES, TOOLS_TEMPLATE, tools=TOOLS), schema_grammar(WEATHER), eos)
     assert json.loads(call.arguments) == json.loads(tokenizer().decode(want))
 
 

@@ -60,18 +60,18 @@ class StreamOutput:
         self.prompt_top: list[tuple[tuple[int, float], ...]] = []
         self.prompt_sent = False
 
-    def release(self, final: bool) -> tuple[str | None, bool]:
-        """(text to send now, whether a stop string matched): up to a stop string's match,
-        else all but what may still become one (everything when `final`)."""
+    def release(self, final: bool) -> tuple[str | None, str | None]:
+        """(text to send now, the stop string that matched or None): up to the first stop
+        string's match, else all but what may still become one (everything when `final`)."""
         if self.detok is None:
-            return None, False
+            return None, None
         stops = self.request.stop_strings
         # (held-back text means a match can only start in what was not sent)
-        hits = [i for i in (self.text.find(s, self.sent) for s in stops) if i >= 0]
+        hits = [(i, s) for i, s in ((self.text.find(s, self.sent), s) for s in stops) if i >= 0]
         if hits:
-            end, matched = min(hits), True
+            end, matched = min(hits, key=lambda hit: hit[0])
         else:
-            end, matched = len(self.text), False
+            end, matched = len(self.text), None
             if not final:
                 end -= held_back(self.text[self.sent:], stops)
         piece, self.sent = self.text[self.sent:end], max(self.sent, end)
@@ -202,9 +202,9 @@ class OutputProcessor:
             logprobs=(scores.logprob,) if request.logprobs else None,
             top_logprobs=(scores.top,) if request.top_logprobs else None,
             ranks=(scores.rank,) if request.ranks else None)
-        if matched or last:
-            self._end(stream, Chunk((token,), piece, True,
-                                    "stop" if matched or complete else "length", **asked))
+        if matched is not None or last:
+            self._end(stream, Chunk((token,), piece, True, "stop" if matched is not None or
+                                    complete else "length", stop=matched, **asked))
         else:
             self._send(stream, Chunk((token,), piece, **asked))
 
@@ -216,8 +216,8 @@ class OutputProcessor:
         if out.detok is not None:
             out.text += out.detok.flush()
         piece, matched = out.release(final=True)
-        self._end(stream, Chunk((), piece, True, "stop" if matched else reason,
-                                "" if matched else detail,
+        self._end(stream, Chunk((), piece, True, "stop" if matched is not None else reason,
+                                "" if matched is not None else detail, matched,
                                 () if stream.request.logprobs else None,
                                 () if stream.request.top_logprobs else None,
                                 () if stream.request.ranks else None))

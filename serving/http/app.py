@@ -75,12 +75,16 @@ class Frontend:
         return body
 
     def check_token(self, request: Request) -> None:
+        """The token as a bearer token, or as `x-api-key` (what the anthropic client sends
+        its api_key as)."""
         if self.token is None:
             return
-        got = request.headers.get("authorization", "").encode()
-        if not hmac.compare_digest(got, f"Bearer {self.token}".encode()):
+        bearer = request.headers.get("authorization", "").encode()
+        key = request.headers.get("x-api-key", "").encode()
+        if not (hmac.compare_digest(bearer, f"Bearer {self.token}".encode())
+                | hmac.compare_digest(key, self.token.encode())):
             raise Unauthenticated("missing or wrong bearer token (header 'Authorization: "
-                                  "Bearer <token>')")
+                                  "Bearer <token>', or 'x-api-key: <token>')")
 
 
 def kserve_error(error: BaseException) -> Response:
@@ -110,12 +114,12 @@ def endpoint(frontend: Frontend, name: str, handler: Handler,
 
 
 def build_app(frontend: Frontend) -> Starlette:
-    from serving.http import (embeddings_api, kserve, openai_api, rerank_api, responses_api,
-                              tokenize_api, triton_generate)
+    from serving.http import (embeddings_api, kserve, messages_api, openai_api, rerank_api,
+                              responses_api, tokenize_api, triton_generate)
 
     routes = []
-    for module in (kserve, triton_generate, openai_api, responses_api, tokenize_api,
-                   embeddings_api, rerank_api):
+    for module in (kserve, triton_generate, openai_api, responses_api, messages_api,
+                   tokenize_api, embeddings_api, rerank_api):
         for path, methods, name, handler, errors in module.ROUTES:
             routes.append(Route(path, endpoint(frontend, name, handler, errors or kserve_error),
                                 methods=methods))

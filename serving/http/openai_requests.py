@@ -21,6 +21,12 @@ def body_value(body: dict, name: str, kinds: tuple, default=None):
     return value
 
 
+# what the APIs that are not chat completions (Responses, Anthropic's Messages) take of its
+# sampling settings, vLLM's extras included, under the same names
+SAMPLING = ("temperature", "top_p", "top_k", "min_tokens", "seed", "repetition_penalty",
+            "ignore_eos")
+
+
 def _stops(body: dict) -> tuple[str, ...]:
     stop = body.get("stop")
     stops = [stop] if isinstance(stop, str) else stop or []

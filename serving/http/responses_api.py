@@ -42,7 +42,8 @@ from serving.decoder import DecoderEngine
 from serving.errors import InvalidArgument
 from serving.http.chat import render
 from serving.http.openai_api import error, token_entry
-from serving.http.openai_requests import body_value, generations_for, text_engine, top_count
+from serving.http.openai_requests import (SAMPLING, body_value, generations_for, text_engine,
+                                          top_count)
 from serving.http.reasoning import Thinking, released
 from serving.http.response_store import Stored
 from serving.http.responses_items import chat_tools, function_call, messages, reply, turn
@@ -56,9 +57,6 @@ LOGPROBS = "message.output_text.logprobs"  # the `include` entry that asks for t
 # what agent frameworks ask for to send a reasoning model's thinking back when nothing is
 # stored: here the reasoning item carries its text in the clear, and is taken back as it is
 ENCRYPTED = "reasoning.encrypted_content"
-# body keys passed on to the sampling as /v1/chat/completions takes them
-_SAMPLING = ("temperature", "top_p", "top_k", "min_tokens", "seed", "repetition_penalty",
-             "ignore_eos")
 
 
 def _refuse_unsupported(body: dict) -> None:
@@ -225,7 +223,7 @@ async def responses(frontend, request: Request) -> Response:
         raise InvalidArgument(f"'max_output_tokens' must be >= 1, not {max_tokens}")
     thinking = Thinking(frontend.reasoning_parser) if frontend.reasoning_parser else None
     answer = _Answer(engine, body, len(prompt), logprobs, reader, thinking)
-    asked = {k: body[k] for k in _SAMPLING if k in body} | {"max_tokens": max_tokens}
+    asked = {k: body[k] for k in SAMPLING if k in body} | {"max_tokens": max_tokens}
     (generation,) = generations_for(engine, asked, prompt, top if logprobs else None, answer.id)
     grammar = _grammar(body, reader)
     if thinking is not None:  # a grammar holds the answer after the thinking
