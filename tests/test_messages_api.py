@@ -114,6 +114,12 @@ def test_a_last_assistant_message_is_continued(server, llama) -> None:
     assert got.content[0].text == tokenizer().decode(greedy(llama, ids, 4)[0])
 
 
+def test_the_model_list_is_read_by_the_anthropic_client(server) -> None:
+    c = client(server)
+    assert [m.id for m in c.models.list()] == [server.slot.name]
+    assert c.models.retrieve(server.slot.name).display_name == server.slot.name
+
+
 def test_count_tokens_counts_the_rendered_prompt(server) -> None:
     got = client(server).messages.count_tokens(model=server.slot.name, system=SYSTEM,
                                                messages=[{"role": "user", "content": QUESTION}])

@@ -11,7 +11,7 @@ import json
 import requests
 import pytest
 from llm_support import PROMPT, decoder_artifact, llama, start  # noqa: F401
-from anthropic.types import Message, RawMessageStreamEvent
+from anthropic.types import Message, ModelInfo, RawMessageStreamEvent
 from openai.types import Completion, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.responses import Response, ResponseStreamEvent
@@ -89,3 +89,4 @@ def test_each_answer_is_a_valid_object_of_its_api(server, path, body, kind) -> N
 def test_the_model_list_is_valid(server) -> None:
     r = requests.get(f"http://127.0.0.1:{server.http_port}/v1/models", timeout=30).json()
     assert [Model.model_validate(m).id for m in r["data"]] == [server.slot.name]
+    assert [ModelInfo.model_validate(m).id for m in r["data"]] == [server.slot.name]

@@ -1,5 +1,6 @@
 """An OpenAI-compatible API on the HTTP port (and vLLM's `GET /health` and `/version`, which
-its deployments probe): `GET /v1/models[/{model}]`, `POST /v1/completions` and `POST
+its deployments probe): `GET /v1/models[/{model}]` (in a form the anthropic client reads
+too), `POST /v1/completions` and `POST
 /v1/chat/completions`, whole or streamed (`stream: true`: Server-Sent Events, one chunk per
 token chunk, then `data: [DONE]`), with `usage`, `max_tokens`, `temperature`, `top_p`,
 `seed`, `stop` (strings), `n` (choices, each its own stream in the engine), `logprobs` (of
@@ -23,6 +24,7 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, replace
+from datetime import datetime, timezone
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -55,11 +57,17 @@ def error(exc: BaseException) -> Response:
 
 
 def _model(name: str) -> dict:
-    return {"id": name, "object": "model", "created": STARTED, "owned_by": "shapetuner"}
+    """One model as both OpenAI's and Anthropic's model lists have it (each client reads
+    its own fields of the same object)."""
+    return {"id": name, "object": "model", "created": STARTED, "owned_by": "shapetuner",
+            "type": "model", "display_name": name, "lifecycle": "active",
+            "created_at": datetime.fromtimestamp(STARTED, timezone.utc).isoformat()}
 
 
 async def models(frontend, request: Request) -> Response:
-    return JSONResponse({"object": "list", "data": [_model(frontend.slot.name)]})
+    name = frontend.slot.name
+    return JSONResponse({"object": "list", "data": [_model(name)],
+                         "has_more": False, "first_id": name, "last_id": name})
 
 
 async def model(frontend, request: Request) -> Response:
