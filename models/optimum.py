@@ -161,6 +161,26 @@ def cached(name: str, task: str = "text-generation-with-past") -> Path:
     return export_all([(name, task)])[0]
 
 
+def merged(name: str) -> Path:
+    """Optimum's legacy merged decoder of family `name` (`decoder_model_merged.onnx`: the
+    model in both branches of an If on a `use_cache_branch` input), made by Optimum's own
+    `merge_decoders` in its environment from the cached with-past export, merged with
+    itself: optimum-onnx 0.1 no longer exports the past-less decoder with present outputs
+    that the legacy exporter merged in. Cached beside that export."""
+    kv = cached(name)
+    out = kv.with_name("decoder_model_merged.onnx")
+    if not out.exists():
+        tmp = out.with_name(f".{out.name}.tmp")
+        script = ("import sys; from optimum.onnx.graph_transformations import merge_decoders; "
+                  "merge_decoders(sys.argv[1], sys.argv[1], save_path=sys.argv[2])")
+        done = subprocess.run([str(ensure_venv()), "-P", "-c", script, str(kv), str(tmp)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"optimum could not merge {kv}: {done.stderr[-3000:]}")
+        os.replace(tmp, out)
+    return out
+
+
 def _main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m models.optimum", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -294,3 +294,18 @@ def test_requests_that_meet_on_an_optimum_export_over_http(optimum_exports, tmp_
         client.close()
     finally:
         server.stop(5)
+
+
+def test_a_merged_decoder_is_refused_saying_what_to_export(optimum_exports, tmp_path) -> None:
+    """Optimum's legacy `decoder_model_merged.onnx` (made by Optimum's own merge_decoders)
+    holds the model inside an If: every command refuses it with exit 2, naming the If and
+    its use_cache_branch input and what to export instead, and writes nothing."""
+    merged = optimum.merged("llama")
+    commands = [["inspect", str(merged)], ["verify", str(merged), str(merged)],
+                ["pad", str(merged), "-o", str(tmp_path / "p.onnx"), "--vocab-multiple", "64"],
+                ["optimize", str(merged), "-o", str(tmp_path / "art"), *FAST]]
+    for args in commands:
+        code, out, err = _run(args)
+        assert code == 2 and "If " in err and "use_cache_branch" in err, (args, err)
+        assert "text-generation-with-past" in err
+    assert not (tmp_path / "p.onnx").exists() and not (tmp_path / "art").exists()

@@ -163,12 +163,38 @@ def load_model(path: str | os.PathLike) -> ir.Model:
         raise BadInput(f"{p}: not a valid ONNX graph ({type(cause).__name__}: "
                        f"{str(cause).splitlines()[0] if str(cause) else 'unreadable'})") from None
     ir.external_data.set_base_dir(model.graph, str(p.parent.resolve()))
+    _refuse_model_inside_control_flow(model, p)
     if model.functions:
         # Model-local functions hide their bodies from structural detection (STYLE.md):
         # inline them here, so that inspect and every rewrite see the same flat graph.
         InlinePass()(model)
     name_nodes(model)
     return model
+
+
+_WEIGHTED = ("MatMul", "Gemm", "MatMulNBits", "MatMulInteger")
+
+
+def _refuse_model_inside_control_flow(model: ir.Model, p: Path) -> None:
+    """Optimum's legacy merged decoder (`decoder_model_merged.onnx`, still on many hub
+    repositories) holds the whole model twice, in the branches of an If on a
+    `use_cache_branch` input. Every stage reads the top-level graph, where such a file has
+    no transformer: refuse it with what to export instead, not with "no attention"."""
+    for node in model.graph:
+        if node.op_type not in ("If", "Loop", "Scan"):
+            continue
+        branches = [a.as_graph() for a in node.attributes.values()
+                    if a.type == ir.AttributeType.GRAPH]
+        if any(n.op_type in _WEIGHTED for g in branches for n in g):
+            flag = "use_cache_branch" in {v.name for v in model.graph.inputs}
+            raise BadInput(
+                f"{p}: the model's layers lie inside a control-flow node ({node.op_type} "
+                f"{node.name!r}{', on the input use_cache_branch' if flag else ''})"
+                f"{': an Optimum merged decoder (decoder_model_merged.onnx)' if flag else ''}"
+                ". shapetuner reads the layers from the top-level graph: export the decoder "
+                "with its cache as one plain graph (`optimum-cli export onnx --task "
+                "text-generation-with-past`, which writes model.onnx), or take the "
+                "decoder_with_past_model.onnx that was merged")
 
 
 class _Names(SimpleNameGenerator):
