@@ -161,24 +161,29 @@ def cached(name: str, task: str = "text-generation-with-past") -> Path:
     return export_all([(name, task)])[0]
 
 
+def merge(decoder: Path, decoder_with_past: Path, out: Path) -> Path:
+    """Optimum's own `merge_decoders` (run in its environment): the legacy merged decoder,
+    `decoder` in the If's else_branch and `decoder_with_past` in its then_branch, picked by
+    the input `use_cache_branch`. Written whole or not at all."""
+    tmp = out.with_name(f".{out.name}.tmp")
+    script = ("import sys; from optimum.onnx.graph_transformations import merge_decoders; "
+              "merge_decoders(sys.argv[1], sys.argv[2], save_path=sys.argv[3])")
+    done = subprocess.run([str(ensure_venv()), "-P", "-c", script, str(decoder),
+                           str(decoder_with_past), str(tmp)], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"optimum could not merge {decoder_with_past}: {done.stderr[-3000:]}")
+    os.replace(tmp, out)
+    return out
+
+
 def merged(name: str) -> Path:
-    """Optimum's legacy merged decoder of family `name` (`decoder_model_merged.onnx`: the
-    model in both branches of an If on a `use_cache_branch` input), made by Optimum's own
-    `merge_decoders` in its environment from the cached with-past export, merged with
-    itself: optimum-onnx 0.1 no longer exports the past-less decoder with present outputs
-    that the legacy exporter merged in. Cached beside that export."""
+    """The legacy merged decoder of family `name` (`decoder_model_merged.onnx`), its
+    with-past export in both branches: optimum-onnx 0.1 no longer exports the past-less
+    decoder with present outputs that the legacy exporter merged in. Cached beside that
+    export."""
     kv = cached(name)
     out = kv.with_name("decoder_model_merged.onnx")
-    if not out.exists():
-        tmp = out.with_name(f".{out.name}.tmp")
-        script = ("import sys; from optimum.onnx.graph_transformations import merge_decoders; "
-                  "merge_decoders(sys.argv[1], sys.argv[1], save_path=sys.argv[2])")
-        done = subprocess.run([str(ensure_venv()), "-P", "-c", script, str(kv), str(tmp)],
-                              capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"optimum could not merge {kv}: {done.stderr[-3000:]}")
-        os.replace(tmp, out)
-    return out
+    return out if out.exists() else merge(kv, kv, out)
 
 
 def _main(argv: list[str] | None = None) -> int:

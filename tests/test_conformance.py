@@ -296,10 +296,10 @@ def test_requests_that_meet_on_an_optimum_export_over_http(optimum_exports, tmp_
         server.stop(5)
 
 
-def test_a_merged_decoder_is_refused_saying_what_to_export(optimum_exports, tmp_path) -> None:
+def test_a_merged_decoder_is_refused_saying_what_to_do(optimum_exports, tmp_path) -> None:
     """Optimum's legacy `decoder_model_merged.onnx` (made by Optimum's own merge_decoders)
-    holds the model inside an If: every command refuses it with exit 2, naming the If and
-    its use_cache_branch input and what to export instead, and writes nothing."""
+    holds the model inside an If: every command but unmerge refuses it with exit 2, naming
+    the If and its use_cache_branch input and `tuner unmerge`, and writes nothing."""
     merged = optimum.merged("llama")
     commands = [["inspect", str(merged)], ["verify", str(merged), str(merged)],
                 ["pad", str(merged), "-o", str(tmp_path / "p.onnx"), "--vocab-multiple", "64"],
@@ -307,5 +307,48 @@ def test_a_merged_decoder_is_refused_saying_what_to_export(optimum_exports, tmp_
     for args in commands:
         code, out, err = _run(args)
         assert code == 2 and "If " in err and "use_cache_branch" in err, (args, err)
-        assert "text-generation-with-past" in err
+        assert "tuner unmerge" in err and "text-generation-with-past" in err
     assert not (tmp_path / "p.onnx").exists() and not (tmp_path / "art").exists()
+
+
+def test_unmerge_makes_the_merged_decoder_the_plain_graph_it_was_made_of(
+        optimum_exports, tmp_path) -> None:
+    """`tuner unmerge`: the with-cache branch inlined, gated against the merged file (fed
+    use_cache_branch = True) and written; the result has no If and no flag, equals the
+    with-cache export that was merged (verify: max abs 0; the other branch is a corrupted
+    copy), and optimizes like it. A plain
+    graph is refused, and a corrupted copy FAILS the unmerge gate."""
+    from serving_support import perturbed_copy
+
+    from tuner.graph.load import load_model
+    from tuner.graph.merged import FLAG
+    from tuner.jobs.pad import NotExact, gate
+    from tuner.jobs.unmerge import prepared
+
+    kv = optimum.cached("llama")
+    # the else_branch (use_cache_branch false) a corrupted copy: only the right branch gives
+    # the with-cache export back
+    merged = optimum.merge(perturbed_copy(kv, tmp_path / "other.onnx"), kv,
+                           tmp_path / "decoder_model_merged.onnx")
+    plain = tmp_path / "model.onnx"
+    code, out, err = _run(["unmerge", str(merged), "-o", str(plain)])
+    assert code == 0 and "PASS" in out and "greedy rollouts" in out, err + out
+    model = load_model(plain)
+    assert FLAG not in {v.name for v in model.graph.inputs}
+    assert not [n for n in model.graph if n.op_type == "If"]
+    code, out, _ = _run(["verify", str(kv), str(plain), "--atol", "0", "--rtol", "0"])
+    assert code == 0 and "PASS" in out, out
+    _check_inspect(Cell("optimum", "llama", True), plain)
+    traffic = tmp_path / "traffic.jsonl"
+    traffic.write_text("".join(json.dumps(r) + "\n" for r in TRAFFIC[True]))
+    code, _, err = _run(["optimize", str(plain), "-o", str(tmp_path / "art"), "--requests",
+                         str(traffic), *FAST])
+    assert code == 0, err
+    code, _, err = _run(["unmerge", str(kv), "-o", str(tmp_path / "again.onnx")])
+    assert code == 2 and "not an Optimum merged decoder" in err
+    check = prepared(merged, model)
+    try:
+        with pytest.raises(NotExact):
+            gate(check, perturbed_copy(plain, tmp_path / "corrupted.onnx"))
+    finally:
+        check.close()

@@ -23,6 +23,7 @@ from onnx_ir.passes.common.inliner import InlinePass
 from onnx_ir.passes.common.naming import NameFixPass, SimpleNameGenerator
 
 from tuner.errors import BadInput
+from tuner.graph.merged import FLAG, layers_inside, merged_if
 
 
 def _external_entries(proto: onnx.ModelProto):
@@ -149,9 +150,10 @@ def _quiet_onnx_ir():
         logger.setLevel(level)
 
 
-def load_model(path: str | os.PathLike) -> ir.Model:
+def load_model(path: str | os.PathLike, merged_ok: bool = False) -> ir.Model:
     """The checked model as onnx_ir, with external data resolved lazily beside the file,
-    model-local functions inlined and every node uniquely named."""
+    model-local functions inlined and every node uniquely named. A model whose layers lie
+    inside control flow is BadInput, unless `merged_ok` (`tuner unmerge` reads one)."""
     p = Path(path)
     proto = read_proto(p)
     check_external_data(proto, p.parent)
@@ -163,7 +165,8 @@ def load_model(path: str | os.PathLike) -> ir.Model:
         raise BadInput(f"{p}: not a valid ONNX graph ({type(cause).__name__}: "
                        f"{str(cause).splitlines()[0] if str(cause) else 'unreadable'})") from None
     ir.external_data.set_base_dir(model.graph, str(p.parent.resolve()))
-    _refuse_model_inside_control_flow(model, p)
+    if not merged_ok:
+        _refuse_model_inside_control_flow(model, p)
     if model.functions:
         # Model-local functions hide their bodies from structural detection (STYLE.md):
         # inline them here, so that inspect and every rewrite see the same flat graph.
@@ -172,29 +175,21 @@ def load_model(path: str | os.PathLike) -> ir.Model:
     return model
 
 
-_WEIGHTED = ("MatMul", "Gemm", "MatMulNBits", "MatMulInteger")
-
-
 def _refuse_model_inside_control_flow(model: ir.Model, p: Path) -> None:
-    """Optimum's legacy merged decoder (`decoder_model_merged.onnx`, still on many hub
-    repositories) holds the whole model twice, in the branches of an If on a
-    `use_cache_branch` input. Every stage reads the top-level graph, where such a file has
-    no transformer: refuse it with what to export instead, not with "no attention"."""
-    for node in model.graph:
-        if node.op_type not in ("If", "Loop", "Scan"):
-            continue
-        branches = [a.as_graph() for a in node.attributes.values()
-                    if a.type == ir.AttributeType.GRAPH]
-        if any(n.op_type in _WEIGHTED for g in branches for n in g):
-            flag = "use_cache_branch" in {v.name for v in model.graph.inputs}
-            raise BadInput(
-                f"{p}: the model's layers lie inside a control-flow node ({node.op_type} "
-                f"{node.name!r}{', on the input use_cache_branch' if flag else ''})"
-                f"{': an Optimum merged decoder (decoder_model_merged.onnx)' if flag else ''}"
-                ". shapetuner reads the layers from the top-level graph: export the decoder "
-                "with its cache as one plain graph (`optimum-cli export onnx --task "
-                "text-generation-with-past`, which writes model.onnx), or take the "
-                "decoder_with_past_model.onnx that was merged")
+    """A model whose layers lie inside an If (Optimum's legacy merged decoder,
+    tuner.graph.merged) has no transformer in the top-level graph that every stage reads:
+    refused with what to do, not with "no attention"."""
+    node = layers_inside(model)
+    if node is None:
+        return
+    if merged_if(model) is node:
+        raise BadInput(f"{p}: an Optimum merged decoder (its layers inside If {node.name!r} on "
+                       f"the input {FLAG}): make it one plain graph first, `tuner unmerge "
+                       f"{p} -o model.onnx` (verified against this file), or export with "
+                       "`optimum-cli export onnx --task text-generation-with-past`")
+    raise BadInput(f"{p}: the model's layers lie inside {node.op_type} {node.name!r}; "
+                   "shapetuner reads them from the top-level graph: export without control "
+                   "flow around the layers")
 
 
 class _Names(SimpleNameGenerator):

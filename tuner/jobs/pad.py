@@ -42,7 +42,7 @@ class NotExact(RuntimeError):
     """The rewritten graph failed the accuracy gate: nothing was written (exit 1: our bug)."""
 
     def __init__(self, result: VerifyResult) -> None:
-        super().__init__("the padded model does not match the original within tolerance; "
+        super().__init__("the rewritten model does not match the original within tolerance; "
                          "nothing was written\n" + result.table())
         self.result = result
 
@@ -68,14 +68,14 @@ def _first_line(e: Exception) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
-def _check_destination(src: Path, dst: Path) -> None:
+def check_destination(src: Path, dst: Path, what: str = "padded model") -> None:
     """Fail before the rewrite and the gate, not at the final rename: a folder or a place we
     cannot write is bad input."""
     if dst.resolve() == src.resolve():
         raise BadInput(f"{dst}: refusing to overwrite the input model")
     if dst.is_dir():
         raise BadInput(f"{dst}: is a folder; give the path of the .onnx file to write")
-    ensure_writable_dir(dst.parent, f"padded model {dst.name}")
+    ensure_writable_dir(dst.parent, f"{what} {dst.name}")
 
 
 def load_reference(src: Path, settings: SessionSettings = SessionSettings()) -> Runner:
@@ -97,7 +97,7 @@ def gate(check: GateCheck, staged: Path) -> VerifyResult:
         candidate = get_backend("ort-cpu").load(staged)
     except Exception as e:  # noqa: BLE001 - a graph ORT rejects is our rewrite's bug
         raise NotExact(VerifyResult((), len(check.feeds), "-", (
-            f"the padded model does not load: {_first_line(e)}",))) from None
+            f"the rewritten model does not load: {_first_line(e)}",))) from None
     try:
         result = check.check(candidate, staged)
     finally:
@@ -107,14 +107,14 @@ def gate(check: GateCheck, staged: Path) -> VerifyResult:
     return result
 
 
-def _move_into_place(staged: Path, dst: Path) -> None:
+def move_into_place(staged: Path, dst: Path) -> None:
     data = staged.parent / (dst.name + ".data")
     if data.exists():  # the weights first, so the .onnx never points at nothing
         os.replace(data, dst.parent / data.name)
     os.replace(staged, dst)
 
 
-def _let_go_of_weights(model: ir.Model) -> None:
+def let_go_of_weights(model: ir.Model) -> None:
     """Drop the saved model's tensors (it is spent: the rewrite edited it in place). The
     source's own tensors are not touched: a clone (optimize's) has its own values."""
     for value in model.graph.initializers.values():
@@ -132,11 +132,11 @@ def pad_model(model: ir.Model, shape: ModelShape, req: PadRequest, dst: Path,
         # the padded weights live in `model` until it goes: for a 3.5 GB model that is GBs
         # the ONNX Runtime session of the gate needs. A caller holding the model too
         # (pad_file does) would keep them alive through the gate: the saved model lets go.
-        _let_go_of_weights(model)
+        let_go_of_weights(model)
         del model
         gc.collect()
         result = gate(check, staged) if check is not None else None
-        _move_into_place(staged, dst)
+        move_into_place(staged, dst)
     return PadResult(src, str(dst), tuple(records), result)
 
 
@@ -146,7 +146,7 @@ def pad_file(src: str | os.PathLike, dst: str | os.PathLike, req: PadRequest, ve
     """Load, rewrite, verify against the original on ONNX Runtime CPU, then write `dst`
     atomically. Raises NotExact (nothing written) when the gate fails."""
     src, dst = Path(src), Path(dst)
-    _check_destination(src, dst)
+    check_destination(src, dst)
     model = load_model(src)
     shape = inspect_model(model)
     check = (prepare(model, lambda: load_reference(src), feeds=feeds,
