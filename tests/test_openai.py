@@ -304,6 +304,13 @@ def test_errors_are_openai_error_objects(server) -> None:
         c.chat.completions.create(model=server.slot.name, messages=[])
     with pytest.raises(openai.BadRequestError, match="'n' must be between 1 and 4 .*not 5"):
         c.chat.completions.create(model=server.slot.name, messages=MESSAGES, n=5)
+    with pytest.raises(openai.BadRequestError, match="only text is generated here"):
+        c.chat.completions.create(model=server.slot.name, messages=MESSAGES,
+                                  modalities=["text", "audio"],
+                                  audio={"voice": "alloy", "format": "wav"})
+    with pytest.raises(openai.BadRequestError, match="'web_search_options' is not supported"):
+        c.chat.completions.create(model=server.slot.name, messages=MESSAGES,
+                                  web_search_options={})
     with pytest.raises(openai.BadRequestError, match="max_tokens 400 is over the limit 64"):
         c.completions.create(model=server.slot.name, prompt=PROMPT, max_tokens=400)
 

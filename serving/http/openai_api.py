@@ -15,8 +15,8 @@ of prompts (choice `index` = prompt * n + choice) and `echo` (the prompt before 
 completion; with `logprobs`, every prompt token's log-prob too, the first one null, and
 `max_tokens: 0` for the prompt alone): what lm-evaluation-harness sends to score a model.
 Errors are OpenAI error objects with the matching status; a parameter this server cannot
-honour (`tool_choice` "auto" without a parser, `best_of`, `suffix`) is refused rather than
-ignored. Generation stops at the model's end tokens (serving/text_config.py: config.json,
+honour (`tool_choice` "auto" without a parser, `best_of`, `suffix`, audio output,
+`web_search_options`) is refused rather than ignored. Generation stops at the model's end tokens (serving/text_config.py: config.json,
 generation_config.json, genai_config.json, tokenizer_config.json) unless `ignore_eos`."""
 
 from __future__ import annotations

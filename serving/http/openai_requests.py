@@ -45,6 +45,13 @@ def _check_unsupported(body: dict) -> None:
         raise InvalidArgument("'tool_choice' needs 'tools'")
     if body_value(body, "best_of", (int,), None) not in (None, body_value(body, "n", (int,), 1)):
         raise InvalidArgument("'best_of' is not supported (leave it equal to 'n')")
+    modalities = body_value(body, "modalities", (list,), None) or ["text"]
+    if body.get("audio") or modalities != ["text"]:
+        raise InvalidArgument("only text is generated here ('modalities': ['text'], no "
+                              "'audio')")
+    if body.get("web_search_options") is not None:
+        raise InvalidArgument("'web_search_options' is not supported (nothing here searches "
+                              "the web)")
 
 
 def _adjustments(body: dict) -> dict:
