@@ -163,6 +163,17 @@ def decoder_artifact(tmp: Path, model: Path) -> Path:
     return out
 
 
+def end_token_at(out: Path, model: Path, messages: list[dict], at: int) -> int:
+    """Make the artifact's end token the one greedy writes `at` tokens into its answer to
+    `messages` (so that an answer ends there, at a token it has not written before)."""
+    answer = greedy(model, rendered_ids(messages), at + 1)[0]
+    end = answer[at]
+    assert end not in answer[:at], answer
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "eos_token_id": end}))
+    return end
+
+
 def start(out: Path, **options) -> Server:
     generate = options.pop("generate", {})
     ports = {"port": 0, "http_port": 0, "metrics_port": 0, **options}

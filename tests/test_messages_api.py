@@ -16,8 +16,8 @@ import anthropic
 import pytest
 import requests
 from llm_support import (TOOL_CHAT, TOOLS, TOOLS_TEMPLATE, WEATHER,  # noqa: F401
-                         decoder_artifact, greedy, guided_greedy, llama, rendered_ids,
-                         schema_grammar, start, tokenizer)
+                         decoder_artifact, end_token_at, greedy, guided_greedy, llama,
+                         rendered_ids, schema_grammar, start, tokenizer)
 
 SYSTEM = "You are terse."
 QUESTION = "Name a fox."
@@ -37,11 +37,7 @@ def artifact(llama, tmp_path_factory):
     config = json.loads((out / "tokenizer_config.json").read_text())
     (out / "tokenizer_config.json").write_text(json.dumps({**config,
                                                            "chat_template": TOOLS_TEMPLATE}))
-    answer = greedy(llama, rendered_ids(CHAT), 12)[0]
-    end = answer[END_AT]
-    assert end not in answer[:END_AT], answer
-    config = json.loads((out / "config.json").read_text())
-    (out / "config.json").write_text(json.dumps({**config, "eos_token_id": end}))
+    end_token_at(out, llama, CHAT, END_AT)
     return out
 
 

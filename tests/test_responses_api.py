@@ -6,13 +6,11 @@ Runtime's own; what cannot be honoured refused with 400."""
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import openai
 import pytest
-from llm_support import (decoder_artifact, greedy, llama, log_softmax,  # noqa: F401
-                         openai_client, rendered_ids, start, tokenizer)
+from llm_support import (decoder_artifact, end_token_at, greedy, llama,  # noqa: F401
+                         log_softmax, openai_client, rendered_ids, start, tokenizer)
 
 INSTRUCTIONS = "You are terse."
 QUESTION = "Name a fox."
@@ -27,11 +25,7 @@ def artifact(llama, tmp_path_factory):
     """The decoder artifact, its end token one that greedy answers QUESTION with (so an
     answer completes), first met at END_AT."""
     out = decoder_artifact(tmp_path_factory.mktemp("responses"), llama)
-    answer = greedy(llama, rendered_ids(MESSAGES), 12)[0]
-    end = answer[END_AT]
-    assert end not in answer[:END_AT], answer
-    config = json.loads((out / "config.json").read_text())
-    (out / "config.json").write_text(json.dumps({**config, "eos_token_id": end}))
+    end_token_at(out, llama, MESSAGES, END_AT)
     return out
 
 

@@ -42,10 +42,10 @@ from serving.http.chat import chat_prompt
 from serving.http.codec import http_status_for
 from serving.http.openai_requests import SAMPLING, body_value, generations_for, text_engine
 from serving.http.reasoning import Thinking, released
-from serving.http.streams import ChunkStream, until_disconnect
+from serving.http.streams import ChunkStream
 from serving.http.tools import Reader, tool_reader
 from serving.http.triton_generate import SSE_HEADERS
-from serving.sampling import Chunk, Grammar, join_chunks
+from serving.sampling import Chunk, Grammar
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
@@ -280,12 +280,9 @@ async def messages(frontend, request: Request) -> Response:
         grammar = thinking.constrain(grammar)
     stream = ChunkStream(engine, replace(generation, grammar=grammar))
     if not body_value(body, "stream", (bool,), False):
-        chunks = await until_disconnect(request.receive, stream.collect(), stream.close)
-        if chunks is None:
+        whole = await stream.whole(request.receive)
+        if whole is None:
             return Response(status_code=499)
-        whole = join_chunks(chunks)
-        if whole.reason not in ("length", "stop"):
-            raise RuntimeError(whole.detail or f"generation ended: {whole.reason}")
         answer.add(whole)
         return JSONResponse(answer.message(answer.content_blocks(), answer.stop(whole)))
     return StreamingResponse(_events(answer, stream), media_type="text/event-stream",

@@ -47,10 +47,10 @@ from serving.http.openai_requests import (SAMPLING, body_value, generations_for,
 from serving.http.reasoning import Thinking, released
 from serving.http.response_store import Stored
 from serving.http.responses_items import chat_tools, function_call, messages, reply, turn
-from serving.http.streams import ChunkStream, until_disconnect
+from serving.http.streams import ChunkStream
 from serving.http.tools import Reader, tool_reader
 from serving.http.triton_generate import SSE_HEADERS
-from serving.sampling import Chunk, Grammar, join_chunks
+from serving.sampling import Chunk, Grammar
 from serving.tokenizer import token_text
 
 LOGPROBS = "message.output_text.logprobs"  # the `include` entry that asks for them
@@ -237,12 +237,9 @@ async def responses(frontend, request: Request) -> Response:
                 (*history, reply(answer.content, answer.calls)), final))
 
     if not body_value(body, "stream", (bool,), False):
-        chunks = await until_disconnect(request.receive, stream.collect(), stream.close)
-        if chunks is None:
+        whole = await stream.whole(request.receive)
+        if whole is None:
             return Response(status_code=499)
-        whole = join_chunks(chunks)
-        if whole.reason not in ("length", "stop"):
-            raise RuntimeError(whole.detail or f"generation ended: {whole.reason}")
         answer.add(whole)
         final = answer.final(whole)
         kept(final)

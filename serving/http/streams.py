@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 from typing import AsyncIterator, Awaitable, Callable, Sequence, TypeVar
 
-from serving.sampling import Chunk, GenerationRequest
+from serving.sampling import Chunk, GenerationRequest, join_chunks
 
 T = TypeVar("T")
 
@@ -66,6 +66,18 @@ class ChunkStream(ChunkStreams):
 
     async def collect(self) -> list[Chunk]:
         return [c async for c in self]
+
+    async def whole(self, receive: Callable[[], Awaitable[dict]]) -> Chunk | None:
+        """The generation as one final chunk, or None when the client went away first (the
+        generation is then stopped); RuntimeError when it ended otherwise than at a stop or
+        at its length (an answer that is not streamed: the LLM APIs)."""
+        chunks = await until_disconnect(receive, self.collect(), self.close)
+        if chunks is None:
+            return None
+        whole = join_chunks(chunks)
+        if whole.reason not in ("length", "stop"):
+            raise RuntimeError(whole.detail or f"generation ended: {whole.reason}")
+        return whole
 
 
 async def until_disconnect(receive: Callable[[], Awaitable[dict]], work: Awaitable[T],

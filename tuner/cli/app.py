@@ -51,6 +51,19 @@ ROLES_HELP = ("NAME=ROLE: give graph input NAME the role ROLE (token_ids, attent
               "structure cannot decide; repeatable")
 
 
+def exit_not_exact(accuracy, as_json: bool, what: str):
+    """A gated rewrite that failed its gate: the accuracy table (or JSON) on stdout, one line
+    on stderr, exit 1 (nothing was written)."""
+    import json
+
+    if as_json:
+        print(json.dumps({"written": False, "accuracy": accuracy.to_json()}))
+    else:
+        print(accuracy.table())
+        typer.echo(f"tuner: the {what} is not exact; nothing was written", err=True)
+    raise SystemExit(1)  # not typer.Exit: click would drop the code
+
+
 def roles_option():
     """The `--roles NAME=ROLE` option every command takes (see `with_roles`)."""
     return typer.Option([], "--roles", help=ROLES_HELP)

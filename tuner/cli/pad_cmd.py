@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from tuner.cli.app import app, roles_option, with_roles
+from tuner.cli.app import app, exit_not_exact, roles_option, with_roles
 from tuner.errors import BadInput
 from tuner.gate.verify import Tolerance
 from tuner.graph.inspect import inspect_model
@@ -64,12 +64,7 @@ def pad_cmd(
     try:
         result = pad_file(model, output, req, tolerance=tol)
     except NotExact as e:
-        if as_json:
-            print(json.dumps({"written": False, "accuracy": e.result.to_json()}))
-        else:
-            print(e.result.table())
-            typer.echo("tuner: the padded model is not exact; nothing was written", err=True)
-        raise SystemExit(1) from None  # not typer.Exit: click would drop the code
+        exit_not_exact(e.result, as_json, "padded model")
     if as_json:
         print(json.dumps({"written": True, **result.to_json()}))
         return

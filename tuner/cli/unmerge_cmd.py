@@ -10,7 +10,7 @@ from pathlib import Path
 
 import typer
 
-from tuner.cli.app import app
+from tuner.cli.app import app, exit_not_exact
 from tuner.errors import BadInput
 from tuner.gate.verify import Tolerance
 from tuner.jobs.pad import NotExact
@@ -39,12 +39,7 @@ def unmerge_cmd(
     try:
         result = unmerge_file(model, output, tolerance=tol)
     except NotExact as e:
-        if as_json:
-            print(json.dumps({"written": False, "accuracy": e.result.to_json()}))
-        else:
-            print(e.result.table())
-            typer.echo("tuner: the plain graph is not exact; nothing was written", err=True)
-        raise SystemExit(1) from None  # not typer.Exit: click would drop the code
+        exit_not_exact(e.result, as_json, "plain graph")
     if as_json:
         print(json.dumps({"written": True, "src": str(model), "dst": str(output),
                           "accuracy": result.to_json()}))
