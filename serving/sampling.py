@@ -185,6 +185,8 @@ class Chunk:
     detail: str = ""  # a sentence for the client when the reason is not "length"/"stop"
     stop: str | None = None  # on the final chunk: the stop string that ended the stream
     # (None when an end token, a grammar's end or max_tokens did)
+    cached: int | None = None  # on the final chunk: the prompt tokens that were taken from
+    # the prefix cache, not computed
     logprobs: tuple[float, ...] | None = None  # one per id when the request asked
     # one per id when the request asked for top_logprobs: ((id, log-prob), ...) of that position
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
@@ -216,9 +218,11 @@ def join_chunks(chunks: Sequence[Chunk]) -> Chunk:
     last = chunks[-1]
     first = next((c for c in chunks if c.prompt_logprobs is not None), last)
     return Chunk(tuple(t for c in chunks for t in c.ids), "".join(texts) if texts else None,
-                 True, last.reason, last.detail, last.stop, _joined(chunks, "logprobs"),
-                 _joined(chunks, "top_logprobs"), _joined(chunks, "ranks"),
-                 first.prompt_logprobs, first.prompt_top_logprobs)
+                 True, last.reason, last.detail, stop=last.stop, cached=last.cached,
+                 logprobs=_joined(chunks, "logprobs"),
+                 top_logprobs=_joined(chunks, "top_logprobs"), ranks=_joined(chunks, "ranks"),
+                 prompt_logprobs=first.prompt_logprobs,
+                 prompt_top_logprobs=first.prompt_top_logprobs)
 
 
 def sample(logits: np.ndarray, s: Sampling, rng: np.random.Generator) -> int:

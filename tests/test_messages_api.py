@@ -207,3 +207,21 @@ def test_errors_are_the_apis_error_objects(server) -> None:
         "type": "invalid_request_error", "message": "'max_tokens' is required: an integer >= 1"}}
     missing = requests.post(url, json={}, timeout=30)
     assert missing.status_code == 401 and missing.json()["error"]["type"] == "authentication_error"
+
+
+def test_a_repeated_prompt_is_read_from_the_prefix_cache(server) -> None:
+    """The second time a prompt comes, its whole 16-token blocks (all but the last token's
+    block) are the prefix cache's: usage says so as the API does (cache_read_input_tokens
+    beside input_tokens, adding up to the prompt), whole and streamed."""
+    fields = ask(server, system="You answer in one word, always.", max_tokens=2)
+    c, total = client(server), len(rendered_ids([{"role": "system", "content": fields["system"]},
+                                                 {"role": "user", "content": QUESTION}]))
+    first = c.messages.create(**fields).usage  # (its first block may be an earlier prompt's)
+    assert first.input_tokens + first.cache_read_input_tokens == total
+    again = c.messages.create(**fields).usage
+    assert again.cache_read_input_tokens > first.cache_read_input_tokens
+    with c.messages.stream(**fields) as stream:
+        streamed = stream.get_final_message().usage
+    for usage in (again, streamed):
+        assert usage.cache_read_input_tokens == (total - 1) // 16 * 16 > 0
+        assert usage.input_tokens + usage.cache_read_input_tokens == total

@@ -81,6 +81,31 @@ def test_streamed_completion_ends_with_usage(server, llama) -> None:
     assert all(c.usage.prompt_tokens == len(tokenizer().encode(PROMPT).ids) for c in chunks)
 
 
+def test_usage_counts_the_prompt_tokens_read_from_the_prefix_cache(server) -> None:
+    """A prompt sent again finds its whole 16-token blocks (all but the last token's) in the
+    prefix cache: prompt_tokens_details.cached_tokens, whole and streamed, on chat and
+    completions (each prompt counted once, whatever `n`), and on the Responses API."""
+    c, name = openai_client(server), server.slot.name
+    chat = [{"role": "user", "content": "Count the foxes in the usage, please."}]
+    total = len(tokenizer().encode(rendered(chat), add_special_tokens=False).ids)
+    ask = dict(model=name, messages=chat, max_tokens=2, temperature=0)
+    first = c.chat.completions.create(**ask).usage.prompt_tokens_details.cached_tokens
+    hit = (total - 1) // 16 * 16  # (the first's first block may be an earlier prompt's)
+    assert first < hit
+    assert c.chat.completions.create(**ask, n=2).usage.prompt_tokens_details.cached_tokens == hit
+    streamed = list(c.chat.completions.create(**ask, stream=True,
+                                              stream_options={"include_usage": True}))
+    assert streamed[-1].usage.prompt_tokens_details.cached_tokens == hit
+    prompt = "Foxes are counted in the usage of completions, twice over."
+    long = len(tokenizer().encode(prompt).ids)
+    assert long > 16
+    cached = [c.completions.create(model=name, prompt=prompt, max_tokens=2, temperature=0
+                                   ).usage.prompt_tokens_details.cached_tokens for _ in "ab"]
+    assert cached[0] < cached[1] == (long - 1) // 16 * 16
+    response = c.responses.create(model=name, input=chat, max_output_tokens=2, temperature=0)
+    assert response.usage.input_tokens_details.cached_tokens == hit
+
+
 def test_chat_renders_the_template_as_transformers_does(server, artifact, llama) -> None:
     text = rendered(MESSAGES)
     prompt = tokenizer().encode(text, add_special_tokens=False).ids

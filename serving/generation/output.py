@@ -216,15 +216,16 @@ class OutputProcessor:
         if out.detok is not None:
             out.text += out.detok.flush()
         piece, matched = out.release(final=True)
+        r = stream.request
         self._end(stream, Chunk((), piece, True, "stop" if matched is not None else reason,
-                                "" if matched is not None else detail, matched,
-                                () if stream.request.logprobs else None,
-                                () if stream.request.top_logprobs else None,
-                                () if stream.request.ranks else None))
+                                "" if matched is not None else detail, stop=matched,
+                                logprobs=() if r.logprobs else None,
+                                top_logprobs=() if r.top_logprobs else None,
+                                ranks=() if r.ranks else None))
 
     def _end(self, stream, chunk: Chunk) -> None:
         stream.done = True
-        self._send(stream, chunk)
+        self._send(stream, replace(chunk, cached=stream.prefix_hit))
         self.stats.on_end(chunk.reason or "", time.perf_counter() - stream.output.submitted)
 
     def _send(self, stream, chunk: Chunk) -> None:

@@ -16,7 +16,9 @@ tool / none and `disable_parallel_tool_use`, made and read as chat's (serving/ht
 forced calls from any model, "auto" with --tool-call-parser), answered as `tool_use` blocks
 with stop_reason "tool_use". With --reasoning-parser the thinking comes back as a `thinking`
 block (its `signature` empty: nothing here signs it). stop_reason is end_turn, max_tokens,
-stop_sequence (with the `stop_sequence` that matched) or tool_use.
+stop_sequence (with the `stop_sequence` that matched) or tool_use. `usage` splits the prompt
+as the API does: `cache_read_input_tokens` read from the prefix cache, `input_tokens`
+computed.
 
 Streamed (`stream: true`) as the API's events, each `event: TYPE`: message_start, then per
 content block content_block_start, its deltas (thinking_delta, text_delta, or one
@@ -213,11 +215,13 @@ class _Answer:
     content: str = ""
     calls: list[dict] | None = None
     generated: int = 0
+    cached: int = 0  # prompt tokens taken from the prefix cache (known at the end)
 
     def add(self, chunk: Chunk) -> tuple[str, str]:
         """Take the chunk: the thinking and the text it releases."""
         self.text += chunk.text or ""
         self.generated += len(chunk.ids)
+        self.cached = chunk.cached or self.cached
         thought, piece, self.calls = released(self.text, chunk.final, self.thinking,
                                               self.tools, len(self.reasoning), len(self.content))
         self.reasoning, self.content = self.reasoning + thought, self.content + piece
@@ -244,10 +248,16 @@ class _Answer:
         out += [{"type": "text", "text": self.content}] if self.content else []
         return out + self.calls_as_blocks()
 
+    def usage(self) -> dict:
+        """The API's usage: its input_tokens are the prompt tokens computed, beside those
+        read from the (prefix) cache; the three add up to the prompt."""
+        return {"input_tokens": self.prompt - self.cached, "cache_read_input_tokens": self.cached,
+                "cache_creation_input_tokens": 0, "output_tokens": self.generated}
+
     def message(self, content: list, stop: dict | None) -> dict:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.engine.name,
                 "content": content, **(stop or {"stop_reason": None, "stop_sequence": None}),
-                "usage": {"input_tokens": self.prompt, "output_tokens": self.generated}}
+                "usage": self.usage()}
 
 
 def _event(kind: str, **fields) -> bytes:
@@ -331,8 +341,7 @@ async def _events(a: _Answer, stream: ChunkStream):
                 yield _event("content_block_delta", index=index, delta={
                     "type": "input_json_delta", "partial_json": json.dumps(call["input"])})
                 yield _event("content_block_stop", index=index)
-            yield _event("message_delta", delta=a.stop(chunk),
-                         usage={"output_tokens": a.generated})
+            yield _event("message_delta", delta=a.stop(chunk), usage=a.usage())
             yield _event("message_stop")
 
 

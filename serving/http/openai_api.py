@@ -2,7 +2,8 @@
 its deployments probe): `GET /v1/models[/{model}]` (in a form the anthropic client reads
 too), `POST /v1/completions` and `POST
 /v1/chat/completions`, whole or streamed (`stream: true`: Server-Sent Events, one chunk per
-token chunk, then `data: [DONE]`), with `usage`, `max_tokens`, `temperature`, `top_p`,
+token chunk, then `data: [DONE]`), with `usage` (its prompt_tokens_details.cached_tokens:
+the prompt tokens read from the prefix cache), `max_tokens`, `temperature`, `top_p`,
 `seed`, `stop` (strings), `n` (choices, each its own stream in the engine), `logprobs` (of
 the sampled tokens, and of the k most likely: completions' `logprobs: k`, chat's
 `top_logprobs`), `frequency_penalty`, `presence_penalty` and `logit_bias`, structured output
@@ -240,15 +241,25 @@ def _alternatives(top: list[tuple[str, float]], text: str, logprob: float) -> di
     return out
 
 
-def _usage(prompt: int, completion: int) -> dict:
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+def _usage(prompt: int, completion: int, cached: int | None = None) -> dict:
+    """`cached`: of the prompt tokens, those taken from the prefix cache (OpenAI's
+    prompt_tokens_details.cached_tokens), when the answer is complete."""
+    out = {"prompt_tokens": prompt, "completion_tokens": completion,
+           "total_tokens": prompt + completion}
+    return out if cached is None else out | {"prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _cached(finals: dict[int, Chunk], choices: int, n: int) -> int:
+    """Each prompt's tokens taken from the prefix cache by its first choice (choice
+    i = prompt * n + k; each prompt is counted once in the usage, whatever `n`)."""
+    return sum(finals[i].cached or 0 for i in range(0, choices, n) if i in finals)
 
 
 async def _answer(request: Request, shape: _Shape, generations: list[GenerationRequest],
-                  stream_opts: dict | None, prompt: int) -> Response:
+                  stream_opts: dict | None, prompt: int, n: int) -> Response:
     """The choices, one per generation (`index` in order), whole or as SSE chunks; `prompt`:
-    the prompt tokens of the request (each prompt once, whatever `n`)."""
+    the prompt tokens of the request (each prompt once, whatever `n`, the choices a prompt
+    has)."""
     streams = ChunkStreams(shape.engine, generations)  # refusals answer with a status here
     counted = (lambda chunk: 0) if shape.echo is not None and shape.echo.drop else (
         lambda chunk: len(chunk.ids))
@@ -262,26 +273,30 @@ async def _answer(request: Request, shape: _Shape, generations: list[GenerationR
         wholes = [join_chunks(chunks) for chunks in chosen]
         return JSONResponse(shape.envelope(
             [shape.choice(whole, False, index=i) for i, whole in enumerate(wholes)], False,
-            _usage(prompt, sum(counted(w) for w in wholes))))
+            _usage(prompt, sum(counted(w) for w in wholes),
+                   _cached(dict(enumerate(wholes)), len(wholes), n))))
 
     # vLLM's continuous_usage_stats: every chunk carries the usage so far
     running = bool(stream_opts and stream_opts.get("include_usage")
                    and stream_opts.get("continuous_usage_stats"))
 
     async def events():
-        generated, started = 0, set()
+        generated, started, finals = 0, set(), {}
         async for index, chunk in streams:
             if chunk.final and chunk.reason not in ("length", "stop"):
                 yield sse({"error": {"message": chunk.detail or chunk.reason,
                                      "type": "internal_error", "param": None, "code": None}})
                 break
             generated += counted(chunk)
+            if chunk.final:
+                finals[index] = chunk
             yield sse(shape.envelope([shape.choice(chunk, True, index not in started, index)],
                                      True, _usage(prompt, generated) if running else None))
             started.add(index)
         else:
             if stream_opts.get("include_usage"):
-                yield sse(shape.envelope([], True, _usage(prompt, generated)))
+                yield sse(shape.envelope([], True, _usage(
+                    prompt, generated, _cached(finals, len(generations), n))))
         yield sse("[DONE]")
 
     return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
@@ -307,7 +322,7 @@ async def completions(frontend, request: Request) -> Response:
         engine, body, ids, top, shape.id if len(prompts) == 1 else f"{shape.id}-{i}", 16,
         echo)]
     return await _answer(request, shape, generations, _stream_options(body),
-                         sum(len(ids) for ids, _ in prompts))
+                         sum(len(ids) for ids, _ in prompts), n)
 
 
 async def chat_completions(frontend, request: Request) -> Response:
@@ -323,8 +338,9 @@ async def chat_completions(frontend, request: Request) -> Response:
     text = chat_prompt(engine.text, body)
     prompt = tuple(engine.tokenizer.encode(text, add_special_tokens=False).ids)
     thinking = Thinking(frontend.reasoning_parser) if frontend.reasoning_parser else None
-    shape = _Shape(engine, chat=True, top=top if logprobs else None, n=choice_count(engine, body),
-                   tools=tools, thinking=thinking)
+    n = choice_count(engine, body)
+    shape = _Shape(engine, chat=True, top=top if logprobs else None, n=n, tools=tools,
+                   thinking=thinking)
     sampling = {k: v for k, v in body.items() if k not in ("tools", "tool_choice",
                                                              "parallel_tool_calls")}
     generations = generations_for(engine, sampling, prompt, top if logprobs else None,
@@ -335,7 +351,7 @@ async def chat_completions(frontend, request: Request) -> Response:
         generations = [replace(g, grammar=tools.grammar) for g in generations]
     if thinking is not None:  # a grammar holds the answer after the thinking
         generations = [replace(g, grammar=thinking.constrain(g.grammar)) for g in generations]
-    return await _answer(request, shape, generations, _stream_options(body), len(prompt))
+    return await _answer(request, shape, generations, _stream_options(body), len(prompt), n)
 
 
 ROUTES = [("/health", ["GET"], "health", health, error),

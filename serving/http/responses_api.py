@@ -116,6 +116,7 @@ class _Answer:
     tokens: list = field(default_factory=list)  # log-prob entries, when asked
     pending: list = field(default_factory=list)  # entries not yet sent with a delta
     generated: int = 0
+    cached: int = 0  # prompt tokens taken from the prefix cache (known at the end)
     sequence: int = 0
 
     def add(self, chunk: Chunk) -> tuple[str, str]:
@@ -123,6 +124,7 @@ class _Answer:
         parser and the tool reader may hold text back)."""
         self.text += chunk.text or ""
         self.generated += len(chunk.ids)
+        self.cached = chunk.cached or self.cached
         if self.logprobs:
             tops = list(chunk.top_logprobs or ()) + [()] * len(chunk.ids)
             entries = [{**token_entry(self._text(t), p),
@@ -188,7 +190,8 @@ class _Answer:
             "top_p": b.get("top_p", 1.0), "truncation": "disabled",
             "usage": None if not done else {
                 "input_tokens": self.prompt,
-                "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+                "input_tokens_details": {"cached_tokens": self.cached,
+                                         "cache_write_tokens": 0},
                 "output_tokens": self.generated,
                 "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": self.prompt + self.generated},
