@@ -136,6 +136,9 @@ def test_stop_strings_across_tokens_trim_the_text(server, llama) -> None:
         chunks = list(got) if stream else [got]
         assert "".join(c.choices[0].text for c in chunks) == full[:full.index(stop)]
         assert chunks[-1].choices[0].finish_reason == "stop"
+        # vLLM's stop_reason names the stop string (None on the other chunks)
+        assert [(c.choices[0].model_extra or {}).get("stop_reason") for c in chunks] == [
+            None] * (len(chunks) - 1) + [stop]
 
 
 def test_the_end_token_stops_unless_ignore_eos(server, llama) -> None:
@@ -145,6 +148,7 @@ def test_the_end_token_stops_unless_ignore_eos(server, llama) -> None:
     stopped = c.completions.create(model=server.slot.name, prompt=EOS_PROMPT, max_tokens=20,
                                    temperature=0)
     assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens == k
+    assert stopped.choices[0].model_extra["stop_reason"] is None  # an end token, no string
     going = c.completions.create(model=server.slot.name, prompt=EOS_PROMPT, max_tokens=20,
                                  temperature=0, extra_body=NO_EOS)
     assert going.usage.completion_tokens == 20

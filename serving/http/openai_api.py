@@ -4,7 +4,7 @@ too), `POST /v1/completions` and `POST
 /v1/chat/completions`, whole or streamed (`stream: true`: Server-Sent Events, one chunk per
 token chunk, then `data: [DONE]`), with `usage` (its prompt_tokens_details.cached_tokens:
 the prompt tokens read from the prefix cache), `max_tokens`, `temperature`, `top_p`,
-`seed`, `stop` (strings), `n` (choices, each its own stream in the engine), `logprobs` (of
+`seed`, `stop` (strings; vLLM's `stop_reason` names the one that matched), `n` (choices, each its own stream in the engine), `logprobs` (of
 the sampled tokens, and of the k most likely: completions' `logprobs: k`, chat's
 `top_logprobs`), `frequency_penalty`, `presence_penalty` and `logit_bias`, structured output
 (`response_format` json_object or json_schema; vLLM's `structured_outputs` and `guided_json`
@@ -175,8 +175,10 @@ class _Shape:
             chunk = replace(chunk, ids=(), text="", logprobs=() if chunk.logprobs else None,
                             top_logprobs=() if chunk.top_logprobs else None)
         reason = chunk.reason if chunk.final else None
+        # vLLM's stop_reason: the stop string that ended the choice (None: an end token or
+        # max_tokens did), which OpenAI's finish_reason "stop" does not tell apart
         out = {"index": index, "logprobs": self._logprobs(chunk, index),
-               "finish_reason": reason}
+               "finish_reason": reason, "stop_reason": chunk.stop if chunk.final else None}
         if not self.chat:
             out["text"] = chunk.text or ""
             if self.echo is not None and (first or not stream):
