@@ -21,7 +21,8 @@ MAX_TOP_LOGPROBS = 20  # the most alternatives a position reports (OpenAI's limi
 @dataclass(frozen=True)
 class Sampling:
     """temperature 0 (the default) or top_k 1 is greedy; otherwise softmax(logits / t),
-    cut to the top k and to the smallest set holding top_p of the mass. A seed makes it
+    cut to the top k, to the smallest set holding top_p of the mass, and to the ids at least
+    min_p times as likely as the likeliest. A seed makes it
     reproducible (one generator per stream, so other streams cannot change the draws).
     Before either, the logits are adjusted (`adjust`) as vLLM's sampler and transformers'
     logits processors do, in their order: the bias first, then the penalties."""
@@ -36,6 +37,8 @@ class Sampling:
     presence_penalty: float = 0.0  # subtracted once from every id the OUTPUT holds (OpenAI's)
     frequency_penalty: float = 0.0  # subtracted per time the output holds the id (OpenAI's)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (id, bias) added to the logits (OpenAI's)
+    min_p: float = 0.0  # keep the ids at least min_p times as likely as the likeliest
+    # (vLLM's and transformers' min_p, after top_k and top_p as transformers orders them)
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
@@ -45,6 +48,8 @@ class Sampling:
             raise InvalidArgument(f"top_k must be >= 0, not {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise InvalidArgument(f"top_p must be in (0, 1], not {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise InvalidArgument(f"min_p must be in [0, 1], not {self.min_p}")
         if self.seed is not None and not 0 <= self.seed < 2**64:
             raise InvalidArgument(f"seed must be in [0, 2^64), not {self.seed}")
         if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
@@ -241,6 +246,9 @@ def sample(logits: np.ndarray, s: Sampling, rng: np.random.Generator) -> int:
         q = np.zeros_like(p)
         q[keep] = p[keep]
         p = q / q.sum()
+    if s.min_p > 0:
+        p = np.where(p >= s.min_p * p.max(), p, 0.0)
+        p /= p.sum()
     return int(rng.choice(p.size, p=p))
 
 

@@ -298,6 +298,34 @@ def test_a_batch_of_prompts_answers_each_in_order(server, llama) -> None:
         assert got.usage.completion_tokens == 4 * 4
 
 
+def test_vllms_stop_token_ids_bad_words_and_min_p_are_honoured(server, llama) -> None:
+    """vLLM's sampling extras: `stop_token_ids` end the choice before that token (also with
+    ignore_eos), a `bad_words` word is never written (ONNX Runtime's logits without its
+    token are the reference), and `min_p` 1 at temperature 1 leaves only the likeliest
+    token: greedy's text (temperature 1 alone samples another)."""
+    c, name = openai_client(server), server.slot.name
+    ids, text = _want(llama, PROMPT, 8)
+    k = next(i for i in range(2, 8) if ids[i] not in ids[:i])
+    got = c.completions.create(model=name, prompt=PROMPT, max_tokens=8, temperature=0,
+                               extra_body={"stop_token_ids": [ids[k]], **NO_EOS})
+    assert (got.choices[0].finish_reason, got.usage.completion_tokens) == ("stop", k)
+    assert got.choices[0].text == tokenizer().decode(ids[:k])
+    word = tokenizer().decode(ids[:1]).strip()
+    banned = {tokenizer().encode(t).ids[0] for t in (word, " " + word)
+              if len(tokenizer().encode(t).ids) == 1}
+    assert ids[0] in banned
+    row = logits_of(llama, tokenizer().encode(PROMPT).ids)[-1].copy()
+    row[sorted(banned)] = -np.inf
+    got = c.completions.create(model=name, prompt=PROMPT, max_tokens=1, temperature=0,
+                               extra_body={"bad_words": [word], **NO_EOS})
+    assert got.choices[0].text == tokenizer().decode([int(np.argmax(row))])
+    sampled = dict(model=name, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=5,
+                   extra_body=NO_EOS)
+    assert c.completions.create(**sampled).choices[0].text != text
+    assert c.completions.create(**sampled | {"extra_body": {"min_p": 1.0, **NO_EOS}}
+                                ).choices[0].text == text
+
+
 def test_what_cannot_be_honoured_is_refused_not_ignored(server) -> None:
     c, name = openai_client(server), server.slot.name
     with pytest.raises(openai.BadRequestError, match="'response_format' 'grammar' is not"):
@@ -337,6 +365,12 @@ def test_errors_are_openai_error_objects(server) -> None:
         c.chat.completions.create(model=server.slot.name, messages=MESSAGES,
                                   modalities=["text", "audio"],
                                   audio={"voice": "alloy", "format": "wav"})
+    for extra in ({"use_beam_search": True}, {"include_stop_str_in_output": True},
+                  {"skip_special_tokens": False}, {"allowed_token_ids": [1, 2]},
+                  {"prompt_logprobs": 1}, {"truncate_prompt_tokens": 4}):
+        with pytest.raises(openai.BadRequestError, match=f"'{next(iter(extra))}' is not "):
+            c.chat.completions.create(model=server.slot.name, messages=MESSAGES,
+                                      extra_body=extra)
     with pytest.raises(openai.BadRequestError, match="'web_search_options' is not supported"):
         c.chat.completions.create(model=server.slot.name, messages=MESSAGES,
                                   web_search_options={})

@@ -9,15 +9,18 @@ the sampled tokens, and of the k most likely: completions' `logprobs: k`, chat's
 `top_logprobs`), `frequency_penalty`, `presence_penalty` and `logit_bias`, structured output
 (`response_format` json_object or json_schema; vLLM's `structured_outputs` and `guided_json`
 / `guided_regex` / `guided_choice` / `guided_grammar`), chat's `tools` (forced calls, or
-"auto" with --tool-call-parser: serving/http/tools.py), vLLM's `top_k`, `min_tokens`,
-`repetition_penalty` and `ignore_eos`, and its chat options (`chat_template_kwargs`,
+"auto" with --tool-call-parser: serving/http/tools.py), vLLM's `top_k`, `min_p`,
+`min_tokens`, `repetition_penalty`, `ignore_eos`, `stop_token_ids` and `bad_words`, and its
+chat options (`chat_template_kwargs`,
 `documents`, `continue_final_message`: serving/http/chat.py). Completions also take a batch
 of prompts (choice `index` = prompt * n + choice) and `echo` (the prompt before the
 completion; with `logprobs`, every prompt token's log-prob too, the first one null, and
 `max_tokens: 0` for the prompt alone): what lm-evaluation-harness sends to score a model.
 Errors are OpenAI error objects with the matching status; a parameter this server cannot
 honour (`tool_choice` "auto" without a parser, `best_of`, `suffix`, audio output,
-`web_search_options`) is refused rather than ignored. Generation stops at the model's end tokens (serving/text_config.py: config.json,
+`web_search_options`, vLLM's beam search and its other extras away from their defaults) is
+refused rather than ignored. Generation stops at the model's end tokens
+(serving/text_config.py: config.json,
 generation_config.json, genai_config.json, tokenizer_config.json) unless `ignore_eos`."""
 
 from __future__ import annotations

@@ -52,6 +52,17 @@ def _check_unsupported(body: dict) -> None:
     if body.get("web_search_options") is not None:
         raise InvalidArgument("'web_search_options' is not supported (nothing here searches "
                               "the web)")
+    for name, default in _VLLM_DEFAULTS_ONLY.items():
+        if body.get(name) is not None and body[name] != default:
+            raise InvalidArgument(f"'{name}' is not supported here (only {default!r})")
+
+
+# vLLM's extras this server takes only at their defaults: each changes the answer otherwise
+_VLLM_DEFAULTS_ONLY = {"use_beam_search": False, "include_stop_str_in_output": False,
+                       "skip_special_tokens": True, "spaces_between_special_tokens": True,
+                       "return_tokens_as_token_ids": False, "allowed_token_ids": None,
+                       "prompt_logprobs": None, "truncate_prompt_tokens": None,
+                       "length_penalty": 1}
 
 
 def _adjustments(body: dict) -> dict:
@@ -150,8 +161,10 @@ def generations_for(engine: DecoderEngine, body: dict, prompt: tuple[int, ...],
         max_tokens = 1
     stop_ids = frozenset() if body_value(body, "ignore_eos", (bool,), False) else \
         frozenset(engine.text.eos_ids)
+    stop_ids |= _token_ids(body, "stop_token_ids", engine.generator.vocab)
     seed = body_value(body, "seed", (int,))
     adjustments, grammar = _adjustments(body), structured_output(body)
+    adjustments["min_p"] = float(body_value(body, "min_p", (int, float), 0.0))
     sampling = [Sampling(float(body_value(body, "temperature", (int, float), 1.0)),
                          body_value(body, "top_k", (int,), 0) if body.get("top_k") != -1 else 0,
                          float(body_value(body, "top_p", (int, float), 1.0)),
@@ -163,8 +176,27 @@ def generations_for(engine: DecoderEngine, body: dict, prompt: tuple[int, ...],
                               stop_strings=_stops(body), logprobs=top is not None,
                               top_logprobs=top or 0,
                               prompt_logprobs=top if echo and top is not None else None,
-                              grammar=grammar)
+                              bad_words=_bad_words(engine, body), grammar=grammar)
             for i, s in enumerate(sampling)]
+
+
+def _token_ids(body: dict, name: str, vocab: int) -> frozenset[int]:
+    ids = body_value(body, name, (list,), []) or []
+    if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+        raise InvalidArgument(f"'{name}' must be a list of token ids in [0, {vocab})")
+    return frozenset(ids)
+
+
+def _bad_words(engine: DecoderEngine, body: dict) -> tuple[tuple[int, ...], ...]:
+    """vLLM's `bad_words`: each word never generated, as its tokens alone and after a space
+    (how it tokenizes inside a text), as vLLM bans them."""
+    words = body_value(body, "bad_words", (list,), []) or []
+    if any(not isinstance(w, str) or not w.strip() for w in words):
+        raise InvalidArgument("'bad_words' must be a list of non-empty strings")
+    encode = engine.tokenizer.encode
+    found = {tuple(encode(text, add_special_tokens=False).ids)
+             for w in words for text in (w.strip(), " " + w.strip())}
+    return tuple(sorted(t for t in found if t))
 
 
 def text_engine(frontend, body: dict) -> DecoderEngine:
