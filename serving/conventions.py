@@ -68,7 +68,8 @@ KNOWN_INPUTS = frozenset(_CONTROLS) | frozenset(_TEXTS)
 # the vLLM backend's sampling_parameters keys -> (kind, field)
 _VLLM = {"max_tokens": (int, "max_tokens"), "min_tokens": (int, "min_tokens"),
          "temperature": (float, "temperature"), "top_p": (float, "top_p"),
-         "top_k": (int, "top_k"), "seed": (int, "seed"), "ignore_eos": (bool, "ignore_eos"),
+         "top_k": (int, "top_k"), "min_p": (float, "min_p"), "seed": (int, "seed"),
+         "ignore_eos": (bool, "ignore_eos"),
          "logprobs": (int, "vllm_logprobs"),
          "repetition_penalty": (float, "repetition_penalty"),
          "presence_penalty": (float, "presence_penalty"),
@@ -233,6 +234,7 @@ def parse_request(tensors: Mapping[str, np.ndarray], parameters: Mapping[str, ob
                               "artifact): send stop token ids instead")
     sampling = Sampling(values.get("temperature", 0.0), values.get("top_k", 0),
                         values.get("top_p", 1.0), values.get("seed"),
+                        min_p=values.get("min_p", 0.0),
                         **{k: values[k] for k in _PENALTIES if k in values})
     extras = frozenset([name for name in VLLM_OUTPUTS if values.get("want_" + name)]
                        + [name for name in COUNTS if values.get(name)])
