@@ -310,15 +310,19 @@ def test_vllms_stop_token_ids_bad_words_and_min_p_are_honoured(server, llama) ->
                                extra_body={"stop_token_ids": [ids[k]], **NO_EOS})
     assert (got.choices[0].finish_reason, got.usage.completion_tokens) == ("stop", k)
     assert got.choices[0].text == tokenizer().decode(ids[:k])
-    word = tokenizer().decode(ids[:1]).strip()
-    banned = {tokenizer().encode(t).ids[0] for t in (word, " " + word)
-              if len(tokenizer().encode(t).ids) == 1}
-    assert ids[0] in banned
-    row = logits_of(llama, tokenizer().encode(PROMPT).ids)[-1].copy()
-    row[sorted(banned)] = -np.inf
-    got = c.completions.create(model=name, prompt=PROMPT, max_tokens=1, temperature=0,
+    # a word greedy writes at step i that is one token both alone and after a space: both
+    # are banned at every step (vLLM's rule), so greedy changes first at step i
+    encode = lambda text: tokenizer().encode(text).ids  # noqa: E731
+    i, word = next((i, w) for i, w in ((i, tokenizer().decode([ids[i]]).strip())
+                                       for i in range(8))
+                   if len(encode(w)) == len(encode(" " + w)) == 1
+                   and ids[i] in encode(w) + encode(" " + w)
+                   and not set(ids[:i]) & set(encode(w) + encode(" " + w)))
+    row = logits_of(llama, tokenizer().encode(PROMPT).ids + ids[:i])[-1].copy()
+    row[encode(word) + encode(" " + word)] = -np.inf
+    got = c.completions.create(model=name, prompt=PROMPT, max_tokens=i + 1, temperature=0,
                                extra_body={"bad_words": [word], **NO_EOS})
-    assert got.choices[0].text == tokenizer().decode([int(np.argmax(row))])
+    assert got.choices[0].text == tokenizer().decode(ids[:i] + [int(np.argmax(row))])
     sampled = dict(model=name, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=5,
                    extra_body=NO_EOS)
     assert c.completions.create(**sampled).choices[0].text != text

@@ -7,6 +7,7 @@ Every check raises InvalidArgument saying what is wrong (400)."""
 
 from __future__ import annotations
 
+from serving.conventions import bad_word_ids
 from serving.decoder import DecoderEngine
 from serving.errors import InvalidArgument
 from serving.sampling import MAX_TOP_LOGPROBS, GenerationRequest, Grammar, Sampling
@@ -188,15 +189,12 @@ def _token_ids(body: dict, name: str, vocab: int) -> frozenset[int]:
 
 
 def _bad_words(engine: DecoderEngine, body: dict) -> tuple[tuple[int, ...], ...]:
-    """vLLM's `bad_words`: each word never generated, as its tokens alone and after a space
-    (how it tokenizes inside a text), as vLLM bans them."""
+    """vLLM's `bad_words`: each word never generated, as the vLLM backend bans them
+    (serving.conventions.bad_word_ids)."""
     words = body_value(body, "bad_words", (list,), []) or []
     if any(not isinstance(w, str) or not w.strip() for w in words):
         raise InvalidArgument("'bad_words' must be a list of non-empty strings")
-    encode = engine.tokenizer.encode
-    found = {tuple(encode(text, add_special_tokens=False).ids)
-             for w in words for text in (w.strip(), " " + w.strip())}
-    return tuple(sorted(t for t in found if t))
+    return bad_word_ids(engine.tokenizer, words, vllm=True)
 
 
 def text_engine(frontend, body: dict) -> DecoderEngine:
