@@ -352,3 +352,19 @@ def test_unmerge_makes_the_merged_decoder_the_plain_graph_it_was_made_of(
             gate(check, perturbed_copy(plain, tmp_path / "corrupted.onnx"))
     finally:
         check.close()
+
+
+def test_a_quantized_merged_decoder_unmerges_too(optimum_exports, tmp_path) -> None:
+    """The hub's `decoder_model_merged_quantized.onnx` (ONNX Runtime's quantize_dynamic over
+    the merged file, as transformers.js repositories ship it): the quantizer reaches into
+    the If's branches, unmerge inlines the quantized with-cache branch exactly (max abs 0
+    against the quantized merged file) and inspect reads the dims through MatMulInteger."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    quantized = tmp_path / "decoder_model_merged_quantized.onnx"
+    quantize_dynamic(str(optimum.merged("llama")), str(quantized), weight_type=QuantType.QInt8)
+    plain = tmp_path / "model.onnx"
+    code, out, err = _run(["unmerge", str(quantized), "-o", str(plain), "--atol", "0",
+                           "--rtol", "0"])
+    assert code == 0 and "PASS" in out, err + out
+    _check_inspect(Cell("optimum", "llama", True), plain)
