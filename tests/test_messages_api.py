@@ -225,3 +225,31 @@ def test_a_repeated_prompt_is_read_from_the_prefix_cache(server) -> None:
     for usage in (again, streamed):
         assert usage.cache_read_input_tokens == (total - 1) // 16 * 16 > 0
         assert usage.input_tokens + usage.cache_read_input_tokens == total
+
+
+def test_auto_reads_the_models_own_call_as_a_tool_use_block(artifact) -> None:
+    """tool_choice auto with --tool-call-parser: a JSON schema makes this random model write a
+    Llama 3.1 call; it comes back as a tool_use block with stop_reason tool_use, whole and
+    through the stream helper."""
+    schema = {"type": "object", "properties": {"name": {"const": "get_time"}, "parameters": {
+        "type": "object", "properties": {"zone": {"const": "UTC"}}, "required": ["zone"],
+        "additionalProperties": False}}, "required": ["name", "parameters"],
+        "additionalProperties": False}
+    tools = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]}
+             for t in TOOLS]
+    s = start(artifact, tool_call_parser="llama3_json", generate={"max_tokens": 64})
+    try:
+        fields = dict(model=s.slot.name, max_tokens=64, messages=TOOL_CHAT, tools=tools,
+                      extra_body=GREEDY, output_config={
+                          "format": {"type": "json_schema", "schema": schema}})
+        c = anthropic.Anthropic(base_url=f"http://127.0.0.1:{s.http_port}", api_key="unused",
+                                max_retries=0, timeout=60)
+        got = c.messages.create(**fields)
+        with c.messages.stream(**fields) as stream:
+            final = stream.get_final_message()
+    finally:
+        s.stop(5)
+    for message in (got, final):
+        assert [(b.type, b.name, b.input) for b in message.content] == [
+            ("tool_use", "get_time", {"zone": "UTC"})]
+        assert message.stop_reason == "tool_use"
