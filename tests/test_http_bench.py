@@ -32,4 +32,4 @@ def test_latency_over_rest_runs() -> None:
 
 def test_openai_stream_runs() -> None:
     out = _run("serve_openai_stream.py", "--tokens", "4", "--rounds", "1")
-    assert "OpenAI / gRPC per round" in out
+    assert "OpenAI / gRPC per round" in out and "Messages / gRPC per round" in out
