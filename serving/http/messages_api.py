@@ -114,6 +114,8 @@ def _message(i: int, m) -> list[dict]:
             results.append(_result(where, b))
         elif kind in ("thinking", "redacted_thinking") and role == "assistant":
             continue  # earlier thinking: reasoning models' templates drop it
+        elif kind is None:
+            raise InvalidArgument(f"{where} must be an object with a 'type'")
         else:
             raise InvalidArgument(f"{where}: a {kind!r} block is not served here (text, and "
                                   "tool_use / tool_result / thinking where the role has them)")
@@ -126,9 +128,7 @@ def _message(i: int, m) -> list[dict]:
 def _tools(body: dict) -> dict:
     """`tools`, `tool_choice` and its `disable_parallel_tool_use` as a chat body holds them
     (client tools only: the API's server tools run on Anthropic's side)."""
-    tools = body.get("tools") or []
-    if not isinstance(tools, list):
-        raise InvalidArgument("'tools' must be a list")
+    tools = body_value(body, "tools", (list,), []) or []
     out = []
     for i, t in enumerate(tools):
         if not isinstance(t, dict) or t.get("type") not in (None, "custom") or not isinstance(
