@@ -56,6 +56,7 @@ CASES = [
                        "include": ["message.output_text.logprobs"]}, Response),
     ("/v1/responses", {"input": PROMPT, "max_output_tokens": 4, "stream": True},
      ResponseStreamEvent),
+    ("/v1/responses", {"input": PROMPT, "max_output_tokens": 4, "background": True}, Response),
     ("/v1/responses", {"input": MESSAGES, "max_output_tokens": 40, "stream": True,
                        "tools": [{"type": "function", **TOOL["function"]}],
                        "tool_choice": "required"}, ResponseStreamEvent),

@@ -10,7 +10,8 @@ import numpy as np
 import openai
 import pytest
 from llm_support import (decoder_artifact, end_token_at, greedy, llama,  # noqa: F401
-                         log_softmax, openai_client, rendered_ids, start, tokenizer)
+                         log_softmax, openai_client, rendered_ids, start, tokenizer,
+                         wait_for)
 
 INSTRUCTIONS = "You are terse."
 QUESTION = "Name a fox."
@@ -84,6 +85,32 @@ def test_max_output_tokens_leaves_it_incomplete(server, want) -> None:
     assert events[-1].response.output_text == got.output_text
 
 
+def test_a_background_response_is_polled_and_another_cancelled(server, want) -> None:
+    """`background: true`: answered at once as queued, then GET shows it completed with the
+    answer a plain request gets; a long one cancelled is "cancelled" (what it had written
+    kept) and its engine stream is gone."""
+    c, name = openai_client(server), server.slot.name
+    queued = c.responses.create(model=name, instructions=INSTRUCTIONS, input=QUESTION,
+                                temperature=0, background=True)
+    assert (queued.status, queued.background, queued.output) == ("queued", True, [])
+    assert wait_for(lambda: c.responses.retrieve(queued.id).status == "completed", 60)
+    assert c.responses.retrieve(queued.id).output_text == tokenizer().decode(want[0])
+    long = c.responses.create(model=name, input=QUESTION, temperature=0, background=True,
+                              max_output_tokens=60, extra_body={"ignore_eos": True})
+    assert wait_for(lambda: server.slot.engine.active() == 1)
+    cancelled = c.responses.cancel(long.id)
+    assert cancelled.status == "cancelled" == c.responses.retrieve(long.id).status
+    assert cancelled.usage is None or cancelled.usage.output_tokens < 60
+    assert wait_for(lambda: server.slot.engine.active() == 0)
+    with pytest.raises(openai.BadRequestError, match="only a response created with"):
+        c.responses.cancel(c.responses.create(model=name, input=QUESTION,
+                                              max_output_tokens=1).id)
+    for extra, says in (({"stream": True}, "'background' with 'stream'"),
+                        ({"store": False}, "'background' needs 'store'")):
+        with pytest.raises(openai.BadRequestError, match=says):
+            c.responses.create(model=name, input=QUESTION, background=True, **extra)
+
+
 def test_logprobs_are_the_models_own(server, want) -> None:
     ids, logits = want
     got = openai_client(server).responses.create(
@@ -143,7 +170,7 @@ def test_the_store_keeps_the_newest() -> None:
 
 
 @pytest.mark.parametrize("extra, says", [
-    ({"background": True}, "'background' is not supported"),
+    ({"conversation": "conv_1"}, "'conversation' is not supported"),
     ({"tools": [{"type": "web_search"}]}, "built-in tools are not served"),
     ({"text": {"format": {"type": "grammar"}}}, "'text.format' 'grammar' is not"),
     ({"reasoning": {"effort": "low"}}, "'reasoning' settings are not supported"),

@@ -23,12 +23,14 @@ response.completed, or response.incomplete when `max_output_tokens` cut the answ
 
 Responses are kept (`store`, true by default as OpenAI's; serving/http/response_store.py):
 `previous_response_id` continues a kept conversation, `GET` / `DELETE /v1/responses/{id}`
-return and forget one. What cannot be honoured is refused with 400 rather than ignored:
-`conversation`, `background`, built-in tools, reasoning settings (effort, summaries) and
-`truncation: auto`."""
+return and forget one. `background: true` answers at once (queued) while the generation
+runs on; GET polls it, `POST /v1/responses/{id}/cancel` stops it. What cannot be honoured is
+refused with 400 rather than ignored: `conversation`, `background` with `stream`, built-in
+tools, reasoning settings (effort, summaries) and `truncation: auto`."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -50,7 +52,7 @@ from serving.http.responses_items import chat_tools, function_call, messages, re
 from serving.http.streams import ChunkStream
 from serving.http.tools import Reader, tool_reader
 from serving.http.triton_generate import SSE_HEADERS
-from serving.sampling import Chunk, Grammar
+from serving.sampling import Chunk, Grammar, join_chunks
 from serving.tokenizer import token_text
 
 LOGPROBS = "message.output_text.logprobs"  # the `include` entry that asks for them
@@ -60,10 +62,16 @@ ENCRYPTED = "reasoning.encrypted_content"
 
 
 def _refuse_unsupported(body: dict) -> None:
-    for name in ("conversation", "background"):
-        if body.get(name):
-            raise InvalidArgument(f"'{name}' is not supported (responses are kept in memory "
-                                  "for previous_response_id, not as conversations or jobs)")
+    if body.get("conversation"):
+        raise InvalidArgument("'conversation' is not supported (responses are kept in memory "
+                              "for previous_response_id, not as conversations)")
+    if body_value(body, "background", (bool,), False):
+        if not body_value(body, "store", (bool,), True):
+            raise InvalidArgument("'background' needs 'store': a background response is "
+                                  "fetched later")
+        if body_value(body, "stream", (bool,), False):
+            raise InvalidArgument("'background' with 'stream' is not supported: poll GET "
+                                  "/v1/responses/{id}")
     reasoning = body_value(body, "reasoning", (dict,), {}) or {}
     if any(v is not None for v in reasoning.values()):
         raise InvalidArgument("'reasoning' settings are not supported (a reasoning model's "
@@ -181,6 +189,7 @@ class _Answer:
             "instructions": b.get("instructions"), "max_output_tokens": b.get(
                 "max_output_tokens"), "model": self.engine.name, "output": output,
             "parallel_tool_calls": b.get("parallel_tool_calls", True),
+            "background": bool(b.get("background", False)),
             "previous_response_id": b.get("previous_response_id"),
             "reasoning": {"effort": None, "summary": None},
             "store": b.get("store", True), "temperature": b.get("temperature", 1.0),
@@ -239,6 +248,8 @@ async def responses(frontend, request: Request) -> Response:
             frontend.responses.put(Stored(
                 (*history, reply(answer.content, answer.calls)), final))
 
+    if body_value(body, "background", (bool,), False):
+        return JSONResponse(_in_background(frontend, answer, stream, kept))
     if not body_value(body, "stream", (bool,), False):
         whole = await stream.whole(request.receive)
         if whole is None:
@@ -249,6 +260,39 @@ async def responses(frontend, request: Request) -> Response:
         return JSONResponse(final)
     return StreamingResponse(_events(answer, stream, kept), media_type="text/event-stream",
                              headers=SSE_HEADERS)
+
+
+def _in_background(frontend, answer: _Answer, stream: ChunkStream,
+                   kept: Callable[[dict], None]) -> dict:
+    """`background: true`: the generation runs as a task of the server's loop and the stored
+    response says where it is (queued, in_progress, then completed, incomplete, failed or
+    cancelled), for `GET /v1/responses/{id}` to poll and `.../cancel` to stop. The queued
+    response is the answer."""
+    cancelled: list[bool] = []
+
+    def cancel() -> None:
+        cancelled.append(True)
+        stream.close()
+
+    async def run() -> None:
+        try:
+            kept(answer.response("in_progress", []))
+            whole = join_chunks(await stream.collect())
+            answer.add(whole)
+            if cancelled:
+                kept(answer.response("cancelled", answer.output("incomplete")))
+            elif whole.reason not in ("length", "stop"):
+                kept(answer.response("failed", [], failure=whole.detail or
+                                     f"generation ended: {whole.reason}"))
+            else:
+                kept(answer.final(whole))
+        finally:
+            frontend.responses.ran(answer.id)
+
+    queued = answer.response("queued", [])
+    kept(queued)
+    frontend.responses.run(answer.id, cancel, asyncio.get_running_loop().create_task(run()))
+    return queued
 
 
 def _grammar(body: dict, reader: Reader | None) -> Grammar | None:
@@ -335,6 +379,20 @@ async def retrieve(frontend, request: Request) -> Response:
     return JSONResponse(frontend.responses.get(request.path_params["response_id"]).response)
 
 
+async def cancel(frontend, request: Request) -> Response:
+    """`client.responses.cancel(id)`: a running background response stopped (its slot freed
+    at the engine's next step) and answered as it was left, status "cancelled"; a finished
+    one answered as it is."""
+    response_id = request.path_params["response_id"]
+    if not frontend.responses.get(response_id).response.get("background"):
+        raise InvalidArgument("only a response created with 'background': true can be "
+                              "cancelled")
+    task = frontend.responses.cancel(response_id)
+    if task is not None:
+        await asyncio.wait_for(asyncio.shield(task), 60)
+    return JSONResponse(frontend.responses.get(response_id).response)
+
+
 async def delete(frontend, request: Request) -> Response:
     """`client.responses.delete(id)`: forgotten (later requests that continue it get 404)."""
     response_id = request.path_params["response_id"]
@@ -344,4 +402,6 @@ async def delete(frontend, request: Request) -> Response:
 
 ROUTES = [("/v1/responses", ["POST"], "v1/responses", responses, error),
           ("/v1/responses/{response_id}", ["GET"], "v1/responses/{id}", retrieve, error),
-          ("/v1/responses/{response_id}", ["DELETE"], "v1/responses/{id}", delete, error)]
+          ("/v1/responses/{response_id}", ["DELETE"], "v1/responses/{id}", delete, error),
+          ("/v1/responses/{response_id}/cancel", ["POST"], "v1/responses/{id}/cancel", cancel,
+           error)]
