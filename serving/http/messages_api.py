@@ -11,8 +11,8 @@ prefill: the answer continues it. `max_tokens` (required), `stop_sequences`, str
 output (`output_config.format` json_schema), and the sampling settings older clients send
 (`temperature`, `top_p`, `top_k`; without them the model samples at temperature 1, as the
 API does) with vLLM's extras (`min_tokens`, `seed`, `repetition_penalty`, `ignore_eos`);
-`tools` ({name, description, input_schema}) with `tool_choice` auto / any /
-tool / none and `disable_parallel_tool_use`, made and read as chat's (serving/http/tools.py:
+`tools` ({name, description, input_schema}) with `tool_choice` auto / any / tool / none and
+`disable_parallel_tool_use`, made and read as chat's (serving/http/tools.py:
 forced calls from any model, "auto" with --tool-call-parser), answered as `tool_use` blocks
 with stop_reason "tool_use". With --reasoning-parser the thinking comes back as a `thinking`
 block (its `signature` empty: nothing here signs it). stop_reason is end_turn, max_tokens,
@@ -23,7 +23,7 @@ computed.
 Streamed (`stream: true`) as the API's events, each `event: TYPE`: message_start, then per
 content block content_block_start, its deltas (thinking_delta, text_delta, or one
 input_json_delta with a call's whole input) and content_block_stop, then message_delta (the
-stop reason and the output tokens) and message_stop; a failure is an `error` event. Errors
+stop reason and the usage) and message_stop; a failure is an `error` event. Errors
 are the API's error objects. The server's token is taken as `x-api-key` (the client's
 api_key) or as a bearer token (its auth_token). What cannot be honoured is refused with 400:
 image and document blocks, server tools (web search, code execution, ...), `container`,
