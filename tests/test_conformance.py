@@ -321,7 +321,7 @@ def test_unmerge_makes_the_merged_decoder_the_plain_graph_it_was_made_of(
     from serving_support import perturbed_copy
 
     from tuner.graph.load import load_model
-    from tuner.graph.merged import FLAG
+    from tuner.graph.merged import FLAG, with_cache
     from tuner.jobs.pad import NotExact, gate
     from tuner.jobs.unmerge import prepared
 
@@ -346,7 +346,7 @@ def test_unmerge_makes_the_merged_decoder_the_plain_graph_it_was_made_of(
     assert code == 0, err
     code, _, err = _run(["unmerge", str(kv), "-o", str(tmp_path / "again.onnx")])
     assert code == 2 and "not an Optimum merged decoder" in err
-    check = prepared(merged, model)
+    check = prepared(merged, model, with_cache(load_model(merged, merged_ok=True)))
     try:
         with pytest.raises(NotExact):
             gate(check, perturbed_copy(plain, tmp_path / "corrupted.onnx"))

@@ -6,6 +6,7 @@ so such a file is first made plain by `tuner unmerge` (tuner.rewrite.unmerge).""
 
 from __future__ import annotations
 
+import numpy as np
 import onnx_ir as ir
 
 FLAG = "use_cache_branch"  # the merged file's input that picks the branch
@@ -29,3 +30,11 @@ def merged_if(model: ir.Model) -> ir.Node | None:
     flag = next((v for v in model.graph.inputs if v.name == FLAG), None)
     return next((n for n in model.graph if flag is not None and n.op_type == "If"
                  and n.inputs[0] is flag and holds_layers(n)), None)
+
+
+def with_cache(model: ir.Model) -> np.ndarray:
+    """The `use_cache_branch` value that picks the with-cache branch: True, in the input's
+    shape ([1] where it is not fixed, as Optimum declares it)."""
+    flag = next(v for v in model.graph.inputs if v.name == FLAG)
+    shape = flag.shape.numpy() if flag.shape is not None and flag.shape.is_static() else (1,)
+    return np.ones(shape, np.bool_)

@@ -24,7 +24,7 @@ from tuner.gate.entry import GateCheck, prepare
 from tuner.gate.verify import Tolerance, VerifyResult
 from tuner.graph.load import load_model, name_nodes, save_model
 from tuner.errors import BadInput
-from tuner.graph.merged import FLAG, merged_if
+from tuner.graph.merged import FLAG, merged_if, with_cache
 from tuner.jobs.pad import check_destination, gate, let_go_of_weights, load_reference, \
     move_into_place
 from tuner.rewrite.unmerge import unmerge
@@ -44,18 +44,12 @@ class _WithCacheBranch:
         self.runner.close()
 
 
-def prepared(merged: Path, plain: ir.Model, tolerance: Tolerance = Tolerance()) -> GateCheck:
+def prepared(merged: Path, plain: ir.Model, flag: np.ndarray,
+             tolerance: Tolerance = Tolerance()) -> GateCheck:
     """The gate of a plain graph made from `merged`: feeds built for `plain` (the graph
-    without the flag), the merged file as the reference."""
-    flag = np.ones(_flag_shape(merged), np.bool_)
+    without the flag), the merged file as the reference, fed `flag` beside them."""
     return prepare(plain, lambda: _WithCacheBranch(load_reference(merged), flag),
                    tolerance=tolerance)
-
-
-def _flag_shape(merged: Path) -> tuple[int, ...]:
-    flag = next(v for v in load_model(merged, merged_ok=True).graph.inputs if v.name == FLAG)
-    return tuple(flag.shape.numpy()) if flag.shape is not None and flag.shape.is_static() \
-        else (1,)
 
 
 def unmerge_file(src: str | os.PathLike, dst: str | os.PathLike,
@@ -69,9 +63,10 @@ def unmerge_file(src: str | os.PathLike, dst: str | os.PathLike,
     if merged_if(model) is None:
         raise BadInput(f"{src}: not an Optimum merged decoder (no If on an input '{FLAG}' "
                        "holding the layers): nothing to unmerge")
+    flag = with_cache(model)
     unmerge(model)
     name_nodes(model)
-    check = prepared(src, model, tolerance)
+    check = prepared(src, model, flag, tolerance)
     try:
         with tempfile.TemporaryDirectory(dir=dst.parent, prefix=f".{dst.name}.") as tmp:
             staged = save_model(model, Path(tmp) / dst.name)

@@ -11,12 +11,11 @@ merged file fed use_cache_branch = True.
 
 from __future__ import annotations
 
-import numpy as np
 import onnx_ir as ir
 from onnxscript.optimizer import fold_constants
 
 from tuner.errors import BadInput
-from tuner.graph.merged import FLAG, layers_inside, merged_if
+from tuner.graph.merged import FLAG, layers_inside, merged_if, with_cache
 
 
 def unmerge(model: ir.Model) -> ir.Model:
@@ -25,9 +24,8 @@ def unmerge(model: ir.Model) -> ir.Model:
     if merged_if(model) is None:
         raise BadInput(f"not a merged decoder: no If on an input '{FLAG}' holding the layers")
     flag = next(v for v in model.graph.inputs if v.name == FLAG)
+    flag.const_value = ir.tensor(with_cache(model), name=FLAG)
     model.graph.inputs.remove(flag)
-    shape = flag.shape.numpy() if flag.shape is not None and flag.shape.is_static() else (1,)
-    flag.const_value = ir.tensor(np.ones(shape, np.bool_), name=FLAG)  # the with-cache branch
     model.graph.register_initializer(flag)
     fold_constants(model, should_fold=lambda node: False)
     if flag.uses():
