@@ -266,10 +266,6 @@ def test_vllm_stops_at_the_end_token_unless_ignore_eos_and_counts(server, llama)
     going = stream(server, perf_analyzer_inputs(client, server.slot.name,
                                                 params(ignore_eos="true")))
     assert len(ids(going)) == 20
-    # min_p 1 at temperature 1 leaves only the likeliest token: greedy's ids again
-    sampled = stream(server, perf_analyzer_inputs(client, server.slot.name, params(
-        ignore_eos="true", temperature="1.0", seed="5", min_p="1.0")))
-    assert ids(sampled) == ids(going)
 
 
 def test_a_cancelled_stream_frees_its_slot(server) -> None:

@@ -81,31 +81,6 @@ def test_streamed_completion_ends_with_usage(server, llama) -> None:
     assert all(c.usage.prompt_tokens == len(tokenizer().encode(PROMPT).ids) for c in chunks)
 
 
-def test_usage_counts_the_prompt_tokens_read_from_the_prefix_cache(server) -> None:
-    """A prompt sent again finds its whole 16-token blocks (all but the last token's) in the
-    prefix cache: prompt_tokens_details.cached_tokens, whole and streamed, on chat and
-    completions (each prompt counted once, whatever `n`), and on the Responses API."""
-    c, name = openai_client(server), server.slot.name
-    chat = [{"role": "user", "content": "Count the foxes in the usage, please."}]
-    total = len(tokenizer().encode(rendered(chat), add_special_tokens=False).ids)
-    ask = dict(model=name, messages=chat, max_tokens=2, temperature=0)
-    first = c.chat.completions.create(**ask).usage.prompt_tokens_details.cached_tokens
-    hit = (total - 1) // 16 * 16  # (the first's first block may be an earlier prompt's)
-    assert first < hit
-    assert c.chat.completions.create(**ask, n=2).usage.prompt_tokens_details.cached_tokens == hit
-    streamed = list(c.chat.completions.create(**ask, stream=True,
-                                              stream_options={"include_usage": True}))
-    assert streamed[-1].usage.prompt_tokens_details.cached_tokens == hit
-    prompt = "Foxes are counted in the usage of completions, twice over."
-    long = len(tokenizer().encode(prompt).ids)
-    assert long > 16
-    cached = [c.completions.create(model=name, prompt=prompt, max_tokens=2, temperature=0
-                                   ).usage.prompt_tokens_details.cached_tokens for _ in "ab"]
-    assert cached[0] < cached[1] == (long - 1) // 16 * 16
-    response = c.responses.create(model=name, input=chat, max_output_tokens=2, temperature=0)
-    assert response.usage.input_tokens_details.cached_tokens == hit
-
-
 def test_chat_renders_the_template_as_transformers_does(server, artifact, llama) -> None:
     text = rendered(MESSAGES)
     prompt = tokenizer().encode(text, add_special_tokens=False).ids
@@ -296,38 +271,6 @@ def test_a_batch_of_prompts_answers_each_in_order(server, llama) -> None:
             (0, want[0]), (1, want[0]), (2, want[1]), (3, want[1])]
         assert got.usage.prompt_tokens == sum(len(tokenizer().encode(p).ids) for p in prompts)
         assert got.usage.completion_tokens == 4 * 4
-
-
-def test_vllms_stop_token_ids_bad_words_and_min_p_are_honoured(server, llama) -> None:
-    """vLLM's sampling extras: `stop_token_ids` end the choice before that token (also with
-    ignore_eos), a `bad_words` word is never written (ONNX Runtime's logits without its
-    token are the reference), and `min_p` 1 at temperature 1 leaves only the likeliest
-    token: greedy's text (temperature 1 alone samples another)."""
-    c, name = openai_client(server), server.slot.name
-    ids, text = _want(llama, PROMPT, 8)
-    k = next(i for i in range(2, 8) if ids[i] not in ids[:i])
-    got = c.completions.create(model=name, prompt=PROMPT, max_tokens=8, temperature=0,
-                               extra_body={"stop_token_ids": [ids[k]], **NO_EOS})
-    assert (got.choices[0].finish_reason, got.usage.completion_tokens) == ("stop", k)
-    assert got.choices[0].text == tokenizer().decode(ids[:k])
-    # a word greedy writes at step i that is one token both alone and after a space: both
-    # are banned at every step (vLLM's rule), so greedy changes first at step i
-    encode = lambda text: tokenizer().encode(text).ids  # noqa: E731
-    i, word = next((i, w) for i, w in ((i, tokenizer().decode([ids[i]]).strip())
-                                       for i in range(8))
-                   if len(encode(w)) == len(encode(" " + w)) == 1
-                   and ids[i] in encode(w) + encode(" " + w)
-                   and not set(ids[:i]) & set(encode(w) + encode(" " + w)))
-    row = logits_of(llama, tokenizer().encode(PROMPT).ids + ids[:i])[-1].copy()
-    row[encode(word) + encode(" " + word)] = -np.inf
-    got = c.completions.create(model=name, prompt=PROMPT, max_tokens=i + 1, temperature=0,
-                               extra_body={"bad_words": [word], **NO_EOS})
-    assert got.choices[0].text == tokenizer().decode(ids[:i] + [int(np.argmax(row))])
-    sampled = dict(model=name, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=5,
-                   extra_body=NO_EOS)
-    assert c.completions.create(**sampled).choices[0].text != text
-    assert c.completions.create(**sampled | {"extra_body": {"min_p": 1.0, **NO_EOS}}
-                                ).choices[0].text == text
 
 
 def test_what_cannot_be_honoured_is_refused_not_ignored(server) -> None:

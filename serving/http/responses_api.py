@@ -30,7 +30,6 @@ tools, reasoning settings (effort, summaries) and `truncation: auto`."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
@@ -48,11 +47,12 @@ from serving.http.openai_requests import (SAMPLING, body_value, generations_for,
                                           top_count)
 from serving.http.reasoning import Thinking, released
 from serving.http.response_store import Stored
+from serving.http.responses_background import cancel, in_background
 from serving.http.responses_items import chat_tools, function_call, messages, reply, turn
 from serving.http.streams import ChunkStream
 from serving.http.tools import Reader, tool_reader
 from serving.http.triton_generate import SSE_HEADERS
-from serving.sampling import Chunk, Grammar, join_chunks
+from serving.sampling import Chunk, Grammar
 from serving.tokenizer import token_text
 
 LOGPROBS = "message.output_text.logprobs"  # the `include` entry that asks for them
@@ -249,7 +249,7 @@ async def responses(frontend, request: Request) -> Response:
                 (*history, reply(answer.content, answer.calls)), final))
 
     if body_value(body, "background", (bool,), False):
-        return JSONResponse(_in_background(frontend, answer, stream, kept))
+        return JSONResponse(in_background(frontend, answer, stream, kept))
     if not body_value(body, "stream", (bool,), False):
         whole = await stream.whole(request.receive)
         if whole is None:
@@ -260,39 +260,6 @@ async def responses(frontend, request: Request) -> Response:
         return JSONResponse(final)
     return StreamingResponse(_events(answer, stream, kept), media_type="text/event-stream",
                              headers=SSE_HEADERS)
-
-
-def _in_background(frontend, answer: _Answer, stream: ChunkStream,
-                   kept: Callable[[dict], None]) -> dict:
-    """`background: true`: the generation runs as a task of the server's loop and the stored
-    response says where it is (queued, in_progress, then completed, incomplete, failed or
-    cancelled), for `GET /v1/responses/{id}` to poll and `.../cancel` to stop. The queued
-    response is the answer."""
-    cancelled: list[bool] = []
-
-    def cancel() -> None:
-        cancelled.append(True)
-        stream.close()
-
-    async def run() -> None:
-        try:
-            kept(answer.response("in_progress", []))
-            whole = join_chunks(await stream.collect())
-            answer.add(whole)
-            if cancelled:
-                kept(answer.response("cancelled", answer.output("incomplete")))
-            elif whole.reason not in ("length", "stop"):
-                kept(answer.response("failed", [], failure=whole.detail or
-                                     f"generation ended: {whole.reason}"))
-            else:
-                kept(answer.final(whole))
-        finally:
-            frontend.responses.ran(answer.id)
-
-    queued = answer.response("queued", [])
-    kept(queued)
-    frontend.responses.run(answer.id, cancel, asyncio.get_running_loop().create_task(run()))
-    return queued
 
 
 def _grammar(body: dict, reader: Reader | None) -> Grammar | None:
@@ -377,20 +344,6 @@ def _call_events(a: _Answer, index: int, item: dict) -> list[bytes]:
 async def retrieve(frontend, request: Request) -> Response:
     """`client.responses.retrieve(id)`: a stored response as it was answered."""
     return JSONResponse(frontend.responses.get(request.path_params["response_id"]).response)
-
-
-async def cancel(frontend, request: Request) -> Response:
-    """`client.responses.cancel(id)`: a running background response stopped (its slot freed
-    at the engine's next step) and answered as it was left, status "cancelled"; a finished
-    one answered as it is."""
-    response_id = request.path_params["response_id"]
-    if not frontend.responses.get(response_id).response.get("background"):
-        raise InvalidArgument("only a response created with 'background': true can be "
-                              "cancelled")
-    task = frontend.responses.cancel(response_id)
-    if task is not None:
-        await asyncio.wait_for(asyncio.shield(task), 60)
-    return JSONResponse(frontend.responses.get(response_id).response)
 
 
 async def delete(frontend, request: Request) -> Response:
