@@ -9,17 +9,8 @@ from __future__ import annotations
 import json
 
 import numpy as np
-import pytest
-from llm_support import (NO_EOS, PROMPT, decoder_artifact, greedy, llama,  # noqa: F401
-                         logits_of, openai_client, rendered, start, tokenizer)
-
-
-@pytest.fixture(scope="module")
-def server(llama, tmp_path_factory):
-    s = start(decoder_artifact(tmp_path_factory.mktemp("extras"), llama),
-              generate={"max_streams": 4, "max_tokens": 64})
-    yield s
-    s.stop(5)
+from llm_support import (NO_EOS, PROMPT, decoder, greedy, llama,  # noqa: F401
+                         logits_of, openai_client, rendered, tokenizer)
 
 
 def _want(llama, prompt: str, n: int) -> tuple[list[int], str]:
@@ -27,12 +18,12 @@ def _want(llama, prompt: str, n: int) -> tuple[list[int], str]:
     return ids, tokenizer().decode(ids)
 
 
-def test_vllms_stop_token_ids_bad_words_and_min_p_are_honoured(server, llama) -> None:
+def test_vllms_stop_token_ids_bad_words_and_min_p_are_honoured(decoder, llama) -> None:
     """vLLM's sampling extras: `stop_token_ids` end the choice before that token (also with
     ignore_eos), a `bad_words` word is never written (ONNX Runtime's logits without its
     token are the reference), and `min_p` 1 at temperature 1 leaves only the likeliest
     token: greedy's text (temperature 1 alone samples another)."""
-    c, name = openai_client(server), server.slot.name
+    c, name = openai_client(decoder), decoder.slot.name
     ids, text = _want(llama, PROMPT, 8)
     k = next(i for i in range(2, 8) if ids[i] not in ids[:i])
     got = c.completions.create(model=name, prompt=PROMPT, max_tokens=8, temperature=0,
@@ -59,11 +50,11 @@ def test_vllms_stop_token_ids_bad_words_and_min_p_are_honoured(server, llama) ->
                                 ).choices[0].text == text
 
 
-def test_usage_counts_the_prompt_tokens_read_from_the_prefix_cache(server) -> None:
+def test_usage_counts_the_prompt_tokens_read_from_the_prefix_cache(decoder) -> None:
     """A prompt sent again finds its whole 16-token blocks (all but the last token's) in the
     prefix cache: prompt_tokens_details.cached_tokens, whole and streamed, on chat and
     completions (each prompt counted once, whatever `n`), and on the Responses API."""
-    c, name = openai_client(server), server.slot.name
+    c, name = openai_client(decoder), decoder.slot.name
     chat = [{"role": "user", "content": "Count the foxes in the usage, please."}]
     total = len(tokenizer().encode(rendered(chat), add_special_tokens=False).ids)
     ask = dict(model=name, messages=chat, max_tokens=2, temperature=0)
