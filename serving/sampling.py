@@ -22,8 +22,8 @@ MAX_TOP_LOGPROBS = 20  # the most alternatives a position reports (OpenAI's limi
 class Sampling:
     """temperature 0 (the default) or top_k 1 is greedy; otherwise softmax(logits / t),
     cut to the top k, to the smallest set holding top_p of the mass, and to the ids at least
-    min_p times as likely as the likeliest. A seed makes it
-    reproducible (one generator per stream, so other streams cannot change the draws).
+    min_p times as likely as the likeliest. A seed makes it reproducible (one generator per
+    stream, so other streams cannot change the draws).
     Before either, the logits are adjusted (`adjust`) as vLLM's sampler and transformers'
     logits processors do, in their order: the bias first, then the penalties."""
 
