@@ -116,6 +116,20 @@ def test_the_model_list_is_read_by_the_anthropic_client(server) -> None:
     assert c.models.retrieve(server.slot.name).display_name == server.slot.name
 
 
+def test_vllms_extras_are_taken_as_on_chat_completions(server, llama, want) -> None:
+    """stop_token_ids end the answer before that token; min_p 1 at temperature 1 leaves
+    greedy's answer (temperature 1 alone samples another)."""
+    ids = greedy(llama, rendered_ids(CHAT), END_AT)[0]
+    got = client(server).messages.create(**ask(server, extra_body={
+        "temperature": 0, "stop_token_ids": [ids[2]]}))
+    assert ids[2] not in ids[:2] and got.content[0].text == tokenizer().decode(ids[:2])
+    sampled = {"temperature": 1.0, "seed": 5}
+    c = client(server)
+    assert c.messages.create(**ask(server, extra_body=sampled)).content[0].text != want
+    assert c.messages.create(**ask(server, extra_body=sampled | {"min_p": 1.0})
+                             ).content[0].text == want
+
+
 def test_count_tokens_counts_the_rendered_prompt(server) -> None:
     got = client(server).messages.count_tokens(model=server.slot.name, system=SYSTEM,
                                                messages=[{"role": "user", "content": QUESTION}])

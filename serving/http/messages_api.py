@@ -10,7 +10,8 @@ as JSON arguments) and the user's `tool_result` (chat's tool message); an assist
 prefill: the answer continues it. `max_tokens` (required), `stop_sequences`, structured
 output (`output_config.format` json_schema), and the sampling settings older clients send
 (`temperature`, `top_p`, `top_k`; without them the model samples at temperature 1, as the
-API does) with vLLM's extras (`min_tokens`, `seed`, `repetition_penalty`, `ignore_eos`);
+API does) with vLLM's extras (`min_p`, `min_tokens`, `seed`, `repetition_penalty`,
+`ignore_eos`, `stop_token_ids`, `bad_words`);
 `tools` ({name, description, input_schema}) with `tool_choice` auto / any / tool / none and
 `disable_parallel_tool_use`, made and read as chat's (serving/http/tools.py:
 forced calls from any model, "auto" with --tool-call-parser), answered as `tool_use` blocks

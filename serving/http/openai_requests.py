@@ -24,8 +24,8 @@ def body_value(body: dict, name: str, kinds: tuple, default=None):
 
 # what the APIs that are not chat completions (Responses, Anthropic's Messages) take of its
 # sampling settings, vLLM's extras included, under the same names
-SAMPLING = ("temperature", "top_p", "top_k", "min_tokens", "seed", "repetition_penalty",
-            "ignore_eos")
+SAMPLING = ("temperature", "top_p", "top_k", "min_p", "min_tokens", "seed",
+            "repetition_penalty", "ignore_eos", "stop_token_ids", "bad_words")
 
 
 def _stops(body: dict) -> tuple[str, ...]:
