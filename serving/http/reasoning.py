@@ -61,7 +61,8 @@ def released(text: str, final: bool, thinking: Thinking | None, tools, sent_reas
              sent_content: int) -> tuple[str, str, list[dict] | None]:
     """What a reply's text so far releases past what went out (`sent_*`, in characters):
     the new reasoning, the new content (the tool reader, serving/http/tools.py, may hold
-    some back), and at the end the calls. Chat completions and the Responses API both."""
+    some back), and at the end the calls. Chat completions, the Responses and the Messages
+    APIs all."""
     reasoning, answer = thinking.split(text, final) if thinking is not None else ("", text)
     if tools is None:
         return reasoning[sent_reasoning:], answer[sent_content:], None
