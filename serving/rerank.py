@@ -46,6 +46,7 @@ def _length(folder: Path) -> int:
 class Pair:
     ids: tuple[int, ...]
     types: tuple[int, ...]
+    truncated: bool = False  # cut to the model's length
 
 
 def load_scorer(engine) -> "Scorer":
@@ -78,10 +79,14 @@ class Scorer:
 
     def pair(self, query: str, document: str) -> Pair:
         encoding = self.tokenizer.encode(query, document)
-        return Pair(tuple(encoding.ids), tuple(encoding.type_ids))
+        return Pair(tuple(encoding.ids), tuple(encoding.type_ids), bool(encoding.overflowing))
 
     def feeds(self, pair: Pair) -> dict[str, np.ndarray]:
         return {name: np.array([make(pair)], dtype) for name, make, dtype in self._inputs}
 
+    def logit(self, outputs: dict[str, np.ndarray]) -> float:
+        return float(outputs[LOGITS][0, 0])
+
     def score(self, outputs: dict[str, np.ndarray]) -> float:
-        return self.activation(float(outputs[LOGITS][0, 0]))
+        """The logit through the model's activation (sigmoid unless its config says)."""
+        return self.activation(self.logit(outputs))

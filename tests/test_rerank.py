@@ -2,7 +2,8 @@
 optimize` made an artifact of (models/cross_encoder.py: a BERT classifier with one label,
 its WordPiece tokenizer with BERT's pair template), equal to sentence-transformers'
 CrossEncoder on the same folder: the scores, their order, `top_n`, `return_documents`, a
-document past the model's length, and the config's Identity activation."""
+document past the model's length, and the config's Identity activation; and Text Embeddings
+Inference's shape of `/rerank` (`texts`, `raw_scores`, `return_text`, `truncate`)."""
 
 from __future__ import annotations
 
@@ -75,6 +76,27 @@ def test_cohere_and_jina_shapes_top_n_and_no_documents(server) -> None:
     assert [x["index"] for x in top] == [x["index"] for x in whole[:2]]
     assert all("document" not in x for x in top)
     assert _rerank(server, "/rerank")["results"] == whole
+
+
+def test_text_embeddings_inferences_shape(server) -> None:
+    import torch
+
+    url = f"http://127.0.0.1:{server.http_port}/rerank"
+    body = {"query": QUERY, "texts": DOCUMENTS, "truncate": True}
+    got = requests.post(url, json=body, timeout=60).json()  # TEI's clients name no model
+    want = _reference()
+    assert [x["index"] for x in got] == sorted(range(4), key=lambda i: -want[i])
+    assert [x["score"] for x in got] == pytest.approx(sorted(want, reverse=True), abs=1e-5)
+    assert all(set(x) == {"index", "score"} for x in got)
+    raw = requests.post(url, json={**body, "raw_scores": True, "return_text": True},
+                        timeout=60).json()
+    logits = _reference(torch.nn.Identity())
+    assert {x["index"]: x["score"] for x in raw} == pytest.approx(dict(enumerate(logits)),
+                                                                  abs=1e-5)
+    assert all(x["text"] == DOCUMENTS[x["index"]] for x in raw)
+    # TEI refuses an input past the model's length unless told to truncate
+    r = requests.post(url, json={"query": QUERY, "texts": DOCUMENTS}, timeout=60)
+    assert r.status_code == 400 and "texts[3]" in r.json()["error"]["message"]
 
 
 def test_the_identity_activation_gives_the_raw_logits(artifact, tmp_path) -> None:

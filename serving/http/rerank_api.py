@@ -1,14 +1,21 @@
-"""Reranking for a cross-encoder artifact (serving/rerank.py), in the shape RAG frameworks
-call it: vLLM's and Jina's `POST /rerank` (also `/v1/rerank`) and Cohere's `POST
-/v2/rerank`: `query`, `documents` (strings, or objects with a `text`), `top_n` (all by
-default), `return_documents` (true by default); the results sorted by `relevance_score`,
-highest first, each with its document's `index`. Each pair is its own request to the
-engine, so the dynamic batcher joins them. Errors are OpenAI error objects, as vLLM's."""
+"""Reranking for a cross-encoder artifact (serving/rerank.py), in the shapes RAG frameworks
+call it:
+  - vLLM's and Jina's `POST /rerank` (also `/v1/rerank`) and Cohere's `POST /v2/rerank`:
+    `query`, `documents` (strings, or objects with a `text`), `top_n` (all by default),
+    `return_documents` (true by default); `results` sorted by `relevance_score`, highest
+    first, each with its document's `index`;
+  - Hugging Face Text Embeddings Inference's `POST /rerank` (a body with `texts`, not
+    `documents`): `raw_scores` (the logit, not its activation), `return_text`, `truncate`
+    (false: a pair longer than the model is refused, as TEI refuses it); the answer a bare
+    list of {index, score[, text]}, highest first.
+Each pair is its own request to the engine, so the dynamic batcher joins them. Errors are
+OpenAI error objects, as vLLM's."""
 
 from __future__ import annotations
 
 import asyncio
 import uuid
+from dataclasses import dataclass
 from functools import lru_cache
 
 from starlette.requests import Request
@@ -27,18 +34,46 @@ def _scorer(engine: Engine) -> Scorer:
     return load_scorer(engine)
 
 
-def _documents(raw) -> list[str]:
+def _documents(raw, field: str) -> list[str]:
     if not isinstance(raw, list) or not raw:
-        raise InvalidArgument("'documents' must be a non-empty list of strings or of "
+        raise InvalidArgument(f"'{field}' must be a non-empty list of strings or of "
                               "objects with a 'text'")
     if len(raw) > MAX_DOCUMENTS:
-        raise InvalidArgument(f"'documents' holds {len(raw)} items; at most {MAX_DOCUMENTS}")
+        raise InvalidArgument(f"'{field}' holds {len(raw)} items; at most {MAX_DOCUMENTS}")
     texts = [d.get("text") if isinstance(d, dict) else d for d in raw]
     bad = [i for i, t in enumerate(texts) if not isinstance(t, str)]
     if bad:
-        raise InvalidArgument(f"documents[{bad[0]}] must be a string or an object with a "
+        raise InvalidArgument(f"{field}[{bad[0]}] must be a string or an object with a "
                               "'text'")
     return texts
+
+
+def _flag(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name, default)
+    if not isinstance(value, bool):
+        raise InvalidArgument(f"'{name}' must be true or false")
+    return value
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """What the request asked the answer to hold (its API's own options, checked before the
+    model runs)."""
+    tei: bool  # Text Embeddings Inference's shape, else vLLM's / Cohere's
+    top: int = 0
+    documents: bool = True  # return_documents / return_text
+    raw_scores: bool = False
+    truncate: bool = True
+
+
+def _shape(body: dict, count: int) -> _Shape:
+    if "texts" in body and "documents" not in body:
+        return _Shape(True, count, _flag(body, "return_text", False),
+                      _flag(body, "raw_scores", False), _flag(body, "truncate", False))
+    top = body.get("top_n", count)
+    if isinstance(top, bool) or not isinstance(top, int) or top < 1:
+        raise InvalidArgument("'top_n' must be a positive integer")
+    return _Shape(False, top, _flag(body, "return_documents", True))
 
 
 async def rerank(frontend, request: Request) -> Response:
@@ -48,27 +83,30 @@ async def rerank(frontend, request: Request) -> Response:
     if not isinstance(engine, Engine):
         raise InvalidArgument("'model' must name a served cross-encoder (rerank scores come "
                               "from an encoder artifact)")
-    scorer = _scorer(engine)
-    query, documents = body.get("query"), _documents(body.get("documents"))
+    field = "texts" if "texts" in body and "documents" not in body else "documents"
+    query, documents = body.get("query"), _documents(body.get(field), field)
     if not isinstance(query, str) or not query:
         raise InvalidArgument("'query' must be a non-empty string")
-    top = body.get("top_n", len(documents))
-    if isinstance(top, bool) or not isinstance(top, int) or top < 1:
-        raise InvalidArgument("'top_n' must be a positive integer")
-    keep = body.get("return_documents", True)
-    if not isinstance(keep, bool):
-        raise InvalidArgument("'return_documents' must be true or false")
+    shape, scorer = _shape(body, len(documents)), _scorer(engine)
     pairs = [scorer.pair(query, d) for d in documents]
-    results = await asyncio.gather(*(frontend.run(engine.infer, scorer.feeds(p), ["logits"])
-                                     for p in pairs))
-    scores = [scorer.score(outputs) for outputs, _ in results]
-    order = sorted(range(len(documents)), key=lambda i: -scores[i])[:top]
-    tokens = sum(len(p.ids) for p in pairs)
+    long = [i for i, p in enumerate(pairs) if p.truncated]
+    if long and not shape.truncate:
+        raise InvalidArgument(f"texts[{long[0]}] with the query is longer than the model's "
+                              "input; send 'truncate': true to cut it")
+    outputs = [o for o, _ in await asyncio.gather(
+        *(frontend.run(engine.infer, scorer.feeds(p), ["logits"]) for p in pairs))]
+    scores = [scorer.logit(o) if shape.raw_scores else scorer.score(o) for o in outputs]
+    order = sorted(range(len(scores)), key=lambda i: -scores[i])[:shape.top]
+    if shape.tei:
+        return JSONResponse([{"index": i, "score": scores[i]}
+                             | ({"text": documents[i]} if shape.documents else {})
+                             for i in order])
     return JSONResponse({
         "id": "rerank-" + uuid.uuid4().hex, "model": name,
-        "usage": {"total_tokens": tokens},
+        "usage": {"total_tokens": sum(len(p.ids) for p in pairs)},
         "results": [{"index": i, "relevance_score": scores[i]}
-                    | ({"document": {"text": documents[i]}} if keep else {}) for i in order]})
+                    | ({"document": {"text": documents[i]}} if shape.documents else {})
+                    for i in order]})
 
 
 ROUTES = [("/rerank", ["POST"], "rerank", rerank, error),
