@@ -163,6 +163,16 @@ def decoder_artifact(tmp: Path, model: Path) -> Path:
     return out
 
 
+def hf_tokenizer_folder(artifact: Path, folder: Path) -> Path:
+    """The tokenizer folder a Hugging Face model comes with, for clients that load it with
+    transformers' AutoTokenizer to count tokens (lm-eval, AIPerf, GuideLLM)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "tokenizer.json").write_bytes((artifact / "tokenizer.json").read_bytes())
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>"}))
+    return folder
+
+
 def end_token_at(out: Path, model: Path, messages: list[dict], at: int) -> int:
     """Make the artifact's end token the one greedy writes `at` tokens into its answer to
     `messages` (so that an answer ends there, at a token it has not written before)."""

@@ -8,14 +8,12 @@ text."""
 
 from __future__ import annotations
 
-import json
-import shutil
-
 import numpy as np
 import pytest
 import requests
-from llm_support import (CHAT_TEMPLATE, PROMPT, decoder_artifact, greedy, llama,  # noqa: F401
-                         log_softmax, logits_of, start, tokenizer)
+from llm_support import (CHAT_TEMPLATE, PROMPT, decoder_artifact, greedy,  # noqa: F401
+                         hf_tokenizer_folder, llama, log_softmax, logits_of, start,
+                         tokenizer)
 
 lm_eval = pytest.importorskip("lm_eval", reason="lm-evaluation-harness is a test dependency "
                               "(pip install -e '.[test]')")
@@ -30,12 +28,7 @@ PAIRS = [("The quick brown fox", " jumps over the lazy dog"), ("Café, naïve", 
 def served(llama, tmp_path_factory):
     artifact = decoder_artifact(tmp_path_factory.mktemp("lm-eval"), llama)
     server = start(artifact, generate={"max_streams": 4, "max_tokens": 64})
-    # the tokenizer folder a Hugging Face model comes with (lm-eval loads it with
-    # transformers' AutoTokenizer to count the context's tokens)
-    hf = tmp_path_factory.mktemp("tokenizer")
-    shutil.copy(artifact / "tokenizer.json", hf / "tokenizer.json")
-    (hf / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>"}))
+    hf = hf_tokenizer_folder(artifact, tmp_path_factory.mktemp("tokenizer"))
     yield server, hf
     server.stop(5)
 
