@@ -164,7 +164,8 @@ def test_streamed_thinking_then_answer_are_two_items_in_order(artifact) -> None:
 
     s = start(artifact)
     try:
-        answer = _Answer(s.slot.engine, {}, 3, False, thinking=Thinking("deepseek_r1"))
+        answer = _Answer(engine=s.slot.engine, body={}, prompt=3, logprobs=False,
+                         thinking=Thinking("deepseek_r1"))
         events = asyncio.run(written(answer))
     finally:
         s.stop(5)

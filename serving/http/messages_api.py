@@ -44,9 +44,9 @@ from serving.errors import InvalidArgument
 from serving.http.chat import chat_prompt
 from serving.http.codec import http_status_for
 from serving.http.openai_requests import SAMPLING, body_value, generations_for, text_engine
-from serving.http.reasoning import Thinking, released
+from serving.http.reasoning import Reply, Thinking
 from serving.http.streams import ChunkStream
-from serving.http.tools import Reader, tool_reader
+from serving.http.tools import tool_reader
 from serving.http.triton_generate import SSE_HEADERS
 from serving.sampling import Chunk, Grammar
 
@@ -202,31 +202,13 @@ def _refuse_unsupported(body: dict) -> None:
 # -------------------------------------------------------------------------------- answers
 
 
-@dataclass
-class _Answer:
+@dataclass(kw_only=True)
+class _Answer(Reply):
     """One message as it is built: its text so far, split into thinking, text and calls."""
 
     engine: DecoderEngine
     prompt: int  # tokens
-    tools: Reader | None
-    thinking: Thinking | None
     id: str = field(default_factory=lambda: "msg_" + uuid.uuid4().hex)
-    text: str = ""  # everything generated
-    reasoning: str = ""
-    content: str = ""
-    calls: list[dict] | None = None
-    generated: int = 0
-    cached: int = 0  # prompt tokens taken from the prefix cache (known at the end)
-
-    def add(self, chunk: Chunk) -> tuple[str, str]:
-        """Take the chunk: the thinking and the text it releases."""
-        self.text += chunk.text or ""
-        self.generated += len(chunk.ids)
-        self.cached = chunk.cached or self.cached
-        thought, piece, self.calls = released(self.text, chunk.final, self.thinking,
-                                              self.tools, len(self.reasoning), len(self.content))
-        self.reasoning, self.content = self.reasoning + thought, self.content + piece
-        return thought, piece
 
     def stop(self, chunk: Chunk) -> dict:
         if self.calls:
@@ -279,7 +261,7 @@ async def messages(frontend, request: Request) -> Response:
     reader = tool_reader(chat, frontend.tool_parser)
     prompt = tuple(engine.tokenizer.encode(chat_prompt(engine.text, chat),
                                            add_special_tokens=False).ids)
-    answer = _Answer(engine, len(prompt), reader, thinking)
+    answer = _Answer(engine=engine, prompt=len(prompt), tools=reader, thinking=thinking)
     sampling = {k: body[k] for k in SAMPLING if k in body}
     (generation,) = generations_for(engine, {**sampling, "max_tokens": max_tokens,
                                              "stop": stops}, prompt, None, answer.id)

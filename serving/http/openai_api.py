@@ -41,7 +41,7 @@ from serving.http.codec import http_status_for
 from serving.http.openai_requests import (body_value, choice_count, completion_prompts,
                                           generations_for, max_tokens_of, text_engine,
                                           top_count)
-from serving.http.reasoning import Thinking, released
+from serving.http.reasoning import Reply, Thinking
 from serving.http.streams import ChunkStreams, until_disconnect
 from serving.http.tools import Reader, tool_reader
 from serving.http.triton_generate import SSE_HEADERS, sse
@@ -115,11 +115,8 @@ class _Shape:
                  thinking: Thinking | None = None) -> None:
         self.engine, self.chat, self.logprobs, self.top = engine, chat, top is not None, top
         self.echo, self.tools, self.thinking = echo, tools, thinking
-        # each choice's text so far, when it may hold reasoning or tool calls, and how much
-        # of its reasoning and of its content went out
-        self.held = [""] * n
-        self.sent_reasoning = [0] * n
-        self.sent = [0] * n
+        # each choice's text so far, when it may hold reasoning or tool calls
+        self.replies = [Reply(thinking=thinking, tools=tools) for _ in range(n)]
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.offsets = [0] * n  # each choice's text_offset (completions)
@@ -200,12 +197,8 @@ class _Shape:
         """A choice whose text may hold reasoning (serving/http/reasoning.py) or tool calls:
         the parsers say what reasoning and content may go now and, at the end, the calls
         (streamed: one delta carrying them whole)."""
-        self.held[index] += chunk.text or ""
-        thought, content, calls = released(self.held[index], chunk.final, self.thinking,
-                                           self.tools, self.sent_reasoning[index],
-                                           self.sent[index])
-        self.sent_reasoning[index] += len(thought)
-        self.sent[index] += len(content)
+        thought, content = self.replies[index].add(chunk)
+        calls = self.replies[index].calls
         if calls is not None:
             out["finish_reason"] = "tool_calls"
         # vLLM's field is now `reasoning`; `reasoning_content`, its first name, is what many

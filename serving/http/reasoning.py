@@ -21,7 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from serving.generation.grammar import THINKING
-from serving.sampling import Grammar, held_back
+from serving.http.tools import Reader
+from serving.sampling import Chunk, Grammar, held_back
 
 PARSERS = tuple(THINKING)
 OPEN, CLOSE = "<think>", "</think>"
@@ -57,14 +58,34 @@ class Thinking:
         return (body if final else body[:len(body) - held_back(body, (CLOSE,))]), ""
 
 
-def released(text: str, final: bool, thinking: Thinking | None, tools, sent_reasoning: int,
-             sent_content: int) -> tuple[str, str, list[dict] | None]:
-    """What a reply's text so far releases past what went out (`sent_*`, in characters):
-    the new reasoning, the new content (the tool reader, serving/http/tools.py, may hold
-    some back), and at the end the calls. Chat completions, the Responses and the Messages
-    APIs all."""
-    reasoning, answer = thinking.split(text, final) if thinking is not None else ("", text)
-    if tools is None:
-        return reasoning[sent_reasoning:], answer[sent_content:], None
-    content, calls = tools.read(answer, sent_content, final)
-    return reasoning[sent_reasoning:], content, calls
+@dataclass(kw_only=True)
+class Reply:
+    """One reply as it is generated: its text, what of it the parsers released so far (the
+    reasoning, and the content a tool reader, serving/http/tools.py, may hold back from),
+    the tool calls read out of it at the end, its tokens and the prompt tokens read from the
+    prefix cache (known at the end). Chat completions keep one per choice; a Responses or a
+    Messages answer is one."""
+
+    thinking: Thinking | None = None
+    tools: Reader | None = None
+    text: str = ""  # everything generated
+    reasoning: str = ""
+    content: str = ""
+    calls: list[dict] | None = None
+    generated: int = 0
+    cached: int = 0
+
+    def add(self, chunk: Chunk) -> tuple[str, str]:
+        """Take the chunk: the reasoning and the content it releases."""
+        self.text += chunk.text or ""
+        self.generated += len(chunk.ids)
+        self.cached = chunk.cached or self.cached
+        reasoning, answer = (self.thinking.split(self.text, chunk.final)
+                             if self.thinking is not None else ("", self.text))
+        thought = reasoning[len(self.reasoning):]
+        if self.tools is None:
+            piece = answer[len(self.content):]
+        else:
+            piece, self.calls = self.tools.read(answer, len(self.content), chunk.final)
+        self.reasoning, self.content = self.reasoning + thought, self.content + piece
+        return thought, piece

@@ -45,7 +45,7 @@ from serving.http.chat import render
 from serving.http.openai_api import error, token_entry
 from serving.http.openai_requests import (SAMPLING, body_value, generations_for, text_engine,
                                           top_count)
-from serving.http.reasoning import Thinking, released
+from serving.http.reasoning import Reply, Thinking
 from serving.http.response_store import Stored
 from serving.http.responses_background import cancel, in_background
 from serving.http.responses_items import chat_tools, function_call, messages, reply, turn
@@ -102,37 +102,24 @@ def _format(body: dict) -> Grammar | None:
     return None
 
 
-@dataclass
-class _Answer:
-    """One response as it is built: its ids and settings, its text so far, and what of it
-    is the message's content (all of it, unless a tool reader holds calls back)."""
+@dataclass(kw_only=True)
+class _Answer(Reply):
+    """One response as it is built: its ids and settings, its text so far and what of it is
+    the reasoning, the message's content and the calls (Reply), its log-prob entries."""
 
     engine: DecoderEngine
     body: dict
     prompt: int  # tokens
     logprobs: bool
-    tools: Reader | None = None
-    thinking: Thinking | None = None
     id: str = field(default_factory=lambda: "resp_" + uuid.uuid4().hex)
     item: str = field(default_factory=lambda: "msg_" + uuid.uuid4().hex)
     thought: str = field(default_factory=lambda: "rs_" + uuid.uuid4().hex)  # its item's id
     created: int = field(default_factory=lambda: int(time.time()))
-    text: str = ""  # everything generated
-    reasoning: str = ""  # the thinking split off it so far
-    content: str = ""  # the message's text so far
-    calls: list[dict] | None = None  # the tool calls read out of the text, at the end
     tokens: list = field(default_factory=list)  # log-prob entries, when asked
     pending: list = field(default_factory=list)  # entries not yet sent with a delta
-    generated: int = 0
-    cached: int = 0  # prompt tokens taken from the prefix cache (known at the end)
     sequence: int = 0
 
     def add(self, chunk: Chunk) -> tuple[str, str]:
-        """Take the chunk: the reasoning and the message text it releases (the reasoning
-        parser and the tool reader may hold text back)."""
-        self.text += chunk.text or ""
-        self.generated += len(chunk.ids)
-        self.cached = chunk.cached or self.cached
         if self.logprobs:
             tops = list(chunk.top_logprobs or ()) + [()] * len(chunk.ids)
             entries = [{**token_entry(self._text(t), p),
@@ -140,10 +127,7 @@ class _Answer:
                        for t, p, top in zip(chunk.ids, chunk.logprobs or (), tops)]
             self.tokens += entries
             self.pending += entries
-        thought, piece, self.calls = released(self.text, chunk.final, self.thinking,
-                                              self.tools, len(self.reasoning), len(self.content))
-        self.reasoning, self.content = self.reasoning + thought, self.content + piece
-        return thought, piece
+        return super().add(chunk)
 
     def sent(self) -> list:
         """The log-prob entries a delta carries now (those since the last delta)."""
@@ -234,7 +218,8 @@ async def responses(frontend, request: Request) -> Response:
     if max_tokens is not None and max_tokens < 1:
         raise InvalidArgument(f"'max_output_tokens' must be >= 1, not {max_tokens}")
     thinking = Thinking(frontend.reasoning_parser) if frontend.reasoning_parser else None
-    answer = _Answer(engine, body, len(prompt), logprobs, reader, thinking)
+    answer = _Answer(engine=engine, body=body, prompt=len(prompt), logprobs=logprobs,
+                     tools=reader, thinking=thinking)
     asked = {k: body[k] for k in SAMPLING if k in body} | {"max_tokens": max_tokens}
     (generation,) = generations_for(engine, asked, prompt, top if logprobs else None, answer.id)
     grammar = _grammar(body, reader)
