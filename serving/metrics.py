@@ -193,6 +193,7 @@ class EndpointMetrics:
 
     calls: Counter
     duration: Histogram
+    registry: CollectorRegistry  # where they live, with every other metric of the server
 
     def observe(self, protocol: str, endpoint: str, status: str, seconds: float) -> None:
         self.calls.labels(protocol, endpoint, status).inc()
@@ -206,4 +207,4 @@ def add_endpoint_metrics(metrics: Metrics) -> EndpointMetrics:
                 ["protocol", "endpoint", "status"], registry=r),
         Histogram("tuner_endpoint_request_duration_seconds", "Time to answer a call (a "
                   "stream: to its first byte)", ["protocol", "endpoint"],
-                  buckets=(0.0005, 0.001, 0.002, 0.005) + LATENCY_BUCKETS, registry=r))
+                  buckets=(0.0005, 0.001, 0.002, 0.005) + LATENCY_BUCKETS, registry=r), r)

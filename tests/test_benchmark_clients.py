@@ -79,8 +79,10 @@ def _greedy_text(llama, body: dict) -> str:
 
 
 def _aiperf(tools, server, tokenizer_folder, tmp, endpoint: str, *extra: str,
-            prompt_tokens: int = 24):
-    """AIPerf's summary and its raw records (each request's body and what came back)."""
+            prompt_tokens: int = 24, server_metrics: bool = False):
+    """AIPerf's summary and its raw records (each request's body and what came back).
+    `server_metrics`: let it scrape the server's /metrics while it runs (as it does unless
+    told not to; it then waits 2 s at the end for a last scrape)."""
     out = tmp / "aiperf"
     tmp.mkdir(exist_ok=True)
     _run(tools, ["aiperf", "profile", "-m", server.slot.name, "--endpoint-type", endpoint,
@@ -88,7 +90,7 @@ def _aiperf(tools, server, tokenizer_folder, tmp, endpoint: str, *extra: str,
                  "--synthetic-input-tokens-mean", str(prompt_tokens),
                  "--synthetic-input-tokens-stddev", "0", "--request-count", str(REQUESTS), "--concurrency", "3", "--random-seed", "1",
                  "--ui-type", "none", "--export-level", "raw", "--artifact-dir", str(out),
-                 *extra], tmp)
+                 *([] if server_metrics else ["--no-server-metrics"]), *extra], tmp)
     summary = json.loads((out / "profile_export_aiperf.json").read_text())
     records = [json.loads(line)
                for line in (out / "profile_export_raw.jsonl").read_text().splitlines()]
@@ -124,9 +126,15 @@ def test_aiperf_streams_the_models_own_tokens(tools, served, llama, tmp_path,
     extra = [a for k, v in GREEDY.items() for a in ("--extra-inputs", f"{k}:{str(v).lower()}")]
     summary, records = _aiperf(tools, server, folder, tmp_path, endpoint, "--streaming",
                                "--output-tokens-mean", str(NEW), "--output-tokens-stddev",
-                               "0", *extra)
+                               "0", *extra, server_metrics=endpoint == "chat")
     for record in records:
         assert _streamed(record) == _greedy_text(llama, record["payload"])
+    if endpoint == "chat":  # it found the server's metrics beside the API, and read them
+        scraped = json.loads((tmp_path / "aiperf" / "server_metrics_export.json").read_text())
+        assert scraped["summary"]["endpoints_successful"] == [
+            f"http://127.0.0.1:{server.http_port}/metrics"]
+        (series,) = scraped["metrics"]["tuner_generated_tokens"]["series"]
+        assert series["stats"]["total"] == REQUESTS * NEW  # the counter's rise over the run
     assert summary["time_to_first_token"]["avg"] > 0
     assert summary["inter_token_latency"]["avg"] > 0
     assert summary["usage_completion_tokens"]["min"] == NEW  # the usage the server reports

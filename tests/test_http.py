@@ -222,6 +222,19 @@ def test_metrics_count_calls_per_endpoint(encoder) -> None:
     assert float(line.split()[-1]) >= 1
 
 
+def test_the_http_port_serves_the_same_metrics(encoder) -> None:
+    """Where vLLM serves them, and where tools that scrape a server beside its API look."""
+    _client(encoder).infer(encoder.slot.name, _inputs(feeds_for(8), True))
+    r = urllib.request.urlopen(f"http://127.0.0.1:{encoder.http_port}/metrics", timeout=10)
+    assert r.headers["content-type"].startswith("text/plain")
+    names = {line.split("{")[0] for line in r.read().decode().splitlines()
+             if not line.startswith("#")}
+    same = urllib.request.urlopen(f"http://127.0.0.1:{encoder.metrics_port}/metrics",
+                                  timeout=10).read().decode()
+    assert names == {line.split("{")[0] for line in same.splitlines() if not line.startswith("#")}
+    assert {"nv_inference_request_success", "tuner_endpoint_requests_total"} <= names
+
+
 def test_metrics_count_grpc_calls_per_method_too(encoder) -> None:
     import tritonclient.grpc as tg
 

@@ -22,12 +22,13 @@ from pathlib import Path
 from typing import Awaitable, Callable
 
 import orjson
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from serving.errors import InvalidArgument, Unauthenticated
+from serving.errors import InvalidArgument, NotFound, Unauthenticated
 from serving.http.codec import http_status_for
 from serving.http.response_store import ResponseStore
 from serving.metrics import EndpointMetrics
@@ -113,11 +114,20 @@ def endpoint(frontend: Frontend, name: str, handler: Handler,
     return call
 
 
+async def metrics_text(frontend: Frontend, request: Request) -> Response:
+    """The server's Prometheus metrics on the HTTP port too (also on --metrics-port, as
+    Triton serves them): vLLM serves them beside its API, and tools that read a server's
+    metrics while they drive it look there (AIPerf)."""
+    if frontend.metrics is None:
+        raise NotFound("this server keeps no metrics")
+    return Response(generate_latest(frontend.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
 def build_app(frontend: Frontend) -> Starlette:
     from serving.http import (embeddings_api, kserve, messages_api, openai_api, rerank_api,
                               responses_api, tokenize_api, triton_generate)
 
-    routes = []
+    routes = [Route("/metrics", endpoint(frontend, "metrics", metrics_text), methods=["GET"])]
     for module in (kserve, triton_generate, openai_api, responses_api, messages_api,
                    tokenize_api, embeddings_api, rerank_api):
         for path, methods, name, handler, errors in module.ROUTES:
