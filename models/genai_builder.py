@@ -37,6 +37,7 @@ from models.venvs import ensure_venv
 BUILD = 1  # bump when what this file builds changes: it is part of the cache key
 GENAI_REQUIREMENTS = ("onnxruntime-genai==0.18.*", "torch==2.13.0", "transformers>=4.45",
                       "onnx", "onnx-ir", "onnxscript")
+VENV = ("genai", GENAI_REQUIREMENTS)  # the environment: models/venvs.py
 PRECISIONS = ("fp32", "int4")
 VOCAB, POSITIONS = 1003, 256  # an odd vocabulary: the padding has work to do
 # Tiny configs: 2 layers, GQA, an FFN width that is not a multiple of 64.
@@ -59,7 +60,7 @@ FAMILIES: dict[str, dict] = {
 
 def venv_python() -> Path:
     """The genai environment's python, made (and its packages installed) on first use."""
-    return ensure_venv("genai", GENAI_REQUIREMENTS)
+    return ensure_venv(*VENV)
 
 
 def _key(*parts) -> str:

@@ -33,6 +33,7 @@ OPTIMUM_ONNX = "optimum-onnx==0.1.0"
 # Optimum fixes the exported graph's dynamic axes through onnxruntime (the CPU wheel: this
 # environment is its own, so it holds one onnxruntime too).
 REQUIREMENTS = (OPTIMUM_ONNX, venvs.TORCH, "onnxruntime>=1.20")
+VENV = ("optimum", REQUIREMENTS)  # the environment: models/venvs.py
 TASKS = ("text-generation-with-past", "text-generation")
 VOCAB = 1003  # odd: the vocab padding has something to do
 EXPORT_LAYOUT = 1  # bump when how the folder or the export is made changes (the cache key)
@@ -81,7 +82,7 @@ FAMILIES: dict[str, Family] = {
 
 def ensure_venv() -> Path:
     """The Optimum environment's python (models/venvs.py), made on first use."""
-    return venvs.ensure_venv("optimum", REQUIREMENTS)
+    return venvs.ensure_venv(*VENV)
 
 
 # ---------------------------------------------------------------------------------------------

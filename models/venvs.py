@@ -7,14 +7,20 @@ cached under $SHAPETUNER_CACHE/venvs/:
 
 Each environment is keyed by its requirements and built in a temporary folder that is
 renamed into place once pip succeeds, so an interrupted build is never mistaken for a
-finished one. Run its tools as `python -P -m ...` or `python -P script`: pip writes script
-shebangs for the temporary folder, and -P keeps the script's own folder off sys.path.
+finished one; a lock file beside it makes a second process wait for a build under way
+instead of making its own copy (the test suite starts every environment its tests need in
+the background, `build_in_background`, and each test's own call waits for it). Run its
+tools as `python -P -m ...` or `python -P script`: pip writes script shebangs for the
+temporary folder, and -P keeps the script's own folder off sys.path.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
+import json
 import os
+import signal
 import shutil
 import subprocess
 import sys
@@ -45,22 +51,53 @@ def ensure_venv(name: str, requirements: Sequence[str]) -> Path:
     if (root / _MARK).exists():
         return python_of(root)
     root.parent.mkdir(parents=True, exist_ok=True)
+    with open(root.parent / f".{root.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process dies
+        if not (root / _MARK).exists():  # nobody built it while we waited
+            _build(root, name, requirements)
+    return python_of(root)
+
+
+def _build(root: Path, name: str, requirements: Sequence[str]) -> None:
     tmp = Path(tempfile.mkdtemp(dir=root.parent, prefix=f".{root.name}."))
     try:
         venv.create(tmp, with_pip=True, symlinks=True)
+        # --no-compile: modules compile when first imported, only those a tool imports
         done = subprocess.run([str(python_of(tmp)), "-m", "pip", "install", "-q",
-                               "--disable-pip-version-check", *requirements],
+                               "--disable-pip-version-check", "--no-compile", *requirements],
                               capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"pip could not install {' '.join(requirements)} for the {name} "
                                f"environment: {done.stderr[-3000:]}")
         (tmp / _MARK).write_text(" ".join(requirements) + "\n")
-        if (root / _MARK).exists():  # another process finished first
-            shutil.rmtree(tmp, ignore_errors=True)
-        else:
-            shutil.rmtree(root, ignore_errors=True)  # a stale, unmarked one
-            os.replace(tmp, root)
+        shutil.rmtree(root, ignore_errors=True)  # a stale, unmarked one
+        os.replace(tmp, root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return python_of(root)
+
+
+def build_in_background(environments: Sequence[tuple[str, Sequence[str]]]
+                        ) -> subprocess.Popen | None:
+    """One process that makes these environments in turn (those not made yet), its output
+    dropped: a caller's own ensure_venv waits for it and, should pip fail, fails with pip's
+    words itself. None when all are made."""
+    todo = [(n, list(r)) for n, r in environments if not (venv_dir(n, r) / _MARK).exists()]
+    if not todo:
+        return None
+    return subprocess.Popen([sys.executable, "-m", "models.venvs", json.dumps(todo)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            cwd=Path(__file__).resolve().parent.parent)
+
+
+def _exit(signum, frame):  # noqa: ARG001 - a terminated build removes its temporary folder
+    raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, _exit)
+    for env_name, reqs in json.loads(sys.argv[1]):
+        try:
+            ensure_venv(env_name, reqs)
+        except RuntimeError:
+            pass  # the caller's own ensure_venv says why

@@ -1,14 +1,43 @@
-"""Shared fixtures: reference models are exported once and cached (models/build.py)."""
+"""Shared fixtures: reference models are exported once and cached (models/build.py); the
+tool environments the selected tests name (`@pytest.mark.venv(name, requirements)`) are
+built in one background process while the first tests run."""
 
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+_BUILDER = pytest.StashKey[subprocess.Popen]()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Each tool environment takes a minute or more of pip on a fresh checkout: start them
+    all now, in the order the tests need them, beside the first tests. A test's own
+    ensure_venv then waits for the one it needs (models/venvs.py's lock) instead of
+    building it while nothing else runs."""
+    from models.venvs import build_in_background
+
+    wanted: dict[str, tuple[str, ...]] = {}
+    for item in session.items:
+        for mark in item.iter_markers("venv"):
+            wanted.setdefault(mark.args[0], tuple(mark.args[1]))
+    builder = build_in_background(list(wanted.items()))
+    if builder is not None:
+        session.config.stash[_BUILDER] = builder
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    builder = session.config.stash.get(_BUILDER, None)
+    if builder is not None and builder.poll() is None:  # the run stopped early
+        builder.terminate()
+        builder.wait(60)
+
 
 FAMILIES = ("gpt2", "bert", "llama")
 EXPORTERS = ("torchscript", "dynamo")

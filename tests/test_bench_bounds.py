@@ -16,6 +16,8 @@ import pytest
 from models import genai_builder
 from models.build import cached
 
+pytestmark = pytest.mark.venv(*genai_builder.VENV)  # built beside the first tests (conftest)
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from models import genai_builder
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -50,6 +52,7 @@ def test_ratios_and_their_median_and_range():
     assert bench.median_range([3.0, 1.0, 2.0]) == (2.0, 1.0, 3.0)
 
 
+@pytest.mark.venv(*genai_builder.VENV)  # built beside the first tests (conftest)
 def test_the_bench_runs_end_to_end_on_a_small_llama(tmp_path, capsys):
     bench = _bench()
     # the genai builder's graph only (the README's headline source): the torch export's

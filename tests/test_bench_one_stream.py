@@ -12,6 +12,8 @@ from pathlib import Path
 
 from models import genai_builder
 
+pytestmark = pytest.mark.venv(*genai_builder.VENV)  # built beside the first tests (conftest)
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "bench")]
 

@@ -22,15 +22,17 @@ from llm_support import (decoder_artifact, greedy, hf_tokenizer_folder, llama,  
 
 from models.venvs import TORCH, ensure_venv
 
-TOOLS = ("aiperf==0.13.0", "guidellm==0.8.1", TORCH)  # GuideLLM needs torch: the CPU wheel
+VENV = ("llm-bench", ("aiperf==0.13.0", "guidellm==0.8.1", TORCH))  # GuideLLM needs torch
 NEW = 12  # tokens each request asks for
 REQUESTS = 6
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
+pytestmark = pytest.mark.venv(*VENV)  # built beside the first tests (conftest)
+
 
 @pytest.fixture(scope="module")
 def tools() -> Path:
-    return ensure_venv("llm-bench", TOOLS)
+    return ensure_venv(*VENV)
 
 
 @pytest.fixture(scope="module")

@@ -30,6 +30,8 @@ from serving.generation import GenerateOptions
 from serving.server import Server, ServerOptions
 from tuner.cli import main
 
+pytestmark = pytest.mark.venv(*optimum.VENV)  # built beside the first tests (conftest)
+
 KV_TASK, PLAIN_TASK = optimum.TASKS
 
 

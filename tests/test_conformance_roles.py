@@ -20,6 +20,8 @@ from tuner.graph.load import load_model
 from tuner.graph.role_overrides import overriding, parse_roles, role_overrides
 from tuner.graph.roles import _reach, input_specs
 
+pytestmark = pytest.mark.venv(*optimum.VENV)  # built beside the first tests (conftest)
+
 
 def _run(argv: list[str]) -> tuple[int, str, str]:
     out, err = io.StringIO(), io.StringIO()

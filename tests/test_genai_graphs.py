@@ -46,6 +46,8 @@ from tuner.graph.load import load_model
 from tuner.rewrite import nbits
 from tuner.runtime.ort import OrtRunner, load_cpu
 
+pytestmark = pytest.mark.venv(*genai_builder.VENV)  # built beside the first tests (conftest)
+
 CELLS = [("llama", "fp32"), ("llama", "int4"), ("qwen2", "int4"), ("mistral", "int4"),
          ("phi3", "int4")]
 EXPECT = dict(num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32,

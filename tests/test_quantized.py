@@ -137,7 +137,8 @@ def test_nbits_padding_writes_zero_point_blocks_with_scale_zero():
     """Unit check of tuner.rewrite.nbits on an asymmetric 4-bit head: new rows and blocks are
     q == zero point (scale 0 on new blocks), old ones untouched, packing round-trips."""
     model = load_model(cached("nbits-asym", "llama"))
-    node = next(n for n in model.graph if n.name == inspect_model(model).sites.lm_head)
+    head = inspect_model(model).sites.lm_head
+    node = next(n for n in model.graph if n.name == head)
     before = nbits.read(node)
     assert before.zero_given and before.zero_packed
     nbits.widen_out(model.graph, node, 1024, "t")

@@ -15,6 +15,8 @@ from models import genai_builder
 from tuner.graph.cache_record import cache_record
 from tuner.graph.load import load_model
 
+pytestmark = pytest.mark.venv(*genai_builder.VENV)  # built beside the first tests (conftest)
+
 
 class _Row:
     """What the cache manager reads of a stream: its length, its slot and its own cache
