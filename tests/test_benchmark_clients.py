@@ -1,12 +1,13 @@
 """The LLM benchmarking tools people point at a server, unmodified, run as their CLIs run
-against `tuner serve`: NVIDIA's AIPerf (genai-perf's successor) on the chat and Messages
-endpoints and on reranking in Text Embeddings Inference's shape, and vLLM's GuideLLM on
-completions and the Responses API (each tool drives the others too: one of each is enough
-here, as every run costs ~10 s of the tool's own start-up). They live in an environment
-of their own (models/venvs.py: their pins clash with ours), made on first use. Every run
-must finish each request without an error, and count the tokens the server generated; asked
-for greedy output (temperature 0, the end token ignored), each request must receive the text
-of a plain ONNX Runtime greedy loop over the prompt it sent."""
+against `tuner serve`: NVIDIA's AIPerf (genai-perf's successor) on the chat, Messages and
+Text Generation Inference endpoints and on reranking in Text Embeddings Inference's shape,
+and vLLM's GuideLLM on completions and the Responses API (each tool drives the others too:
+one of each is enough here, as every run costs ~10 s of the tool's own start-up). They live
+in an environment of their own (models/venvs.py: their pins clash with ours), built beside
+the first tests (conftest). Every run must finish each request without an error, and count
+the tokens the server generated; asked for greedy output (temperature 0, the end token
+ignored), each request must receive the text of a plain ONNX Runtime greedy loop over the
+prompt it sent."""
 
 from __future__ import annotations
 
@@ -67,8 +68,8 @@ def _text(content) -> str:
 def _prompt_ids(body: dict) -> list[int]:
     """The token ids the server runs for a request body, by the reference tokenizer and
     transformers' rendering of the chat template."""
-    if "prompt" in body:
-        return tokenizer().encode(body["prompt"]).ids
+    if "prompt" in body or "inputs" in body:  # completions, TGI
+        return tokenizer().encode(body.get("prompt") or body["inputs"]).ids
     turns = body.get("messages") or body["input"]
     return rendered_ids([{"role": t["role"], "content": _text(t["content"])} for t in turns])
 
@@ -103,13 +104,16 @@ def _aiperf(tools, server, tokenizer_folder, tmp, endpoint: str, *extra: str,
 
 def _streamed(record: dict) -> str:
     """The text of one streamed answer, from AIPerf's raw server-sent events (chat and
-    completions chunks, the Messages API's text deltas, the Responses API's)."""
+    completions chunks, the Messages API's text deltas, the Responses API's, and TGI's last
+    event, which carries the whole text)."""
     pieces = []
     for response in record["responses"]:
         for packet in response["packets"]:
             if packet["name"] != "data" or packet["value"] == "[DONE]":
                 continue
             event = json.loads(packet["value"])
+            if event.get("generated_text") is not None:
+                return event["generated_text"]
             if event.get("choices"):
                 choice = event["choices"][0]
                 pieces.append((choice.get("delta") or {}).get("content") or choice.get("text")
@@ -121,11 +125,14 @@ def _streamed(record: dict) -> str:
     return "".join(pieces)
 
 
-@pytest.mark.parametrize("endpoint", ["chat", "messages"])
+@pytest.mark.parametrize("endpoint", ["chat", "messages", "huggingface_generate"])
 def test_aiperf_streams_the_models_own_tokens(tools, served, llama, tmp_path,
                                               endpoint) -> None:
     server, folder = served
-    extra = [a for k, v in GREEDY.items() for a in ("--extra-inputs", f"{k}:{str(v).lower()}")]
+    # TGI's API is greedy unless asked to sample, and refuses a temperature of 0
+    greedy_asks = {"ignore_eos": True} if endpoint == "huggingface_generate" else GREEDY
+    extra = [a for k, v in greedy_asks.items()
+             for a in ("--extra-inputs", f"{k}:{str(v).lower()}")]
     summary, records = _aiperf(tools, server, folder, tmp_path, endpoint, "--streaming",
                                "--output-tokens-mean", str(NEW), "--output-tokens-stddev",
                                "0", *extra, server_metrics=endpoint == "chat")
@@ -139,8 +146,9 @@ def test_aiperf_streams_the_models_own_tokens(tools, served, llama, tmp_path,
         assert series["stats"]["total"] == REQUESTS * NEW  # the counter's rise over the run
     assert summary["time_to_first_token"]["avg"] > 0
     assert summary["inter_token_latency"]["avg"] > 0
-    assert summary["usage_completion_tokens"]["min"] == NEW  # the usage the server reports
-    assert summary["usage_completion_tokens"]["max"] == NEW
+    if endpoint != "huggingface_generate":  # (TGI's API reports no usage)
+        assert summary["usage_completion_tokens"]["min"] == NEW  # the server's own count
+        assert summary["usage_completion_tokens"]["max"] == NEW
 
 
 def test_aiperf_reranks_in_text_embeddings_inferences_shape(tools, tmp_path) -> None:

@@ -1,0 +1,201 @@
+"""Hugging Face Text Generation Inference's generate API, for the clients written against it:
+`huggingface_hub.InferenceClient.text_generation` (and the LangChain / LlamaIndex classes
+on it), AIPerf's `huggingface_generate` endpoint type. A decoder artifact with a tokenizer:
+
+  POST /generate         {"inputs": str, "parameters": {...}} -> {"generated_text", "details"?}
+  POST /generate_stream  the same, as Server-Sent Events: one per token
+                         ({"index", "token": {id, text, logprob, special}, "generated_text",
+                         "details", "top_tokens"}), the text and details on the last
+  POST /                 either, as the body's `stream` says (a non-streamed answer is a
+                         list of one, as TGI answers there)
+
+TGI's parameters map onto the same generation requests as the OpenAI API's
+(serving/http/openai_requests.py): max_new_tokens (100 by default, as TGI), do_sample
+(greedy unless it or temperature / top_k / top_p asks for sampling, as TGI decides), seed,
+stop, repetition_penalty, frequency_penalty, top_n_tokens, details, return_full_text,
+truncate (the prompt's last N tokens), grammar (`json` / `json_schema` / `regex`), and
+vLLM's ignore_eos, which benchmarking tools add. best_of,
+typical_p, watermark, decoder_input_details and adapters are refused rather than ignored.
+Errors are TGI's `{"error", "error_type"}`, 422 for a request it cannot take."""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from serving.decoder import DecoderEngine
+from serving.errors import InvalidArgument
+from serving.http.codec import http_status_for
+from serving.http.openai_requests import body_value, generations_for
+from serving.http.streams import ChunkStream, until_disconnect
+from serving.http.triton_generate import SSE_HEADERS, sse
+from serving.sampling import Chunk, GenerationRequest, join_chunks
+
+DEFAULT_MAX_NEW_TOKENS = 100  # TGI's
+_REFUSED = {"best_of": 1, "typical_p": None, "watermark": False,
+            "decoder_input_details": False, "adapter_id": None}
+_GRAMMARS = {"json": "guided_json", "json_schema": "guided_json", "regex": "guided_regex"}
+_OPENAI_NAMES = {"max_new_tokens": "max_tokens", "seed": "seed", "stop": "stop",
+                 "repetition_penalty": "repetition_penalty",
+                 "frequency_penalty": "frequency_penalty", "top_k": "top_k", "top_p": "top_p",
+                 "temperature": "temperature", "ignore_eos": "ignore_eos"}  # vLLM's, as
+# AIPerf sends it; other names TGI does not know are ignored, as TGI ignores them
+
+
+def error(exc: BaseException) -> Response:
+    status, message = http_status_for(exc)
+    status = 422 if status == 400 else status  # TGI answers a request it refuses with 422
+    return JSONResponse({"error": message, "error_type": "validation" if status == 422
+                         else "generation"}, status)
+
+
+def _engine(frontend) -> DecoderEngine:
+    engine = frontend.slot.find(frontend.slot.name)
+    if not isinstance(engine, DecoderEngine) or engine.tokenizer is None:
+        raise InvalidArgument(f"model '{frontend.slot.name}' does not generate text (it needs "
+                              "a decoder artifact with tokenizer.json)")
+    return engine
+
+
+def _openai_body(parameters: dict) -> dict:
+    """TGI's parameters under the OpenAI API's names (generations_for reads them)."""
+    for name, default in _REFUSED.items():
+        if parameters.get(name) not in (None, default):
+            raise InvalidArgument(f"'{name}' is not supported")
+    body = {_OPENAI_NAMES[k]: v for k, v in parameters.items() if k in _OPENAI_NAMES and
+            v is not None}
+    if body.get("temperature") is not None and body["temperature"] <= 0:
+        raise InvalidArgument("'temperature' must be strictly positive")
+    sampled = body_value(parameters, "do_sample", (bool,), False) or any(
+        k in body for k in ("temperature", "top_k", "top_p"))
+    if not sampled:
+        body["temperature"] = 0  # greedy: TGI samples only when asked to
+    grammar = body_value(parameters, "grammar", (dict,))
+    if grammar is not None:
+        if grammar.get("type") not in _GRAMMARS:
+            raise InvalidArgument("'grammar' type must be json, json_schema or regex")
+        value = grammar.get("value")
+        if grammar["type"] == "json_schema" and isinstance(value, dict):
+            value = value.get("schema", value)
+        body[_GRAMMARS[grammar["type"]]] = value
+    return body
+
+
+def _request(frontend, body: dict) -> tuple[DecoderEngine, GenerationRequest, dict, str]:
+    """The engine, the one generation a body asks for, its parameters and its prompt."""
+    engine = _engine(frontend)
+    inputs = body.get("inputs")
+    if not isinstance(inputs, str) or not inputs:
+        raise InvalidArgument("'inputs' must be a non-empty string")
+    parameters = body_value(body, "parameters", (dict,), {}) or {}
+    prompt = tuple(engine.tokenizer.encode(inputs).ids)
+    truncate = body_value(parameters, "truncate", (int,))
+    if truncate is not None:
+        if truncate < 1:
+            raise InvalidArgument("'truncate' must be a positive integer")
+        prompt = prompt[-truncate:]
+    top = body_value(parameters, "top_n_tokens", (int,), 0) or 0
+    (generation,) = generations_for(engine, _openai_body(parameters), prompt, top,
+                                    "tgi", default_max_tokens=DEFAULT_MAX_NEW_TOKENS)
+    return engine, generation, parameters, inputs
+
+
+def _tokens(engine: DecoderEngine, chunk: Chunk) -> list[dict]:
+    """A chunk's tokens as TGI's token objects (each token's own text)."""
+    special = engine.text.eos_ids
+    return [{"id": t, "text": engine.tokenizer.decode([t], skip_special_tokens=False),
+             "logprob": float(p), "special": t in special}
+            for t, p in zip(chunk.ids, chunk.logprobs or [0.0] * len(chunk.ids))]
+
+
+def _top_tokens(engine: DecoderEngine, chunk: Chunk) -> list[list[dict]]:
+    special = engine.text.eos_ids
+    return [[{"id": t, "text": engine.tokenizer.decode([t], skip_special_tokens=False),
+              "logprob": float(p), "special": t in special} for t, p in top]
+            for top in chunk.top_logprobs or ()]
+
+
+def _finish(chunk: Chunk) -> str:
+    if chunk.reason == "length":
+        return "length"
+    return "stop_sequence" if chunk.stop is not None else "eos_token"
+
+
+def _text(parameters: dict, prompt: str, generated: str) -> str:
+    return prompt + generated if body_value(parameters, "return_full_text", (bool,),
+                                            False) else generated
+
+
+async def generate(frontend, request: Request) -> Response:
+    answer = await _generated(frontend, await frontend.json(request), request)
+    return answer if isinstance(answer, Response) else JSONResponse(answer)
+
+
+async def _generated(frontend, body: dict, request: Request) -> dict | Response:
+    engine, generation, parameters, inputs = _request(frontend, body)
+    stream = ChunkStream(engine, generation)
+    chunks = await until_disconnect(request.receive, stream.collect(), stream.close)
+    if chunks is None:
+        return Response(status_code=499)
+    if chunks[-1].reason == "error":
+        raise RuntimeError(chunks[-1].detail)
+    whole = join_chunks(chunks)
+    # the tokens' text, a stop sequence included, as TGI writes it
+    out = {"generated_text": _text(parameters, inputs, engine.tokenizer.decode(whole.ids))}
+    if body_value(parameters, "details", (bool,), False):
+        out["details"] = {"finish_reason": _finish(whole), "generated_tokens": len(whole.ids),
+                          "seed": generation.sampling.seed, "prefill": [],
+                          "tokens": _tokens(engine, whole),
+                          "top_tokens": _top_tokens(engine, whole) or None}
+    return out
+
+
+async def generate_stream(frontend, request: Request) -> Response:
+    return _streamed(frontend, await frontend.json(request))
+
+
+def _streamed(frontend, body: dict) -> Response:
+    engine, generation, parameters, inputs = _request(frontend, body)
+    stream = ChunkStream(engine, generation)  # refusals answer with a status here
+    details = body_value(parameters, "details", (bool,), False)
+
+    async def events():
+        # each token's event goes out when the next one is known, so that the last one,
+        # which carries the whole text (and the details), is the last token's own
+        pending, ids = None, []
+        async for chunk in stream:
+            if chunk.reason == "error":
+                yield sse({"error": chunk.detail or "generation failed",
+                           "error_type": "generation"})
+                return
+            tops = _top_tokens(engine, chunk)
+            for k, token in enumerate(_tokens(engine, chunk)):
+                if pending is not None:
+                    yield sse(pending)
+                ids.append(token["id"])
+                pending = {"index": len(ids), "token": token, "generated_text": None,
+                           "details": None, "top_tokens": tops[k] if tops else None}
+            if chunk.final and pending is not None:
+                pending["generated_text"] = _text(parameters, inputs,
+                                                  engine.tokenizer.decode(ids))
+                if details:
+                    pending["details"] = {"finish_reason": _finish(chunk),
+                                          "generated_tokens": len(ids),
+                                          "seed": generation.sampling.seed}
+                yield sse(pending)
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+async def root(frontend, request: Request) -> Response:
+    """TGI's `POST /`: the body's `stream` picks; a whole answer is a list of one."""
+    body = await frontend.json(request)
+    if body_value(body, "stream", (bool,), False):
+        return _streamed(frontend, body)
+    answer = await _generated(frontend, body, request)
+    return answer if isinstance(answer, Response) else JSONResponse([answer])
+
+
+ROUTES = [("/", ["POST"], "tgi/", root, error),
+          ("/generate", ["POST"], "tgi/generate", generate, error),
+          ("/generate_stream", ["POST"], "tgi/generate_stream", generate_stream, error)]

@@ -1,0 +1,118 @@
+"""Text Generation Inference's generate API (serving/http/tgi_api.py) driven by the client
+written for it, huggingface_hub's InferenceClient.text_generation, unmodified: greedy text,
+token ids and log-probs equal ONNX Runtime's own (llm_support.greedy), streamed token by
+token with the whole text and details on the last event, stop sequences kept in the text
+as TGI keeps them, return_full_text, truncate, seeded sampling reproducible, a JSON grammar
+held, and TGI's 422 for what it cannot take; `POST /` answers as TGI does there."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import requests
+from llm_support import (PROMPT, decoder, greedy, llama, log_softmax,  # noqa: F401
+                         tokenizer)
+
+NEW = 12
+
+
+@pytest.fixture(scope="module")
+def client(decoder):
+    from huggingface_hub import InferenceClient, constants
+
+    # the suite runs in Hugging Face's offline mode (no hub downloads), which also stops
+    # the client reaching a local server: a user's own client runs online
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(constants, "HF_HUB_OFFLINE", False)
+        yield InferenceClient(model=f"http://127.0.0.1:{decoder.http_port}", timeout=60)
+
+
+def _want(llama, prompt: str = PROMPT, n: int = NEW) -> tuple[list[int], list[np.ndarray]]:
+    return greedy(llama, tokenizer().encode(prompt).ids, n)
+
+
+def test_greedy_text_ids_and_logprobs_are_the_models_own(client, llama) -> None:
+    ids, logits = _want(llama)
+    assert client.text_generation(PROMPT, max_new_tokens=NEW) == tokenizer().decode(ids)
+    out = client.text_generation(PROMPT, max_new_tokens=NEW, details=True, top_n_tokens=2)
+    assert out.generated_text == tokenizer().decode(ids)
+    assert out.details.finish_reason == "length" and out.details.generated_tokens == NEW
+    assert [t.id for t in out.details.tokens] == ids
+    want = [float(log_softmax(x)[t]) for x, t in zip(logits, ids)]
+    assert [t.logprob for t in out.details.tokens] == pytest.approx(want, abs=1e-4)
+    # greedy takes the likeliest (the client leaves these as TGI's JSON objects)
+    assert [top[0]["id"] for top in out.details.top_tokens] == ids
+
+
+def test_streamed_token_by_token_with_the_text_on_the_last(client, llama) -> None:
+    ids, _ = _want(llama)
+    events = list(client.text_generation(PROMPT, max_new_tokens=NEW, stream=True,
+                                         details=True))
+    assert [e.token.id for e in events] == ids
+    assert [e.token.text for e in events] == [tokenizer().decode([t]) for t in ids]
+    assert all(e.generated_text is None and e.details is None for e in events[:-1])
+    assert events[-1].generated_text == tokenizer().decode(ids)
+    assert events[-1].details.finish_reason == "length"
+    assert events[-1].details.generated_tokens == NEW
+    plain = list(client.text_generation(PROMPT, max_new_tokens=NEW, stream=True))
+    assert plain == [tokenizer().decode([t]) for t in ids]
+
+
+def test_a_stop_sequence_ends_it_and_stays_in_the_text(client, llama) -> None:
+    ids, _ = _want(llama)
+    text = tokenizer().decode(ids)
+    # a later token whose text is plain letters and first appears there
+    k, stop = next((k, tokenizer().decode([t])) for k, t in enumerate(ids) if k >= 2
+                   and tokenizer().decode([t]).strip().isalpha()
+                   and text.find(tokenizer().decode([t])) == len(tokenizer().decode(ids[:k])))
+    out = client.text_generation(PROMPT, max_new_tokens=NEW, stop=[stop], details=True)
+    assert out.details.finish_reason == "stop_sequence"
+    assert out.generated_text == tokenizer().decode(ids[:k + 1])  # the stop kept, as TGI
+
+
+def test_full_text_truncate_and_seeded_sampling(client, llama) -> None:
+    ids, _ = _want(llama)
+    full = client.text_generation(PROMPT, max_new_tokens=NEW, return_full_text=True)
+    assert full == PROMPT + tokenizer().decode(ids)
+    prompt = tokenizer().encode(PROMPT).ids
+    cut, _ = greedy(llama, prompt[-3:], NEW)  # truncate keeps the prompt's last tokens
+    assert client.text_generation(PROMPT, max_new_tokens=NEW, truncate=3) == \
+        tokenizer().decode(cut)
+    sampled = [client.text_generation(PROMPT, max_new_tokens=NEW, do_sample=True,
+                                      temperature=1.5, seed=s) for s in (7, 7, 8)]
+    assert sampled[0] == sampled[1] != sampled[2]
+
+
+def test_a_json_grammar_is_held(client) -> None:
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
+    out = client.text_generation(PROMPT, max_new_tokens=24,
+                                 grammar={"type": "json", "value": schema})
+    assert isinstance(json.loads(out)["n"], int)
+
+
+@pytest.mark.parametrize("parameters, says", [
+    ({"best_of": 2}, "'best_of' is not supported"),
+    ({"watermark": True}, "'watermark' is not supported"),
+    ({"temperature": 0}, "'temperature' must be strictly positive"),
+    ({"grammar": {"type": "lark", "value": "x"}}, "'grammar' type must be"),
+])
+def test_what_it_cannot_take_is_tgis_422(decoder, parameters, says) -> None:
+    r = requests.post(f"http://127.0.0.1:{decoder.http_port}/generate", timeout=60,
+                      json={"inputs": PROMPT, "parameters": parameters})
+    assert r.status_code == 422
+    assert r.json()["error_type"] == "validation" and says in r.json()["error"]
+
+
+def test_root_answers_a_list_or_a_stream_as_the_body_says(decoder, llama) -> None:
+    ids, _ = _want(llama)
+    url = f"http://127.0.0.1:{decoder.http_port}/"
+    body = {"inputs": PROMPT, "parameters": {"max_new_tokens": NEW}}
+    assert requests.post(url, json=body, timeout=60).json() == [
+        {"generated_text": tokenizer().decode(ids)}]
+    with requests.post(url, json={**body, "stream": True}, timeout=60, stream=True) as r:
+        events = [json.loads(line[5:]) for line in r.iter_lines(decode_unicode=True)
+                  if line.startswith("data:")]
+    assert [e["token"]["id"] for e in events] == ids and events[-1]["index"] == NEW
