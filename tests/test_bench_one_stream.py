@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from models import genai_builder
 
 pytestmark = pytest.mark.venv(*genai_builder.VENV)  # built beside the first tests (conftest)

@@ -8,6 +8,8 @@ import contextlib
 import io
 import json
 
+import pytest
+
 from models import optimum
 from tuner.cli import main
 

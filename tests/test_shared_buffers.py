@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 
 import numpy as np
+import pytest
 
 from models import genai_builder
 from tuner.graph.cache_record import cache_record
