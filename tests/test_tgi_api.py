@@ -85,6 +85,13 @@ def test_full_text_truncate_and_seeded_sampling(client, llama) -> None:
     assert sampled[0] == sampled[1] != sampled[2]
 
 
+def test_the_default_length_is_held_to_the_servers_limit(client, decoder) -> None:
+    # TGI's default is 100 new tokens; this server allows 64 (the fixture's --max-tokens)
+    out = client.text_generation(PROMPT, details=True)
+    assert out.details.finish_reason in ("length", "eos_token")
+    assert out.details.generated_tokens <= decoder.slot.engine.options.max_tokens == 64
+
+
 def test_a_json_grammar_is_held(client) -> None:
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
               "additionalProperties": False}

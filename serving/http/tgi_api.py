@@ -20,6 +20,8 @@ Errors are TGI's `{"error", "error_type"}`, 422 for a request it cannot take."""
 
 from __future__ import annotations
 
+import uuid
+
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -95,8 +97,12 @@ def _request(frontend, body: dict) -> tuple[DecoderEngine, GenerationRequest, di
             raise InvalidArgument("'truncate' must be a positive integer")
         prompt = prompt[-truncate:]
     top = body_value(parameters, "top_n_tokens", (int,), 0) or 0
+    # TGI's default, held to what the cache and --max-tokens leave room for (a number the
+    # request names is refused when it does not fit, as TGI refuses it)
+    room = engine.generator.max_cache_len - len(prompt) + 1
+    default = max(1, min(DEFAULT_MAX_NEW_TOKENS, engine.options.max_tokens, room))
     (generation,) = generations_for(engine, _openai_body(parameters), prompt, top,
-                                    "tgi", default_max_tokens=DEFAULT_MAX_NEW_TOKENS)
+                                    "tgi-" + uuid.uuid4().hex, default_max_tokens=default)
     return engine, generation, parameters, inputs
 
 
