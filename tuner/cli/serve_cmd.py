@@ -105,10 +105,12 @@ def serve(
                                                "to the network"),
     port: int = typer.Option(8001, help="gRPC port (0: any free port; -1: no gRPC)"),
     http_port: int = typer.Option(8000, help="HTTP port: KServe v2 REST, Triton's generate "
-                                             "endpoints, the OpenAI-compatible API and "
-                                             "Anthropic's Messages API (0: any free port; -1: "
-                                             "no HTTP)"),
-    metrics_port: int = typer.Option(8002, help="Prometheus /metrics port (-1: none)"),
+                                             "endpoints, the OpenAI-compatible API, "
+                                             "Anthropic's Messages API, Text Generation "
+                                             "Inference's generate API and /metrics (0: any "
+                                             "free port; -1: no HTTP)"),
+    metrics_port: int = typer.Option(8002, help="Prometheus /metrics port, as Triton's (-1: "
+                                                 "none; the HTTP port serves them too)"),
     model_name: Optional[str] = typer.Option(None, help="name clients use (default: the "
                                                         "source model file's stem)"),
     backend: Optional[str] = typer.Option(None, help="runtime backend (default: the one the "
@@ -191,9 +193,9 @@ def serve(
                    "opens the block)"),
 ) -> None:
     """Serve OUT's selected variant until SIGTERM: KServe v2 / Open Inference Protocol over
-    gRPC (--port) and HTTP/REST (--http-port), and for a decoder Triton's generate endpoints
-    and an OpenAI-compatible API (/v1) and Anthropic's Messages API (/v1/messages) on the
-    HTTP port.
+    gRPC (--port) and HTTP/REST (--http-port), and for a decoder Triton's generate endpoints,
+    an OpenAI-compatible API (/v1), Anthropic's Messages API (/v1/messages) and Text
+    Generation Inference's (/generate, /generate_stream) on the HTTP port.
 
     Before reporting ready it re-runs the accuracy gate against the original on this machine
     and serves the original if the variant fails. Requests longer than the largest sequence
