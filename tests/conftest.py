@@ -1,6 +1,6 @@
 """Shared fixtures: reference models are exported once and cached (models/build.py); the
 tool environments the selected tests name (`@pytest.mark.venv(name, requirements)`) are
-built in one background process while the first tests run."""
+built in one background process while the other tests run (those tests run last)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 _BUILDER = pytest.StashKey[subprocess.Popen]()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests that need a tool environment run last (in their own order): the
+    environments' install then overlaps every other test instead of holding up the first
+    one that needs it."""
+    items.sort(key=lambda item: item.get_closest_marker("venv") is not None)  # stable
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -52,6 +59,24 @@ def reference_model():
         return cached(name, shape, exporter)
 
     return get
+
+
+@pytest.fixture(scope="session")
+def cross_encoder_artifact(tmp_path_factory) -> Path:
+    """`tuner optimize` of models/cross_encoder.py's reranker (a BERT classifier with one
+    label and its tokenizer), for the rerank tests and the benchmarking tools' one."""
+    import subprocess
+    import sys
+
+    from models.cross_encoder import cached
+
+    out = tmp_path_factory.mktemp("rerank") / "out"
+    r = subprocess.run([sys.executable, "-m", "tuner", "optimize", str(cached() / "model.onnx"),
+                        "-o", str(out), "--max-seq", "128", "--max-batch", "4", "--rounds", "2",
+                        "--bucket-rounds", "1", "--max-variants", "1", "--no-probe",
+                        "--no-fuse", "--no-cache"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out
 
 
 @pytest.fixture(scope="session")

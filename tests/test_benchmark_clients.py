@@ -1,8 +1,9 @@
 """The LLM benchmarking tools people point at a server, unmodified, run as their CLIs run
-against `tuner serve`: NVIDIA's AIPerf (genai-perf's successor) on the chat, Messages and
-Text Generation Inference endpoints and on reranking in Text Embeddings Inference's shape,
-and vLLM's GuideLLM on completions and the Responses API (each tool drives the others too:
-one of each is enough here, as every run costs ~10 s of the tool's own start-up). They live
+against `tuner serve`: NVIDIA's AIPerf (genai-perf's successor) on the chat and Text
+Generation Inference endpoints and on reranking in Text Embeddings Inference's shape, and
+vLLM's GuideLLM on completions and the Responses API (each tool drives the other endpoints
+too, the Messages API included: one run each is enough here, as every run costs ~10 s of
+the tool's own start-up). They live
 in an environment of their own (models/venvs.py: their pins clash with ours), built beside
 the first tests (conftest). Every run must finish each request without an error, and count
 the tokens the server generated; asked for greedy output (temperature 0, the end token
@@ -125,7 +126,7 @@ def _streamed(record: dict) -> str:
     return "".join(pieces)
 
 
-@pytest.mark.parametrize("endpoint", ["chat", "messages", "huggingface_generate"])
+@pytest.mark.parametrize("endpoint", ["chat", "huggingface_generate"])
 def test_aiperf_streams_the_models_own_tokens(tools, served, llama, tmp_path,
                                               endpoint) -> None:
     server, folder = served
@@ -151,12 +152,11 @@ def test_aiperf_streams_the_models_own_tokens(tools, served, llama, tmp_path,
         assert summary["usage_completion_tokens"]["max"] == NEW
 
 
-def test_aiperf_reranks_in_text_embeddings_inferences_shape(tools, tmp_path) -> None:
-    from test_rerank import _artifact
-
+def test_aiperf_reranks_in_text_embeddings_inferences_shape(tools, cross_encoder_artifact,
+                                                           tmp_path) -> None:
     from models.cross_encoder import cached
 
-    server = start(_artifact(tmp_path / "rerank"))
+    server = start(cross_encoder_artifact)
     try:
         # passages shorter than this artifact's 128 tokens: TEI refuses a longer one unless
         # the request says `truncate` (AIPerf's are 550 tokens unless told)

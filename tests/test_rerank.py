@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 import requests
@@ -23,18 +21,9 @@ DOCUMENTS = ["Foxes live in forests and eat mice.", "The dog sleeps all day.",
              "A red fox jumps over the lazy dog.", "mice " * 200]  # the last past 128 tokens
 
 
-def _artifact(out):
-    r = subprocess.run([sys.executable, "-m", "tuner", "optimize", str(cached() / "model.onnx"),
-                        "-o", str(out), "--max-seq", "128", "--max-batch", "4", "--rounds", "2",
-                        "--bucket-rounds", "1", "--max-variants", "1", "--no-probe",
-                        "--no-fuse", "--no-cache"], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return out
-
-
 @pytest.fixture(scope="module")
-def artifact(tmp_path_factory):
-    return _artifact(tmp_path_factory.mktemp("rerank") / "out")
+def artifact(cross_encoder_artifact):
+    return cross_encoder_artifact
 
 
 @pytest.fixture(scope="module")
