@@ -104,6 +104,7 @@ def test_a_json_grammar_is_held(client) -> None:
     ({"best_of": 2}, "'best_of' is not supported"),
     ({"watermark": True}, "'watermark' is not supported"),
     ({"temperature": 0}, "'temperature' must be strictly positive"),
+    ({"temperature": "hot"}, "'temperature' must be int or float"),
     ({"grammar": {"type": "lark", "value": "x"}}, "'grammar' type must be"),
 ])
 def test_what_it_cannot_take_is_tgis_422(decoder, parameters, says) -> None:

@@ -66,7 +66,8 @@ def _openai_body(parameters: dict) -> dict:
             raise InvalidArgument(f"'{name}' is not supported")
     body = {_OPENAI_NAMES[k]: v for k, v in parameters.items() if k in _OPENAI_NAMES and
             v is not None}
-    if body.get("temperature") is not None and body["temperature"] <= 0:
+    temperature = body_value(parameters, "temperature", (int, float))
+    if temperature is not None and temperature <= 0:
         raise InvalidArgument("'temperature' must be strictly positive")
     sampled = body_value(parameters, "do_sample", (bool,), False) or any(
         k in body for k in ("temperature", "top_k", "top_p"))
@@ -106,19 +107,19 @@ def _request(frontend, body: dict) -> tuple[DecoderEngine, GenerationRequest, di
     return engine, generation, parameters, inputs
 
 
+def _token(engine: DecoderEngine, token: int, logprob: float) -> dict:
+    """TGI's token object (the token's own text)."""
+    return {"id": token, "text": engine.tokenizer.decode([token], skip_special_tokens=False),
+            "logprob": float(logprob), "special": token in engine.text.eos_ids}
+
+
 def _tokens(engine: DecoderEngine, chunk: Chunk) -> list[dict]:
-    """A chunk's tokens as TGI's token objects (each token's own text)."""
-    special = engine.text.eos_ids
-    return [{"id": t, "text": engine.tokenizer.decode([t], skip_special_tokens=False),
-             "logprob": float(p), "special": t in special}
+    return [_token(engine, t, p)
             for t, p in zip(chunk.ids, chunk.logprobs or [0.0] * len(chunk.ids))]
 
 
 def _top_tokens(engine: DecoderEngine, chunk: Chunk) -> list[list[dict]]:
-    special = engine.text.eos_ids
-    return [[{"id": t, "text": engine.tokenizer.decode([t], skip_special_tokens=False),
-              "logprob": float(p), "special": t in special} for t, p in top]
-            for top in chunk.top_logprobs or ()]
+    return [[_token(engine, t, p) for t, p in top] for top in chunk.top_logprobs or ()]
 
 
 def _finish(chunk: Chunk) -> str:
