@@ -42,24 +42,10 @@ def _stats_for(stats: Stats, metrics: Metrics | None, gm: GenerationMetrics | No
     """The generator's callbacks, feeding ModelStatistics (one request per stream, one
     execution per model run) and the Prometheus series."""
 
-    def on_token(ttft: float | None, itl: float | None) -> None:
-        if gm is None:
-            return
-        gm.tokens.inc()
-        if ttft is not None:
-            gm.first_token.observe(ttft)
-        if itl is not None:
-            gm.inter_token.observe(itl)
-
     def on_step(rows: int, seconds: float) -> None:
         stats.record_batch(rows, seconds)
         if metrics is not None:
             metrics.observe_batch(rows)
-
-    def on_streams(active: int, queued: int) -> None:
-        if gm is not None:
-            gm.active.set(active)
-            gm.queued.set(queued)
 
     def on_end(reason: str, seconds: float) -> None:
         if reason in ("length", "stop"):
@@ -67,17 +53,32 @@ def _stats_for(stats: Stats, metrics: Metrics | None, gm: GenerationMetrics | No
         else:
             stats.record_failure({"cancelled": "CANCELED", "shutdown": "REJECTED"}.get(
                 reason, "BACKEND"), seconds)
+        if gm is not None:
+            gm.finished(reason).inc()
+            gm.request_latency.observe(seconds)
+
+    if gm is None:
+        return GenerationStats(on_step=on_step, on_end=on_end)
+
+    def on_token(ttft: float | None, itl: float | None) -> None:
+        gm.tokens.inc()
+        if ttft is not None:
+            gm.first_token.observe(ttft)
+        if itl is not None:
+            gm.inter_token.observe(itl)
+
+    def on_streams(active: int, queued: int) -> None:
+        gm.active.set(active)
+        gm.queued.set(queued)
 
     def on_prefix(looked_up: int, hit: int) -> None:
-        if gm is not None:
-            gm.prefix_looked_up.inc(looked_up)
-            gm.prefix_hit.inc(hit)
+        gm.prefix_looked_up.inc(looked_up)
+        gm.prefix_hit.inc(hit)
 
-    def on_preempt() -> None:
-        if gm is not None:
-            gm.preempted.inc()
-
-    return GenerationStats(on_token, on_step, on_streams, on_end, on_prefix, on_preempt)
+    return GenerationStats(on_token=on_token, on_prompt=gm.prompt_tokens.inc,
+                           on_step=on_step, on_streams=on_streams,
+                           on_cache_usage=gm.cache_usage.set, on_end=on_end,
+                           on_prefix=on_prefix, on_preempt=gm.preempted.inc)
 
 
 class DecoderEngine:
@@ -116,6 +117,10 @@ class DecoderEngine:
                                        pad_to=self.pad_to)
         except (ValueError, BadInput) as e:
             raise BadInput(f"{model.name}: {e}") from None
+        if gen_metrics is not None:  # (a server without a prefix cache: blocks of one entry)
+            cache = self.generator.cache
+            block = cache.prefix.block if cache.prefix is not None else 1
+            gen_metrics.cache_config(block, cache.budget_tokens // block)
 
     def parse(self, tensors: Mapping[str, np.ndarray], parameters: Mapping[str, object],
               request_id: str = "", outputs: Sequence[str] = ()) -> ClientRequest:

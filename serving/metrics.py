@@ -7,9 +7,11 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 from prometheus_client.core import Metric
+from prometheus_client.metrics import MetricWrapperBase
 
 _UNTYPED = "unknown"  # written as "# TYPE name untyped"
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -141,42 +143,127 @@ def make_metrics(stats: Stats, model: str, version: str) -> Metrics:
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 
 
-@dataclass
+END_REASONS = ("stop", "length", "cancelled", "shutdown", "error")  # how a stream ends
+
+
+@dataclass(frozen=True)
 class GenerationMetrics:
-    """A decoder's series (serving.generation): tokens, first-token and inter-token latency,
-    streams running and queued, prompt tokens looked up in / served from the prefix cache
-    (their ratio is the hit rate), preemptions; rows per step go to `tuner_batch_size`."""
+    """A decoder's series (serving.generation): tokens, first-token, inter-token and whole-
+    stream latency, streams running, queued and finished (by reason), the cache's use, prompt
+    tokens looked up in / served from the prefix cache (their ratio is the hit rate),
+    preemptions; rows per step go to `tuner_batch_size`. Bound to one model."""
 
     tokens: Counter
+    prompt_tokens: Counter
     first_token: Histogram
     inter_token: Histogram
+    request_latency: Histogram
     active: Gauge
     queued: Gauge
+    cache_usage: Gauge
     prefix_looked_up: Counter
     prefix_hit: Counter
     preempted: Counter
+    finished: Callable[[str], Counter]  # reason -> its counter
+    cache_config: Callable[[int, int], None]  # (prefix block, blocks in the budget)
 
 
 def add_generation_metrics(metrics: Metrics, model: str, version: str) -> GenerationMetrics:
     r, labels = metrics.registry, ["model", "version"]
-    made = GenerationMetrics(
-        Counter("tuner_generated_tokens", "Tokens generated (all streams)", labels, registry=r),
-        Histogram("tuner_time_to_first_token_seconds", "From a stream's arrival to its first "
-                  "token (queue + prefill)", labels, buckets=LATENCY_BUCKETS, registry=r),
-        Histogram("tuner_inter_token_latency_seconds", "Between two tokens of one stream",
-                  labels, buckets=LATENCY_BUCKETS, registry=r),
-        Gauge("tuner_active_streams", "Streams being decoded (in the batch)", labels,
-              registry=r),
-        Gauge("tuner_queued_streams", "Streams waiting for a slot", labels, registry=r),
-        Counter("tuner_prefix_cache_lookup_tokens", "Prompt tokens looked up in the prefix "
-                "cache", labels, registry=r),
-        Counter("tuner_prefix_cache_hit_tokens", "Prompt tokens whose keys/values came from "
-                "the prefix cache", labels, registry=r),
-        Counter("tuner_preempted_streams", "Streams preempted (cache budget) and recomputed",
-                labels, registry=r))
-    return GenerationMetrics(*(m.labels(model, version) for m in (
-        made.tokens, made.first_token, made.inter_token, made.active, made.queued,
-        made.prefix_looked_up, made.prefix_hit, made.preempted)))
+    families: dict[str, MetricWrapperBase] = {}
+
+    def made(kind, name: str, doc: str, extra: Sequence[str] = (), **kw):
+        families[name] = kind(name, doc, [*labels, *extra], registry=r, **kw)
+        return families[name] if extra else families[name].labels(model, version)
+
+    finished = made(Counter, "tuner_finished_streams", "Streams ended, by reason: stop, "
+                    "length, cancelled, shutdown, error", ["reason"])
+    for reason in END_REASONS:  # every series from the start: a rate needs its first 0
+        finished.labels(model, version, reason)
+    config = made(Gauge, "tuner_kv_cache_config", "The cache's prefix block (tokens) and how "
+                  "many such blocks its byte budget holds (always 1)", ["block_size", "blocks"])
+    r.register(_VllmView(families))
+    return GenerationMetrics(
+        tokens=made(Counter, "tuner_generated_tokens", "Tokens generated (all streams)"),
+        prompt_tokens=made(Counter, "tuner_prompt_tokens", "Prompt tokens of the streams "
+                           "that reached their first token (prefix cache hits included)"),
+        first_token=made(Histogram, "tuner_time_to_first_token_seconds", "From a stream's "
+                         "arrival to its first token (queue + prefill)",
+                         buckets=LATENCY_BUCKETS),
+        inter_token=made(Histogram, "tuner_inter_token_latency_seconds", "Between two tokens "
+                         "of one stream", buckets=LATENCY_BUCKETS),
+        request_latency=made(Histogram, "tuner_stream_duration_seconds", "From a stream's "
+                             "arrival to its end", buckets=LATENCY_BUCKETS),
+        active=made(Gauge, "tuner_active_streams", "Streams being decoded (in the batch)"),
+        queued=made(Gauge, "tuner_queued_streams", "Streams waiting for a slot"),
+        cache_usage=made(Gauge, "tuner_kv_cache_usage_ratio", "Share of the cache's byte "
+                         "budget that running streams hold (0..1; the prefix cache's blocks, "
+                         "evicted on demand, not counted)"),
+        prefix_looked_up=made(Counter, "tuner_prefix_cache_lookup_tokens", "Prompt tokens "
+                              "looked up in the prefix cache"),
+        prefix_hit=made(Counter, "tuner_prefix_cache_hit_tokens", "Prompt tokens whose "
+                        "keys/values came from the prefix cache"),
+        preempted=made(Counter, "tuner_preempted_streams", "Streams preempted (cache budget) "
+                       "and recomputed"),
+        finished=lambda reason: finished.labels(model, version, reason),
+        cache_config=lambda block, blocks: config.labels(model, version, str(block),
+                                                         str(blocks)).set(1))
+
+
+# The same series under vLLM's names, so that what reads a vLLM server's /metrics reads ours
+# unchanged: an inference gateway's endpoint picker (queue, running, cache use, block size),
+# autoscalers on the queue, vLLM's dashboards, AIPerf's server-side summary. One home for each
+# fact: these are the tuner_* series above, renamed when scraped.
+_VLLM_NAMES = {
+    "tuner_active_streams": ("vllm:num_requests_running",),
+    "tuner_queued_streams": ("vllm:num_requests_waiting",),
+    "tuner_kv_cache_usage_ratio": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    "tuner_kv_cache_config": ("vllm:cache_config_info",),
+    "tuner_prompt_tokens": ("vllm:prompt_tokens",),
+    "tuner_generated_tokens": ("vllm:generation_tokens",),
+    "tuner_finished_streams": ("vllm:request_success",),
+    "tuner_time_to_first_token_seconds": ("vllm:time_to_first_token_seconds",),
+    "tuner_inter_token_latency_seconds": ("vllm:inter_token_latency_seconds",),
+    "tuner_stream_duration_seconds": ("vllm:e2e_request_latency_seconds",),
+    "tuner_preempted_streams": ("vllm:num_preemptions",),
+    "tuner_prefix_cache_lookup_tokens": ("vllm:prefix_cache_queries",),
+    "tuner_prefix_cache_hit_tokens": ("vllm:prefix_cache_hits",),
+}
+# vLLM's labels: the model as `model_name`, a stream's end as `finished_reason` (an end
+# before the stream's own stop or length is an abort there)
+_VLLM_LABELS = {"model": "model_name", "reason": "finished_reason",
+                "blocks": "num_gpu_blocks"}
+_VLLM_REASONS = {"cancelled": "abort", "shutdown": "abort"}
+
+
+class _VllmView:
+    """vLLM's names for a decoder's series (_VLLM_NAMES), read from them at each scrape."""
+
+    def __init__(self, families: Mapping[str, MetricWrapperBase]) -> None:
+        self.families = families
+
+    def collect(self):
+        for name, family in self.families.items():
+            for metric in family.collect():
+                for alias in _VLLM_NAMES[name]:
+                    yield _renamed(metric, name, alias)
+
+
+def _renamed(metric: Metric, name: str, alias: str) -> Metric:
+    """`metric` as `alias`, its labels vLLM's; samples that become one (two reasons that are
+    both an abort there) are summed."""
+    values: dict[tuple, float] = {}
+    for sample in metric.samples:
+        labels = {_VLLM_LABELS.get(k, k): v for k, v in sample.labels.items() if k != "version"}
+        if "finished_reason" in labels:
+            labels["finished_reason"] = _VLLM_REASONS.get(labels["finished_reason"],
+                                                          labels["finished_reason"])
+        key = (alias + sample.name[len(name):], tuple(labels.items()))
+        values[key] = values.get(key, 0.0) + sample.value
+    out = Metric(alias, metric.documentation, metric.type)
+    for (sample_name, labels), value in values.items():
+        out.add_sample(sample_name, dict(labels), value)
+    return out
 
 
 def start_metrics_server(metrics: Metrics, host: str, port: int):

@@ -143,8 +143,22 @@ def test_aiperf_streams_the_models_own_tokens(tools, served, llama, tmp_path,
         scraped = json.loads((tmp_path / "aiperf" / "server_metrics_export.json").read_text())
         assert scraped["summary"]["endpoints_successful"] == [
             f"http://127.0.0.1:{server.http_port}/metrics"]
-        (series,) = scraped["metrics"]["tuner_generated_tokens"]["series"]
-        assert series["stats"]["total"] == REQUESTS * NEW  # the counter's rise over the run
+        # each counter's rise over the run, under our name and vLLM's (AIPerf's server-side
+        # summary reads vLLM's)
+        for name in ("tuner_generated_tokens", "vllm:generation_tokens"):
+            (series,) = scraped["metrics"][name]["series"]
+            assert series["stats"]["total"] == REQUESTS * NEW
+        (series,) = scraped["metrics"]["vllm:prompt_tokens"]["series"]
+        assert series["stats"]["total"] == sum(len(_prompt_ids(r["payload"])) for r in records)
+        ended = {s["labels"]["finished_reason"]: s["stats"]["total"]
+                 for s in scraped["metrics"]["vllm:request_success"]["series"]}
+        assert ended == {"length": REQUESTS, "stop": 0, "abort": 0, "error": 0}
+        for name in ("vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds"):
+            (series,) = scraped["metrics"][name]["series"]
+            assert series["stats"]["count"] == REQUESTS
+        for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                     "vllm:kv_cache_usage_perc"):  # (seen moving in test_serving_generate)
+            assert scraped["metrics"][name]["type"] == "gauge"
     assert summary["time_to_first_token"]["avg"] > 0
     assert summary["inter_token_latency"]["avg"] > 0
     if endpoint != "huggingface_generate":  # (TGI's API reports no usage)

@@ -287,6 +287,8 @@ def test_a_cancelled_stream_does_not_disturb_the_others(servers) -> None:
         generator.runner = fast
     assert got == alone
     assert _metric(server, "nv_inference_request_failure{" , 'reason="CANCELED"') >= 1
+    assert _scraped(server)[("vllm:request_success_total",
+                             (("finished_reason", "abort"),))] >= 1
 
 
 # ------------------------------------------------------------------------------- limits
@@ -326,11 +328,14 @@ def test_a_full_server_answers_resource_exhausted_and_shows_its_queue(reference_
         for s in streams:  # one running, one queued
             s.send(_inputs([1, 2, 3], 100))
         seen, deadline = None, time.time() + 10
-        while seen != (1, 1) and time.time() < deadline:
-            seen = (_metric(server, "tuner_queued_streams{"),
-                    _metric(server, "tuner_active_streams{"))
+        while not (seen and seen[:2] == (1, 1) and seen[2] > 0) and time.time() < deadline:
+            scraped = _scraped(server)
+            seen = tuple(scraped[(name, ())] for name in (
+                "vllm:num_requests_waiting", "vllm:num_requests_running",
+                "vllm:kv_cache_usage_perc"))
             time.sleep(0.01)
-        assert seen == (1, 1), seen  # queued, running
+        # queued, running, and the running stream's entries: a share of the cache's budget
+        assert seen[:2] == (1, 1) and 0 < seen[2] < 1, seen
         got = _code(server, _inputs([1, 2, 3], 4))
         assert got.startswith("StatusCode.RESOURCE_EXHAUSTED") and "queue" in got, got
         assert all(len(s.collect()[0]) == 100 for s in streams)  # both still finish
@@ -424,13 +429,55 @@ def _metric(server: Server, prefix: str, contains: str = "") -> float:
     return sum(values)
 
 
-def test_metrics_count_tokens_and_latencies(servers) -> None:
+def _scraped(server: Server) -> dict[tuple[str, tuple], float]:
+    """/metrics as a Prometheus reader parses it (AIPerf and Grafana's agents use this parser):
+    (sample name, its labels but the model's) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics",
+                                  timeout=10).read().decode()
+    return {(x.name, tuple(sorted((k, v) for k, v in x.labels.items()
+                                  if k not in ("model", "model_name", "version")))): x.value
+            for family in text_string_to_metric_families(text) for x in family.samples}
+
+
+# a decoder's series and vLLM's name for each (what an inference gateway, an autoscaler or
+# AIPerf reads from a vLLM server)
+_TWINS = {"tuner_generated_tokens_total": "vllm:generation_tokens_total",
+          "tuner_prompt_tokens_total": "vllm:prompt_tokens_total",
+          "tuner_time_to_first_token_seconds_count": "vllm:time_to_first_token_seconds_count",
+          "tuner_inter_token_latency_seconds_count": "vllm:inter_token_latency_seconds_count",
+          "tuner_stream_duration_seconds_count": "vllm:e2e_request_latency_seconds_count",
+          "tuner_stream_duration_seconds_sum": "vllm:e2e_request_latency_seconds_sum",
+          "tuner_active_streams": "vllm:num_requests_running",
+          "tuner_queued_streams": "vllm:num_requests_waiting",
+          "tuner_kv_cache_usage_ratio": "vllm:kv_cache_usage_perc"}
+
+
+def test_metrics_count_tokens_and_latencies_under_our_names_and_vllms(servers) -> None:
     server = servers["gpt_neox"]
-    before = _metric(server, "tuner_generated_tokens_total{")
+    before = _scraped(server)
     _generate(server, [1, 2, 3], 5)
-    assert _metric(server, "tuner_generated_tokens_total{") == before + 5
-    assert _metric(server, "tuner_time_to_first_token_seconds_count{") >= 1
-    assert _metric(server, "tuner_inter_token_latency_seconds_count{") >= 4
+    deadline = time.time() + 10  # (the gauges are set after the step that ended the stream)
+    while (after := _scraped(server))[("tuner_active_streams", ())] and time.time() < deadline:
+        time.sleep(0.01)
+    rose = {name: after[(name, ())] - before.get((name, ()), 0) for name in _TWINS}
+    assert rose["tuner_generated_tokens_total"] == 5
+    assert rose["tuner_prompt_tokens_total"] == 3
+    assert rose["tuner_time_to_first_token_seconds_count"] == 1
+    assert rose["tuner_inter_token_latency_seconds_count"] == 4
+    assert rose["tuner_stream_duration_seconds_count"] == 1
+    assert after[("tuner_active_streams", ())] == 0 == after[("tuner_kv_cache_usage_ratio", ())]
+    for ours, vllms in _TWINS.items():
+        assert after[(vllms, ())] == after[(ours, ())], vllms
+    ended = ("tuner_finished_streams_total", (("reason", "length"),))
+    assert after[ended] - before.get(ended, 0) == 1
+    assert after[("vllm:request_success_total", (("finished_reason", "length"),))] == \
+        after[ended]
+    # the prefix cache's block and how many of them the cache's budget holds
+    ((_, labels),) = [k for k in after if k[0] == "vllm:cache_config_info"]
+    config = dict(labels)
+    assert config["block_size"] == "16" and int(config["num_gpu_blocks"]) > 0
 
 
 # ------------------------------------------------------------------------------ shutdown

@@ -166,6 +166,11 @@ class CacheManager:
         held = self.prefix.bytes // self.bytes_per_token if self.prefix is not None else 0
         return tokens + held <= self.budget_tokens
 
+    def usage(self, entries: int) -> float:
+        """The share of the byte budget that `entries` of running streams take (the prefix
+        cache's blocks, evicted on demand, are free room as vLLM counts them)."""
+        return min(1.0, entries / self.budget_tokens)
+
     def evict_prefix(self) -> bool:
         return self.prefix is not None and self.prefix.evict()
 

@@ -198,6 +198,7 @@ class Generator:
                     self._end(s, "error", f"the model failed: {type(e).__name__}: {e}")
                 self.cache.clear()
             self.stats.on_streams(len(self.scheduler.running), len(self.scheduler.waiting))
+            self.stats.on_cache_usage(self.cache.usage(self.scheduler.held()))
 
     def _step(self, plan: StepPlan) -> None:
         for _ in plan.preempted:

@@ -34,8 +34,10 @@ class GenerationStats:
     """Counters the engine keeps (a metrics layer reads them; see serving.metrics)."""
 
     on_token: Callable[[float | None, float | None], None] = lambda ttft, itl: None
+    on_prompt: Callable[[int], None] = lambda tokens: None  # a prompt done (its first token)
     on_step: Callable[[int, float], None] = lambda rows, seconds: None
     on_streams: Callable[[int, int], None] = lambda active, queued: None
+    on_cache_usage: Callable[[float], None] = lambda share: None  # of the byte budget
     on_end: Callable[[str, float], None] = lambda reason, seconds: None
     # prompt tokens looked up in the prefix cache, and how many of them were found there
     on_prefix: Callable[[int, int], None] = lambda looked_up, hit: None
@@ -176,6 +178,8 @@ class OutputProcessor:
         out, request = stream.output, stream.request
         now = time.perf_counter()
         ttft = now - out.submitted if out.last_token_at is None else None
+        if ttft is not None:
+            self.stats.on_prompt(len(request.prompt))
         itl = None if out.last_token_at is None else now - out.last_token_at
         out.last_token_at = now
         if token in request.stop_ids and out.generated >= request.min_tokens:

@@ -130,6 +130,10 @@ class Scheduler:
             self.waiting.remove(stream)
         self.cache.release(stream)
 
+    def held(self) -> int:
+        """Cache entries the running streams hold."""
+        return sum(s.computed for s in self.running)
+
     def schedule(self) -> StepPlan:
         preempted = self._make_room()
         decode = [s for s in self.running if s.decoding]
@@ -194,7 +198,7 @@ class Scheduler:
         preempted = []
 
         def need() -> int:
-            return sum(s.computed + 1 for s in self.running)
+            return self.held() + len(self.running)
 
         while not self.cache.fits(need()):
             if self.cache.evict_prefix():
