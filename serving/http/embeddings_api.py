@@ -19,7 +19,7 @@ from serving.embedding import Embedder, load_embedder
 from serving.engine import Engine
 from serving.errors import InvalidArgument
 from serving.http.openai_api import error
-from serving.http.openai_requests import token_ids
+from serving.http.openai_requests import model_named, token_ids
 
 MAX_INPUTS = 2048  # OpenAI's limit on one call's inputs
 
@@ -48,9 +48,7 @@ def _encoded(vector: np.ndarray, fmt: str):
 
 async def embeddings(frontend, request: Request) -> Response:
     body = await frontend.json(request)
-    name = body.get("model")
-    if not isinstance(name, str):
-        raise InvalidArgument("'model' must be the name of a served model")
+    name = model_named(frontend, body)
     engine = frontend.slot.find(name)
     if not isinstance(engine, Engine):
         raise InvalidArgument(f"model '{name}' generates text: embeddings come from an "

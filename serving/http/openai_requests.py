@@ -197,10 +197,17 @@ def _bad_words(engine: DecoderEngine, body: dict) -> tuple[tuple[int, ...], ...]
     return bad_word_ids(engine.tokenizer, words, vllm=True)
 
 
-def text_engine(frontend, body: dict) -> DecoderEngine:
-    name = body.get("model")
+def model_named(frontend, body: dict) -> str:
+    """The model a body names; the one served when it names none (as vLLM: a body without
+    `model` is common from curl and from SageMaker's /invocations, one model an endpoint)."""
+    name = body.get("model", frontend.slot.name)
     if not isinstance(name, str):
         raise InvalidArgument("'model' must be the name of a served model")
+    return name
+
+
+def text_engine(frontend, body: dict) -> DecoderEngine:
+    name = model_named(frontend, body)
     engine = frontend.slot.find(name)
     if not isinstance(engine, DecoderEngine) or engine.tokenizer is None:
         raise InvalidArgument(f"model '{name}' does not generate text (it needs a decoder "

@@ -195,7 +195,8 @@ def serve(
     """Serve OUT's selected variant until SIGTERM: KServe v2 / Open Inference Protocol over
     gRPC (--port) and HTTP/REST (--http-port), and for a decoder Triton's generate endpoints,
     an OpenAI-compatible API (/v1), Anthropic's Messages API (/v1/messages) and Text
-    Generation Inference's (/generate, /generate_stream) on the HTTP port.
+    Generation Inference's (/generate, /generate_stream) on the HTTP port, with Amazon
+    SageMaker's /ping and /invocations (routed to those APIs by the body's keys).
 
     Before reporting ready it re-runs the accuracy gate against the original on this machine
     and serves the original if the variant fails. Requests longer than the largest sequence

@@ -1,0 +1,51 @@
+"""Amazon SageMaker's container contract, which vLLM's and Text Generation Inference's servers
+also answer (their SageMaker images are those servers), so an endpoint's callers keep their
+bodies when the container behind it is this one:
+
+  GET|POST /ping      200 once the model serves (its accuracy re-checked), 503 before
+  POST /invocations   the body, routed by its keys to the API that takes it:
+                        messages             OpenAI chat completions
+                        prompt               OpenAI completions
+                        inputs               TGI's generate (`POST /`: a list of one, or
+                                             Server-Sent Events when `stream` is true)
+                        input                OpenAI embeddings
+                        query                rerank (vLLM's, Cohere's or TEI's shape)
+                      answered, errors included, in that API's own shape
+
+SageMaker sends to port 8080: `tuner serve OUT --host 0.0.0.0 --http-port 8080`."""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from serving.errors import InvalidArgument
+from serving.http import embeddings_api, openai_api, rerank_api, tgi_api
+
+# the first key a body has picks the API (vLLM and TGI route the same bodies the same way)
+_APIS = (("messages", openai_api.chat_completions, openai_api.error),
+         ("prompt", openai_api.completions, openai_api.error),
+         ("inputs", tgi_api.root, tgi_api.error),
+         ("input", embeddings_api.embeddings, openai_api.error),
+         ("query", rerank_api.rerank, openai_api.error))
+
+
+async def ping(frontend, request: Request) -> Response:
+    return await openai_api.health(frontend, request)
+
+
+async def invocations(frontend, request: Request) -> Response:
+    body = await frontend.json(request)  # (read once: the API's handler gets it cached)
+    for key, handler, errors in _APIS:
+        if key in body:
+            try:
+                return await handler(frontend, request)
+            except Exception as e:  # noqa: BLE001 - answered in that API's error shape
+                return errors(e)
+    raise InvalidArgument("the body names no API: 'messages' (chat), 'prompt' (completions), "
+                          "'inputs' (TGI's generate), 'input' (embeddings) or 'query' "
+                          "(rerank)")
+
+
+ROUTES = [("/ping", ["GET", "POST"], "ping", ping, openai_api.error),
+          ("/invocations", ["POST"], "invocations", invocations, openai_api.error)]
