@@ -20,6 +20,7 @@ runs the graph as genai and the server run it: shared past/present buffers writt
 (GroupQueryAttention), new ids and the mask bound each step.
 
     .venv/bin/python bench/generate_one_stream.py [--small] [--rounds 8] [--threads 2]
+        [--serve-threads N]
         [--genai DIR --artifact DIR]  (a genai model folder and `tuner optimize`'s artifact
                                        of its model.onnx; default: made as generate_vs_genai
                                        makes them, under --work)
@@ -228,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--small", action="store_true", help="the small Llama, for a quick run")
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--serve-threads", type=int, help="the server's intra-op threads "
+                    "(default: --threads): fewer than the cores leave one to the server's "
+                    "and the client's delivery work")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--genai", type=Path, help="a genai model folder (genai_config.json)")
@@ -254,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     load.append(os.getloadavg()[0])
     genai = genai_side(g.genai_python(), a.genai, prompts, a.new, engine["past_shape"])
     load.append(os.getloadavg()[0])
-    served = served_side(g, a.artifact, a.genai, a.threads, prompts, a.new)
+    served = served_side(g, a.artifact, a.genai, a.serve_threads or a.threads, prompts, a.new)
     load.append(os.getloadavg()[0])
     print_table(a, engine, genai, served, load)
     return 0
@@ -265,7 +269,8 @@ def print_table(a, engine: dict, genai: dict, served: list[dict], load: list[flo
              f"onnxruntime {engine['onnxruntime']}"),
             ("bare ORT / genai's loop, genai's runtime", genai["rounds"], "bare", "genai",
              f"onnxruntime {genai['onnxruntime']}"),
-            ("served (gRPC stream) / genai", served, "served", "genai", "")]
+            ("served (gRPC stream) / genai", served, "served", "genai",
+             f"served on {a.serve_threads or a.threads} threads")]
     print(f"\none stream, genai's graph, prompt {a.prompt}, {a.new} new tokens, {a.threads} "
           f"threads, {a.rounds} rounds; load {min(load):.2f}..{max(load):.2f}")
     head = (f"{'time per token, A / B':44s} {'median [min..max]':>20s} {'A ms':>7s} "

@@ -12,7 +12,8 @@ bodies when the container behind it is this one:
                         query                rerank (vLLM's, Cohere's or TEI's shape)
                       answered, errors included, in that API's own shape
 
-SageMaker sends to port 8080: `tuner serve OUT --host 0.0.0.0 --http-port 8080`."""
+SageMaker sends to port 8080: `tuner serve OUT --host 0.0.0.0 --http-port 8080`, which the
+image's entrypoint runs when SageMaker starts it (deploy/docker-entrypoint.sh)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ from starlette.responses import Response
 from serving.errors import InvalidArgument
 from serving.http import embeddings_api, openai_api, rerank_api, tgi_api
 
-# the first key a body has picks the API (vLLM and TGI route the same bodies the same way)
+# the first of these keys that a body has picks its API (as vLLM's and TGI's /invocations
+# route the bodies each of them takes)
 _APIS = (("messages", openai_api.chat_completions, openai_api.error),
          ("prompt", openai_api.completions, openai_api.error),
          ("inputs", tgi_api.root, tgi_api.error),
