@@ -4,12 +4,15 @@ them), one forward pass, the token outputs pooled as the Pooling module's config
 modes it enables, concatenated in its order; mean over the tokens when there is no config)
 and L2-normalized where modules.json lists Normalize. A graph that outputs the sentence
 embedding itself (`sentence_embedding`, (B, H): Optimum's sentence-transformers export) is
-taken as it is. What `/v1/embeddings` serves; no grpc, no HTTP here.
+taken as it is. Also what Text Embeddings Inference's API needs beside: whether a text was
+cut, cutting from the left, the vector before normalization, and the named prompts of
+config_sentence_transformers.json. What `/v1/embeddings`, `/embed` and `/similarity` serve; no
+grpc, no HTTP here.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -48,10 +51,34 @@ def load_pooling(folder: Path) -> Pooling:
                    limit if isinstance(limit, int) and limit > 0 else None)
 
 
+def load_prompts(folder: Path) -> dict[str, str]:
+    """sentence-transformers' named prompts (config_sentence_transformers.json `prompts`:
+    {"query": "query: ", ...}), each put before a text whose request names it."""
+    config = read_json(folder / "config_sentence_transformers.json")
+    prompts = config.get("prompts") if isinstance(config, dict) else None
+    if not isinstance(prompts, dict):
+        return {}
+    return {k: v for k, v in prompts.items() if isinstance(k, str) and isinstance(v, str)}
+
+
+def max_positions(folder: Path) -> int | None:
+    """The longest input the model's config.json allows (`max_position_embeddings`)."""
+    config = read_json(folder / "config.json")
+    n = config.get("max_position_embeddings") if isinstance(config, dict) else None
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
+
 def load_embedder(engine) -> "Embedder":
     """The embedder of an encoder engine whose artifact has a tokenizer.json."""
     folder, tokenizer = engine.model.folder, engine_tokenizer(engine)
-    return Embedder(engine, tokenizer, load_pooling(folder))
+    pooling = load_pooling(folder)
+    if pooling.max_tokens is None:  # sentence-transformers' own default: the model's limit
+        pooling = replace(pooling, max_tokens=max_positions(folder))
+    return Embedder(engine, tokenizer, pooling, load_prompts(folder))
+
+
+def normalized(vector: np.ndarray) -> np.ndarray:
+    return vector / max(float(np.linalg.norm(vector)), 1e-12)
 
 
 def pool(tokens: np.ndarray, pooling: Pooling) -> np.ndarray:
@@ -61,7 +88,7 @@ def pool(tokens: np.ndarray, pooling: Pooling) -> np.ndarray:
              "mean_sqrt_len_tokens": x.sum(0) / np.sqrt(len(x)), "lasttoken": x[-1]}
     vector = np.concatenate([parts[m] for m in pooling.modes])
     if pooling.normalize:
-        vector = vector / max(float(np.linalg.norm(vector)), 1e-12)
+        vector = normalized(vector)
     return vector.astype(np.float32)
 
 
@@ -69,11 +96,14 @@ class Embedder:
     """An encoder engine's embeddings: the feeds for one text's ids, and its vector from the
     outputs. InvalidArgument when the graph takes an input it cannot fill."""
 
-    def __init__(self, engine, tokenizer, pooling: Pooling) -> None:
+    def __init__(self, engine, tokenizer, pooling: Pooling,
+                 prompts: dict[str, str] | None = None) -> None:
         """`tokenizer`: a `tokenizers.Tokenizer` of the embedder's own (its truncation is set
         here: the text cut to max_tokens with the special tokens kept, as in
         sentence-transformers)."""
         self.engine, self.tokenizer, self.pooling = engine, tokenizer, pooling
+        self.prompts = prompts or {}
+        self._left = None  # a copy that cuts from the left, made when first asked for
         if pooling.max_tokens is not None:
             tokenizer.enable_truncation(pooling.max_tokens)
         outputs = {s.name: s for s in engine.model.signature.outputs}
@@ -99,6 +129,20 @@ class Embedder:
     def ids(self, text: str) -> list[int]:
         return self.tokenizer.encode(text).ids
 
+    def encode(self, text: str, left: bool = False) -> tuple[list[int], bool]:
+        """The ids of `text` cut to max_tokens from the right (or the left), and whether
+        anything was cut."""
+        tokenizer = self.tokenizer
+        if left and self.pooling.max_tokens is not None:
+            if self._left is None:
+                from tokenizers import Tokenizer
+
+                self._left = Tokenizer.from_str(self.tokenizer.to_str())
+                self._left.enable_truncation(self.pooling.max_tokens, direction="left")
+            tokenizer = self._left
+        encoding = tokenizer.encode(text)
+        return encoding.ids, bool(encoding.overflowing)
+
     def feeds(self, ids: list[int]) -> dict[str, np.ndarray]:
         row = np.array([ids], np.int64)  # (1, S)
         return {name: make(row).astype(dtype) for name, make, dtype in self._inputs}
@@ -106,3 +150,11 @@ class Embedder:
     def vector(self, outputs: dict[str, np.ndarray]) -> np.ndarray:
         out = outputs[self.output][0]  # (H,) or (S, H)
         return out.astype(np.float32) if self.pooled else pool(out, self.pooling)
+
+    def unnormalized(self, outputs: dict[str, np.ndarray]) -> np.ndarray:
+        """The pooled vector before any L2 normalization (what TEI's `normalize: false`
+        asks for); InvalidArgument for a graph that pools, and may normalize, itself."""
+        if self.pooled:
+            raise InvalidArgument(f"model '{self.engine.name}' pools (and may normalize) "
+                                  "inside its graph: only normalized embeddings come from it")
+        return pool(outputs[self.output][0], replace(self.pooling, normalize=False))

@@ -124,3 +124,18 @@ def test_root_answers_a_list_or_a_stream_as_the_body_says(decoder, llama) -> Non
         events = [json.loads(line[5:]) for line in r.iter_lines(decode_unicode=True)
                   if line.startswith("data:")]
     assert [e["token"]["id"] for e in events] == ids and events[-1]["index"] == NEW
+
+
+def test_info_is_tgis_with_this_servers_limits(decoder) -> None:
+    info = requests.get(f"http://127.0.0.1:{decoder.http_port}/info", timeout=30).json()
+    generator = decoder.slot.find(decoder.slot.name).generator
+    assert info["router"] == "text-generation-router"
+    assert info["model_id"] == decoder.slot.name
+    assert info["model_pipeline_tag"] == "text-generation"
+    assert info["max_total_tokens"] == generator.max_cache_len
+    assert info["max_input_tokens"] == generator.max_prompt < info["max_total_tokens"]
+    assert info["max_best_of"] == 1 and info["max_stop_sequences"] == 64
+    too_many = {"inputs": PROMPT, "parameters": {"stop": ["x"] * 65}}
+    r = requests.post(f"http://127.0.0.1:{decoder.http_port}/generate", json=too_many,
+                      timeout=30)
+    assert r.status_code == 422 and "at most 64" in r.json()["error"]

@@ -1,7 +1,7 @@
 """The HTTP port: one Starlette app (KServe v2 REST, Triton's generate extension, the OpenAI,
-Anthropic and Text Generation Inference APIs, embeddings, rerank, tokenizer endpoints,
-SageMaker's /ping and /invocations, and the metrics) run by uvicorn in a thread of the `tuner serve` process, beside gRPC, on the
-same model slot and engine.
+Anthropic, Text Generation Inference and Text Embeddings Inference APIs, embeddings, rerank,
+tokenizer endpoints, SageMaker's /ping and /invocations, and the metrics) run by uvicorn in a
+thread of the `tuner serve` process, beside gRPC, on the same model slot and engine.
 
 Why uvicorn + Starlette: uvicorn's C parts (httptools' HTTP parser, uvloop's event loop) keep
 the cost per request low under many concurrent connections; Starlette adds routing and
@@ -125,13 +125,14 @@ async def metrics_text(frontend: Frontend, request: Request) -> Response:
 
 
 def build_app(frontend: Frontend) -> Starlette:
-    from serving.http import (embeddings_api, kserve, messages_api, openai_api, rerank_api,
-                              responses_api, sagemaker, tgi_api, tokenize_api,
-                              triton_generate)
+    from serving.http import (embeddings_api, hf_routes, kserve, messages_api, openai_api,
+                              rerank_api, responses_api, sagemaker, tei_api, tgi_api,
+                              tokenize_api, triton_generate)
 
     routes = [Route("/metrics", endpoint(frontend, "metrics", metrics_text), methods=["GET"])]
     for module in (kserve, triton_generate, openai_api, responses_api, messages_api,
-                   tokenize_api, embeddings_api, rerank_api, tgi_api, sagemaker):
+                   tokenize_api, embeddings_api, rerank_api, tgi_api, tei_api, hf_routes,
+                   sagemaker):
         for path, methods, name, handler, errors in module.ROUTES:
             routes.append(Route(path, endpoint(frontend, name, handler, errors or kserve_error),
                                 methods=methods))

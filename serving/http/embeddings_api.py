@@ -25,19 +25,37 @@ MAX_INPUTS = 2048  # OpenAI's limit on one call's inputs
 
 
 @lru_cache(maxsize=4)
-def _embedder(engine: Engine) -> Embedder:
+def embedder_of(engine: Engine) -> Embedder:
     return load_embedder(engine)
 
 
-def _texts(raw) -> list[str | list[int]]:
+def encoder_named(frontend, name: str) -> Engine:
+    engine = frontend.slot.find(name)
+    if not isinstance(engine, Engine):
+        raise InvalidArgument(f"model '{name}' generates text: embeddings come from an "
+                              "encoder artifact")
+    return engine
+
+
+def texts_of(raw, field: str = "input") -> list[str | list[int]]:
+    """A request's texts: a string, token ids, or a non-empty list of those."""
     items = [raw] if isinstance(raw, str) or token_ids(raw) else raw
     if not isinstance(items, list) or not items or any(
             not (isinstance(x, str) and x) and not token_ids(x) for x in items):
-        raise InvalidArgument("'input' must be a non-empty string, token ids, or a non-empty "
-                              "list of those")
+        raise InvalidArgument(f"'{field}' must be a non-empty string, token ids, or a "
+                              "non-empty list of those")
     if len(items) > MAX_INPUTS:
-        raise InvalidArgument(f"'input' holds {len(items)} items; at most {MAX_INPUTS}")
+        raise InvalidArgument(f"'{field}' holds {len(items)} items; at most {MAX_INPUTS}")
     return items
+
+
+async def embed_rows(frontend, engine: Engine, embedder: Embedder,
+                     rows: list[list[int]]) -> list[dict[str, np.ndarray]]:
+    """The model's outputs for each row of ids, each its own request to the engine (the
+    batcher joins them, and those of concurrent calls, into its buckets)."""
+    results = await asyncio.gather(*(frontend.run(engine.infer, embedder.feeds(ids),
+                                                  [embedder.output]) for ids in rows))
+    return [outputs for outputs, _ in results]
 
 
 def _encoded(vector: np.ndarray, fmt: str):
@@ -49,18 +67,13 @@ def _encoded(vector: np.ndarray, fmt: str):
 async def embeddings(frontend, request: Request) -> Response:
     body = await frontend.json(request)
     name = model_named(frontend, body)
-    engine = frontend.slot.find(name)
-    if not isinstance(engine, Engine):
-        raise InvalidArgument(f"model '{name}' generates text: embeddings come from an "
-                              "encoder artifact")
-    embedder = _embedder(engine)
+    engine = encoder_named(frontend, name)
+    embedder = embedder_of(engine)
     fmt = body.get("encoding_format") or "float"
     if fmt not in ("float", "base64"):
         raise InvalidArgument("'encoding_format' must be 'float' or 'base64'")
-    rows = [embedder.ids(x) if isinstance(x, str) else x for x in _texts(body.get("input"))]
-    results = await asyncio.gather(*(frontend.run(engine.infer, embedder.feeds(ids),
-                                                  [embedder.output]) for ids in rows))
-    vectors = [embedder.vector(outputs) for outputs, _ in results]
+    rows = [embedder.ids(x) if isinstance(x, str) else x for x in texts_of(body.get("input"))]
+    vectors = [embedder.vector(o) for o in await embed_rows(frontend, engine, embedder, rows)]
     size, wanted = len(vectors[0]), body.get("dimensions")
     if wanted is not None and wanted != size:
         raise InvalidArgument(f"'dimensions' must be this model's own, {size} (it cannot "

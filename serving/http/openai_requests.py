@@ -28,11 +28,16 @@ SAMPLING = ("temperature", "top_p", "top_k", "min_p", "min_tokens", "seed",
             "repetition_penalty", "ignore_eos", "stop_token_ids", "bad_words")
 
 
+MAX_STOPS = 64  # stop strings a request may name (each is looked for after every token)
+
+
 def _stops(body: dict) -> tuple[str, ...]:
     stop = body.get("stop")
     stops = [stop] if isinstance(stop, str) else stop or []
     if not isinstance(stops, list) or any(not isinstance(s, str) for s in stops):
         raise InvalidArgument("'stop' must be a string or a list of strings")
+    if len(stops) > MAX_STOPS:
+        raise InvalidArgument(f"'stop' holds {len(stops)} strings; at most {MAX_STOPS}")
     return tuple(s for s in stops if s)
 
 

@@ -6,8 +6,10 @@ bodies when the container behind it is this one:
   POST /invocations   the body, routed by its keys to the API that takes it:
                         messages             OpenAI chat completions
                         prompt               OpenAI completions
-                        inputs               TGI's generate (`POST /`: a list of one, or
-                                             Server-Sent Events when `stream` is true)
+                        inputs               `POST /` (serving/http/hf_routes.py): TGI's
+                                             generate for a decoder (a list of one, or
+                                             Server-Sent Events when `stream` is true),
+                                             TEI's embed or similarity for an encoder
                         input                OpenAI embeddings
                         query                rerank (vLLM's, Cohere's or TEI's shape)
                       answered, errors included, in that API's own shape
@@ -21,13 +23,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from serving.errors import InvalidArgument
-from serving.http import embeddings_api, openai_api, rerank_api, tgi_api
+from serving.http import embeddings_api, hf_routes, openai_api, rerank_api, tei_api
 
 # the first of these keys that a body has picks its API (as vLLM's and TGI's /invocations
 # route the bodies each of them takes)
 _APIS = (("messages", openai_api.chat_completions, openai_api.error),
          ("prompt", openai_api.completions, openai_api.error),
-         ("inputs", tgi_api.root, tgi_api.error),
+         ("inputs", hf_routes.root, tei_api.error),  # (answers its own errors)
          ("input", embeddings_api.embeddings, openai_api.error),
          ("query", rerank_api.rerank, openai_api.error))
 
@@ -45,8 +47,8 @@ async def invocations(frontend, request: Request) -> Response:
             except Exception as e:  # noqa: BLE001 - answered in that API's error shape
                 return errors(e)
     raise InvalidArgument("the body names no API: 'messages' (chat), 'prompt' (completions), "
-                          "'inputs' (TGI's generate), 'input' (embeddings) or 'query' "
-                          "(rerank)")
+                          "'inputs' (TGI's generate, TEI's embed), 'input' (embeddings) or "
+                          "'query' (rerank)")
 
 
 ROUTES = [("/ping", ["GET", "POST"], "ping", ping, openai_api.error),

@@ -16,7 +16,8 @@ stop, repetition_penalty, frequency_penalty, top_n_tokens, details, return_full_
 truncate (the prompt's last N tokens), grammar (`json` / `json_schema` / `regex`), and
 vLLM's ignore_eos, which benchmarking tools add. best_of,
 typical_p, watermark, decoder_input_details and adapters are refused rather than ignored.
-Errors are TGI's `{"error", "error_type"}`, 422 for a request it cannot take."""
+Errors are TGI's `{"error", "error_type"}`, 422 for a request it cannot take. `GET /info` and
+`POST /` are routed by serving/http/hf_routes.py (TEI's for an encoder artifact)."""
 
 from __future__ import annotations
 
@@ -25,10 +26,11 @@ import uuid
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+import serving
 from serving.decoder import DecoderEngine
 from serving.errors import InvalidArgument
 from serving.http.codec import http_status_for
-from serving.http.openai_requests import body_value, generations_for
+from serving.http.openai_requests import MAX_STOPS, body_value, generations_for
 from serving.http.streams import ChunkStream, until_disconnect
 from serving.http.triton_generate import SSE_HEADERS, sse
 from serving.sampling import Chunk, GenerationRequest, join_chunks
@@ -203,6 +205,18 @@ async def root(frontend, request: Request) -> Response:
     return answer if isinstance(answer, Response) else JSONResponse([answer])
 
 
-ROUTES = [("/", ["POST"], "tgi/", root, error),
-          ("/generate", ["POST"], "tgi/generate", generate, error),
+def info(frontend, engine: DecoderEngine) -> dict:
+    """TGI's `GET /info` for a decoder artifact: the limits a request meets here."""
+    generator = engine.generator
+    return {"model_id": frontend.slot.name, "model_sha": None,
+            "model_pipeline_tag": "text-generation",
+            "max_concurrent_requests": engine.options.max_streams + engine.options.max_queue,
+            "max_best_of": 1, "max_stop_sequences": MAX_STOPS,
+            "max_input_tokens": generator.max_prompt,
+            "max_total_tokens": generator.max_cache_len, "validation_workers": 1,
+            "max_client_batch_size": 1, "router": "text-generation-router",
+            "version": serving.__version__, "sha": None, "docker_label": None}
+
+
+ROUTES = [("/generate", ["POST"], "tgi/generate", generate, error),
           ("/generate_stream", ["POST"], "tgi/generate_stream", generate_stream, error)]

@@ -107,8 +107,9 @@ def serve(
     http_port: int = typer.Option(8000, help="HTTP port: KServe v2 REST, Triton's generate "
                                              "endpoints, the OpenAI-compatible API, "
                                              "Anthropic's Messages API, Text Generation "
-                                             "Inference's generate API and /metrics (0: any "
-                                             "free port; -1: no HTTP)"),
+                                             "Inference's generate API (a decoder), Text "
+                                             "Embeddings Inference's API (an encoder) and "
+                                             "/metrics (0: any free port; -1: no HTTP)"),
     metrics_port: int = typer.Option(8002, help="Prometheus /metrics port, as Triton's (-1: "
                                                  "none; the HTTP port serves them too)"),
     model_name: Optional[str] = typer.Option(None, help="name clients use (default: the "

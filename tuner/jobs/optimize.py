@@ -113,7 +113,7 @@ def _check_out(cfg: OptimizeConfig) -> None:
 TEXT_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
               "chat_template.json", "config.json", "generation_config.json",
               "genai_config.json", "modules.json", "sentence_bert_config.json",
-              "1_Pooling/config.json")
+              "config_sentence_transformers.json", "1_Pooling/config.json")
 _TEXT_FILE_MAX = 64 * 1024 * 1024
 
 

@@ -1,0 +1,55 @@
+"""The paths Hugging Face's two servers share, answered as the one that serves this kind of
+model would answer them (Text Generation Inference for a decoder artifact, Text Embeddings
+Inference for an encoder one), since a client of either calls them:
+
+  GET  /info   TGI's or TEI's model info (limits, pipeline, version)
+  POST /       TGI: generate, or its stream when `stream` is true (tgi_api.root);
+               TEI: as its body is shaped: `inputs` an object with `source_sentence` ->
+               similarity (what InferenceClient.sentence_similarity sends), `query` with
+               `texts` -> rerank (a cross-encoder), otherwise embed (what
+               InferenceClient.feature_extraction sends)
+  GET  /       200 once the model serves, 503 before (TEI's health check there)
+
+Errors are answered in the shape of the API that took the body."""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from serving.decoder import DecoderEngine
+from serving.http import openai_api, rerank_api, tei_api, tgi_api
+
+
+def _serves_text(frontend) -> bool:
+    return isinstance(frontend.slot.find(frontend.slot.name), DecoderEngine)
+
+
+async def info(frontend, request: Request) -> Response:
+    engine = frontend.slot.find(frontend.slot.name)
+    if isinstance(engine, DecoderEngine):
+        return JSONResponse(tgi_api.info(frontend, engine))
+    return JSONResponse(tei_api.info(frontend, engine))
+
+
+async def root(frontend, request: Request) -> Response:
+    """`POST /` (and SageMaker's /invocations for a body with `inputs`)."""
+    if _serves_text(frontend):
+        try:
+            return await tgi_api.root(frontend, request)
+        except Exception as e:  # noqa: BLE001 - answered in TGI's shape
+            return tgi_api.error(e)
+    try:
+        body = await frontend.json(request)
+        if "query" in body and "texts" in body:
+            return await rerank_api.rerank(frontend, request)
+        if isinstance(body.get("inputs"), dict):
+            return await tei_api.similarity_body(frontend, body)
+        return await tei_api.embed_body(frontend, body)
+    except Exception as e:  # noqa: BLE001 - answered in TEI's shape
+        return tei_api.error(e)
+
+
+ROUTES = [("/", ["POST"], "hf/", root, tei_api.error),
+          ("/", ["GET"], "hf/health", openai_api.health, None),
+          ("/info", ["GET"], "hf/info", info, tei_api.error)]

@@ -1,0 +1,189 @@
+"""Hugging Face Text Embeddings Inference's API for an encoder artifact with a tokenizer (a
+sentence-transformers model), for the clients written against TEI: huggingface_hub's
+`InferenceClient.feature_extraction` and `.sentence_similarity` (and LangChain's and
+Haystack's classes on them), LlamaIndex's `TextEmbeddingsInference`:
+
+  POST /embed        {"inputs": text | ids | [text | ids], "normalize": true,
+                      "truncate": false, "truncation_direction": "right",
+                      "prompt_name": null, "dimensions": null}  ->  [[float, ...], ...]
+  POST /similarity   {"inputs": {"source_sentence": str, "sentences": [str]},
+                      "parameters": {"truncate", "truncation_direction", "prompt_name"}}
+                     ->  [cosine similarity of each sentence with the source]
+  info(...)          TEI's `GET /info` body (serving/http/hf_routes.py routes it, and `POST /`)
+
+As TEI computes them: the pooled vector (sentence-transformers' Pooling config, mean without
+it), cut to `dimensions` (Matryoshka), then L2-normalized unless `normalize` is false; a text
+longer than the model's input is refused unless `truncate` is true (then cut from the right,
+or the left); `prompt_name` puts that named prompt of config_sentence_transformers.json before
+each text. Each text is its own request to the engine, so the batcher joins them. Errors are
+TEI's `{"error", "error_type"}`: 422 Validation, 400 Empty."""
+
+from __future__ import annotations
+
+import numpy as np
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+import serving
+from serving.embedding import Embedder, normalized
+from serving.engine import Engine
+from serving.errors import InvalidArgument
+from serving.http.codec import http_status_for
+from serving.http.embeddings_api import (MAX_INPUTS, embed_rows, embedder_of, encoder_named,
+                                         texts_of)
+
+# sentence-transformers' Pooling modes under TEI's names for them
+_POOLING_NAMES = {"cls_token": "cls", "mean_tokens": "mean", "max_tokens": "max",
+                  "lasttoken": "last_token"}
+_ERROR_TYPES = {400: "Validation", 422: "Validation", 429: "Overloaded", 503: "Unhealthy"}
+
+
+class Empty(InvalidArgument):
+    """TEI's `Empty` error: a request with nothing to embed (400, not 422)."""
+
+
+def error(exc: BaseException) -> Response:
+    status, message = http_status_for(exc)
+    if isinstance(exc, Empty):
+        return JSONResponse({"error": message, "error_type": "Empty"}, 400)
+    status = 422 if status == 400 else status  # TEI answers a request it refuses with 422
+    return JSONResponse({"error": message, "error_type": _ERROR_TYPES.get(status, "Backend")},
+                        status)
+
+
+def _flag(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise InvalidArgument(f"'{name}' must be true or false")
+    return value
+
+
+def _left(body: dict) -> bool:
+    """`truncation_direction`: right (the default) or left, in either case, as TEI reads it."""
+    direction = body.get("truncation_direction") or "right"
+    if not isinstance(direction, str) or direction.lower() not in ("left", "right"):
+        raise InvalidArgument("'truncation_direction' must be 'right' or 'left'")
+    return direction.lower() == "left"
+
+
+def _prompt(embedder: Embedder, name) -> str:
+    if name is None:
+        return ""
+    if not isinstance(name, str) or name not in embedder.prompts:
+        known = sorted(embedder.prompts) or "none: the artifact has no " \
+                                             "config_sentence_transformers.json prompts"
+        raise InvalidArgument(f"'prompt_name' {name!r} is not one of the model's prompts "
+                              f"({known})")
+    return embedder.prompts[name]
+
+
+def _rows(embedder: Embedder, items: list, body: dict) -> list[list[int]]:
+    """Each text's ids with its prompt, cut as the body says; a text too long for the model
+    is refused unless `truncate` is true."""
+    truncate, left = _flag(body, "truncate", False), _left(body)
+    prompt = _prompt(embedder, body.get("prompt_name"))
+    rows = []
+    for i, item in enumerate(items):
+        if isinstance(item, str):
+            ids, cut = embedder.encode(prompt + item, left)
+        else:  # token ids, as sent: only cut when asked to
+            if prompt:
+                raise InvalidArgument("'prompt_name' needs texts, not token ids")
+            limit = embedder.pooling.max_tokens or len(item)
+            ids, cut = (item[-limit:] if left else item[:limit]), len(item) > limit
+        if cut and not truncate:
+            raise InvalidArgument(f"inputs[{i}] is longer than the model's "
+                                  f"{embedder.pooling.max_tokens} tokens; send 'truncate': "
+                                  "true to cut it")
+        rows.append(ids)
+    return rows
+
+
+def _texts(raw) -> list:
+    if raw == [] or raw == "":
+        raise Empty("'inputs' cannot be empty")
+    return texts_of(raw, "inputs")
+
+
+def _dimensions(body: dict, size: int) -> int:
+    wanted = body.get("dimensions")
+    if wanted is None:
+        return size
+    if isinstance(wanted, bool) or not isinstance(wanted, int) or not 0 < wanted <= size:
+        raise InvalidArgument(f"'dimensions' must be a positive integer up to the model's "
+                              f"{size}")
+    return wanted
+
+
+async def embed_body(frontend, body: dict) -> Response:
+    engine = encoder_named(frontend, frontend.slot.name)
+    embedder = embedder_of(engine)
+    rows = _rows(embedder, _texts(body.get("inputs")), body)
+    normalize = _flag(body, "normalize", True)
+    if embedder.pooled and (not normalize or body.get("dimensions") is not None):
+        raise InvalidArgument(f"model '{engine.name}' pools (and may normalize) inside its "
+                              "graph: 'normalize': false and 'dimensions' need the vector "
+                              "before that, which it does not give")
+    outputs = await embed_rows(frontend, engine, embedder, rows)
+    if embedder.pooled:
+        return JSONResponse([embedder.vector(o).tolist() for o in outputs])
+    raw = [embedder.unnormalized(o) for o in outputs]
+    size = _dimensions(body, len(raw[0]))  # Matryoshka: cut first, then normalize
+    return JSONResponse([(normalized(v[:size]) if normalize else v[:size]).tolist()
+                         for v in raw])
+
+
+async def embed(frontend, request: Request) -> Response:
+    return await embed_body(frontend, await frontend.json(request))
+
+
+async def similarity_body(frontend, body: dict) -> Response:
+    inputs = body.get("inputs")
+    if not isinstance(inputs, dict):
+        raise InvalidArgument("'inputs' must be an object with 'source_sentence' and "
+                              "'sentences'")
+    source, sentences = inputs.get("source_sentence"), inputs.get("sentences")
+    if not isinstance(source, str) or not source:
+        raise InvalidArgument("'source_sentence' must be a non-empty string")
+    if not isinstance(sentences, list) or not sentences or \
+            any(not isinstance(s, str) or not s for s in sentences):
+        raise Empty("'sentences' must be a non-empty list of non-empty strings")
+    if len(sentences) >= MAX_INPUTS:
+        raise InvalidArgument(f"'sentences' holds {len(sentences)} items; at most "
+                              f"{MAX_INPUTS - 1}")
+    parameters = body.get("parameters") or {}
+    if not isinstance(parameters, dict):
+        raise InvalidArgument("'parameters' must be an object")
+    engine = encoder_named(frontend, frontend.slot.name)
+    embedder = embedder_of(engine)
+    rows = _rows(embedder, [source, *sentences], parameters)
+    vectors = [embedder.vector(o).astype(np.float64)
+               for o in await embed_rows(frontend, engine, embedder, rows)]
+    first = normalized(vectors[0])
+    return JSONResponse([float(first @ normalized(v)) for v in vectors[1:]])
+
+
+async def similarity(frontend, request: Request) -> Response:
+    return await similarity_body(frontend, await frontend.json(request))
+
+
+def info(frontend, engine: Engine) -> dict:
+    """TEI's `GET /info` for an encoder artifact."""
+    embedder = embedder_of(engine)
+    pooling = "mean" if embedder.pooled else _POOLING_NAMES.get(embedder.pooling.modes[0],
+                                                                 embedder.pooling.modes[0])
+    return {"model_id": frontend.slot.name, "model_sha": None, "model_dtype": "float32",
+            "served_model_name": frontend.slot.name,
+            "model_type": {"embedding": {"pooling": pooling}},
+            "max_concurrent_requests": engine.options.max_queue,
+            "max_input_length": embedder.pooling.max_tokens,
+            "max_batch_tokens": engine.max_batch * max(engine.model.buckets.seq),
+            "max_batch_requests": engine.join_rows, "max_client_batch_size": MAX_INPUTS,
+            "auto_truncate": False, "tokenization_workers": 1,
+            "version": serving.__version__, "sha": None, "docker_label": None}
+
+
+ROUTES = [("/embed", ["POST"], "tei/embed", embed, error),
+          ("/similarity", ["POST"], "tei/similarity", similarity, error)]
