@@ -12,8 +12,8 @@ import json
 import numpy as np
 import pytest
 import requests
-from llm_support import (PROMPT, decoder, greedy, llama, log_softmax,  # noqa: F401
-                         tokenizer)
+from llm_support import (CHAT, NO_EOS, PROMPT, decoder, greedy, llama,  # noqa: F401
+                         log_softmax, rendered, tokenizer)
 
 NEW = 12
 
@@ -139,3 +139,16 @@ def test_info_is_tgis_with_this_servers_limits(decoder) -> None:
     r = requests.post(f"http://127.0.0.1:{decoder.http_port}/generate", json=too_many,
                       timeout=30)
     assert r.status_code == 422 and "at most 64" in r.json()["error"]
+
+
+def test_chat_completion_from_the_client_that_names_no_model(client, llama) -> None:
+    """InferenceClient given the server's URL sends `"model": "dummy"` (TGI takes any name):
+    the served model answers, as it answers /v1/chat/completions."""
+    prompt = tokenizer().encode(rendered(CHAT), add_special_tokens=False).ids
+    ids, _ = greedy(llama, prompt, 6)
+    out = client.chat_completion(CHAT, max_tokens=6, temperature=0, extra_body=NO_EOS)
+    assert out.choices[0].message.content == tokenizer().decode(ids)
+    assert out.usage.prompt_tokens == len(prompt)
+    chunks = list(client.chat_completion(CHAT, max_tokens=6, temperature=0, stream=True,
+                                         extra_body=NO_EOS))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == tokenizer().decode(ids)

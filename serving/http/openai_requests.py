@@ -202,13 +202,20 @@ def _bad_words(engine: DecoderEngine, body: dict) -> tuple[tuple[int, ...], ...]
     return bad_word_ids(engine.tokenizer, words, vllm=True)
 
 
+# what huggingface_hub's InferenceClient sends as `model` when it is given the server's URL
+# instead of a model name ("tgi" in its older releases, "dummy" in newer ones): TGI serves
+# one model and takes any name; here these two mean the one served
+_PLACEHOLDER_NAMES = ("dummy", "tgi")
+
+
 def model_named(frontend, body: dict) -> str:
     """The model a body names; the one served when it names none (as vLLM: a body without
-    `model` is common from curl and from SageMaker's /invocations, one model an endpoint)."""
+    `model` is common from curl and from SageMaker's /invocations, one model an endpoint) or
+    names huggingface_hub's placeholder."""
     name = body.get("model", frontend.slot.name)
     if not isinstance(name, str):
         raise InvalidArgument("'model' must be the name of a served model")
-    return name
+    return frontend.slot.name if name in _PLACEHOLDER_NAMES else name
 
 
 def text_engine(frontend, body: dict) -> DecoderEngine:
