@@ -85,7 +85,8 @@ def test_text_embeddings_inferences_shape(server) -> None:
     assert all(x["text"] == DOCUMENTS[x["index"]] for x in raw)
     # TEI refuses an input past the model's length unless told to truncate
     r = requests.post(url, json={"query": QUERY, "texts": DOCUMENTS}, timeout=60)
-    assert r.status_code == 400 and "texts[3]" in r.json()["error"]["message"]
+    assert r.status_code == 422 and "texts[3]" in r.json()["error"]  # TEI's error shape
+    assert r.json()["error_type"] == "Validation"
 
 
 def test_the_identity_activation_gives_the_raw_logits(artifact, tmp_path) -> None:
@@ -136,3 +137,23 @@ def test_an_embedding_model_is_not_a_reranker(tmp_path) -> None:
     finally:
         s.stop(5)
     assert r.status_code == 400 and "is not a reranker" in r.json()["error"]["message"]
+
+
+def test_the_cohere_client_reranks_unchanged(server) -> None:
+    """Cohere's own client (v2: /v2/rerank; v1: /v1/rerank, as vLLM serves it), given the
+    server's URL: the CrossEncoder's scores, highest first, top_n kept."""
+    import cohere
+
+    want = _reference()
+    order = sorted(range(4), key=lambda i: -want[i])
+    base = f"http://127.0.0.1:{server.http_port}"
+    v2 = cohere.ClientV2(base_url=base, api_key="unused", timeout=60)
+    got = v2.rerank(model=server.slot.name, query=QUERY, documents=DOCUMENTS, top_n=3)
+    assert [r.index for r in got.results] == order[:3]
+    assert [r.relevance_score for r in got.results] == pytest.approx(
+        [want[i] for i in order[:3]], abs=1e-5)
+    v1 = cohere.Client(base_url=base, api_key="unused", timeout=60)
+    got = v1.rerank(model=server.slot.name, query=QUERY, documents=DOCUMENTS,
+                    return_documents=True)
+    assert [r.index for r in got.results] == order
+    assert [r.document.text for r in got.results] == [DOCUMENTS[i] for i in order]

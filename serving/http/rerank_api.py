@@ -7,9 +7,9 @@ call it:
   - Hugging Face Text Embeddings Inference's `POST /rerank` (a body with `texts`, not
     `documents`): `raw_scores` (the logit, not its activation), `return_text`, `truncate`
     (false: a pair longer than the model is refused, as TEI refuses it); the answer a bare
-    list of {index, score[, text]}, highest first.
+    list of {index, score[, text]}, highest first, its errors TEI's (422 Validation).
 Each pair is its own request to the engine, so the dynamic batcher joins them. Errors are
-OpenAI error objects, as vLLM's."""
+OpenAI error objects, as vLLM's, but for TEI's body."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from starlette.responses import JSONResponse, Response
 
 from serving.engine import Engine
 from serving.errors import InvalidArgument
+from serving.http import tei_api
 from serving.http.openai_api import error
 from serving.rerank import Scorer, load_scorer
 
@@ -67,7 +68,7 @@ class _Shape:
 
 
 def _shape(body: dict, count: int) -> _Shape:
-    if "texts" in body and "documents" not in body:
+    if _is_tei(body):
         return _Shape(True, count, _flag(body, "return_text", False),
                       _flag(body, "raw_scores", False), _flag(body, "truncate", False))
     top = body.get("top_n", count)
@@ -76,14 +77,27 @@ def _shape(body: dict, count: int) -> _Shape:
     return _Shape(False, top, _flag(body, "return_documents", True))
 
 
+def _is_tei(body: dict) -> bool:
+    return "texts" in body and "documents" not in body
+
+
 async def rerank(frontend, request: Request) -> Response:
     body = await frontend.json(request)
+    if not _is_tei(body):
+        return await _rerank(frontend, body)
+    try:
+        return await _rerank(frontend, body)
+    except Exception as e:  # noqa: BLE001 - TEI's body: TEI's errors ({"error", "error_type"})
+        return tei_api.error(e)
+
+
+async def _rerank(frontend, body: dict) -> Response:
     name = body.get("model", frontend.slot.name)
     engine = frontend.slot.find(name) if isinstance(name, str) else None
     if not isinstance(engine, Engine):
         raise InvalidArgument("'model' must name a served cross-encoder (rerank scores come "
                               "from an encoder artifact)")
-    field = "texts" if "texts" in body and "documents" not in body else "documents"
+    field = "texts" if _is_tei(body) else "documents"
     query, documents = body.get("query"), _documents(body.get(field), field)
     if not isinstance(query, str) or not query:
         raise InvalidArgument("'query' must be a non-empty string")
