@@ -5,9 +5,15 @@ classes let through as internal errors."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from tuner.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize("argv, expected", [
@@ -46,3 +52,31 @@ def test_version_prints_the_installed_version_and_exits_0(capsys):
 
     assert main(["--version"]) == 0
     assert capsys.readouterr().out == f"tuner (shapetuner) {metadata.version('shapetuner')}\n"
+
+
+def _fresh_python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+
+
+def test_the_cli_starts_without_the_heavy_packages():
+    """Each command imports its work when it runs: `tuner --help` (and any command's start)
+    loads none of onnx, onnxruntime, numpy or the server."""
+    out = _fresh_python("import sys, tuner.cli; print(sorted(m for m in ('numpy', 'onnx', "
+                        "'onnx_ir', 'onnxruntime', 'grpc', 'serving', 'torch') "
+                        "if m in sys.modules))")
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_a_serving_dependency_that_does_not_import_is_one_line(tmp_path):
+    """`tuner serve` with grpc unimportable (as a protobuf too new for the stubs leaves it):
+    exit 2 naming the package and the fix, and the other commands still run."""
+    code = (f"import sys; sys.modules['grpc'] = None\n"
+            f"from tuner.cli import main\n"
+            f"assert main(['inspect', '--help']) == 0\n"
+            f"sys.exit(main(['serve', {str(tmp_path)!r}]))")
+    out = _fresh_python(code)
+    assert out.returncode == 2, out.stderr
+    line = out.stderr.strip().splitlines()[-1]
+    assert line.startswith("tuner: error: tuner serve cannot start: the serving dependency "
+                           "grpcio does not import") and "fix: pip install" in line, line

@@ -6,17 +6,17 @@ import io
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from tuner.cli.app import app, roles_option, with_roles, write_out
-from tuner.graph.inspect import inspect_path
-from tuner.graph.roles import InputSpec, input_specs
-from tuner.graph.shape import ModelShape
-from tuner.hardware.facts import device_facts
-from tuner.plan.findings import audited
+
+if TYPE_CHECKING:
+    from tuner.graph.roles import InputSpec
+    from tuner.graph.shape import ModelShape
 
 
 def _where(shape: ModelShape) -> dict[str, str]:
@@ -133,6 +133,10 @@ def inspect(
     roles: list[str] = roles_option(),
 ) -> None:
     """Find the transformer's dimensions, where each lives in the graph, and shape findings."""
+    from tuner.graph.inspect import inspect_path
+    from tuner.graph.roles import input_specs
+    from tuner.hardware.facts import device_facts
+    from tuner.plan.findings import audited
 
     device_facts(device)  # an unknown device is bad input before any file is read
     shape = audited(inspect_path(model), device=device, tokens=tokens)

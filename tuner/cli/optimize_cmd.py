@@ -9,12 +9,8 @@ from typing import Optional
 
 import typer
 
-from tuner.artifact.codec import manifest_to_json
 from tuner.cli.app import app, roles_option, with_roles
 from tuner.errors import BadInput
-from tuner.jobs.optimize import OptimizeConfig
-from tuner.jobs.optimize import optimize as run
-from tuner.measure.cache import default_cache_dir
 
 DEMOS = {"gpt2": ("gpt2", "awkward"), "bert": ("bert", "awkward"), "llama": ("llama", "awkward")}
 
@@ -79,6 +75,10 @@ def optimize(
 ) -> None:
     """Build exact padded variants, verify them, time them against the original in
     interleaved rounds, choose buckets for the traffic, and write the artifact folder."""
+    from tuner.artifact.codec import manifest_to_json
+    from tuner.jobs.optimize import OptimizeConfig
+    from tuner.jobs.optimize import optimize as run
+    from tuner.measure.cache import default_cache_dir
 
     if (model is None) == (demo is None):
         raise BadInput("give a MODEL.onnx or --demo gpt2|bert|llama (one of them)")

@@ -11,11 +11,6 @@ import typer
 
 from tuner.cli.app import app, exit_not_exact, roles_option, with_roles
 from tuner.errors import BadInput
-from tuner.gate.verify import Tolerance
-from tuner.graph.inspect import inspect_model
-from tuner.graph.load import load_model
-from tuner.jobs.pad import NotExact, pad_file
-from tuner.rewrite.compose import PadRequest
 
 
 @app.command("pad")
@@ -45,6 +40,11 @@ def pad_cmd(
 ) -> None:
     """Pad the model's GEMM dimensions with zeros so that outputs stay the same, check that on
     ONNX Runtime (several batch/sequence shapes with padded masks), and only then write OUT."""
+    from tuner.gate.verify import Tolerance
+    from tuner.graph.inspect import inspect_model
+    from tuner.graph.load import load_model
+    from tuner.jobs.pad import NotExact, pad_file
+    from tuner.rewrite.compose import PadRequest
 
     if output.is_file() and not force and output.resolve() != model.resolve():
         # a padded model is minutes of work to redo and may be the one being served

@@ -10,16 +10,15 @@ from __future__ import annotations
 import dataclasses
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 
-from tuner.artifact.store import read_manifest
 from tuner.cli.app import app, roles_option
 from tuner.errors import BadInput
-from tuner.graph.role_overrides import overriding, parse_roles
-from tuner.runtime.base import SessionSettings
-from tuner.runtime.registry import get_backend
+
+if TYPE_CHECKING:
+    from tuner.runtime.base import SessionSettings
 
 # import name -> (pip package, the bound pyproject.toml gives it)
 _SERVING_PACKAGES = {
@@ -73,22 +72,14 @@ def serving_import_error(e: BaseException) -> str | None:
             f"({type(e).__name__}: {first}); fix: pip install {pins}")
 
 
-try:
-    from serving.engine import EngineOptions
-    from serving.generation import GenerateOptions
-    from serving.server import ServerOptions
-    from serving.server import serve as run
-    _SERVING_ERROR: BaseException | None = None
-except Exception as _e:  # noqa: BLE001 - reported by `tuner serve` alone (see the docstring)
-    _SERVING_ERROR = _e
-
-
 def _say(line: str) -> None:
     print(f"tuner serve: {line}", file=sys.stderr, flush=True)
 
 
 def _settings(out: Path, threads: int | None, spin: bool | None) -> SessionSettings | None:
     """The runtime's settings: the artifact's (None) unless --threads / --spin change them."""
+    from tuner.artifact.store import read_manifest
+
     if threads is None and spin is None:
         return None
     base = read_manifest(out).session_settings(ignore_unknown=True)
@@ -196,7 +187,8 @@ def serve(
     """Serve OUT's selected variant until SIGTERM: KServe v2 / Open Inference Protocol over
     gRPC (--port) and HTTP/REST (--http-port), and for a decoder Triton's generate endpoints,
     an OpenAI-compatible API (/v1), Anthropic's Messages API (/v1/messages) and Text
-    Generation Inference's (/generate, /generate_stream) on the HTTP port, with Amazon
+    Generation Inference's (/generate, /generate_stream) on the HTTP port; for an encoder,
+    OpenAI's embeddings, Text Embeddings Inference's API and the rerank APIs; with Amazon
     SageMaker's /ping and /invocations (routed to those APIs by the body's keys).
 
     Before reporting ready it re-runs the accuracy gate against the original on this machine
@@ -204,11 +196,20 @@ def serve(
     bucket are refused with INVALID_ARGUMENT."""
     import logging
 
-    if _SERVING_ERROR is not None:
-        line = serving_import_error(_SERVING_ERROR)
+    from tuner.artifact.store import read_manifest
+    from tuner.graph.role_overrides import overriding, parse_roles
+
+    # here, not at the top: the other commands neither need the server nor fail with it
+    try:
+        from serving.engine import EngineOptions
+        from serving.generation import GenerateOptions
+        from serving.server import ServerOptions
+        from serving.server import serve as run
+    except Exception as e:  # noqa: BLE001 - a dependency's failure is one line (docstring)
+        line = serving_import_error(e)
         if line is None:
-            raise _SERVING_ERROR
-        raise BadInput(line)
+            raise
+        raise BadInput(line) from None
     logging.basicConfig(level=logging.WARNING, format="tuner serve: %(levelname)s %(message)s")
     try:
         engine = EngineOptions(max_batch, max_queue_delay_ms, shadow_fraction, workers,
@@ -242,6 +243,9 @@ def _check_before_binding(out: Path, backend: str | None) -> None:
     """Refuse a bad artifact, or a backend that cannot run here, before any port opens: the
     server binds first (live, not ready) and loads after, so these would otherwise show up
     only after "listening"."""
+
+    from tuner.artifact.store import read_manifest
+    from tuner.runtime.registry import get_backend
 
     name = backend or read_manifest(out).backend
     ok, reason = get_backend(name).available()

@@ -12,9 +12,6 @@ import typer
 
 from tuner.cli.app import app, exit_not_exact
 from tuner.errors import BadInput
-from tuner.gate.verify import Tolerance
-from tuner.jobs.pad import NotExact
-from tuner.jobs.unmerge import unmerge_file
 
 
 @app.command("unmerge")
@@ -30,6 +27,10 @@ def unmerge_cmd(
     plain graph that every other command reads: the with-cache branch inlined (a past of
     length 0 is the first step), checked against the merged file through greedy rollouts
     on ONNX Runtime, and only then written."""
+    from tuner.gate.verify import Tolerance
+    from tuner.jobs.pad import NotExact
+    from tuner.jobs.unmerge import unmerge_file
+
     if output.is_file() and not force:
         raise BadInput(f"{output} exists; pass --force to replace it")
     try:

@@ -12,12 +12,6 @@ import typer
 
 from tuner.cli.app import app, roles_option, with_roles, write_out
 from tuner.errors import BadInput
-from tuner.gate.entry import prepare
-from tuner.gate.feeds import check_feed, load_npz
-from tuner.gate.verify import Tolerance
-from tuner.graph.load import load_model
-from tuner.graph.roles import input_specs
-from tuner.runtime.registry import get_backend
 
 
 @app.command("verify")
@@ -40,6 +34,12 @@ def verify_cmd(
     """Run both models on the same inputs and compare every output (max abs/rel error, cosine,
     top-1 agreement); positions masked out by the attention mask (found from the graph) are not
     compared, and an output with nothing compared FAILS."""
+    from tuner.gate.entry import prepare
+    from tuner.gate.feeds import check_feed, load_npz
+    from tuner.gate.verify import Tolerance
+    from tuner.graph.load import load_model
+    from tuner.graph.roles import input_specs
+    from tuner.runtime.registry import get_backend
 
     try:
         tol = Tolerance.fp16() if fp16 else Tolerance(atol=atol, rtol=rtol)
