@@ -71,7 +71,7 @@ def test_text_embeddings_inferences_shape(server) -> None:
     import torch
 
     url = f"http://127.0.0.1:{server.http_port}/rerank"
-    body = {"query": QUERY, "texts": DOCUMENTS, "truncate": True}
+    body = {"query": QUERY, "texts": DOCUMENTS}  # cut to the model's length by default
     got = requests.post(url, json=body, timeout=60).json()  # TEI's clients name no model
     want = _reference()
     assert [x["index"] for x in got] == sorted(range(4), key=lambda i: -want[i])
@@ -83,8 +83,8 @@ def test_text_embeddings_inferences_shape(server) -> None:
     assert {x["index"]: x["score"] for x in raw} == pytest.approx(dict(enumerate(logits)),
                                                                   abs=1e-5)
     assert all(x["text"] == DOCUMENTS[x["index"]] for x in raw)
-    # TEI refuses an input past the model's length unless told to truncate
-    r = requests.post(url, json={"query": QUERY, "texts": DOCUMENTS}, timeout=60)
+    # TEI refuses an input past the model's length when told not to truncate
+    r = requests.post(url, json={**body, "truncate": False}, timeout=60)
     assert r.status_code == 422 and "texts[3]" in r.json()["error"]  # TEI's error shape
     assert r.json()["error_type"] == "Validation"
 

@@ -102,15 +102,15 @@ def test_feature_extraction_is_sentence_transformers_own(client, st) -> None:
     assert not np.allclose(np.linalg.norm(raw, axis=1), 1.0, atol=1e-3)
 
 
-def test_a_long_text_is_refused_unless_cut_from_the_side_asked(client, server, st) -> None:
+def test_a_long_text_is_cut_from_the_side_asked_or_refused(client, server, st) -> None:
     from huggingface_hub.errors import HfHubHTTPError
 
     with pytest.raises(HfHubHTTPError, match="422"):
-        client.feature_extraction(LONG)
-    r = _post(server, "/embed", {"inputs": [SHORT[0], LONG]})
+        client.feature_extraction(LONG, truncate=False)
+    r = _post(server, "/embed", {"inputs": [SHORT[0], LONG], "truncate": False})
     assert r.status_code == 422 and r.json()["error_type"] == "Validation"
     assert "inputs[1] is longer than the model's 256 tokens" in r.json()["error"]
-    right = client.feature_extraction(LONG, truncate=True)
+    right = client.feature_extraction(LONG)  # cut by default, as TEI's --auto-truncate
     np.testing.assert_allclose(right[0], st.encode(LONG), atol=1e-5)  # ST cuts the right
     left = client.feature_extraction(LONG, truncate=True, truncation_direction="Left")
     st.tokenizer.truncation_side = "left"
@@ -175,6 +175,7 @@ def test_info_health_and_sagemaker(server, st) -> None:
     info = requests.get(f"{base}/info", timeout=30).json()
     assert info["model_type"] == {"embedding": {"pooling": "mean"}}
     assert info["max_input_length"] == 256 and info["model_id"] == server.slot.name
+    assert info["auto_truncate"] is True
     assert requests.get(f"{base}/", timeout=30).status_code == 200
     # TEI's SageMaker image routes /invocations to embed, as `POST /`
     got = requests.post(f"{base}/invocations", json={"inputs": SHORT}, timeout=60).json()

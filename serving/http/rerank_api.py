@@ -6,7 +6,8 @@ call it:
     first, each with its document's `index`;
   - Hugging Face Text Embeddings Inference's `POST /rerank` (a body with `texts`, not
     `documents`): `raw_scores` (the logit, not its activation), `return_text`, `truncate`
-    (false: a pair longer than the model is refused, as TEI refuses it); the answer a bare
+    (true by default, as TEI's --auto-truncate; false: a pair longer than the model is
+    refused, as TEI refuses it); the answer a bare
     list of {index, score[, text]}, highest first, its errors TEI's (422 Validation).
 Each pair is its own request to the engine, so the dynamic batcher joins them. Errors are
 OpenAI error objects, as vLLM's, but for TEI's body."""
@@ -70,7 +71,7 @@ class _Shape:
 def _shape(body: dict, count: int) -> _Shape:
     if _is_tei(body):
         return _Shape(True, count, _flag(body, "return_text", False),
-                      _flag(body, "raw_scores", False), _flag(body, "truncate", False))
+                      _flag(body, "raw_scores", False), _flag(body, "truncate", True))
     top = body.get("top_n", count)
     if isinstance(top, bool) or not isinstance(top, int) or top < 1:
         raise InvalidArgument("'top_n' must be a positive integer")
@@ -106,7 +107,7 @@ async def _rerank(frontend, body: dict) -> Response:
     long = [i for i, p in enumerate(pairs) if p.truncated]
     if long and not shape.truncate:
         raise InvalidArgument(f"texts[{long[0]}] with the query is longer than the model's "
-                              "input; send 'truncate': true to cut it")
+                              "input and 'truncate' is false")
     outputs = [o for o, _ in await asyncio.gather(
         *(frontend.run(engine.infer, scorer.feeds(p), ["logits"]) for p in pairs))]
     scores = [scorer.logit(o) if shape.raw_scores else scorer.score(o) for o in outputs]

@@ -4,7 +4,7 @@ sentence-transformers model), for the clients written against TEI: huggingface_h
 Haystack's classes on them), LlamaIndex's `TextEmbeddingsInference`:
 
   POST /embed        {"inputs": text | ids | [text | ids], "normalize": true,
-                      "truncate": false, "truncation_direction": "right",
+                      "truncate": true, "truncation_direction": "right",
                       "prompt_name": null, "dimensions": null}  ->  [[float, ...], ...]
   POST /similarity   {"inputs": {"source_sentence": str, "sentences": [str]},
                       "parameters": {"truncate", "truncation_direction", "prompt_name"}}
@@ -13,8 +13,8 @@ Haystack's classes on them), LlamaIndex's `TextEmbeddingsInference`:
 
 As TEI computes them: the pooled vector (sentence-transformers' Pooling config, mean without
 it), cut to `dimensions` (Matryoshka), then L2-normalized unless `normalize` is false; a text
-longer than the model's input is refused unless `truncate` is true (then cut from the right,
-or the left); `prompt_name` puts that named prompt of config_sentence_transformers.json before
+longer than the model's input is cut from the `truncation_direction` side (right, or left),
+or refused when `truncate` is false (TEI cuts by default: its --auto-truncate); `prompt_name` puts that named prompt of config_sentence_transformers.json before
 each text. Each text is its own request to the engine, so the batcher joins them. Errors are
 TEI's `{"error", "error_type"}`: 422 Validation, 400 Empty."""
 
@@ -81,8 +81,9 @@ def _prompt(embedder: Embedder, name) -> str:
 
 def _rows(embedder: Embedder, items: list, body: dict) -> list[list[int]]:
     """Each text's ids with its prompt, cut as the body says; a text too long for the model
-    is refused unless `truncate` is true."""
-    truncate, left = _flag(body, "truncate", False), _left(body)
+    is refused when `truncate` is false (cut otherwise, as TEI's --auto-truncate, its
+    default)."""
+    truncate, left = _flag(body, "truncate", True), _left(body)
     prompt = _prompt(embedder, body.get("prompt_name"))
     rows = []
     for i, item in enumerate(items):
@@ -95,8 +96,8 @@ def _rows(embedder: Embedder, items: list, body: dict) -> list[list[int]]:
             ids, cut = (item[-limit:] if left else item[:limit]), len(item) > limit
         if cut and not truncate:
             raise InvalidArgument(f"inputs[{i}] is longer than the model's "
-                                  f"{embedder.pooling.max_tokens} tokens; send 'truncate': "
-                                  "true to cut it")
+                                  f"{embedder.pooling.max_tokens} tokens and 'truncate' is "
+                                  "false")
         rows.append(ids)
     return rows
 
@@ -181,7 +182,7 @@ def info(frontend, engine: Engine) -> dict:
             "max_input_length": embedder.pooling.max_tokens,
             "max_batch_tokens": engine.max_batch * max(engine.model.buckets.seq),
             "max_batch_requests": engine.join_rows, "max_client_batch_size": MAX_INPUTS,
-            "auto_truncate": False, "tokenization_workers": 1,
+            "auto_truncate": True, "tokenization_workers": 1,
             "version": serving.__version__, "sha": None, "docker_label": None}
 
 
