@@ -172,8 +172,8 @@ def test_aiperf_reranks_in_text_embeddings_inferences_shape(tools, cross_encoder
 
     server = start(cross_encoder_artifact)
     try:
-        # passages shorter than this artifact's 128 tokens: TEI refuses a longer one unless
-        # the request says `truncate` (AIPerf's are 550 tokens unless told)
+        # passages shorter than this artifact's 128 tokens (AIPerf's are 550 tokens unless
+        # told, which TEI, and this server, would cut to the model's length)
         _, records = _aiperf(tools, server, cached(), tmp_path / "run", "hf_tei_rankings",
                              "--rankings-passages-mean", "4", "--rankings-passages-stddev",
                              "0", "--rankings-passages-prompt-token-mean", "40",
