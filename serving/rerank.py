@@ -61,6 +61,7 @@ class Scorer:
 
     def __init__(self, engine, tokenizer, max_tokens: int, activation) -> None:
         self.engine, self.tokenizer, self.activation = engine, tokenizer, activation
+        self.max_tokens = max_tokens
         tokenizer.enable_truncation(max_tokens, strategy="longest_first")
         outputs = {s.name: s for s in engine.model.signature.outputs}
         logits = outputs.get(LOGITS)
@@ -76,6 +77,14 @@ class Scorer:
             raise InvalidArgument(f"model '{engine.name}' takes inputs a rerank request "
                                   f"cannot fill: {unknown or 'no token ids'}")
         self._inputs = [(s.name, makers[s.role], s.dtype) for s in specs]
+
+    def label(self) -> str:
+        """The one label's name (config.json's id2label, as transformers names it)."""
+        folder = self.engine.model.folder
+        config = read_json(folder / "config.json") if folder is not None else None
+        names = config.get("id2label") if isinstance(config, dict) else None
+        name = names.get("0") if isinstance(names, dict) else None
+        return name if isinstance(name, str) else "LABEL_0"
 
     def pair(self, query: str, document: str) -> Pair:
         encoding = self.tokenizer.encode(query, document)

@@ -157,3 +157,10 @@ def test_the_cohere_client_reranks_unchanged(server) -> None:
                     return_documents=True)
     assert [r.index for r in got.results] == order
     assert [r.document.text for r in got.results] == [DOCUMENTS[i] for i in order]
+
+
+def test_info_is_teis_for_a_reranker(server) -> None:
+    info = requests.get(f"http://127.0.0.1:{server.http_port}/info", timeout=30).json()
+    assert info["model_type"] == {"reranker": {"id2label": {"0": "LABEL_0"},
+                                               "label2id": {"LABEL_0": 0}}}
+    assert info["max_input_length"] == 128 and info["auto_truncate"] is True

@@ -2,7 +2,8 @@
 model would answer them (Text Generation Inference for a decoder artifact, Text Embeddings
 Inference for an encoder one), since a client of either calls them:
 
-  GET  /info   TGI's or TEI's model info (limits, pipeline, version)
+  GET  /info   TGI's or TEI's model info (limits, the model's kind: generation, embedding
+               with its pooling, or reranker)
   POST /       TGI: generate, or its stream when `stream` is true (tgi_api.root);
                TEI: as its body is shaped: `inputs` an object with `source_sentence` ->
                similarity (what InferenceClient.sentence_similarity sends), `query` with
@@ -18,7 +19,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from serving.decoder import DecoderEngine
+from serving.errors import InvalidArgument
 from serving.http import openai_api, rerank_api, tei_api, tgi_api
+from serving.http.embeddings_api import embedder_of
 
 
 def _serves_text(frontend) -> bool:
@@ -29,7 +32,15 @@ async def info(frontend, request: Request) -> Response:
     engine = frontend.slot.find(frontend.slot.name)
     if isinstance(engine, DecoderEngine):
         return JSONResponse(tgi_api.info(frontend, engine))
-    return JSONResponse(tei_api.info(frontend, engine))
+    try:
+        embedder = embedder_of(engine)
+        kind, limit = tei_api.embedding_type(embedder), embedder.pooling.max_tokens
+    except InvalidArgument:  # not an embedding model: a reranker, or neither (the error)
+        scorer = rerank_api.scorer_of(engine)
+        label = scorer.label()
+        kind = {"reranker": {"id2label": {"0": label}, "label2id": {label: 0}}}
+        limit = scorer.max_tokens
+    return JSONResponse(tei_api.info(frontend, engine, kind, limit))
 
 
 async def root(frontend, request: Request) -> Response:

@@ -32,7 +32,7 @@ MAX_DOCUMENTS = 1000  # one call's documents, at most
 
 
 @lru_cache(maxsize=4)
-def _scorer(engine: Engine) -> Scorer:
+def scorer_of(engine: Engine) -> Scorer:
     return load_scorer(engine)
 
 
@@ -102,7 +102,7 @@ async def _rerank(frontend, body: dict) -> Response:
     query, documents = body.get("query"), _documents(body.get(field), field)
     if not isinstance(query, str) or not query:
         raise InvalidArgument("'query' must be a non-empty string")
-    shape, scorer = _shape(body, len(documents)), _scorer(engine)
+    shape, scorer = _shape(body, len(documents)), scorer_of(engine)
     pairs = [scorer.pair(query, d) for d in documents]
     long = [i for i, p in enumerate(pairs) if p.truncated]
     if long and not shape.truncate:

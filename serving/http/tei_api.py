@@ -170,16 +170,20 @@ async def similarity(frontend, request: Request) -> Response:
     return await similarity_body(frontend, await frontend.json(request))
 
 
-def info(frontend, engine: Engine) -> dict:
-    """TEI's `GET /info` for an encoder artifact."""
-    embedder = embedder_of(engine)
+def embedding_type(embedder: Embedder) -> dict:
+    """TEI's `model_type` of an embedding model: its pooling, under TEI's name."""
     pooling = "mean" if embedder.pooled else _POOLING_NAMES.get(embedder.pooling.modes[0],
                                                                  embedder.pooling.modes[0])
+    return {"embedding": {"pooling": pooling}}
+
+
+def info(frontend, engine: Engine, model_type: dict, max_input_length: int | None) -> dict:
+    """TEI's `GET /info` body for an encoder artifact (serving/http/hf_routes.py finds its
+    type: an embedding model, or a reranker)."""
     return {"model_id": frontend.slot.name, "model_sha": None, "model_dtype": "float32",
-            "served_model_name": frontend.slot.name,
-            "model_type": {"embedding": {"pooling": pooling}},
+            "served_model_name": frontend.slot.name, "model_type": model_type,
             "max_concurrent_requests": engine.options.max_queue,
-            "max_input_length": embedder.pooling.max_tokens,
+            "max_input_length": max_input_length,
             "max_batch_tokens": engine.max_batch * max(engine.model.buckets.seq),
             "max_batch_requests": engine.join_rows, "max_client_batch_size": MAX_INPUTS,
             "auto_truncate": True, "tokenization_workers": 1,
