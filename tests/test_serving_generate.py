@@ -563,6 +563,33 @@ def test_sampling_cuts() -> None:
         Sampling(top_p=1.5)
 
 
+def test_the_serving_process_holds_its_startup_heap_out_of_the_collector(reference_model,
+                                                                          tmp_path) -> None:
+    """`serve` (the process `tuner serve` runs) freezes what its start-up made once the model
+    is ready, so a full collection never walks it mid-generation (serving.server)."""
+    import subprocess
+    import sys
+
+    out = _artifact(tmp_path, _kv_model(reference_model, "gpt2"))
+    code = f"""
+import gc, os, signal, threading, time
+from serving.server import ServerOptions, serve
+def stop_when_frozen():
+    deadline = time.monotonic() + 60
+    while gc.get_freeze_count() == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.kill(os.getpid(), signal.SIGTERM)
+threading.Thread(target=stop_when_frozen, daemon=True).start()
+rc = serve({str(out)!r}, ServerOptions(port=0, http_port=None, metrics_port=None),
+           say=lambda line: None)
+print(rc, gc.get_freeze_count())
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=180)
+    rc, frozen = map(int, run.stdout.split())
+    assert rc == 0 and frozen > 10_000, run.stdout + run.stderr
+
+
 def test_sigterm_lets_running_streams_finish_and_exits_0(reference_model, tmp_path) -> None:
     """`tuner serve` as a real process: SIGTERM while 6 streams decode; each still gets all
     of its tokens and a final response, and the process exits 0."""
