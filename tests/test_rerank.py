@@ -164,3 +164,24 @@ def test_info_is_teis_for_a_reranker(server) -> None:
     assert info["model_type"] == {"reranker": {"id2label": {"0": "LABEL_0"},
                                                "label2id": {"LABEL_0": 0}}}
     assert info["max_input_length"] == 128 and info["auto_truncate"] is True
+
+
+def test_vllms_score_api_pairs_and_scores_as_vllm(server) -> None:
+    """vLLM's /score (and /v1/score): one text_1 against each text_2, or pairs in order; the
+    CrossEncoder's scores, the logits with use_activation false."""
+    import torch
+
+    url = f"http://127.0.0.1:{server.http_port}"
+    want, logits = _reference(), _reference(torch.nn.Identity())
+    got = requests.post(f"{url}/score", json={"model": server.slot.name, "text_1": QUERY,
+                                              "text_2": DOCUMENTS}, timeout=60).json()
+    assert got["object"] == "list" and got["usage"]["prompt_tokens"] > 128
+    assert [d["index"] for d in got["data"]] == [0, 1, 2, 3]
+    assert [d["score"] for d in got["data"]] == pytest.approx(want, abs=1e-5)
+    paired = requests.post(f"{url}/v1/score", json={
+        "text_1": [QUERY, QUERY], "text_2": DOCUMENTS[2:], "use_activation": False},
+        timeout=60).json()
+    assert [d["score"] for d in paired["data"]] == pytest.approx(logits[2:], abs=1e-5)
+    r = requests.post(f"{url}/score", json={"text_1": [QUERY] * 2, "text_2": DOCUMENTS},
+                      timeout=60)
+    assert r.status_code == 400 and "as long as each other" in r.json()["error"]["message"]

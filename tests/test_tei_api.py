@@ -180,3 +180,12 @@ def test_info_health_and_sagemaker(server, st) -> None:
     # TEI's SageMaker image routes /invocations to embed, as `POST /`
     got = requests.post(f"{base}/invocations", json={"inputs": SHORT}, timeout=60).json()
     np.testing.assert_allclose(got, st.encode(SHORT), atol=1e-5)
+
+
+def test_vllms_score_api_on_an_embedding_model_is_the_cosine(server, st) -> None:
+    from sentence_transformers.util import cos_sim
+
+    got = _post(server, "/v1/score", {"text_1": SHORT[0], "text_2": SHORT}).json()
+    want = cos_sim(st.encode(SHORT[:1]), st.encode(SHORT))[0].tolist()
+    assert [d["score"] for d in got["data"]] == pytest.approx(want, abs=1e-5)
+    assert got["data"][0]["score"] == pytest.approx(1.0, abs=1e-5)

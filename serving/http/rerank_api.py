@@ -26,7 +26,7 @@ from serving.engine import Engine
 from serving.errors import InvalidArgument
 from serving.http import tei_api
 from serving.http.openai_api import error
-from serving.rerank import Scorer, load_scorer
+from serving.rerank import Pair, Scorer, load_scorer
 
 MAX_DOCUMENTS = 1000  # one call's documents, at most
 
@@ -78,6 +78,13 @@ def _shape(body: dict, count: int) -> _Shape:
     return _Shape(False, top, _flag(body, "return_documents", True))
 
 
+async def pair_outputs(frontend, engine: Engine, scorer: Scorer, pairs: list[Pair]
+                       ) -> list[dict]:
+    """The model's outputs for each pair, each its own request (the batcher joins them)."""
+    return [o for o, _ in await asyncio.gather(
+        *(frontend.run(engine.infer, scorer.feeds(p), ["logits"]) for p in pairs))]
+
+
 def _is_tei(body: dict) -> bool:
     return "texts" in body and "documents" not in body
 
@@ -108,8 +115,7 @@ async def _rerank(frontend, body: dict) -> Response:
     if long and not shape.truncate:
         raise InvalidArgument(f"texts[{long[0]}] with the query is longer than the model's "
                               "input and 'truncate' is false")
-    outputs = [o for o, _ in await asyncio.gather(
-        *(frontend.run(engine.infer, scorer.feeds(p), ["logits"]) for p in pairs))]
+    outputs = await pair_outputs(frontend, engine, scorer, pairs)
     scores = [scorer.logit(o) if shape.raw_scores else scorer.score(o) for o in outputs]
     order = sorted(range(len(scores)), key=lambda i: -scores[i])[:shape.top]
     if shape.tei:
