@@ -359,11 +359,9 @@ class Server:
 
 
 def hold_the_startup_heap() -> None:
-    """Put what the start-up made (modules, the model's wrappers, the tokenizer, grammars:
-    ~90k objects for a decoder artifact) out of the cycle collector's reach, as vLLM does
-    after its start-up. A full collection of that heap took 47 ms on 2 cores, a pause every
-    running stream would feel when one falls mid-generation; 0.4 ms after. For the process
-    `serve` owns only: a test's process starts many servers and must get their memory back."""
+    """Put what the start-up made (~90k objects for a decoder) out of the cycle collector's
+    reach, as vLLM does: a full collection of it took 47 ms, a pause for every running stream;
+    0.4 ms after. Only in the process `serve` owns (tests start many servers in one)."""
     gc.collect()
     gc.freeze()
 
