@@ -72,20 +72,22 @@ def test_serve_latency_smoke():
     """The server, the in-process baseline and the floor server (serve_floor_server.py)."""
     out = _bench("serve_latency.py", "--rounds", "5", "--models", "bert", "--seq", "16")
     for row in ("ORT in-process", "server, raw gRPC stub", "server, tritonclient",
-                "floor: bare grpcio + same ORT", "added, raw gRPC"):
+                "floor: bare grpcio + same ORT", "added, raw gRPC", "server, REST (http.client)",
+                "added, REST"):
         assert re.search(rf"^  {re.escape(row)} +-?\d+\.\d+", out, re.M), out
-    assert "load average" in out
+    assert "1.5 ms goal" in out and "load average" in out
 
 
 def test_serve_throughput_smoke(tmp_path):
     """tuner serve, on what tuner optimize wrote, with its defaults and with batching on and
-    off; MLServer's rows say why they are skipped when its venv is absent (here: a path
+    off, over gRPC and REST (JSON and binary); MLServer's rows say why they are skipped when its venv is absent (here: a path
     that does not exist)."""
-    out = _bench("serve_throughput.py", "--model", "bert", "--seconds", "1", "--rounds", "1",
-                 "--quick", "--mlserver", str(tmp_path / "no-mlserver"))
+    out = _bench("serve_throughput.py", "--model", "bert", "--seconds", "0.3", "--rounds", "1",
+                 "--quick", "--protocol", "both", "--mlserver", str(tmp_path / "no-mlserver"))
     assert re.search(r"^tuner optimize's artifact: (batching|no batch timings)", out, re.M), out
     for row in ("tuner serve, defaults", "tuner serve, batching on",
-                "tuner serve, batching off"):
+                "tuner serve, batching off", "tuner serve REST, defaults",
+                "tuner serve REST binary, defaults", "tuner serve REST, batching on"):
         assert re.search(rf"^{row} +\d+\.\d+ ", out, re.M), out
     assert f"skipped MLServer: {tmp_path / 'no-mlserver'} not found" in out
 
