@@ -81,6 +81,11 @@ def normalized(vector: np.ndarray) -> np.ndarray:
     return vector / max(float(np.linalg.norm(vector)), 1e-12)
 
 
+def cosine(a: np.ndarray, b: np.ndarray) -> float:
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    return float(normalized(a64) @ normalized(b64))
+
+
 def pool(tokens: np.ndarray, pooling: Pooling) -> np.ndarray:
     """One text's token outputs (S, H), every position real -> its embedding."""
     x = tokens.astype(np.float64)

@@ -49,6 +49,12 @@ class Pair:
     truncated: bool = False  # cut to the model's length
 
 
+def is_cross_encoder(engine) -> bool:
+    """Whether an encoder engine scores pairs (a `logits` output) rather than embedding
+    texts: what tells the two kinds apart wherever an API serves either."""
+    return LOGITS in {s.name for s in engine.model.signature.outputs}
+
+
 def load_scorer(engine) -> "Scorer":
     """The scorer of an encoder engine whose artifact has a tokenizer.json."""
     folder, tokenizer = engine.model.folder, engine_tokenizer(engine)

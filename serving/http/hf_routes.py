@@ -19,9 +19,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from serving.decoder import DecoderEngine
-from serving.errors import InvalidArgument
 from serving.http import openai_api, rerank_api, tei_api, tgi_api
 from serving.http.embeddings_api import embedder_of
+from serving.rerank import is_cross_encoder
 
 
 def _serves_text(frontend) -> bool:
@@ -32,14 +32,14 @@ async def info(frontend, request: Request) -> Response:
     engine = frontend.slot.find(frontend.slot.name)
     if isinstance(engine, DecoderEngine):
         return JSONResponse(tgi_api.info(frontend, engine))
-    try:
-        embedder = embedder_of(engine)
-        kind, limit = tei_api.embedding_type(embedder), embedder.pooling.max_tokens
-    except InvalidArgument:  # not an embedding model: a reranker, or neither (the error)
+    if is_cross_encoder(engine):
         scorer = rerank_api.scorer_of(engine)
         label = scorer.label()
         kind = {"reranker": {"id2label": {"0": label}, "label2id": {label: 0}}}
         limit = scorer.max_tokens
+    else:
+        embedder = embedder_of(engine)
+        kind, limit = tei_api.embedding_type(embedder), embedder.pooling.max_tokens
     return JSONResponse(tei_api.info(frontend, engine, kind, limit))
 
 

@@ -91,11 +91,11 @@ def _is_tei(body: dict) -> bool:
 
 async def rerank(frontend, request: Request) -> Response:
     body = await frontend.json(request)
-    if not _is_tei(body):
-        return await _rerank(frontend, body)
     try:
         return await _rerank(frontend, body)
     except Exception as e:  # noqa: BLE001 - TEI's body: TEI's errors ({"error", "error_type"})
+        if not _is_tei(body):
+            raise
         return tei_api.error(e)
 
 

@@ -15,18 +15,17 @@ from __future__ import annotations
 import time
 import uuid
 
-import numpy as np
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from serving.embedding import normalized
+from serving.embedding import cosine
 from serving.errors import InvalidArgument
 from serving.http.embeddings_api import (MAX_INPUTS, embed_rows, embedder_of,
                                          encoder_named)
 from serving.http.openai_api import error
 from serving.http.openai_requests import model_named
 from serving.http.rerank_api import pair_outputs, scorer_of
-from serving.rerank import LOGITS
+from serving.rerank import is_cross_encoder
 
 
 def _texts(body: dict, name: str) -> list[str]:
@@ -74,9 +73,9 @@ async def _cosines(frontend, engine, pairs) -> tuple[list[float], int]:
     embedder = embedder_of(engine)
     texts = sorted({t for pair in pairs for t in pair})  # each text embedded once
     rows = [embedder.ids(t) for t in texts]
-    vectors = {t: normalized(embedder.vector(o).astype(np.float64)) for t, o in
-               zip(texts, await embed_rows(frontend, engine, embedder, rows))}
-    return [float(vectors[a] @ vectors[b]) for a, b in pairs], sum(len(r) for r in rows)
+    vectors = dict(zip(texts, (embedder.vector(o) for o in
+                               await embed_rows(frontend, engine, embedder, rows))))
+    return [cosine(vectors[a], vectors[b]) for a, b in pairs], sum(len(r) for r in rows)
 
 
 async def score(frontend, request: Request) -> Response:
@@ -84,7 +83,7 @@ async def score(frontend, request: Request) -> Response:
     name = model_named(frontend, body)
     engine = encoder_named(frontend, name)
     pairs, activated = pairs_of(body), _activated(body)
-    if LOGITS in {s.name for s in engine.model.signature.outputs}:  # a cross-encoder
+    if is_cross_encoder(engine):
         scores, tokens = await _cross_scores(frontend, engine, scorer_of(engine), pairs,
                                              activated)
     else:  # an embedding model: the cosine, as vLLM scores with one

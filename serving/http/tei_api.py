@@ -20,12 +20,11 @@ TEI's `{"error", "error_type"}`: 422 Validation, 400 Empty."""
 
 from __future__ import annotations
 
-import numpy as np
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 import serving
-from serving.embedding import Embedder, normalized
+from serving.embedding import Embedder, cosine, normalized
 from serving.engine import Engine
 from serving.errors import InvalidArgument
 from serving.http.codec import http_status_for
@@ -160,10 +159,8 @@ async def similarity_body(frontend, body: dict) -> Response:
     engine = encoder_named(frontend, frontend.slot.name)
     embedder = embedder_of(engine)
     rows = _rows(embedder, [source, *sentences], parameters)
-    vectors = [embedder.vector(o).astype(np.float64)
-               for o in await embed_rows(frontend, engine, embedder, rows)]
-    first = normalized(vectors[0])
-    return JSONResponse([float(first @ normalized(v)) for v in vectors[1:]])
+    vectors = [embedder.vector(o) for o in await embed_rows(frontend, engine, embedder, rows)]
+    return JSONResponse([cosine(vectors[0], v) for v in vectors[1:]])
 
 
 async def similarity(frontend, request: Request) -> Response:
