@@ -34,7 +34,8 @@ import numpy as np
 
 from serving.errors import InvalidArgument
 from serving.model import Signature, TensorSpec
-from serving.sampling import MAX_TOP_LOGPROBS, GenerationRequest, Grammar, Sampling
+from serving.sampling import (MAX_TOP_LOGPROBS, GenerationRequest, Grammar, Sampling,
+                              allowed_ids)
 
 # name -> (python kind, the field of _Controls it sets); TensorRT-LLM names beside ours
 _CONTROLS: dict[str, tuple[type, str]] = {
@@ -73,8 +74,9 @@ _VLLM = {"max_tokens": (int, "max_tokens"), "min_tokens": (int, "min_tokens"),
          "logprobs": (int, "vllm_logprobs"),
          "repetition_penalty": (float, "repetition_penalty"),
          "presence_penalty": (float, "presence_penalty"),
-         "frequency_penalty": (float, "frequency_penalty")}
-_VLLM_LISTS = ("bad_words", "stop", "stop_token_ids")  # and these, each a list
+         "frequency_penalty": (float, "frequency_penalty"),
+         "include_stop_str_in_output": (bool, "include_stop")}
+_VLLM_LISTS = ("bad_words", "stop", "stop_token_ids", "allowed_token_ids")  # each a list
 _PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")  # both names
 
 
@@ -163,6 +165,12 @@ def _strings(name: str, array) -> list[str]:
         raise InvalidArgument(f"'{name}' is not valid UTF-8") from None
 
 
+def _list(name: str, value) -> list:
+    if not isinstance(value, list):
+        raise InvalidArgument(f"sampling parameter '{name}' must be a list")
+    return value
+
+
 def _vllm(raw, values: dict, stops: list[str], bad: list[str]) -> None:
     """The vLLM backend's `sampling_parameters` JSON, into `values`, `stops` and `bad`."""
     text = _strings("sampling_parameters", raw)
@@ -180,8 +188,8 @@ def _vllm(raw, values: dict, stops: list[str], bad: list[str]) -> None:
                 [value] if isinstance(value, str) else _strings(key, value))
         elif key in ("structured_outputs", "guided_decoding"):
             values["grammar"] = Grammar.from_vllm(value)
-        elif key == "stop_token_ids":
-            values["stop_ids"] = [int(_scalar("stop_token_ids", v, int, True)) for v in value]
+        elif key in ("stop_token_ids", "allowed_token_ids"):
+            values[key] = [int(_scalar(key, v, int, True)) for v in _list(key, value)]
         elif key in _VLLM:
             kind, target = _VLLM[key]
             values[target] = _scalar(key, value, kind, strings=True)
@@ -224,7 +232,7 @@ def parse_request(tensors: Mapping[str, np.ndarray], parameters: Mapping[str, ob
     trtllm_bad = _strings("bad_words", tensors["bad_words"]) if "bad_words" in tensors else []
     bad_words = bad_word_ids(tokenizer, trtllm_bad) + bad_word_ids(tokenizer, bad, vllm=True)
     prompt = _prompt(tensors, tokenizer)
-    stop_ids = set(values.get("stop_ids", ())) | _stop_ids(tensors, parameters)
+    stop_ids = set(values.get("stop_token_ids", ())) | _stop_ids(tensors, parameters)
     if "end_id" in values:
         stop_ids.add(values["end_id"])
     if vllm and not values.get("ignore_eos", False):
@@ -235,6 +243,7 @@ def parse_request(tensors: Mapping[str, np.ndarray], parameters: Mapping[str, ob
     sampling = Sampling(values.get("temperature", 0.0), values.get("top_k", 0),
                         values.get("top_p", 1.0), values.get("seed"),
                         min_p=values.get("min_p", 0.0),
+                        allowed_ids=allowed_ids(values.get("allowed_token_ids")),
                         **{k: values[k] for k in _PENALTIES if k in values})
     extras = frozenset([name for name in VLLM_OUTPUTS if values.get("want_" + name)]
                        + [name for name in COUNTS if values.get(name)])
@@ -242,6 +251,7 @@ def parse_request(tensors: Mapping[str, np.ndarray], parameters: Mapping[str, ob
     generation = GenerationRequest(
         prompt, values.get("max_tokens", default_max_tokens), sampling, frozenset(stop_ids),
         request_id, min_tokens=values.get("min_tokens", 0), stop_strings=tuple(stops),
+        include_stop=values.get("include_stop", False),
         logprobs=values.get("logprobs", False) or "cumulative_logprob" in extras
         or top is not None, top_logprobs=top or 0, ranks=top is not None, bad_words=bad_words,
         grammar=_trtllm_guide(tensors) or values.get("grammar"))

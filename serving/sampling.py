@@ -39,6 +39,8 @@ class Sampling:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (id, bias) added to the logits (OpenAI's)
     min_p: float = 0.0  # keep the ids at least min_p times as likely as the likeliest
     # (vLLM's and transformers' min_p, after top_k and top_p as transformers orders them)
+    allowed_ids: tuple[int, ...] = ()  # vLLM's allowed_token_ids: only these are ever
+    # sampled (every other logit -inf before the bias and penalties); () allows every id
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
@@ -64,6 +66,8 @@ class Sampling:
             raise InvalidArgument("logit_bias must name each token id (>= 0) once")
         if not all(math.isfinite(b) for _, b in self.logit_bias):
             raise InvalidArgument("a logit_bias value must be a finite number")
+        if any(t < 0 for t in self.allowed_ids):
+            raise InvalidArgument("allowed token ids must be >= 0")
 
     @property
     def greedy(self) -> bool:
@@ -73,7 +77,17 @@ class Sampling:
     def adjusts(self) -> bool:
         """Whether `adjust` changes anything (most requests: no copy of their logits)."""
         return bool(self.repetition_penalty != 1 or self.presence_penalty
-                    or self.frequency_penalty or self.logit_bias)
+                    or self.frequency_penalty or self.logit_bias or self.allowed_ids)
+
+
+def allowed_ids(ids: Sequence[int] | None) -> tuple[int, ...]:
+    """vLLM's `allowed_token_ids` as Sampling.allowed_ids: None allows every id; an empty
+    list is an error there (it would allow none) and here."""
+    if ids is None:
+        return ()
+    if not ids:
+        raise InvalidArgument("'allowed_token_ids' must not be empty")
+    return tuple(sorted(set(ids)))
 
 
 GRAMMAR_KINDS = ("json", "regex", "choice", "grammar")
@@ -141,6 +155,8 @@ class GenerationRequest:
     # the detokenized OUTPUT text (never the prompt), across token boundaries; the stream ends
     # with reason "stop"; the text sent ends right before the match (the stop string is not
     # sent); text that may be the start of a stop string is held back until it is decided
+    include_stop: bool = False  # the matched stop string ends the text sent (vLLM's
+    # include_stop_str_in_output) instead of being cut off
     logprobs: bool = False  # each chunk carries, per id, log_softmax(raw logits)[id] (the
     # model's own distribution, before temperature/top-k/p)
     top_logprobs: int = 0  # each chunk carries, per id, the k most likely ids of that
@@ -253,9 +269,14 @@ def sample(logits: np.ndarray, s: Sampling, rng: np.random.Generator) -> int:
 
 
 def adjust(row: np.ndarray, s: Sampling, prompt: Sequence[int], output: Sequence[int]) -> None:
-    """`row` (vocab,), in place: + logit_bias, then the repetition penalty over the ids of
-    prompt + output, then - frequency x count - presence over the output's ids (vLLM's
-    apply_penalties; transformers' SequenceBias then RepetitionPenalty processors)."""
+    """`row` (vocab,), in place: every id but the allowed ones -inf, + logit_bias, then the
+    repetition penalty over the ids of prompt + output, then - frequency x count - presence
+    over the output's ids (vLLM's allowed-ids mask and apply_penalties; transformers'
+    SequenceBias then RepetitionPenalty processors)."""
+    if s.allowed_ids:
+        keep = row[list(s.allowed_ids)]
+        row[:] = -np.inf
+        row[list(s.allowed_ids)] = keep
     if s.logit_bias:
         ids, bias = zip(*s.logit_bias)
         row[list(ids)] += np.asarray(bias, row.dtype)

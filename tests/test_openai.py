@@ -312,8 +312,7 @@ def test_errors_are_openai_error_objects(server) -> None:
         c.chat.completions.create(model=server.slot.name, messages=MESSAGES,
                                   modalities=["text", "audio"],
                                   audio={"voice": "alloy", "format": "wav"})
-    for extra in ({"use_beam_search": True}, {"include_stop_str_in_output": True},
-                  {"skip_special_tokens": False}, {"allowed_token_ids": [1, 2]},
+    for extra in ({"use_beam_search": True}, {"skip_special_tokens": False},
                   {"prompt_logprobs": 1}, {"truncate_prompt_tokens": 4}):
         with pytest.raises(openai.BadRequestError, match=f"'{next(iter(extra))}' is not "):
             c.chat.completions.create(model=server.slot.name, messages=MESSAGES,

@@ -116,6 +116,7 @@ class Generator:
                 "entries); raise --kv-cache-bytes")
         bad = [t for t in request.prompt if not 0 <= t < self.vocab]
         bad += [t for t, _ in request.sampling.logit_bias if not 0 <= t < self.vocab]
+        bad += [t for t in request.sampling.allowed_ids if not 0 <= t < self.vocab]
         if bad:
             raise InvalidArgument(f"token id {bad[0]} is outside the vocabulary "
                                   f"[0, {self.vocab})")

@@ -64,7 +64,7 @@ class StreamOutput:
 
     def release(self, final: bool) -> tuple[str | None, str | None]:
         """(text to send now, the stop string that matched or None): up to the first stop
-        string's match, else all but what may still become one (everything when `final`)."""
+        string's match (through it with include_stop), else all but what may still become one (everything when `final`)."""
         if self.detok is None:
             return None, None
         stops = self.request.stop_strings
@@ -72,6 +72,7 @@ class StreamOutput:
         hits = [(i, s) for i, s in ((self.text.find(s, self.sent), s) for s in stops) if i >= 0]
         if hits:
             end, matched = min(hits, key=lambda hit: hit[0])
+            end += len(matched) if self.request.include_stop else 0
         else:
             end, matched = len(self.text), None
             if not final:

@@ -10,7 +10,8 @@ from __future__ import annotations
 from serving.conventions import bad_word_ids
 from serving.decoder import DecoderEngine
 from serving.errors import InvalidArgument
-from serving.sampling import MAX_TOP_LOGPROBS, GenerationRequest, Grammar, Sampling
+from serving.sampling import (MAX_TOP_LOGPROBS, GenerationRequest, Grammar, Sampling,
+                              allowed_ids)
 
 
 def body_value(body: dict, name: str, kinds: tuple, default=None):
@@ -64,9 +65,9 @@ def _check_unsupported(body: dict) -> None:
 
 
 # vLLM's extras this server takes only at their defaults: each changes the answer otherwise
-_VLLM_DEFAULTS_ONLY = {"use_beam_search": False, "include_stop_str_in_output": False,
+_VLLM_DEFAULTS_ONLY = {"use_beam_search": False,
                        "skip_special_tokens": True, "spaces_between_special_tokens": True,
-                       "return_tokens_as_token_ids": False, "allowed_token_ids": None,
+                       "return_tokens_as_token_ids": False,
                        "prompt_logprobs": None, "truncate_prompt_tokens": None,
                        "length_penalty": 1}
 
@@ -171,6 +172,9 @@ def generations_for(engine: DecoderEngine, body: dict, prompt: tuple[int, ...],
     seed = body_value(body, "seed", (int,))
     adjustments, grammar = _adjustments(body), structured_output(body)
     adjustments["min_p"] = float(body_value(body, "min_p", (int, float), 0.0))
+    if body.get("allowed_token_ids") is not None:
+        adjustments["allowed_ids"] = allowed_ids(sorted(_token_ids(
+            body, "allowed_token_ids", engine.generator.vocab)))
     sampling = [Sampling(float(body_value(body, "temperature", (int, float), 1.0)),
                          body_value(body, "top_k", (int,), 0) if body.get("top_k") != -1 else 0,
                          float(body_value(body, "top_p", (int, float), 1.0)),
@@ -180,6 +184,8 @@ def generations_for(engine: DecoderEngine, body: dict, prompt: tuple[int, ...],
                               stop_ids, f"{request_id}-{i}" if n > 1 else request_id,
                               min_tokens=body_value(body, "min_tokens", (int,), 0),
                               stop_strings=_stops(body), logprobs=top is not None,
+                              include_stop=body_value(body, "include_stop_str_in_output",
+                                                      (bool,), False),
                               top_logprobs=top or 0,
                               prompt_logprobs=top if echo and top is not None else None,
                               bad_words=_bad_words(engine, body), grammar=grammar)
