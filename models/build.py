@@ -28,6 +28,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from models.once import build_once
+
 EXPORTERS = ("torchscript", "dynamo")
 IR_VERSION = 10  # onnxruntime >= 1.20 reads IR 10; newer onnx helpers may write 11+.
 OPSET_TORCHSCRIPT = 17
@@ -417,8 +419,7 @@ def cached(name: str, shape: str = "small", exporter: str = "torchscript") -> Pa
     # One folder per spec key keeps the file's own name plain: `tuner serve` names the model
     # after the source file's stem, so the demo is served as "gpt2-awkward-torchscript".
     path = _cache_dir() / _spec_key(name, shape, exporter) / f"{name}-{shape}-{exporter}.onnx"
-    if not path.exists():
-        export(spec(name, shape), exporter, path)
+    build_once(path, path.exists, lambda: export(spec(name, shape), exporter, path))
     return path
 
 

@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 
 from models.build import IR_VERSION, OPSET_TORCHSCRIPT, SEED, _cache_dir
+from models.once import build_once
 
 CONFIG = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=136,
               max_position_embeddings=128, num_labels=1)
@@ -102,17 +103,18 @@ def cached() -> Path:
     key = hashlib.sha256(json.dumps([CONFIG, CORPUS[:5], SEED, LAYOUT, torch.__version__,
                                      transformers.__version__]).encode()).hexdigest()[:12]
     folder = _cache_dir() / f"cross-encoder-{key}"
-    if (folder / "model.onnx").is_file():
-        return folder
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".cross-encoder-", dir=folder.parent))
-    try:
-        write_folder(tmp)
-        _export(tmp, tmp / "model.onnx")
-        os.replace(tmp, folder)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    def build() -> None:
+        tmp = Path(tempfile.mkdtemp(prefix=".cross-encoder-", dir=folder.parent))
+        try:
+            write_folder(tmp)
+            _export(tmp, tmp / "model.onnx")
+            os.replace(tmp, folder)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+    build_once(folder, (folder / "model.onnx").is_file, build)
     return folder
 
 

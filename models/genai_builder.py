@@ -32,6 +32,7 @@ import tempfile
 from pathlib import Path
 
 from models.build import _cache_dir
+from models.once import build_once
 from models.venvs import ensure_venv
 
 BUILD = 1  # bump when what this file builds changes: it is part of the cache key
@@ -97,22 +98,23 @@ def hf_folder(family: str) -> Path:
     import transformers
 
     folder = _cache_dir() / _key("hf", family, FAMILIES[family]) / "hf"
-    if (folder / "config.json").is_file():
-        return folder
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    config = dict(FAMILIES[family])
-    kind = config.pop("model_type")
-    with tempfile.TemporaryDirectory(dir=_cache_dir()) as tmp:
-        staging = Path(tmp) / "hf"
-        torch.manual_seed(0)
-        cfg = transformers.AutoConfig.for_model(
-            kind, **config, vocab_size=VOCAB, max_position_embeddings=POSITIONS,
-            bos_token_id=1, eos_token_id=2)
-        model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
-        model.save_pretrained(staging)
-        save_tokenizer(staging, VOCAB)
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(staging, folder)
+
+    def build() -> None:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        config = dict(FAMILIES[family])
+        kind = config.pop("model_type")
+        with tempfile.TemporaryDirectory(dir=_cache_dir()) as tmp:
+            staging = Path(tmp) / "hf"
+            torch.manual_seed(0)
+            cfg = transformers.AutoConfig.for_model(
+                kind, **config, vocab_size=VOCAB, max_position_embeddings=POSITIONS,
+                bos_token_id=1, eos_token_id=2)
+            model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+            model.save_pretrained(staging)
+            save_tokenizer(staging, VOCAB)
+            os.replace(staging, folder)
+
+    build_once(folder, (folder / "config.json").is_file, build)
     return folder
 
 
@@ -123,8 +125,11 @@ def cached(family: str, precision: str = "fp32") -> Path:
                        f"precisions {PRECISIONS}")
     out = _cache_dir() / _key("genai", family, FAMILIES[family], precision) / "genai"
     model = out / "model.onnx"
-    if model.is_file():
-        return model
+    build_once(out, model.is_file, lambda: _build(family, precision, out))
+    return model
+
+
+def _build(family: str, precision: str, out: Path) -> None:
     hf = hf_folder(family)
     python = venv_python()
     with tempfile.TemporaryDirectory(dir=_cache_dir()) as tmp:
@@ -141,9 +146,7 @@ def cached(family: str, precision: str = "fp32") -> Path:
         for name in ("tokenizer.json", "config.json"):  # what `tuner optimize` copies along
             if not (staging / name).is_file():
                 shutil.copyfile(hf / name, staging / name)
-        out.parent.mkdir(parents=True, exist_ok=True)
         os.replace(staging, out)
-    return model
 
 
 def _main(argv: list[str] | None = None) -> int:

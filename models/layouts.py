@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from models.build import IR_VERSION, OPSET_TORCHSCRIPT, SEED, _cache_dir
+from models.once import build_once
 
 # A GPT-2 with odd sizes (vocab 1003, FFN 200: both have something to pad), and a BERT MLM.
 GPT2 = dict(n_layer=2, n_embd=64, n_head=4, n_inner=200, vocab_size=1003, n_positions=128,
@@ -182,8 +183,7 @@ def cached(name: str) -> Path:
     if name not in LAYOUTS:
         raise KeyError(f"no layout {name!r}; known: {', '.join(LAYOUTS)}")
     path = _cache_dir() / f"layout-{_key(name)}" / f"layout-{name}.onnx"
-    if not path.exists():
-        export(name, path)
+    build_once(path, path.exists, lambda: export(name, path))
     return path
 
 

@@ -28,6 +28,7 @@ from typing import Any
 
 from models import venvs
 from models.build import SEED, _cache_dir
+from models.once import build_once
 
 OPTIMUM_ONNX = "optimum-onnx==0.1.0"
 # Optimum fixes the exported graph's dynamic axes through onnxruntime (the CPU wheel: this
@@ -131,30 +132,38 @@ def export_all(cells: list[tuple[str, str]], outs: list[Path] | None = None) -> 
             raise ValueError(f"no Optimum export {name!r} / {task!r}; families: "
                              f"{', '.join(FAMILIES)}; tasks: {', '.join(TASKS)}")
     outs = outs or [_out_dir(n, t) for n, t in cells]
-    todo = [(cell, out) for cell, out in zip(cells, outs) if not (out / "model.onnx").exists()]
-    if todo:
-        python = ensure_venv()
-        root = outs[0].parent
-        root.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=root, prefix=".optimum-") as tmp:
-            jobs = [(str(write_checkpoint(n, Path(tmp) / f"ckpt{i}")), t, str(Path(tmp) / f"onnx{i}"))
-                    for i, ((n, t), _) in enumerate(todo)]
-            (Path(tmp) / "jobs.json").write_text(json.dumps(jobs))
-            env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                   "TOKENIZERS_PARALLELISM": "false"}
-            # -P: the script's folder (models/, which has an optimum.py) stays off sys.path
-            done = subprocess.run([str(python), "-P", str(Path(__file__).with_name("_optimum_job.py")),
-                                   str(Path(tmp) / "jobs.json")],
-                                  capture_output=True, text=True, env=env)
-            if done.returncode != 0:
-                raise RuntimeError(f"optimum could not export {[c for c, _ in todo]}: "
-                                   f"{(done.stderr or done.stdout)[-3000:]}")
-            for (_, _, made), (_, out) in zip(jobs, todo):
-                out.parent.mkdir(parents=True, exist_ok=True)
-                if out.exists():
-                    shutil.rmtree(out)
-                os.replace(made, out)
+
+    def missing() -> list[tuple[tuple[str, str], Path]]:
+        return [(c, o) for c, o in zip(cells, outs) if not (o / "model.onnx").exists()]
+
+    # one Optimum process at a time: another asking for the same exports waits, then finds them
+    build_once(_cache_dir() / "optimum-exports", lambda: not missing(),
+               lambda: _export(missing()))
     return [out / "model.onnx" for out in outs]
+
+
+def _export(todo: list[tuple[tuple[str, str], Path]]) -> None:
+    python = ensure_venv()
+    root = todo[0][1].parent
+    root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=root, prefix=".optimum-") as tmp:
+        jobs = [(str(write_checkpoint(n, Path(tmp) / f"ckpt{i}")), t, str(Path(tmp) / f"onnx{i}"))
+                for i, ((n, t), _) in enumerate(todo)]
+        (Path(tmp) / "jobs.json").write_text(json.dumps(jobs))
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+               "TOKENIZERS_PARALLELISM": "false"}
+        # -P: the script's folder (models/, which has an optimum.py) stays off sys.path
+        done = subprocess.run([str(python), "-P", str(Path(__file__).with_name("_optimum_job.py")),
+                               str(Path(tmp) / "jobs.json")],
+                              capture_output=True, text=True, env=env)
+        if done.returncode != 0:
+            raise RuntimeError(f"optimum could not export {[c for c, _ in todo]}: "
+                               f"{(done.stderr or done.stdout)[-3000:]}")
+        for (_, _, made), (_, out) in zip(jobs, todo):
+            out.parent.mkdir(parents=True, exist_ok=True)
+            if out.exists():
+                shutil.rmtree(out)
+            os.replace(made, out)
 
 
 def cached(name: str, task: str = "text-generation-with-past") -> Path:
@@ -184,7 +193,8 @@ def merged(name: str) -> Path:
     export."""
     kv = cached(name)
     out = kv.with_name("decoder_model_merged.onnx")
-    return out if out.exists() else merge(kv, kv, out)
+    build_once(out, out.exists, lambda: merge(kv, kv, out))
+    return out
 
 
 def _main(argv: list[str] | None = None) -> int:

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from models.build import IR_VERSION, _cache_dir, cached as reference
+from models.once import build_once
 
 BUILD = 1  # bump when what this file builds changes: it is part of the cache key
 KINDS = ("dynamic", "dynamic-u8", "dynamic-pc", "static", "nbits", "nbits-asym")
@@ -82,16 +83,17 @@ def cached(kind: str, name: str) -> Path:
         raise KeyError(f"no quantization kind {kind!r}; known: {KINDS}")
     key = hashlib.sha256(json.dumps([BUILD, kind, name]).encode()).hexdigest()[:12]
     path = _cache_dir() / key / f"{name}-{kind}.onnx"
-    if path.is_file():
-        return path
-    src = reference(name, "awkward", "torchscript")
-    vocab = inspect_path(src).vocab_size or 1000
-    path.parent.mkdir(parents=True, exist_ok=True)
-    logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)
-    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        staged = Path(tmp) / path.name
-        _quantize(kind, src, staged, vocab)
-        os.replace(staged, path)
+
+    def build() -> None:
+        src = reference(name, "awkward", "torchscript")
+        vocab = inspect_path(src).vocab_size or 1000
+        logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+            staged = Path(tmp) / path.name
+            _quantize(kind, src, staged, vocab)
+            os.replace(staged, path)
+
+    build_once(path, path.is_file, build)
     return path
 
 

@@ -16,7 +16,6 @@ temporary folder, and -P keeps the script's own folder off sys.path.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
@@ -30,6 +29,7 @@ from pathlib import Path
 from typing import Sequence
 
 from models.build import _cache_dir
+from models.once import build_once
 
 TORCH = "torch==2.13.0"  # the CPU wheel (a plain `torch` downloads GBs of CUDA)
 _MARK = ".complete"
@@ -48,13 +48,7 @@ def ensure_venv(name: str, requirements: Sequence[str]) -> Path:
     """The python of environment `name` holding `requirements`, made on first use (a minute
     or two). RuntimeError with pip's own words when pip cannot install them."""
     root = venv_dir(name, requirements)
-    if (root / _MARK).exists():
-        return python_of(root)
-    root.parent.mkdir(parents=True, exist_ok=True)
-    with open(root.parent / f".{root.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process dies
-        if not (root / _MARK).exists():  # nobody built it while we waited
-            _build(root, name, requirements)
+    build_once(root, (root / _MARK).exists, lambda: _build(root, name, requirements))
     return python_of(root)
 
 

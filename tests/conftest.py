@@ -1,6 +1,10 @@
 """Shared fixtures: reference models are exported once and cached (models/build.py); the
 tool environments the selected tests name (`@pytest.mark.venv(name, requirements)`) are
-built in one background process while the other tests run (those tests run last)."""
+built in one background process while the other tests run (those tests run last).
+
+The suite runs in two worker processes (README: `pytest -n 2`, each test file on one
+worker: `--dist loadfile` in pyproject.toml), which share the cache: models/once.py makes the
+second to ask for a model wait for the first's build of it."""
 
 from __future__ import annotations
 
@@ -30,6 +34,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     building it while nothing else runs."""
     from models.venvs import build_in_background
 
+    if os.environ.get("PYTEST_XDIST_WORKER", "gw0") != "gw0":  # one builder for all workers
+        return
     wanted: dict[str, tuple[str, ...]] = {}
     for item in session.items:
         for mark in item.iter_markers("venv"):
@@ -83,12 +89,16 @@ def cross_encoder_artifact(tmp_path_factory) -> Path:
 def llama_opset23():
     """Llama exported by dynamo at opset 23: torch writes ONNX's own Attention and
     RotaryEmbedding ops. Cached beside the reference models (built once, ~10 s)."""
+    import tempfile
+
     import torch
 
     from models.build import SEED, _cache_dir, _spec_key, _Wrapper, build_torch_model, spec
+    from models.once import build_once
 
     path = _cache_dir() / f"llama-small-dynamo23-{_spec_key('llama', 'small', 'dynamo')}.onnx"
-    if not path.exists():
+
+    def build() -> None:
         model = _Wrapper(build_torch_model(spec("llama", "small")), True)
         g = torch.Generator().manual_seed(SEED)
         ids = torch.randint(0, 1024, (2, 16), generator=g)
@@ -97,7 +107,9 @@ def llama_opset23():
             model, (ids, torch.ones(2, 16, dtype=torch.int64)), dynamo=True, opset_version=23,
             input_names=["input_ids", "attention_mask"], output_names=["logits"],
             dynamic_shapes={"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}})
-        tmp = path.with_suffix(".tmp")
-        program.save(str(tmp), external_data=False)
-        tmp.replace(path)
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+            program.save(str(Path(tmp) / path.name), external_data=False)
+            (Path(tmp) / path.name).replace(path)
+
+    build_once(path, path.exists, build)
     return path

@@ -161,11 +161,12 @@ def llama_kv_opset23():
     """llama-kv through dynamo at opset 23: the Concats feed ONNX's own Attention op."""
     from models.build import IR_VERSION, _cache_dir, _spec_key, build_torch_model
     from models.kv import export_kv
+    from models.once import build_once
 
     path = _cache_dir() / f"llama-kv-dynamo23-{_spec_key('llama-kv', 'awkward', 'dynamo')}.onnx"
-    if not path.exists():
-        export_kv(build_torch_model(spec("llama-kv", "awkward")), "dynamo", path,
-                  {"dynamo": 23, "torchscript": 17}, IR_VERSION)
+    build_once(path, path.exists, lambda: export_kv(
+        build_torch_model(spec("llama-kv", "awkward")), "dynamo", path,
+        {"dynamo": 23, "torchscript": 17}, IR_VERSION))
     return path
 
 
