@@ -34,6 +34,8 @@ class Sampling:
     # ids seen in the prompt or the output: a positive logit divided by it, a negative one
     # multiplied (transformers', vLLM's and TensorRT-LLM's repetition penalty; 1: none)
     repetition_penalty: float = 1.0
+    penalty_last_n: int = 0  # > 0: the repetition penalty looks at the last n ids of prompt
+    # + output only (Ollama's repeat_last_n); 0: at all of them
     presence_penalty: float = 0.0  # subtracted once from every id the OUTPUT holds (OpenAI's)
     frequency_penalty: float = 0.0  # subtracted per time the output holds the id (OpenAI's)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (id, bias) added to the logits (OpenAI's)
@@ -54,6 +56,8 @@ class Sampling:
             raise InvalidArgument(f"min_p must be in [0, 1], not {self.min_p}")
         if self.seed is not None and not 0 <= self.seed < 2**64:
             raise InvalidArgument(f"seed must be in [0, 2^64), not {self.seed}")
+        if self.penalty_last_n < 0:
+            raise InvalidArgument(f"penalty_last_n must be >= 0, not {self.penalty_last_n}")
         if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
             raise InvalidArgument(f"repetition_penalty must be a finite number > 0, not "
                                   f"{self.repetition_penalty}")
@@ -270,7 +274,7 @@ def sample(logits: np.ndarray, s: Sampling, rng: np.random.Generator) -> int:
 
 def adjust(row: np.ndarray, s: Sampling, prompt: Sequence[int], output: Sequence[int]) -> None:
     """`row` (vocab,), in place: every id but the allowed ones -inf, + logit_bias, then the
-    repetition penalty over the ids of prompt + output, then - frequency x count - presence
+    repetition penalty over the ids of prompt + output (the last penalty_last_n), then - frequency x count - presence
     over the output's ids (vLLM's allowed-ids mask and apply_penalties; transformers'
     SequenceBias then RepetitionPenalty processors)."""
     if s.allowed_ids:
@@ -281,7 +285,8 @@ def adjust(row: np.ndarray, s: Sampling, prompt: Sequence[int], output: Sequence
         ids, bias = zip(*s.logit_bias)
         row[list(ids)] += np.asarray(bias, row.dtype)
     if s.repetition_penalty != 1:
-        seen = np.unique(np.fromiter((*prompt, *output), np.int64))
+        recent = (*prompt, *output)[-s.penalty_last_n:] if s.penalty_last_n else (*prompt, *output)
+        seen = np.unique(np.fromiter(recent, np.int64))
         x, r = row[seen], row.dtype.type(s.repetition_penalty)  # in the row's precision
         row[seen] = np.where(x > 0, x / r, x * r)
     if (s.presence_penalty or s.frequency_penalty) and len(output):

@@ -1,0 +1,359 @@
+"""Ollama's API, for the clients written against a local Ollama server: the `ollama` Python
+client (and LangChain's ChatOllama / OllamaEmbeddings, LlamaIndex's Ollama classes on it),
+Open WebUI, editor plugins. Point them at this server's HTTP port (`OLLAMA_HOST`):
+
+  GET  /api/version, /api/tags, /api/ps       the served model (named NAME or NAME:latest)
+  POST /api/show        {"model"}: its chat template, what it can do
+  POST /api/generate    {"model", "prompt", "system", "raw", "context", "format", "options",
+                        "stream", "logprobs", "top_logprobs"}: the prompt as the user's turn
+                        of the chat template (as is with `raw` or without a template);
+                        `context` (the ids a previous answer returned) goes before it
+  POST /api/chat        {"model", "messages", "format", "options", "stream", ...}
+  POST /api/embed       {"model", "input", "truncate", "dimensions"}: unit vectors
+  POST /api/embeddings  {"model", "prompt"}: Ollama's older call, one vector as the model
+                        gives it
+
+A decoder artifact with a tokenizer generates; an encoder artifact embeds. Answers stream as
+Ollama streams them (its default, `stream` true): one JSON object a line, the last one
+`done` with `done_reason` and the counts and durations (ns). An empty prompt (or no
+messages) answers `done_reason` "load", as Ollama does to warm a model.
+
+`options` map onto the same generation requests as the OpenAI API's
+(serving/http/openai_requests.py): num_predict (-1 / -2: as many as the cache and
+--max-tokens allow), temperature, top_k, top_p, min_p, seed, stop, repeat_penalty over the
+last repeat_last_n ids (0: off, -1: all), presence_penalty, frequency_penalty (over the
+output, as OpenAI's). What a request leaves out is Ollama's own default (temperature 0.8,
+top_k 40, top_p 0.9, repeat_penalty 1.1 over the last 64), so a client gets what it got from
+Ollama. Options that only tune Ollama's runtime (num_ctx, num_gpu, num_thread, ...) are
+ignored, as Ollama ignores those it does not know; mirostat, typical_p and tfs_z, which would
+change the output, are refused unless at their defaults, as are images, `suffix`, `think`
+and `tools`. Errors are Ollama's {"error": message}: 404 for a model not served, 400 for a
+request it cannot take."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from datetime import datetime, timezone
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+import serving
+from serving.decoder import DecoderEngine
+from serving.embedding import normalized
+from serving.errors import InvalidArgument, NotFound
+from serving.http.chat import chat_prompt
+from serving.http.codec import http_status_for
+from serving.http.embeddings_api import embed_rows, embedder_of, encoder_named, texts_of
+from serving.http.openai_requests import body_value, generations_for, top_count
+from serving.http.streams import ChunkStream
+from serving.sampling import Chunk, GenerationRequest
+from serving.tokenizer import token_text
+
+# Ollama's runner's defaults, for what a request's options leave out
+_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "repeat_penalty": 1.1,
+             "repeat_last_n": 64}
+_OPENAI_NAMES = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
+                 "min_p": "min_p", "seed": "seed", "stop": "stop",
+                 "repeat_penalty": "repetition_penalty", "presence_penalty":
+                 "presence_penalty", "frequency_penalty": "frequency_penalty"}
+_REFUSED = {"mirostat": 0, "typical_p": 1, "tfs_z": 1}  # each changes the output otherwise
+_STARTED = datetime.now(timezone.utc).isoformat()
+
+
+def error(exc: BaseException) -> Response:
+    status, message = http_status_for(exc)
+    return JSONResponse({"error": message}, status)
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat()
+
+
+def _served(frontend, body: dict) -> str:
+    """The model a body names, NAME or NAME:latest: Ollama's clients always name one."""
+    name = body.get("model")
+    if not isinstance(name, str) or not name:
+        raise InvalidArgument("'model' is required")
+    if name.removesuffix(":latest") != frontend.slot.name:
+        raise NotFound(f"model '{name}' not found (this server serves "
+                       f"'{frontend.slot.name}')")
+    return name
+
+
+def _decoder(frontend, body: dict) -> tuple[str, DecoderEngine]:
+    name = _served(frontend, body)
+    engine = frontend.slot.find(frontend.slot.name)
+    if not isinstance(engine, DecoderEngine) or engine.tokenizer is None:
+        raise InvalidArgument(f"model '{name}' does not generate text (it needs a decoder "
+                              "artifact with tokenizer.json)")
+    return name, engine
+
+
+def _refuse(body: dict) -> None:
+    if body.get("images") or any(m.get("images") for m in body.get("messages") or []
+                                 if isinstance(m, dict)):
+        raise InvalidArgument("images are not supported: this model reads text")
+    if body.get("think") not in (None, False):
+        raise InvalidArgument("'think' is not supported (a reasoning model's thinking is "
+                              "part of its answer here)")
+    for name in ("suffix", "tools", "template"):
+        if body.get(name):
+            raise InvalidArgument(f"'{name}' is not supported")
+
+
+def _openai_body(body: dict) -> dict:
+    """A request's options and format under the OpenAI API's names."""
+    options = {**_DEFAULTS, **(body_value(body, "options", (dict,), {}) or {})}
+    for name, default in _REFUSED.items():
+        if options.get(name) not in (None, default):
+            raise InvalidArgument(f"option '{name}' is not supported (only {default})")
+    out = {_OPENAI_NAMES[k]: v for k, v in options.items() if k in _OPENAI_NAMES
+           and v is not None}
+    predict = body_value(options, "num_predict", (int,), -1)
+    if predict == 0 or predict < -2:
+        raise InvalidArgument("'num_predict' must be a positive number of tokens, or -1 / -2 "
+                              "(no limit)")
+    if predict > 0:
+        out["max_tokens"] = predict
+    if isinstance(out.get("seed"), int) and out["seed"] < 0:  # Ollama's -1: a random seed
+        del out["seed"]
+    fmt = body.get("format")
+    if fmt == "json":
+        out["response_format"] = {"type": "json_object"}
+    elif isinstance(fmt, dict):
+        out["response_format"] = {"type": "json_schema", "json_schema": {"schema": fmt}}
+    elif fmt not in (None, ""):
+        raise InvalidArgument("'format' must be \"json\" or a JSON schema")
+    return out
+
+
+def _generation(engine: DecoderEngine, body: dict, prompt: tuple[int, ...]
+                ) -> GenerationRequest:
+    _refuse(body)
+    logprobs = body_value(body, "logprobs", (bool,), False)
+    top = top_count("top_logprobs", body_value(body, "top_logprobs", (int,), 0))
+    (generation,) = generations_for(engine, _openai_body(body), prompt,
+                                    top if logprobs or top else None,
+                                    "ollama-" + uuid.uuid4().hex)
+    last_n = body_value(body.get("options") or {}, "repeat_last_n", (int,),
+                        _DEFAULTS["repeat_last_n"])
+    if last_n < -1:
+        raise InvalidArgument("'repeat_last_n' must be -1 (all), 0 (off) or a count")
+    sampling = generation.sampling
+    sampling = dataclasses.replace(sampling, penalty_last_n=max(last_n, 0)) if last_n else \
+        dataclasses.replace(sampling, repetition_penalty=1.0)
+    return dataclasses.replace(generation, sampling=sampling)
+
+
+def _logprobs(engine: DecoderEngine, chunk: Chunk) -> list[dict] | None:
+    if chunk.logprobs is None:
+        return None
+
+    def entry(token: int, logprob: float) -> dict:
+        text = token_text(engine.tokenizer, token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    tops = chunk.top_logprobs or [()] * len(chunk.ids)
+    return [{**entry(t, p), "top_logprobs": [entry(i, q) for i, q in top]}
+            for t, p, top in zip(chunk.ids, chunk.logprobs, tops)]
+
+
+def _line(obj: dict) -> bytes:
+    return orjson.dumps(obj) + b"\n"
+
+
+@dataclasses.dataclass
+class _Answer:
+    """The objects of one answer: pieces of text, then the `done` one with the counts."""
+
+    engine: DecoderEngine
+    model: str
+    prompt: tuple[int, ...]
+    chat: bool
+    started: float = dataclasses.field(default_factory=time.perf_counter)
+    first: float | None = None
+    ids: list[int] = dataclasses.field(default_factory=list)
+
+    def piece(self, text: str, chunk: Chunk | None = None) -> dict:
+        out = {"model": self.model, "created_at": _now()}
+        out |= {"message": {"role": "assistant", "content": text}} if self.chat else \
+            {"response": text}
+        logprobs = _logprobs(self.engine, chunk) if chunk is not None else None
+        return out | {"logprobs": logprobs} if logprobs is not None else out
+
+    def add(self, chunk: Chunk) -> None:
+        if self.first is None:
+            self.first = time.perf_counter()
+        self.ids += chunk.ids
+
+    def done(self, reason: str, text: str = "", chunk: Chunk | None = None) -> dict:
+        end = time.perf_counter()
+        first = self.first or end
+        ns = lambda seconds: int(seconds * 1e9)  # noqa: E731
+        out = self.piece(text, chunk) | {
+            "done": True, "done_reason": reason, "total_duration": ns(end - self.started),
+            "load_duration": 0, "prompt_eval_count": len(self.prompt),
+            "prompt_eval_duration": ns(first - self.started), "eval_count": len(self.ids),
+            "eval_duration": ns(end - first)}
+        return out if self.chat else out | {"context": [*self.prompt, *self.ids]}
+
+
+async def _answer(frontend, request: Request, body: dict, answer: _Answer) -> Response:
+    generation = _generation(answer.engine, body, answer.prompt)
+    stream = ChunkStream(answer.engine, generation)  # a refusal answers with a status here
+    if not body_value(body, "stream", (bool,), True):
+        whole = await stream.whole(request.receive)
+        if whole is None:
+            return Response(status_code=499)
+        answer.add(whole)
+        return JSONResponse(answer.done(whole.reason, whole.text or "", whole))
+
+    async def lines():
+        async for chunk in stream:
+            if chunk.reason not in (None, "length", "stop"):
+                yield _line({"error": chunk.detail or f"generation ended: {chunk.reason}"})
+                return
+            answer.add(chunk)
+            if chunk.final:
+                yield _line(answer.done(chunk.reason, chunk.text or "", chunk))
+            elif chunk.text or chunk.logprobs:
+                yield _line(answer.piece(chunk.text or "", chunk))
+
+    return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+
+def _loaded(model: str, chat: bool) -> Response:
+    """Ollama's answer to a request with nothing to generate from: the model is loaded."""
+    out = {"model": model, "created_at": _now(), "done": True, "done_reason": "load"}
+    return JSONResponse(out | ({"message": {"role": "assistant", "content": ""}} if chat
+                               else {"response": ""}))
+
+
+async def generate(frontend, request: Request) -> Response:
+    body = await frontend.json(request)
+    model, engine = _decoder(frontend, body)
+    prompt, context = body.get("prompt") or "", body_value(body, "context", (list,), []) or []
+    if not isinstance(prompt, str):
+        raise InvalidArgument("'prompt' must be a string")
+    if not prompt and not context:
+        return _loaded(model, chat=False)
+    system = body_value(body, "system", (str,))
+    if body_value(body, "raw", (bool,), False) or engine.text.chat_template is None:
+        if system:
+            raise InvalidArgument("'system' needs the model's chat template (not 'raw')")
+        text, special = prompt, not context
+    else:
+        messages = ([{"role": "system", "content": system}] if system else []) + \
+            [{"role": "user", "content": prompt}]
+        text, special = chat_prompt(engine.text, {"messages": messages}), False
+    if any(isinstance(t, bool) or not isinstance(t, int) for t in context):
+        raise InvalidArgument("'context' must be the token ids a previous answer returned")
+    ids = tuple(context) + tuple(engine.tokenizer.encode(text, add_special_tokens=special).ids)
+    return await _answer(frontend, request, body, _Answer(engine, model, ids, chat=False))
+
+
+async def chat(frontend, request: Request) -> Response:
+    body = await frontend.json(request)
+    model, engine = _decoder(frontend, body)
+    if not body.get("messages"):
+        return _loaded(model, chat=True)
+    text = chat_prompt(engine.text, {"messages": body["messages"]})
+    ids = tuple(engine.tokenizer.encode(text, add_special_tokens=False).ids)
+    return await _answer(frontend, request, body, _Answer(engine, model, ids, chat=True))
+
+
+async def _vectors(frontend, body: dict, texts: list[str], unit: bool) -> tuple[list, int]:
+    """Each text's embedding (unit vectors, cut to `dimensions` first, when `unit`) and the
+    tokens read."""
+    engine = encoder_named(frontend, frontend.slot.name)
+    embedder = embedder_of(engine)
+    truncate = body_value(body, "truncate", (bool,), True)
+    rows = []
+    for i, text in enumerate(texts):
+        ids, cut = embedder.encode(text)
+        if cut and not truncate:
+            raise InvalidArgument(f"input {i} is longer than the model's "
+                                  f"{embedder.pooling.max_tokens} tokens and 'truncate' is "
+                                  "false")
+        rows.append(ids)
+    dimensions = body_value(body, "dimensions", (int,))
+    if embedder.pooled and dimensions is not None:
+        raise InvalidArgument(f"model '{engine.name}' pools inside its graph: 'dimensions' "
+                              "needs the vector before that, which it does not give")
+    outputs = await embed_rows(frontend, engine, embedder, rows)
+    if embedder.pooled:
+        vectors = [embedder.vector(o) for o in outputs]
+    else:
+        vectors = [embedder.unnormalized(o)[:dimensions] for o in outputs]
+        vectors = [normalized(v) for v in vectors] if unit else vectors
+    return [v.tolist() for v in vectors], sum(len(r) for r in rows)
+
+
+async def embed(frontend, request: Request) -> Response:
+    body = await frontend.json(request)
+    model, start = _served(frontend, body), time.perf_counter()
+    dimensions = body_value(body, "dimensions", (int,))
+    if dimensions is not None and dimensions < 1:
+        raise InvalidArgument("'dimensions' must be a positive integer")
+    texts = texts_of(body.get("input"))
+    if any(not isinstance(t, str) for t in texts):
+        raise InvalidArgument("'input' must be a string or a list of strings")
+    vectors, tokens = await _vectors(frontend, body, texts, unit=True)
+    return JSONResponse({"model": model, "embeddings": vectors,
+                         "total_duration": int((time.perf_counter() - start) * 1e9),
+                         "load_duration": 0, "prompt_eval_count": tokens})
+
+
+async def embeddings(frontend, request: Request) -> Response:
+    body = await frontend.json(request)
+    _served(frontend, body)
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str) or not prompt:
+        raise InvalidArgument("'prompt' must be a non-empty string")
+    vectors, _ = await _vectors(frontend, body, [prompt], unit=False)
+    return JSONResponse({"embedding": vectors[0]})
+
+
+def _model_entry(frontend) -> dict:
+    name = f"{frontend.slot.name}:latest"
+    return {"name": name, "model": name, "modified_at": _STARTED,
+            "details": {"format": "onnx", "family": "", "families": None,
+                        "parameter_size": "", "quantization_level": ""}}
+
+
+async def version(frontend, request: Request) -> Response:
+    return JSONResponse({"version": serving.__version__})
+
+
+async def tags(frontend, request: Request) -> Response:
+    return JSONResponse({"models": [_model_entry(frontend)]})
+
+
+async def ps(frontend, request: Request) -> Response:
+    return JSONResponse({"models": [_model_entry(frontend)] if frontend.slot.ready() else []})
+
+
+async def show(frontend, request: Request) -> Response:
+    body = await frontend.json(request)
+    _served(frontend, body)
+    engine = frontend.slot.find(frontend.slot.name)
+    decoder = isinstance(engine, DecoderEngine)
+    template = engine.text.chat_template if decoder and engine.tokenizer else None
+    return JSONResponse({"modelfile": "", "parameters": "", "template": template or "",
+                         "details": _model_entry(frontend)["details"], "model_info": {},
+                         "capabilities": ["completion"] if decoder else ["embedding"],
+                         "modified_at": _STARTED})
+
+
+ROUTES = [("/api/version", ["GET"], "ollama/version", version, error),
+          ("/api/tags", ["GET"], "ollama/tags", tags, error),
+          ("/api/ps", ["GET"], "ollama/ps", ps, error),
+          ("/api/show", ["POST"], "ollama/show", show, error),
+          ("/api/generate", ["POST"], "ollama/generate", generate, error),
+          ("/api/chat", ["POST"], "ollama/chat", chat, error),
+          ("/api/embed", ["POST"], "ollama/embed", embed, error),
+          ("/api/embeddings", ["POST"], "ollama/embeddings", embeddings, error)]
