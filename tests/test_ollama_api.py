@@ -133,14 +133,16 @@ def test_list_show_ps_version_and_errors(client, decoder) -> None:
     assert e.value.status_code == 404 and "not found" in e.value.error
     for ask, words in ((dict(options={"mirostat": 2}), "'mirostat' is not supported"),
                        (dict(images=[b"\x89PNG"]), "images are not supported"),
-                       (dict(think=True), "'think' is not supported"),
+                       (dict(think=True), "'think' is answered on /api/chat"),
                        (dict(options={"num_predict": 0}), "'num_predict' must be")):
         with pytest.raises(ollama.ResponseError) as e:
             client.generate(model=name, prompt=PROMPT, **ask)
         assert e.value.status_code == 400 and words in e.value.error, e.value.error
-    with pytest.raises(ollama.ResponseError, match="'tools' is not supported"):
+    with pytest.raises(ollama.ResponseError, match="start the server with --tool-call-parser"):
         client.chat(model=name, messages=CHAT, tools=[{"type": "function", "function": {
             "name": "f", "description": "d", "parameters": {"type": "object"}}}])
+    with pytest.raises(ollama.ResponseError, match="start the server with --reasoning-parser"):
+        client.chat(model=name, messages=CHAT, think=True)
     r = requests.post(f"{url}/api/generate", json={"model": name, "prompt": "x",
                                                     "format": "xml"}, timeout=10)
     assert r.status_code == 400 and "'format' must be" in r.json()["error"]  # (the client
@@ -195,3 +197,49 @@ def test_embed_and_embeddings_are_sentence_transformers_own(encoder) -> None:
     legacy = c.embeddings(model=name, prompt=texts[0]).embedding  # as the model gives it
     np.testing.assert_allclose(legacy, raw_st.encode(texts[:1])[0], atol=1e-5)
     assert c.show(name).capabilities == ["embedding"]
+
+
+def test_tools_and_thinking_with_the_servers_parsers(llama, tmp_path_factory) -> None:
+    """With --tool-call-parser llama3_json, a call the model writes (held to it by a JSON
+    schema `format`) comes back as the message's tool_calls, whole and streamed; with
+    --reasoning-parser deepseek_r1 the reply (this model never closes its thinking) is the
+    message's `thinking`, or its content with `think` false."""
+    import json
+
+    import ollama
+    from llm_support import TOOL_CHAT, TOOLS, TOOLS_TEMPLATE, decoder_artifact
+
+    out = decoder_artifact(tmp_path_factory.mktemp("ollama-tools"), llama)
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    (out / "tokenizer_config.json").write_text(json.dumps({**config,
+                                                           "chat_template": TOOLS_TEMPLATE}))
+    call = {"type": "object", "properties": {
+        "name": {"type": "string", "enum": ["get_time"]},
+        "parameters": {"type": "object", "properties": {"zone": {"type": "string", "enum": [
+            "UTC"]}}, "required": ["zone"], "additionalProperties": False}},
+        "required": ["name", "parameters"], "additionalProperties": False}
+    s = start(out, tool_call_parser="llama3_json", reasoning_parser="deepseek_r1",
+              generate={"max_tokens": 64})
+    try:
+        c = ollama.Client(host=f"http://127.0.0.1:{s.http_port}", timeout=60)
+        ask = dict(model=s.slot.name, messages=TOOL_CHAT, tools=TOOLS, format=call, think=False,
+                   options={"temperature": 0, "num_predict": 64})
+        got = c.chat(**ask)
+        assert (got.message.content, got.done_reason) == ("", "stop")
+        [made] = got.message.tool_calls
+        assert (made.function.name, dict(made.function.arguments)) == ("get_time",
+                                                                        {"zone": "UTC"})
+        lines = list(c.chat(**ask, stream=True))
+        assert [len(x.message.tool_calls or []) for x in lines][-1] == 1
+        assert lines[-1].message.tool_calls[0].function.name == "get_time"
+        prompt = [{"role": "user", "content": PROMPT}]
+        want = tokenizer().decode(greedy(llama, rendered_ids(prompt, TOOLS_TEMPLATE), 8)[0])
+        exact = {"temperature": 0, "repeat_penalty": 1, "num_predict": 8}
+        thought = c.chat(model=s.slot.name, messages=prompt, options=exact)
+        assert (thought.message.thinking, thought.message.content) == (want, "")
+        streamed = list(c.chat(model=s.slot.name, messages=prompt, options=exact, stream=True))
+        assert "".join(x.message.thinking or "" for x in streamed) == want
+        plain = c.chat(model=s.slot.name, messages=prompt, options=exact, think=False)
+        assert (plain.message.thinking, plain.message.content) == (None, want)
+    finally:
+        s.stop(5)

@@ -26,13 +26,17 @@ output, as OpenAI's). What a request leaves out is Ollama's own default (tempera
 top_k 40, top_p 0.9, repeat_penalty 1.1 over the last 64), so a client gets what it got from
 Ollama. Options that only tune Ollama's runtime (num_ctx, num_gpu, num_thread, ...) are
 ignored, as Ollama ignores those it does not know; mirostat, typical_p and tfs_z, which would
-change the output, are refused unless at their defaults, as are images, `suffix`, `think`
-and `tools`. Errors are Ollama's {"error": message}: 404 for a model not served, 400 for a
-request it cannot take."""
+change the output, are refused unless at their defaults, as are images, `suffix` and
+`template`. A chat's `tools` come back as the message's `tool_calls` when the server reads
+the model's own call syntax (--tool-call-parser), and its thinking as the message's
+`thinking` with --reasoning-parser (unless `think` is false); without them each is refused.
+Errors are Ollama's {"error": message}: 404 for a model not served, 400 for a request it
+cannot take."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 import uuid
 from datetime import datetime, timezone
@@ -49,7 +53,9 @@ from serving.http.chat import chat_prompt
 from serving.http.codec import http_status_for
 from serving.http.embeddings_api import embed_rows, embedder_of, encoder_named, texts_of
 from serving.http.openai_requests import body_value, generations_for, top_count
+from serving.http.reasoning import Reply, Thinking
 from serving.http.streams import ChunkStream
+from serving.http.tools import PARSERS, tool_reader
 from serving.sampling import Chunk, GenerationRequest
 from serving.tokenizer import token_text
 
@@ -97,12 +103,33 @@ def _refuse(body: dict) -> None:
     if body.get("images") or any(m.get("images") for m in body.get("messages") or []
                                  if isinstance(m, dict)):
         raise InvalidArgument("images are not supported: this model reads text")
-    if body.get("think") not in (None, False):
-        raise InvalidArgument("'think' is not supported (a reasoning model's thinking is "
-                              "part of its answer here)")
-    for name in ("suffix", "tools", "template"):
+    for name in ("suffix", "template"):
         if body.get(name):
             raise InvalidArgument(f"'{name}' is not supported")
+
+
+def _reply(frontend, body: dict) -> Reply:
+    """How a chat's reply is read: its thinking apart (`think` not false, with the server's
+    --reasoning-parser) and the model's own tool calls (with --tool-call-parser; Ollama's
+    model always decides whether to call)."""
+    think = body_value(body, "think", (bool, str))
+    if think not in (None, False) and frontend.reasoning_parser is None:
+        raise InvalidArgument("'think' needs the model's thinking told apart: start the server "
+                              "with --reasoning-parser")
+    if body.get("tools") and frontend.tool_parser is None:
+        raise InvalidArgument("'tools' need the model's own call syntax read: start the server "
+                              f"with --tool-call-parser ({' | '.join(PARSERS)})")
+    thinking = Thinking(frontend.reasoning_parser) if frontend.reasoning_parser and \
+        think is not False else None
+    return Reply(thinking=thinking, tools=tool_reader({"tools": body.get("tools")},
+                                                      frontend.tool_parser))
+
+
+def _ollama_call(call: dict) -> dict:
+    """An OpenAI tool call as Ollama's: the arguments an object, not JSON text."""
+    function = call["function"]
+    return {"function": {"name": function["name"],
+                         "arguments": json.loads(function["arguments"] or "{}")}}
 
 
 def _openai_body(body: dict) -> dict:
@@ -131,9 +158,8 @@ def _openai_body(body: dict) -> dict:
     return out
 
 
-def _generation(engine: DecoderEngine, body: dict, prompt: tuple[int, ...]
-                ) -> GenerationRequest:
-    _refuse(body)
+def _generation(engine: DecoderEngine, body: dict, prompt: tuple[int, ...],
+                thinking: Thinking | None) -> GenerationRequest:
     logprobs = body_value(body, "logprobs", (bool,), False)
     top = top_count("top_logprobs", body_value(body, "top_logprobs", (int,), 0))
     (generation,) = generations_for(engine, _openai_body(body), prompt,
@@ -146,7 +172,8 @@ def _generation(engine: DecoderEngine, body: dict, prompt: tuple[int, ...]
     sampling = generation.sampling
     sampling = dataclasses.replace(sampling, penalty_last_n=max(last_n, 0)) if last_n else \
         dataclasses.replace(sampling, repetition_penalty=1.0)
-    return dataclasses.replace(generation, sampling=sampling)
+    grammar = generation.grammar if thinking is None else thinking.constrain(generation.grammar)
+    return dataclasses.replace(generation, sampling=sampling, grammar=grammar)
 
 
 def _logprobs(engine: DecoderEngine, chunk: Chunk) -> list[dict] | None:
@@ -168,60 +195,67 @@ def _line(obj: dict) -> bytes:
 
 @dataclasses.dataclass
 class _Answer:
-    """The objects of one answer: pieces of text, then the `done` one with the counts."""
+    """The objects of one answer: each chunk's text (a chat's through its Reply: thinking
+    apart, tool calls read out), the last one `done` with the counts."""
 
     engine: DecoderEngine
     model: str
     prompt: tuple[int, ...]
-    chat: bool
+    reply: Reply | None = None  # a chat's (None: /api/generate's `response` text)
     started: float = dataclasses.field(default_factory=time.perf_counter)
     first: float | None = None
     ids: list[int] = dataclasses.field(default_factory=list)
 
-    def piece(self, text: str, chunk: Chunk | None = None) -> dict:
-        out = {"model": self.model, "created_at": _now()}
-        out |= {"message": {"role": "assistant", "content": text}} if self.chat else \
-            {"response": text}
-        logprobs = _logprobs(self.engine, chunk) if chunk is not None else None
-        return out | {"logprobs": logprobs} if logprobs is not None else out
-
-    def add(self, chunk: Chunk) -> None:
+    def take(self, chunk: Chunk) -> dict | None:
+        """The object for `chunk` (None when it releases nothing to send)."""
         if self.first is None:
             self.first = time.perf_counter()
         self.ids += chunk.ids
+        out = {"model": self.model, "created_at": _now()}
+        if self.reply is None:
+            out["response"] = chunk.text or ""
+        else:
+            thought, content = self.reply.add(chunk)
+            message = {"role": "assistant", "content": content}
+            message |= {"thinking": thought} if thought else {}
+            if chunk.final and self.reply.calls:
+                message["tool_calls"] = [_ollama_call(c) for c in self.reply.calls]
+            out["message"] = message
+        logprobs = _logprobs(self.engine, chunk)
+        out |= {"logprobs": logprobs} if logprobs is not None else {}
+        if chunk.final:
+            return out | self._done(chunk.reason)
+        said = out["response"] if self.reply is None else \
+            out["message"]["content"] or "thinking" in out["message"]
+        return out if said or logprobs else None
 
-    def done(self, reason: str, text: str = "", chunk: Chunk | None = None) -> dict:
+    def _done(self, reason: str) -> dict:
         end = time.perf_counter()
         first = self.first or end
         ns = lambda seconds: int(seconds * 1e9)  # noqa: E731
-        out = self.piece(text, chunk) | {
-            "done": True, "done_reason": reason, "total_duration": ns(end - self.started),
-            "load_duration": 0, "prompt_eval_count": len(self.prompt),
-            "prompt_eval_duration": ns(first - self.started), "eval_count": len(self.ids),
-            "eval_duration": ns(end - first)}
-        return out if self.chat else out | {"context": [*self.prompt, *self.ids]}
+        out = {"done": True, "done_reason": reason, "total_duration": ns(end - self.started),
+               "load_duration": 0, "prompt_eval_count": len(self.prompt),
+               "prompt_eval_duration": ns(first - self.started), "eval_count": len(self.ids),
+               "eval_duration": ns(end - first)}
+        return out if self.reply is not None else out | {"context": [*self.prompt, *self.ids]}
 
 
 async def _answer(frontend, request: Request, body: dict, answer: _Answer) -> Response:
-    generation = _generation(answer.engine, body, answer.prompt)
+    thinking = answer.reply.thinking if answer.reply is not None else None
+    generation = _generation(answer.engine, body, answer.prompt, thinking)
     stream = ChunkStream(answer.engine, generation)  # a refusal answers with a status here
     if not body_value(body, "stream", (bool,), True):
         whole = await stream.whole(request.receive)
-        if whole is None:
-            return Response(status_code=499)
-        answer.add(whole)
-        return JSONResponse(answer.done(whole.reason, whole.text or "", whole))
+        return Response(status_code=499) if whole is None else JSONResponse(answer.take(whole))
 
     async def lines():
         async for chunk in stream:
             if chunk.reason not in (None, "length", "stop"):
                 yield _line({"error": chunk.detail or f"generation ended: {chunk.reason}"})
                 return
-            answer.add(chunk)
-            if chunk.final:
-                yield _line(answer.done(chunk.reason, chunk.text or "", chunk))
-            elif chunk.text or chunk.logprobs:
-                yield _line(answer.piece(chunk.text or "", chunk))
+            out = answer.take(chunk)
+            if out is not None:
+                yield _line(out)
 
     return StreamingResponse(lines(), media_type="application/x-ndjson")
 
@@ -239,6 +273,10 @@ async def generate(frontend, request: Request) -> Response:
     prompt, context = body.get("prompt") or "", body_value(body, "context", (list,), []) or []
     if not isinstance(prompt, str):
         raise InvalidArgument("'prompt' must be a string")
+    _refuse(body)
+    if body.get("think") not in (None, False):
+        raise InvalidArgument("'think' is answered on /api/chat here (with the server's "
+                              "--reasoning-parser)")
     if not prompt and not context:
         return _loaded(model, chat=False)
     system = body_value(body, "system", (str,))
@@ -253,17 +291,19 @@ async def generate(frontend, request: Request) -> Response:
     if any(isinstance(t, bool) or not isinstance(t, int) for t in context):
         raise InvalidArgument("'context' must be the token ids a previous answer returned")
     ids = tuple(context) + tuple(engine.tokenizer.encode(text, add_special_tokens=special).ids)
-    return await _answer(frontend, request, body, _Answer(engine, model, ids, chat=False))
+    return await _answer(frontend, request, body, _Answer(engine, model, ids))
 
 
 async def chat(frontend, request: Request) -> Response:
     body = await frontend.json(request)
     model, engine = _decoder(frontend, body)
+    _refuse(body)
+    reply = _reply(frontend, body)
     if not body.get("messages"):
         return _loaded(model, chat=True)
-    text = chat_prompt(engine.text, {"messages": body["messages"]})
+    text = chat_prompt(engine.text, {"messages": body["messages"], "tools": body.get("tools")})
     ids = tuple(engine.tokenizer.encode(text, add_special_tokens=False).ids)
-    return await _answer(frontend, request, body, _Answer(engine, model, ids, chat=True))
+    return await _answer(frontend, request, body, _Answer(engine, model, ids, reply))
 
 
 async def _vectors(frontend, body: dict, texts: list[str], unit: bool) -> tuple[list, int]:
