@@ -99,8 +99,9 @@ def serve(
                                              "endpoints, the OpenAI-compatible API, "
                                              "Anthropic's Messages API, Text Generation "
                                              "Inference's generate API (a decoder), Text "
-                                             "Embeddings Inference's API (an encoder) and "
-                                             "/metrics (0: any free port; -1: no HTTP)"),
+                                             "Embeddings Inference's API (an encoder), "
+                                             "Ollama's API and /metrics (0: any free port; "
+                                             "-1: no HTTP)"),
     metrics_port: int = typer.Option(8002, help="Prometheus /metrics port, as Triton's (-1: "
                                                  "none; the HTTP port serves them too)"),
     model_name: Optional[str] = typer.Option(None, help="name clients use (default: the "
@@ -186,10 +187,11 @@ def serve(
 ) -> None:
     """Serve OUT's selected variant until SIGTERM: KServe v2 / Open Inference Protocol over
     gRPC (--port) and HTTP/REST (--http-port), and for a decoder Triton's generate endpoints,
-    an OpenAI-compatible API (/v1), Anthropic's Messages API (/v1/messages) and Text
-    Generation Inference's (/generate, /generate_stream) on the HTTP port; for an encoder,
-    OpenAI's embeddings, Text Embeddings Inference's API and the rerank APIs; with Amazon
-    SageMaker's /ping and /invocations (routed to those APIs by the body's keys).
+    an OpenAI-compatible API (/v1), Anthropic's Messages API (/v1/messages), Text
+    Generation Inference's (/generate, /generate_stream) and Ollama's (/api/generate,
+    /api/chat) on the HTTP port; for an encoder, OpenAI's embeddings, Text Embeddings
+    Inference's API, Ollama's /api/embed and the rerank APIs; with Amazon SageMaker's /ping
+    and /invocations (routed to those APIs by the body's keys).
 
     Before reporting ready it re-runs the accuracy gate against the original on this machine
     and serves the original if the variant fails. Requests longer than the largest sequence
