@@ -2,9 +2,9 @@
 tool environments the selected tests name (`@pytest.mark.venv(name, requirements)`) are
 built in one background process while the other tests run (those tests run last).
 
-The suite runs in two worker processes (README: `pytest -n 2`, each test file on one
-worker: `--dist loadfile` in pyproject.toml), which share the cache: models/once.py makes the
-second to ask for a model wait for the first's build of it."""
+The suite runs in two worker processes (README: `pytest -n 2 --dist loadfile`, each test
+file whole on one worker), which share the cache: models/once.py makes the second to ask for
+a model wait for the first's build of it."""
 
 from __future__ import annotations
 
