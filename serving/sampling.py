@@ -274,9 +274,10 @@ def sample(logits: np.ndarray, s: Sampling, rng: np.random.Generator) -> int:
 
 def adjust(row: np.ndarray, s: Sampling, prompt: Sequence[int], output: Sequence[int]) -> None:
     """`row` (vocab,), in place: every id but the allowed ones -inf, + logit_bias, then the
-    repetition penalty over the ids of prompt + output (the last penalty_last_n), then - frequency x count - presence
-    over the output's ids (vLLM's allowed-ids mask and apply_penalties; transformers'
-    SequenceBias then RepetitionPenalty processors)."""
+    repetition penalty over the ids of prompt + output (the last penalty_last_n of them
+    when set), then - frequency x count - presence over the output's ids (vLLM's
+    allowed-ids mask and apply_penalties; transformers' SequenceBias then
+    RepetitionPenalty processors)."""
     if s.allowed_ids:
         keep = row[list(s.allowed_ids)]
         row[:] = -np.inf

@@ -64,7 +64,8 @@ class StreamOutput:
 
     def release(self, final: bool) -> tuple[str | None, str | None]:
         """(text to send now, the stop string that matched or None): up to the first stop
-        string's match (through it with include_stop), else all but what may still become one (everything when `final`)."""
+        string's match (through it with include_stop), else all but what may still become
+        one (everything when `final`)."""
         if self.detok is None:
             return None, None
         stops = self.request.stop_strings
