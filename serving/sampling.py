@@ -286,8 +286,9 @@ def adjust(row: np.ndarray, s: Sampling, prompt: Sequence[int], output: Sequence
         ids, bias = zip(*s.logit_bias)
         row[list(ids)] += np.asarray(bias, row.dtype)
     if s.repetition_penalty != 1:
-        recent = (*prompt, *output)[-s.penalty_last_n:] if s.penalty_last_n else (*prompt, *output)
-        seen = np.unique(np.fromiter(recent, np.int64))
+        seq = (*prompt, *output)
+        seen = np.unique(np.fromiter(seq[-s.penalty_last_n:] if s.penalty_last_n else seq,
+                                     np.int64))
         x, r = row[seen], row.dtype.type(s.repetition_penalty)  # in the row's precision
         row[seen] = np.where(x > 0, x / r, x * r)
     if (s.presence_penalty or s.frequency_penalty) and len(output):
