@@ -1,9 +1,10 @@
 """Tokens/s of one generation stream over the OpenAI endpoint (POST /v1/completions,
-`stream: true`, read by the `openai` client) and over Anthropic's Messages API (POST
-/v1/messages, read by the `anthropic` client's stream helper) against the same stream over
-gRPC (ModelStreamInfer, read by tritonclient.grpc), from one `tuner serve` process (its own
+`stream: true`, read by the `openai` client), over Anthropic's Messages API (POST
+/v1/messages, read by the `anthropic` client's stream helper) and over Ollama's API (POST
+/api/generate, NDJSON, read by the `ollama` client) against the same stream over gRPC
+(ModelStreamInfer, read by tritonclient.grpc), from one `tuner serve` process (its own
 process: the client's GIL stays out of the server). Goal: OpenAI >= 0.95x gRPC (and the
-Messages API, held to the same).
+Messages and Ollama APIs, held to the same).
 
     .venv/bin/python bench/serve_openai_stream.py [--tokens 128] [--rounds 7]
 
@@ -107,8 +108,22 @@ def over_messages(port: int, tokens: int) -> tuple[int, float]:
     return count, seconds
 
 
+def over_ollama(port: int, tokens: int) -> tuple[int, float]:
+    import ollama
+
+    client = ollama.Client(host=f"http://127.0.0.1:{port}", timeout=120)
+    count, start = 0, time.perf_counter()
+    for line in client.generate(model=MODEL_NAME, prompt=PROMPT, raw=True, stream=True,
+                                options={"temperature": 0, "repeat_penalty": 1,
+                                         "num_predict": tokens}):
+        if line.done:
+            count = line.eval_count
+    seconds = time.perf_counter() - start
+    return count, seconds
+
+
 PATHS = (("gRPC (tritonclient)", over_grpc), ("OpenAI (openai)", over_openai),
-         ("Messages (anthropic)", over_messages))
+         ("Messages (anthropic)", over_messages), ("Ollama (ollama)", over_ollama))
 
 
 def run(tokens: int, rounds: int) -> list[str]:
@@ -117,12 +132,14 @@ def run(tokens: int, rounds: int) -> list[str]:
         port, http_port = free_port(), free_port()
         proc = start_tuner(out, port, http_port=http_port)
         try:
-            ports = {over_grpc: port, over_openai: http_port, over_messages: http_port}
+            ports = {over_grpc: port, over_openai: http_port, over_messages: http_port,
+                     over_ollama: http_port}
             for _, fn in PATHS:
                 fn(ports[fn], 8)  # warm-up
             rates: dict[str, list[float]] = {label: [] for label, _ in PATHS}
             for r in range(rounds):
-                for label, fn in PATHS[r % 3:] + PATHS[:r % 3]:  # each goes first in turn
+                k = r % len(PATHS)
+                for label, fn in PATHS[k:] + PATHS[:k]:  # each goes first in turn
                     n, seconds = fn(ports[fn], tokens)
                     if n != tokens:
                         raise RuntimeError(f"{label}: {n} tokens, expected {tokens}")
@@ -134,7 +151,8 @@ def run(tokens: int, rounds: int) -> list[str]:
              f"  {'path':24s} {'tokens/s median':>16s} {'min-max':>16s}"]
     for label, v in rates.items():
         lines.append(f"  {label:24s} {np.median(v):16.1f} {min(v):7.1f}-{max(v):<8.1f}")
-    for label, short in ((PATHS[1][0], "OpenAI"), (PATHS[2][0], "Messages")):
+    for label, short in ((PATHS[1][0], "OpenAI"), (PATHS[2][0], "Messages"),
+                         (PATHS[3][0], "Ollama")):
         ratio = np.array(rates[label]) / grpc_rate
         verdict = "meets" if np.median(ratio) >= 0.95 else "MISSES"
         lines.append(f"  {short} / gRPC per round: {np.median(ratio):.3f}x "

@@ -23,3 +23,4 @@ def _run(script: str, *args: str) -> str:
 def test_openai_stream_runs() -> None:
     out = _run("serve_openai_stream.py", "--tokens", "4", "--rounds", "1")
     assert "OpenAI / gRPC per round" in out and "Messages / gRPC per round" in out
+    assert "Ollama / gRPC per round" in out
