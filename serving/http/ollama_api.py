@@ -55,6 +55,7 @@ from serving.http.embeddings_api import embed_rows, embedder_of, encoder_named, 
 from serving.http.openai_requests import body_value, generations_for, top_count
 from serving.http.reasoning import Reply, Thinking
 from serving.http.streams import ChunkStream
+from serving.http.tei_api import dimensions_of, text_rows
 from serving.http.tools import PARSERS, tool_reader
 from serving.sampling import Chunk, GenerationRequest
 from serving.tokenizer import token_text
@@ -311,16 +312,8 @@ async def _vectors(frontend, body: dict, texts: list[str], unit: bool) -> tuple[
     tokens read."""
     engine = encoder_named(frontend, frontend.slot.name)
     embedder = embedder_of(engine)
-    truncate = body_value(body, "truncate", (bool,), True)
-    rows = []
-    for i, text in enumerate(texts):
-        ids, cut = embedder.encode(text)
-        if cut and not truncate:
-            raise InvalidArgument(f"input {i} is longer than the model's "
-                                  f"{embedder.pooling.max_tokens} tokens and 'truncate' is "
-                                  "false")
-        rows.append(ids)
-    dimensions = body_value(body, "dimensions", (int,))
+    rows = text_rows(embedder, texts, body)  # cut, or refused with `truncate` false, as TEI's
+    dimensions = body.get("dimensions")
     if embedder.pooled and dimensions is not None:
         raise InvalidArgument(f"model '{engine.name}' pools inside its graph: 'dimensions' "
                               "needs the vector before that, which it does not give")
@@ -328,17 +321,15 @@ async def _vectors(frontend, body: dict, texts: list[str], unit: bool) -> tuple[
     if embedder.pooled:
         vectors = [embedder.vector(o) for o in outputs]
     else:
-        vectors = [embedder.unnormalized(o)[:dimensions] for o in outputs]
-        vectors = [normalized(v) for v in vectors] if unit else vectors
+        raw = [embedder.unnormalized(o) for o in outputs]
+        size = dimensions_of(body, len(raw[0]))
+        vectors = [normalized(v[:size]) if unit else v[:size] for v in raw]
     return [v.tolist() for v in vectors], sum(len(r) for r in rows)
 
 
 async def embed(frontend, request: Request) -> Response:
     body = await frontend.json(request)
     model, start = _served(frontend, body), time.perf_counter()
-    dimensions = body_value(body, "dimensions", (int,))
-    if dimensions is not None and dimensions < 1:
-        raise InvalidArgument("'dimensions' must be a positive integer")
     texts = texts_of(body.get("input"))
     if any(not isinstance(t, str) for t in texts):
         raise InvalidArgument("'input' must be a string or a list of strings")

@@ -78,7 +78,7 @@ def _prompt(embedder: Embedder, name) -> str:
     return embedder.prompts[name]
 
 
-def _rows(embedder: Embedder, items: list, body: dict) -> list[list[int]]:
+def text_rows(embedder: Embedder, items: list, body: dict) -> list[list[int]]:
     """Each text's ids with its prompt, cut as the body says; a text too long for the model
     is refused when `truncate` is false (cut otherwise, as TEI's --auto-truncate, its
     default)."""
@@ -107,7 +107,7 @@ def _texts(raw) -> list:
     return texts_of(raw, "inputs")
 
 
-def _dimensions(body: dict, size: int) -> int:
+def dimensions_of(body: dict, size: int) -> int:
     wanted = body.get("dimensions")
     if wanted is None:
         return size
@@ -120,7 +120,7 @@ def _dimensions(body: dict, size: int) -> int:
 async def embed_body(frontend, body: dict) -> Response:
     engine = encoder_named(frontend, frontend.slot.name)
     embedder = embedder_of(engine)
-    rows = _rows(embedder, _texts(body.get("inputs")), body)
+    rows = text_rows(embedder, _texts(body.get("inputs")), body)
     normalize = _flag(body, "normalize", True)
     if embedder.pooled and (not normalize or body.get("dimensions") is not None):
         raise InvalidArgument(f"model '{engine.name}' pools (and may normalize) inside its "
@@ -130,7 +130,7 @@ async def embed_body(frontend, body: dict) -> Response:
     if embedder.pooled:
         return JSONResponse([embedder.vector(o).tolist() for o in outputs])
     raw = [embedder.unnormalized(o) for o in outputs]
-    size = _dimensions(body, len(raw[0]))  # Matryoshka: cut first, then normalize
+    size = dimensions_of(body, len(raw[0]))  # Matryoshka: cut first, then normalize
     return JSONResponse([(normalized(v[:size]) if normalize else v[:size]).tolist()
                          for v in raw])
 
@@ -158,7 +158,7 @@ async def similarity_body(frontend, body: dict) -> Response:
         raise InvalidArgument("'parameters' must be an object")
     engine = encoder_named(frontend, frontend.slot.name)
     embedder = embedder_of(engine)
-    rows = _rows(embedder, [source, *sentences], parameters)
+    rows = text_rows(embedder, [source, *sentences], parameters)
     vectors = [embedder.vector(o) for o in await embed_rows(frontend, engine, embedder, rows)]
     return JSONResponse([cosine(vectors[0], v) for v in vectors[1:]])
 
