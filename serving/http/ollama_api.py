@@ -207,10 +207,14 @@ class _Answer:
     first: float | None = None
     ids: list[int] = dataclasses.field(default_factory=list)
 
-    def take(self, chunk: Chunk) -> dict | None:
-        """The object for `chunk` (None when it releases nothing to send)."""
+    def arrived(self, chunk: Chunk) -> None:
+        """When the first token came: the prompt's time ends there, the tokens' begins."""
         if self.first is None:
             self.first = time.perf_counter()
+
+    def take(self, chunk: Chunk) -> dict | None:
+        """The object for `chunk` (None when it releases nothing to send)."""
+        self.arrived(chunk)
         self.ids += chunk.ids
         out = {"model": self.model, "created_at": _now()}
         if self.reply is None:
@@ -246,7 +250,7 @@ async def _answer(frontend, request: Request, body: dict, answer: _Answer) -> Re
     generation = _generation(answer.engine, body, answer.prompt, thinking)
     stream = ChunkStream(answer.engine, generation)  # a refusal answers with a status here
     if not body_value(body, "stream", (bool,), True):
-        whole = await stream.whole(request.receive)
+        whole = await stream.whole(request.receive, answer.arrived)
         return Response(status_code=499) if whole is None else JSONResponse(answer.take(whole))
 
     async def lines():

@@ -64,14 +64,21 @@ class ChunkStream(ChunkStreams):
         async for _, chunk in super().__aiter__():
             yield chunk
 
-    async def collect(self) -> list[Chunk]:
-        return [c async for c in self]
+    async def collect(self, seen: Callable[[Chunk], None] | None = None) -> list[Chunk]:
+        """The chunks, each passed to `seen` as it comes (an answer's timings)."""
+        out = []
+        async for chunk in self:
+            if seen is not None:
+                seen(chunk)
+            out.append(chunk)
+        return out
 
-    async def whole(self, receive: Callable[[], Awaitable[dict]]) -> Chunk | None:
+    async def whole(self, receive: Callable[[], Awaitable[dict]],
+                    seen: Callable[[Chunk], None] | None = None) -> Chunk | None:
         """The generation as one final chunk, or None when the client went away first (the
         generation is then stopped); RuntimeError when it ended otherwise than at a stop or
-        at its length (an answer that is not streamed: the LLM APIs)."""
-        chunks = await until_disconnect(receive, self.collect(), self.close)
+        at its length (an answer that is not streamed: the LLM APIs). `seen`: as collect."""
+        chunks = await until_disconnect(receive, self.collect(seen), self.close)
         if chunks is None:
             return None
         whole = join_chunks(chunks)
