@@ -18,6 +18,8 @@ so that a client written for either works unchanged (every input optional):
   with its log-prob, rank and text, as vLLM's Logprob).
 - both: a text prompt whose client turned `stream` off gets the prompt first unless
   `exclude_input_in_output` says otherwise (their default).
+- TensorRT-LLM's core model (`tensorrt_llm`): `input_ids` with `request_output_len`, and
+  its own names (serving/trtllm_core.py reads them).
 - this server's own: `input_ids`, `top_k`, `top_p`, `seed`, `stop_ids`.
 
 Integer controls take any integer width. A name no convention knows is INVALID_ARGUMENT
@@ -32,6 +34,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from serving import trtllm_core
 from serving.errors import InvalidArgument
 from serving.model import Signature, TensorSpec
 from serving.sampling import (MAX_TOP_LOGPROBS, GenerationRequest, Grammar, Sampling,
@@ -49,6 +52,7 @@ _CONTROLS: dict[str, tuple[type, str]] = {
     "frequency_penalty": (float, "frequency_penalty"),
     "end_id": (int, "end_id"), "pad_id": (int, "pad_id"), "beam_width": (int, "beam_width"),
     "stream": (bool, "stream"), "exclude_input_in_output": (bool, "exclude_input"),
+    "request_output_len": (int, "max_tokens"), "streaming": (bool, "stream"),  # core model's
     "return_log_probs": (bool, "logprobs"),
     "return_num_input_tokens": (bool, "num_input_tokens"),
     "return_num_output_tokens": (bool, "num_output_tokens"),
@@ -64,7 +68,7 @@ _TEXTS = ("input_ids", "text_input", "stop_ids", "stop_words", "bad_words",
           "sampling_parameters", "guided_decoding_guide_type", "guided_decoding_guide")
 # TensorRT-LLM's guided decoding: guide type -> the Grammar kind its guide is read as
 _GUIDES = {"json": "json", "json_schema": "json", "regex": "regex", "ebnf_grammar": "grammar"}
-KNOWN_INPUTS = frozenset(_CONTROLS) | frozenset(_TEXTS)
+KNOWN_INPUTS = frozenset(_CONTROLS) | frozenset(_TEXTS) | trtllm_core.INPUTS
 
 # the vLLM backend's sampling_parameters keys -> (kind, field)
 _VLLM = {"max_tokens": (int, "max_tokens"), "min_tokens": (int, "min_tokens"),
@@ -100,6 +104,14 @@ def client_signature(tokenizer: bool) -> Signature:
         ("return_num_output_tokens", b), ("return_finish_reason", b),
         ("return_cumulative_logprob", b), ("return_logprobs", b))]
     inputs.append(TensorSpec("stop_ids", "INT64", (-1,)))
+    inputs += [TensorSpec(n, t, shape) for n, t, shape in (  # TensorRT-LLM's core model's
+        ("input_lengths", i, (1,)), ("request_output_len", i, (1,)), ("streaming", b, (1,)),
+        ("stop", b, (1,)), ("stop_words_list", i, (1, 2, -1)), ("bad_words_list", i, (1, 2, -1)),
+        ("embedding_bias", f, (1, -1)), ("len_penalty", f, (1,)), ("early_stopping", b, (1,)),
+        ("beam_search_diversity_rate", f, (1,)), ("runtime_top_p_min", f, (1,)),
+        ("runtime_top_p_decay", f, (1,)), ("runtime_top_p_reset_ids", i, (1,)),
+        ("return_context_logits", b, (1,)), ("return_generation_logits", b, (1,)),
+        ("num_return_sequences", i, (1,)))]
     outputs = [TensorSpec("output_ids", "INT64", (1, -1)),
                TensorSpec("sequence_length", i, (1,)),
                TensorSpec("output_log_probs", f, (-1,)), TensorSpec("cum_log_probs", f, (1,)),
@@ -122,6 +134,10 @@ class ClientRequest:
     extras: frozenset[str] = frozenset()  # of VLLM_OUTPUTS and COUNTS: what was asked for
     # the request's `outputs` (KServe v2): only these, in this order; empty: all
     outputs: tuple[str, ...] = ()
+    # TensorRT-LLM's core model (serving/trtllm_core.py): its outputs' shapes, and, not
+    # streamed, output_ids that start with the prompt's (unless exclude_input_in_output)
+    core: bool = False
+    prompt_ids_first: bool = False
 
 
 def _one(name: str, value):
@@ -231,7 +247,10 @@ def parse_request(tensors: Mapping[str, np.ndarray], parameters: Mapping[str, ob
         stops += [w for w in _strings("stop_words", tensors["stop_words"]) if w]
     trtllm_bad = _strings("bad_words", tensors["bad_words"]) if "bad_words" in tensors else []
     bad_words = bad_word_ids(tokenizer, trtllm_bad) + bad_word_ids(tokenizer, bad, vllm=True)
-    prompt = _prompt(tensors, tokenizer)
+    core = trtllm_core.read(tensors) if trtllm_core.is_core(tensors) else None
+    prompt = core.prompt if core else _prompt(tensors, tokenizer)
+    if core:
+        values = trtllm_core.sampling_rule(values)
     stop_ids = set(values.get("stop_token_ids", ())) | _stop_ids(tensors, parameters)
     if "end_id" in values:
         stop_ids.add(values["end_id"])
@@ -244,6 +263,7 @@ def parse_request(tensors: Mapping[str, np.ndarray], parameters: Mapping[str, ob
                         values.get("top_p", 1.0), values.get("seed"),
                         min_p=values.get("min_p", 0.0),
                         allowed_ids=allowed_ids(values.get("allowed_token_ids")),
+                        logit_bias=core.logit_bias if core else (),
                         **{k: values[k] for k in _PENALTIES if k in values})
     extras = frozenset([name for name in VLLM_OUTPUTS if values.get("want_" + name)]
                        + [name for name in COUNTS if values.get(name)])
@@ -253,8 +273,14 @@ def parse_request(tensors: Mapping[str, np.ndarray], parameters: Mapping[str, ob
         request_id, min_tokens=values.get("min_tokens", 0), stop_strings=tuple(stops),
         include_stop=values.get("include_stop", False),
         logprobs=values.get("logprobs", False) or "cumulative_logprob" in extras
-        or top is not None, top_logprobs=top or 0, ranks=top is not None, bad_words=bad_words,
-        grammar=_trtllm_guide(tensors) or values.get("grammar"))
+        or top is not None, top_logprobs=top or 0, ranks=top is not None,
+        bad_words=bad_words + (core.bad_words if core else ()),
+        grammar=_trtllm_guide(tensors) or values.get("grammar"),
+        stop_sequences=core.stop_sequences if core else ())
+    if core:  # not streamed unless asked, as there; output_ids carry the prompt's ids first
+        stream = values.get("stream", False)
+        return ClientRequest(generation, stream, extras=extras, core=True,
+                             prompt_ids_first=not stream and not values.get("exclude_input"))
     # the prompt text first: when asked, or, as both Triton LLM backends do, when the client
     # turned streaming off for a text prompt and did not say (their default prepends it)
     text_prompt_whole = values.get("stream") is False and "text_input" in tensors

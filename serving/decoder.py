@@ -142,6 +142,13 @@ class DecoderEngine:
     def submit(self, request: GenerationRequest, on_chunk):
         return self.generator.submit(request, on_chunk)
 
+    def stop(self, request_id: str) -> int:
+        """TensorRT-LLM's `stop` request: cancel the running request with this id (how many
+        streams it had; 0 when it has ended, which is no error there either)."""
+        if not request_id:
+            raise InvalidArgument("A request id must be provided for request cancellation")
+        return self.generator.cancel(request_id)
+
     def note(self) -> str:
         g = self.generator
         return (f"generation: up to {self.options.max_streams} streams in flight "

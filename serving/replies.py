@@ -39,6 +39,8 @@ class Reply:
     started: bool = field(default=False)
 
     def outputs(self, chunk: Chunk) -> dict[str, np.ndarray]:
+        if self.request.core:
+            return self._named(self._core(chunk))
         text = chunk.text
         if not self.started and self.request.prompt_text is not None:
             text = self.request.prompt_text + (text or "")
@@ -54,8 +56,28 @@ class Reply:
         out["output_log_probs"] = lp
         out["cum_log_probs"] = np.array([self.cum_logprob], np.float32)
         out.update(self._asked_for(chunk))
+        return self._named(out)
+
+    def _named(self, out: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         if self.request.outputs:  # those the client named (one its flags leave out stays out)
             return {n: out[n] for n in self.request.outputs if n in out}
+        return out
+
+    def _core(self, chunk: Chunk) -> dict[str, np.ndarray]:
+        """TensorRT-LLM's core model's response: one beam, [1, 1, n] (serving/trtllm_core.py);
+        its log-probs only when asked, as it sends them."""
+        ids = chunk.ids
+        if not self.started and self.request.prompt_ids_first:
+            ids = self.request.generation.prompt + ids
+        self.started = True
+        out = {"output_ids": np.array(ids, np.int32).reshape(1, 1, len(ids)),
+               "sequence_length": np.array([[len(ids)]], np.int32)}
+        if self.request.generation.logprobs:
+            lp = np.array(chunk.logprobs or (), np.float32)
+            self.cum_logprob += float(lp.sum())
+            out["output_log_probs"] = lp.reshape(1, 1, len(lp))
+            out["cum_log_probs"] = np.array([[self.cum_logprob]], np.float32)
+        out.update(self._asked_for(chunk))
         return out
 
     def _asked_for(self, chunk: Chunk) -> dict[str, np.ndarray]:

@@ -178,6 +178,10 @@ class GenerationRequest:
     # never sampled)
     grammar: Grammar | None = None  # structured output: every token keeps the output a
     # prefix of a match; the stream ends ("stop") when the match is complete
+    stop_sequences: tuple[tuple[int, ...], ...] = ()  # TensorRT-LLM's stop words as ids:
+    # the stream ends ("stop") on the token that completes one (prompt + output ending with
+    # it, as TensorRT-LLM matches them; not before min_tokens); unlike a stop id, its
+    # tokens are sent
 
     def __post_init__(self) -> None:
         if not self.prompt:
@@ -196,6 +200,8 @@ class GenerationRequest:
                                   f"not {self.prompt_logprobs}")
         if any(not w for w in self.bad_words):
             raise InvalidArgument("a bad word must hold at least one token")
+        if any(not w for w in self.stop_sequences):
+            raise InvalidArgument("a stop word must hold at least one token")
 
 
 @dataclass(frozen=True)

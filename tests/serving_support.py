@@ -160,3 +160,23 @@ class Answers:
     def wait(self, n: int, timeout: float) -> None:
         for _ in range(n):
             assert self._done.acquire(timeout=timeout), f"only {len(self.results)} of {n} answered"
+
+
+class SlowRunner:
+    """A runner that takes at least `seconds` per model run: decode steps slow enough for a
+    test to act between them on a tiny model."""
+
+    def __init__(self, runner, seconds: float) -> None:
+        self.runner, self.seconds = runner, seconds
+
+    def infer(self, feeds):
+        time.sleep(self.seconds)
+        return self.runner.infer(feeds)
+
+
+def slowed(server, seconds: float):
+    """Slow a decoder server's model runs down; (its generator, the runner to put back)."""
+    generator = server.slot.engine.generator
+    fast = generator.runner
+    generator.runner = SlowRunner(fast, seconds)
+    return generator, fast

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tritonclient.grpc as tg
-from serving_support import make_artifact
+from serving_support import make_artifact, slowed
 from tritonclient.utils import InferenceServerException
 
 from serving.generation import GenerateOptions
@@ -243,30 +243,11 @@ def test_padded_variant_is_token_identical_to_the_original(reference_model, tmp_
 # ---------------------------------------------------------------------------- cancelling
 
 
-class _Slow:
-    """A runner that takes at least `seconds` per model run: decode steps slow enough for a
-    test to act between them on a tiny model."""
-
-    def __init__(self, runner, seconds: float) -> None:
-        self.runner, self.seconds = runner, seconds
-
-    def infer(self, feeds):
-        time.sleep(self.seconds)
-        return self.runner.infer(feeds)
-
-
-def _slowed(server: Server, seconds: float):
-    generator = server.slot.engine.generator
-    fast = generator.runner
-    generator.runner = _Slow(fast, seconds)
-    return generator, fast
-
-
 def test_a_cancelled_stream_does_not_disturb_the_others(servers) -> None:
     server = servers["llama"]
     jobs = [(_prompt(5 + 3 * i, 1003, seed=200 + i), 30) for i in range(4)]
     alone = [_generate(server, p, k) for p, k in jobs]
-    generator, fast = _slowed(server, 0.005)
+    generator, fast = slowed(server, 0.005)
     try:
         victim = _Stream(server)
         victim.send(_inputs(_prompt(4, 1003, seed=9), 190))
@@ -322,7 +303,7 @@ def test_a_full_server_answers_resource_exhausted_and_shows_its_queue(reference_
                                                                        tmp_path) -> None:
     server = _start(_artifact(tmp_path, _kv_model(reference_model, "llama")),
                     max_streams=1, max_queue=1)
-    _slowed(server, 0.03)  # each stream runs ~3 s: long enough to look at the queue
+    slowed(server, 0.03)  # each stream runs ~3 s: long enough to look at the queue
     streams = [_Stream(server) for _ in range(2)]
     try:
         for s in streams:  # one running, one queued
@@ -486,7 +467,7 @@ def test_metrics_count_tokens_and_latencies_under_our_names_and_vllms(servers) -
 def test_stop_ends_running_streams_with_a_reason_within_the_grace(reference_model,
                                                                    tmp_path) -> None:
     server = _start(_artifact(tmp_path, _kv_model(reference_model, "llama")))
-    _slowed(server, 0.02)
+    slowed(server, 0.02)
     stream = _Stream(server)
     stream.send(_inputs([1, 2, 3], 190))  # ~4 s of decoding: longer than the grace
     stream.responses.get(timeout=30)  # it is running

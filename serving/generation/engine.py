@@ -78,6 +78,7 @@ class Generator:
                                    chunks_share_runs=not record.rows_at_start)
         self.output = OutputProcessor(self.stats)
         self._submitted: deque[Stream] = deque()
+        self._by_id: dict[str, list[Stream]] = {}  # streams not ended, by request id (cancel)
         self._cv = threading.Condition()
         self._draining = False
         self._deadline: float | None = None
@@ -141,6 +142,8 @@ class Generator:
                     f"the server is full: {running} streams running and {queued} queued "
                     f"(the queue holds {o.max_queue})")
             self._submitted.append(stream)
+            if request.id:
+                self._by_id.setdefault(request.id, []).append(stream)
             self.stats.on_streams(running, queued + 1)
             self._cv.notify()
         return Handle(stream)
@@ -157,6 +160,16 @@ class Generator:
                     return
         finally:
             handle.cancel()
+
+    def cancel(self, request_id: str) -> int:
+        """Cancel every stream of this request id that has not ended (each ends with a final
+        chunk, reason "cancelled", at the next step); how many there were."""
+        with self._cv:
+            streams = self._by_id.pop(request_id, [])
+            for s in streams:
+                s.cancelled.set()
+            self._cv.notify()
+        return len(streams)
 
     def drain(self, grace_s: float) -> None:
         """No new streams; those running get `grace_s` to finish, then end with a final chunk
@@ -242,11 +255,22 @@ class Generator:
             s.computed = len(s.tokens)  # every fed token is cached now
             self.output.emit(s, token, score)
             if s.done:
-                self.scheduler.remove(s)
+                self._remove(s)
 
     def _end(self, s: Stream, reason: str, detail: str = "") -> None:
         self.output.finish(s, reason, detail)
+        self._remove(s)
+
+    def _remove(self, s: Stream) -> None:
+        """An ended stream: out of the scheduler (its cache freed) and of the ids' index."""
         self.scheduler.remove(s)
+        if s.request.id:
+            with self._cv:
+                left = [x for x in self._by_id.get(s.request.id, ()) if x is not s]
+                if left:
+                    self._by_id[s.request.id] = left
+                else:
+                    self._by_id.pop(s.request.id, None)
 
     def _end_overdue(self) -> None:
         if self._deadline is None or time.perf_counter() < self._deadline:

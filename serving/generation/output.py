@@ -1,8 +1,8 @@
 """From a step's logits to the chunks each stream's client gets: batched sampling (one argmax
 for every greedy row; logit bias and penalties where asked), stop ids (masked out until
 `min_tokens`) and bad words (masked where they would be completed), stop strings on the
-output text, incremental detokenizing, log-probs (with alternatives and ranks where
-asked), the final chunk's reason, and the metrics."""
+output text and stop token sequences, incremental detokenizing, log-probs (with
+alternatives and ranks where asked), the final chunk's reason, and the metrics."""
 
 from __future__ import annotations
 
@@ -116,6 +116,11 @@ def banned(stream) -> list[int]:
     return out
 
 
+def _ends_with_one(tokens: Sequence[int], sequences: Sequence[tuple[int, ...]]) -> bool:
+    n = len(tokens)
+    return any(n >= len(w) and tuple(tokens[n - len(w):]) == w for w in sequences)
+
+
 class OutputProcessor:
     def __init__(self, stats: GenerationStats) -> None:
         self.stats = stats
@@ -200,7 +205,9 @@ class OutputProcessor:
         self.stats.on_token(ttft, itl)
         if out.detok is not None:
             out.text += out.detok.add(token)
-        last = out.generated >= request.max_tokens or complete
+        stopped = (out.generated >= request.min_tokens
+                   and _ends_with_one(stream.tokens, request.stop_sequences))
+        last = out.generated >= request.max_tokens or complete or stopped
         if last and out.detok is not None:
             out.text += out.detok.flush()
         piece, matched = out.release(final=last)
@@ -210,7 +217,7 @@ class OutputProcessor:
             ranks=(scores.rank,) if request.ranks else None)
         if matched is not None or last:
             self._end(stream, Chunk((token,), piece, True, "stop" if matched is not None or
-                                    complete else "length", stop=matched, **asked))
+                                    complete or stopped else "length", stop=matched, **asked))
         else:
             self._send(stream, Chunk((token,), piece, **asked))
 

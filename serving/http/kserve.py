@@ -16,6 +16,7 @@ from serving.errors import InvalidArgument
 from serving.http import codec
 from serving.http.streams import ChunkStream, until_disconnect
 from serving.sampling import join_chunks
+from serving.trtllm_core import asks_to_stop
 from serving.wire._generated import inference_pb2 as pb
 from serving.wire.servicer import (EXTENSIONS, SERVER_NAME, config_for, model_metadata,
                                    model_statistics)
@@ -125,7 +126,11 @@ async def infer(frontend, request: Request) -> Response:
 
 async def _generate_whole(engine: DecoderEngine, request: Request, feeds, parameters,
                           request_id: str, names=()):
-    """A decoder's unary infer: the whole sequence in one response (None if the client left)."""
+    """A decoder's unary infer: the whole sequence in one response (None if the client left;
+    a `stop` request, TensorRT-LLM's cancel: no outputs)."""
+    if asks_to_stop(feeds):
+        engine.stop(request_id)
+        return {}
     parsed = engine.parse(feeds, parameters, request_id, names)
     stream = ChunkStream(engine, parsed.generation)
     chunks = await until_disconnect(request.receive, stream.collect(), stream.close)

@@ -14,6 +14,7 @@ from serving.replies import Reply
 from serving.decoder import DecoderEngine
 from serving.errors import ServingError
 from serving.sampling import Chunk, join_chunks
+from serving.trtllm_core import asks_to_stop
 from serving.wire import protocol
 from serving.wire._generated import inference_pb2 as pb
 
@@ -22,9 +23,13 @@ PLATFORM = "onnxruntime_onnx"  # as serving.service says
 
 
 def generate_whole(engine: DecoderEngine, request, context) -> pb.ModelInferResponse:
-    """Unary: the whole generated sequence in one response."""
-    parsed = engine.parse(protocol.decode_inputs(request),
-                          protocol.parameter_values(request.parameters), request.id,
+    """Unary: the whole generated sequence in one response (a `stop` request: an empty
+    one, once the request it names is cancelled)."""
+    tensors = protocol.decode_inputs(request)
+    if asks_to_stop(tensors):
+        engine.stop(request.id)
+        return _stopped(engine, request.id)
+    parsed = engine.parse(tensors, protocol.parameter_values(request.parameters), request.id,
                           protocol.requested_outputs(request))
     chunks: queue.Queue[Chunk] = queue.Queue()
     handle = engine.submit(parsed.generation, chunks.put)
@@ -55,6 +60,9 @@ def generate_stream(engine: DecoderEngine, request_iterator, context
             open_requests += 1
         elif kind == "done reading":
             reading = False
+        elif kind == "stopped":
+            open_requests -= 1
+            yield pb.ModelStreamInferResponse(infer_response=_stopped(engine, request.id))
         elif kind == "refused":
             open_requests -= 1
             code, message = protocol.status_for(payload)
@@ -88,9 +96,13 @@ def _read_requests(engine: DecoderEngine, request_iterator, events: queue.Queue,
             state = _RequestState(request)
             events.put(("opened", request, None))
             try:
-                parsed = engine.parse(protocol.decode_inputs(request),
-                                      protocol.parameter_values(request.parameters), request.id,
-                                      protocol.requested_outputs(request))
+                tensors = protocol.decode_inputs(request)
+                if asks_to_stop(tensors):  # TensorRT-LLM's cancel of a running request
+                    engine.stop(request.id)
+                    events.put(("stopped", request, None))
+                    continue
+                parsed = engine.parse(tensors, protocol.parameter_values(request.parameters),
+                                      request.id, protocol.requested_outputs(request))
                 state.stream = parsed.stream
                 state.reply = Reply(parsed, engine.tokenizer)
                 handles.append(engine.submit(
@@ -121,6 +133,14 @@ def _stream_responses(engine: DecoderEngine, request, chunk: Chunk, state: _Requ
         chunk = Chunk((), None, True, chunk.reason, chunk.detail)
     yield pb.ModelStreamInferResponse(infer_response=_chunk_response(engine, request.id, chunk,
                                                                      state.reply))
+
+
+def _stopped(engine: DecoderEngine, request_id: str) -> pb.ModelInferResponse:
+    """The answer to a `stop` request: no outputs, final (as TensorRT-LLM's core model)."""
+    response = pb.ModelInferResponse(model_name=engine.name, model_version=engine.version,
+                                     id=request_id)
+    response.parameters["triton_final_response"].bool_param = True
+    return response
 
 
 def _chunk_response(engine: DecoderEngine, request_id: str, chunk: Chunk, reply: Reply

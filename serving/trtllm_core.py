@@ -1,0 +1,160 @@
+"""TensorRT-LLM's core model (`tensorrt_llm`, the model inside its ensemble), for clients
+written against it directly: its example streaming client, its core-model benchmark,
+perf_analyzer fed token ids. A request is a core one when it carries `request_output_len`
+(the core model requires it); serving/conventions.py reads the names it shares with the
+ensemble (`end_id`, `temperature`, `runtime_top_k`, `min_length`, `return_log_probs`, ...)
+and `streaming` / `request_output_len`; this module the rest:
+
+- `input_ids` [1, n] cut to `input_lengths` [1, 1];
+- `stop_words_list` / `bad_words_list` [1, 2, n]: token sequences as TensorRT-LLM packs
+  them (row 0 every word's ids one after another, row 1 where each word ends, then -1s);
+- `embedding_bias` [1, vocab]: added to the logits (OpenAI's logit_bias, dense);
+- `stop` true: cancel the running request with this request's id (the servers answer it
+  with one empty final response);
+- greedy unless a top-k or top-p is given, whatever the temperature (`sampling_rule`);
+- beam search's own controls (`len_penalty`, `early_stopping`,
+  `beam_search_diversity_rate`) are taken and change nothing at beam width 1, as there;
+  top-p decay, context / generation logits and more than one sequence are refused by name.
+
+And how it answers (serving/replies.py writes it): `output_ids` INT32 [1, 1, n] (streaming:
+the new tokens; otherwise the prompt's ids first unless `exclude_input_in_output`),
+`sequence_length` INT32 [1, 1] = n, and with `return_log_probs` `output_log_probs` [1, 1, k]
+and `cum_log_probs` [1, 1]."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import numpy as np
+
+from serving.errors import InvalidArgument
+
+WORD_LISTS = ("stop_words_list", "bad_words_list")
+BEAM_ONLY = ("len_penalty", "early_stopping", "beam_search_diversity_rate")
+# refused unless they ask for nothing: name -> the value that leaves them off
+_OFF = {"runtime_top_p_decay": 1.0, "return_context_logits": False,
+        "return_generation_logits": False, "num_return_sequences": 1}
+_TOP_P_DECAY = ("runtime_top_p_min", "runtime_top_p_reset_ids")  # only read with a decay
+# names only the core model has (request_output_len and streaming: conventions._CONTROLS)
+INPUTS = frozenset(("input_lengths", "stop", "embedding_bias", *WORD_LISTS, *BEAM_ONLY,
+                    *_OFF, *_TOP_P_DECAY))
+
+
+@dataclass(frozen=True)
+class CoreInputs:
+    """What the core model's own inputs ask for, beyond the names it shares."""
+
+    prompt: tuple[int, ...]
+    stop_sequences: tuple[tuple[int, ...], ...] = ()
+    bad_words: tuple[tuple[int, ...], ...] = ()
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+
+def is_core(tensors: Mapping[str, np.ndarray]) -> bool:
+    """Whether the request is written for the core model; InvalidArgument for one of its
+    names without the `request_output_len` it requires."""
+    if "request_output_len" in tensors:
+        return True
+    own = sorted(n for n in tensors if n in INPUTS or n == "streaming")
+    if own:
+        raise InvalidArgument(f"'{own[0]}' is TensorRT-LLM's core model input: such a request "
+                              "needs 'request_output_len' (a value is required for it there)")
+    return False
+
+
+def asks_to_stop(tensors: Mapping[str, np.ndarray]) -> bool:
+    """A `stop` request: cancel the request with the same id (nothing else is read)."""
+    stop = tensors.get("stop")
+    return stop is not None and np.asarray(stop).size == 1 and bool(np.asarray(stop).item())
+
+
+def read(tensors: Mapping[str, np.ndarray]) -> CoreInputs:
+    """The core model's own inputs; InvalidArgument, naming the input, for what it cannot
+    take."""
+    for name, off in _OFF.items():
+        if name in tensors and _value(name, tensors[name]) != off:
+            raise InvalidArgument(f"'{name}' {_value(name, tensors[name])} is not supported "
+                                  f"(only {off})")
+    return CoreInputs(_prompt(tensors), _words(tensors, "stop_words_list"),
+                      _words(tensors, "bad_words_list"), _bias(tensors))
+
+
+def sampling_rule(values: dict) -> dict:
+    """TensorRT-LLM's rule for its sampling controls (`values`: conventions' fields):
+    greedy unless a top-k above 0 or a top-p above 0 is given, whatever the temperature
+    (its decoder falls back to top-k 1), and then at temperature 1 unless given."""
+    values = dict(values)
+    if values.get("top_p", 0.0) <= 0:
+        values.pop("top_p", None)  # (its "unset")
+    if values.get("top_k", 0) <= 0 and "top_p" not in values:
+        values["temperature"] = 0.0
+    else:
+        values.setdefault("temperature", 1.0)
+    return values
+
+
+def _value(name: str, array) -> object:
+    array = np.asarray(array)
+    if array.size != 1:
+        raise InvalidArgument(f"input '{name}' must hold one value, not {array.size}")
+    return array.reshape(-1)[0].item()
+
+
+def _integers(name: str, array) -> np.ndarray:
+    array = np.asarray(array)
+    if array.dtype.kind not in "iu":
+        raise InvalidArgument(f"'{name}' must be integers, not {array.dtype}")
+    return array
+
+
+def _prompt(tensors: Mapping[str, np.ndarray]) -> tuple[int, ...]:
+    if "input_ids" not in tensors or "text_input" in tensors:
+        raise InvalidArgument("TensorRT-LLM's core model takes its prompt as 'input_ids' "
+                              "(integers [1, n]), not 'text_input'")
+    ids = _integers("input_ids", tensors["input_ids"])
+    if not (ids.ndim == 1 or (ids.ndim == 2 and ids.shape[0] == 1)):
+        raise InvalidArgument(f"'input_ids' must be [1, n] (one request, one prompt), not "
+                              f"{list(ids.shape)}")
+    ids = ids.reshape(-1)
+    if "input_lengths" in tensors:
+        n = _value("input_lengths", _integers("input_lengths", tensors["input_lengths"]))
+        if not 0 < n <= ids.size:
+            raise InvalidArgument(f"'input_lengths' {n} must be between 1 and the "
+                                  f"{ids.size} ids of 'input_ids'")
+        ids = ids[:n]
+    return tuple(int(x) for x in ids)
+
+
+def _words(tensors: Mapping[str, np.ndarray], name: str) -> tuple[tuple[int, ...], ...]:
+    """A packed word list [1, 2, n] (or [2, n]) as token sequences: row 0 the ids, row 1
+    each word's end offset into them, -1 where the offsets run out."""
+    if name not in tensors:
+        return ()
+    packed = _integers(name, tensors[name])
+    if packed.size == 0:
+        return ()
+    if packed.ndim == 3 and packed.shape[0] == 1:
+        packed = packed[0]
+    if packed.ndim != 2 or packed.shape[0] != 2:
+        raise InvalidArgument(f"'{name}' must be [1, 2, n] (ids, then end offsets), not "
+                              f"{list(np.asarray(tensors[name]).shape)}")
+    ids, ends = packed[0].tolist(), [e for e in packed[1].tolist() if e != -1]
+    if any(not 0 < e <= len(ids) for e in ends) or ends != sorted(set(ends)):
+        raise InvalidArgument(f"'{name}': each word's end offset must be past the one before "
+                              f"and at most {len(ids)}, not {ends}")
+    return tuple(tuple(ids[a:b]) for a, b in zip([0] + ends, ends))
+
+
+def _bias(tensors: Mapping[str, np.ndarray]) -> tuple[tuple[int, float], ...]:
+    """`embedding_bias` [1, vocab] as (id, bias) pairs where it is not 0."""
+    if "embedding_bias" not in tensors:
+        return ()
+    bias = np.asarray(tensors["embedding_bias"])
+    if bias.dtype.kind != "f" or not (bias.ndim == 1 or (bias.ndim == 2 and bias.shape[0] == 1)):
+        raise InvalidArgument(f"'embedding_bias' must be floats [1, vocab], not {bias.dtype} "
+                              f"{list(bias.shape)}")
+    bias = bias.reshape(-1)
+    if not np.isfinite(bias).all():
+        raise InvalidArgument("'embedding_bias' must be finite")
+    return tuple((int(i), float(bias[i])) for i in np.flatnonzero(bias))
