@@ -5,8 +5,11 @@ so that a client written for either works unchanged (every input optional):
   `min_length`, `end_id`, `pad_id`, `random_seed`, `temperature`, `runtime_top_k`,
   `runtime_top_p`, `repetition_penalty`, `presence_penalty`, `frequency_penalty`,
   `stop_words`, `bad_words`, `guided_decoding_guide_type` / `guided_decoding_guide` (json,
-  json_schema, regex, ebnf_grammar), `return_log_probs`, `beam_width`; outputs
-  `text_output`, `output_ids`, `sequence_length`, `output_log_probs`, `cum_log_probs`.
+  json_schema, regex, ebnf_grammar), `return_log_probs`, `beam_width`,
+  `embedding_bias_words` / `_weights`, `num_return_sequences` and beam search's own controls
+  (serving/trtllm_core.py); outputs `text_output`, `output_ids`, `sequence_length`,
+  `output_log_probs`, `cum_log_probs`. Sampling controls sent as tensors (its names or
+  ours) follow its rule: greedy unless a top-k or top-p above 0.
 - the vLLM backend: `text_input`, `stream`, `exclude_input_in_output`, `sampling_parameters`
   (a JSON object whose values may be strings or numbers, and `structured_outputs` /
   `guided_decoding` an object as vLLM's; its keys may also come as request
@@ -82,6 +85,7 @@ _VLLM = {"max_tokens": (int, "max_tokens"), "min_tokens": (int, "min_tokens"),
          "include_stop_str_in_output": (bool, "include_stop")}
 _VLLM_LISTS = ("bad_words", "stop", "stop_token_ids", "allowed_token_ids")  # each a list
 _PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")  # both names
+_SAMPLING_TENSORS = ("temperature", "runtime_top_k", "runtime_top_p", "top_k", "top_p")
 
 
 def client_signature(tokenizer: bool) -> Signature:
@@ -104,7 +108,10 @@ def client_signature(tokenizer: bool) -> Signature:
         ("return_num_output_tokens", b), ("return_finish_reason", b),
         ("return_cumulative_logprob", b), ("return_logprobs", b))]
     inputs.append(TensorSpec("stop_ids", "INT64", (-1,)))
-    inputs += [TensorSpec(n, t, shape) for n, t, shape in (  # TensorRT-LLM's core model's
+    if tokenizer:  # TensorRT-LLM's ensemble's bias by words
+        inputs += [TensorSpec("embedding_bias_words", s, (-1,)),
+                   TensorSpec("embedding_bias_weights", f, (-1,))]
+    inputs += [TensorSpec(n, t, shape) for n, t, shape in (  # its core model's, and both's
         ("input_lengths", i, (1,)), ("request_output_len", i, (1,)), ("streaming", b, (1,)),
         ("stop", b, (1,)), ("stop_words_list", i, (1, 2, -1)), ("bad_words_list", i, (1, 2, -1)),
         ("embedding_bias", f, (1, -1)), ("len_penalty", f, (1,)), ("early_stopping", b, (1,)),
@@ -247,9 +254,12 @@ def parse_request(tensors: Mapping[str, np.ndarray], parameters: Mapping[str, ob
         stops += [w for w in _strings("stop_words", tensors["stop_words"]) if w]
     trtllm_bad = _strings("bad_words", tensors["bad_words"]) if "bad_words" in tensors else []
     bad_words = bad_word_ids(tokenizer, trtllm_bad) + bad_word_ids(tokenizer, bad, vllm=True)
+    trtllm_core.refuse_unsupported(tensors)
     core = trtllm_core.read(tensors) if trtllm_core.is_core(tensors) else None
     prompt = core.prompt if core else _prompt(tensors, tokenizer)
-    if core:
+    # sampling asked for in tensors (TensorRT-LLM's names, or ours) follows TensorRT-LLM's
+    # rule: its clients send temperature 1 and expect greedy; vLLM's JSON keeps vLLM's
+    if core or (not vllm and any(n in tensors for n in _SAMPLING_TENSORS)):
         values = trtllm_core.sampling_rule(values)
     stop_ids = set(values.get("stop_token_ids", ())) | _stop_ids(tensors, parameters)
     if "end_id" in values:
@@ -263,7 +273,7 @@ def parse_request(tensors: Mapping[str, np.ndarray], parameters: Mapping[str, ob
                         values.get("top_p", 1.0), values.get("seed"),
                         min_p=values.get("min_p", 0.0),
                         allowed_ids=allowed_ids(values.get("allowed_token_ids")),
-                        logit_bias=core.logit_bias if core else (),
+                        logit_bias=_logit_bias(core, tensors, tokenizer),
                         **{k: values[k] for k in _PENALTIES if k in values})
     extras = frozenset([name for name in VLLM_OUTPUTS if values.get("want_" + name)]
                        + [name for name in COUNTS if values.get(name)])
@@ -287,6 +297,15 @@ def parse_request(tensors: Mapping[str, np.ndarray], parameters: Mapping[str, ob
     echo = tokenizer is not None and not values.get("exclude_input", not text_prompt_whole)
     return ClientRequest(generation, values.get("stream", True),
                          _text_of(tensors, prompt, tokenizer) if echo else None, extras)
+
+
+def _logit_bias(core, tensors: Mapping[str, np.ndarray], tokenizer
+                ) -> tuple[tuple[int, float], ...]:
+    """TensorRT-LLM's embedding bias: the core model's dense one and the ensemble's words."""
+    bias = trtllm_core.bias_of_words(tensors, tokenizer)
+    for token, value in core.logit_bias if core else ():
+        bias[token] = bias.get(token, 0.0) + value
+    return tuple(bias.items())
 
 
 def _trtllm_guide(tensors: Mapping[str, np.ndarray]) -> Grammar | None:

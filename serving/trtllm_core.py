@@ -8,13 +8,15 @@ and `streaming` / `request_output_len`; this module the rest:
 - `input_ids` [1, n] cut to `input_lengths` [1, 1];
 - `stop_words_list` / `bad_words_list` [1, 2, n]: token sequences as TensorRT-LLM packs
   them (row 0 every word's ids one after another, row 1 where each word ends, then -1s);
-- `embedding_bias` [1, vocab]: added to the logits (OpenAI's logit_bias, dense);
+- `embedding_bias` [1, vocab]: added to the logits (OpenAI's logit_bias, dense; the
+  ensemble's `embedding_bias_words` / `embedding_bias_weights` are read here too);
 - `stop` true: cancel the running request with this request's id (the servers answer it
   with one empty final response);
 - greedy unless a top-k or top-p is given, whatever the temperature (`sampling_rule`);
 - beam search's own controls (`len_penalty`, `early_stopping`,
   `beam_search_diversity_rate`) are taken and change nothing at beam width 1, as there;
-  top-p decay, context / generation logits and more than one sequence are refused by name.
+  top-p decay, context / generation logits and more than one sequence are refused by name
+  (in the ensemble's requests too).
 
 And how it answers (serving/replies.py writes it): `output_ids` INT32 [1, 1, n] (streaming:
 the new tokens; otherwise the prompt's ids first unless `exclude_input_in_output`),
@@ -31,14 +33,17 @@ import numpy as np
 from serving.errors import InvalidArgument
 
 WORD_LISTS = ("stop_words_list", "bad_words_list")
+# names only the core model has (request_output_len and streaming: conventions._CONTROLS)
+CORE_ONLY = frozenset(("input_lengths", "stop", "embedding_bias", *WORD_LISTS))
 BEAM_ONLY = ("len_penalty", "early_stopping", "beam_search_diversity_rate")
 # refused unless they ask for nothing: name -> the value that leaves them off
 _OFF = {"runtime_top_p_decay": 1.0, "return_context_logits": False,
         "return_generation_logits": False, "num_return_sequences": 1}
 _TOP_P_DECAY = ("runtime_top_p_min", "runtime_top_p_reset_ids")  # only read with a decay
-# names only the core model has (request_output_len and streaming: conventions._CONTROLS)
-INPUTS = frozenset(("input_lengths", "stop", "embedding_bias", *WORD_LISTS, *BEAM_ONLY,
-                    *_OFF, *_TOP_P_DECAY))
+BIAS_WORDS = ("embedding_bias_words", "embedding_bias_weights")  # the ensemble's bias
+# TensorRT-LLM's names that its ensemble and its core model both take
+SHARED = frozenset((*BEAM_ONLY, *_OFF, *_TOP_P_DECAY, *BIAS_WORDS))
+INPUTS = CORE_ONLY | SHARED
 
 
 @dataclass(frozen=True)
@@ -56,7 +61,7 @@ def is_core(tensors: Mapping[str, np.ndarray]) -> bool:
     names without the `request_output_len` it requires."""
     if "request_output_len" in tensors:
         return True
-    own = sorted(n for n in tensors if n in INPUTS or n == "streaming")
+    own = sorted(n for n in tensors if n in CORE_ONLY or n == "streaming")
     if own:
         raise InvalidArgument(f"'{own[0]}' is TensorRT-LLM's core model input: such a request "
                               "needs 'request_output_len' (a value is required for it there)")
@@ -69,26 +74,58 @@ def asks_to_stop(tensors: Mapping[str, np.ndarray]) -> bool:
     return stop is not None and np.asarray(stop).size == 1 and bool(np.asarray(stop).item())
 
 
-def read(tensors: Mapping[str, np.ndarray]) -> CoreInputs:
-    """The core model's own inputs; InvalidArgument, naming the input, for what it cannot
-    take."""
+def refuse_unsupported(tensors: Mapping[str, np.ndarray]) -> None:
+    """InvalidArgument, naming it, for a TensorRT-LLM input (ensemble or core) that asks for
+    what this server does not do."""
     for name, off in _OFF.items():
         if name in tensors and _value(name, tensors[name]) != off:
             raise InvalidArgument(f"'{name}' {_value(name, tensors[name])} is not supported "
                                   f"(only {off})")
+
+
+def read(tensors: Mapping[str, np.ndarray]) -> CoreInputs:
+    """The core model's own inputs; InvalidArgument, naming the input, for what it cannot
+    take."""
     return CoreInputs(_prompt(tensors), _words(tensors, "stop_words_list"),
                       _words(tensors, "bad_words_list"), _bias(tensors))
 
 
+def bias_of_words(tensors: Mapping[str, np.ndarray], tokenizer) -> dict[int, float]:
+    """The ensemble's `embedding_bias_words` (BYTES [-1]) with `embedding_bias_weights`
+    (FP32 [-1]): each token of each word (its own tokens, no special ones) gets its word's
+    weight added, as TensorRT-LLM's preprocessing adds them."""
+    if not any(n in tensors for n in BIAS_WORDS):
+        return {}
+    if not all(n in tensors for n in BIAS_WORDS):
+        raise InvalidArgument("'embedding_bias_words' and 'embedding_bias_weights' come "
+                              "together")
+    words = [w.decode("utf-8", "replace") if isinstance(w, bytes) else str(w)
+             for w in np.asarray(tensors["embedding_bias_words"]).reshape(-1).tolist()]
+    weights = np.asarray(tensors["embedding_bias_weights"]).reshape(-1)
+    if weights.dtype.kind != "f" or len(weights) != len(words) or not np.isfinite(weights).all():
+        raise InvalidArgument(f"'embedding_bias_weights' must be {len(words)} finite floats, "
+                              "one per word")
+    if tokenizer is None:
+        raise InvalidArgument("embedding bias words need a tokenizer (no tokenizer.json in "
+                              "this artifact)")
+    bias: dict[int, float] = {}
+    for word, weight in zip(words, weights.tolist()):
+        for token in tokenizer.encode(word, add_special_tokens=False).ids:
+            bias[token] = bias.get(token, 0.0) + weight
+    return bias
+
+
 def sampling_rule(values: dict) -> dict:
-    """TensorRT-LLM's rule for its sampling controls (`values`: conventions' fields):
-    greedy unless a top-k above 0 or a top-p above 0 is given, whatever the temperature
-    (its decoder falls back to top-k 1), and then at temperature 1 unless given."""
+    """TensorRT-LLM's rule for its sampling controls, ensemble and core model alike
+    (`values`: conventions' fields): greedy unless a top-k above 0 or a top-p above 0 is
+    given, whatever the temperature (its decoder falls back to top-k 1 when both are 0, their
+    defaults), and then at temperature 1 unless given."""
     values = dict(values)
-    if values.get("top_p", 0.0) <= 0:
-        values.pop("top_p", None)  # (its "unset")
-    if values.get("top_k", 0) <= 0 and "top_p" not in values:
-        values["temperature"] = 0.0
+    if values.get("top_p") == 0:
+        del values["top_p"]  # its "unset"
+    temperature = values.get("temperature", 0.0)
+    if values.get("top_k", 0) == 0 and "top_p" not in values and temperature >= 0:
+        values["temperature"] = 0.0  # (a bad value is left for Sampling to refuse)
     else:
         values.setdefault("temperature", 1.0)
     return values

@@ -291,7 +291,7 @@ def test_limits_are_invalid_argument_with_the_reason(servers) -> None:
         (llama, _inputs([1, 2], 0), "max_tokens must be >= 1"),
         (llama, _inputs([1, 1003], 2), "token id 1003 is outside the vocabulary [0, 1003)"),
         (llama, _inputs([1, 2], 2, temperature=-1.0), "temperature must be"),
-        (llama, _inputs([1, 2], 2, top_p=0.0), "top_p must be in (0, 1]"),
+        (llama, _inputs([1, 2], 2, top_p=1.5), "top_p must be in (0, 1]"),
         (gpt2, _text_input("hello"), "no tokenizer"),
     ]
     for server, inputs, reason in cases:

@@ -42,12 +42,12 @@ def example_inputs(prompt: list[int], tokens: int, streaming: bool, module=tg, *
     return [_tensor(module, n, a) for n, a in arrays.items()]
 
 
-def stop_inputs():
+def stop_inputs(module=tg):
     """Its stop request: a placeholder prompt, nothing to generate, `stop` true."""
-    return [_tensor(tg, "input_ids", np.empty([1, 1], np.int32)),
-            _tensor(tg, "input_lengths", np.zeros([1, 1], np.int32)),
-            _tensor(tg, "request_output_len", np.array([[0]], np.uint32)),
-            _tensor(tg, "stop", np.array([[True]], bool))]
+    return [_tensor(module, "input_ids", np.empty([1, 1], np.int32)),
+            _tensor(module, "input_lengths", np.zeros([1, 1], np.int32)),
+            _tensor(module, "request_output_len", np.array([[0]], np.uint32)),
+            _tensor(module, "stop", np.array([[True]], bool))]
 
 
 class Stream:
@@ -165,14 +165,16 @@ def test_a_stop_request_cancels_the_running_one_by_its_id(server) -> None:
     assert wait_for(lambda: server.slot.engine.active() == 0)
 
 
-def test_a_stop_request_from_another_connection_and_its_refusals(server) -> None:
+def test_a_stop_request_over_http_and_its_refusals(server) -> None:
     s = Stream(server)
     other = tg.InferenceServerClient(f"127.0.0.1:{server.port}")
     with slow(server):
         s.send(server.slot.name, example_inputs(prompt_ids(), LONG, False), "other")
         assert wait_for(lambda: server.slot.engine.active() == 1, 30)
-        answer = other.infer(server.slot.name, stop_inputs(), request_id="other")
+        rest = th.InferenceServerClient(f"127.0.0.1:{server.http_port}")  # over HTTP
+        answer = rest.infer(server.slot.name, stop_inputs(th), request_id="other")
         assert answer.as_numpy("output_ids") is None
+        rest.close()
         (held,) = s.close()  # not streamed: one response, what was generated before the stop
     assert 0 < held.as_numpy("output_ids").shape[2] < len(prompt_ids()) + LONG
     with pytest.raises(InferenceServerException, match="A request id must be provided"):
@@ -312,6 +314,7 @@ def test_word_lists_unpack_as_tensorrt_llm_packs_them() -> None:
     assert sampling_rule({"top_k": 4}) == {"top_k": 4, "temperature": 1.0}
     assert sampling_rule({"top_p": 0.0, "temperature": 0.5}) == {"temperature": 0.0}
     assert sampling_rule({"top_p": 0.9, "temperature": 0.5})["temperature"] == 0.5
+    assert sampling_rule({"temperature": -1.0})["temperature"] == -1.0  # left to be refused
 
 
 def test_stop_during_many_streams_cancels_only_its_own(server, llama) -> None:
