@@ -108,17 +108,7 @@ def client_signature(tokenizer: bool) -> Signature:
         ("return_num_output_tokens", b), ("return_finish_reason", b),
         ("return_cumulative_logprob", b), ("return_logprobs", b))]
     inputs.append(TensorSpec("stop_ids", "INT64", (-1,)))
-    if tokenizer:  # TensorRT-LLM's ensemble's bias by words
-        inputs += [TensorSpec("embedding_bias_words", s, (-1,)),
-                   TensorSpec("embedding_bias_weights", f, (-1,))]
-    inputs += [TensorSpec(n, t, shape) for n, t, shape in (  # its core model's, and both's
-        ("input_lengths", i, (1,)), ("request_output_len", i, (1,)), ("streaming", b, (1,)),
-        ("stop", b, (1,)), ("stop_words_list", i, (1, 2, -1)), ("bad_words_list", i, (1, 2, -1)),
-        ("embedding_bias", f, (1, -1)), ("len_penalty", f, (1,)), ("early_stopping", b, (1,)),
-        ("beam_search_diversity_rate", f, (1,)), ("runtime_top_p_min", f, (1,)),
-        ("runtime_top_p_decay", f, (1,)), ("runtime_top_p_reset_ids", i, (1,)),
-        ("return_context_logits", b, (1,)), ("return_generation_logits", b, (1,)),
-        ("num_return_sequences", i, (1,)))]
+    inputs += trtllm_core.input_specs(tokenizer)
     outputs = [TensorSpec("output_ids", "INT64", (1, -1)),
                TensorSpec("sequence_length", i, (1,)),
                TensorSpec("output_log_probs", f, (-1,)), TensorSpec("cum_log_probs", f, (1,)),
@@ -273,7 +263,7 @@ def parse_request(tensors: Mapping[str, np.ndarray], parameters: Mapping[str, ob
                         values.get("top_p", 1.0), values.get("seed"),
                         min_p=values.get("min_p", 0.0),
                         allowed_ids=allowed_ids(values.get("allowed_token_ids")),
-                        logit_bias=_logit_bias(core, tensors, tokenizer),
+                        logit_bias=trtllm_core.logit_bias(core, tensors, tokenizer),
                         **{k: values[k] for k in _PENALTIES if k in values})
     extras = frozenset([name for name in VLLM_OUTPUTS if values.get("want_" + name)]
                        + [name for name in COUNTS if values.get(name)])
@@ -297,15 +287,6 @@ def parse_request(tensors: Mapping[str, np.ndarray], parameters: Mapping[str, ob
     echo = tokenizer is not None and not values.get("exclude_input", not text_prompt_whole)
     return ClientRequest(generation, values.get("stream", True),
                          _text_of(tensors, prompt, tokenizer) if echo else None, extras)
-
-
-def _logit_bias(core, tensors: Mapping[str, np.ndarray], tokenizer
-                ) -> tuple[tuple[int, float], ...]:
-    """TensorRT-LLM's embedding bias: the core model's dense one and the ensemble's words."""
-    bias = trtllm_core.bias_of_words(tensors, tokenizer)
-    for token, value in core.logit_bias if core else ():
-        bias[token] = bias.get(token, 0.0) + value
-    return tuple(bias.items())
 
 
 def _trtllm_guide(tensors: Mapping[str, np.ndarray]) -> Grammar | None:

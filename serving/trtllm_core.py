@@ -31,6 +31,7 @@ from typing import Mapping
 import numpy as np
 
 from serving.errors import InvalidArgument
+from serving.model import TensorSpec
 
 WORD_LISTS = ("stop_words_list", "bad_words_list")
 # names only the core model has (request_output_len and streaming: conventions._CONTROLS)
@@ -44,6 +45,22 @@ BIAS_WORDS = ("embedding_bias_words", "embedding_bias_weights")  # the ensemble'
 # TensorRT-LLM's names that its ensemble and its core model both take
 SHARED = frozenset((*BEAM_ONLY, *_OFF, *_TOP_P_DECAY, *BIAS_WORDS))
 INPUTS = CORE_ONLY | SHARED
+
+
+def input_specs(tokenizer: bool) -> list[TensorSpec]:
+    """The inputs ModelConfig declares for these names (datatypes as TensorRT-LLM's); the
+    bias words only with a tokenizer."""
+    i, b, f = "INT32", "BOOL", "FP32"
+    specs = [TensorSpec("embedding_bias_words", "BYTES", (-1,)),
+             TensorSpec("embedding_bias_weights", f, (-1,))] if tokenizer else []
+    return specs + [TensorSpec(n, t, shape) for n, t, shape in (
+        ("input_lengths", i, (1,)), ("request_output_len", i, (1,)), ("streaming", b, (1,)),
+        ("stop", b, (1,)), ("stop_words_list", i, (1, 2, -1)), ("bad_words_list", i, (1, 2, -1)),
+        ("embedding_bias", f, (1, -1)), ("len_penalty", f, (1,)), ("early_stopping", b, (1,)),
+        ("beam_search_diversity_rate", f, (1,)), ("runtime_top_p_min", f, (1,)),
+        ("runtime_top_p_decay", f, (1,)), ("runtime_top_p_reset_ids", i, (1,)),
+        ("return_context_logits", b, (1,)), ("return_generation_logits", b, (1,)),
+        ("num_return_sequences", i, (1,)))]
 
 
 @dataclass(frozen=True)
@@ -195,3 +212,13 @@ def _bias(tensors: Mapping[str, np.ndarray]) -> tuple[tuple[int, float], ...]:
     if not np.isfinite(bias).all():
         raise InvalidArgument("'embedding_bias' must be finite")
     return tuple((int(i), float(bias[i])) for i in np.flatnonzero(bias))
+
+
+def logit_bias(core: CoreInputs | None, tensors: Mapping[str, np.ndarray], tokenizer
+               ) -> tuple[tuple[int, float], ...]:
+    """The embedding bias of a request: the core model's dense one and the ensemble's
+    words, summed per token."""
+    bias = bias_of_words(tensors, tokenizer)
+    for token, value in core.logit_bias if core else ():
+        bias[token] = bias.get(token, 0.0) + value
+    return tuple(bias.items())

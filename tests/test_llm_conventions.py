@@ -18,7 +18,7 @@ import pytest
 import tritonclient.grpc as tg
 from llm_support import decoder as server  # noqa: F401 - a fixture
 from llm_support import EOS_PROMPT, PROMPT, greedy, llama, tokenizer, wait_for  # noqa: F401
-from tritonclient.utils import InferenceServerException, np_to_triton_dtype, triton_to_np_dtype
+from tritonclient.utils import InferenceServerException, triton_to_np_dtype
 
 
 # --------------------------------------------------------------- what the clients send
@@ -244,55 +244,6 @@ def test_bad_words_tokenize_as_each_backend_does() -> None:
     # vLLM: without leading spaces, and after one where that is as many other tokens
     assert len(ids("The")) == len(ids(" The")) == 1 and len(ids("fox")) != len(ids(" fox"))
     assert bad_word_ids(tok, ["The", " fox"], vllm=True) == (ids("The"), ids(" The"), ids("fox"))
-
-
-def _ensemble_request(tokens: int, **extra) -> list:
-    """What TensorRT-LLM's ensemble example client sends: [1, 1] tensors, temperature 1
-    (its default), streaming off, the prompt in the output."""
-    arrays = {"text_input": np.array([[PROMPT.encode()]], object),
-              "max_tokens": np.array([[tokens]], np.int32),
-              "stream": np.array([[False]], bool), "beam_width": np.array([[1]], np.int32),
-              "temperature": np.array([[1.0]], np.float32),
-              "exclude_input_in_output": np.array([[False]], bool), **extra}
-    made = []
-    for name, array in arrays.items():
-        made.append(tg.InferInput(name, list(array.shape), "BYTES" if array.dtype == object
-                                  else np_to_triton_dtype(array.dtype)))
-        made[-1].set_data_from_numpy(array)
-    return made
-
-
-def test_the_ensemble_clients_temperature_1_is_greedy_as_tensorrt_llm(server, llama) -> None:
-    """TensorRT-LLM samples only with a runtime_top_k or runtime_top_p above 0 (its decoder
-    falls back to top-k 1): its example client checks its outputs at temperature 1."""
-    want, _ = greedy(llama, tokenizer().encode(PROMPT).ids, 8)
-    (whole,) = stream(server, _ensemble_request(8), request_id="")
-    assert texts([whole]) == [PROMPT + tokenizer().decode(want)]
-    top_k = {"runtime_top_k": np.array([[50]], np.int32),
-             "random_seed": np.array([[3]], np.uint64)}
-    sampled = [texts(stream(server, _ensemble_request(8, **top_k))) for _ in range(2)]
-    assert sampled[0] == sampled[1] != texts([whole])
-
-
-def test_the_ensembles_bias_words_and_shared_core_names(server, llama) -> None:
-    """embedding_bias_words / _weights: each token of a word gets its weight (here: the
-    greedy first token pushed below the runner-up); num_return_sequences 1 and beam search's
-    own controls are taken, 2 sequences refused by name."""
-    prompt = tokenizer().encode(PROMPT).ids
-    want, logits = greedy(llama, prompt, 1)
-    second = int(np.argsort(-logits[0])[1])
-    word = tokenizer().decode([want[0]])
-    assert tokenizer().encode(word, add_special_tokens=False).ids == [want[0]]
-    weight = float(logits[0][second] - logits[0][want[0]]) - 1.0
-    extra = {"embedding_bias_words": np.array([[word.encode()]], object),
-             "embedding_bias_weights": np.array([[weight]], np.float32),
-             "num_return_sequences": np.array([[1]], np.int32),
-             "len_penalty": np.array([[1.0]], np.float32)}
-    request = _ensemble_request(1, exclude_input_in_output=np.array([[True]], bool), **extra)
-    (whole,) = stream(server, request)
-    assert whole.as_numpy("output_ids").reshape(-1).tolist() == [second]
-    with pytest.raises(InferenceServerException, match="'num_return_sequences' 2"):
-        stream(server, _ensemble_request(1, num_return_sequences=np.array([[2]], np.int32)))
 
 
 def test_exclude_input_in_output_false_sends_the_prompt_first(server) -> None:

@@ -1,6 +1,7 @@
-"""Clients written for TensorRT-LLM's core model (`tensorrt_llm`, the model inside its
-ensemble) against a decoder artifact, over real gRPC and HTTP (tritonclient): the tensors
-its example client sends (input_ids INT32 [1, n], input_lengths, request_output_len UINT32,
+"""Clients written for TensorRT-LLM's Triton backend against a decoder artifact, over real
+gRPC and HTTP (tritonclient). Its ensemble's example client: temperature 1 by default and
+greedy all the same (TensorRT-LLM samples only with a top-k or top-p), bias words. Its core
+model (`tensorrt_llm`, the model inside the ensemble): the tensors its example client sends (input_ids INT32 [1, n], input_lengths, request_output_len UINT32,
 beam_width, temperature, streaming), read as it reads them (output_ids [1, beam, n]); its
 `stop` request cancelling a running one by request id; its core benchmark's unary HTTP
 requests (end_id -1); the packed stop / bad word lists, embedding_bias, log-probs and
@@ -18,14 +19,12 @@ import tritonclient.http as th
 from llm_support import decoder as server  # noqa: F401 - a fixture
 from llm_support import PROMPT, greedy, llama, log_softmax, tokenizer, wait_for  # noqa: F401
 from serving_support import slowed
-from tritonclient.utils import InferenceServerException
+from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 LONG = 60  # tokens: a generation that runs long enough to be stopped
 
 
 def _tensor(module, name: str, array: np.ndarray):
-    from tritonclient.utils import np_to_triton_dtype
-
     made = module.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
     made.set_data_from_numpy(array)
     return made
@@ -333,3 +332,61 @@ def test_stop_during_many_streams_cancels_only_its_own(server, llama) -> None:
         if out is not None:
             by_id[r.get_response().id] += out[0][0].tolist()
     assert by_id["b"] == want and len(by_id["a"]) < LONG
+
+
+# ---------------------------------------------------------------- the ensemble's client
+
+
+def ensemble_request(tokens: int, **extra) -> list:
+    """What TensorRT-LLM's ensemble example client sends: [1, 1] tensors, temperature 1
+    (its default), streaming off, the prompt in the output."""
+    arrays = {"text_input": np.array([[PROMPT.encode()]], object),
+              "max_tokens": np.array([[tokens]], np.int32),
+              "stream": np.array([[False]], bool), "beam_width": np.array([[1]], np.int32),
+              "temperature": np.array([[1.0]], np.float32),
+              "exclude_input_in_output": np.array([[False]], bool), **extra}
+    made = []
+    for name, array in arrays.items():
+        made.append(tg.InferInput(name, list(array.shape), "BYTES" if array.dtype == object
+                                  else np_to_triton_dtype(array.dtype)))
+        made[-1].set_data_from_numpy(array)
+    return made
+
+
+def ensemble_text(server, **extra) -> list[str]:
+    """The one response's text_output of a request on a stream, as that client reads it."""
+    s = Stream(server)
+    s.send(server.slot.name, ensemble_request(**extra), "")
+    (result,) = s.close()
+    return [t.decode() for t in result.as_numpy("text_output").reshape(-1)]
+
+
+def test_the_ensemble_clients_temperature_1_is_greedy_as_tensorrt_llm(server, llama) -> None:
+    """TensorRT-LLM samples only with a runtime_top_k or runtime_top_p above 0 (its decoder
+    falls back to top-k 1): its example client checks its outputs at temperature 1."""
+    want, _ = greedy(llama, prompt_ids(), 8)
+    whole = ensemble_text(server, tokens=8)
+    assert whole == [PROMPT + tokenizer().decode(want)]
+    top_k = {"runtime_top_k": np.array([[50]], np.int32),
+             "random_seed": np.array([[3]], np.uint64)}
+    sampled = [ensemble_text(server, tokens=8, **top_k) for _ in range(2)]
+    assert sampled[0] == sampled[1] != whole
+
+
+def test_the_ensembles_bias_words_and_shared_core_names(server, llama) -> None:
+    """embedding_bias_words / _weights: each token of a word gets its weight (here: the
+    greedy first token pushed below the runner-up); num_return_sequences 1 and beam search's
+    own controls are taken, 2 sequences refused by name."""
+    want, logits = greedy(llama, prompt_ids(), 1)
+    second = int(np.argsort(-logits[0])[1])
+    word = tokenizer().decode([want[0]])
+    assert tokenizer().encode(word, add_special_tokens=False).ids == [want[0]]
+    weight = float(logits[0][second] - logits[0][want[0]]) - 1.0
+    extra = {"embedding_bias_words": np.array([[word.encode()]], object),
+             "embedding_bias_weights": np.array([[weight]], np.float32),
+             "num_return_sequences": np.array([[1]], np.int32),
+             "len_penalty": np.array([[1.0]], np.float32),
+             "exclude_input_in_output": np.array([[True]], bool)}
+    assert ensemble_text(server, tokens=1, **extra) == [tokenizer().decode([second])]
+    with pytest.raises(InferenceServerException, match="'num_return_sequences' 2"):
+        ensemble_text(server, tokens=1, num_return_sequences=np.array([[2]], np.int32))
