@@ -116,8 +116,8 @@ def client_signature(tokenizer: bool) -> Signature:
                TensorSpec("num_output_tokens", "UINT32", (1,)),
                TensorSpec("finish_reason", s, (1,)), TensorSpec("cumulative_logprob", f, (1,)),
                TensorSpec("logprobs", s, (1,))]
-    if tokenizer:
-        outputs.insert(1, TensorSpec("text_output", s, (1,)))
+    if tokenizer:  # first, as both backends declare it: clients read outputs[0] as the text
+        outputs.insert(0, TensorSpec("text_output", s, (1,)))
     return Signature(tuple(inputs), tuple(outputs), "input_ids", None)
 
 

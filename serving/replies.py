@@ -20,10 +20,11 @@ _VLLM_REASONS = {"length": "length", "stop": "stop"}  # else vLLM's "abort"
 
 
 def chunk_outputs(chunk: Chunk, with_text: bool) -> dict[str, np.ndarray]:
-    """The response tensors of one chunk: output_ids [1, k] and text_output [1]."""
-    out = {"output_ids": np.array([chunk.ids], np.int64).reshape(1, len(chunk.ids))}
-    if with_text:
-        out["text_output"] = np.array([(chunk.text or "").encode()], dtype=object)
+    """The response tensors of one chunk: text_output [1] first (as both Triton LLM backends
+    answer; a client may read the first output as the text), then output_ids [1, k]."""
+    out = {"text_output": np.array([(chunk.text or "").encode()], dtype=object)} if with_text \
+        else {}
+    out["output_ids"] = np.array([chunk.ids], np.int64).reshape(1, len(chunk.ids))
     return out
 
 

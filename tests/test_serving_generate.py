@@ -399,7 +399,7 @@ def test_config_declares_a_decoupled_model(servers) -> None:
     assert config.parameters["max_cache_len"].string_value == str(POSITIONS)
     meta = client.get_model_metadata(server.slot.name)
     assert [t.name for t in meta.inputs][:2] == ["input_ids", "text_input"]
-    assert [t.name for t in meta.outputs][:2] == ["output_ids", "text_output"]
+    assert [t.name for t in meta.outputs][:2] == ["text_output", "output_ids"]
 
 
 def _metric(server: Server, prefix: str, contains: str = "") -> float:
