@@ -13,7 +13,9 @@ grpc, no HTTP here.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from pathlib import Path
+from typing import Mapping
 
 import numpy as np
 
@@ -25,6 +27,10 @@ from tuner.graph.roles import ATTENTION_MASK, POSITION_IDS, TOKEN_IDS, TOKEN_TYP
 # sentence-transformers' Pooling modes, in the order it concatenates them
 MODES = ("cls_token", "max_tokens", "mean_tokens", "mean_sqrt_len_tokens", "lasttoken")
 SENTENCE_OUTPUT = "sentence_embedding"
+# text sent to an encoder over KServe v2 (BYTES [n]): Triton's LLM name, and LiteLLM's (its
+# Triton embedding provider); answered with the vectors as one output [n, dim]
+TEXT_INPUTS = ("text_input", "input_text")
+EMBEDDINGS_OUTPUT = "embeddings"
 
 
 @dataclass(frozen=True)
@@ -75,6 +81,42 @@ def load_embedder(engine) -> "Embedder":
     if pooling.max_tokens is None:  # sentence-transformers' own default: the model's limit
         pooling = replace(pooling, max_tokens=max_positions(folder))
     return Embedder(engine, tokenizer, pooling, load_prompts(folder))
+
+
+@lru_cache(maxsize=4)
+def embedder_of(engine) -> "Embedder":
+    return load_embedder(engine)
+
+
+def texts_in(feeds: Mapping[str, np.ndarray], engine) -> list[str] | None:
+    """The texts of a KServe request that sends an encoder text (one of TEXT_INPUTS, BYTES
+    [n]) instead of its graph's inputs; None for a request of the graph's own inputs."""
+    own = {s.name for s in engine.model.signature.inputs}
+    names = [n for n in TEXT_INPUTS if n in feeds and n not in own]
+    if not names:
+        return None
+    if len(feeds) != 1:
+        raise InvalidArgument(f"send '{names[0]}' (BYTES [n]) alone: the text is tokenized "
+                              f"here, not with {sorted(n for n in feeds if n != names[0])}")
+    array = np.asarray(feeds[names[0]])
+    items = array.reshape(-1).tolist()
+    if array.dtype != object or not items or not all(isinstance(x, bytes) for x in items):
+        raise InvalidArgument(f"'{names[0]}' must be BYTES [n], one text each")
+    try:
+        return [x.decode("utf-8") for x in items]
+    except UnicodeDecodeError:
+        raise InvalidArgument(f"'{names[0]}' is not valid UTF-8") from None
+
+
+def embed_texts(engine, texts: list[str]) -> dict[str, np.ndarray]:
+    """sentence-transformers' vectors of `texts`, one row each: {EMBEDDINGS_OUTPUT: (n, dim)}.
+    InvalidArgument for an encoder without a tokenizer."""
+    embedder = embedder_of(engine)
+    rows = []
+    for text in texts:
+        outputs, _ = engine.infer(embedder.feeds(embedder.encode(text)[0]), [embedder.output])
+        rows.append(embedder.vector(outputs))
+    return {EMBEDDINGS_OUTPUT: np.stack(rows).astype(np.float32)}
 
 
 def normalized(vector: np.ndarray) -> np.ndarray:

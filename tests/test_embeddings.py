@@ -152,3 +152,33 @@ def test_pooling_follows_the_sentence_transformers_files(tmp_path) -> None:
     assert load_pooling(tmp_path / "inner") == Pooling()
     tokens = np.array([[1.0, -2.0], [3.0, 0.5]], np.float32)
     np.testing.assert_allclose(pool(tokens, p), [1.0, -2.0, 3.0, 0.5])
+
+
+def test_text_over_kserve_for_litellm_and_tritonclient(server, reference) -> None:
+    """Text sent to the encoder's KServe infer (BYTES [n] `input_text`, LiteLLM's Triton
+    embedding provider; `text_input`, Triton's LLM name) comes back as sentence-transformers'
+    vectors, one output [n, dim]: through the real litellm over HTTP, tritonclient over gRPC."""
+    import os
+
+    import tritonclient.grpc as tg
+    from tritonclient.utils import InferenceServerException
+
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch at import
+    import litellm
+
+    got = litellm.embedding(model=f"triton/{server.slot.name}", input=TEXTS,
+                            api_base=f"http://127.0.0.1:{server.http_port}/v2/models/"
+                                     f"{server.slot.name}/infer")
+    np.testing.assert_allclose([d["embedding"] for d in got.data], reference, atol=1e-5)
+    client = tg.InferenceServerClient(f"127.0.0.1:{server.port}")
+    text = tg.InferInput("text_input", [2], "BYTES")
+    text.set_data_from_numpy(np.array([t.encode() for t in TEXTS[:2]], object))
+    answer = client.infer(server.slot.name, [text])
+    np.testing.assert_allclose(answer.as_numpy("embeddings"), reference[:2], atol=1e-5)
+    ids = tg.InferInput("input_ids", [1, 2], "INT64")
+    ids.set_data_from_numpy(np.array([[101, 102]], np.int64))
+    with pytest.raises(InferenceServerException, match="send 'text_input' .* alone"):
+        client.infer(server.slot.name, [text, ids])
+    with pytest.raises(InferenceServerException, match="unexpected inference output 'x'"):
+        client.infer(server.slot.name, [text], outputs=[tg.InferRequestedOutput("x")])
+    client.close()

@@ -9,24 +9,18 @@ from __future__ import annotations
 
 import asyncio
 import base64
-from functools import lru_cache
 
 import numpy as np
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from serving.embedding import Embedder, load_embedder
+from serving.embedding import Embedder, embedder_of
 from serving.engine import Engine
 from serving.errors import InvalidArgument
 from serving.http.openai_api import error
 from serving.http.openai_requests import model_named, token_ids
 
 MAX_INPUTS = 2048  # OpenAI's limit on one call's inputs
-
-
-@lru_cache(maxsize=4)
-def embedder_of(engine: Engine) -> Embedder:
-    return load_embedder(engine)
 
 
 def encoder_named(frontend, name: str) -> Engine:

@@ -12,6 +12,7 @@ from starlette.responses import JSONResponse, Response
 import serving
 from serving.replies import Reply
 from serving.decoder import DecoderEngine
+from serving.embedding import embed_texts, texts_in
 from serving.errors import InvalidArgument
 from serving.http import codec
 from serving.http.streams import ChunkStream, until_disconnect
@@ -107,9 +108,13 @@ async def infer(frontend, request: Request) -> Response:
             return Response(status_code=499)
         final = {"triton_final_response": True}
     else:
-        runner = engine.forward if isinstance(engine, DecoderEngine) else engine
-        outputs, _ = await frontend.run(runner.infer, feeds, names)
         final = None
+        texts = None if isinstance(engine, DecoderEngine) else texts_in(feeds, engine)
+        if texts is not None:  # an encoder sent text: its sentence embeddings
+            outputs = await frontend.run(embed_texts, engine, texts)
+        else:
+            runner = engine.forward if isinstance(engine, DecoderEngine) else engine
+            outputs, _ = await frontend.run(runner.infer, feeds, names)
         if names:
             missing = [n for n in names if n not in outputs]
             if missing:
