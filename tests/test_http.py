@@ -191,6 +191,27 @@ def test_generate_as_the_vllm_backend_answers_it(decoder, llama) -> None:
     assert all(p[str(t)]["rank"] == 1 for p, t in zip(listing, want))
 
 
+@pytest.mark.parametrize("bench", ["vllm", "sglang"])
+def test_generate_stream_as_the_llm_benchmarks_trtllm_backends_send_it(decoder, llama,
+                                                                        bench) -> None:
+    """vLLM's benchmark_serving (backend tensorrt-llm) and SGLang's bench_serving (backend
+    trt) POST these bodies to generate_stream and add up each event's text_output: their
+    `accumulate_tokens` names no input, so it is a parameter, as Triton passes it."""
+    want, _ = greedy(llama, tokenizer().encode(PROMPT).ids, 8)
+    body = {"accumulate_tokens": True, "text_input": PROMPT, "temperature": 0.0,
+            "top_p": 1.0, "max_tokens": 8, "stream": True}
+    if bench == "sglang":  # its payload: a near-zero temperature, every token generated
+        body.update(temperature=0.000001, min_length=8, end_id=1048576)
+    base = f"http://127.0.0.1:{decoder.http_port}/v2/models/{decoder.slot.name}"
+    events = _curl("-N", "-X", "POST", "-d", json.dumps(body),
+                   base + "/generate_stream").stdout.decode()
+    chunks = [json.loads(e[len("data: "):]) for e in events.split("\n\n") if e]
+    assert "".join(c["text_output"] for c in chunks) == tokenizer().decode(want)
+    bad = _curl("-X", "POST", "-d", json.dumps({**body, "extra": {"a": 1}}),
+                base + "/generate_stream")
+    assert "'extra' is not an input" in json.loads(bad.stdout)["error"]
+
+
 def test_a_client_that_disconnects_frees_its_slot(decoder) -> None:
     conn = http.client.HTTPConnection("127.0.0.1", decoder.http_port, timeout=60)
     conn.request("POST", f"/v2/models/{decoder.slot.name}/generate_stream",

@@ -1,7 +1,8 @@
 """Triton's generate extension: `POST v2/models/{m}/generate` answers one JSON object,
 `.../generate_stream` one Server-Sent Event (`data: {...}`) per token chunk. The body's keys
-are the model's inputs by name (`text_input`, `max_tokens`, ...) and `parameters` its
-request parameters, parsed by the same conventions as gRPC (serving.conventions); each
+are the model's inputs by name (`text_input`, `max_tokens`, ...), `parameters` and any
+other key its request parameters (as Triton passes "additional properties"), parsed by the
+same conventions as gRPC (serving.conventions); each
 output comes back as a key, one value when it holds one element, else a list."""
 
 from __future__ import annotations
@@ -23,23 +24,20 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def _tensors(engine: DecoderEngine, body: dict) -> dict[str, np.ndarray]:
-    """Each input key as an array of its declared datatype (unknown names as they are:
-    the parser names them in its error)."""
+    """Each key that names an input as an array of its declared datatype (the others are
+    request parameters: `_parameters`)."""
     declared = {s.name: s.datatype for s in engine.signature.inputs}
     out = {}
     for name, value in body.items():
-        if name in ("parameters", "id"):
+        if name not in declared:
             continue
         values = value if isinstance(value, list) else [value]
-        datatype = declared.get(name)
+        datatype = declared[name]
         try:
-            if datatype == "BYTES" or (datatype is None and all(isinstance(v, str)
-                                                               for v in values)):
+            if datatype == "BYTES":
                 out[name] = np.array([str(v).encode() for v in values], dtype=object)
-            elif datatype is not None:
-                out[name] = np.array(values, dtype=DATATYPES[datatype])
             else:
-                out[name] = np.array(values)
+                out[name] = np.array(values, dtype=DATATYPES[datatype])
         except (TypeError, ValueError, OverflowError):
             raise InvalidArgument(f"'{name}' must be {datatype or 'a value'}, not "
                                   f"{value!r}") from None
@@ -63,11 +61,27 @@ async def _parse(frontend, request: Request):
     if not isinstance(engine, DecoderEngine):
         raise InvalidArgument(f"model '{engine.name}' is not a decoder: generate needs one")
     body = await frontend.json(request)
+    parsed = engine.parse(_tensors(engine, body), _parameters(engine, body),
+                          str(body.get("id", "")))
+    return engine, parsed
+
+
+def _parameters(engine: DecoderEngine, body: dict) -> dict:
+    """`parameters`, and, as Triton passes them, the body's keys that name no input (vLLM's
+    and SGLang's benchmarks send TensorRT-LLM's BLS option `accumulate_tokens` so): a
+    scalar each, else INVALID_ARGUMENT naming it."""
     parameters = body.get("parameters") or {}
     if not isinstance(parameters, dict):
         raise InvalidArgument("'parameters' must be an object")
-    parsed = engine.parse(_tensors(engine, body), parameters, str(body.get("id", "")))
-    return engine, parsed
+    declared = {s.name for s in engine.signature.inputs}
+    extra = {k: v for k, v in body.items() if k not in declared and k not in ("parameters",
+                                                                               "id")}
+    for name, value in extra.items():
+        if not isinstance(value, (str, int, float, bool)):
+            raise InvalidArgument(f"'{name}' is not an input of model '{engine.name}', so it "
+                                  "is a parameter: a string, number or boolean, not "
+                                  f"{type(value).__name__}")
+    return {**extra, **parameters}
 
 
 def _head(engine: DecoderEngine) -> dict:
