@@ -115,7 +115,7 @@ def client_signature(tokenizer: bool) -> Signature:
                TensorSpec("num_input_tokens", "UINT32", (1,)),
                TensorSpec("num_output_tokens", "UINT32", (1,)),
                TensorSpec("finish_reason", s, (1,)), TensorSpec("cumulative_logprob", f, (1,)),
-               TensorSpec("logprobs", s, (1,))]
+               TensorSpec("logprobs", s, (1,)), TensorSpec("batch_index", i, (1, 1))]
     if tokenizer:  # first, as both backends declare it: clients read outputs[0] as the text
         outputs.insert(0, TensorSpec("text_output", s, (1,)))
     return Signature(tuple(inputs), tuple(outputs), "input_ids", None)
@@ -135,6 +135,7 @@ class ClientRequest:
     # streamed, output_ids that start with the prompt's (unless exclude_input_in_output)
     core: bool = False
     prompt_ids_first: bool = False
+    batch_index: int | None = None  # its row in a batch of prompts (None: not a batch)
 
 
 def _one(name: str, value):

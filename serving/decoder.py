@@ -11,6 +11,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 # the request-parsing half lives in serving.conventions (Triton's LLM names)
+from serving import trtllm_core
 from serving.conventions import ClientRequest, client_signature, parse_request
 from serving.engine import Engine
 from serving.errors import InvalidArgument
@@ -126,14 +127,28 @@ class DecoderEngine:
               request_id: str = "", outputs: Sequence[str] = ()) -> ClientRequest:
         """`outputs`: the request's own list (KServe v2: its responses carry only those); a
         name this model never answers with is INVALID_ARGUMENT before anything runs."""
+        batch = self.parse_rows(tensors, parameters, request_id, outputs)
+        if len(batch) > 1:
+            raise InvalidArgument(f"a batch of {len(batch)} prompts is answered on a stream "
+                                  "(ModelStreamInfer), one response per row and token, as "
+                                  "TensorRT-LLM's decoupled models answer it")
+        return batch[0]
+
+    def parse_rows(self, tensors: Mapping[str, np.ndarray], parameters: Mapping[str, object],
+                   request_id: str = "", outputs: Sequence[str] = ()) -> list[ClientRequest]:
+        """parse(), one ClientRequest per prompt of a batch (serving/trtllm_core.rows); each of
+        a batch's answers carries its `batch_index`."""
         known = {spec.name for spec in self.signature.outputs}
         for name in outputs:
             if name not in known:
                 raise InvalidArgument(f"unexpected inference output '{name}' for model "
                                       f"'{self.name}'")
-        parsed = parse_request(tensors, parameters, self.tokenizer,
-                               self.options.default_max_tokens, request_id, self.text.eos_ids)
-        return dataclasses.replace(parsed, outputs=tuple(outputs)) if outputs else parsed
+        rows = trtllm_core.rows(tensors)
+        return [dataclasses.replace(
+            parse_request(row, parameters, self.tokenizer, self.options.default_max_tokens,
+                          request_id, self.text.eos_ids),
+            outputs=tuple(outputs), batch_index=i if len(rows) > 1 else None)
+            for i, row in enumerate(rows)]
 
     def active(self) -> int:
         """Streams being decoded now (each holds a slot and its cache)."""

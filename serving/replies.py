@@ -60,6 +60,8 @@ class Reply:
         return self._named(out)
 
     def _named(self, out: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if self.request.batch_index is not None:  # a row of a batch says which, as TRT-LLM
+            out["batch_index"] = np.array([[self.request.batch_index]], np.int32)
         if self.request.outputs:  # those the client named (one its flags leave out stays out)
             return {n: out[n] for n in self.request.outputs if n in out}
         return out

@@ -12,6 +12,8 @@ and `streaming` / `request_output_len`; this module the rest:
   ensemble's `embedding_bias_words` / `embedding_bias_weights` are read here too);
 - `stop` true: cancel the running request with this request's id (the servers answer it
   with one empty final response);
+- a batch of prompts in one request (`rows`; the ensemble's too): each its own generation,
+  each response with its `batch_index`, on a stream;
 - greedy unless a top-k or top-p is given, whatever the temperature (`sampling_rule`);
 - beam search's own controls (`len_penalty`, `early_stopping`,
   `beam_search_diversity_rate`) are taken and change nothing at beam width 1, as there;
@@ -83,6 +85,24 @@ def is_core(tensors: Mapping[str, np.ndarray]) -> bool:
         raise InvalidArgument(f"'{own[0]}' is TensorRT-LLM's core model input: such a request "
                               "needs 'request_output_len' (a value is required for it there)")
     return False
+
+
+def rows(tensors: Mapping[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
+    """A request of B prompts as B requests of one, as TensorRT-LLM's ensemble and core model
+    take a batch (`text_input` [B, 1] or `input_ids` [B, n]; every other input [B, ...], one
+    row each, or [1, ...], the same for all); any other request as itself."""
+    prompt = tensors.get("text_input", tensors.get("input_ids"))
+    shape = np.shape(prompt) if prompt is not None else ()
+    if len(shape) != 2 or shape[0] < 2:
+        return [dict(tensors)]
+    b = shape[0]
+    for name, array in tensors.items():
+        n = np.shape(array)[0] if np.ndim(array) else 1
+        if n not in (1, b):
+            raise InvalidArgument(f"'{name}' has {n} rows for a batch of {b} prompts: send "
+                                  f"[{b}, ...] (one row each) or [1, ...] (the same for all)")
+    return [{name: np.asarray(array)[i:i + 1] if np.ndim(array) and np.shape(array)[0] == b
+             else np.asarray(array) for name, array in tensors.items()} for i in range(b)]
 
 
 def asks_to_stop(tensors: Mapping[str, np.ndarray]) -> bool:

@@ -11,13 +11,10 @@ import os
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch at import
 
 import litellm  # noqa: E402
-import pytest  # noqa: E402
 from litellm.litellm_core_utils.prompt_templates.factory import prompt_factory  # noqa: E402
 from llm_support import decoder as server  # noqa: E402,F401 - a fixture
 from llm_support import PROMPT, greedy, llama, tokenizer  # noqa: E402,F401
 
-# pydantic's notes on litellm's own types, once per import
-pytestmark = pytest.mark.filterwarnings("ignore:Item.* `ReadOnly` qualifier:UserWarning")
 MESSAGES = [{"role": "user", "content": PROMPT}]
 
 

@@ -390,3 +390,72 @@ def test_the_ensembles_bias_words_and_shared_core_names(server, llama) -> None:
     assert ensemble_text(server, tokens=1, **extra) == [tokenizer().decode([second])]
     with pytest.raises(InferenceServerException, match="'num_return_sequences' 2"):
         ensemble_text(server, tokens=1, num_return_sequences=np.array([[2]], np.int32))
+
+
+# ------------------------------------------------------------------ batches of prompts
+
+
+OTHER = "A lazy dog sleeps"  # a second prompt for a batch
+
+
+def test_the_ensemble_clients_batch_inputs_answer_per_row(server, llama) -> None:
+    """Its `--batch-inputs`: every [1, 1] input stacked into [B, 1], `batch_index` asked
+    for; each row's whole answer (not streamed: its prompt first) in a response of its own
+    with its batch_index, triton_final_response on the request's last response only."""
+    prompts = [PROMPT, OTHER]
+    want = [p + tokenizer().decode(greedy(llama, tokenizer().encode(p).ids, 6)[0])
+            for p in prompts]
+    stacked = {"text_input": np.array([[p.encode()] for p in prompts], object),
+               "max_tokens": np.array([[6], [6]], np.int32),
+               "stream": np.array([[False], [False]], bool),
+               "temperature": np.array([[1.0], [1.0]], np.float32)}
+    inputs = [_tensor(tg, n, a) if a.dtype != object else _bytes(n, a)
+              for n, a in stacked.items()]
+    s = Stream(server)
+    s.client.async_stream_infer(server.slot.name, inputs, request_id="b", outputs=[
+        tg.InferRequestedOutput("text_output"), tg.InferRequestedOutput("batch_index")])
+    results = s.close()
+    got = {int(r.as_numpy("batch_index")[0, 0]): r.as_numpy("text_output")[0].decode()
+           for r in results}
+    assert got == dict(enumerate(want)) and len(results) == 2
+    assert [r.get_response().parameters["triton_final_response"].bool_param
+            for r in results] == [False, True]
+
+
+def _bytes(name: str, array: np.ndarray):
+    made = tg.InferInput(name, list(array.shape), "BYTES")
+    made.set_data_from_numpy(array)
+    return made
+
+
+def test_a_core_batch_streams_each_row_cut_to_its_length(server, llama) -> None:
+    rows = [prompt_ids(), tokenizer().encode(OTHER).ids]
+    width = max(map(len, rows))
+    padded = np.array([r + [0] * (width - len(r)) for r in rows], np.int32)  # [2, n]
+    inputs = [_tensor(tg, "input_ids", padded),
+              _tensor(tg, "input_lengths", np.array([[len(r)] for r in rows], np.int32)),
+              _tensor(tg, "request_output_len", np.array([[5]], np.int32)),  # one for all
+              _tensor(tg, "streaming", np.array([[True], [True]], bool))]
+    s = Stream(server)
+    s.send(server.slot.name, inputs, "core-batch")
+    results = s.close()
+    got: dict[int, list[int]] = {0: [], 1: []}
+    for r in results:
+        got[int(r.as_numpy("batch_index")[0, 0])] += r.as_numpy("output_ids")[0][0].tolist()
+    assert got == {i: greedy(llama, row, 5)[0] for i, row in enumerate(rows)}
+    finals = [r.get_response().parameters["triton_final_response"].bool_param for r in results]
+    assert finals.count(True) == 1 and finals[-1]
+
+
+def test_a_batch_is_refused_unary_and_with_rows_that_do_not_match(server) -> None:
+    client = tg.InferenceServerClient(f"127.0.0.1:{server.port}")
+    two = _bytes("text_input", np.array([[PROMPT.encode()], [OTHER.encode()]], object))
+    with pytest.raises(InferenceServerException, match="answered on a stream"):
+        client.infer(server.slot.name, [two])
+    client.close()
+    with pytest.raises(InferenceServerException, match="'max_tokens' has 3 rows for a batch "
+                                                       "of 2 prompts"):
+        s = Stream(server)
+        s.send(server.slot.name, [two, _tensor(tg, "max_tokens",
+                                               np.array([[4], [4], [4]], np.int32))], "x")
+        s.close()

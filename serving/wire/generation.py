@@ -72,18 +72,29 @@ def generate_stream(engine: DecoderEngine, request_iterator, context
             yield pb.ModelStreamInferResponse(error_message=message, infer_response=answer)
         else:  # a chunk
             chunk, state = payload
+            if state.group.refused:  # a row of a batch that could not start whole
+                continue
             if chunk.final:
-                open_requests -= 1
+                state.group.left -= 1
+                if state.group.left == 0:
+                    open_requests -= 1
             yield from _stream_responses(engine, request, chunk, state)
 
 
-class _RequestState:
-    """One request of a decoupled stream: whether it streams, and the chunks held back when
-    it does not (`stream` false: the whole sequence in one final response)."""
+class _Group:
+    """The rows of one request (one, or a batch of prompts): the request's last response is
+    the last row's last; `refused` when a row could not start (the others are cancelled)."""
 
-    def __init__(self, request) -> None:
-        self.stream = True
-        self.reply: Reply | None = None
+    def __init__(self, rows: int) -> None:
+        self.left, self.refused = rows, False
+
+
+class _RequestState:
+    """One row of a request of a decoupled stream: whether it streams, and the chunks held
+    back when it does not (`stream` false: the whole sequence in one final response)."""
+
+    def __init__(self, request, reply: Reply, stream: bool, group: _Group) -> None:
+        self.stream, self.reply, self.group = stream, reply, group
         self.empty_final = protocol.parameter_values(request.parameters).get(
             "triton_enable_empty_final_response", False)
         self.held: list[Chunk] = []
@@ -93,7 +104,6 @@ def _read_requests(engine: DecoderEngine, request_iterator, events: queue.Queue,
                    handles: list) -> None:
     try:
         for request in request_iterator:
-            state = _RequestState(request)
             events.put(("opened", request, None))
             try:
                 tensors = protocol.decode_inputs(request)
@@ -101,13 +111,10 @@ def _read_requests(engine: DecoderEngine, request_iterator, events: queue.Queue,
                     engine.stop(request.id)
                     events.put(("stopped", request, None))
                     continue
-                parsed = engine.parse(tensors, protocol.parameter_values(request.parameters),
-                                      request.id, protocol.requested_outputs(request))
-                state.stream = parsed.stream
-                state.reply = Reply(parsed, engine.tokenizer)
-                handles.append(engine.submit(
-                    parsed.generation,
-                    lambda c, r=request, st=state: events.put(("chunk", r, (c, st)))))
+                batch = engine.parse_rows(tensors,
+                                          protocol.parameter_values(request.parameters),
+                                          request.id, protocol.requested_outputs(request))
+                _submit_rows(engine, request, batch, events, handles)
             except Exception as e:  # noqa: BLE001 - answered on the stream; it goes on
                 if not isinstance(e, ServingError):
                     log.error("internal error starting a generation", exc_info=e)
@@ -118,21 +125,41 @@ def _read_requests(engine: DecoderEngine, request_iterator, events: queue.Queue,
         events.put(("done reading", None, None))
 
 
+def _submit_rows(engine: DecoderEngine, request, batch: list, events: queue.Queue,
+                 handles: list) -> None:
+    """Start every row of a request; when one cannot start (the server is full), cancel the
+    rows started and raise: the request is refused whole."""
+    group, started = _Group(len(batch)), []
+    try:
+        for parsed in batch:
+            state = _RequestState(request, Reply(parsed, engine.tokenizer), parsed.stream, group)
+            started.append(engine.submit(
+                parsed.generation,
+                lambda c, r=request, st=state: events.put(("chunk", r, (c, st)))))
+    except Exception:
+        group.refused = True
+        for handle in started:
+            handle.cancel()
+        raise
+    handles.extend(started)
+
+
 def _stream_responses(engine: DecoderEngine, request, chunk: Chunk, state: _RequestState
                       ) -> Iterator[pb.ModelStreamInferResponse]:
+    last = state.group.left == 0  # this row's final chunk ends the request too
     if not state.stream:
         state.held.append(chunk)
         if chunk.final:
             yield pb.ModelStreamInferResponse(infer_response=_chunk_response(
-                engine, request.id, join_chunks(state.held), state.reply))
+                engine, request.id, join_chunks(state.held), state.reply, last))
         return
-    if chunk.final and state.empty_final and chunk.ids:  # the client asked for an empty last
+    if chunk.final and state.empty_final and chunk.ids and last:  # asked for an empty last
         yield pb.ModelStreamInferResponse(infer_response=_chunk_response(
             engine, request.id, Chunk(chunk.ids, chunk.text, logprobs=chunk.logprobs),
             state.reply))
         chunk = Chunk((), None, True, chunk.reason, chunk.detail)
-    yield pb.ModelStreamInferResponse(infer_response=_chunk_response(engine, request.id, chunk,
-                                                                     state.reply))
+    yield pb.ModelStreamInferResponse(infer_response=_chunk_response(
+        engine, request.id, chunk, state.reply, last))
 
 
 def _stopped(engine: DecoderEngine, request_id: str) -> pb.ModelInferResponse:
@@ -143,14 +170,15 @@ def _stopped(engine: DecoderEngine, request_id: str) -> pb.ModelInferResponse:
     return response
 
 
-def _chunk_response(engine: DecoderEngine, request_id: str, chunk: Chunk, reply: Reply
-                    ) -> pb.ModelInferResponse:
+def _chunk_response(engine: DecoderEngine, request_id: str, chunk: Chunk, reply: Reply,
+                    last: bool = True) -> pb.ModelInferResponse:
     """One response: the chunk's tensors, the request id, and `triton_final_response`
-    (false on all but the last), as Triton's decoupled models answer."""
+    (false on all but the request's last: `last` false for a batch row that ends before
+    another), as Triton's decoupled models answer."""
     outputs = reply.outputs(chunk)
     response = protocol.encode_response(engine.name, engine.version, request_id, outputs,
                                         list(outputs))
-    response.parameters["triton_final_response"].bool_param = chunk.final
+    response.parameters["triton_final_response"].bool_param = chunk.final and last
     if chunk.final:
         response.parameters["finish_reason"].string_param = chunk.reason or ""
         if chunk.detail:
