@@ -2,8 +2,9 @@
 so that a client written for either works unchanged (every input optional):
 
 - TensorRT-LLM's ensemble: `text_input`, `max_tokens`, `stream`, `exclude_input_in_output`,
-  `min_length`, `end_id`, `pad_id`, `random_seed`, `temperature`, `runtime_top_k`,
-  `runtime_top_p`, `repetition_penalty`, `presence_penalty`, `frequency_penalty`,
+  `min_length`, `end_id`, `pad_id`, `random_seed`, `temperature`, `top_k`, `top_p`
+  (`runtime_top_k`, `runtime_top_p` as its core model names them), `repetition_penalty`,
+  `presence_penalty`, `frequency_penalty`,
   `stop_words`, `bad_words`, `guided_decoding_guide_type` / `guided_decoding_guide` (json,
   json_schema, regex, ebnf_grammar), `return_log_probs`, `beam_width`,
   `embedding_bias_words` / `_weights`, `num_return_sequences` and beam search's own controls
@@ -23,7 +24,7 @@ so that a client written for either works unchanged (every input optional):
   `exclude_input_in_output` says otherwise (their default).
 - TensorRT-LLM's core model (`tensorrt_llm`): `input_ids` with `request_output_len`, and
   its own names (serving/trtllm_core.py reads them).
-- this server's own: `input_ids`, `top_k`, `top_p`, `seed`, `stop_ids`.
+- this server's own: `input_ids`, `seed`, `stop_ids`.
 
 Integer controls take any integer width. A name no convention knows is INVALID_ARGUMENT
 naming it. No grpc here: tensors come in as numpy arrays (the responses: serving/replies.py).

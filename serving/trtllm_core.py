@@ -15,8 +15,9 @@ and `streaming` / `request_output_len`; this module the rest:
 - a batch of prompts in one request (`rows`; the ensemble's too): each its own generation,
   each response with its `batch_index`, on a stream;
 - greedy unless a top-k or top-p is given, whatever the temperature (`sampling_rule`);
-- beam search's own controls (`len_penalty`, `early_stopping`,
-  `beam_search_diversity_rate`) are taken and change nothing at beam width 1, as there;
+- beam search's own controls (`len_penalty`, the ensemble's `length_penalty`,
+  `early_stopping`, `beam_search_diversity_rate`) are taken and change nothing at beam
+  width 1, as there;
   top-p decay, context / generation logits and more than one sequence are refused by name
   (in the ensemble's requests too).
 
@@ -38,7 +39,8 @@ from serving.model import TensorSpec
 WORD_LISTS = ("stop_words_list", "bad_words_list")
 # names only the core model has (request_output_len and streaming: conventions._CONTROLS)
 CORE_ONLY = frozenset(("input_lengths", "stop", "embedding_bias", *WORD_LISTS))
-BEAM_ONLY = ("len_penalty", "early_stopping", "beam_search_diversity_rate")
+# (len_penalty the core model's name, length_penalty the ensemble's)
+BEAM_ONLY = ("len_penalty", "length_penalty", "early_stopping", "beam_search_diversity_rate")
 # refused unless they ask for nothing: name -> the value that leaves them off
 _OFF = {"runtime_top_p_decay": 1.0, "return_context_logits": False,
         "return_generation_logits": False, "num_return_sequences": 1}
@@ -58,7 +60,8 @@ def input_specs(tokenizer: bool) -> list[TensorSpec]:
     return specs + [TensorSpec(n, t, shape) for n, t, shape in (
         ("input_lengths", i, (1,)), ("request_output_len", i, (1,)), ("streaming", b, (1,)),
         ("stop", b, (1,)), ("stop_words_list", i, (1, 2, -1)), ("bad_words_list", i, (1, 2, -1)),
-        ("embedding_bias", f, (1, -1)), ("len_penalty", f, (1,)), ("early_stopping", b, (1,)),
+        ("embedding_bias", f, (1, -1)), ("len_penalty", f, (1,)), ("length_penalty", f, (1,)),
+        ("early_stopping", b, (1,)),
         ("beam_search_diversity_rate", f, (1,)), ("runtime_top_p_min", f, (1,)),
         ("runtime_top_p_decay", f, (1,)), ("runtime_top_p_reset_ids", i, (1,)),
         ("return_context_logits", b, (1,)), ("return_generation_logits", b, (1,)),

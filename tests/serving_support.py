@@ -180,3 +180,17 @@ def slowed(server, seconds: float):
     fast = generator.runner
     generator.runner = SlowRunner(fast, seconds)
     return generator, fast
+
+
+def scraped_metrics(server) -> dict[tuple[str, tuple], float]:
+    """/metrics as a Prometheus reader parses it (AIPerf and Grafana's agents use this parser):
+    (sample name, its labels but the model's) -> value."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics",
+                                  timeout=10).read().decode()
+    return {(x.name, tuple(sorted((k, v) for k, v in x.labels.items()
+                                  if k not in ("model", "model_name", "version")))): x.value
+            for family in text_string_to_metric_families(text) for x in family.samples}

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tritonclient.grpc as tg
-from serving_support import make_artifact, slowed
+from serving_support import make_artifact, scraped_metrics, slowed
 from tritonclient.utils import InferenceServerException
 
 from serving.generation import GenerateOptions
@@ -268,7 +268,7 @@ def test_a_cancelled_stream_does_not_disturb_the_others(servers) -> None:
         generator.runner = fast
     assert got == alone
     assert _metric(server, "nv_inference_request_failure{" , 'reason="CANCELED"') >= 1
-    assert _scraped(server)[("vllm:request_success_total",
+    assert scraped_metrics(server)[("vllm:request_success_total",
                              (("finished_reason", "abort"),))] >= 1
 
 
@@ -310,7 +310,7 @@ def test_a_full_server_answers_resource_exhausted_and_shows_its_queue(reference_
             s.send(_inputs([1, 2, 3], 100))
         seen, deadline = None, time.time() + 10
         while not (seen and seen[:2] == (1, 1) and seen[2] > 0) and time.time() < deadline:
-            scraped = _scraped(server)
+            scraped = scraped_metrics(server)
             seen = tuple(scraped[(name, ())] for name in (
                 "vllm:num_requests_waiting", "vllm:num_requests_running",
                 "vllm:kv_cache_usage_perc"))
@@ -410,18 +410,6 @@ def _metric(server: Server, prefix: str, contains: str = "") -> float:
     return sum(values)
 
 
-def _scraped(server: Server) -> dict[tuple[str, tuple], float]:
-    """/metrics as a Prometheus reader parses it (AIPerf and Grafana's agents use this parser):
-    (sample name, its labels but the model's) -> value."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics",
-                                  timeout=10).read().decode()
-    return {(x.name, tuple(sorted((k, v) for k, v in x.labels.items()
-                                  if k not in ("model", "model_name", "version")))): x.value
-            for family in text_string_to_metric_families(text) for x in family.samples}
-
-
 # a decoder's series and vLLM's name for each (what an inference gateway, an autoscaler or
 # AIPerf reads from a vLLM server)
 _TWINS = {"tuner_generated_tokens_total": "vllm:generation_tokens_total",
@@ -437,10 +425,10 @@ _TWINS = {"tuner_generated_tokens_total": "vllm:generation_tokens_total",
 
 def test_metrics_count_tokens_and_latencies_under_our_names_and_vllms(servers) -> None:
     server = servers["gpt_neox"]
-    before = _scraped(server)
+    before = scraped_metrics(server)
     _generate(server, [1, 2, 3], 5)
     deadline = time.time() + 10  # (the gauges are set after the step that ended the stream)
-    while (after := _scraped(server))[("tuner_active_streams", ())] and time.time() < deadline:
+    while (after := scraped_metrics(server))[("tuner_active_streams", ())] and time.time() < deadline:
         time.sleep(0.01)
     rose = {name: after[(name, ())] - before.get((name, ()), 0) for name in _TWINS}
     assert rose["tuner_generated_tokens_total"] == 5

@@ -459,3 +459,14 @@ def test_a_batch_is_refused_unary_and_with_rows_that_do_not_match(server) -> Non
         s.send(server.slot.name, [two, _tensor(tg, "max_tokens",
                                                np.array([[4], [4], [4]], np.int32))], "x")
         s.close()
+
+
+def test_a_stream_request_for_another_model_is_refused_but_its_stop_is_honoured(server) -> None:
+    s = Stream(server)
+    s.send("no-such-model", example_inputs(prompt_ids(), 4, True), "m")
+    with pytest.raises(InferenceServerException, match="unknown model: 'no-such-model'"):
+        s.close()
+    s = Stream(server)  # a stop names the request's id; LangChain's client sends it to
+    s.send("tensorrt_llm", stop_inputs(), "any-id")  # `tensorrt_llm` whatever it served
+    (answer,) = s.close()
+    assert answer.as_numpy("output_ids") is None

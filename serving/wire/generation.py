@@ -12,7 +12,7 @@ from typing import Iterator
 from serving.datatypes import triton_type
 from serving.replies import Reply
 from serving.decoder import DecoderEngine
-from serving.errors import ServingError
+from serving.errors import NotFound, ServingError
 from serving.sampling import Chunk, join_chunks
 from serving.trtllm_core import asks_to_stop
 from serving.wire import protocol
@@ -107,10 +107,13 @@ def _read_requests(engine: DecoderEngine, request_iterator, events: queue.Queue,
             events.put(("opened", request, None))
             try:
                 tensors = protocol.decode_inputs(request)
-                if asks_to_stop(tensors):  # TensorRT-LLM's cancel of a running request
+                if asks_to_stop(tensors):  # TensorRT-LLM's cancel of a running request, by
+                    # id whatever model it names (LangChain's TensorRT-LLM client sends it to
+                    # `tensorrt_llm` for a request it sent to `ensemble`)
                     engine.stop(request.id)
                     events.put(("stopped", request, None))
                     continue
+                _check_model(engine, request)
                 batch = engine.parse_rows(tensors,
                                           protocol.parameter_values(request.parameters),
                                           request.id, protocol.requested_outputs(request))
@@ -123,6 +126,13 @@ def _read_requests(engine: DecoderEngine, request_iterator, events: queue.Queue,
         pass
     finally:
         events.put(("done reading", None, None))
+
+
+def _check_model(engine: DecoderEngine, request) -> None:
+    if request.model_name != engine.name or request.model_version not in ("", "1"):
+        version = f" version {request.model_version}" if request.model_version else ""
+        raise NotFound(f"Request for unknown model: '{request.model_name}'{version} is not "
+                       "found")
 
 
 def _submit_rows(engine: DecoderEngine, request, batch: list, events: queue.Queue,
