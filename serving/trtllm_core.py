@@ -1,9 +1,10 @@
-"""TensorRT-LLM's core model (`tensorrt_llm`, the model inside its ensemble), for clients
-written against it directly: its example streaming client, its core-model benchmark,
-perf_analyzer fed token ids. A request is a core one when it carries `request_output_len`
-(the core model requires it); serving/conventions.py reads the names it shares with the
-ensemble (`end_id`, `temperature`, `runtime_top_k`, `min_length`, `return_log_probs`, ...)
-and `streaming` / `request_output_len`; this module the rest:
+"""TensorRT-LLM's request names beyond those serving/conventions.py reads: its core model's
+(`tensorrt_llm`, the model inside its ensemble, for clients written against it directly:
+its example streaming client, its core-model benchmark, perf_analyzer fed token ids), and
+what its ensemble shares with it. A request is a core one when it carries
+`request_output_len` (the core model requires it); conventions.py reads the names both
+share (`end_id`, `temperature`, `runtime_top_k`, `min_length`, `return_log_probs`, ...) and
+`streaming` / `request_output_len`; this module the rest:
 
 - `input_ids` [1, n] cut to `input_lengths` [1, 1];
 - `stop_words_list` / `bad_words_list` [1, 2, n]: token sequences as TensorRT-LLM packs
@@ -18,7 +19,7 @@ and `streaming` / `request_output_len`; this module the rest:
 - beam search's own controls (`len_penalty`, the ensemble's `length_penalty`,
   `early_stopping`, `beam_search_diversity_rate`) are taken and change nothing at beam
   width 1, as there;
-  top-p decay, context / generation logits and more than one sequence are refused by name
+- top-p decay, context / generation logits and more than one sequence are refused by name
   (in the ensemble's requests too).
 
 And how it answers (serving/replies.py writes it): `output_ids` INT32 [1, 1, n] (streaming:
@@ -93,18 +94,20 @@ def is_core(tensors: Mapping[str, np.ndarray]) -> bool:
 def rows(tensors: Mapping[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
     """A request of B prompts as B requests of one, as TensorRT-LLM's ensemble and core model
     take a batch (`text_input` [B, 1] or `input_ids` [B, n]; every other input [B, ...], one
-    row each, or [1, ...], the same for all); any other request as itself."""
+    row each, or [1, ...], the same for all; a 1-D input, which has no batch axis, is the
+    same for all); any other request as itself."""
     prompt = tensors.get("text_input", tensors.get("input_ids"))
     shape = np.shape(prompt) if prompt is not None else ()
     if len(shape) != 2 or shape[0] < 2:
         return [dict(tensors)]
     b = shape[0]
-    for name, array in tensors.items():
-        n = np.shape(array)[0] if np.ndim(array) else 1
-        if n not in (1, b):
-            raise InvalidArgument(f"'{name}' has {n} rows for a batch of {b} prompts: send "
-                                  f"[{b}, ...] (one row each) or [1, ...] (the same for all)")
-    return [{name: np.asarray(array)[i:i + 1] if np.ndim(array) and np.shape(array)[0] == b
+    batched = {name for name, array in tensors.items() if np.ndim(array) >= 2}
+    for name in sorted(batched):
+        if np.shape(tensors[name])[0] not in (1, b):
+            raise InvalidArgument(f"'{name}' has {np.shape(tensors[name])[0]} rows for a batch "
+                                  f"of {b} prompts: send [{b}, ...] (one row each) or "
+                                  "[1, ...] (the same for all)")
+    return [{name: np.asarray(array)[i:i + 1] if name in batched and np.shape(array)[0] == b
              else np.asarray(array) for name, array in tensors.items()} for i in range(b)]
 
 
