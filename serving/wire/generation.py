@@ -72,8 +72,6 @@ def generate_stream(engine: DecoderEngine, request_iterator, context
             yield pb.ModelStreamInferResponse(error_message=message, infer_response=answer)
         else:  # a chunk
             chunk, state = payload
-            if state.group.refused:  # a row of a batch that could not start whole
-                continue
             if chunk.final:
                 state.group.left -= 1
                 if state.group.left == 0:
@@ -83,10 +81,29 @@ def generate_stream(engine: DecoderEngine, request_iterator, context
 
 class _Group:
     """The rows of one request (one, or a batch of prompts): the request's last response is
-    the last row's last; `refused` when a row could not start (the others are cancelled)."""
+    the last row's last. Their chunks reach the stream only once every row has started: a
+    row that cannot start refuses the request whole, and nothing of the others goes out."""
 
-    def __init__(self, rows: int) -> None:
-        self.left, self.refused = rows, False
+    def __init__(self, rows: int, events: queue.Queue) -> None:
+        self.left, self.events = rows, events
+        self._lock = threading.Lock()
+        self._state = "starting"  # -> "started" (delivering) or "refused" (dropping)
+        self._held: list = []
+
+    def deliver(self, item) -> None:
+        """A row's chunk event (from the engine's thread), in order."""
+        with self._lock:
+            if self._state == "started":
+                self.events.put(item)
+            elif self._state == "starting":
+                self._held.append(item)
+
+    def settle(self, started: bool) -> None:
+        with self._lock:
+            self._state = "started" if started else "refused"
+            for item in self._held if started else ():
+                self.events.put(item)
+            self._held = []
 
 
 class _RequestState:
@@ -139,18 +156,19 @@ def _submit_rows(engine: DecoderEngine, request, batch: list, events: queue.Queu
                  handles: list) -> None:
     """Start every row of a request; when one cannot start (the server is full), cancel the
     rows started and raise: the request is refused whole."""
-    group, started = _Group(len(batch)), []
+    group, started = _Group(len(batch), events), []
     try:
         for parsed in batch:
             state = _RequestState(request, Reply(parsed, engine.tokenizer), parsed.stream, group)
             started.append(engine.submit(
                 parsed.generation,
-                lambda c, r=request, st=state: events.put(("chunk", r, (c, st)))))
+                lambda c, r=request, st=state: st.group.deliver(("chunk", r, (c, st)))))
     except Exception:
-        group.refused = True
+        group.settle(False)
         for handle in started:
             handle.cancel()
         raise
+    group.settle(True)
     handles.extend(started)
 
 
