@@ -2,8 +2,8 @@
 `.../generate_stream` one Server-Sent Event (`data: {...}`) per token chunk. The body's keys
 are the model's inputs by name (`text_input`, `max_tokens`, ...), `parameters` and any
 other key its request parameters (as Triton passes "additional properties"), parsed by the
-same conventions as gRPC (serving.conventions); each
-output comes back as a key, one value when it holds one element, else a list."""
+same conventions as gRPC (serving.conventions); each output comes back as a key, one value
+when it holds one element, else a list."""
 
 from __future__ import annotations
 
