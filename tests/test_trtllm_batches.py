@@ -10,7 +10,8 @@ import pytest
 import tritonclient.grpc as tg
 from llm_support import decoder as server  # noqa: F401 - a fixture
 from llm_support import PROMPT, greedy, llama, tokenizer, wait_for  # noqa: F401
-from trtllm_support import Stream, bytes_input, example_inputs, prompt_ids, stop_inputs, tensor
+from trtllm_support import (Stream, bytes_input, example_inputs, prompt_ids, slow, stop_inputs,
+                            tensor)
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 
@@ -163,16 +164,22 @@ def test_rows_split_only_batched_inputs() -> None:
 
 
 def test_a_batch_the_server_cannot_hold_whole_is_refused_whole(server) -> None:
-    """More rows than the server runs and queues (4 + 256 here): RESOURCE_EXHAUSTED, and
-    nothing of the rows that had started reaches the stream (they are cancelled)."""
+    """More rows than the server runs and queues (4 + 256 here): RESOURCE_EXHAUSTED as the
+    one answer, and the rows that had started are cancelled (their chunks, held until every
+    row started, never go out; the rows start faster than a first token here, so this test
+    does not force that hold)."""
     capacity = server.slot.engine.options.max_streams + server.slot.engine.options.max_queue
     many = bytes_input("text_input", np.array([[PROMPT.encode()]] * (capacity + 1), object))
     s = Stream(server)
-    s.send(server.slot.name, [many, tensor(tg, "max_tokens", np.array([[2]], np.int32))], "big")
-    s.client.stop_stream()
+    # decode steps of 10 ms and 50 tokens a row: no row ends (freeing its place) while the
+    # batch's rows are being started
+    with slow(server):
+        s.send(server.slot.name, [many, tensor(tg, "max_tokens", np.array([[50]], np.int32))],
+               "big")
+        s.client.stop_stream()
+        assert wait_for(lambda: server.slot.engine.active() == 0, 30)
     got = []
     while not s.got.empty():
         got.append(s.got.get())
     s.client.close()
     assert len(got) == 1 and got[0][0] is None and "the server is full" in str(got[0][1])
-    assert wait_for(lambda: server.slot.engine.active() == 0, 30)
