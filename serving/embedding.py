@@ -108,9 +108,14 @@ def texts_in(feeds: Mapping[str, np.ndarray], engine) -> list[str] | None:
         raise InvalidArgument(f"'{names[0]}' is not valid UTF-8") from None
 
 
-def embed_texts(engine, texts: list[str]) -> dict[str, np.ndarray]:
-    """sentence-transformers' vectors of `texts`, one row each: {EMBEDDINGS_OUTPUT: (n, dim)}.
-    InvalidArgument for an encoder without a tokenizer."""
+def embed_texts(engine, texts: list[str], names=()) -> dict[str, np.ndarray]:
+    """sentence-transformers' vectors of `texts`, one row each: {EMBEDDINGS_OUTPUT: (n, dim)}
+    (`names`: the outputs a request asked for, as Engine.infer takes them). InvalidArgument
+    for an encoder without a tokenizer, or for a name it does not answer with."""
+    for name in names:
+        if name != EMBEDDINGS_OUTPUT:
+            raise InvalidArgument(f"unexpected inference output '{name}' for model "
+                                  f"'{engine.name}'")
     embedder = embedder_of(engine)
     rows = []
     for text in texts:

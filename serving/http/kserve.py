@@ -111,7 +111,7 @@ async def infer(frontend, request: Request) -> Response:
         final = None
         texts = None if isinstance(engine, DecoderEngine) else texts_in(feeds, engine)
         if texts is not None:  # an encoder sent text: its sentence embeddings
-            outputs = await frontend.run(embed_texts, engine, texts)
+            outputs = await frontend.run(embed_texts, engine, texts, names)
         else:
             runner = engine.forward if isinstance(engine, DecoderEngine) else engine
             outputs, _ = await frontend.run(runner.infer, feeds, names)

@@ -14,7 +14,7 @@ from serving.datatypes import triton_type
 from serving.decoder import DecoderEngine
 from serving.embedding import embed_texts, texts_in
 from serving.engine import Engine
-from serving.errors import InvalidArgument, NotFound, ServingError, Unavailable
+from serving.errors import NotFound, ServingError, Unavailable
 from serving.wire import protocol
 from serving.wire._generated import inference_pb2 as pb
 from serving.wire._generated import inference_pb2_grpc as pb_grpc
@@ -121,15 +121,12 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                ) -> pb.ModelInferResponse:
         engine = engine or self._engine(request.model_name, request.model_version)
         feeds = protocol.decode_inputs(request)
+        names = protocol.requested_outputs(request)
         texts = texts_in(feeds, engine) if isinstance(engine, Engine) else None
         if texts is not None:  # an encoder sent text: its sentence embeddings
-            outputs = embed_texts(engine, texts)
-            for name in protocol.requested_outputs(request):
-                if name not in outputs:
-                    raise InvalidArgument(f"unexpected inference output '{name}' for model "
-                                          f"'{engine.name}'")
+            outputs = embed_texts(engine, texts, names)
         else:
-            outputs, _ = engine.infer(feeds, protocol.requested_outputs(request))
+            outputs, _ = engine.infer(feeds, names)
         return protocol.encode_response(engine.name, engine.version, request.id, outputs,
                                         list(outputs))
 
