@@ -64,13 +64,14 @@ class Signature:
 @dataclass(frozen=True)
 class LoadedModel:
     """What the engine serves: the runner of the variant that passed the gate here (or the
-    original), the original's runner for shadow checks, and what clients must send."""
+    original), the original's runner for shadow checks (None when none are asked for and a
+    variant is served: its session is released), and what clients must send."""
 
     name: str
     served: str  # the variant's name
     note: str  # one line for the log: which variant, and why
     runner: Runner
-    original: Runner
+    original: Runner | None
     signature: Signature
     layout: Layout
     buckets: Buckets
@@ -179,11 +180,13 @@ def load_artifact(out_dir: str | Path, backend: str | None = None,
                   settings: SessionSettings | None = None, model_name: str | None = None,
                   tolerance: Tolerance = Tolerance(),
                   log: Callable[[str], None] = lambda line: None,
-                  overlap: bool = False) -> LoadedModel:
+                  overlap: bool = False, shadow: bool = True) -> LoadedModel:
     """Load OUT's selected variant, re-check it against the original on this machine, and
     fall back to the original (saying so through `log`) if it fails here. `overlap`: where
     serving.overlap says it pays, the served graph is loaded a second time on one thread,
-    for requests that run beside another (the runner is then an OverlapRunner)."""
+    for requests that run beside another (the runner is then an OverlapRunner). `shadow`:
+    keep the original's session for shadow checks (without, a served variant's gate is the
+    last use of it)."""
     out = Path(out_dir)
     manifest: Manifest = read_manifest(out)
     backend = backend or manifest.backend
@@ -218,6 +221,9 @@ def load_artifact(out_dir: str | Path, backend: str | None = None,
             note = (f"variant {chosen.name} FAILED the accuracy gate on this machine; serving "
                     "the original instead")
             log(gate.table())
+    if runner is not original and not shadow:
+        original.close()  # gated: without shadow checks nothing runs it again (its memory)
+        original = None
     log(note)
     if kv is not None:
         # requests carry their own past (or generation builds it): nothing is padded along the

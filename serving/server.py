@@ -8,8 +8,7 @@ Lifecycle:
            runners, the accuracy gate on this machine, the layout probe; then ready.
   stop()   (SIGTERM/SIGINT in `serve`): health NOT_SERVING and ready false, gRPC refuses new
            calls, every call already accepted runs to its answer (up to `drain_timeout_s`),
-           the batcher drains, the metrics endpoint closes.
-"""
+           the batcher drains, the metrics endpoint closes."""
 
 from __future__ import annotations
 
@@ -298,7 +297,8 @@ class Server:
         o = self.options
         try:
             model = load_artifact(self.artifact, o.backend, o.settings, self.slot.name,
-                                  log=self.say, overlap=o.engine.workers is None)
+                                  log=self.say, overlap=o.engine.workers is None,
+                                  shadow=o.engine.shadow_fraction > 0)
             if model.cache_model:  # generation, and a plain forward for requests with a past
                 engine = DecoderEngine(model, o.generate, self.stats, self.metrics,
                                        add_generation_metrics(self.metrics, self.slot.name, "1"),

@@ -19,6 +19,9 @@ from models.tokenizer import byte_level_bpe
 from serving.server import Server, ServerOptions
 from serving_support import make_artifact
 from tuner.artifact.records import Buckets
+from tuner.graph.inspect import inspect_model
+from tuner.graph.load import load_model, save_model
+from tuner.rewrite.logits_to_keep import add_logits_to_keep
 
 BUCKETS = Buckets(batch=(1, 2, 4, 8), seq=(16, 32, 64))
 POSITIONS = 256
@@ -146,10 +149,21 @@ def rendered_ids(messages: list[dict], template: str = CHAT_TEMPLATE, **kwargs) 
                               add_special_tokens=False).ids
 
 
+def cut_copy(model: Path, dst: Path) -> Path:
+    """`model` with its LM head cut to the positions a step reads, as `tuner optimize`
+    serves a decoder (tuner.rewrite.logits_to_keep)."""
+    graph = load_model(model)
+    add_logits_to_keep(graph, inspect_model(graph).sites.lm_head)
+    return save_model(graph, dst)
+
+
 def decoder_artifact(tmp: Path, model: Path) -> Path:
     """The llama-kv artifact with tokenizer.json, tokenizer_config.json (chat template, end
-    token) and config.json (positions, eos_token_id)."""
-    out = make_artifact(tmp, model, BUCKETS)
+    token) and config.json (positions, eos_token_id). It serves the graph as `tuner optimize`
+    serves a decoder, its LM head cut (`last-logits`), so that every client test runs the
+    cut, prompt log-probs (every position) included."""
+    kept = cut_copy(model, tmp / "variants" / "last-logits" / "model.onnx")
+    out = make_artifact(tmp, model, BUCKETS, kept, "last-logits")
     tok = tokenizer()
     tok.save(str(out / "tokenizer.json"))
     avoid = set(greedy(model, tok.encode(PROMPT).ids, 32)[0])

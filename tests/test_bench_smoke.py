@@ -108,3 +108,10 @@ def test_mlserver_runtime_imports():
     finally:
         sys.path.remove(str(ROOT / "bench"))
     assert issubclass(mlserver_ort_runtime.OrtRuntime, __import__("mlserver").MLModel)
+
+
+def test_prefill_logits_smoke():
+    """The LM head cut's bench: a 2-layer GPT-2, both ways, its table and its summary."""
+    out = _bench("prefill_logits.py", "--smoke")
+    assert re.search(r"^\| 1 \| gpt2 \| 8 \| \d+\.\d \| \d+\.\d \| \d\.\d{3} \[", out, re.M), out
+    assert "gpt2, prompt 8: last / every" in out and "load average" in out

@@ -10,7 +10,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from serving.generation.cache import Cache, CacheManager, DecodeBatch
-from tuner.gate.decode_step import empty_past, pad_rows, row_cache, seq_index, step_feeds
+from tuner.gate.decode_step import (empty_past, last_only, pad_rows, row_cache, seq_index,
+                                    step_feeds)
 from tuner.graph.cache_record import CacheRecord
 
 
@@ -67,11 +68,13 @@ class StepRunner:
         span = seq_index(self.record, slice(None), slice(0, past))
         return {n: (a[span] if n in self.presents else a) for n, a in arrays.items()}
 
-    def _last_logits(self, out, feeds) -> np.ndarray:
-        logits = out[self.record.logits]  # (B, S, vocab)
+    def _last_logits(self, out, feeds, rows: int | None = None) -> np.ndarray:
+        """(rows, vocab): the first `rows` rows' (default all) last positions' logits."""
+        logits = out[self.record.logits]  # (B, S or kept, vocab)
         if feeds.seq == 1:
-            return logits[:, 0, : self.vocab]  # (B, vocab)
-        return logits[np.arange(len(logits)), feeds.last, : self.vocab]  # (B, vocab)
+            return logits[:rows, 0, : self.vocab]  # (B, vocab)
+        slots = feeds.logit_slots[:rows]  # bucket padding rows may lie outside a cut's logits
+        return logits[np.arange(len(slots)), slots, : self.vocab]  # (rows, vocab)
 
     def prefill(self, cache: CacheManager, chunks: Sequence[tuple[object, int]]) -> RunResult:
         """Each (stream, n) feeds its next n uncomputed tokens against its own cache (empty,
@@ -119,11 +122,13 @@ class StepRunner:
         else:
             arrays, mask = empty_past(self.record, batch)
         feeds = step_feeds(self.record, rows, mask, arrays)
+        if all(s.request.prompt_logprobs is None for s in streams):
+            feeds = last_only(feeds, len(streams))  # the head on each row's last token
         out, seconds = self._run(feeds.arrays, len(streams))
         presents = {p: out[q] for p, q in self.presents.items()}
         caches = tuple(row_cache(self.record, presents, feeds.mask[i], i)
                        for i in range(len(streams)))
-        return RunResult(self._last_logits(out, feeds)[: len(streams)], caches, seconds,
+        return RunResult(self._last_logits(out, feeds, len(streams)), caches, seconds,
                          self._chunk_logits(out, feeds, chunks))
 
     def _chunk_logits(self, out, feeds, chunks) -> tuple[np.ndarray | None, ...]:

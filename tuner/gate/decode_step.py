@@ -5,6 +5,7 @@ runs.
 
     past, mask = pad_rows(record, [row_a, row_b], batch=4, past=16)   # rows' own caches
     feeds = step_feeds(record, [(5,), (7, 8, 9)], mask, past)          # a decode row + a chunk
+    feeds = last_only(feeds)             # each row's last logits only, where the graph can
     feeds = next_feeds(feeds, outputs, tokens)                         # present -> next past
 
 How rows of different lengths share a step (the graph's mask says which way):
@@ -26,7 +27,7 @@ freed rows cost more than a copy.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -44,6 +45,7 @@ class StepFeeds:
     arrays: Mapping[str, np.ndarray]
     mask: np.ndarray
     counts: np.ndarray | None = None  # (B,) new tokens per row when rows are at the start
+    keep: int = 0  # the logits hold the last `keep` positions (0: all; `last_only`)
 
     @property
     def seq(self) -> int:
@@ -59,6 +61,13 @@ class StepFeeds:
         if self.counts is None:
             return np.full(self.mask.shape[0], self.seq - 1)
         return self.counts - 1
+
+    @property
+    def logit_slots(self) -> np.ndarray:
+        """(B,) where each row's last new token's logits sit in the run's logits, which
+        hold the step's last `keep` positions (all of them when keep is 0)."""
+        kept = min(self.keep, self.seq) if self.keep else self.seq
+        return self.last - (self.seq - kept)
 
     @property
     def query_mask(self) -> np.ndarray:
@@ -140,6 +149,19 @@ def step_feeds(record: CacheRecord, rows: Sequence[Sequence[int] | None], past_m
     total = past_mask.sum(1) + counts  # (B,) L_i + k_i: the row's entries after the step
     mask = (np.arange(past_mask.shape[1] + ids.shape[1]) < total[:, None]).astype(np.int64)
     return build_feeds(record, ids, mask, past, counts)
+
+
+def last_only(feeds: StepFeeds, rows: int | None = None) -> StepFeeds:
+    """`feeds` asking for the logits of each row's last token only, where the graph takes
+    `logits_to_keep` (tuner.rewrite.logits_to_keep): the fewest last positions that hold
+    the last token of each of the first `rows` rows (default all; the rest, bucket padding,
+    are never read), 1 unless rows at the start end at different slots. As they are
+    otherwise; a step of one position has nothing to leave out."""
+    name = feeds.record.keep_logits
+    if name is None or feeds.seq == 1:
+        return feeds
+    keep = feeds.seq - int(feeds.last[:rows].min())
+    return replace(feeds, arrays={**feeds.arrays, name: np.array(keep, np.int64)}, keep=keep)
 
 
 def empty_past(record: CacheRecord, batch: int) -> tuple[dict[str, np.ndarray], np.ndarray]:

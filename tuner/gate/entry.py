@@ -14,7 +14,9 @@ re-check, the server's check before it is ready).
   it goes, so a cache model's reference stays live; a runner already loaded is used as it is;
 - the tolerances: widened to the original's own precision (fp16, bf16), cache models included;
 - the cache policy: a variant whose cache interface was widened (`widen`) is fed wider pasts
-  and compared on the original entries (tuner.graph.kv_cache.widened_cache of the variant).
+  and compared on the original entries (tuner.graph.kv_cache.widened_cache of the variant);
+- the kept logits: a variant that takes `logits_to_keep` (tuner.rewrite.logits_to_keep) is
+  also run for each row's last logits only, as the server runs its prompts.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from tuner.errors import BadInput
 from tuner.gate.feeds import DEFAULT_SHAPES
 from tuner.gate.kv_gate import CacheFeeds, check, gate_feeds
 from tuner.gate.verify import Tolerance, TolerancePolicy, VerifyResult, record_then_release
+from tuner.graph.cache_record import keep_input
 from tuner.graph.inspect import inspect_model
 from tuner.graph.io import model_precision, vocab_for_feeds
 from tuner.graph.kv_cache import CachePads, widened_cache
@@ -54,6 +57,7 @@ class GateCheck:
     specs: tuple[InputSpec, ...]
     min_compared: int = 1
     widened: CachePads = field(default_factory=dict)  # the variant given to prepare, if any
+    kept: bool = False  # the variant given to prepare takes logits_to_keep
 
     @property
     def rollouts(self) -> bool:
@@ -82,11 +86,23 @@ class GateCheck:
             return dict(variant)
         return widened_cache(variant if isinstance(variant, ir.Model) else load_model(variant))
 
+    def kept_of(self, variant: Variant | None) -> bool:
+        """Whether `variant` takes logits_to_keep (a widened map says nothing of it)."""
+        if variant is None or isinstance(variant, Mapping):
+            return self.kept
+        if not self.rollouts:
+            return False
+        return keep_input(_model(variant).graph) is not None
+
     def check(self, candidate: Runner, variant: Variant | None = None) -> VerifyResult:
-        """`candidate` against the reference; `variant` (its graph, file or widened map) says
-        whether its cache interface was widened (default: the variant given to prepare)."""
+        """`candidate` against the reference; `variant` (its graph or file) says whether its
+        cache interface was widened and whether it takes logits_to_keep (default: the variant
+        given to prepare; a widened map says the first only)."""
+        if isinstance(variant, (str, Path)):
+            variant = load_model(variant)  # read once for both questions
         return check(self.reference, candidate, self.feeds, self.tolerance,
-                     self.widened_of(variant), self.specs, self.min_compared)
+                     self.widened_of(variant), self.specs, self.min_compared,
+                     self.kept_of(variant))
 
     def close(self) -> None:
         self.reference.close()
@@ -123,8 +139,10 @@ def prepare(original: ir.Model | Path | str, reference: Runner | Callable[[], Ru
     model = _model(original)
     specs = tuple(input_specs(model))
     widened: CachePads = {}
+    kept = False
     if variant is not None:
         cand = _model(variant)
+        kept = keep_input(cand.graph) is not None
         cand_specs = input_specs(cand)
         if [(s.name, s.dtype) for s in specs] != [(s.name, s.dtype) for s in cand_specs]:
             raise BadInput(f"the models take different inputs: {[s.name for s in specs]} vs "
@@ -139,11 +157,11 @@ def prepare(original: ir.Model | Path | str, reference: Runner | Callable[[], Ru
         built = list(feeds)
     del model  # weights it read lazily (the vocabulary) would stay in memory beside a session
     if not isinstance(built, CacheFeeds):
-        widened = {}
+        widened, kept = {}, False
     if callable(reference) and not hasattr(reference, "infer"):
         # a rollout asks the reference as it goes; plain feeds are recorded once
         runner = reference() if isinstance(built, CacheFeeds) else record_then_release(
             reference, built)
     else:
         runner = reference
-    return GateCheck(runner, built, tolerance, specs, min_compared, widened)
+    return GateCheck(runner, built, tolerance, specs, min_compared, widened, kept)

@@ -97,7 +97,7 @@ def greedy_rollout(infer: Infer, feeds: StepFeeds, steps: int) -> Rollout:
         out = np.asarray(outputs[feeds.record.logits])  # (B, S, vocab)
         logits.append(out)
         query_masks.append(feeds.query_mask)  # (B, S)
-        tokens.append(out[np.arange(len(out)), feeds.last].argmax(-1))  # (B,)
+        tokens.append(out[np.arange(len(out)), feeds.logit_slots].argmax(-1))  # (B,)
         if step + 1 < steps:
             feeds = next_feeds(feeds, outputs, tokens[-1])
     cache = {q: np.asarray(outputs[q]) for q in feeds.record.past_to_present.values()}

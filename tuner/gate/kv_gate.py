@@ -15,19 +15,20 @@ tuner.graph.kv_cache.widened_cache), and its presents are compared on the origin
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import numpy as np
 import onnx_ir as ir
 
+from tuner.gate.decode_step import last_only
 from tuner.gate.feeds import DEFAULT_SHAPES, make_feeds
 from tuner.gate.kv_feeds import (Rollout, StepFeeds, decode_feeds, greedy_rollout, prefill_feeds,
                                  served_feeds)
 from tuner.gate.right_pad import adapted
 from tuner.gate.verify import (Stats, Tolerance, TolerancePolicy, VerifyResult, tolerance_label,
                                verify)
-from tuner.graph.cache_record import CacheRecord, cache_record
+from tuner.graph.cache_record import KEEP, CacheRecord, cache_record
 from tuner.graph.kv_cache import CachePads, find_kv_cache
 from tuner.graph.roles import InputSpec
 
@@ -100,13 +101,13 @@ def gate_feeds(model: ir.Model, vocab_size: int, shapes: Sequence[tuple[int, int
 
 def check(reference, candidate, feeds, tolerance: Tolerance | TolerancePolicy = Tolerance(),
           widened: CachePads | None = None, specs: Sequence[InputSpec] | None = None,
-          min_compared: int = 1) -> VerifyResult:
+          min_compared: int = 1, kept: bool = False) -> VerifyResult:
     """The gate: `verify_cache_model` for CacheFeeds (greedy rollouts), tuner.gate.verify.verify
     otherwise (`specs` say which input is the mask; fewer than `min_compared` compared elements
-    in an output fail)."""
+    in an output fail). `kept`: the candidate takes `logits_to_keep` (cache models only)."""
     if isinstance(feeds, CacheFeeds):
         return verify_cache_model(reference, candidate, feeds, tolerance, widened or {},
-                                  min_compared)
+                                  min_compared, kept)
     return verify(reference, candidate, feeds, tolerance, specs, min_compared)
 
 
@@ -137,7 +138,7 @@ def widen_feeds(step: StepFeeds, widened: CachePads) -> StepFeeds:
     if not widened:
         return step
     arrays = {n: (_scatter(a, widened[n]) if n in widened else a) for n, a in step.arrays.items()}
-    return StepFeeds(step.record, arrays, step.mask)
+    return replace(step, arrays=arrays)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -154,14 +155,46 @@ def _first_line(e: Exception) -> str:
     return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
 
 
+def _compare_kept(stats: Stats, candidate, start: StepFeeds, ref_logits: np.ndarray,
+                  widened: CachePads, tolerance, errors: list[str], what: str) -> None:
+    """The candidate's first step of `start` run for each row's last logits only, as the
+    server runs a prompt (tuner.gate.decode_step.last_only), against the reference's logits
+    (B, S, vocab) at each row's last token."""
+    feeds = last_only(replace(widen_feeds(start, widened),
+                              record=replace(start.record, keep_logits=KEEP)))
+    try:
+        cut = np.asarray(candidate.infer(feeds.arrays)[start.record.logits])
+    except Exception as e:  # noqa: BLE001 - a candidate that cannot run fails the gate
+        errors.append(f"{what}: the candidate failed to run with {KEEP}: {_first_line(e)}")
+        return
+    if cut.shape[:2] != (start.mask.shape[0], feeds.keep):
+        stats.fail(f"{KEEP}={feeds.keep} gave logits {cut.shape}")
+        return
+    rows = np.arange(len(cut))
+    stats.add(start.record.logits, ref_logits[rows, start.last], cut[rows, feeds.logit_slots],
+              tolerance)
+
+
+def _keeps(start: StepFeeds) -> bool:
+    """Whether a start fits a check of the kept logits: more than one new position, run as
+    the server runs it (a graph that reads its mask as lengths takes no left-padded rows
+    there: tuner.gate.right_pad moves them, which a run of kept positions cannot follow)."""
+    return start.seq > 1 and (start.record.cache.mask != "lengths"
+                              or not (start.mask[:, 0] == 0).any())
+
+
 def verify_cache_model(reference, candidate, feeds: CacheFeeds,
                        tolerance: Tolerance | TolerancePolicy = Tolerance(),
-                       widened: CachePads | None = None, min_compared: int = 1) -> VerifyResult:
+                       widened: CachePads | None = None, min_compared: int = 1,
+                       kept: bool = False) -> VerifyResult:
     """Roll both models greedily from every start in `feeds` and compare logits at every step
     (positions the mask keeps) and the final cache (on the original entries when `widened`).
-    Fails closed: a model that does not run, a flipped greedy token, a missing output, an
-    output with fewer than `min_compared` compared elements. The comparison is the plain
-    gate's own (tuner.gate.verify.Stats)."""
+    `kept` (a candidate that takes `logits_to_keep`): also its first step of every start of
+    more than one new position run for the rows' last logits only, against the reference's
+    logits there. Fails closed: a model that does not run, a flipped greedy token, a missing
+    output, an output with fewer than `min_compared` compared elements (so a `kept` check
+    that found no start to run fails). The comparison is the plain gate's own
+    (tuner.gate.verify.Stats)."""
     if min_compared < 1:
         raise ValueError(f"min_compared must be >= 1, not {min_compared}")
     widened = widened or {}
@@ -170,6 +203,9 @@ def verify_cache_model(reference, candidate, feeds: CacheFeeds,
     roles = feeds.roles
     presents = list(roles.past_to_present.values())
     stats = {name: Stats() for name in [roles.logits, *presents]}
+    last = f"{roles.logits} (each row's last position, {KEEP})"
+    if kept:
+        stats[last] = Stats()
     errors: list[str] = []
     for i, (start, steps) in enumerate(feeds.starts):
         what = f"rollout {i} (batch {start.mask.shape[0]}, past {start.past}, seq {start.seq})"
@@ -192,6 +228,9 @@ def verify_cache_model(reference, candidate, feeds: CacheFeeds,
                 break
         if diverged:  # the caches now hold other tokens: comparing them says nothing more
             continue
+        if kept and _keeps(start):
+            _compare_kept(stats[last], candidate, start, ref.logits[0], widened, tolerance,
+                          errors, what)
         for name in presents:
             if name not in got.cache:
                 stats[name].fail("missing in the candidate")

@@ -23,6 +23,8 @@ from tuner.errors import BadInput
 from tuner.graph.kv_cache import CachePads, KvCache, find_kv_cache, widened_cache
 from tuner.graph.roles import ATTENTION_MASK, POSITION_IDS, TOKEN_IDS, input_specs, with_role
 
+KEEP = "logits_to_keep"  # Hugging Face's name (transformers' forward(logits_to_keep=...))
+
 
 @dataclass(frozen=True)
 class CacheRecord:
@@ -38,6 +40,9 @@ class CacheRecord:
     vocab: int | None = None  # the logits' last dim when static
     widened: CachePads = field(default_factory=dict)  # {} unless a rewrite widened the cache
     seq: int | None = None  # the ids' sequence dim when static (1: decode steps only)
+    # the input that keeps the logits of the last k positions only (0: all), with a default:
+    # tuner.rewrite.logits_to_keep; None when the graph has none
+    keep_logits: str | None = None
 
     @property
     def layout(self) -> str:
@@ -108,6 +113,15 @@ def _logits(graph: ir.Graph, cache: KvCache) -> ir.Value:
     return rest[0]
 
 
+def keep_input(graph: ir.Graph) -> str | None:
+    """The name of the graph's `logits_to_keep` input (an int64 scalar, with a default), or
+    None: the server and the gate feed it only where the graph has it."""
+    for v in graph.inputs:
+        if v.name == KEEP and v.dtype == ir.DataType.INT64 and v.const_value is not None:
+            return v.name
+    return None
+
+
 def _static_last(v: ir.Value) -> int | None:
     d = v.shape[-1] if v.shape is not None and len(v.shape) else None
     return d if isinstance(d, int) and d > 0 else None
@@ -132,7 +146,8 @@ def cache_record(model: ir.Model) -> CacheRecord:
                        pos.name if pos is not None else None, logits.name or "", cache,
                        {s.name: s.dtype for s in specs},
                        batch if isinstance(batch, int) else None, _static_last(logits),
-                       widened_cache(model), seq if isinstance(seq, int) else None)
+                       widened_cache(model), seq if isinstance(seq, int) else None,
+                       keep_input(graph))
 
 
 def find_cache_record(model: ir.Model) -> CacheRecord | None:

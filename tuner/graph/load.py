@@ -210,6 +210,19 @@ def name_nodes(model: ir.Model) -> None:
 EXTERNAL_DATA_BYTES = 1_500_000_000
 
 
+def save_graph(model: ir.Model, dst: str | os.PathLike) -> Path:
+    """Write `model` over `dst`, the file it was read from, keeping its weights where they
+    lie: weights read from external data stay references to the same files beside `dst`
+    (nothing is copied: a graph edit of a big model writes kilobytes), the rest goes in the
+    file. Atomic like `save_model`."""
+    dst = Path(dst)
+    with tempfile.TemporaryDirectory(dir=dst.parent, prefix=f".{dst.name}.") as tmp:
+        tmp_path = Path(tmp) / dst.name
+        ir.save(model, tmp_path)
+        os.replace(tmp_path, dst)
+    return dst
+
+
 def save_model(model: ir.Model, dst: str | os.PathLike) -> Path:
     """Write `model` to `dst` so that `dst` is either the old file or the complete new one.
 

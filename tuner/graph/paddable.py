@@ -26,8 +26,9 @@ PADDABLE = (
 )
 BY_KIND = {d.kind: d for d in PADDABLE}
 # Every Transform kind, in the order a variant's name lists them: the paddable ones, the hidden
-# size (never padded exactly; advice only) and ONNX Runtime's fusions.
-KINDS = (*BY_KIND, "hidden", "fuse")
+# size (never padded exactly; advice only), ONNX Runtime's fusions and the LM head cut to the
+# positions a step reads (tuner.rewrite.logits_to_keep: the selected decoder's, when served).
+KINDS = (*BY_KIND, "hidden", "fuse", "last-logits")
 
 
 @dataclass(frozen=True)

@@ -232,6 +232,8 @@ class DecoderWorkload:
     """Prefill (b x s against past 0) and decode (b x 1 against a cache of P), measured apart
     and weighed by tokens (RULE); variants with a widened cache are fed wider pasts."""
 
+    generates = True
+
     def __init__(self, cfg, roles: CacheRecord, cache: KvCache, vocab: int,
                  positions: int | None) -> None:
         self.roles, self.cache, self.vocab = roles, cache, vocab

@@ -6,6 +6,7 @@
     load     sessions on the measured backend, gated again as that backend runs them
     compare  the variants interleaved, phase by phase, and the workload's selection rule
     grid     the winner timed on the bucket grid, buckets chosen per phase
+    keep     a generating decoder's winner cut to the logits a step reads, gated, selected
     write    manifest.json and the report
 
 The model is loaded once (by tuner.jobs.optimize); each padded variant is a rewrite of a copy
@@ -43,8 +44,8 @@ from tuner.hardware.detect import DeviceInfo, detect
 from tuner.jobs.decoder import DecoderWorkload
 from tuner.jobs.pad import load_reference
 from tuner.jobs.planning import Planned, Probe, plan_variants, probe_backend, probe_dtype, speed
-from tuner.jobs.variants import Built, accuracy_of, build_fused, build_padded, copy_original, \
-    graph_files
+from tuner.jobs.variants import Built, accuracy_of, build_fused, build_kept, build_padded, \
+    copy_original, graph_files
 from tuner.jobs.workload import Phase, PlainWorkload, Workload, selection_shapes
 from tuner.measure import bench
 from tuner.measure.bench import Measurements, Target
@@ -280,6 +281,25 @@ def grid_stage(s: Setup, winner: Target, phases: tuple[Phase, ...]) -> Timed:
     return Timed(measured, latency, choices)
 
 
+def keep_stage(s: Setup, built: Mapping[str, Built], winner: str) -> tuple[Built | None, list[str]]:
+    """A generating decoder's winner with its LM head on the positions a step reads
+    (variants.build_kept), or None and why; on ort-cpu only (its gate's backend)."""
+    why = f"serving {winner} with every position's logits"
+    if not s.workload.generates:
+        return None, []
+    if s.backend.name != "ort-cpu":
+        return None, [f"{why}: the LM head cut is made on ort-cpu only, not {s.backend.name}"]
+    s.say(f"cutting {winner}'s LM head to the positions a step reads (accuracy gate)")
+    gate = prepare(s.model, lambda: load_reference(built["original"].path, s.settings),
+                   vocab=s.vocab, tolerance=s.tolerance)
+    try:
+        return build_kept(built[winner], gate, get_backend("ort-cpu"), s.settings), []
+    except Exception as e:  # noqa: BLE001 - the winner is served as it is, with the reason
+        return None, [f"{why}: {_first_line(e)}"]
+    finally:
+        gate.close()
+
+
 def _variant_shape(b: Built, source_shape: ModelShape) -> tuple[dict, str]:
     """`tuner inspect` of a built variant; if inspect cannot read it (fused graphs are the
     likely case), the source's shape with the pads applied, and a note saying so."""
@@ -295,9 +315,10 @@ def _lat(stats) -> Latency:
     return Latency(stats.median, stats.p10, stats.p90, stats.q1, stats.q3, stats.n)
 
 
-def _variants(s: Setup, built: Mapping[str, Built], c: Compared, t: Timed) -> list[Variant]:
+def _variants(s: Setup, built: Mapping[str, Built], c: Compared, t: Timed,
+              kept: Built | None) -> list[Variant]:
     """Each variant's record: latencies of every phase where variants were compared, and the
-    winner's on the whole grid too."""
+    winner's on the whole grid too (its cut, `kept`, carries them: measured before the cut)."""
     first, winner = c.phases[0], c.selection.name
     out = []
     for n, b in built.items():
@@ -316,16 +337,21 @@ def _variants(s: Setup, built: Mapping[str, Built], c: Compared, t: Timed) -> li
             speedup_by_shape={ph: speed(c.measured[first.name].speedup_at(n, g))
                               for g in first.compare_at for ph in [first.key(*g)]}
             if n != "original" else {}, note=vnote, **lat))
+    if kept is not None:
+        base = next(v for v in out if v.name == winner)
+        out.append(replace(base, name=kept.name, path=kept.rel, transforms=kept.transforms,
+                           accuracy=kept.accuracy, note=f"{kept.note}; timed as {winner}"))
     return out
 
 
 def write_stage(s: Setup, built, c: Compared, t: Timed, advice, notes: list[str],
-                source_sha: str) -> Manifest:
+                source_sha: str, kept: Built | None = None) -> Manifest:
     first = c.phases[0]
     main = t.choices[first.name]
     req = first.requests
     by_field = {ph.bucket_field: t.choices[ph.name].seq for ph in c.phases[1:]}
-    sel = c.selection.name
+    sel, reason = (c.selection.name, c.selection.reason) if kept is None else (
+        kept.name, f"{c.selection.reason}; served as {kept.name}: {kept.note}, exact (gate)")
     manifest = Manifest(
         source_path=str(s.cfg.model.resolve()), source_sha256=source_sha,
         device=s.info.to_json(), backend=s.backend.name, settings=asdict(s.settings),
@@ -333,10 +359,10 @@ def write_stage(s: Setup, built, c: Compared, t: Timed, advice, notes: list[str]
         buckets=Buckets(tuple(main.batch), tuple(main.seq),
                         ExpectedLatency(main.expected_ms, main.pad_to_max_ms, main.no_buckets_ms),
                         req.source, req.count, tuple(by_field.get("past", ()))),
-        variants=tuple(_variants(s, built, c, t)), selection=c.selection.reason,
+        variants=tuple(_variants(s, built, c, t, kept)), selection=reason,
         margin=s.cfg.margin, notes=tuple(notes), advice=advice,
         roles=role_overrides() or None,
-        **s.workload.manifest_parts(built[sel].path, sel, s.cfg.cache_policy, c.phases))
+        **s.workload.manifest_parts((kept or built[sel]).path, sel, s.cfg.cache_policy, c.phases))
     write_manifest(s.root, manifest)
     write_report(s.root, manifest, req=req, grid_latency=t.latency[first.name],
                  coverage=main.coverage, phases=s.workload.phase_rows(manifest))
@@ -367,5 +393,8 @@ def run_pipeline(cfg, model: ir.Model, root: Path) -> tuple[Manifest, list[str]]
     cached = sum(len(m.cached_shapes) for ms in (compared.measured, timed.measured)
                  for m in ms.values())
     notes += [f"{cached} shape(s) taken from the results cache"] if cached else []
-    manifest = write_stage(s, built, compared, timed, planned.advice, notes, source_sha)
+    del winner  # its session: the cut is gated on sessions of its own
+    kept, keep_notes = keep_stage(s, built, compared.selection.name)
+    notes += keep_notes
+    manifest = write_stage(s, built, compared, timed, planned.advice, notes, source_sha, kept)
     return manifest, notes

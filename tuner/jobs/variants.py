@@ -3,6 +3,9 @@
     OUT/variants/original/model.onnx      a copy of the input (and its external data)
     OUT/variants/<name>/model.onnx        padded (tuner.jobs.pad), or fused (repeat_kv regrouped,
                                           tuner.rewrite.grouped_attention; tuner.runtime.ort_fusion)
+    OUT/variants/<name>/last-logits.onnx  the selected decoder with its LM head cut to the
+                                          positions a step reads (tuner.rewrite.logits_to_keep),
+                                          sharing <name>'s weights
 
 The rewrites and the gate are the project's own (tuner.jobs.pad, tuner.gate.verify); this
 module only decides where files go and turns their results into manifest records.
@@ -22,17 +25,20 @@ from tuner.artifact.records import Accuracy
 from tuner.errors import BadInput
 from tuner.gate.entry import GateCheck
 from tuner.gate.verify import VerifyResult
+from tuner.graph.inspect import inspect_model
 from tuner.graph.load import (check_external_data, external_locations, load_model,
-                              read_proto, save_model)
+                              read_proto, save_graph, save_model)
 from tuner.graph.paddable import Transform
 from tuner.graph.shape import ModelShape
 from tuner.jobs.pad import NotExact, pad_model
 from tuner.plan.propose import Candidate
 from tuner.rewrite.compose import PadRequest
 from tuner.rewrite.grouped_attention import regroup_attention
+from tuner.rewrite.logits_to_keep import add_logits_to_keep
 from tuner.runtime.ort_fusion import fuse_file
 
 MODEL_FILE = "model.onnx"
+KEPT_FILE = "last-logits.onnx"  # a variant's graph cut to its last logits, beside it
 
 
 @dataclass(frozen=True)
@@ -135,6 +141,41 @@ def build_fused(base: Built, root: Path, cand: Candidate, shape: ModelShape, che
     done += [f"repeat_kv regrouped x{regrouped}"] if regrouped else []
     return Built(cand.name, dst, rel, True, (*base.transforms, Transform("fuse")), acc,
                  note=f"fused: {', '.join(done)}")
+
+
+def kept_name(base: str) -> str:
+    """The name of `base` with its LM head cut to the last positions (see build_kept)."""
+    return "last-logits" if base == "original" else f"{base}+last-logits"
+
+
+def build_kept(base: Built, check: GateCheck, backend, settings) -> Built:
+    """`base` (a decoder's variant) with the input `logits_to_keep`: its LM head runs on the
+    positions a step reads (tuner.rewrite.logits_to_keep). The graph is written beside the
+    base's own (`last-logits.onnx` in its folder: its weights, external data included, are
+    shared, not copied) and gated through `check`, its kept logits run as the server runs
+    its prompts. BadInput (a refused rewrite or a failed gate) with nothing left behind."""
+    dst = base.path.parent / KEPT_FILE
+    rel = f"{Path(base.rel).parent.as_posix()}/{KEPT_FILE}"
+    try:
+        model = load_model(base.path)
+        head = inspect_model(model).sites.lm_head
+        if head is None:
+            raise BadInput(f"{base.name}: no LM head found to cut")
+        add_logits_to_keep(model, head)
+        save_graph(model, dst)
+        del model
+        result = check.check(backend.load(dst, settings), dst)
+    except BaseException:
+        dst.unlink(missing_ok=True)
+        raise
+    acc = accuracy_of(result)
+    if not acc.passed:
+        dst.unlink(missing_ok=True)
+        raise BadInput(f"{kept_name(base.name)} failed the accuracy gate: {acc.detail}")
+    return Built(kept_name(base.name), dst, rel, True,
+                 (*base.transforms, Transform("last-logits")), acc,
+                 note=f"{base.name} with the LM head on the positions a step reads "
+                      "(logits_to_keep)")
 
 
 def _regrouped(src: Path, work: Path, shape: ModelShape) -> tuple[Path, int]:

@@ -64,6 +64,9 @@ class Workload(Protocol):
     per-shape speedups and the sequence buckets come from."""
 
     traffic: Traffic
+    # whether the server generates from the selected graph, reading each step's last logits
+    # alone (then the pipeline cuts its LM head to them: tuner.jobs.variants.build_kept)
+    generates: bool
 
     def phases(self, selection: Sequence[Shape]) -> tuple[Phase, ...]: ...
 
@@ -159,6 +162,8 @@ def plain_traffic(cfg, positions: int | None, specs: Sequence[InputSpec] = ()) -
 
 class PlainWorkload:
     """One forward pass per request; variants compared on the expected time per request."""
+
+    generates = False  # a client reads every output the graph returns
 
     def __init__(self, cfg, specs: Sequence[InputSpec], vocab: int, positions: int | None):
         self.specs, self.vocab = list(specs), vocab
