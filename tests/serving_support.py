@@ -4,6 +4,7 @@ ports, in-process servers. Not a test module (no test_ prefix)."""
 from __future__ import annotations
 
 import hashlib
+import queue
 import shutil
 import socket
 import subprocess
@@ -194,3 +195,18 @@ def scraped_metrics(server) -> dict[tuple[str, tuple], float]:
     return {(x.name, tuple(sorted((k, v) for k, v in x.labels.items()
                                   if k not in ("model", "model_name", "version")))): x.value
             for family in text_string_to_metric_families(text) for x in family.samples}
+
+
+def collect(gen, requests) -> list[list]:
+    """Submit every request to `gen` (a serving.generation.Generator) at once; every
+    stream's chunks, in the order of `requests`."""
+    got = [queue.Queue() for _ in requests]
+    for q, r in zip(got, requests):
+        gen.submit(r, q.put)
+    out = []
+    for q in got:
+        chunks = []
+        while not chunks or not chunks[-1].final:
+            chunks.append(q.get(timeout=120))
+        out.append(chunks)
+    return out

@@ -7,11 +7,11 @@ Over 400 lines on purpose: one file per part under test, each test with the mode
 
 from __future__ import annotations
 
-import queue
 import threading
 
 import numpy as np
 import pytest
+from serving_support import collect
 
 from models.build import cached
 from serving.errors import InvalidArgument
@@ -48,20 +48,6 @@ def _stream(prompt, max_tokens=8, **kw) -> Stream:
 def _manager(record, tokens: int = 10_000, **kw) -> CacheManager:
     return CacheManager(record, tokens * record.bytes_per_token, kw.pop("pad_to", "longest"),
                         **kw)
-
-
-def _collect(gen: Generator, requests) -> list[list[Chunk]]:
-    """Submit every request at once; every stream's chunks."""
-    got = [queue.Queue() for _ in requests]
-    for q, r in zip(got, requests):
-        gen.submit(r, q.put)
-    out = []
-    for q in got:
-        chunks = []
-        while not chunks or not chunks[-1].final:
-            chunks.append(q.get(timeout=120))
-        out.append(chunks)
-    return out
 
 
 def _ids(chunks: list[Chunk]) -> list[int]:
@@ -373,7 +359,7 @@ def test_chunked_prefill_is_token_identical_to_transformers(llama):
     gen = _generator(llama, prefill_tokens=8, max_streams=4)
     try:
         jobs = [(_prompt(n, 40 + n), 12) for n in (37, 5, 20)]
-        got = _collect(gen, [GenerationRequest(p, k) for p, k in jobs])
+        got = collect(gen, [GenerationRequest(p, k) for p, k in jobs])
     finally:
         gen.close()
     for (p, k), chunks in zip(jobs, got):
@@ -385,7 +371,7 @@ def test_preempted_streams_give_what_they_give_alone(llama):
     jobs = [GenerationRequest(_prompt(12 + 3 * i, 60 + i), 24) for i in range(6)]
     alone_gen = _generator(llama)
     try:
-        alone = [_ids(_collect(alone_gen, [r])[0]) for r in jobs]
+        alone = [_ids(collect(alone_gen, [r])[0]) for r in jobs]
     finally:
         alone_gen.close()
     preempted = []
@@ -393,7 +379,7 @@ def test_preempted_streams_give_what_they_give_alone(llama):
         kv_cache_bytes=80 * record.bytes_per_token, prefix_cache=False),
         max_positions=256, stats=GenerationStats(on_preempt=lambda: preempted.append(1)))
     try:
-        together = [_ids(c) for c in _collect(tight, jobs)]
+        together = [_ids(c) for c in collect(tight, jobs)]
     finally:
         tight.close()
     assert together == alone and preempted  # the budget forced recomputation
@@ -408,8 +394,8 @@ def test_prefix_hits_are_token_identical_and_counted(llama):
     warm = Generator(llama[1], llama[0], VOCAB, GenerateOptions(), max_positions=256,
                      stats=stats)
     try:
-        want = [_ids(_collect(cold, [r])[0]) for r in jobs]
-        got = [_ids(_collect(warm, [r])[0]) for r in jobs]  # one after another: hits
+        want = [_ids(collect(cold, [r])[0]) for r in jobs]
+        got = [_ids(collect(warm, [r])[0]) for r in jobs]  # one after another: hits
     finally:
         cold.close()
         warm.close()
@@ -423,11 +409,11 @@ def test_sixteen_streams_with_chunks_each_equal_to_itself_alone(llama):
                               int(rng.integers(1, 30))) for i in range(16)]
     gen = _generator(llama, prefill_tokens=16, max_streams=6)
     try:
-        alone = [_ids(_collect(gen, [r])[0]) for r in jobs]
+        alone = [_ids(collect(gen, [r])[0]) for r in jobs]
         together: dict[int, list[int]] = {}
 
         def run(i: int) -> None:
-            together[i] = _ids(_collect(gen, [jobs[i]])[0])
+            together[i] = _ids(collect(gen, [jobs[i]])[0])
 
         threads = [threading.Thread(target=run, args=(i,)) for i in range(16)]
         for t in threads:
@@ -460,8 +446,8 @@ def test_seeded_sampling_does_not_depend_on_the_other_streams(llama):
     request = GenerationRequest(_prompt(9, 1), 16, knobs)
     gen = _generator(llama)
     try:
-        alone = _ids(_collect(gen, [request])[0])
-        mixed = _collect(gen, [request, GenerationRequest(_prompt(30, 2), 20)])
+        alone = _ids(collect(gen, [request])[0])
+        mixed = collect(gen, [request, GenerationRequest(_prompt(30, 2), 20)])
     finally:
         gen.close()
     assert _ids(mixed[0]) == alone
@@ -478,8 +464,8 @@ def test_a_stream_behind_another_picks_up_its_prefix_blocks_between_chunks(llama
     warm = Generator(llama[1], llama[0], VOCAB, GenerateOptions(prefill_tokens=24),
                      max_positions=256, stats=stats)
     try:
-        want = [_ids(_collect(cold, [r])[0]) for r in jobs]
-        got = [_ids(c) for c in _collect(warm, jobs)]
+        want = [_ids(collect(cold, [r])[0]) for r in jobs]
+        got = [_ids(c) for c in collect(warm, jobs)]
     finally:
         cold.close()
         warm.close()
@@ -518,11 +504,11 @@ def test_prompt_logprobs_are_transformers_own_whatever_the_chunks_cache_and_pree
         kv_cache_bytes=80 * record.bytes_per_token, prefix_cache=False), max_positions=256,
         stats=GenerationStats(on_preempt=lambda: preempted.append(1)))
     try:
-        plain = _collect(chunked, [GenerationRequest(prompt, 20)])[0]  # caches its blocks
-        scored = _collect(chunked, [ask])[0]
+        plain = collect(chunked, [GenerationRequest(prompt, 20)])[0]  # caches its blocks
+        scored = collect(chunked, [ask])[0]
         # 20 + 37 entries fit the 80 at first; grown by 12 tokens each they do not: the
         # newest (ask) is preempted after its first chunk went out, and recomputed later
-        crowded = _collect(tight, [GenerationRequest(_prompt(20, 300), 30), ask])[-1]
+        crowded = collect(tight, [GenerationRequest(_prompt(20, 300), 30), ask])[-1]
     finally:
         chunked.close()
         tight.close()

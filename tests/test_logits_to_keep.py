@@ -6,12 +6,12 @@ unless a stream wants its prompt's log-probs; optimize serves a decoder's winner
 from __future__ import annotations
 
 import json
-import queue
 
 import numpy as np
 import onnx_ir as ir
 import onnxruntime as ort
 import pytest
+from serving_support import collect
 
 from models import genai_builder
 from models.build import EXPORTERS, cached
@@ -154,16 +154,7 @@ class Recording:
 
 
 def _run(gen: Generator, requests) -> list[list[int]]:
-    got = [queue.Queue() for _ in requests]
-    for q, r in zip(got, requests):
-        gen.submit(r, q.put)
-    out = []
-    for q in got:
-        chunks = []
-        while not chunks or not chunks[-1].final:
-            chunks.append(q.get(timeout=120))
-        out.append([t for c in chunks for t in c.ids])
-    return out
+    return [[t for c in chunks for t in c.ids] for chunks in collect(gen, requests)]
 
 
 def test_the_engine_asks_for_the_last_logits_unless_a_prompt_wants_its_log_probs(tmp_path):
