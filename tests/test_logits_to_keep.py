@@ -6,6 +6,7 @@ unless a stream wants its prompt's log-probs; optimize serves a decoder's winner
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import onnx_ir as ir
@@ -21,10 +22,12 @@ from tuner.cli import main
 from tuner.errors import RewriteRefused
 from tuner.gate.entry import prepare
 from tuner.gate.kv_feeds import prefill_feeds
-from tuner.graph.cache_record import KEEP, cache_record
+from tuner.graph.cache_record import cache_record
 from tuner.graph.inspect import inspect_model
+from tuner.graph.lm_head import KEEP
 from tuner.graph.load import load_model, save_model
 from tuner.jobs.pad import load_reference
+from tuner.plan.findings import audited, head_share
 from tuner.rewrite.logits_to_keep import add_logits_to_keep
 from tuner.runtime.ort import OrtRunner, load_cpu
 
@@ -221,3 +224,20 @@ def test_optimize_serves_a_decoders_winner_cut(tmp_path):
     assert cache_record(load_model(out / chosen["path"])).keep_logits == KEEP
     # the original stays the user's graph: the reference the server gates against
     assert cache_record(load_model(out / "variants/original/model.onnx")).keep_logits is None
+
+
+def test_inspect_says_what_share_of_a_prompt_the_head_takes_until_it_is_cut(tmp_path):
+    src = cached("llama-kv", "awkward", "torchscript")
+    found = audited(inspect_model(load_model(src)))
+    note = next(f for f in found.findings if f.rule == "logits-every-position")
+    assert f"({head_share(found):.0%} of a prompt token's GEMM work)" in note.message
+    cut = audited(inspect_model(load_model(_cut(src, tmp_path / "model.onnx"))))
+    assert cut.sites.logits_to_keep == KEEP
+    assert not any(f.rule == "logits-every-position" for f in cut.findings)
+    plain = audited(inspect_model(load_model(cached("llama", "awkward", "torchscript"))))
+    assert plain.cache is None and not any(f.rule == "logits-every-position"
+                                           for f in plain.findings)  # no server generates
+    # GPT-2 small: 12 layers of 4 h^2 (attention) + 8 h^2 (FFN), h = 768; head h x 50257
+    gpt2 = replace(found, num_layers=12, hidden_size=768, num_heads=12, num_kv_heads=12,
+                   head_dim=64, ffn_size=3072, ffn_gated=False, vocab_size=50257)
+    assert head_share(gpt2) == pytest.approx(768 * 50257 / (12 * 12 * 768**2 + 768 * 50257))

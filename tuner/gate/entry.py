@@ -32,10 +32,10 @@ from tuner.errors import BadInput
 from tuner.gate.feeds import DEFAULT_SHAPES
 from tuner.gate.kv_gate import CacheFeeds, check, gate_feeds
 from tuner.gate.verify import Tolerance, TolerancePolicy, VerifyResult, record_then_release
-from tuner.graph.cache_record import keep_input
 from tuner.graph.inspect import inspect_model
 from tuner.graph.io import model_precision, vocab_for_feeds
 from tuner.graph.kv_cache import CachePads, widened_cache
+from tuner.graph.lm_head import keep_input
 from tuner.graph.load import load_model
 from tuner.graph.roles import InputSpec, input_specs
 from tuner.runtime.base import Runner

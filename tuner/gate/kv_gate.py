@@ -28,8 +28,9 @@ from tuner.gate.kv_feeds import (Rollout, StepFeeds, decode_feeds, greedy_rollou
 from tuner.gate.right_pad import adapted
 from tuner.gate.verify import (Stats, Tolerance, TolerancePolicy, VerifyResult, tolerance_label,
                                verify)
-from tuner.graph.cache_record import KEEP, CacheRecord, cache_record
+from tuner.graph.cache_record import CacheRecord, cache_record
 from tuner.graph.kv_cache import CachePads, find_kv_cache
+from tuner.graph.lm_head import KEEP
 from tuner.graph.roles import InputSpec
 
 # (batch, seq, left-padded rows, steps) of the prefill rollouts; (batch, past, seq, steps) of

@@ -21,9 +21,8 @@ import onnx_ir as ir
 
 from tuner.errors import BadInput
 from tuner.graph.kv_cache import CachePads, KvCache, find_kv_cache, widened_cache
+from tuner.graph.lm_head import keep_input
 from tuner.graph.roles import ATTENTION_MASK, POSITION_IDS, TOKEN_IDS, input_specs, with_role
-
-KEEP = "logits_to_keep"  # Hugging Face's name (transformers' forward(logits_to_keep=...))
 
 
 @dataclass(frozen=True)
@@ -111,15 +110,6 @@ def _logits(graph: ir.Graph, cache: KvCache) -> ir.Value:
         raise BadInput(f"a cache model should return logits and the cache; it returns "
                        f"{len(rest)} other outputs: {[v.name for v in rest]}")
     return rest[0]
-
-
-def keep_input(graph: ir.Graph) -> str | None:
-    """The name of the graph's `logits_to_keep` input (an int64 scalar, with a default), or
-    None: the server and the gate feed it only where the graph has it."""
-    for v in graph.inputs:
-        if v.name == KEEP and v.dtype == ir.DataType.INT64 and v.const_value is not None:
-            return v.name
-    return None
 
 
 def _static_last(v: ir.Value) -> int | None:

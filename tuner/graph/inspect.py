@@ -22,7 +22,7 @@ from tuner.graph import ort_fused
 from tuner.graph.dims import Dims
 from tuner.graph.ffn import FfnMatch, find_ffns
 from tuner.graph.kv_cache import find_kv_cache, with_dims
-from tuner.graph.lm_head import Embedding, is_tied, lm_head, token_embedding
+from tuner.graph.lm_head import Embedding, is_tied, keep_input, lm_head, token_embedding
 from tuner.graph.load import load_model, name_nodes
 from tuner.graph.shape import FfnSite, LayerSites, ModelShape, Sites
 from tuner.graph.walk import Linear, linears
@@ -112,6 +112,7 @@ def inspect_model(model: ir.Model) -> ModelShape:
             lm_head_weight=head.weight.name if head is not None else None,
             embedding=emb_weight.name if emb_weight is not None else None,
             tied=tied,
+            logits_to_keep=keep_input(graph),
         ),
         cache=with_dims(cache, kv, head_dim) if cache is not None else None,
     )

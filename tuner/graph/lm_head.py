@@ -6,6 +6,8 @@
   (or a bias / softcap), that is not part of a transformer block.
 - Tied: the head reads the embedding's own initializer (dynamo: through a Transpose), or a
   copy with equal bytes (TorchScript folds the transpose into a duplicate initializer).
+- Cut: the graph takes `logits_to_keep` (tuner.rewrite.logits_to_keep), the head run on the
+  last positions only.
 """
 
 from __future__ import annotations
@@ -23,6 +25,18 @@ _INDEX_PATH = {"Reshape": (0,), "Cast": (0,), "Unsqueeze": (0,), "Squeeze": (0,)
 _TO_OUTPUT = {"Reshape", "Cast", "Identity", "Slice", "Squeeze", "Unsqueeze", "Transpose",
               "QuantizeLinear", "DequantizeLinear",
               "Add", "Mul", "Div", "Tanh"}
+
+
+KEEP = "logits_to_keep"  # Hugging Face's name (transformers' forward(logits_to_keep=...))
+
+
+def keep_input(graph: ir.Graph) -> str | None:
+    """The name of the graph's `logits_to_keep` input (an int64 scalar, with a default), or
+    None: the server and the gate feed it only where the graph has it."""
+    for v in graph.inputs:
+        if v.name == KEEP and v.dtype == ir.DataType.INT64 and v.const_value is not None:
+            return v.name
+    return None
 
 
 @dataclass(frozen=True)

@@ -87,6 +87,8 @@ class Sites:
     lm_head_weight: str | None = None  # its weight initializer
     embedding: str | None = None  # the token embedding initializer (Gather's data)
     tied: bool = False  # lm head and embedding share storage
+    # the input that cuts the head to the last positions (tuner/rewrite/logits_to_keep.py)
+    logits_to_keep: str | None = None
 
 
 @dataclass(frozen=True)

@@ -119,6 +119,28 @@ def _waves(shape: ModelShape, dev: DeviceFacts, tokens: int) -> list[Finding]:
     return out
 
 
+def head_share(shape: ModelShape) -> float | None:
+    """The LM head's share of one position's GEMM multiply-adds (every layer's projections,
+    k and v apart, gate and up apart, then the head), None without the dims to count."""
+    gemms = gemm_shapes(shape)
+    head = next((k * n for name, k, n in gemms if name == "lm_head"), None)
+    if head is None or not shape.num_layers:
+        return None
+    twice = {"k/v"} | ({"up"} if shape.ffn_gated else set())
+    layer = sum(k * n * (2 if name in twice else 1) for name, k, n in gemms if name != "lm_head")
+    return head / (shape.num_layers * layer + head)
+
+
+def _last_logits(shape: ModelShape) -> list[Finding]:
+    share = head_share(shape)
+    if shape.cache is None or share is None or shape.sites.logits_to_keep:
+        return []
+    return [Finding("logits-every-position", "info",
+                    f"the LM head projects every position onto the vocabulary ({share:.0%} of a "
+                    "prompt token's GEMM work) where generation reads one per row: `tuner "
+                    "optimize` serves it cut to the last (logits_to_keep, exact)")]
+
+
 QUANTIZED_OPS = ("MatMulNBits", "DynamicQuantizeMatMul", "MatMulIntegerToFloat",
                  "MatMulInteger", "QLinearMatMul", "DequantizeLinear")
 
@@ -145,7 +167,7 @@ def _fused(shape: ModelShape) -> list[Finding]:
 def audit(shape: ModelShape, device_facts: DeviceFacts, tokens: int) -> tuple[Finding, ...]:
     """Every finding for `shape` on `device_facts` with `tokens` (= b*s) rows per GEMM."""
     return tuple(_vocab(shape) + _head_dim(shape) + _ffn(shape) + _hidden(shape)
-                 + _waves(shape, device_facts, tokens) + _fused(shape))
+                 + _waves(shape, device_facts, tokens) + _fused(shape) + _last_logits(shape))
 
 
 def audited(shape: ModelShape, device: str = "cpu", tokens: int = 4096) -> ModelShape:

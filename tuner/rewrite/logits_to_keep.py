@@ -25,7 +25,7 @@ import numpy as np
 import onnx_ir as ir
 
 from tuner.errors import RewriteRefused
-from tuner.graph.cache_record import KEEP, keep_input
+from tuner.graph.lm_head import KEEP, keep_input
 from tuner.rewrite.common import const_array, find_node, new_initializer, unique_name
 
 _ELEMENTWISE = {"Add", "Sub", "Mul", "Div"}  # with a constant: a bias, a scale, a softcap
