@@ -41,18 +41,19 @@ def add_logits_to_keep(model: ir.Model, head_name: str) -> str:
     if keep_input(graph) is not None or KEEP in graph.initializers:
         raise RewriteRefused(f"the graph already has an input {KEEP!r}")
     head = find_node(graph, head_name)
+    x = head.inputs[0]
+    if x is None:
+        raise RewriteRefused(f"LM head {head_name!r} has no activation input")
     path = _path_to_output(head)
     logits = path[-1]
     if logits.shape is None or len(logits.shape) != 3:
         raise RewriteRefused(f"the logits {logits.name!r} are not (batch, seq, vocab): "
                              f"shape {logits.shape}")
+    # checked: from here on the graph is edited
     keep = ir.Value(name=KEEP, shape=ir.Shape([]), type=ir.TensorType(ir.DataType.INT64),
                     const_value=ir.tensor(np.array(0, np.int64), name=KEEP))
     graph.inputs.append(keep)
     graph.register_initializer(keep)
-    x = head.inputs[0]
-    if x is None:
-        raise RewriteRefused(f"LM head {head_name!r} has no activation input")
     nodes = _slice_nodes(graph, x, keep, head_name)
     graph.insert_before(head, nodes)
     head.replace_input_with(0, nodes[-1].outputs[0])
