@@ -211,10 +211,10 @@ EXTERNAL_DATA_BYTES = 1_500_000_000
 
 
 def save_graph(model: ir.Model, dst: str | os.PathLike) -> Path:
-    """Write `model` over `dst`, the file it was read from, keeping its weights where they
+    """Write `model` to `dst` in the folder it was read from, keeping its weights where they
     lie: weights read from external data stay references to the same files beside `dst`
-    (nothing is copied: a graph edit of a big model writes kilobytes), the rest goes in the
-    file. Atomic like `save_model`."""
+    (nothing is copied: a graph edited beside a big model's own writes kilobytes), the rest
+    goes in the file. Atomic like `save_model`."""
     dst = Path(dst)
     with tempfile.TemporaryDirectory(dir=dst.parent, prefix=f".{dst.name}.") as tmp:
         tmp_path = Path(tmp) / dst.name
