@@ -32,6 +32,7 @@ Over 400 lines on purpose: a benchmark is one file a user runs and reads top to 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import queue
@@ -151,14 +152,26 @@ def torch_export(hf: Path, export: Path) -> Path:
 def prepare_artifact(graph: Path, out: Path, threads: int, quick: bool = False) -> Path:
     """`graph` through `tuner optimize`: the artifact is what optimize selects (padded and
     fused variants gated, timed and chosen like for any model, decode steps compared at the
-    32 streams the server runs at once), served as it is."""
-    if not (out / "manifest.json").is_file():
+    32 streams the server runs at once), served as it is. Made again when the tuner's code
+    changed since (an artifact of older code would measure that code's choices)."""
+    stamp = out / ".made-by"
+    if not (out / "manifest.json").is_file() or not stamp.is_file() \
+            or stamp.read_text() != _tuner_sha():
         rounds = ["--rounds", "2", "--warmup", "1", "--bucket-rounds", "1"] if quick else []
         subprocess.run([sys.executable, "-m", "tuner", "optimize", str(graph), "-o", str(out),
                         "--threads", str(threads), "--max-batch", "32", "--streams", "32",
                         "--force", "-q",
                         "--no-cache", *rounds], check=True, env=_env())
+        stamp.write_text(_tuner_sha())
     return out
+
+
+def _tuner_sha() -> str:
+    """One hash of the tuner package's sources (what makes an artifact)."""
+    digest = hashlib.sha256()
+    for f in sorted((ROOT / "tuner").rglob("*.py")):
+        digest.update(f.relative_to(ROOT).as_posix().encode() + b"\0" + f.read_bytes())
+    return digest.hexdigest()
 
 
 def _env() -> dict[str, str]:
