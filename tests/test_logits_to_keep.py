@@ -15,6 +15,7 @@ import pytest
 from serving_support import collect
 
 from models import genai_builder
+from models import quantize
 from models.build import EXPORTERS, cached
 from serving.generation import GenerateOptions, Generator
 from serving.sampling import GenerationRequest
@@ -119,6 +120,24 @@ def test_the_gate_runs_the_kept_logits_and_fails_corrupted_copies(exporter, tmp_
         # the default path is untouched: only the kept logits fail
         assert [o.name for o in failed.outputs if not o.passed] == [row.name], failed.table()
     gate.close()
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "dynamic-u8", "static", "nbits-asym"])
+def test_onnx_runtimes_quantized_graphs_are_cut_exactly(kind, tmp_path):
+    """ONNX Runtime's quantizer puts a run-time scale (quantize_dynamic: x_scale * w_scale,
+    a scalar), a QuantizeLinear/DequantizeLinear pair (quantize_static) or MatMulNBits
+    between the head's input and the logits: each acts position by position, so the cut
+    passes the gate, its kept logits equal to the quantized original's (MatMulNBits: to
+    float rounding)."""
+    src = quantize.cached(kind, "llama-kv")
+    cut = _cut(src, tmp_path / "model.onnx")
+    gate = prepare(src, lambda: load_reference(src), cut)
+    result = gate.check(OrtRunner(load_cpu(cut)), cut)
+    gate.close()
+    assert result.passed, result.table()
+    row = next(o for o in result.outputs if KEEP in o.name)
+    # MatMulNBits sums one row in another order than many (its M = 1 kernel): float rounding
+    assert row.compared > 0 and row.max_abs <= (1e-5 if kind.startswith("nbits") else 0.0)
 
 
 def test_a_graph_cut_already_or_mixing_positions_after_the_head_is_refused(tmp_path):

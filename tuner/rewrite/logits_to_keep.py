@@ -25,6 +25,7 @@ import numpy as np
 import onnx_ir as ir
 
 from tuner.errors import RewriteRefused
+from tuner.graph.dims import Dims
 from tuner.graph.lm_head import KEEP, keep_input
 from tuner.rewrite.common import const_array, find_node, new_initializer, unique_name
 
@@ -44,7 +45,7 @@ def add_logits_to_keep(model: ir.Model, head_name: str) -> str:
     x = head.inputs[0]
     if x is None:
         raise RewriteRefused(f"LM head {head_name!r} has no activation input")
-    path = _path_to_output(head)
+    path = _path_to_output(head, Dims(model))
     logits = path[-1]
     if logits.shape is None or len(logits.shape) != 3:
         raise RewriteRefused(f"the logits {logits.name!r} are not (batch, seq, vocab): "
@@ -85,7 +86,7 @@ def _slice_nodes(graph: ir.Graph, x: ir.Value, keep: ir.Value, base: str) -> lis
     return [shape, seq, k, everything, count, start, cut]
 
 
-def _path_to_output(head: ir.Node) -> list[ir.Value]:
+def _path_to_output(head: ir.Node, dims: Dims) -> list[ir.Value]:
     """The values from the head's output to the graph output it reaches, each op on the way
     position by position; RewriteRefused naming the first op that is not."""
     v = head.outputs[0]
@@ -96,7 +97,7 @@ def _path_to_output(head: ir.Node) -> list[ir.Value]:
             raise RewriteRefused(f"the LM head's output {v.name!r} has {len(users)} consumers "
                                  "before the logits")
         user = users[0]
-        if not _positionwise(user, v):
+        if not _positionwise(user, v, dims):
             raise RewriteRefused(f"{user.op_type} {user.name!r} between the LM head and the "
                                  "logits may mix positions")
         v = user.outputs[0]
@@ -104,19 +105,44 @@ def _path_to_output(head: ir.Node) -> list[ir.Value]:
     return path
 
 
-def _positionwise(node: ir.Node, value: ir.Value) -> bool:
+def _positionwise(node: ir.Node, value: ir.Value, dims: Dims) -> bool:
     """Whether `node` computes each position from that position alone (with `value` as the
-    running tensor)."""
+    running tensor). Its other inputs lie off the path (each path value has one consumer),
+    so the cut leaves them as they were; they must only broadcast over the positions."""
     if node.domain not in ("", "ai.onnx"):
         return False
     if node.op_type in _UNARY:
         return True
     if node.op_type in _ELEMENTWISE:
-        other = [i for i in node.inputs if i is not value]
-        arrays = [const_array(i) for i in other]
-        # a constant that broadcasts over positions: at most the last axis has size > 1
-        return all(a is not None and all(d == 1 for d in a.shape[:-1]) for a in arrays)
+        return all(_over_positions(i, dims) for i in node.inputs if i is not value)
+    if node.op_type in ("QuantizeLinear", "DequantizeLinear"):  # quantize_static's QDQ
+        return node.inputs[0] is value and all(_size(i, dims) == 1 for i in node.inputs[1:]
+                                               if i is not None)
     if node.op_type == "Slice":
         axes = const_array(node.inputs[3]) if len(node.inputs) > 3 else None
         return axes is not None and all(int(a) in (-1, 2) for a in axes.reshape(-1))
     return False
+
+
+def _dims(v: ir.Value | None, dims: Dims) -> tuple[int, ...] | None:
+    """A constant's shape, else the value's static shape (annotated or inferred: None where
+    any dim is unknown)."""
+    arr = const_array(v)
+    if arr is not None:
+        return arr.shape
+    shape = dims.shape(v)
+    if shape is None or not all(isinstance(d, int) for d in shape):
+        return None
+    return tuple(shape)  # type: ignore[arg-type]
+
+
+def _over_positions(v: ir.Value | None, dims: Dims) -> bool:
+    """A bias, a scale, a softcap: at most the last axis has size > 1 (quantize_dynamic's
+    run-time scale, x_scale * w_scale, is a scalar computed before the head)."""
+    shape = _dims(v, dims)
+    return shape is not None and all(d == 1 for d in shape[:-1])
+
+
+def _size(v: ir.Value, dims: Dims) -> int | None:
+    shape = _dims(v, dims)
+    return None if shape is None else int(np.prod(shape, dtype=np.int64))
