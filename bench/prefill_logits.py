@@ -120,7 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="a 2-layer GPT-2, 3 rounds, once")
     a = p.parse_args(argv)
     models = ["gpt2"] if a.smoke else a.models.split(",")
-    prompts = [8] if a.smoke else [int(x) for x in a.prompts.split(",")]
+    try:
+        prompts = [8] if a.smoke else [int(x) for x in a.prompts.split(",")]
+    except ValueError:
+        p.error(f"--prompts takes token counts like 128,512, not {a.prompts!r}")
     rounds, repeats = (3, 1) if a.smoke else (a.rounds, a.repeats)
     makers = {"gpt2": lambda: gpt2_small(a.work, a.smoke),
               "llama": lambda: llama_genai(a.genai_work, a.threads)}
