@@ -36,7 +36,6 @@ sys.path.insert(0, str(ROOT))
 from tuner.gate.decode_step import last_only  # noqa: E402
 from tuner.gate.kv_feeds import prefill_feeds  # noqa: E402
 from tuner.graph.cache_record import cache_record  # noqa: E402
-from tuner.graph.inspect import inspect_model  # noqa: E402
 from tuner.graph.load import load_model, save_model  # noqa: E402
 from tuner.rewrite.logits_to_keep import add_logits_to_keep  # noqa: E402
 from tuner.runtime.base import SessionSettings  # noqa: E402
@@ -77,7 +76,7 @@ def cut(graph: Path, work: Path, name: str) -> Path:
     dst = work / f"{name}-cut-{key[:10]}" / "model.onnx"
     if not dst.exists():
         model = load_model(graph)
-        add_logits_to_keep(model, inspect_model(model).sites.lm_head)
+        add_logits_to_keep(model)
         save_model(model, dst)
     return dst
 

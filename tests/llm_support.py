@@ -19,7 +19,6 @@ from models.tokenizer import byte_level_bpe
 from serving.server import Server, ServerOptions
 from serving_support import make_artifact
 from tuner.artifact.records import Buckets
-from tuner.graph.inspect import inspect_model
 from tuner.graph.load import load_model, save_model
 from tuner.rewrite.logits_to_keep import add_logits_to_keep
 
@@ -153,7 +152,7 @@ def cut_copy(model: Path, dst: Path) -> Path:
     """`model` with its LM head cut to the positions a step reads, as `tuner optimize`
     serves a decoder (tuner.rewrite.logits_to_keep)."""
     graph = load_model(model)
-    add_logits_to_keep(graph, inspect_model(graph).sites.lm_head)
+    add_logits_to_keep(graph)
     return save_model(graph, dst)
 
 

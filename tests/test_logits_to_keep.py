@@ -12,10 +12,10 @@ import numpy as np
 import onnx_ir as ir
 import onnxruntime as ort
 import pytest
+from llm_support import cut_copy
 from serving_support import collect
 
-from models import genai_builder
-from models import quantize
+from models import genai_builder, quantize
 from models.build import EXPORTERS, cached
 from serving.generation import GenerateOptions, Generator
 from serving.sampling import GenerationRequest
@@ -35,12 +35,6 @@ from tuner.runtime.ort import OrtRunner, load_cpu
 VOCAB = 1003
 
 
-def _cut(src, dst):
-    model = load_model(src)
-    add_logits_to_keep(model, inspect_model(model).sites.lm_head)
-    return save_model(model, dst)
-
-
 def _session(path) -> ort.InferenceSession:
     so = ort.SessionOptions()
     so.log_severity_level = 3
@@ -51,7 +45,7 @@ def _session(path) -> ort.InferenceSession:
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_the_cut_keeps_the_last_positions_exactly_and_all_by_default(family, exporter, tmp_path):
     src = cached(f"{family}-kv", "awkward", exporter)
-    cut = _cut(src, tmp_path / "model.onnx")
+    cut = cut_copy(src, tmp_path / "model.onnx")
     record = cache_record(load_model(cut))
     assert record.keep_logits == KEEP
     ids = np.random.default_rng(0).integers(0, VOCAB, (2, 9))  # inside every vocabulary
@@ -106,7 +100,7 @@ def _corrupted(cut, dst, how: str):
 @pytest.mark.parametrize("exporter", EXPORTERS)
 def test_the_gate_runs_the_kept_logits_and_fails_corrupted_copies(exporter, tmp_path):
     src = cached("llama-kv", "awkward", exporter)
-    cut = _cut(src, tmp_path / "cut" / "model.onnx")
+    cut = cut_copy(src, tmp_path / "cut" / "model.onnx")
     gate = prepare(src, lambda: load_reference(src), cut)
     assert gate.kept
     result = gate.check(OrtRunner(load_cpu(cut)), cut)
@@ -130,7 +124,7 @@ def test_onnx_runtimes_quantized_graphs_are_cut_exactly(kind, tmp_path):
     passes the gate, its kept logits equal to the quantized original's (MatMulNBits: to
     float rounding)."""
     src = quantize.cached(kind, "llama-kv")
-    cut = _cut(src, tmp_path / "model.onnx")
+    cut = cut_copy(src, tmp_path / "model.onnx")
     gate = prepare(src, lambda: load_reference(src), cut)
     result = gate.check(OrtRunner(load_cpu(cut)), cut)
     gate.close()
@@ -184,7 +178,7 @@ def test_the_engine_asks_for_the_last_logits_unless_a_prompt_wants_its_log_probs
     hits): the cut graph generates the tokens the original does, its prompt runs return one
     position per row; a stream that asks for its prompt's log-probs gets every position."""
     src = cached("llama-kv", "awkward", "torchscript")
-    cut = _cut(src, tmp_path / "model.onnx")
+    cut = cut_copy(src, tmp_path / "model.onnx")
     record = cache_record(load_model(cut))
     rng = np.random.default_rng(3)
     shared = tuple(int(t) for t in rng.integers(0, VOCAB, 40))
@@ -210,7 +204,7 @@ def test_rows_at_the_start_with_bucket_padding_keep_every_real_rows_last_token(t
     fewest last positions that hold every real row's last token, and the streams generate
     what the uncut graph generates."""
     src = genai_builder.cached("llama", "fp32")
-    cut = _cut(src, tmp_path / "model.onnx")
+    cut = cut_copy(src, tmp_path / "model.onnx")
     record = cache_record(load_model(cut))
     rng = np.random.default_rng(5)
     requests = [GenerationRequest(tuple(int(t) for t in rng.integers(3, 1003, n)), 6)
@@ -229,7 +223,7 @@ def test_rows_at_the_start_with_bucket_padding_keep_every_real_rows_last_token(t
     assert shapes and all(ids[0] == 4 and got[1] < ids[1] for ids, got in shapes), shapes
 
 
-def test_optimize_serves_a_decoders_winner_cut(tmp_path):
+def test_optimize_serves_a_decoders_winnercut_copy(tmp_path):
     src = cached("llama-kv", "awkward", "torchscript")
     out = tmp_path / "out"
     assert main(["optimize", str(src), "-o", str(out), "--rounds", "2", "--warmup", "0",
@@ -245,12 +239,12 @@ def test_optimize_serves_a_decoders_winner_cut(tmp_path):
     assert cache_record(load_model(out / "variants/original/model.onnx")).keep_logits is None
 
 
-def test_inspect_says_what_share_of_a_prompt_the_head_takes_until_it_is_cut(tmp_path):
+def test_inspect_says_what_share_of_a_prompt_the_head_takes_until_it_iscut_copy(tmp_path):
     src = cached("llama-kv", "awkward", "torchscript")
     found = audited(inspect_model(load_model(src)))
     note = next(f for f in found.findings if f.rule == "logits-every-position")
     assert f"({head_share(found):.0%} of a prompt token's GEMM work)" in note.message
-    cut = audited(inspect_model(load_model(_cut(src, tmp_path / "model.onnx"))))
+    cut = audited(inspect_model(load_model(cut_copy(src, tmp_path / "model.onnx"))))
     assert cut.sites.logits_to_keep == KEEP
     assert not any(f.rule == "logits-every-position" for f in cut.findings)
     plain = audited(inspect_model(load_model(cached("llama", "awkward", "torchscript"))))

@@ -25,7 +25,6 @@ from tuner.artifact.records import Accuracy
 from tuner.errors import BadInput
 from tuner.gate.entry import GateCheck
 from tuner.gate.verify import VerifyResult
-from tuner.graph.inspect import inspect_model
 from tuner.graph.load import (check_external_data, external_locations, load_model,
                               read_proto, save_graph, save_model)
 from tuner.graph.paddable import Transform
@@ -158,10 +157,7 @@ def build_kept(base: Built, check: GateCheck, backend, settings) -> Built:
     rel = f"{Path(base.rel).parent.as_posix()}/{KEPT_FILE}"
     try:
         model = load_model(base.path)
-        head = inspect_model(model).sites.lm_head
-        if head is None:
-            raise BadInput(f"{base.name}: no LM head found to cut")
-        add_logits_to_keep(model, head)
+        add_logits_to_keep(model)
         save_graph(model, dst)
         del model
         result = check.check(backend.load(dst, settings), dst)

@@ -26,6 +26,7 @@ import onnx_ir as ir
 
 from tuner.errors import RewriteRefused
 from tuner.graph.dims import Dims
+from tuner.graph.inspect import inspect_model
 from tuner.graph.lm_head import KEEP, keep_input
 from tuner.rewrite.common import const_array, find_node, new_initializer, unique_name
 
@@ -33,14 +34,17 @@ _ELEMENTWISE = {"Add", "Sub", "Mul", "Div"}  # with a constant: a bias, a scale,
 _UNARY = {"Tanh", "Cast", "Identity"}
 
 
-def add_logits_to_keep(model: ir.Model, head_name: str) -> str:
-    """Slice the input of the LM head `head_name` (inspect's `sites.lm_head`) to the last
-    `logits_to_keep` positions; returns the new input's name. RewriteRefused when the graph
-    already has it, or when the path from the head to the logits is not position by
-    position on a (batch, seq, vocab) output."""
+def add_logits_to_keep(model: ir.Model, head_name: str | None = None) -> str:
+    """Slice the input of the LM head `head_name` (default: the one inspect finds) to the
+    last `logits_to_keep` positions; returns the new input's name. RewriteRefused when the
+    graph already has it, has no LM head, or when the path from the head to the logits is
+    not position by position on a (batch, seq, vocab) output."""
     graph = model.graph
     if keep_input(graph) is not None or KEEP in graph.initializers:
         raise RewriteRefused(f"the graph already has an input {KEEP!r}")
+    head_name = head_name or inspect_model(model).sites.lm_head
+    if head_name is None:
+        raise RewriteRefused("no LM head found to cut")
     head = find_node(graph, head_name)
     x = head.inputs[0]
     if x is None:
