@@ -47,14 +47,15 @@ class Family:
     model_type: str
     config: dict[str, Any]
     expect: dict[str, Any]
+    tasks: tuple[str, ...] = TASKS  # the matrix's cells for this family
 
 
 def _family(model_type: str, config: dict[str, Any], heads: int, kv: int, head_dim: int,
-            ffn: int, gated: bool) -> Family:
+            ffn: int, gated: bool, tasks: tuple[str, ...] = TASKS) -> Family:
     hidden = config.get("hidden_size") or config.get("n_embd")
     return Family(model_type, {**config, "vocab_size": VOCAB}, dict(
         num_layers=2, hidden_size=hidden, num_heads=heads, num_kv_heads=kv, head_dim=head_dim,
-        ffn_size=ffn, ffn_gated=gated, vocab_size=VOCAB))
+        ffn_size=ffn, ffn_gated=gated, vocab_size=VOCAB), tasks)
 
 
 _L = dict(num_hidden_layers=2, max_position_embeddings=256, tie_word_embeddings=False)
@@ -79,6 +80,56 @@ FAMILIES: dict[str, Family] = {
                                    head_dim=24, intermediate_size=200, tie_word_embeddings=True),
                      4, 2, 24, 200, True),
 }
+_KV = (TASKS[0],)  # the families below: with the cache only, what generation serves
+_WINDOW = dict(sliding_window=16)  # shorter than the tests' generations, so it acts
+# The other decoders Optimum exports with a cache that users bring: q/k norms (Qwen3, OLMo2,
+# Gemma 3), sliding windows and soft-capping (Gemma 2 and 3, no position_ids input),
+# multipliers (Granite), NoPE layers (SmolLM3), partial rotary (Phi, StableLM), fused qkv
+# sliced by index (Falcon multi-query, Bloom's ALiBi), multi-query (GPTBigCode), learned
+# positions (OPT), GPT-J's gathered sin/cos table, GPT-Neo's local attention.
+FAMILIES.update({
+    "qwen3": _family("qwen3", dict(_L, hidden_size=96, num_attention_heads=4, num_key_value_heads=2,
+                                   head_dim=24, intermediate_size=200), 4, 2, 24, 200, True, _KV),
+    "gemma2": _family("gemma2", dict(_L, **_WINDOW, hidden_size=64, num_attention_heads=4,
+                                     num_key_value_heads=2, head_dim=24, intermediate_size=200,
+                                     tie_word_embeddings=True), 4, 2, 24, 200, True, _KV),
+    "gemma3_text": _family("gemma3_text", dict(_L, **_WINDOW, hidden_size=64, num_attention_heads=4,
+                                               num_key_value_heads=2, head_dim=24,
+                                               intermediate_size=200, tie_word_embeddings=True),
+                           4, 2, 24, 200, True, _KV),
+    "granite": _family("granite", dict(_L, hidden_size=96, num_attention_heads=4,
+                                       num_key_value_heads=2, intermediate_size=200,
+                                       embedding_multiplier=12.0, logits_scaling=8.0,
+                                       residual_multiplier=0.22, attention_multiplier=0.015625),
+                       4, 2, 24, 200, True, _KV),
+    "olmo2": _family("olmo2", dict(_L, hidden_size=96, num_attention_heads=4, num_key_value_heads=2,
+                                   intermediate_size=200), 4, 2, 24, 200, True, _KV),
+    "smollm3": _family("smollm3", dict(_L, pad_token_id=0, hidden_size=96, num_attention_heads=4,
+                                       num_key_value_heads=2, intermediate_size=200),
+                       4, 2, 24, 200, True, _KV),
+    "phi": _family("phi", dict(_L, hidden_size=96, num_attention_heads=4, intermediate_size=200,
+                               partial_rotary_factor=0.5), 4, 4, 24, 200, False, _KV),
+    "stablelm": _family("stablelm", dict(_L, hidden_size=96, num_attention_heads=4,
+                                         num_key_value_heads=2, intermediate_size=200),
+                        4, 2, 24, 200, True, _KV),
+    "falcon": _family("falcon", dict(num_hidden_layers=2, hidden_size=96, num_attention_heads=4,
+                                     multi_query=True, parallel_attn=True, alibi=False,
+                                     bias=False, max_position_embeddings=256),
+                      4, 1, 24, 384, False, _KV),
+    "bloom": _family("bloom", dict(n_layer=2, hidden_size=96, n_head=4), 4, 4, 24, 384, False, _KV),
+    "gpt_bigcode": _family("gpt_bigcode", dict(n_layer=2, n_embd=80, n_head=2, n_inner=200,
+                                               n_positions=256, multi_query=True),
+                           2, 1, 40, 200, False, _KV),
+    "opt": _family("opt", dict(num_hidden_layers=2, hidden_size=96, num_attention_heads=4,
+                               ffn_dim=200, max_position_embeddings=256, word_embed_proj_dim=96),
+                   4, 4, 24, 200, False, _KV),
+    "gptj": _family("gptj", dict(n_layer=2, n_embd=96, n_head=4, n_inner=200, n_positions=256,
+                                 rotary_dim=12, tie_word_embeddings=False), 4, 4, 24, 200, False, _KV),
+    "gpt_neo": _family("gpt_neo", dict(num_layers=2, hidden_size=96, num_heads=4,
+                                       intermediate_size=200, max_position_embeddings=256,
+                                       attention_types=[[["global", "local"], 1]], window_size=16),
+                       4, 4, 24, 200, False, _KV),
+})
 
 
 def ensure_venv() -> Path:
@@ -207,7 +258,7 @@ def _main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.list or not a.name:
         for n, fam in FAMILIES.items():
-            print(f"{n:9s} {json.dumps(fam.expect)}")
+            print(f"{n:12s} {json.dumps(fam.expect)}")
         return 0
     if a.name not in FAMILIES:
         print(f"error: no family {a.name!r}; known: {', '.join(FAMILIES)}", file=sys.stderr)

@@ -2,7 +2,9 @@
 they run. Exporters: Hugging Face Optimum (optimum-onnx in its own environment, tasks
 text-generation-with-past and text-generation; models/optimum.py) and torch.onnx.export
 (TorchScript and dynamo; models/build.py, models/kv.py). Families: GPT-2, Llama (GQA),
-Mistral, Qwen2, Phi-3, GPT-NeoX, Gemma, two layers with odd sizes.
+Mistral, Qwen2, Phi-3, GPT-NeoX, Gemma, two layers with odd sizes; and Optimum's other
+decoders with their cache only (Qwen3, Gemma 2 and 3, Granite, OLMo 2, SmolLM3, Phi,
+StableLM, Falcon, Bloom, GPTBigCode, OPT, GPT-J, GPT-Neo: `optimum.FAMILIES[...].tasks`).
 
 Each cell: `inspect` finds the dims, each input's role and the cache; `verify m m` passes;
 `pad` is exact (or refused, naming the node); `optimize` writes an artifact; `serve` on it
@@ -46,7 +48,8 @@ class Cell:
         return f"{self.exporter}-{self.family}-{'kv' if self.kv else 'nokv'}"
 
 
-CELLS = ([Cell("optimum", f, kv) for f in optimum.FAMILIES for kv in (True, False)]
+CELLS = ([Cell("optimum", f, kv) for f, fam in optimum.FAMILIES.items() for kv in (True, False)
+          if (KV_TASK if kv else PLAIN_TASK) in fam.tasks]
          + [Cell(e, f, True) for f in build.KV_FAMILIES for e in build.EXPORTERS]
          + [Cell("torchscript", "qwen2", False), Cell("dynamo", "phi3", False),
             Cell("dynamo", "gemma", False), Cell("torchscript", "llama", False)])
@@ -65,7 +68,7 @@ PROMPT, NEW_TOKENS = [5, 17, 301, 9, 42, 7], 8
 def optimum_exports() -> dict[tuple[str, bool], Path]:
     """Every Optimum export, made in one Optimum process (and its environment, first time)
     and cached. pip failing to install optimum-onnx FAILS here: it is what users run."""
-    cells = [(f, KV_TASK if kv else PLAIN_TASK) for f in optimum.FAMILIES for kv in (True, False)]
+    cells = [(c.family, KV_TASK if c.kv else PLAIN_TASK) for c in CELLS if c.exporter == "optimum"]
     paths = optimum.export_all(cells)
     return {(f, t == KV_TASK): p for (f, t), p in zip(cells, paths)}
 

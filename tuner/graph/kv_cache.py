@@ -56,8 +56,10 @@ _FUSED_KV = {"Attention": (1, 2), f"{MS}.MultiHeadAttention": (1, 2),
 # (present_key, present_value) output slots; their caches are (B, kv_heads, P, d).
 _FUSED_PAST = {"Attention": ((4, 5), (1, 2)), f"{MS}.MultiHeadAttention": ((6, 7), (1, 2)),
                f"{MS}.GroupQueryAttention": ((3, 4), (1, 2))}
-# Besides walk.DATA_INPUTS, ops the new keys pass through after their projection.
-_ROTARY = {"RotaryEmbedding": (0,), f"{MS}.RotaryEmbedding": (0,)}
+# Besides walk.DATA_INPUTS, ops the new keys pass through after their projection: rotary
+# ops, and the Gather that picks k or v out of a fused projection viewed as (..., 3, d)
+# (Bloom's and Falcon's `fused_qkv[..., 1, :]`).
+_ROTARY = {"RotaryEmbedding": (0,), f"{MS}.RotaryEmbedding": (0,), "Gather": (0,)}
 
 
 @dataclass(frozen=True)

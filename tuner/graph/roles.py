@@ -19,6 +19,7 @@ from tuner.graph.load import load_model
 from tuner.graph.role_names import (ATTENTION_MASK, INPUTS_EMBEDS, KV_CACHE, OTHER,
                                     POSITION_IDS, ROLES, TOKEN_IDS, TOKEN_TYPE_IDS)
 from tuner.graph.role_overrides import checked, with_overrides
+from tuner.graph.walk import const_tensor
 
 # Ops a token id passes through unchanged on its way to the embedding Gather.
 _PASS_THROUGH = {"Reshape", "Cast", "Identity", "Flatten", "Squeeze", "Unsqueeze", "Expand"}
@@ -69,10 +70,10 @@ def _dims_of(v: ir.Value) -> tuple:
 
 
 def _const_table(value: ir.Value | None) -> tuple[int, ...] | None:
-    """The shape of a constant (an initializer), None when `value` is computed."""
-    if value is None or value.const_value is None:
-        return None
-    return tuple(int(d) for d in value.const_value.shape)
+    """The shape of a constant (an initializer or a Constant node's), None when `value` is
+    computed."""
+    tensor = const_tensor(value)
+    return None if tensor is None else tuple(int(d) for d in tensor.shape)
 
 
 def _embedding_tables(value: ir.Value) -> list[tuple[str, tuple[int, ...]]]:
@@ -92,6 +93,21 @@ def _embedding_tables(value: ir.Value) -> list[tuple[str, tuple[int, ...]]]:
             elif node.op_type in _PASS_THROUGH and index == 0:
                 frontier.extend(node.outputs)
     return found
+
+
+def _tiled_table(value: ir.Value | None) -> bool:
+    """Whether `value` is a constant table, or one repeated over the batch (GPT-J's
+    `embed_positions.repeat(batch, 1, 1)`: Unsqueeze/Expand/Tile of an initializer)."""
+    for _ in range(8):
+        if value is None:
+            return False
+        if const_tensor(value) is not None:
+            return True
+        node = value.producer()
+        if node is None or node.op_type not in _PASS_THROUGH | {"Tile"}:
+            return False
+        value = node.inputs[0]
+    return False
 
 
 def _is_large_negative(value: ir.Value | None) -> bool:
@@ -126,6 +142,9 @@ def _reach(value: ir.Value) -> tuple[set[str], bool]:
                     bias = True
                 if node.op_type == "Gather" and index == 1 and _const_table(node.inputs[0]):
                     ops.add("GatherConst")
+                if node.op_type == "GatherElements" and index == 1 and _tiled_table(
+                        node.inputs[0]):
+                    ops.add("GatherConst")  # GPT-J: torch.gather(sin/cos table, positions)
                 nxt.extend(node.outputs)
         frontier, depth = nxt, depth + 1
     return ops, bias
