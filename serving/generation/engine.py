@@ -15,16 +15,19 @@ import queue
 import threading
 import time
 from collections import deque
+from dataclasses import replace
 from typing import Callable, Iterator, Sequence
 
 from serving.errors import InvalidArgument, ResourceExhausted, Unavailable
 from serving.generation.cache import CacheManager
 from serving.generation.grammar import GrammarCompiler
-from serving.generation.options import GenerateOptions, cache_budget, cache_buckets
+from serving.generation.options import (GenerateOptions, cache_budget, cache_buckets,
+                                        next_bucket)
 from serving.generation.output import GenerationStats, OutputProcessor, StreamOutput
 from serving.generation.runner import StepRunner
 from serving.generation.scheduler import Scheduler, StepPlan, Stream
 from serving.sampling import Chunk, GenerationRequest
+from tuner.gate.row_moves import rows_move
 from tuner.graph.cache_record import CacheRecord
 
 log = logging.getLogger("serving")
@@ -53,6 +56,16 @@ class Generator:
         if record.attention_mask is None:
             raise ValueError("generation needs an attention mask input (batch, past + seq)")
         record.past_to_present  # BadInput when a layer's cache is not returned
+        self.batch_buckets = tuple(options.batch_buckets or batch_buckets)
+        # rows of different lengths share a run by moving the shorter ones' entries (left
+        # padding): where that changes a row's logits (positions taken from the cache's
+        # length), every stream runs alone, never padded (tuner.gate.row_moves)
+        self.rows_stay = options.max_streams > 1 and not rows_move(
+            runner, record, record.batch or next_bucket(1, self.batch_buckets))
+        if self.rows_stay:
+            options, pad_to = replace(options, max_streams=1), "longest"
+            log.warning("this graph's positions follow its cache's length (a moved row's "
+                        "logits change): one stream runs at a time")
         self.record, self.vocab, self.options = record, vocab, options
         self.tokenizer, self.pad_to = tokenizer, pad_to
         self.grammars = GrammarCompiler(tokenizer, vocab, eos_ids)  # structured output
@@ -63,7 +76,6 @@ class Generator:
                              f"{max_positions} positions")
         self.max_prompt = min(options.max_prompt or self.max_cache_len - 1,
                               self.max_cache_len - 1)
-        self.batch_buckets = tuple(options.batch_buckets or batch_buckets)
         self.cache_buckets = cache_buckets(self.max_cache_len, options.cache_buckets)
         self.budget_bytes = cache_budget(options)
         self.cache = CacheManager(record, self.budget_bytes, pad_to, self.batch_buckets,

@@ -16,7 +16,9 @@ re-check, the server's check before it is ready).
 - the cache policy: a variant whose cache interface was widened (`widen`) is fed wider pasts
   and compared on the original entries (tuner.graph.kv_cache.widened_cache of the variant);
 - the kept logits: a variant that takes `logits_to_keep` (tuner.rewrite.logits_to_keep) is
-  also run for each row's last logits only, as the server runs its prompts.
+  also run for each row's last logits only, as the server runs its prompts;
+- the positions: a variant given a `position_ids` input with a default
+  (tuner.rewrite.position_ids) is fed each row's own positions, as the server feeds it.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from tuner.graph.io import model_precision, vocab_for_feeds
 from tuner.graph.kv_cache import CachePads, widened_cache
 from tuner.graph.lm_head import keep_input
 from tuner.graph.load import load_model
+from tuner.graph.positions import positions_input
 from tuner.graph.roles import InputSpec, input_specs
 from tuner.runtime.base import Runner
 
@@ -58,6 +61,7 @@ class GateCheck:
     min_compared: int = 1
     widened: CachePads = field(default_factory=dict)  # the variant given to prepare, if any
     kept: bool = False  # the variant given to prepare takes logits_to_keep
+    positions: str | None = None  # its defaulted position input (tuner.graph.positions)
 
     @property
     def rollouts(self) -> bool:
@@ -94,15 +98,23 @@ class GateCheck:
             return False
         return keep_input(_model(variant).graph) is not None
 
+    def positions_of(self, variant: Variant | None) -> str | None:
+        """`variant`'s defaulted position input, fed as the server feeds it (or None)."""
+        if variant is None or isinstance(variant, Mapping):
+            return self.positions
+        if not self.rollouts:
+            return None
+        return positions_input(_model(variant).graph)
+
     def check(self, candidate: Runner, variant: Variant | None = None) -> VerifyResult:
         """`candidate` against the reference; `variant` (its graph or file) says whether its
-        cache interface was widened and whether it takes logits_to_keep (default: the variant
-        given to prepare; a widened map says the first only)."""
+        cache interface was widened, whether it takes logits_to_keep and its own positions
+        (default: the variant given to prepare; a widened map says the first only)."""
         if isinstance(variant, (str, Path)):
-            variant = load_model(variant)  # read once for both questions
+            variant = load_model(variant)  # read once for every question
         return check(self.reference, candidate, self.feeds, self.tolerance,
                      self.widened_of(variant), self.specs, self.min_compared,
-                     self.kept_of(variant))
+                     self.kept_of(variant), self.positions_of(variant))
 
     def close(self) -> None:
         self.reference.close()
@@ -139,10 +151,11 @@ def prepare(original: ir.Model | Path | str, reference: Runner | Callable[[], Ru
     model = _model(original)
     specs = tuple(input_specs(model))
     widened: CachePads = {}
-    kept = False
+    kept, positions = False, None
     if variant is not None:
         cand = _model(variant)
         kept = keep_input(cand.graph) is not None
+        positions = positions_input(cand.graph)
         cand_specs = input_specs(cand)
         if [(s.name, s.dtype) for s in specs] != [(s.name, s.dtype) for s in cand_specs]:
             raise BadInput(f"the models take different inputs: {[s.name for s in specs]} vs "
@@ -157,11 +170,11 @@ def prepare(original: ir.Model | Path | str, reference: Runner | Callable[[], Ru
         built = list(feeds)
     del model  # weights it read lazily (the vocabulary) would stay in memory beside a session
     if not isinstance(built, CacheFeeds):
-        widened, kept = {}, False
+        widened, kept, positions = {}, False, None
     if callable(reference) and not hasattr(reference, "infer"):
         # a rollout asks the reference as it goes; plain feeds are recorded once
         runner = reference() if isinstance(built, CacheFeeds) else record_then_release(
             reference, built)
     else:
         runner = reference
-    return GateCheck(runner, built, tolerance, specs, min_compared, widened, kept)
+    return GateCheck(runner, built, tolerance, specs, min_compared, widened, kept, positions)

@@ -102,13 +102,15 @@ def gate_feeds(model: ir.Model, vocab_size: int, shapes: Sequence[tuple[int, int
 
 def check(reference, candidate, feeds, tolerance: Tolerance | TolerancePolicy = Tolerance(),
           widened: CachePads | None = None, specs: Sequence[InputSpec] | None = None,
-          min_compared: int = 1, kept: bool = False) -> VerifyResult:
+          min_compared: int = 1, kept: bool = False,
+          positions: str | None = None) -> VerifyResult:
     """The gate: `verify_cache_model` for CacheFeeds (greedy rollouts), tuner.gate.verify.verify
     otherwise (`specs` say which input is the mask; fewer than `min_compared` compared elements
-    in an output fail). `kept`: the candidate takes `logits_to_keep` (cache models only)."""
+    in an output fail). `kept`: the candidate takes `logits_to_keep`; `positions`: its
+    defaulted position input (cache models only)."""
     if isinstance(feeds, CacheFeeds):
         return verify_cache_model(reference, candidate, feeds, tolerance, widened or {},
-                                  min_compared, kept)
+                                  min_compared, kept, positions)
     return verify(reference, candidate, feeds, tolerance, specs, min_compared)
 
 
@@ -142,6 +144,22 @@ def widen_feeds(step: StepFeeds, widened: CachePads) -> StepFeeds:
     return replace(step, arrays=arrays)
 
 
+class SlotPositions:
+    """A candidate given a defaulted position input (tuner.rewrite.position_ids), fed the
+    positions its original counts from the cache's length: past + 0 .. S - 1 on every row.
+    Fed so, the rewrite must compute what the original computes, bit for bit; that rows may
+    then move with their own positions fed is tuner.gate.row_moves' check, the server's."""
+
+    def __init__(self, runner, name: str, record: CacheRecord) -> None:
+        self.runner, self.name, self.record = runner, name, record
+
+    def infer(self, feeds):
+        ids = feeds[self.record.input_ids]  # (B, S)
+        past = feeds[self.record.past[0]].shape[self.record.layout.index("s")]
+        slots = np.arange(past, past + ids.shape[1], dtype=np.int64)  # (S,)
+        return self.runner.infer({**feeds, self.name: np.tile(slots, (ids.shape[0], 1))})
+
+
 # ---------------------------------------------------------------------------------------------
 # The comparison
 
@@ -157,12 +175,11 @@ def _first_line(e: Exception) -> str:
 
 
 def _compare_kept(stats: Stats, candidate, start: StepFeeds, ref_logits: np.ndarray,
-                  widened: CachePads, tolerance, errors: list[str], what: str) -> None:
-    """The candidate's first step of `start` run for each row's last logits only, as the
-    server runs a prompt (tuner.gate.decode_step.last_only), against the reference's logits
-    (B, S, vocab) at each row's last token."""
-    feeds = last_only(replace(widen_feeds(start, widened),
-                              record=replace(start.record, keep_logits=KEEP)))
+                  served: StepFeeds, tolerance, errors: list[str], what: str) -> None:
+    """The candidate's first step of `start` (`served`: as the server feeds it) run for each
+    row's last logits only, as the server runs a prompt (tuner.gate.decode_step.last_only),
+    against the reference's logits (B, S, vocab) at each row's last token."""
+    feeds = last_only(replace(served, record=replace(served.record, keep_logits=KEEP)))
     try:
         cut = np.asarray(candidate.infer(feeds.arrays)[start.record.logits])
     except Exception as e:  # noqa: BLE001 - a candidate that cannot run fails the gate
@@ -187,12 +204,13 @@ def _keeps(start: StepFeeds) -> bool:
 def verify_cache_model(reference, candidate, feeds: CacheFeeds,
                        tolerance: Tolerance | TolerancePolicy = Tolerance(),
                        widened: CachePads | None = None, min_compared: int = 1,
-                       kept: bool = False) -> VerifyResult:
+                       kept: bool = False, positions: str | None = None) -> VerifyResult:
     """Roll both models greedily from every start in `feeds` and compare logits at every step
     (positions the mask keeps) and the final cache (on the original entries when `widened`).
     `kept` (a candidate that takes `logits_to_keep`): also its first step of every start of
     more than one new position run for the rows' last logits only, against the reference's
-    logits there. Fails closed: a model that does not run, a flipped greedy token, a missing
+    logits there. `positions` (a candidate given a defaulted position input): the candidate
+    is fed the positions the reference counts from its slots (SlotPositions). Fails closed: a model that does not run, a flipped greedy token, a missing
     output, an output with fewer than `min_compared` compared elements (so a `kept` check
     that found no start to run fails). The comparison is the plain gate's own
     (tuner.gate.verify.Stats)."""
@@ -200,7 +218,8 @@ def verify_cache_model(reference, candidate, feeds: CacheFeeds,
         raise ValueError(f"min_compared must be >= 1, not {min_compared}")
     widened = widened or {}
     label = (tolerance_label(tolerance)
-             + f"; {len(feeds)} greedy rollouts, each model fed its own present")
+             + f"; {len(feeds)} greedy rollouts, each model fed its own present"
+             + (f"; the candidate fed {positions} as its slots" if positions else ""))
     roles = feeds.roles
     presents = list(roles.past_to_present.values())
     stats = {name: Stats() for name in [roles.logits, *presents]}
@@ -208,6 +227,7 @@ def verify_cache_model(reference, candidate, feeds: CacheFeeds,
     if kept:
         stats[last] = Stats()
     errors: list[str] = []
+    fed = SlotPositions(candidate, positions, roles) if positions else candidate
     for i, (start, steps) in enumerate(feeds.starts):
         what = f"rollout {i} (batch {start.mask.shape[0]}, past {start.past}, seq {start.seq})"
         try:
@@ -215,8 +235,9 @@ def verify_cache_model(reference, candidate, feeds: CacheFeeds,
         except Exception as e:  # noqa: BLE001 - nothing to compare against: the gate fails
             errors.append(f"{what}: the reference failed to run: {_first_line(e)}")
             continue
+        served = widen_feeds(start, widened)
         try:
-            got = _rollout(candidate, widen_feeds(start, widened), steps)
+            got = _rollout(fed, served, steps)
         except Exception as e:  # noqa: BLE001 - a candidate that cannot run fails the gate
             errors.append(f"{what}: the candidate failed to run: {_first_line(e)}")
             continue
@@ -230,7 +251,7 @@ def verify_cache_model(reference, candidate, feeds: CacheFeeds,
         if diverged:  # the caches now hold other tokens: comparing them says nothing more
             continue
         if kept and _keeps(start):
-            _compare_kept(stats[last], candidate, start, ref.logits[0], widened, tolerance,
+            _compare_kept(stats[last], fed, start, ref.logits[0], served, tolerance,
                           errors, what)
         for name in presents:
             if name not in got.cache:

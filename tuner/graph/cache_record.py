@@ -22,6 +22,7 @@ import onnx_ir as ir
 from tuner.errors import BadInput
 from tuner.graph.kv_cache import CachePads, KvCache, find_kv_cache, widened_cache
 from tuner.graph.lm_head import keep_input
+from tuner.graph.positions import positions_input
 from tuner.graph.roles import ATTENTION_MASK, POSITION_IDS, TOKEN_IDS, input_specs, with_role
 
 
@@ -132,9 +133,11 @@ def cache_record(model: ir.Model) -> CacheRecord:
     batch = ids.dims[ids.batch_axis] if ids.batch_axis is not None else None
     seq = ids.dims[ids.seq_axis] if ids.seq_axis is not None else None
     logits = _logits(graph, cache)
+    # a position input with a default (tuner.rewrite.position_ids): fed like any other
+    own = positions_input(graph) if pos is None else None
     return CacheRecord(ids.name, mask.name if mask is not None else None,
-                       pos.name if pos is not None else None, logits.name or "", cache,
-                       {s.name: s.dtype for s in specs},
+                       pos.name if pos is not None else own, logits.name or "", cache,
+                       {s.name: s.dtype for s in specs} | ({own: "int64"} if own else {}),
                        batch if isinstance(batch, int) else None, _static_last(logits),
                        widened_cache(model), seq if isinstance(seq, int) else None,
                        keep_input(graph))

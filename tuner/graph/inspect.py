@@ -21,9 +21,10 @@ from tuner.graph import attention as attn_mod
 from tuner.graph import ort_fused
 from tuner.graph.dims import Dims
 from tuner.graph.ffn import FfnMatch, find_ffns
-from tuner.graph.kv_cache import find_kv_cache, with_dims
+from tuner.graph.kv_cache import KvCache, find_kv_cache, with_dims
 from tuner.graph.lm_head import Embedding, is_tied, keep_input, lm_head, token_embedding
 from tuner.graph.load import load_model, name_nodes
+from tuner.graph.positions import positions_input, slot_positions
 from tuner.graph.shape import FfnSite, LayerSites, ModelShape, Sites
 from tuner.graph.walk import Linear, linears
 
@@ -44,6 +45,15 @@ def _hidden(emb: Embedding | None, ffns: list[FfnMatch], lins: list[Linear]) -> 
     if lins:
         return Counter(lin.in_dim for lin in lins).most_common(1)[0][0]
     return 0
+
+
+def _slot_positions(graph: ir.Graph, cache: KvCache | None) -> str | None:
+    """The rotary positions counted from the cache's length, unless fed (the rewrite's)."""
+    if cache is None or positions_input(graph) is not None:
+        return None
+    found = slot_positions(graph, {n for layer in cache.layers
+                                   for n in (layer.past_key, layer.past_value)})
+    return found[0].name if found else None
 
 
 def _one(values: list[int]) -> int:
@@ -113,6 +123,7 @@ def inspect_model(model: ir.Model) -> ModelShape:
             embedding=emb_weight.name if emb_weight is not None else None,
             tied=tied,
             logits_to_keep=keep_input(graph),
+            slot_positions=_slot_positions(graph, cache),
         ),
         cache=with_dims(cache, kv, head_dim) if cache is not None else None,
     )

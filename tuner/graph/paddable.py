@@ -28,13 +28,15 @@ BY_KIND = {d.kind: d for d in PADDABLE}
 # Every Transform kind, in the order a variant's name lists them: the paddable ones, the hidden
 # size (never padded exactly; advice only), ONNX Runtime's fusions and the LM head cut to the
 # positions a step reads (tuner.rewrite.logits_to_keep: the selected decoder's, when served).
-KINDS = (*BY_KIND, "hidden", "fuse", "last-logits")
+# "positions": a graph that counts its positions from its cache's length takes them as an
+# input (tuner.rewrite.position_ids), made beside the cut.
+KINDS = (*BY_KIND, "hidden", "fuse", "last-logits", "positions")
 
 
 @dataclass(frozen=True)
 class Transform:
-    """One rewrite applied to the source: kind in ffn | vocab | head_dim | heads | hidden |
-    fuse; `old`/`new` are the dimension before and after (None for fuse)."""
+    """One rewrite applied to the source: kind in KINDS; `old`/`new` are the dimension
+    before and after (None where no dimension changes)."""
 
     kind: str
     old: int | None = None

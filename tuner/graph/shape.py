@@ -89,6 +89,9 @@ class Sites:
     tied: bool = False  # lm head and embedding share storage
     # the input that cuts the head to the last positions (tuner/rewrite/logits_to_keep.py)
     logits_to_keep: str | None = None
+    # the rotary positions the graph counts from its cache's length, where it takes none
+    # (tuner/graph/positions.py): what tuner/rewrite/position_ids.py makes an input
+    slot_positions: str | None = None
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ import numpy as np
 import onnx_ir as ir
 
 from tuner.artifact.records import Accuracy
-from tuner.errors import BadInput
+from tuner.errors import BadInput, RewriteRefused
 from tuner.gate.entry import GateCheck
 from tuner.gate.verify import VerifyResult
 from tuner.graph.load import (check_external_data, external_locations, load_model,
@@ -34,6 +34,7 @@ from tuner.plan.propose import Candidate
 from tuner.rewrite.compose import PadRequest
 from tuner.rewrite.grouped_attention import regroup_attention
 from tuner.rewrite.logits_to_keep import add_logits_to_keep
+from tuner.rewrite.position_ids import add_position_ids
 from tuner.runtime.ort_fusion import fuse_file
 
 MODEL_FILE = "model.onnx"
@@ -158,6 +159,7 @@ def build_kept(base: Built, check: GateCheck, backend, settings) -> Built:
     try:
         model = load_model(base.path)
         add_logits_to_keep(model)
+        positions = _own_positions(model)
         save_graph(model, dst)
         del model
         result = check.check(backend.load(dst, settings), dst)
@@ -168,10 +170,23 @@ def build_kept(base: Built, check: GateCheck, backend, settings) -> Built:
     if not acc.passed:
         dst.unlink(missing_ok=True)
         raise BadInput(f"{kept_name(base.name)} failed the accuracy gate: {acc.detail}")
+    note = f"{base.name} with the LM head on the positions a step reads (logits_to_keep)"
+    if positions:
+        note += ("; its positions, counted from the cache's length, taken as the input "
+                 "position_ids so that rows may be padded and batched")
     return Built(kept_name(base.name), dst, rel, True,
-                 (*base.transforms, Transform("last-logits")), acc,
-                 note=f"{base.name} with the LM head on the positions a step reads "
-                      "(logits_to_keep)")
+                 (*base.transforms, Transform("last-logits"),
+                  *([Transform("positions")] if positions else [])), acc, note=note)
+
+
+def _own_positions(model) -> bool:
+    """tuner.rewrite.position_ids where the graph counts its positions from its cache's
+    length (Optimum's Gemma exports); False where it has no such positions to give."""
+    try:
+        add_position_ids(model)
+    except RewriteRefused:
+        return False
+    return True
 
 
 def _regrouped(src: Path, work: Path, shape: ModelShape) -> tuple[Path, int]:

@@ -141,6 +141,17 @@ def _last_logits(shape: ModelShape) -> list[Finding]:
                     "optimize` serves it cut to the last (logits_to_keep, exact)")]
 
 
+def _slot_positions(shape: ModelShape) -> list[Finding]:
+    if shape.sites.slot_positions is None:
+        return []
+    return [Finding("positions-from-cache-length", "warning",
+                    "the graph takes no position ids and counts its rotary positions from "
+                    "its cache's length: a row padded or moved beside longer ones would get "
+                    "other positions than alone, so a server runs one stream at a time; "
+                    "`tuner optimize` serves it with the input position_ids (exact), "
+                    "and its streams batched")]
+
+
 QUANTIZED_OPS = ("MatMulNBits", "DynamicQuantizeMatMul", "MatMulIntegerToFloat",
                  "MatMulInteger", "QLinearMatMul", "DequantizeLinear")
 
@@ -167,7 +178,8 @@ def _fused(shape: ModelShape) -> list[Finding]:
 def audit(shape: ModelShape, device_facts: DeviceFacts, tokens: int) -> tuple[Finding, ...]:
     """Every finding for `shape` on `device_facts` with `tokens` (= b*s) rows per GEMM."""
     return tuple(_vocab(shape) + _head_dim(shape) + _ffn(shape) + _hidden(shape)
-                 + _waves(shape, device_facts, tokens) + _fused(shape) + _last_logits(shape))
+                 + _waves(shape, device_facts, tokens) + _fused(shape) + _last_logits(shape)
+                 + _slot_positions(shape))
 
 
 def audited(shape: ModelShape, device: str = "cpu", tokens: int = 4096) -> ModelShape:
