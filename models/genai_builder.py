@@ -56,6 +56,14 @@ FAMILIES: dict[str, dict] = {
     "mistral": dict(model_type="mistral", num_hidden_layers=2, hidden_size=128,
                     num_attention_heads=4, num_key_value_heads=2, intermediate_size=200,
                     tie_word_embeddings=False, sliding_window=None),
+    # q/k norms: the builder splits the packed QKV, then normalizes each head
+    "qwen3": dict(model_type="qwen3", num_hidden_layers=2, hidden_size=128,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                  intermediate_size=200, tie_word_embeddings=False),
+    # sliding-window layers keep a cache of their own length (refused: not served yet)
+    "gemma2": dict(model_type="gemma2", num_hidden_layers=2, hidden_size=128,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                   intermediate_size=200, sliding_window=16),
 }
 
 

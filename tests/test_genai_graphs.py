@@ -13,7 +13,9 @@ MatMulNBits int4 weights, genai's own I/O names.
   batching, token-identically to a plain ORT greedy loop on the original (every family);
 - the engine feeds such a graph its rows from position 0 (no moving of the cache per step):
   rows of different lengths, chunked prefill, prefix hits and preemption each give what a
-  plain greedy loop gives, and a row placed at the wrong end gives other logits.
+  plain greedy loop gives, and a row placed at the wrong end gives other logits;
+- Qwen3's graph (q/k norms after a Split of the packed QKV) is read like the others; Gemma
+  2's, whose sliding-window layers keep caches of their own length, is refused saying so.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from tuner.runtime.ort import OrtRunner, load_cpu
 pytestmark = pytest.mark.venv(*genai_builder.VENV)  # built beside the first tests (conftest)
 
 CELLS = [("llama", "fp32"), ("llama", "int4"), ("qwen2", "int4"), ("mistral", "int4"),
-         ("phi3", "int4")]
+         ("phi3", "int4"), ("qwen3", "int4")]
 EXPECT = dict(num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32,
               ffn_size=200, ffn_gated=True, vocab_size=1003)
 
@@ -345,6 +347,21 @@ def test_the_engine_on_a_genai_graph_equals_a_plain_greedy_loop(options, binding
         assert gen.cache.gathers >= 2  # where a tight budget makes the buffers grow
     if "kv_cache_bytes" not in options:  # (a tight budget evicts prefix blocks first)
         assert sum(hits) >= 32  # the streams behind the first found the shared prefix
+
+
+def test_a_cache_with_lengths_per_layer_is_refused_with_the_reason(tmp_path, capsys):
+    """Gemma 2 from the builder: its sliding-window layers' caches are the window's own
+    (`past_sliding_length`), which one engine cache cannot hold: exit 2 saying so, nothing
+    written, where it was an internal error out of ONNX Runtime."""
+    src = genai_builder.cached("gemma2", "fp32")
+    assert main(["inspect", str(src), "--json"]) == 0  # what it is can still be read
+    roles = {i["name"]: i["role"] for i in json.loads(capsys.readouterr().out)["inputs"]}
+    assert roles["input_ids"] == "token_ids"  # its tied embedding: the head's weight transposed
+    out = tmp_path / "out"
+    assert main(["optimize", str(src), "-o", str(out), "--rounds", "2", "--no-probe", "-q"]) == 2
+    assert "lengths of their own (past_sequence_length, past_sliding_length" in \
+        capsys.readouterr().err
+    assert not out.exists()
 
 
 def test_builder_runs_in_its_own_venv():

@@ -125,6 +125,11 @@ def cache_record(model: ir.Model) -> CacheRecord:
     cache = find_kv_cache(graph)
     if cache is None:
         raise BadInput("the model has no KV cache (no past key/value input joined by a Concat)")
+    lengths = _past_lengths(graph, cache)
+    if len(lengths) > 1:  # one engine cache: every layer's past is as long as the others'
+        raise BadInput(f"the layers' caches have lengths of their own ({', '.join(lengths)}: "
+                       "onnxruntime-genai's sliding-window layers keep a cache of the window "
+                       "apart); a cache with per-layer lengths is not served")
     specs = input_specs(model)  # roles from the structure (tuner.graph.roles)
     ids, mask = with_role(specs, TOKEN_IDS), with_role(specs, ATTENTION_MASK)
     pos = with_role(specs, POSITION_IDS)
@@ -141,6 +146,15 @@ def cache_record(model: ir.Model) -> CacheRecord:
                        batch if isinstance(batch, int) else None, _static_last(logits),
                        widened_cache(model), seq if isinstance(seq, int) else None,
                        keep_input(graph))
+
+
+def _past_lengths(graph: ir.Graph, cache: KvCache) -> list[str]:
+    """The distinct names of the past inputs' sequence axes (one, or none where static)."""
+    axis = cache.layout.index("s")
+    names = {n for layer in cache.layers for n in (layer.past_key, layer.past_value)}
+    dims = [v.shape[axis] for v in graph.inputs if v.name in names and v.shape is not None
+            and len(v.shape) > axis]
+    return sorted({d.value for d in dims if isinstance(d, ir.SymbolicDim) and d.value})
 
 
 def find_cache_record(model: ir.Model) -> CacheRecord | None:

@@ -33,8 +33,8 @@ from typing import Literal
 
 import onnx_ir as ir
 
-from tuner.graph.walk import (DATA_INPUTS, MS, as_linear, consumers, is_const, op, source, walk_back,
-                              walk_forward)
+from tuner.graph.walk import (DATA_INPUTS, MS, as_linear, const_array, consumers, is_const, op,
+                              source, walk_back, walk_forward)
 
 Role = Literal["key", "value"]
 # Ops between a cache Concat and the attention MatMuls: head transposes, GQA's repeat_kv
@@ -408,6 +408,36 @@ def widened_cache(model: ir.Model) -> CachePads:
             for name, entries in json.loads(raw).items()}
 
 
+# Ops between a projection and a fused attention's input that keep each token's width:
+# Qwen3's and Gemma 3's q/k norms over each head (Reshape -> norm -> Reshape), casts.
+_PER_TOKEN = {"Reshape", "Cast", "Identity", "SimplifiedLayerNormalization",
+              "LayerNormalization", "RMSNormalization"}
+
+
+def _projected_width(x: ir.Value | None) -> tuple[int, bool]:
+    """(width, whole) of the projection whose output `x` is, through _PER_TOKEN ops: a
+    linear layer's output width (whole: all of it), or the size of the Split output that
+    `x` is (onnxruntime-genai's q/k-normed graphs split the packed QKV first); (0, True)
+    when not found."""
+    for _ in range(8):
+        producer = source(x).producer() if source(x) is not None else None
+        if producer is None:
+            return 0, True
+        lin = as_linear(producer)
+        if lin is not None:
+            return lin.out_dim, True
+        if op(producer) == "Split":
+            sizes = (const_array(producer.inputs[1]) if len(producer.inputs) > 1 else None)
+            if sizes is None and "split" in producer.attributes:
+                sizes = producer.attributes["split"].as_ints()
+            index = next(i for i, o in enumerate(producer.outputs) if o is source(x))
+            return (int(list(sizes)[index]), False) if sizes is not None else (0, True)
+        if op(producer) not in _PER_TOKEN:
+            return 0, True
+        x = producer.inputs[0]
+    return 0, True
+
+
 def gqa_cache_dims(node: ir.Node) -> tuple[int | None, int | None]:
     """(kv heads, head dim) of a GroupQueryAttention from its attributes and the width of the
     projection feeding it: packed QKV (key/value slots empty, onnxruntime-genai's builder) is
@@ -418,10 +448,8 @@ def gqa_cache_dims(node: ir.Node) -> tuple[int | None, int | None]:
     heads = attrs["num_heads"].as_int() if "num_heads" in attrs else 0
     kv = attrs["kv_num_heads"].as_int() if "kv_num_heads" in attrs else 0
     packed = len(node.inputs) < 2 or node.inputs[1] is None
-    x = node.inputs[0] if packed else node.inputs[1]
-    producer = source(x).producer() if source(x) is not None else None
-    lin = as_linear(producer) if producer is not None else None
-    width, count = (lin.out_dim if lin else 0), (heads + 2 * kv if packed else kv)
+    width, whole = _projected_width(node.inputs[0] if packed else node.inputs[1])
+    count = heads + 2 * kv if packed and whole else kv
     if not (kv and count and width and width % count == 0):
         return kv or None, None
     return kv, width // count

@@ -70,8 +70,14 @@ def _dims_of(v: ir.Value) -> tuple:
 
 
 def _const_table(value: ir.Value | None) -> tuple[int, ...] | None:
-    """The shape of a constant (an initializer or a Constant node's), None when `value` is
-    computed."""
+    """The shape of a constant (an initializer or a Constant node's, or a Transpose of one:
+    onnxruntime-genai's tied embedding is the LM head's weight transposed), None when
+    `value` is computed."""
+    node = value.producer() if value is not None else None
+    if node is not None and node.op_type == "Transpose" and const_tensor(node.inputs[0]):
+        shape = tuple(int(d) for d in const_tensor(node.inputs[0]).shape)
+        perm = node.attributes["perm"].as_ints() if "perm" in node.attributes else None
+        return tuple(shape[i] for i in (perm or range(len(shape) - 1, -1, -1)))
     tensor = const_tensor(value)
     return None if tensor is None else tuple(int(d) for d in tensor.shape)
 
