@@ -3,22 +3,34 @@ which is exact only where the graph's positions are the row's own (tuner.gate.ro
 Optimum's Gemma exports take no position_ids and count positions from the cache's length:
 there a stream batched beside a longer one generated something else than alone (found on
 Gemma 3: 3 of 4 concurrent streams differed), so the engine runs their streams one at a
-time (tuner optimize gives them the input instead: tests/test_position_ids.py). Real
-exports: Optimum's Gemma 3, Gemma and Llama, and a TorchScript Llama."""
+time (tuner optimize gives them the input instead: tests/test_position_ids.py). And slots
+that a sliding window counts: a short prompt chunk after a past, padded to a longer chunk in
+one run, has masked slots between its cache and its tokens, which the window counts; the
+runner keeps it out of such runs where the graph has a window. Real exports: Optimum's Gemma
+3, Gemma and Llama, and a TorchScript Llama."""
 
 from __future__ import annotations
 
 import queue
+import time
+from dataclasses import replace
+
+import numpy as np
 
 import pytest
 from serving_support import collect
 
 from models import build, optimum
 from serving.generation import GenerateOptions, Generator
+from serving.generation.cache import CacheManager
+from serving.generation.output import StreamOutput
+from serving.generation.runner import StepRunner
+from serving.generation.scheduler import Stream
 from serving.sampling import GenerationRequest
 from tuner.gate.row_moves import rows_move
 from tuner.graph.cache_record import cache_record
-from tuner.graph.load import load_model
+from tuner.graph.load import load_model, save_model
+from tuner.rewrite.position_ids import add_position_ids
 from tuner.runtime.ort import OrtRunner, load_cpu
 
 pytestmark = pytest.mark.venv(*optimum.VENV)  # built beside the first tests (conftest)
@@ -57,10 +69,23 @@ def _ids(chunks) -> list[int]:
     return [t for c in chunks for t in c.ids]
 
 
+class _Slowed:
+    """The model, 2 ms slower a run: the first stream is still decoding when the others
+    arrive however busy the machine (a tiny model's 24 steps can pass between two lines)."""
+
+    def __init__(self, runner) -> None:
+        self.runner = runner
+
+    def infer(self, feeds):
+        time.sleep(0.002)
+        return self.runner.infer(feeds)
+
+
 def _greedy(gen, prompts, together: bool) -> list[list[int]]:
-    """Each prompt's 24 greedy tokens: alone one after another, or together, the first
-    decoding before the others arrive (so that they join its batch, and it moves)."""
-    requests = [GenerationRequest(p, 24) for p in prompts]
+    """Each prompt's 24 greedy tokens (the first's 48): alone one after another, or
+    together, the first decoding before the others arrive (so that they join its batch,
+    and it moves)."""
+    requests = [GenerationRequest(p, 48 if i == 0 else 24) for i, p in enumerate(prompts)]
     if not together:
         return [_ids(collect(gen, [r])[0]) for r in requests]
     first: queue.Queue = queue.Queue()
@@ -75,7 +100,8 @@ def _greedy(gen, prompts, together: bool) -> list[list[int]]:
 @pytest.mark.parametrize("name, stays", [("gemma3_text", True), ("llama", False)])
 def test_concurrent_streams_each_equal_to_itself_alone(exports, name, stays):
     record, runner = _loaded(exports[name])
-    gen = Generator(runner, record, VOCAB, GenerateOptions(max_streams=4), max_positions=256)
+    gen = Generator(_Slowed(runner), record, VOCAB, GenerateOptions(max_streams=4),
+                    max_positions=256)
     try:
         assert gen.rows_stay is stays
         assert gen.options.max_streams == (1 if stays else 4)
@@ -94,10 +120,37 @@ def test_without_the_check_gemma_3_streams_differ_from_themselves_alone(exports,
     finally:
         alone_gen.close()
     monkeypatch.setattr("serving.generation.engine.rows_move", lambda *args: True)
-    gen = Generator(runner, record, VOCAB, GenerateOptions(max_streams=4), max_positions=256)
+    gen = Generator(_Slowed(runner), record, VOCAB, GenerateOptions(max_streams=4),
+                    max_positions=256)
     try:
         assert not gen.rows_stay
         together = _greedy(gen, PROMPTS, together=True)
     finally:
         gen.close()
     assert together[0] != alone[0]  # the first stream, moved when longer ones joined
+
+
+def _stream(prompt) -> Stream:
+    request = GenerationRequest(tuple(prompt), 4)
+    return Stream(request, lambda c: None, StreamOutput(request, None))
+
+
+def test_under_a_window_a_short_chunk_after_a_past_runs_apart(exports, tmp_path, monkeypatch):
+    model = load_model(exports["gemma3_text"])
+    add_position_ids(model)  # rows may move; the window (16 slots) still counts slots
+    record, runner = _loaded(save_model(model, tmp_path / "model.onnx"))
+    assert record.window == 16
+    cache = CacheManager(record, 10_000 * record.bytes_per_token, "longest")
+    steps = StepRunner(runner, record, VOCAB)
+    a, b = _stream(range(20, 50)), _stream(range(60, 71))  # 30 tokens, 11 fresh ones
+    first = steps.prefill(cache, [(a, 20)])
+    a.cache, a.computed = first.caches[0], 20  # a past longer than the window
+    alone = steps.prefill(cache, [(a, 10)]).logits[0]
+    assert steps._groups([(a, 10), (b, 11)]) == [[(b, 11)], [(a, 10)]]
+    np.testing.assert_allclose(steps.prefill(cache, [(a, 10), (b, 11)]).logits[0], alone,
+                               atol=1e-5, rtol=1e-5)
+    # without the rule: one run, one masked slot between a's cache and its chunk
+    monkeypatch.setattr(steps, "record", replace(record, window=None))
+    assert len(steps._groups([(a, 10), (b, 11)])) == 1
+    mixed = steps.prefill(cache, [(a, 10), (b, 11)]).logits[0]
+    assert not np.allclose(mixed, alone, atol=1e-3, rtol=1e-3)

@@ -99,14 +99,20 @@ class StepRunner:
         prompt's tokens are compute-bound, so padding costs what as many prompt tokens
         cost; a chunk joins a run while the padding stays within PAD_SLACK of the run's
         tokens (past that, another run's fixed cost, about one decode run, is cheaper:
-        prompts of 157, 84 and 15 tokens in one run cost 728 ms, 1.8x their tokens')."""
+        prompts of 157, 84 and 15 tokens in one run cost 728 ms, 1.8x their tokens').
+        Where the graph's mask has a sliding window (tuner.graph.window), a chunk after a
+        past shares a run only with chunks as long as it: a shorter one would have masked
+        slots between its cache and its tokens, which its window counts."""
         if len(chunks) == 1 or all(n == 1 for _, n in chunks):
             return [list(chunks)]
-        alone = self.record.rows_at_start
+        alone, window = self.record.rows_at_start, self.record.window is not None
         groups: list[list[tuple[object, int]]] = []
         for c in sorted((c for c in chunks if not (alone and c[0].computed)), key=lambda c: -c[1]):
             g = groups[-1] if groups else None
-            if g is not None and (len(g) + 1) * g[0][1] <= PAD_SLACK * (sum(n for _, n in g) + c[1]):
+            # a chunk after a past, shorter than the run's longest: masked slots before it
+            hole = g is not None and window and c[0].computed > 0 and c[1] < g[0][1]
+            if g is not None and not hole and (len(g) + 1) * g[0][1] <= PAD_SLACK * (
+                    sum(n for _, n in g) + c[1]):
                 g.append(c)
             else:
                 groups.append([c])

@@ -23,6 +23,7 @@ from tuner.errors import BadInput
 from tuner.graph.kv_cache import CachePads, KvCache, find_kv_cache, widened_cache
 from tuner.graph.lm_head import keep_input
 from tuner.graph.positions import positions_input
+from tuner.graph.window import sliding_window
 from tuner.graph.roles import ATTENTION_MASK, POSITION_IDS, TOKEN_IDS, input_specs, with_role
 
 
@@ -43,6 +44,8 @@ class CacheRecord:
     # the input that keeps the logits of the last k positions only (0: all), with a default:
     # tuner.rewrite.logits_to_keep; None when the graph has none
     keep_logits: str | None = None
+    # a sliding-window mask's width in slots (tuner.graph.window); None: no window found
+    window: int | None = None
 
     @property
     def layout(self) -> str:
@@ -145,7 +148,7 @@ def cache_record(model: ir.Model) -> CacheRecord:
                        {s.name: s.dtype for s in specs} | ({own: "int64"} if own else {}),
                        batch if isinstance(batch, int) else None, _static_last(logits),
                        widened_cache(model), seq if isinstance(seq, int) else None,
-                       keep_input(graph))
+                       keep_input(graph), sliding_window(graph))
 
 
 def _past_lengths(graph: ir.Graph, cache: KvCache) -> list[str]:
