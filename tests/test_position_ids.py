@@ -2,8 +2,9 @@
 (tuner/rewrite/position_ids.py), on Optimum's Gemma exports (Gemma and Gemma 3: no
 position_ids input): unfed it is the graph it was, bit for bit; fed the slots it is too; fed
 each row's own count its rows may move (tuner.gate.row_moves); the gate fails a copy whose
-fed positions are off by one; optimize makes it beside the LM head cut, and the server then
-batches the streams it ran one at a time, each equal to itself alone."""
+fed positions are off by one; optimize makes it beside the LM head cut (or alone where the cut
+is refused), and the server then batches the streams it ran one at a time, each equal to
+itself alone."""
 
 from __future__ import annotations
 
@@ -28,9 +29,13 @@ from tuner.graph.inspect import inspect_model
 from tuner.graph.load import load_model, save_model
 from tuner.graph.positions import POSITIONS
 from tuner.jobs.pad import load_reference
+from tuner.jobs.variants import Built, build_kept
 from tuner.plan.findings import audited
+from tuner.rewrite.logits_to_keep import add_logits_to_keep
 from tuner.rewrite.position_ids import add_position_ids
+from tuner.runtime.base import SessionSettings
 from tuner.runtime.ort import OrtRunner, load_cpu
+from tuner.runtime.registry import get_backend
 
 pytestmark = pytest.mark.venv(*optimum.VENV)  # built beside the first tests (conftest)
 
@@ -176,3 +181,22 @@ def test_optimize_gives_the_positions_and_the_server_batches_exactly(exports, tm
         assert [_ids(collect(plain, [r])[0]) for r in requests] == alone
     finally:
         plain.close()
+
+
+def test_where_the_cut_is_refused_the_positions_are_still_given(exports, tmp_path):
+    """A graph cut already (the cut refuses: the input is there) still gets its positions:
+    the variant `positions`, gated, the cut's refusal in its note."""
+    base_path = tmp_path / "original" / "model.onnx"
+    model = load_model(exports["gemma"])
+    add_logits_to_keep(model)
+    save_model(model, base_path)
+    gate = prepare(base_path, lambda: load_reference(base_path), vocab=VOCAB)
+    try:
+        base = Built("original", base_path, "original/model.onnx", True, (), None)
+        made = build_kept(base, gate, get_backend("ort-cpu"), SessionSettings())
+    finally:
+        gate.close()
+    assert made.name == "positions" and made.path == base_path.parent / "positions.onnx"
+    assert [t.kind for t in made.transforms] == ["positions"]
+    assert made.accuracy.passed and "already has an input 'logits_to_keep'" in made.note
+    assert cache_record(load_model(made.path)).position_ids == POSITIONS

@@ -282,9 +282,9 @@ def grid_stage(s: Setup, winner: Target, phases: tuple[Phase, ...]) -> Timed:
 
 
 def keep_stage(s: Setup, built: Mapping[str, Built], winner: str) -> tuple[Built | None, list[str]]:
-    """A generating decoder's winner with its LM head on the positions a step reads
-    (variants.build_kept), or None and why; on ort-cpu only (its gate's backend)."""
-    why = f"serving {winner} with every position's logits"
+    """A generating decoder's winner as the server should run it (variants.build_kept: its LM
+    head cut, its own positions), or None and why; on ort-cpu only (its gate's backend)."""
+    why = f"serving {winner} as it is"
     if not s.workload.generates:
         return None, []
     if s.backend.name != "ort-cpu":

@@ -38,7 +38,6 @@ from tuner.rewrite.position_ids import add_position_ids
 from tuner.runtime.ort_fusion import fuse_file
 
 MODEL_FILE = "model.onnx"
-KEPT_FILE = "last-logits.onnx"  # a variant's graph cut to its last logits, beside it
 
 
 @dataclass(frozen=True)
@@ -143,23 +142,46 @@ def build_fused(base: Built, root: Path, cand: Candidate, shape: ModelShape, che
                  note=f"fused: {', '.join(done)}")
 
 
-def kept_name(base: str) -> str:
-    """The name of `base` with its LM head cut to the last positions (see build_kept)."""
-    return "last-logits" if base == "original" else f"{base}+last-logits"
+def kept_name(base: str, kind: str = "last-logits") -> str:
+    """The name of `base` made ready to serve (see build_kept): `kind` is the first rewrite
+    made, "last-logits" (its LM head cut; then maybe its positions too) or "positions"."""
+    return kind if base == "original" else f"{base}+{kind}"
+
+
+# What build_kept makes of a served decoder, in order: (transform kind, rule, what it does)
+_SERVED = (
+    ("last-logits", add_logits_to_keep,
+     "the LM head on the positions a step reads (logits_to_keep)"),
+    ("positions", add_position_ids,
+     "its positions, counted from the cache's length, taken as the input position_ids so "
+     "that rows may be padded and batched"),
+)
 
 
 def build_kept(base: Built, check: GateCheck, backend, settings) -> Built:
-    """`base` (a decoder's variant) with the input `logits_to_keep`: its LM head runs on the
-    positions a step reads (tuner.rewrite.logits_to_keep). The graph is written beside the
-    base's own (`last-logits.onnx` in its folder: its weights, external data included, are
-    shared, not copied) and gated through `check`, its kept logits run as the server runs
-    its prompts. BadInput (a refused rewrite or a failed gate) with nothing left behind."""
-    dst = base.path.parent / KEPT_FILE
-    rel = f"{Path(base.rel).parent.as_posix()}/{KEPT_FILE}"
+    """`base` (a decoder's variant) as the server should run it: with the input
+    `logits_to_keep`, its LM head on the positions a step reads
+    (tuner.rewrite.logits_to_keep), and, where the graph counts its positions from its
+    cache's length, the input `position_ids` (tuner.rewrite.position_ids); each where its
+    rule applies. The graph is written beside the base's own (`last-logits.onnx` or
+    `positions.onnx` in its folder: its weights, external data included, are shared, not
+    copied) and gated through `check`, its kept logits run as the server runs its prompts,
+    its positions fed as its slots. BadInput (no rule applies, or the gate fails) with
+    nothing left behind."""
+    model = load_model(base.path)
+    made, refused = [], []
+    for kind, rule, _ in _SERVED:
+        try:
+            rule(model)
+            made.append(kind)
+        except RewriteRefused as e:
+            refused.append(f"{kind}: {e}")
+    if not made:
+        raise BadInput(f"{kept_name(base.name)}: {'; '.join(refused)}")
+    name = kept_name(base.name, made[0])
+    dst = base.path.parent / f"{made[0]}.onnx"
+    rel = f"{Path(base.rel).parent.as_posix()}/{dst.name}"
     try:
-        model = load_model(base.path)
-        add_logits_to_keep(model)
-        positions = _own_positions(model)
         save_graph(model, dst)
         del model
         result = check.check(backend.load(dst, settings), dst)
@@ -169,24 +191,13 @@ def build_kept(base: Built, check: GateCheck, backend, settings) -> Built:
     acc = accuracy_of(result)
     if not acc.passed:
         dst.unlink(missing_ok=True)
-        raise BadInput(f"{kept_name(base.name)} failed the accuracy gate: {acc.detail}")
-    note = f"{base.name} with the LM head on the positions a step reads (logits_to_keep)"
-    if positions:
-        note += ("; its positions, counted from the cache's length, taken as the input "
-                 "position_ids so that rows may be padded and batched")
-    return Built(kept_name(base.name), dst, rel, True,
-                 (*base.transforms, Transform("last-logits"),
-                  *([Transform("positions")] if positions else [])), acc, note=note)
-
-
-def _own_positions(model) -> bool:
-    """tuner.rewrite.position_ids where the graph counts its positions from its cache's
-    length (Optimum's Gemma exports); False where it has no such positions to give."""
-    try:
-        add_position_ids(model)
-    except RewriteRefused:
-        return False
-    return True
+        raise BadInput(f"{name} failed the accuracy gate: {acc.detail}")
+    what = [w for kind, _, w in _SERVED if kind in made]
+    note = f"{base.name} with {'; '.join(what)}"
+    if "last-logits" not in made:  # said: why every position's logits are still computed
+        note += f" ({refused[0]})"
+    return Built(name, dst, rel, True, (*base.transforms, *(Transform(k) for k in made)), acc,
+                 note=note)
 
 
 def _regrouped(src: Path, work: Path, shape: ModelShape) -> tuple[Path, int]:
