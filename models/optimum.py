@@ -2,6 +2,7 @@
 ONNX, for the conformance matrix (tests/test_conformance.py).
 
     python -m models.optimum llama --task text-generation-with-past -o llama-optimum/
+    python -m models.optimum gptj --task text-generation-with-past@O2   # optimized (--optimize O2)
     python -m models.optimum --list
 
 Optimum pins the transformers it supports (optimum-onnx 0.1 pins 4.57), older than ours,
@@ -36,6 +37,9 @@ OPTIMUM_ONNX = "optimum-onnx==0.1.0"
 REQUIREMENTS = (OPTIMUM_ONNX, venvs.TORCH, "onnxruntime>=1.20")
 VENV = ("optimum", REQUIREMENTS)  # the environment: models/venvs.py
 TASKS = ("text-generation-with-past", "text-generation")
+# The with-past export run through Optimum's own ONNX Runtime optimization (`--optimize O2`:
+# fused LayerNorm/SkipLayerNorm, GELU, and attention where its optimizer knows the model)
+O2_TASK = f"{TASKS[0]}@O2"
 VOCAB = 1003  # odd: the vocab padding has something to do
 EXPORT_LAYOUT = 1  # bump when how the folder or the export is made changes (the cache key)
 
@@ -171,17 +175,24 @@ def _key(name: str, task: str) -> str:
 
 
 def _out_dir(name: str, task: str) -> Path:
-    short = "kv" if task == "text-generation-with-past" else "nokv"
+    short = {TASKS[0]: "kv", TASKS[1]: "nokv", O2_TASK: "kv-o2"}[task]
     return _cache_dir() / f"optimum-{_key(name, task)}" / f"{name}-optimum-{short}"
+
+
+def _job(checkpoint: Path, task: str, out: Path) -> tuple[str, str, str, str | None]:
+    """[checkpoint, task, output, optimization level or None]: one line of jobs.json."""
+    base, _, level = task.partition("@")
+    return str(checkpoint), base, str(out), level or None
 
 
 def export_all(cells: list[tuple[str, str]], outs: list[Path] | None = None) -> list[Path]:
     """Export each (family, task) with Optimum into its cache folder (or `outs`), in one
-    Optimum process; returns each model.onnx. Each folder is written whole or not at all."""
+    Optimum process; returns each model.onnx. Each folder is written whole or not at all.
+    A task is one of TASKS, or O2_TASK (the with-past export, optimized)."""
     for name, task in cells:
-        if name not in FAMILIES or task not in TASKS:
+        if name not in FAMILIES or task not in (*TASKS, O2_TASK):
             raise ValueError(f"no Optimum export {name!r} / {task!r}; families: "
-                             f"{', '.join(FAMILIES)}; tasks: {', '.join(TASKS)}")
+                             f"{', '.join(FAMILIES)}; tasks: {', '.join((*TASKS, O2_TASK))}")
     outs = outs or [_out_dir(n, t) for n, t in cells]
 
     def missing() -> list[tuple[tuple[str, str], Path]]:
@@ -198,7 +209,7 @@ def _export(todo: list[tuple[tuple[str, str], Path]]) -> None:
     root = todo[0][1].parent
     root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=root, prefix=".optimum-") as tmp:
-        jobs = [(str(write_checkpoint(n, Path(tmp) / f"ckpt{i}")), t, str(Path(tmp) / f"onnx{i}"))
+        jobs = [_job(write_checkpoint(n, Path(tmp) / f"ckpt{i}"), t, Path(tmp) / f"onnx{i}")
                 for i, ((n, t), _) in enumerate(todo)]
         (Path(tmp) / "jobs.json").write_text(json.dumps(jobs))
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
@@ -210,7 +221,7 @@ def _export(todo: list[tuple[tuple[str, str], Path]]) -> None:
         if done.returncode != 0:
             raise RuntimeError(f"optimum could not export {[c for c, _ in todo]}: "
                                f"{(done.stderr or done.stdout)[-3000:]}")
-        for (_, _, made), (_, out) in zip(jobs, todo):
+        for (_, _, made, _), (_, out) in zip(jobs, todo):
             out.parent.mkdir(parents=True, exist_ok=True)
             if out.exists():
                 shutil.rmtree(out)
@@ -252,7 +263,7 @@ def _main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m models.optimum", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("name", nargs="?", help=f"one of: {', '.join(FAMILIES)}")
-    p.add_argument("--task", choices=TASKS, default=TASKS[0])
+    p.add_argument("--task", choices=(*TASKS, O2_TASK), default=TASKS[0])
     p.add_argument("-o", "--output", type=Path, help="the folder to write (model.onnx inside)")
     p.add_argument("--list", action="store_true", help="list the families and exit")
     a = p.parse_args(argv)

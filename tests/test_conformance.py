@@ -48,8 +48,12 @@ class Cell:
         return f"{self.exporter}-{self.family}-{'kv' if self.kv else 'nokv'}"
 
 
+# Optimum's --optimize O2 (ONNX Runtime's transformer optimizer inside the export) on the
+# families its optimizer knows: fused SkipLayerNorm / LayerNorm / FastGelu / BiasGelu
+O2_FAMILIES = ("gpt2", "llama", "gpt_neox", "gptj", "gpt_bigcode", "granite")
 CELLS = ([Cell("optimum", f, kv) for f, fam in optimum.FAMILIES.items() for kv in (True, False)
           if (KV_TASK if kv else PLAIN_TASK) in fam.tasks]
+         + [Cell("optimum-O2", f, True) for f in O2_FAMILIES]
          + [Cell(e, f, True) for f in build.KV_FAMILIES for e in build.EXPORTERS]
          + [Cell("torchscript", "qwen2", False), Cell("dynamo", "phi3", False),
             Cell("dynamo", "gemma", False), Cell("torchscript", "llama", False)])
@@ -68,20 +72,26 @@ PROMPT, NEW_TOKENS = [5, 17, 301, 9, 42, 7], 8
 def optimum_exports() -> dict[tuple[str, bool], Path]:
     """Every Optimum export, made in one Optimum process (and its environment, first time)
     and cached. pip failing to install optimum-onnx FAILS here: it is what users run."""
-    cells = [(c.family, KV_TASK if c.kv else PLAIN_TASK) for c in CELLS if c.exporter == "optimum"]
+    cells = [(c.family, _task(c)) for c in CELLS if c.exporter.startswith("optimum")]
     paths = optimum.export_all(cells)
-    return {(f, t == KV_TASK): p for (f, t), p in zip(cells, paths)}
+    return {(f, t): p for (f, t), p in zip(cells, paths)}
+
+
+def _task(cell: Cell) -> str:
+    if cell.exporter == "optimum-O2":
+        return optimum.O2_TASK
+    return KV_TASK if cell.kv else PLAIN_TASK
 
 
 def _source(cell: Cell, optimum_exports) -> Path:
-    if cell.exporter == "optimum":
-        return optimum_exports[(cell.family, cell.kv)]
+    if cell.exporter.startswith("optimum"):
+        return optimum_exports[(cell.family, _task(cell))]
     name = f"{cell.family}-kv" if cell.kv else cell.family
     return build.cached(name, "awkward", cell.exporter)
 
 
 def _expect(cell: Cell) -> dict:
-    if cell.exporter == "optimum":
+    if cell.exporter.startswith("optimum"):
         return optimum.FAMILIES[cell.family].expect
     return build.spec(f"{cell.family}-kv" if cell.kv else cell.family, "awkward").expect
 
@@ -257,7 +267,7 @@ def test_requests_that_meet_on_an_optimum_export_over_http(optimum_exports, tmp_
 
     from serving.overlap import OverlapRunner
 
-    src = optimum_exports[("llama", False)]
+    src = optimum_exports[("llama", PLAIN_TASK)]
     art, traffic = tmp_path / "art", tmp_path / "traffic.jsonl"
     traffic.write_text("".join(json.dumps(r) + "\n" for r in TRAFFIC[False]))
     code, _, err = _run(["optimize", str(src), "-o", str(art), "--requests", str(traffic),
