@@ -166,8 +166,7 @@ class DecoderEngine:
 
     def note(self) -> str:
         g = self.generator
-        alone = (" (the graph's positions follow its cache's length: rows cannot share a "
-                 "batch)" if g.rows_stay else "")
+        alone = f" ({g.rows_stay})" if g.rows_stay else ""
         return (f"generation: up to {g.options.max_streams} streams in flight{alone} "
                 f"(queue {self.options.max_queue}), cache length up to {g.max_cache_len} "
                 f"(buckets {list(g.cache_buckets)}), batch buckets {list(g.batch_buckets)}, "

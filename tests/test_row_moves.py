@@ -7,7 +7,8 @@ time (tuner optimize gives them the input instead: tests/test_position_ids.py). 
 that a sliding window counts: a short prompt chunk after a past, padded to a longer chunk in
 one run, has masked slots between its cache and its tokens, which the window counts; the
 runner keeps it out of such runs where the graph has a window. Real exports: Optimum's Gemma
-3, Gemma and Llama, and a TorchScript Llama."""
+3, Gemma and Llama, a TorchScript Llama and its quantize_dynamic copy, whose rows are not
+computed apart (one activation range per run) and never share a run either."""
 
 from __future__ import annotations
 
@@ -20,14 +21,14 @@ import numpy as np
 import pytest
 from serving_support import collect
 
-from models import build, optimum
+from models import build, optimum, quantize
 from serving.generation import GenerateOptions, Generator
 from serving.generation.cache import CacheManager
 from serving.generation.output import StreamOutput
 from serving.generation.runner import StepRunner
 from serving.generation.scheduler import Stream
 from serving.sampling import GenerationRequest
-from tuner.gate.row_moves import rows_move
+from tuner.gate.row_moves import rows_apart, rows_move
 from tuner.graph.cache_record import cache_record
 from tuner.graph.load import load_model, save_model
 from tuner.rewrite.position_ids import add_position_ids
@@ -103,7 +104,7 @@ def test_concurrent_streams_each_equal_to_itself_alone(exports, name, stays):
     gen = Generator(_Slowed(runner), record, VOCAB, GenerateOptions(max_streams=4),
                     max_positions=256)
     try:
-        assert gen.rows_stay is stays
+        assert bool(gen.rows_stay) is stays
         assert gen.options.max_streams == (1 if stays else 4)
         alone = _greedy(gen, PROMPTS, together=False)
         assert _greedy(gen, PROMPTS, together=True) == alone
@@ -154,3 +155,29 @@ def test_under_a_window_a_short_chunk_after_a_past_runs_apart(exports, tmp_path,
     assert len(steps._groups([(a, 10), (b, 11)])) == 1
     mixed = steps.prefill(cache, [(a, 10), (b, 11)]).logits[0]
     assert not np.allclose(mixed, alone, atol=1e-3, rtol=1e-3)
+
+
+def test_rows_quantized_with_one_range_per_run_never_meet(monkeypatch):
+    """ONNX Runtime's quantize_dynamic: DynamicQuantizeLinear takes one range over every
+    row's activations, so a stream's tokens depend on the streams beside it. The engine
+    finds it by running (rows_apart) and runs such a graph's streams one at a time, each
+    then what it is alone; batched anyway, some stream is not."""
+    path = quantize.cached("dynamic", "llama-kv")
+    record, runner = _loaded(path)
+    assert rows_move(runner, record) and not rows_apart(runner, record)
+    prompts = [tuple(range(4 + 7 * i, 4 + 7 * i + n)) for i, n in enumerate((9, 21, 5, 14))]
+    gen = Generator(_Slowed(runner), record, VOCAB, GenerateOptions(max_streams=4),
+                    max_positions=256)
+    try:
+        assert "quantized" in gen.rows_stay and gen.options.max_streams == 1
+        alone = _greedy(gen, prompts, together=False)
+        assert _greedy(gen, prompts, together=True) == alone
+    finally:
+        gen.close()
+    monkeypatch.setattr("serving.generation.engine._rows_stay", lambda *args: None)
+    gen = Generator(_Slowed(runner), record, VOCAB, GenerateOptions(max_streams=4),
+                    max_positions=256)
+    try:
+        assert _greedy(gen, prompts, together=True) != alone
+    finally:
+        gen.close()

@@ -27,10 +27,20 @@ from serving.generation.output import GenerationStats, OutputProcessor, StreamOu
 from serving.generation.runner import StepRunner
 from serving.generation.scheduler import Scheduler, StepPlan, Stream
 from serving.sampling import Chunk, GenerationRequest
-from tuner.gate.row_moves import rows_move
+from tuner.gate.row_moves import rows_apart, rows_move
 from tuner.graph.cache_record import CacheRecord
 
 log = logging.getLogger("serving")
+
+
+def _rows_stay(runner, record: CacheRecord, batch: int) -> str | None:
+    """Why rows of this graph may not share a run, found by running it, or None."""
+    if not rows_move(runner, record, batch):
+        return "this graph's positions follow its cache's length (a moved row's logits change)"
+    if not rows_apart(runner, record, batch):
+        return ("a row's logits change beside another row (its activations are quantized with "
+                "one range per run)")
+    return None
 
 
 class Handle:
@@ -57,15 +67,13 @@ class Generator:
             raise ValueError("generation needs an attention mask input (batch, past + seq)")
         record.past_to_present  # BadInput when a layer's cache is not returned
         self.batch_buckets = tuple(options.batch_buckets or batch_buckets)
-        # rows of different lengths share a run by moving the shorter ones' entries (left
-        # padding): where that changes a row's logits (positions taken from the cache's
-        # length), every stream runs alone, never padded (tuner.gate.row_moves)
-        self.rows_stay = options.max_streams > 1 and not rows_move(
-            runner, record, record.batch or next_bucket(1, self.batch_buckets))
+        # why streams may not share runs (tuner.gate.row_moves), or None: then every stream
+        # runs alone, never padded
+        self.rows_stay = _rows_stay(runner, record, record.batch or next_bucket(
+            1, self.batch_buckets)) if options.max_streams > 1 else None
         if self.rows_stay:
             options, pad_to = replace(options, max_streams=1), "longest"
-            log.warning("this graph's positions follow its cache's length (a moved row's "
-                        "logits change): one stream runs at a time")
+            log.warning(f"{self.rows_stay}: one stream runs at a time")
         self.record, self.vocab, self.options = record, vocab, options
         self.tokenizer, self.pad_to = tokenizer, pad_to
         self.grammars = GrammarCompiler(tokenizer, vocab, eos_ids)  # structured output

@@ -1,39 +1,61 @@
-"""Whether a row's cached entries may move: the check that lets a server batch rows of
-different lengths (tuner.gate.decode_step left-pads a row that was computed alone when it
-joins a longer batch, so its entries move to later slots).
+"""Whether rows may share a run: the check that lets a server batch streams. Two things must
+hold for each stream to be what it is alone, and no structure is trusted for either; the
+graph is run:
 
-That is exact when the graph takes its positions from an input (the server feeds each row's
-own count) or from the mask. Some exports compute them from the cache's length instead
-(Optimum's Gemma, Gemma 2 and Gemma 3: no position_ids input, `cache_position` = past
-length + arange): there a moved row's new token gets its slot as its position while its
-keys kept the rotary angles they were computed at, and every stream that shares a batch
-with a longer one generates something else than alone. No structure is trusted for this;
-the graph is run:
+- a row's cached entries may move (`rows_move`): tuner.gate.decode_step left-pads a row that
+  was computed alone when it joins a longer batch, so its entries move to later slots. Exact
+  where the graph takes its positions from an input (the server feeds each row's own count)
+  or from the mask; not where it counts them from the cache's length (Optimum's Gemma, Gemma
+  2 and Gemma 3 take no position_ids: a moved row's new token gets its slot as its position
+  while its keys kept the rotary angles they were computed at);
+- a row is computed on its own (`rows_apart`): its logits beside another row are its logits
+  alone. Not so where the activations are quantized with one range for the whole run
+  (ONNX Runtime's quantize_dynamic: DynamicQuantizeLinear takes the min and max of every
+  row's hidden states), so that each row's numbers depend on the others'.
 
-    exact = rows_move(runner, record, batch=1)   # a row in place vs moved by MOVE slots
+    exact = rows_move(runner, record) and rows_apart(runner, record)
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from tuner.gate.decode_step import (empty_past, next_feeds, pad_rows, row_cache, step_feeds)
+from tuner.gate.decode_step import empty_past, next_feeds, pad_rows, row_cache, step_feeds
 from tuner.gate.verify import Tolerance
 from tuner.graph.cache_record import CacheRecord
 
 PROMPT = (5, 17, 9)  # token ids every vocabulary has, fed one per step (any graph takes seq 1)
+OTHER = (11, 3, 23)  # another row's
 MOVE = 16  # slots of left padding put before the moved row
+# Moving a row, or running it beside another, changes nothing but how many masked entries a
+# softmax sums and how a kernel tiles the batch: rounding (a few 1e-7 on the exports tried);
+# where positions follow the cache's length, 1e-3 and more (Optimum's Gemma exports); where
+# activations are quantized per run, the quantization step (1e-2 on a random Llama).
+MOVED = Tolerance(atol=1e-5, rtol=1e-5)
 
 
 def _logits(runner, record: CacheRecord, feeds) -> tuple[dict, np.ndarray]:
     out = runner.infer(feeds.arrays)
-    return out, np.asarray(out[record.logits])[0, -1]  # (vocab,) the row's last position
+    return out, np.asarray(out[record.logits])[:, -1]  # (B, vocab): each row's last position
 
 
-# Moving a row changes nothing but how many masked entries a softmax sums: rounding (a few
-# 1e-7 on the exports tried) where positions are the row's own; where they follow the
-# cache's length, 1e-3 and more (Optimum's Gemma exports).
-MOVED = Tolerance(atol=1e-5, rtol=1e-5)
+def _cached(runner, record: CacheRecord, tokens, batch: int) -> dict[str, np.ndarray]:
+    """Row 0's own cache after `tokens`, fed one per step (the other rows are padding)."""
+    arrays, mask = empty_past(record, batch)
+    feeds = step_feeds(record, [[tokens[0]]], mask, arrays)
+    for token in tokens[1:]:
+        out, _ = _logits(runner, record, feeds)
+        feeds = next_feeds(feeds, out, np.full(batch, token))
+    out, _ = _logits(runner, record, feeds)
+    presents = {p: out[q] for p, q in record.past_to_present.items()}
+    return row_cache(record, presents, feeds.mask[0], 0)
+
+
+def _next(runner, record: CacheRecord, rows, batch: int, past: int) -> np.ndarray:
+    """Row 0's next logits (vocab,) with `rows` (their own caches) at a past of `past`."""
+    arrays, mask = pad_rows(record, rows, batch, past)
+    tokens = [[PROMPT[0]], [OTHER[0]]][:len(rows)]
+    return _logits(runner, record, step_feeds(record, tokens, mask, arrays))[1][0]
 
 
 def rows_move(runner, record: CacheRecord, batch: int = 1, tolerance: Tolerance = MOVED) -> bool:
@@ -43,17 +65,19 @@ def rows_move(runner, record: CacheRecord, batch: int = 1, tolerance: Tolerance 
     batch (the other rows are padding)."""
     if record.rows_at_start:
         return True
-    arrays, mask = empty_past(record, batch)
-    feeds = step_feeds(record, [[PROMPT[0]]], mask, arrays)
-    for token in PROMPT[1:]:
-        out, _ = _logits(runner, record, feeds)
-        feeds = next_feeds(feeds, out, np.full(batch, token))
-    out, _ = _logits(runner, record, feeds)  # the row's cache: PROMPT's entries
-    presents = {p: out[q] for p, q in record.past_to_present.items()}
-    row = row_cache(record, presents, feeds.mask[0], 0)
-    length = len(PROMPT)
-    logits = []
-    for past in (length, length + MOVE):  # in place, then moved
-        arrays, mask = pad_rows(record, [row], batch, past)
-        logits.append(_logits(runner, record, step_feeds(record, [[PROMPT[0]]], mask, arrays))[1])
-    return tolerance(record.logits, logits[0], logits[1])
+    row = _cached(runner, record, PROMPT, batch)
+    here = _next(runner, record, [row], batch, len(PROMPT))
+    moved = _next(runner, record, [row], batch, len(PROMPT) + MOVE)
+    return tolerance(record.logits, here, moved)
+
+
+def rows_apart(runner, record: CacheRecord, batch: int = 1, tolerance: Tolerance = MOVED) -> bool:
+    """True when row 0's next logits are the same (within `tolerance`) alone and beside
+    another row of its length; True for a graph whose batch is fixed (its rows always meet).
+    `batch`: the graph's smallest batch (the runs alone pad to it)."""
+    if record.batch is not None:
+        return True
+    row, other = (_cached(runner, record, t, batch) for t in (PROMPT, OTHER))
+    alone = _next(runner, record, [row], batch, len(PROMPT))
+    beside = _next(runner, record, [row, other], max(batch, 2), len(PROMPT))
+    return tolerance(record.logits, alone, beside)
