@@ -43,6 +43,9 @@ class Layout:
     seq_inputs: tuple[str, ...]  # inputs shaped (batch, seq, ...): padded on the right
     mask_input: str | None  # among seq_inputs; None: padding is not safe, so none is done
     output_seq_axes: Mapping[str, int | None]  # output -> the axis that follows the sequence
+    # False: a request's outputs change when it is padded and joined with others (its
+    # activations quantized with one range per run): then it is never padded or joined
+    rows_apart: bool = True
 
     def __post_init__(self) -> None:
         if self.mask_input is not None and self.mask_input not in self.seq_inputs:
@@ -280,30 +283,42 @@ class Batcher:
     def _stack(self, batch: list[_Request], bucket: int) -> dict[str, np.ndarray]:
         if len(batch) == 1 and batch[0].length == bucket:
             return dict(batch[0].feeds)  # nothing to pad or join: no copy
-        feeds = {}
-        rows = sum(r.rows for r in batch)
-        for name, first in batch[0].feeds.items():
-            if name in self.layout.seq_inputs:
-                out = np.zeros((rows, bucket) + first.shape[2:], dtype=first.dtype)  # (B, S, ...)
-                offset = 0
-                for r in batch:
-                    a = r.feeds[name]
-                    out[offset:offset + r.rows, :a.shape[1]] = a
-                    offset += r.rows
-                feeds[name] = out
-            else:
-                feeds[name] = np.concatenate([r.feeds[name] for r in batch], axis=0)
-        return feeds
+        return stack(self.layout, [r.feeds for r in batch], bucket)
 
     def _split(self, outputs: dict[str, np.ndarray], offset: int, r: _Request,
                bucket: int) -> dict[str, np.ndarray]:
-        mine = {}
-        for name, out in outputs.items():
-            part = out[offset:offset + r.rows]
-            axis = self.layout.output_seq_axes.get(name)
-            if axis is not None and r.length != bucket:
-                cut = [slice(None)] * part.ndim
-                cut[axis] = slice(0, r.length)
-                part = part[tuple(cut)]
-            mine[name] = part
-        return mine
+        return split(self.layout, outputs, offset, r.rows, r.length, bucket)
+
+
+def stack(layout: Layout, requests: list[Feeds], bucket: int) -> dict[str, np.ndarray]:
+    """One batch of `requests`: sequence inputs right-padded with zeros to `bucket`, rows
+    joined in order."""
+    feeds = {}
+    rows = sum(len(next(iter(r.values()))) for r in requests)
+    for name, first in requests[0].items():
+        if name in layout.seq_inputs:
+            out = np.zeros((rows, bucket) + first.shape[2:], dtype=first.dtype)  # (B, S, ...)
+            offset = 0
+            for r in requests:
+                a = r[name]
+                out[offset:offset + len(a), :a.shape[1]] = a
+                offset += len(a)
+            feeds[name] = out
+        else:
+            feeds[name] = np.concatenate([r[name] for r in requests], axis=0)
+    return feeds
+
+
+def split(layout: Layout, outputs: dict[str, np.ndarray], offset: int, rows: int, length: int,
+          bucket: int) -> dict[str, np.ndarray]:
+    """A request's own rows of a batch's outputs, cut to its length on the sequence axes."""
+    mine = {}
+    for name, out in outputs.items():
+        part = out[offset:offset + rows]
+        axis = layout.output_seq_axes.get(name)
+        if axis is not None and length != bucket:
+            cut = [slice(None)] * part.ndim
+            cut[axis] = slice(0, length)
+            part = part[tuple(cut)]
+        mine[name] = part
+    return mine

@@ -15,7 +15,7 @@ from typing import Callable, Mapping
 import onnx
 import onnx_ir as ir
 
-from serving.batcher import Layout
+from serving.batcher import Layout, split, stack
 from serving.overlap import OverlapRunner, cpu_threads, overlap_wanted
 from tuner.artifact.records import Buckets, Latency, Manifest
 from tuner.artifact.store import read_manifest, variant_path
@@ -136,6 +136,11 @@ def _position_rows(signature: Signature) -> int | None:
     return signature.index_limits.get(positions.name) if positions is not None else None
 
 
+# A request padded and joined with another changes only by rounding (float graphs); by the
+# quantization step where activations share one range per run (1e-2 and more)
+ROWS_APART = Tolerance(atol=1e-4, rtol=1e-3)
+
+
 def _probe_layout(runner: Runner, path: Path, signature: Signature, vocab: int) -> Layout:
     """Which output axes follow the sequence: run batch 2 at two lengths and see which axis
     changes with it (names of symbolic dims differ between exporters; running does not)."""
@@ -155,7 +160,23 @@ def _probe_layout(runner: Runner, path: Path, signature: Signature, vocab: int) 
             diff = [i for i, (x, y) in enumerate(zip(a[name].shape, b[name].shape))
                     if i > 0 and (x, y) == (3, 5)]
             axes[name] = diff[0] if diff else None
-    return Layout(seq_inputs, mask, axes)
+    layout = Layout(seq_inputs, mask, axes)
+    if mask is None:
+        return layout  # nothing is padded or joined but requests of equal length
+    joins = signature.fixed_batch is None
+    return dataclasses.replace(layout, rows_apart=_rows_apart(runner, path, vocab, layout, joins))
+
+
+def _rows_apart(runner: Runner, path: Path, vocab: int, layout: Layout, joins: bool) -> bool:
+    """Whether a request's outputs alone are its outputs padded (and, where the batch is not
+    fixed, joined with a longer request), as the batcher runs them: not so where the
+    activations are quantized with one range for the whole run (quantize_dynamic)."""
+    alone, longer = (make_feeds(path, vocab, [(1, n)], seed=2)[0] for n in (3, 6))
+    rows = len(next(iter(alone.values())))  # 1, or the graph's fixed batch
+    want = runner.infer(alone)
+    batch = stack(layout, [alone, longer] if joins else [alone], 6)
+    got = split(layout, runner.infer(batch), 0, rows, 3, 6)
+    return all(ROWS_APART(name, want[name], got[name]) for name in want)
 
 
 def _gate_shapes(buckets: Buckets) -> list[tuple[int, int]]:

@@ -8,7 +8,9 @@ without zero points), on Llama (GQA) with and without its KV cache and GPT-2.
 - vocab and FFN padding are exact: every new weight entry holds its zero point, so it
   dequantizes to exactly 0 (checked on the stored tensors, not only by running);
 - per-channel dynamic weights, and head dim / heads through any quantized weight, are refused
-  with the node named.
+  with the node named;
+- served, a dynamic graph's requests are never padded or joined (one activation range per
+  run couples them); a static one's are.
 """
 
 from __future__ import annotations
@@ -168,3 +170,27 @@ def test_optimize_a_quantized_cache_model_writes_an_artifact(tmp_path):
     manifest = json.loads((out / "manifest.json").read_text())
     padded = [v for v in manifest["variants"] if v["name"] != "original"]
     assert padded and all(v["accuracy"]["passed"] and v["exact"] for v in padded)
+
+
+@pytest.mark.parametrize("kind, apart", [("dynamic", False), ("static", True)])
+def test_a_request_is_never_joined_where_padding_changes_its_outputs(kind, apart, tmp_path):
+    """quantize_dynamic takes one activation range over the whole run: a request padded and
+    joined with a longer one changes (0.07 on BERT's hidden states), so the server, which
+    runs it both ways before it serves (serving.model._rows_apart), never joins or pads such
+    requests, whatever --max-batch and --pad-to say; static QDQ's constant scales do not."""
+    from serving_support import make_artifact
+
+    from serving.engine import Engine, EngineOptions
+    from serving.model import load_artifact
+    from serving.metrics import Stats
+
+    path = cached(kind, "bert")
+    model = load_artifact(make_artifact(tmp_path / "art", path))
+    engine = Engine(model, EngineOptions(max_batch=4, pad_to="bucket"), Stats())
+    try:
+        assert model.layout.rows_apart is apart
+        assert (engine.join_rows, engine.pad_to) == ((4, "bucket") if apart else (1, "longest"))
+        if not apart:
+            assert "never joined" in engine.batch_note
+    finally:
+        engine.close()
