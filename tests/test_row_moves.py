@@ -98,36 +98,37 @@ def _greedy(gen, prompts, together: bool) -> list[list[int]]:
     return [_ids(chunks)] + [_ids(c) for c in rest]
 
 
+def _engine(runner, record, streams: int = 4) -> Generator:
+    return Generator(_Slowed(runner), record, VOCAB, GenerateOptions(max_streams=streams),
+                     max_positions=256)
+
+
+def _both(gen, prompts) -> tuple[list, list]:
+    """(alone, together): `prompts`' greedy tokens on `gen`, which is closed after."""
+    try:
+        return _greedy(gen, prompts, together=False), _greedy(gen, prompts, together=True)
+    finally:
+        gen.close()
+
+
 @pytest.mark.parametrize("name, stays", [("gemma3_text", True), ("llama", False)])
 def test_concurrent_streams_each_equal_to_itself_alone(exports, name, stays):
     record, runner = _loaded(exports[name])
-    gen = Generator(_Slowed(runner), record, VOCAB, GenerateOptions(max_streams=4),
-                    max_positions=256)
-    try:
-        assert bool(gen.rows_stay) is stays
-        assert gen.options.max_streams == (1 if stays else 4)
-        alone = _greedy(gen, PROMPTS, together=False)
-        assert _greedy(gen, PROMPTS, together=True) == alone
-    finally:
-        gen.close()
+    gen = _engine(runner, record)
+    assert bool(gen.rows_stay) is stays
+    assert gen.options.max_streams == (1 if stays else 4)
+    alone, together = _both(gen, PROMPTS)
+    assert together == alone
 
 
 def test_without_the_check_gemma_3_streams_differ_from_themselves_alone(exports, monkeypatch):
     """What the check prevents, shown on the same export: rows batched (moved) anyway."""
     record, runner = _loaded(exports["gemma3_text"])
-    alone_gen = Generator(runner, record, VOCAB, GenerateOptions(max_streams=1), max_positions=256)
-    try:
-        alone = _greedy(alone_gen, PROMPTS, together=False)
-    finally:
-        alone_gen.close()
+    alone, _ = _both(_engine(runner, record, streams=1), PROMPTS)
     monkeypatch.setattr("serving.generation.engine.rows_move", lambda *args: True)
-    gen = Generator(_Slowed(runner), record, VOCAB, GenerateOptions(max_streams=4),
-                    max_positions=256)
-    try:
-        assert not gen.rows_stay
-        together = _greedy(gen, PROMPTS, together=True)
-    finally:
-        gen.close()
+    gen = _engine(runner, record)
+    assert not gen.rows_stay
+    _, together = _both(gen, PROMPTS)
     assert together[0] != alone[0]  # the first stream, moved when longer ones joined
 
 
@@ -162,22 +163,13 @@ def test_rows_quantized_with_one_range_per_run_never_meet(monkeypatch):
     row's activations, so a stream's tokens depend on the streams beside it. The engine
     finds it by running (rows_apart) and runs such a graph's streams one at a time, each
     then what it is alone; batched anyway, some stream is not."""
-    path = quantize.cached("dynamic", "llama-kv")
-    record, runner = _loaded(path)
+    record, runner = _loaded(quantize.cached("dynamic", "llama-kv"))
     assert rows_move(runner, record) and not rows_apart(runner, record)
     prompts = [tuple(range(4 + 7 * i, 4 + 7 * i + n)) for i, n in enumerate((9, 21, 5, 14))]
-    gen = Generator(_Slowed(runner), record, VOCAB, GenerateOptions(max_streams=4),
-                    max_positions=256)
-    try:
-        assert "quantized" in gen.rows_stay and gen.options.max_streams == 1
-        alone = _greedy(gen, prompts, together=False)
-        assert _greedy(gen, prompts, together=True) == alone
-    finally:
-        gen.close()
+    gen = _engine(runner, record)
+    assert "quantized" in gen.rows_stay and gen.options.max_streams == 1
+    alone, together = _both(gen, prompts)
+    assert together == alone
     monkeypatch.setattr("serving.generation.engine._rows_stay", lambda *args: None)
-    gen = Generator(_Slowed(runner), record, VOCAB, GenerateOptions(max_streams=4),
-                    max_positions=256)
-    try:
-        assert _greedy(gen, prompts, together=True) != alone
-    finally:
-        gen.close()
+    _, batched = _both(_engine(runner, record), prompts)
+    assert batched != alone
