@@ -18,7 +18,8 @@ re-check, the server's check before it is ready).
 - the kept logits: a variant that takes `logits_to_keep` (tuner.rewrite.logits_to_keep) is
   also run for each row's last logits only, as the server runs its prompts;
 - the positions: a variant given a `position_ids` input with a default
-  (tuner.rewrite.position_ids) is fed each row's own positions, as the server feeds it.
+  (tuner.rewrite.position_ids) is fed the positions its original counts, its slots: fed so,
+  it must compute what the original does (tuner.gate.kv_gate.SlotPositions).
 """
 
 from __future__ import annotations

@@ -210,9 +210,10 @@ def verify_cache_model(reference, candidate, feeds: CacheFeeds,
     `kept` (a candidate that takes `logits_to_keep`): also its first step of every start of
     more than one new position run for the rows' last logits only, against the reference's
     logits there. `positions` (a candidate given a defaulted position input): the candidate
-    is fed the positions the reference counts from its slots (SlotPositions). Fails closed: a model that does not run, a flipped greedy token, a missing
-    output, an output with fewer than `min_compared` compared elements (so a `kept` check
-    that found no start to run fails). The comparison is the plain gate's own
+    is fed the positions the reference counts from its slots (SlotPositions). Fails closed:
+    a model that does not run, a flipped greedy token, a missing output, an output with
+    fewer than `min_compared` compared elements (so a `kept` check that found no start to
+    run fails). The comparison is the plain gate's own
     (tuner.gate.verify.Stats)."""
     if min_compared < 1:
         raise ValueError(f"min_compared must be >= 1, not {min_compared}")

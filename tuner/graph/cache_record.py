@@ -23,8 +23,8 @@ from tuner.errors import BadInput
 from tuner.graph.kv_cache import CachePads, KvCache, find_kv_cache, widened_cache
 from tuner.graph.lm_head import keep_input
 from tuner.graph.positions import positions_input
-from tuner.graph.window import sliding_window
 from tuner.graph.roles import ATTENTION_MASK, POSITION_IDS, TOKEN_IDS, input_specs, with_role
+from tuner.graph.window import sliding_window
 
 
 @dataclass(frozen=True)
@@ -154,8 +154,7 @@ def cache_record(model: ir.Model) -> CacheRecord:
 def _past_lengths(graph: ir.Graph, cache: KvCache) -> list[str]:
     """The distinct names of the past inputs' sequence axes (one, or none where static)."""
     axis = cache.layout.index("s")
-    names = {n for layer in cache.layers for n in (layer.past_key, layer.past_value)}
-    dims = [v.shape[axis] for v in graph.inputs if v.name in names and v.shape is not None
+    dims = [v.shape[axis] for v in graph.inputs if v.name in cache.pasts and v.shape is not None
             and len(v.shape) > axis]
     return sorted({d.value for d in dims if isinstance(d, ir.SymbolicDim) and d.value})
 

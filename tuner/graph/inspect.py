@@ -51,8 +51,7 @@ def _slot_positions(graph: ir.Graph, cache: KvCache | None) -> str | None:
     """The rotary positions counted from the cache's length, unless fed (the rewrite's)."""
     if cache is None or positions_input(graph) is not None:
         return None
-    found = slot_positions(graph, {n for layer in cache.layers
-                                   for n in (layer.past_key, layer.past_value)})
+    found = slot_positions(graph, cache.pasts)
     return found[0].name if found else None
 
 

@@ -107,6 +107,11 @@ class KvCache:
         if sorted(self.layout) != sorted("bhsd"):
             raise ValueError(f"layout must order the letters b, h, s, d, not {self.layout!r}")
 
+    @property
+    def pasts(self) -> set[str]:
+        """Every layer's past key and value input names."""
+        return {n for layer in self.layers for n in (layer.past_key, layer.past_value)}
+
 
 @dataclass(frozen=True)
 class _Join:

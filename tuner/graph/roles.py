@@ -179,7 +179,7 @@ def _cache_inputs(model: ir.Model) -> set[str]:
     cache = find_kv_cache(model.graph)
     if cache is None:
         return set()
-    return {n for layer in cache.layers for n in (layer.past_key, layer.past_value)}
+    return cache.pasts
 
 
 def _length_is_total(v: ir.Value, ref_seq: str | None) -> bool:

@@ -42,8 +42,7 @@ def add_position_ids(model: ir.Model) -> str:
     cache = find_kv_cache(graph)
     if cache is None:
         raise RewriteRefused("no KV cache: the positions follow the sequence, not a cache")
-    pasts = {n for layer in cache.layers for n in (layer.past_key, layer.past_value)}
-    found = slot_positions(graph, pasts)
+    found = slot_positions(graph, cache.pasts)
     if not found:
         raise RewriteRefused("no rotary positions computed from the cache's length")
     ids = next((s for s in specs if s.role == TOKEN_IDS), None)
