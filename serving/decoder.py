@@ -22,7 +22,9 @@ from serving.sampling import GenerationRequest
 from serving.text_config import load_text_config
 from serving.tokenizer import load_tokenizer
 from tuner.errors import BadInput
+from tuner.gate.row_moves import tolerance_for
 from tuner.graph.cache_record import CacheRecord
+from tuner.runtime.registry import get_backend
 
 VERSION = "1"
 
@@ -115,7 +117,9 @@ class DecoderEngine:
                                        batch_buckets=model.buckets.batch,
                                        tokenizer=self.tokenizer, eos_ids=self.text.eos_ids,
                                        stats=_stats_for(stats, metrics, gen_metrics),
-                                       pad_to=self.pad_to)
+                                       pad_to=self.pad_to,
+                                       rows_tolerance=tolerance_for(
+                                           model.backend, get_backend(model.backend).precision))
         except (ValueError, BadInput) as e:
             raise BadInput(f"{model.name}: {e}") from None
         if gen_metrics is not None:  # (a server without a prefix cache: blocks of one entry)

@@ -136,12 +136,8 @@ def _position_rows(signature: Signature) -> int | None:
     return signature.index_limits.get(positions.name) if positions is not None else None
 
 
-# A request padded and joined with another changes only by rounding (float graphs); by the
-# quantization step where activations share one range per run (1e-2 and more)
-ROWS_APART = Tolerance(atol=1e-4, rtol=1e-3)
-
-
-def _probe_layout(runner: Runner, path: Path, signature: Signature, vocab: int) -> Layout:
+def _probe_layout(runner: Runner, path: Path, signature: Signature, vocab: int,
+                  tolerance: Tolerance) -> Layout:
     """Which output axes follow the sequence: run batch 2 at two lengths and see which axis
     changes with it (names of symbolic dims differ between exporters; running does not)."""
     roles = {s.name: s for s in signature.specs}
@@ -164,19 +160,22 @@ def _probe_layout(runner: Runner, path: Path, signature: Signature, vocab: int) 
     if mask is None:
         return layout  # nothing is padded or joined but requests of equal length
     joins = signature.fixed_batch is None
-    return dataclasses.replace(layout, rows_apart=_rows_apart(runner, path, vocab, layout, joins))
+    return dataclasses.replace(layout, rows_apart=_rows_apart(runner, path, vocab, layout, joins,
+                                                              tolerance))
 
 
-def _rows_apart(runner: Runner, path: Path, vocab: int, layout: Layout, joins: bool) -> bool:
+def _rows_apart(runner: Runner, path: Path, vocab: int, layout: Layout, joins: bool,
+                tolerance: Tolerance) -> bool:
     """Whether a request's outputs alone are its outputs padded (and, where the batch is not
-    fixed, joined with a longer request), as the batcher runs them: not so where the
-    activations are quantized with one range for the whole run (quantize_dynamic)."""
+    fixed, joined with a longer request), as the batcher runs them, within the gate's
+    `tolerance`: float graphs differ by rounding; not so where the activations are quantized
+    with one range for the whole run (quantize_dynamic: 1e-2 and more)."""
     alone, longer = (make_feeds(path, vocab, [(1, n)], seed=2)[0] for n in (3, 6))
     rows = len(next(iter(alone.values())))  # 1, or the graph's fixed batch
     want = runner.infer(alone)
     batch = stack(layout, [alone, longer] if joins else [alone], 6)
     got = split(layout, runner.infer(batch), 0, rows, 3, 6)
-    return all(ROWS_APART(name, want[name], got[name]) for name in want)
+    return all(tolerance(name, want[name], got[name]) for name in want)
 
 
 def _gate_shapes(buckets: Buckets) -> list[tuple[int, int]]:
@@ -256,7 +255,9 @@ def load_artifact(out_dir: str | Path, backend: str | None = None,
             kv = find_cache_record(candidate_model) or kv
             signature = read_signature(served_path, candidate_model)
     else:
-        layout, positions = _probe_layout(runner, original_path, signature, vocab), None
+        layout = _probe_layout(runner, original_path, signature, vocab,
+                               tolerance.at_precision(loader.precision))
+        positions = None
         if overlap:
             runner, note = _with_overlap(runner, note, variant_path(out, manifest.variant(served)),
                                          loader, backend, settings, shapes, cache)

@@ -27,17 +27,18 @@ from serving.generation.output import GenerationStats, OutputProcessor, StreamOu
 from serving.generation.runner import StepRunner
 from serving.generation.scheduler import Scheduler, StepPlan, Stream
 from serving.sampling import Chunk, GenerationRequest
-from tuner.gate.row_moves import rows_apart, rows_move
+from tuner.gate.row_moves import MOVED, rows_apart, rows_move
+from tuner.gate.verify import Tolerance
 from tuner.graph.cache_record import CacheRecord
 
 log = logging.getLogger("serving")
 
 
-def _rows_stay(runner, record: CacheRecord, batch: int) -> str | None:
+def _rows_stay(runner, record: CacheRecord, batch: int, tolerance: Tolerance) -> str | None:
     """Why rows of this graph may not share a run, found by running it, or None."""
-    if not rows_move(runner, record, batch):
+    if not rows_move(runner, record, batch, tolerance):
         return "this graph's positions follow its cache's length (a moved row's logits change)"
-    if not rows_apart(runner, record, batch):
+    if not rows_apart(runner, record, batch, tolerance):
         return ("a row's logits change beside another row (its activations are quantized with "
                 "one range per run)")
     return None
@@ -60,7 +61,8 @@ class Generator:
                  options: GenerateOptions = GenerateOptions(), *,
                  max_positions: int | None = None, batch_buckets: Sequence[int] = (),
                  tokenizer=None, eos_ids: Sequence[int] = (),
-                 stats: GenerationStats | None = None, pad_to: str = "longest") -> None:
+                 stats: GenerationStats | None = None, pad_to: str = "longest",
+                 rows_tolerance: Tolerance = MOVED) -> None:
         if pad_to not in ("bucket", "longest"):
             raise ValueError(f"pad_to must be bucket or longest, not {pad_to!r}")
         if record.attention_mask is None:
@@ -70,7 +72,7 @@ class Generator:
         # why streams may not share runs (tuner.gate.row_moves), or None: then every stream
         # runs alone, never padded
         self.rows_stay = _rows_stay(runner, record, record.batch or next_bucket(
-            1, self.batch_buckets)) if options.max_streams > 1 else None
+            1, self.batch_buckets), rows_tolerance) if options.max_streams > 1 else None
         if self.rows_stay:
             options, pad_to = replace(options, max_streams=1), "longest"
             log.warning(f"{self.rows_stay}: one stream runs at a time")
