@@ -45,6 +45,9 @@ class EngineOptions:
     # in the batch (a lone request runs unpadded); "auto": longest on CPU backends, where
     # any shape runs and every padded token costs time, bucket elsewhere.
     pad_to: str = "auto"
+    # True: pad and join the requests of a model whose outputs depend on their neighbours
+    # (quantize_dynamic) all the same; False (default): such requests run alone, unpadded
+    batch_variance: bool = False
 
     def __post_init__(self) -> None:
         if self.max_batch is not None and not 1 <= self.max_batch <= 4096:
@@ -117,10 +120,12 @@ class Engine:
             # said pay (bench/serve_throughput.py).
             self.join_rows, self.batch_note = 1, ("requests that meet run side by side "
                                                   "instead; --max-batch N batches them")
-        if not model.layout.rows_apart:  # exactness before batching: each request alone
+        apart = model.layout.rows_apart or options.batch_variance
+        if not apart:  # exactness before batching: each request alone
             self.join_rows, self.batch_note = 1, (
                 "a request's outputs change when it is padded and joined with others (its "
-                "activations quantized with one range per run): requests are never joined")
+                "activations quantized with one range per run): requests are never joined; "
+                "--allow-batch-variance joins them")
         fixed = model.signature.fixed_batch
         if fixed is not None and (self.max_batch != fixed or self.join_rows != 1):
             # a graph that takes one batch size only: requests of that many rows, never joined
@@ -132,7 +137,7 @@ class Engine:
         pad_to = options.pad_to
         if pad_to == "auto":
             pad_to = "longest" if model.backend.endswith("cpu") else "bucket"
-        self.pad_to = pad_to if model.layout.rows_apart else "longest"
+        self.pad_to = pad_to if apart else "longest"
         policy = BatchPolicy(self.join_rows, options.max_queue_delay_ms / 1e3,
                              tuple(model.buckets.seq), options.max_queue,
                              pad_to_bucket=pad_to == "bucket")

@@ -177,7 +177,8 @@ def test_a_request_is_never_joined_where_padding_changes_its_outputs(kind, apart
     """quantize_dynamic takes one activation range over the whole run: a request padded and
     joined with a longer one changes (0.07 on BERT's hidden states), so the server, which
     runs it both ways before it serves (serving.model._rows_apart), never joins or pads such
-    requests, whatever --max-batch and --pad-to say; static QDQ's constant scales do not."""
+    requests, whatever --max-batch and --pad-to say, unless --allow-batch-variance; static
+    QDQ's constant scales do not."""
     from serving_support import make_artifact
 
     from serving.engine import Engine, EngineOptions
@@ -186,11 +187,14 @@ def test_a_request_is_never_joined_where_padding_changes_its_outputs(kind, apart
 
     path = cached(kind, "bert")
     model = load_artifact(make_artifact(tmp_path / "art", path))
-    engine = Engine(model, EngineOptions(max_batch=4, pad_to="bucket"), Stats())
-    try:
-        assert model.layout.rows_apart is apart
-        assert (engine.join_rows, engine.pad_to) == ((4, "bucket") if apart else (1, "longest"))
-        if not apart:
-            assert "never joined" in engine.batch_note
-    finally:
-        engine.close()
+    assert model.layout.rows_apart is apart
+    for variance in (False, True):  # --allow-batch-variance: as asked, all the same
+        engine = Engine(model, EngineOptions(max_batch=4, pad_to="bucket",
+                                             batch_variance=variance), Stats())
+        try:
+            asked = apart or variance
+            assert (engine.join_rows, engine.pad_to) == ((4, "bucket") if asked
+                                                         else (1, "longest"))
+            assert ("never joined" in engine.batch_note) is not asked
+        finally:
+            engine.close()

@@ -98,9 +98,9 @@ def _greedy(gen, prompts, together: bool) -> list[list[int]]:
     return [_ids(chunks)] + [_ids(c) for c in rest]
 
 
-def _engine(runner, record, streams: int = 4) -> Generator:
-    return Generator(_Slowed(runner), record, VOCAB, GenerateOptions(max_streams=streams),
-                     max_positions=256)
+def _engine(runner, record, streams: int = 4, **options) -> Generator:
+    return Generator(_Slowed(runner), record, VOCAB,
+                     GenerateOptions(max_streams=streams, **options), max_positions=256)
 
 
 def _both(gen, prompts) -> tuple[list, list]:
@@ -158,11 +158,11 @@ def test_under_a_window_a_short_chunk_after_a_past_runs_apart(exports, tmp_path,
     assert not np.allclose(mixed, alone, atol=1e-3, rtol=1e-3)
 
 
-def test_rows_quantized_with_one_range_per_run_never_meet(monkeypatch):
+def test_rows_quantized_with_one_range_per_run_never_meet():
     """ONNX Runtime's quantize_dynamic: DynamicQuantizeLinear takes one range over every
     row's activations, so a stream's tokens depend on the streams beside it. The engine
     finds it by running (rows_apart) and runs such a graph's streams one at a time, each
-    then what it is alone; batched anyway, some stream is not."""
+    then what it is alone; batched anyway (--allow-batch-variance), some stream is not."""
     record, runner = _loaded(quantize.cached("dynamic", "llama-kv"))
     assert rows_move(runner, record) and not rows_apart(runner, record)
     prompts = [tuple(range(4 + 7 * i, 4 + 7 * i + n)) for i, n in enumerate((9, 21, 5, 14))]
@@ -170,6 +170,7 @@ def test_rows_quantized_with_one_range_per_run_never_meet(monkeypatch):
     assert "quantized" in gen.rows_stay and gen.options.max_streams == 1
     alone, together = _both(gen, prompts)
     assert together == alone
-    monkeypatch.setattr("serving.generation.engine._rows_stay", lambda *args: None)
-    _, batched = _both(_engine(runner, record), prompts)
+    gen = _engine(runner, record, batch_variance=True)
+    assert gen.rows_stay is None and gen.options.max_streams == 4
+    _, batched = _both(gen, prompts)
     assert batched != alone

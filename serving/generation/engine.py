@@ -34,11 +34,14 @@ from tuner.graph.cache_record import CacheRecord
 log = logging.getLogger("serving")
 
 
-def _rows_stay(runner, record: CacheRecord, batch: int, tolerance: Tolerance) -> str | None:
-    """Why rows of this graph may not share a run, found by running it, or None."""
+def _rows_stay(runner, record: CacheRecord, batch: int, tolerance: Tolerance,
+               apart: bool = True) -> str | None:
+    """Why rows of this graph may not share a run, found by running it, or None. `apart`
+    False: rows whose numbers depend on their neighbours may share runs all the same
+    (GenerateOptions.batch_variance); a moved row's wrong positions never may."""
     if not rows_move(runner, record, batch, tolerance):
         return "this graph's positions follow its cache's length (a moved row's logits change)"
-    if not rows_apart(runner, record, batch, tolerance):
+    if apart and not rows_apart(runner, record, batch, tolerance):
         return ("a row's logits change beside another row (its activations are quantized with "
                 "one range per run)")
     return None
@@ -72,7 +75,8 @@ class Generator:
         # why streams may not share runs (tuner.gate.row_moves), or None: then every stream
         # runs alone, never padded
         self.rows_stay = _rows_stay(runner, record, record.batch or next_bucket(
-            1, self.batch_buckets), rows_tolerance) if options.max_streams > 1 else None
+            1, self.batch_buckets), rows_tolerance, not options.batch_variance
+        ) if options.max_streams > 1 else None
         if self.rows_stay:
             options, pad_to = replace(options, max_streams=1), "longest"
             log.warning(f"{self.rows_stay}: one stream runs at a time")

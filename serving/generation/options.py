@@ -61,6 +61,10 @@ class GenerateOptions:
     # A graph that reads its mask as lengths (GroupQueryAttention) decodes into preallocated
     # buffers, past and present one buffer (IO binding): no copy of the cache per step.
     share_buffers: bool = True
+    # True: batch the streams of a graph whose rows' numbers depend on their neighbours
+    # (quantize_dynamic: one activation range per run), trading "each stream what it is
+    # alone" for throughput; False (default): such a graph's streams run one at a time
+    batch_variance: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_streams", "max_queue", "max_tokens", "default_max_tokens",

@@ -128,6 +128,12 @@ def serve(
     pad_to: str = typer.Option("auto", help="pad batches to their sequence 'bucket', or only "
                                             "to the 'longest' request in the batch; 'auto': "
                                             "longest on CPU backends, bucket elsewhere"),
+    allow_batch_variance: bool = typer.Option(
+        False, "--allow-batch-variance", help="batch requests and streams of a model whose outputs depend on what they "
+                    "are batched with (ONNX Runtime's quantize_dynamic: one activation range "
+                    "per run), for throughput; by default the server finds such a model by "
+                    "running it and runs each request and stream alone, so that each is "
+                    "what it is alone"),
     threads: Optional[int] = typer.Option(None, help="intra-op threads of the runtime "
                                                      "(default: as the artifact was timed; "
                                                      "0: the runtime's default)"),
@@ -215,13 +221,14 @@ def serve(
     logging.basicConfig(level=logging.WARNING, format="tuner serve: %(levelname)s %(message)s")
     try:
         engine = EngineOptions(max_batch, max_queue_delay_ms, shadow_fraction, workers,
-                               pad_to=pad_to)
+                               pad_to=pad_to, batch_variance=allow_batch_variance)
         settings = _settings(out, threads, spin)
         generate = GenerateOptions(max_streams=max_streams, max_queue=max_queued_streams,
                                    max_tokens=max_tokens, max_cache_len=max_cache_len,
                                    kv_cache_bytes=kv_cache_bytes, prefill_tokens=prefill_tokens,
                                    prefix_cache=prefix_cache,
-                                   max_stall=None if max_stall == 0 else max_stall)
+                                   max_stall=None if max_stall == 0 else max_stall,
+                                   batch_variance=allow_batch_variance)
     except ValueError as e:
         raise BadInput(str(e)) from None
     options = ServerOptions(
