@@ -41,7 +41,7 @@ TASKS = ("text-generation-with-past", "text-generation")
 # fused LayerNorm/SkipLayerNorm, GELU, and attention where its optimizer knows the model)
 O2_TASK = f"{TASKS[0]}@O2"
 VOCAB = 1003  # odd: the vocab padding has something to do
-EXPORT_LAYOUT = 1  # bump when how the folder or the export is made changes (the cache key)
+EXPORT_LAYOUT = 2  # bump when how the folder or the export is made changes (the cache key)
 
 
 @dataclass(frozen=True)
@@ -165,6 +165,12 @@ def write_checkpoint(name: str, folder: Path) -> Path:
     transformers.PreTrainedTokenizerFast(
         tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", bos_token="<s>",
         eos_token="</s>").save_pretrained(folder)
+    # transformers 5 names the class "TokenizersBackend", which the 4.57 that Optimum pins
+    # cannot load, and Optimum then leaves the tokenizer out of its export without a word;
+    # the hub's checkpoints name a class every version reads, as this one now does
+    config = folder / "tokenizer_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()),
+                                  "tokenizer_class": "PreTrainedTokenizerFast"}, indent=2))
     return folder
 
 

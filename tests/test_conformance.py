@@ -244,6 +244,8 @@ def test_every_command_on_every_export(cell: Cell, optimum_exports, tmp_path) ->
     code, _, err = _run(["optimize", str(src), "-o", str(art), "--requests", str(traffic), *FAST])
     assert code == 0, err
     assert (art / "manifest.json").exists()
+    if cell.exporter.startswith("optimum"):  # its folder's tokenizer travels with the artifact
+        assert (art / "tokenizer.json").is_file()
     _check_serve(cell, src, art)
 
 

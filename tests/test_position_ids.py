@@ -161,7 +161,9 @@ def test_optimize_gives_the_positions_and_the_server_batches_exactly(exports, tm
     manifest = json.loads((art / "manifest.json").read_text())
     chosen = next(v for v in manifest["variants"] if v["name"] == manifest["selected"])
     assert [t["kind"] for t in chosen["transforms"]][-2:] == ["last-logits", "positions"]
-    server = Server(art, ServerOptions(port=0, metrics_port=0), say=lambda line: None)
+    assert (art / "tokenizer.json").is_file()  # Optimum's folder carries it: text endpoints
+    server = Server(art, ServerOptions(port=0, http_port=0, metrics_port=0),
+                    say=lambda line: None)
     server.start()
     try:
         assert server.wait_ready(120), server.slot.status
@@ -171,6 +173,7 @@ def test_optimize_gives_the_positions_and_the_server_batches_exactly(exports, tm
         requests = [GenerationRequest(p, 24) for p in prompts]
         alone = [_ids(collect(gen, [r])[0]) for r in requests]
         assert [_ids(c) for c in collect(gen, requests)] == alone
+        _openai_together_as_alone(server.http_port)
     finally:
         server.stop(5)
     record = cache_record(load_model(src))
@@ -181,6 +184,27 @@ def test_optimize_gives_the_positions_and_the_server_batches_exactly(exports, tm
         assert [_ids(collect(plain, [r])[0]) for r in requests] == alone
     finally:
         plain.close()
+
+
+def _openai_together_as_alone(port: int) -> None:
+    """The openai client's completions, greedy, of texts of different lengths: sent at once
+    (batched), each as sent alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+    model = client.models.list().data[0].id
+    texts = [" ".join(f"w{i}" for i in range(5, 5 + n)) for n in (3, 19, 1, 33)]
+
+    def complete(text: str) -> str:
+        return client.completions.create(model=model, prompt=text, max_tokens=12,
+                                         temperature=0).choices[0].text
+
+    alone = [complete(t) for t in texts]
+    with ThreadPoolExecutor(len(texts)) as pool:
+        assert list(pool.map(complete, texts)) == alone
+    assert any(alone)
 
 
 def test_where_the_cut_is_refused_the_positions_are_still_given(exports, tmp_path):
