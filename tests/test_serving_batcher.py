@@ -4,6 +4,7 @@ results equal each request's own unpadded run; limits, buckets, draining and fai
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -147,7 +148,11 @@ def test_with_no_delay_an_idle_model_runs_the_request_at_once(runner) -> None:
 
 
 def test_with_no_delay_requests_arriving_while_the_model_is_busy_share_a_run(runner) -> None:
-    batcher = Batcher(runner.infer, LAYOUT, _policy(max_batch=16, delay=0.0))
+    def busy(feeds):  # each run 0.2 s longer: the model is busy when the others arrive,
+        time.sleep(0.2)  # however a loaded machine schedules the 48 clients' threads
+        return runner.infer(feeds)
+
+    batcher = Batcher(busy, LAYOUT, _policy(max_batch=16, delay=0.0))
     requests = [_feeds(32, seed=i) for i in range(48)]
     results = [None] * len(requests)
     start = threading.Barrier(len(requests))  # all arrive together, while the first runs
