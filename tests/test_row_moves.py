@@ -162,15 +162,26 @@ def test_rows_quantized_with_one_range_per_run_never_meet():
     """ONNX Runtime's quantize_dynamic: DynamicQuantizeLinear takes one range over every
     row's activations, so a stream's tokens depend on the streams beside it. The engine
     finds it by running (rows_apart) and runs such a graph's streams one at a time, each
-    then what it is alone; batched anyway (--allow-batch-variance), some stream is not."""
+    then what it is alone; batched anyway (--allow-batch-variance), some stream is not.
+    The range covers a row's own tokens too: a prompt whose first 16 tokens come from the
+    prefix cache (the rest run as a chunk) is not the prompt run whole, so such a graph
+    reuses no prefix, and the same request sent again gets the same tokens."""
     record, runner = _loaded(quantize.cached("dynamic", "llama-kv"))
     assert rows_move(runner, record) and not rows_apart(runner, record)
     prompts = [tuple(range(4 + 7 * i, 4 + 7 * i + n)) for i, n in enumerate((9, 21, 5, 14))]
     gen = _engine(runner, record)
     assert "quantized" in gen.rows_stay and gen.options.max_streams == 1
-    alone, together = _both(gen, prompts)
+    assert not gen.options.prefix_cache
+    alone, together = _both(gen, prompts)  # `together` sends every prompt a second time
     assert together == alone
     gen = _engine(runner, record, batch_variance=True)
-    assert gen.rows_stay is None and gen.options.max_streams == 4
+    assert gen.rows_stay is None and gen.options.max_streams == 4 and gen.options.prefix_cache
+    try:
+        first, again = (_greedy(gen, prompts, together=False) for _ in range(2))
+        assert first == alone
+        assert again[1] != first[1]  # 21 tokens: 16 of them a prefix hit the second time
+    finally:
+        gen.close()
+    gen = _engine(runner, record, batch_variance=True, prefix_cache=False)
     _, batched = _both(gen, prompts)
     assert batched != alone

@@ -40,11 +40,19 @@ def _rows_stay(runner, record: CacheRecord, batch: int, tolerance: Tolerance,
     False: rows whose numbers depend on their neighbours may share runs all the same
     (GenerateOptions.batch_variance); a moved row's wrong positions never may."""
     if not rows_move(runner, record, batch, tolerance):
-        return "this graph's positions follow its cache's length (a moved row's logits change)"
+        return MOVES
     if apart and not rows_apart(runner, record, batch, tolerance):
-        return ("a row's logits change beside another row (its activations are quantized with "
-                "one range per run)")
+        return APART
     return None
+
+
+MOVES = "this graph's positions follow its cache's length (a moved row's logits change)"
+# Such a graph's numbers for a token depend on every token of its run, its own row's too: a
+# prompt whose prefix came from the prefix cache and whose rest ran as a chunk generated
+# other tokens than the same prompt run whole (the same request sent twice, dynamic int8
+# Llama), so its prefixes are not reused either.
+APART = ("a row's logits change beside another row (its activations are quantized with one "
+         "range per run)")
 
 
 class Handle:
@@ -79,7 +87,10 @@ class Generator:
         ) if options.max_streams > 1 else None
         if self.rows_stay:
             options, pad_to = replace(options, max_streams=1), "longest"
-            log.warning(f"{self.rows_stay}: one stream runs at a time")
+            if self.rows_stay == APART:
+                options = replace(options, prefix_cache=False)
+            log.warning(f"{self.rows_stay}: one stream runs at a time"
+                        + (", no prefix reused" if self.rows_stay == APART else ""))
         self.record, self.vocab, self.options = record, vocab, options
         self.tokenizer, self.pad_to = tokenizer, pad_to
         self.grammars = GrammarCompiler(tokenizer, vocab, eos_ids)  # structured output
