@@ -56,7 +56,7 @@ class Family:
 
 def _family(model_type: str, config: dict[str, Any], heads: int, kv: int, head_dim: int,
             ffn: int, gated: bool, tasks: tuple[str, ...] = TASKS) -> Family:
-    hidden = config.get("hidden_size") or config.get("n_embd")
+    hidden = config.get("hidden_size") or config.get("n_embd") or config.get("d_model")
     return Family(model_type, {**config, "vocab_size": VOCAB}, dict(
         num_layers=2, hidden_size=hidden, num_heads=heads, num_kv_heads=kv, head_dim=head_dim,
         ffn_size=ffn, ffn_gated=gated, vocab_size=VOCAB), tasks)
@@ -90,7 +90,11 @@ _WINDOW = dict(sliding_window=16)  # shorter than the tests' generations, so it 
 # Gemma 3), sliding windows and soft-capping (Gemma 2 and 3, no position_ids input),
 # multipliers (Granite), NoPE layers (SmolLM3), partial rotary (Phi, StableLM), fused qkv
 # sliced by index (Falcon multi-query, Bloom's ALiBi), multi-query (GPTBigCode), learned
-# positions (OPT), GPT-J's gathered sin/cos table, GPT-Neo's local attention.
+# positions (OPT), GPT-J's gathered sin/cos table, GPT-Neo's local attention; and
+# CodeGen's fused qkv split in 4 groups, Cohere's interleaved rotary and parallel block,
+# MPT's ALiBi biased by slot, Nemotron's squared-ReLU FFN without position_ids, OLMo,
+# Arcee, Helium, GLM's fused gate/up, GPT-OSS's attention sinks, window and experts.
+_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # inside the vocabulary
 FAMILIES.update({
     "qwen3": _family("qwen3", dict(_L, hidden_size=96, num_attention_heads=4, num_key_value_heads=2,
                                    head_dim=24, intermediate_size=200), 4, 2, 24, 200, True, _KV),
@@ -134,6 +138,44 @@ FAMILIES.update({
                                        intermediate_size=200, max_position_embeddings=256,
                                        attention_types=[[["global", "local"], 1]], window_size=16),
                        4, 4, 24, 200, False, _KV),
+    "codegen": _family("codegen", dict(_IDS, n_layer=2, n_embd=96, n_head=4, rotary_dim=12,
+                                       n_positions=256, n_ctx=256, n_inner=200,
+                                       tie_word_embeddings=False), 4, 4, 24, 200, False, _KV),
+    "cohere": _family("cohere", dict(_L, **_IDS, hidden_size=96, num_attention_heads=4,
+                                     num_key_value_heads=2, intermediate_size=200),
+                      4, 2, 24, 200, True, _KV),
+    "mpt": _family("mpt", dict(_IDS, d_model=96, n_heads=4, n_layers=2,
+                               max_seq_len=256), 4, 4, 24, 384, False, _KV),
+    "nemotron": _family("nemotron", dict(_L, **_IDS, hidden_size=96, num_attention_heads=4,
+                                         num_key_value_heads=2, head_dim=24,
+                                         intermediate_size=200), 4, 2, 24, 200, False, _KV),
+    "olmo": _family("olmo", dict(_L, **_IDS, hidden_size=96, num_attention_heads=4,
+                                 num_key_value_heads=2, intermediate_size=200),
+                    4, 2, 24, 200, True, _KV),
+    "arcee": _family("arcee", dict(_L, **_IDS, hidden_size=96, num_attention_heads=4,
+                                   num_key_value_heads=2, intermediate_size=200),
+                     4, 2, 24, 200, False, _KV),
+    "helium": _family("helium", dict(_L, **_IDS, hidden_size=96, num_attention_heads=4,
+                                     num_key_value_heads=2, head_dim=24, intermediate_size=200),
+                      4, 2, 24, 200, True, _KV),
+    "glm": _family("glm", dict(_L, **_IDS, hidden_size=96, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=24, intermediate_size=200),
+                   4, 2, 24, 200, True, _KV),
+    "gpt_oss": _family("gpt_oss", dict(_L, **_IDS, **_WINDOW, hidden_size=96,
+                                       num_attention_heads=4, num_key_value_heads=2,
+                                       head_dim=24, intermediate_size=72, num_local_experts=4,
+                                       num_experts_per_tok=2,
+                                       layer_types=["sliding_attention", "full_attention"]),
+                       4, 2, 24, 0, False, _KV),
+    # multi-head latent attention: keys 24 wide (16 + 8 rotary), values 16; refused by serve
+    "deepseek_v3": _family("deepseek_v3", dict(_L, **_IDS, hidden_size=96, num_attention_heads=4,
+                                               num_key_value_heads=4, intermediate_size=200,
+                                               moe_intermediate_size=72, n_routed_experts=4,
+                                               num_experts_per_tok=2, n_shared_experts=1,
+                                               first_k_dense_replace=1, kv_lora_rank=32,
+                                               q_lora_rank=48, qk_rope_head_dim=8,
+                                               qk_nope_head_dim=16, v_head_dim=16, n_group=1,
+                                               topk_group=1), 4, 4, 24, 200, True, _KV),
 })
 
 

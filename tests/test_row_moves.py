@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import queue
 import time
-from dataclasses import replace
 
 import numpy as np
 
@@ -28,7 +27,7 @@ from serving.generation.output import StreamOutput
 from serving.generation.runner import StepRunner
 from serving.generation.scheduler import Stream
 from serving.sampling import GenerationRequest
-from tuner.gate.row_moves import rows_apart, rows_move
+from tuner.gate.row_moves import holes_stay, rows_apart, rows_move
 from tuner.graph.cache_record import cache_record
 from tuner.graph.load import load_model, save_model
 from tuner.rewrite.position_ids import add_position_ids
@@ -47,7 +46,7 @@ def _loaded(path):
 
 @pytest.fixture(scope="module")
 def exports():
-    names = ("gemma3_text", "gemma", "llama")
+    names = ("gemma3_text", "gemma", "llama", "mpt", "gpt_neo")
     paths = optimum.export_all([(n, optimum.TASKS[0]) for n in names])
     return dict(zip(names, paths))
 
@@ -152,7 +151,42 @@ def test_under_a_window_a_short_chunk_after_a_past_runs_apart(exports, tmp_path,
     np.testing.assert_allclose(steps.prefill(cache, [(a, 10), (b, 11)]).logits[0], alone,
                                atol=1e-5, rtol=1e-5)
     # without the rule: one run, one masked slot between a's cache and its chunk
-    monkeypatch.setattr(steps, "record", replace(record, window=None))
+    monkeypatch.setattr(steps, "holes", True)
+    assert len(steps._groups([(a, 10), (b, 11)])) == 1
+    mixed = steps.prefill(cache, [(a, 10), (b, 11)]).logits[0]
+    assert not np.allclose(mixed, alone, atol=1e-3, rtol=1e-3)
+
+
+def test_masked_slots_before_a_chunk_are_found_by_running(exports):
+    """Slots counted where no window pattern says so: MPT's ALiBi biases each key by its
+    slot, so masked slots between a cache and its chunk change the distances; GPT-Neo's
+    local layers slice a constant band table (its window, 16 here, now found too). The
+    check fails on both and passes on Llama, whose positions and mask are the row's own."""
+    for name, holes, window in (("mpt", False, None), ("gpt_neo", False, 16),
+                                ("llama", True, None)):
+        record, runner = _loaded(exports[name])
+        assert rows_move(runner, record) and rows_apart(runner, record)
+        assert holes_stay(runner, record) is holes, name
+        assert record.window == window, name
+
+
+def test_mpt_runs_a_short_chunk_after_a_past_apart(exports, monkeypatch):
+    """MPT, served: the engine runs the check as it starts, and its runner then keeps a
+    short prompt chunk after a past out of a longer chunk's run (they meet where chunk
+    lengths are within PAD_SLACK); forced into one run, the chunk's logits change."""
+    record, runner = _loaded(exports["mpt"])
+    gen = _engine(runner, record)
+    gen.close()
+    assert gen.rows_stay is None and not gen.step_runner.holes
+    cache = CacheManager(record, 10_000 * record.bytes_per_token, "longest")
+    steps = gen.step_runner
+    a, b = _stream(range(20, 37)), _stream(range(60, 71))  # 17 tokens, 11 fresh ones
+    a.cache, a.computed = steps.prefill(cache, [(a, 7)]).caches[0], 7
+    alone = steps.prefill(cache, [(a, 10)]).logits[0]
+    assert steps._groups([(a, 10), (b, 11)]) == [[(b, 11)], [(a, 10)]]
+    np.testing.assert_allclose(steps.prefill(cache, [(a, 10), (b, 11)]).logits[0], alone,
+                               atol=1e-5, rtol=1e-5)
+    monkeypatch.setattr(steps, "holes", True)  # without the rule: one run, one masked slot
     assert len(steps._groups([(a, 10), (b, 11)])) == 1
     mixed = steps.prefill(cache, [(a, 10), (b, 11)]).logits[0]
     assert not np.allclose(mixed, alone, atol=1e-3, rtol=1e-3)

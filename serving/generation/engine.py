@@ -27,7 +27,7 @@ from serving.generation.output import GenerationStats, OutputProcessor, StreamOu
 from serving.generation.runner import StepRunner
 from serving.generation.scheduler import Scheduler, StepPlan, Stream
 from serving.sampling import Chunk, GenerationRequest
-from tuner.gate.row_moves import MOVED, rows_apart, rows_move
+from tuner.gate.row_moves import MOVED, holes_stay, rows_apart, rows_move
 from tuner.gate.verify import Tolerance
 from tuner.graph.cache_record import CacheRecord
 
@@ -109,7 +109,13 @@ class Generator:
                                   self.max_cache_len,
                                   shared=options.share_buffers and record.rows_at_start,
                                   max_rows=options.max_streams)
-        self.step_runner = StepRunner(runner, record, vocab, self.stats.on_step)
+        # masked slots before a prompt chunk: found by running, where chunks may share runs
+        holes = record.window is None and (options.max_streams == 1 or holes_stay(
+            runner, record, record.batch or next_bucket(1, self.batch_buckets), rows_tolerance))
+        if not holes:
+            log.info("masked slots before a prompt chunk change its logits (a sliding window, "
+                     "or biases by slot): a chunk after a past runs apart from longer chunks")
+        self.step_runner = StepRunner(runner, record, vocab, self.stats.on_step, holes)
         self.scheduler = Scheduler(self.cache, options.max_streams, options.prefill_tokens,
                                    record.takes_chunks, options.max_stall,
                                    chunks_share_runs=not record.rows_at_start)

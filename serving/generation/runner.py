@@ -32,9 +32,14 @@ class StepRunner:
     """Runs decode batches and prefill chunks on `runner` (anything with `infer(feeds)`)."""
 
     def __init__(self, runner, record: CacheRecord, vocab: int,
-                 on_run: Callable[[int, float], None] = lambda rows, seconds: None) -> None:
+                 on_run: Callable[[int, float], None] = lambda rows, seconds: None,
+                 holes: bool | None = None) -> None:
         self.runner, self.record, self.vocab, self.on_run = runner, record, vocab, on_run
         self.presents = record.past_to_present
+        # whether a chunk after a past may have masked slots before it (a run of longer
+        # chunks): tuner.gate.row_moves.holes_stay, found by running; default: unless the
+        # graph has a sliding window
+        self.holes = record.window is None if holes is None else holes
 
     def _run(self, arrays, rows: int, into=None):
         began = time.perf_counter()
@@ -100,17 +105,18 @@ class StepRunner:
         cost; a chunk joins a run while the padding stays within PAD_SLACK of the run's
         tokens (past that, another run's fixed cost, about one decode run, is cheaper:
         prompts of 157, 84 and 15 tokens in one run cost 728 ms, 1.8x their tokens').
-        Where the graph's mask has a sliding window (tuner.graph.window), a chunk after a
-        past shares a run only with chunks as long as it: a shorter one would have masked
-        slots between its cache and its tokens, which its window counts."""
+        Where masked slots before a chunk change its logits (`holes` False: a sliding window
+        counts them, ALiBi biases by slot), a chunk after a past shares a run only with
+        chunks as long as it: a shorter one would have masked slots between its cache and
+        its tokens."""
         if len(chunks) == 1 or all(n == 1 for _, n in chunks):
             return [list(chunks)]
-        alone, window = self.record.rows_at_start, self.record.window is not None
+        alone = self.record.rows_at_start
         groups: list[list[tuple[object, int]]] = []
         for c in sorted((c for c in chunks if not (alone and c[0].computed)), key=lambda c: -c[1]):
             g = groups[-1] if groups else None
             # a chunk after a past, shorter than the run's longest: masked slots before it
-            hole = g is not None and window and c[0].computed > 0 and c[1] < g[0][1]
+            hole = g is not None and not self.holes and c[0].computed > 0 and c[1] < g[0][1]
             if g is not None and not hole and (len(g) + 1) * g[0][1] <= PAD_SLACK * (
                     sum(n for _, n in g) + c[1]):
                 g.append(c)

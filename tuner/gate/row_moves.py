@@ -13,14 +13,22 @@ graph is run:
   (ONNX Runtime's quantize_dynamic: DynamicQuantizeLinear takes the min and max of every
   row's hidden states), so that each row's numbers depend on the others'.
 
+- a chunk after a past may have masked slots before it (`holes_stay`): the server pads the
+  prompt chunks of one run to the longest, so a shorter chunk after its cache has masked
+  slots between the two. Not exact where the graph counts slots: ALiBi biased by slot index
+  (Optimum's MPT), a sliding window (GPT-Neo's local layers, transformers' window masks),
+  positions from the cache's length. There such a chunk runs apart from longer ones.
+
     exact = rows_move(runner, record) and rows_apart(runner, record)
+    mixed = holes_stay(runner, record)  # chunks of different lengths may share a run
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from tuner.gate.decode_step import empty_past, next_feeds, pad_rows, row_cache, step_feeds
+from tuner.gate.decode_step import (empty_past, last_only, next_feeds, pad_rows, row_cache,
+                                    step_feeds)
 from tuner.gate.verify import Tolerance
 from tuner.graph.cache_record import CacheRecord
 
@@ -88,3 +96,27 @@ def rows_apart(runner, record: CacheRecord, batch: int = 1, tolerance: Tolerance
     alone = _next(runner, record, [row], batch, len(PROMPT))
     beside = _next(runner, record, [row, other], max(batch, 2), len(PROMPT))
     return tolerance(record.logits, alone, beside)
+
+
+def holes_stay(runner, record: CacheRecord, batch: int = 1, tolerance: Tolerance = MOVED) -> bool:
+    """True when row 0's chunk after its cache gets the same logits (within `tolerance`)
+    beside a row whose chunk is MOVE tokens longer, MOVE masked slots then lying between
+    its cache and its chunk, as alone. Checked beside the other row's chunk, as the server
+    runs it: call it where `rows_apart` holds. True where no such run happens: a graph that
+    takes no chunk after a past, whose batch is fixed at 1, or that keeps rows at the start
+    (the server runs its chunks after a past alone)."""
+    if record.rows_at_start or not record.takes_chunks or record.batch == 1:
+        return True
+    row, other = (_cached(runner, record, t, batch) for t in (PROMPT, OTHER))
+    chunk = list(OTHER[:2])
+    longer = [OTHER[i % len(OTHER)] for i in range(len(chunk) + MOVE)]
+    alone = _chunk(runner, record, [row], [chunk], batch)
+    beside = _chunk(runner, record, [row, other], [chunk, longer], max(batch, 2))
+    return tolerance(record.logits, alone, beside)
+
+
+def _chunk(runner, record: CacheRecord, rows, chunks, batch: int) -> np.ndarray:
+    """Row 0's logits at its last token (vocab,): each row's chunk after its own cache (the
+    head on the last position only, where the graph takes logits_to_keep, as served)."""
+    arrays, mask = pad_rows(record, rows, batch, len(PROMPT))
+    return _logits(runner, record, last_only(step_feeds(record, chunks, mask, arrays)))[1][0]

@@ -22,11 +22,13 @@ from tuner.graph.shape import AttentionSite, ScaleSite
 from tuner.graph.walk import (DATA_INPUTS, Linear, as_linear, const_array, const_tensor, consumers,
                               is_const, op, source, walk_back)
 
+# Concat: GPT-OSS appends a learned "sink" logit per head to the scores, and Slices its
+# probability off again before probs @ v
 _SCORES_PATH = {"Add": None, "Sub": None, "Mul": None, "Div": None, "Where": (1, 2),
-                "Cast": (0,), "Reshape": (0,), "Tanh": (0,), "Identity": (0,),
+                "Cast": (0,), "Reshape": (0,), "Tanh": (0,), "Identity": (0,), "Concat": (0,),
                 "QuantizeLinear": (0,), "DequantizeLinear": (0,)}
-_PROBS_PATH = {"Where", "IsNaN", "Cast", "Dropout", "Identity", "Reshape", "QuantizeLinear",
-               "DequantizeLinear"}  # BLOOM: (B*a, S, S)
+_PROBS_PATH = {"Where", "IsNaN", "Cast", "Dropout", "Identity", "Reshape", "Slice",
+               "QuantizeLinear", "DequantizeLinear"}  # BLOOM: (B*a, S, S)
 _MERGE_PATH = {"Transpose", "Reshape", "Identity", "Cast", "DynamicQuantizeLinear", "QuantizeLinear",
                "DequantizeLinear"}
 _HEAD_PLUMBING = {"Reshape", "Split", "Slice"}

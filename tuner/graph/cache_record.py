@@ -133,6 +133,11 @@ def cache_record(model: ir.Model) -> CacheRecord:
         raise BadInput(f"the layers' caches have lengths of their own ({', '.join(lengths)}: "
                        "onnxruntime-genai's sliding-window layers keep a cache of the window "
                        "apart); a cache with per-layer lengths is not served")
+    widths = _head_widths(graph, cache)
+    if len(widths) > 1:  # the record holds one head dim, for keys and values alike
+        raise BadInput(f"keys and values have head dims of their own ({' and '.join(widths)}: "
+                       "multi-head latent attention, as DeepSeek's); a cache whose keys and "
+                       "values differ in width is not served")
     specs = input_specs(model)  # roles from the structure (tuner.graph.roles)
     ids, mask = with_role(specs, TOKEN_IDS), with_role(specs, ATTENTION_MASK)
     pos = with_role(specs, POSITION_IDS)
@@ -157,6 +162,22 @@ def _past_lengths(graph: ir.Graph, cache: KvCache) -> list[str]:
     dims = [v.shape[axis] for v in graph.inputs if v.name in cache.pasts and v.shape is not None
             and len(v.shape) > axis]
     return sorted({d.value for d in dims if isinstance(d, ir.SymbolicDim) and d.value})
+
+
+def _head_widths(graph: ir.Graph, cache: KvCache) -> list[str]:
+    """'keys 24', 'values 16': the static widths of the past keys and values on the head-dim
+    axis where they differ (a transposed key's axis there is its symbolic length: skipped)."""
+    axis = cache.layout.index("d")
+    shapes = {v.name: v.shape for v in graph.inputs if v.shape is not None}
+    found: dict[str, set[int]] = {"keys": set(), "values": set()}
+    for layer in cache.layers:
+        for role, name in (("keys", layer.past_key), ("values", layer.past_value)):
+            shape = shapes.get(name)
+            if shape is not None and len(shape) > axis and isinstance(shape[axis], int):
+                found[role].add(shape[axis])
+    if not found["keys"] or found["keys"] == found["values"]:
+        return []
+    return [f"{role} {'/'.join(map(str, sorted(w)))}" for role, w in found.items() if w]
 
 
 def find_cache_record(model: ir.Model) -> CacheRecord | None:

@@ -66,19 +66,30 @@ def _symbolic_shape_inference():
         return SymbolicShapeInference
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    # its warnings ("Cannot determine if 256 - past_sequence_length + ... < 0", GLM) are
+    # about dims it leaves unknown, which the callers handle: not the user's concern
+    logging.getLogger(module.__name__).setLevel(logging.ERROR)
     return module.SymbolicShapeInference
 
 
 def infer_symbolic(model: ir.Model) -> dict[str, tuple[Dim, ...]]:
-    """value name -> dims, from ORT's symbolic shape inference ({} when it fails)."""
+    """value name -> dims, from ORT's symbolic shape inference, or from onnx's own (with data
+    propagation) where ORT's stops: it asserts on an Expand whose shape it cannot compute
+    (Optimum's Cohere and Helium exports), and onnx's still gives every value its rank.
+    {} when both fail."""
+    light = _light_proto(model)
     try:
-        out = _symbolic_shape_inference().infer_shapes(_light_proto(model), auto_merge=True,
+        out = _symbolic_shape_inference().infer_shapes(light, auto_merge=True,
                                                        guess_output_rank=True)
-    except Exception as e:  # noqa: BLE001 - inference is a helper: fall back to annotations
+    except Exception as e:  # noqa: BLE001 - inference is a helper: fall back to onnx's
         log.debug("symbolic shape inference failed: %s", e)
-        return {}
+        out = None
     if out is None:
-        return {}
+        try:
+            out = onnx.shape_inference.infer_shapes(light, data_prop=True)
+        except Exception as e:  # noqa: BLE001 - fall back to annotations
+            log.debug("onnx shape inference failed: %s", e)
+            return {}
     shapes: dict[str, tuple[Dim, ...]] = {}
     for vi in list(out.graph.value_info) + list(out.graph.output):
         tt = vi.type.tensor_type

@@ -41,13 +41,16 @@ Role = Literal["key", "value"]
 # (Unsqueeze -> Expand -> Reshape), TorchScript's sqrt(scale) Mul on k, casts.
 _TO_ATTENTION = {"Transpose", "Reshape", "Unsqueeze", "Squeeze", "Expand", "Tile", "Mul", "Div",
                  "Cast", "Identity", "Slice", "Gather", "QuantizeLinear", "DequantizeLinear"}
-# Ops between the score MatMul and the Softmax: scale, mask Add/Where, soft-capping.
+# Ops between the score MatMul and the Softmax: scale, mask Add/Where, soft-capping, GPT-OSS's
+# Concat of a sink logit per head.
 _TO_SOFTMAX = {"Mul", "Div", "Add", "Sub", "Where", "Cast", "Identity", "Tanh", "Slice",
-               "Reshape", "Transpose", "QuantizeLinear", "DequantizeLinear"}
+               "Reshape", "Transpose", "Concat", "QuantizeLinear", "DequantizeLinear"}
 # Ops between a Softmax and the MatMul with v (positions of the data input): sdpa's
-# Where(isnan(p), 0, p) guard for fully masked rows, dropout, casts.
+# Where(isnan(p), 0, p) guard for fully masked rows, dropout, casts, the Slice that drops
+# GPT-OSS's sink column.
 _PROBS_THROUGH = {"Cast": (0,), "Identity": (0,), "Reshape": (0,), "Dropout": (0,),
-                  "Where": (1, 2), "QuantizeLinear": (0,), "DequantizeLinear": (0,)}
+                  "Where": (1, 2), "Slice": (0,), "QuantizeLinear": (0,),
+                  "DequantizeLinear": (0,)}
 _WALK_LIMIT = 24  # nodes per walk: the patterns above are a handful of ops deep
 # Fused attention ops: (K slot, V slot) of their inputs.
 _FUSED_KV = {"Attention": (1, 2), f"{MS}.MultiHeadAttention": (1, 2),
