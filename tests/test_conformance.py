@@ -66,12 +66,10 @@ CELLS = ([Cell("optimum", f, kv) for f, fam in optimum.FAMILIES.items() for kv i
 # What `pad --vocab-multiple 64 --ffn-multiple 64 --head-dim <next multiple of 32>` answers
 # where it is not exact: the cell, and words of the refusal (which names the node).
 # Head dim 24 -> 32 where the rotary layout is one the rewrite does not follow: Cohere's
-# interleaved cos/sin (repeat_interleave), Helium's and GLM's gathered or sliced halves,
-# GPT-OSS's halves sliced at a bound computed from the width.
+# interleaved cos/sin (repeat_interleave), Helium's and GLM's gathered or sliced pairs.
 PAD_REFUSED: dict[str, str] = {"optimum-cohere-kv": "/model/rotary_emb/Tile",
                                "optimum-helium-kv": "self_attn/GatherND",
-                               "optimum-glm-kv": "self_attn/Slice_2",
-                               "optimum-gpt_oss-kv": "self_attn/Slice"}
+                               "optimum-glm-kv": "self_attn/Slice_2"}
 FAST = ["--rounds", "2", "--warmup", "0", "--bucket-rounds", "1", "--no-probe", "--no-fuse",
         "--max-variants", "2", "--no-cache", "--max-buckets", "2"]
 # Small traffic keeps optimize's shapes small: prompts and outputs for cache exports.

@@ -44,7 +44,7 @@ VOCAB = optimum.VOCAB
 
 @pytest.fixture(scope="module")
 def exports():
-    names = ("gemma", "gemma3_text", "llama", "bloom")
+    names = ("gemma", "gemma3_text", "llama", "bloom", "gpt_oss")
     return dict(zip(names, optimum.export_all([(n, optimum.TASKS[0]) for n in names])))
 
 
@@ -150,8 +150,9 @@ def _ids(chunks) -> list[int]:
     return [t for c in chunks for t in c.ids]
 
 
-def test_optimize_gives_the_positions_and_the_server_batches_exactly(exports, tmp_path):
-    src, art = exports["gemma3_text"], tmp_path / "art"
+@pytest.mark.parametrize("name", ["gemma3_text", "gpt_oss"])  # GPT-OSS: sinks, window, experts
+def test_optimize_gives_the_positions_and_the_server_batches_exactly(exports, name, tmp_path):
+    src, art = exports[name], tmp_path / "art"
     traffic = tmp_path / "traffic.jsonl"
     traffic.write_text("".join(json.dumps({"prompt_tokens": p, "output_tokens": 8}) + "\n"
                                for p in (6, 18, 30)))

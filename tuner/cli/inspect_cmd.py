@@ -19,6 +19,12 @@ if TYPE_CHECKING:
     from tuner.graph.shape import ModelShape
 
 
+def _ffn_value(shape: ModelShape) -> str:
+    if not shape.ffn_size and shape.sites.experts:
+        return f"{shape.sites.experts[0].width} per expert"
+    return f"{shape.ffn_size}{' gated' if shape.ffn_gated else ''} {shape.activation}"
+
+
 def _where(shape: ModelShape) -> dict[str, str]:
     """A short "where it lives" for each dim, from layer 0's sites."""
     sites = shape.sites
@@ -26,7 +32,9 @@ def _where(shape: ModelShape) -> dict[str, str]:
     attn = first.attention if first else None
     ffn = first.ffn if first else None
     out: dict[str, str] = {"layers": f"{sum(1 for l in sites.layers if l.attention)} attention + "
-                                     f"{sum(1 for l in sites.layers if l.ffn)} FFN blocks"}
+                                     f"{sum(1 for l in sites.layers if l.ffn)} FFN blocks"
+                                     + (f" + {len(sites.experts)} expert blocks"
+                                        if sites.experts else "")}
     if sites.embedding:
         out["hidden_size"] = f"token embedding {sites.embedding}"
     if attn is not None:
@@ -40,6 +48,10 @@ def _where(shape: ModelShape) -> dict[str, str]:
     if ffn is not None:
         gate = f", gate {ffn.gate}" if ffn.gate else ""
         out["ffn_size"] = f"up {ffn.up}{gate}, down {ffn.down}"
+    elif sites.experts:
+        e = sites.experts[0]
+        out["ffn_size"] = (f"{e.count} experts of width {e.width} (up {e.up}, down {e.down}): "
+                           "a mixture of experts, not padded")
     if sites.lm_head:
         tied = " (tied to the embedding)" if sites.tied else ""
         out["vocab_size"] = f"{sites.lm_head}, weight {sites.lm_head_weight}{tied}"
@@ -98,8 +110,7 @@ def render(shape: ModelShape, console: Console) -> None:
         ("head dim", shape.head_dim, where.get("head_dim", "")),
         ("softmax scale", "", where.get("scale", "")),
         ("rotary", "", where.get("rotary", "none")),
-        ("FFN width", f"{shape.ffn_size}{' gated' if shape.ffn_gated else ''} {shape.activation}",
-         where.get("ffn_size", "")),
+        ("FFN width", _ffn_value(shape), where.get("ffn_size", "")),
         ("vocabulary", shape.vocab_size if shape.vocab_size is not None else "- (encoder)",
          where.get("vocab_size", "")),
     ]

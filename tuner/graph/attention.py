@@ -281,6 +281,8 @@ def rotary_of(q: _Path, d: int, dims: Dims) -> tuple[str, int | None]:
     if not q.rotary:
         return "none", None
     r = max(_rotated_dims(n, dims) for n in q.rotary) or None
+    if r is not None and 2 * r == d and sum(op(n) == "Mul" for n in q.rotary) >= 4:
+        r = d  # both halves rotated apart, each by cos and by sin, then joined (GPT-OSS)
     if r is None or not d:
         # No shapes: partial rotary concatenates the rotated part with a pass-through slice.
         partial = any(op(n) == "Slice" for n in q.plumbing) and len(q.plumbing) > 4

@@ -20,6 +20,7 @@ from tuner.errors import BadInput
 from tuner.graph import attention as attn_mod
 from tuner.graph import ort_fused
 from tuner.graph.dims import Dims
+from tuner.graph.experts import find_experts
 from tuner.graph.ffn import FfnMatch, find_ffns
 from tuner.graph.kv_cache import KvCache, find_kv_cache, with_dims
 from tuner.graph.lm_head import Embedding, is_tied, keep_input, lm_head, token_embedding
@@ -123,6 +124,7 @@ def inspect_model(model: ir.Model) -> ModelShape:
             tied=tied,
             logits_to_keep=keep_input(graph),
             slot_positions=_slot_positions(graph, cache),
+            experts=tuple(find_experts(graph)),
         ),
         cache=with_dims(cache, kv, head_dim) if cache is not None else None,
     )

@@ -60,6 +60,16 @@ class AttentionSite:
 
 
 @dataclass(frozen=True)
+class ExpertsSite:
+    """A mixture of experts on batched weights (tuner.graph.experts): reported, not padded."""
+
+    up: str  # the MatMul on the (E, h, F or 2F) weight
+    down: str  # the MatMul on the (E, F, h) weight
+    count: int  # E
+    width: int  # F: each expert's FFN width
+
+
+@dataclass(frozen=True)
 class FfnSite:
     """One feed-forward block: up (and gate, for GLU variants) projections, then down."""
 
@@ -92,6 +102,8 @@ class Sites:
     # the rotary positions the graph counts from its cache's length, where it takes none
     # (tuner/graph/positions.py): what tuner/rewrite/position_ids.py makes an input
     slot_positions: str | None = None
+    # mixtures of experts on batched weights, one per block (tuner/graph/experts.py)
+    experts: tuple[ExpertsSite, ...] = ()
 
 
 @dataclass(frozen=True)

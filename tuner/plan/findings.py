@@ -74,6 +74,16 @@ def _hidden(shape: ModelShape) -> list[Finding]:
                     "LayerNorm/RMSNorm statistics would change; only a retrained model fixes it")]
 
 
+def _experts(shape: ModelShape) -> list[Finding]:
+    widths = sorted({e.width for e in shape.sites.experts if e.width % 64})
+    if not widths:
+        return []
+    return [Finding("experts-not-padded", "info",
+                    f"expert FFN width {', '.join(map(str, widths))} is not a multiple of 64, "
+                    f"but the experts ({shape.sites.experts[0].count} per block, on batched "
+                    "weights) are not padded: no rewrite widens them yet")]
+
+
 def gemm_shapes(shape: ModelShape) -> list[tuple[str, int, int]]:
     """(name, K, N) of one layer's GEMMs and the LM head, with N the output width."""
     h, a, kv, d, f = (shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim,
@@ -179,7 +189,7 @@ def audit(shape: ModelShape, device_facts: DeviceFacts, tokens: int) -> tuple[Fi
     """Every finding for `shape` on `device_facts` with `tokens` (= b*s) rows per GEMM."""
     return tuple(_vocab(shape) + _head_dim(shape) + _ffn(shape) + _hidden(shape)
                  + _waves(shape, device_facts, tokens) + _fused(shape) + _last_logits(shape)
-                 + _slot_positions(shape))
+                 + _slot_positions(shape) + _experts(shape))
 
 
 def audited(shape: ModelShape, device: str = "cpu", tokens: int = 4096) -> ModelShape:
