@@ -23,7 +23,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +52,9 @@ class Family:
     config: dict[str, Any]
     expect: dict[str, Any]
     tasks: tuple[str, ...] = TASKS  # the matrix's cells for this family
+    # the random weights written by the exporter's transformers (models/_optimum_job.py):
+    # ours (5) saves some families' weights in a layout the 4.57 Optimum pins cannot load
+    exporter_weights: bool = False
 
 
 def _family(model_type: str, config: dict[str, Any], heads: int, kv: int, head_dim: int,
@@ -167,6 +170,14 @@ FAMILIES.update({
                                        num_experts_per_tok=2,
                                        layer_types=["sliding_attention", "full_attention"]),
                        4, 2, 24, 0, False, _KV),
+    # experts as Linear layers each, every one run on the tokens routed to it (Optimum's patch)
+    "qwen3_moe": replace(_family("qwen3_moe", dict(_L, **_IDS, hidden_size=96,
+                                                   num_attention_heads=4, num_key_value_heads=2,
+                                                   head_dim=24, intermediate_size=200,
+                                                   num_experts=4, num_experts_per_tok=2,
+                                                   moe_intermediate_size=72,
+                                                   decoder_sparse_step=1, mlp_only_layers=[]),
+                                 4, 2, 24, 0, False, _KV), exporter_weights=True),
     # multi-head latent attention: keys 24 wide (16 + 8 rotary), values 16; refused by serve
     "deepseek_v3": _family("deepseek_v3", dict(_L, **_IDS, hidden_size=96, num_attention_heads=4,
                                                num_key_value_heads=4, intermediate_size=200,
@@ -195,11 +206,15 @@ def write_checkpoint(name: str, folder: Path) -> Path:
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     fam = FAMILIES[name]
-    torch.manual_seed(SEED)
-    config = transformers.AutoConfig.for_model(fam.model_type, **fam.config)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval().float()
     folder.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(folder, safe_serialization=True)
+    if fam.exporter_weights:
+        (folder / "random_model.json").write_text(json.dumps(
+            {"model_type": fam.model_type, "config": fam.config, "seed": SEED}))
+    else:
+        torch.manual_seed(SEED)
+        config = transformers.AutoConfig.for_model(fam.model_type, **fam.config)
+        model = transformers.AutoModelForCausalLM.from_config(config).eval().float()
+        model.save_pretrained(folder, safe_serialization=True)
     vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3,
              **{f"w{i}": i for i in range(4, fam.config["vocab_size"])}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))

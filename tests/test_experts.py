@@ -1,6 +1,7 @@
-"""Mixtures of experts on batched weights (tuner.graph.experts), on Optimum's GPT-OSS export:
-inspect found no FFN there ("0 unknown") and said nothing of its experts; it now reports
-each block's experts and their width, and that they are not padded."""
+"""Mixtures of experts, on Optimum's exports: GPT-OSS's on batched weights
+(tuner.graph.experts), where inspect found no FFN ("0 unknown") and said nothing of its
+experts, and Qwen3-MoE's, a Linear per expert, which inspect counted as layers. Each block's
+experts and their width are reported now, and that they are not padded."""
 
 from __future__ import annotations
 
@@ -24,6 +25,17 @@ def test_gpt_oss_experts_are_reported_not_padded():
     assert shape.ffn_size == 0 and shape.num_layers == 2  # no dense FFN to pad
     [finding] = [f for f in shape.findings if f.rule == "experts-not-padded"]
     assert "72" in finding.message and "4 per block" in finding.message
+
+
+def test_qwen3_moe_experts_are_one_layer_not_four():
+    """Qwen3-MoE as Optimum exports it (its patch runs every expert, a Linear each, on the
+    tokens routed to it): inspect counted each expert as a layer (8 layers, FFN 72); each
+    layer's FFNs after its attention are now its experts."""
+    shape = audited(inspect_model(load_model(optimum.cached("qwen3_moe"))))
+    assert shape.num_layers == 2 and shape.ffn_size == 0 and shape.activation == "silu"
+    assert [(e.count, e.width) for e in shape.sites.experts] == [(4, 72), (4, 72)]
+    assert shape.sites.experts[1].up == "/model/layers.1/mlp/experts.0/up_proj/MatMul"
+    assert all(layer.ffn is None for layer in shape.sites.layers)
 
 
 def test_dense_models_have_none():

@@ -5,7 +5,8 @@ mix their outputs, through a MatMul on a constant (E, h, 2F) gate/up weight and 
 
     x (T, h) -> Repeat -> (E, T, h) @ (E, h, 2F) -> GLU -> (E, T, F) @ (E, F, h) -> mix
 
-inspect reports them (experts, width per expert); no rewrite widens them."""
+inspect reports them (experts, width per expert); no rewrite widens them. Experts that are a
+Linear each (Qwen3-MoE) are FFNs of their own: tuner.graph.inspect groups them by layer."""
 
 from __future__ import annotations
 

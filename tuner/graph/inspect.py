@@ -26,7 +26,7 @@ from tuner.graph.kv_cache import KvCache, find_kv_cache, with_dims
 from tuner.graph.lm_head import Embedding, is_tied, keep_input, lm_head, token_embedding
 from tuner.graph.load import load_model, name_nodes
 from tuner.graph.positions import positions_input, slot_positions
-from tuner.graph.shape import FfnSite, LayerSites, ModelShape, Sites
+from tuner.graph.shape import ExpertsSite, FfnSite, LayerSites, ModelShape, Sites
 from tuner.graph.walk import Linear, linears
 
 
@@ -54,6 +54,21 @@ def _slot_positions(graph: ir.Graph, cache: KvCache | None) -> str | None:
         return None
     found = slot_positions(graph, cache.pasts)
     return found[0].name if found else None
+
+
+def _layer_ffns(graph: ir.Graph, attns: list[attn_mod.AttnMatch], ffns: list[FfnMatch]
+                ) -> tuple[list[FfnMatch | None], list[ExpertsSite]]:
+    """Each attention layer's FFN (None where several follow one attention: its experts,
+    each an FFN of its own, reported as one ExpertsSite and not padded)."""
+    order = {id(node): i for i, node in enumerate(graph)}
+    groups: list[list[FfnMatch]] = [[] for _ in attns]
+    for f in ffns:
+        at = order[id(f.down.node)]
+        layer = max((i for i, a in enumerate(attns) if a.order < at), default=0)
+        groups[layer].append(f)
+    experts = [ExpertsSite(g[0].up.node.name or "", g[0].down.node.name or "", len(g),
+                           _one([f.width for f in g])) for g in groups if len(g) > 1]
+    return [g[0] if len(g) == 1 else None for g in groups], experts
 
 
 def _one(values: list[int]) -> int:
@@ -90,17 +105,22 @@ def inspect_model(model: ir.Model) -> ModelShape:
     if head is None and emb is not None and emb.hidden != hidden:
         head = lm_head(lins, taken, emb, emb.hidden)  # after a project-out to the embedding width
     tied = head is not None and emb is not None and is_tied(head, emb)
-    num_layers = max(len(attns), len(ffns))
+    per_layer: list[FfnMatch | None] = list(ffns)
+    experts: list[ExpertsSite] = []
+    if len(ffns) > len(attns):  # several FFNs after one attention: experts (Qwen3-MoE)
+        per_layer, experts = _layer_ffns(graph, attns, ffns)
+    num_layers = max(len(attns), len(per_layer))
     layers = tuple(
         LayerSites(attention=attns[i].site if i < len(attns) else None,
-                   ffn=_ffn_site(ffns[i]) if i < len(ffns) else None)
+                   ffn=_ffn_site(f) if i < len(per_layer) and (f := per_layer[i]) else None)
         for i in range(num_layers))
+    dense = [f for f in per_layer if f is not None]  # the FFNs a rewrite may widen
     heads = _one([a.num_heads for a in attns if a.num_heads])
     kv = _one([a.num_kv_heads for a in attns if a.num_kv_heads]) or heads
     head_dim = _one([a.head_dim for a in attns if a.head_dim])
     if not head_dim and heads and hidden:
         head_dim = hidden // heads
-    activation = ffns[0].activation if ffns else fusion.activation
+    activation = (dense or ffns)[0].activation if ffns else fusion.activation
     cache = find_kv_cache(graph)
     return ModelShape(
         num_layers=num_layers,
@@ -108,8 +128,8 @@ def inspect_model(model: ir.Model) -> ModelShape:
         num_heads=heads,
         num_kv_heads=kv,
         head_dim=head_dim,
-        ffn_size=_one([f.width for f in ffns]) or fusion.ffn_size,
-        ffn_gated=any(f.gate is not None for f in ffns),
+        ffn_size=_one([f.width for f in dense]) or fusion.ffn_size,
+        ffn_gated=any(f.gate is not None for f in dense),
         vocab_size=head.out_dim if head is not None else None,
         activation=activation,
         kind="decoder" if head is not None else "encoder",
@@ -124,7 +144,7 @@ def inspect_model(model: ir.Model) -> ModelShape:
             tied=tied,
             logits_to_keep=keep_input(graph),
             slot_positions=_slot_positions(graph, cache),
-            experts=tuple(find_experts(graph)),
+            experts=tuple(experts) or tuple(find_experts(graph)),
         ),
         cache=with_dims(cache, kv, head_dim) if cache is not None else None,
     )

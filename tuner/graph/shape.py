@@ -61,10 +61,11 @@ class AttentionSite:
 
 @dataclass(frozen=True)
 class ExpertsSite:
-    """A mixture of experts on batched weights (tuner.graph.experts): reported, not padded."""
+    """A block's mixture of experts, reported, not padded: on batched weights
+    (tuner.graph.experts), or one FFN per expert after one attention (tuner.graph.inspect)."""
 
-    up: str  # the MatMul on the (E, h, F or 2F) weight
-    down: str  # the MatMul on the (E, F, h) weight
+    up: str  # the MatMul on the (E, h, F or 2F) weight; or expert 0's up projection
+    down: str  # the MatMul on the (E, F, h) weight; or expert 0's down projection
     count: int  # E
     width: int  # F: each expert's FFN width
 

@@ -80,8 +80,8 @@ def _experts(shape: ModelShape) -> list[Finding]:
         return []
     return [Finding("experts-not-padded", "info",
                     f"expert FFN width {', '.join(map(str, widths))} is not a multiple of 64, "
-                    f"but the experts ({shape.sites.experts[0].count} per block, on batched "
-                    "weights) are not padded: no rewrite widens them yet")]
+                    f"but the experts ({shape.sites.experts[0].count} per block) are not "
+                    "padded: no rewrite widens them yet")]
 
 
 def gemm_shapes(shape: ModelShape) -> list[tuple[str, int, int]]:
