@@ -5,24 +5,14 @@ output unknown") and is exact."""
 
 from __future__ import annotations
 
-import contextlib
-import io
-
 import pytest
+from test_conformance import _run  # the CLI in-process: (exit code, stdout, stderr)
 
 from models import optimum
-from tuner.cli import main
 from tuner.graph import dims
 from tuner.graph.load import load_model
 
 pytestmark = pytest.mark.venv(*optimum.VENV)  # built beside the first tests (conftest)
-
-
-def _run(argv: list[str]) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(argv)
-    return code, out.getvalue(), err.getvalue()
 
 
 def test_onnx_inference_gives_the_ranks_where_ort_stops(tmp_path) -> None:
