@@ -103,7 +103,7 @@ class Sites:
     # the rotary positions the graph counts from its cache's length, where it takes none
     # (tuner/graph/positions.py): what tuner/rewrite/position_ids.py makes an input
     slot_positions: str | None = None
-    # mixtures of experts on batched weights, one per block (tuner/graph/experts.py)
+    # each block's mixture of experts (batched weights, or an FFN per expert): reported only
     experts: tuple[ExpertsSite, ...] = ()
 
 

@@ -4,9 +4,9 @@
     keep = kv_idx > q_idx - W          # q_idx: cache_position, a Range over the past's length
 
 and GPT-Neo's local layers slice a constant band table (slot j kept for slot i where
-i - W < j <= i) by the cache's length. Either way the window counts slots, masked ones included: a row with masked slots between its cache
-and its new tokens (a short prompt chunk padded to a longer one in the same run) sees fewer
-of its own entries than W. The server's runner keeps such a chunk out of longer chunks' runs
+i - W < j <= i) by the cache's length. Either way the window counts slots, masked ones
+included: a row with masked slots between its cache and its new tokens (a short prompt
+chunk padded to a longer one in the same run) sees fewer of its own entries than W. The server's runner keeps such a chunk out of longer chunks' runs
 where the graph has a window (serving/generation/runner.py)."""
 
 from __future__ import annotations
