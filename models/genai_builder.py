@@ -64,6 +64,13 @@ FAMILIES: dict[str, dict] = {
     "gemma2": dict(model_type="gemma2", num_hidden_layers=2, hidden_size=128,
                    num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                    intermediate_size=200, sliding_window=16),
+    # experts in ONNX Runtime's fused MoE op, sliding-window layers as Gemma 2's (fp32 only:
+    # the builder's int4 reads the MXFP4 tensors of OpenAI's own checkpoint)
+    "gpt_oss": dict(model_type="gpt_oss", num_hidden_layers=2, hidden_size=128,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                    intermediate_size=96, num_local_experts=4, num_experts_per_tok=2,
+                    sliding_window=16, layer_types=["sliding_attention", "full_attention"],
+                    tie_word_embeddings=False),
 }
 
 

@@ -349,14 +349,19 @@ def test_the_engine_on_a_genai_graph_equals_a_plain_greedy_loop(options, binding
         assert sum(hits) >= 32  # the streams behind the first found the shared prefix
 
 
-def test_a_cache_with_lengths_per_layer_is_refused_with_the_reason(tmp_path, capsys):
-    """Gemma 2 from the builder: its sliding-window layers' caches are the window's own
-    (`past_sliding_length`), which one engine cache cannot hold: exit 2 saying so, nothing
-    written, where it was an internal error out of ONNX Runtime."""
-    src = genai_builder.cached("gemma2", "fp32")
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
+def test_a_cache_with_lengths_per_layer_is_refused_with_the_reason(family, tmp_path, capsys):
+    """Gemma 2 and GPT-OSS from the builder: their sliding-window layers' caches are the
+    window's own (`past_sliding_length`), which one engine cache cannot hold: exit 2 saying
+    so, nothing written, where it was an internal error out of ONNX Runtime. inspect still
+    reads them, GPT-OSS's experts too (ONNX Runtime's fused MoE op: 4 of width 96)."""
+    src = genai_builder.cached(family, "fp32")
     assert main(["inspect", str(src), "--json"]) == 0  # what it is can still be read
-    roles = {i["name"]: i["role"] for i in json.loads(capsys.readouterr().out)["inputs"]}
-    assert roles["input_ids"] == "token_ids"  # its tied embedding: the head's weight transposed
+    got = json.loads(capsys.readouterr().out)
+    roles = {i["name"]: i["role"] for i in got["inputs"]}
+    assert roles["input_ids"] == "token_ids"  # Gemma's tied embedding: the head's weight transposed
+    if family == "gpt_oss":
+        assert [(e["count"], e["width"]) for e in got["sites"]["experts"]] == [(4, 96)] * 2
     out = tmp_path / "out"
     assert main(["optimize", str(src), "-o", str(out), "--rounds", "2", "--no-probe", "-q"]) == 2
     assert "lengths of their own (past_sequence_length, past_sliding_length" in \
