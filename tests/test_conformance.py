@@ -399,9 +399,10 @@ def test_a_quantized_merged_decoder_unmerges_too(optimum_exports, tmp_path) -> N
 
 @pytest.mark.parametrize("family", sorted(REFUSED))
 def test_a_cache_the_engine_cannot_hold_is_refused_saying_why(family, tmp_path) -> None:
-    """DeepSeek-V3's multi-head latent attention caches keys 24 wide and values 16: verify,
-    pad and optimize refused it with an internal error out of ONNX Runtime (its cache fed
-    one head dim); now exit 2 naming both widths, nothing written; inspect reports it."""
+    """DeepSeek-V3's multi-head latent attention caches keys 24 wide and values 16: `verify m
+    m` FAILed on itself and optimize stopped with an internal error out of ONNX Runtime (its
+    cache fed one head dim); both now exit 2 naming both widths, nothing written; inspect
+    reads it."""
     src = optimum.cached(family)
     code, _, err = _run(["inspect", str(src)])
     assert code == 0, err
