@@ -28,7 +28,7 @@ from serving.generation.output import StreamOutput
 from serving.generation.runner import StepRunner
 from serving.generation.scheduler import Stream
 from serving.sampling import GenerationRequest
-from tuner.gate.row_moves import holes_stay, rows_apart, rows_move
+from tuner.gate.row_moves import RowProbe, holes_stay, rows_apart, rows_move
 from tuner.graph.cache_record import cache_record
 from tuner.graph.load import load_model, save_model
 from tuner.rewrite.position_ids import add_position_ids
@@ -138,7 +138,7 @@ def test_without_the_check_gemma_3_streams_differ_from_themselves_alone(exports,
     """What the check prevents, shown on the same export: rows batched (moved) anyway."""
     record, runner = _loaded(exports["gemma3_text"])
     alone, _ = _both(_engine(runner, record, streams=1), PROMPTS)
-    monkeypatch.setattr("serving.generation.engine.rows_move", lambda *args: True)
+    monkeypatch.setattr(RowProbe, "rows_move", lambda self: True)
     gen = _engine(runner, record)
     assert not gen.rows_stay
     _, together = _both(gen, PROMPTS)
@@ -218,7 +218,7 @@ def test_mpt_prompts_after_a_shared_prefix_each_as_alone(exports, monkeypatch, c
     check forced to pass, the shorter chunks had masked slots before them, and some stream's
     log-probs moved (by 0.026 on the first token here)."""
     if not checked:
-        monkeypatch.setattr("serving.generation.engine.holes_stay", lambda *args: True)
+        monkeypatch.setattr(RowProbe, "holes_stay", lambda self: True)
     record, runner = _loaded(exports["mpt"])
     gated = _Gated(runner)
     gen = Generator(gated, record, VOCAB, GenerateOptions(max_streams=4), max_positions=256)

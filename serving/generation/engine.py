@@ -27,21 +27,20 @@ from serving.generation.output import GenerationStats, OutputProcessor, StreamOu
 from serving.generation.runner import StepRunner
 from serving.generation.scheduler import Scheduler, StepPlan, Stream
 from serving.sampling import Chunk, GenerationRequest
-from tuner.gate.row_moves import MOVED, holes_stay, rows_apart, rows_move
+from tuner.gate.row_moves import MOVED, RowProbe
 from tuner.gate.verify import Tolerance
 from tuner.graph.cache_record import CacheRecord
 
 log = logging.getLogger("serving")
 
 
-def _rows_stay(runner, record: CacheRecord, batch: int, tolerance: Tolerance,
-               apart: bool = True) -> str | None:
+def _rows_stay(probe: RowProbe, apart: bool = True) -> str | None:
     """Why rows of this graph may not share a run, found by running it, or None. `apart`
     False: rows whose numbers depend on their neighbours may share runs all the same
     (GenerateOptions.batch_variance); a moved row's wrong positions never may."""
-    if not rows_move(runner, record, batch, tolerance):
+    if not probe.rows_move():
         return MOVES
-    if apart and not rows_apart(runner, record, batch, tolerance):
+    if apart and not probe.rows_apart():
         return APART
     return None
 
@@ -82,9 +81,10 @@ class Generator:
         self.batch_buckets = tuple(options.batch_buckets or batch_buckets)
         # why streams may not share runs (tuner.gate.row_moves), or None: then every stream
         # runs alone, never padded
-        self.rows_stay = _rows_stay(runner, record, record.batch or next_bucket(
-            1, self.batch_buckets), rows_tolerance, not options.batch_variance
-        ) if options.max_streams > 1 else None
+        probe = RowProbe(runner, record, record.batch or next_bucket(1, self.batch_buckets),
+                         rows_tolerance)  # runs the graph only when asked, each run once
+        self.rows_stay = _rows_stay(probe, not options.batch_variance
+                                    ) if options.max_streams > 1 else None
         if self.rows_stay:
             options, pad_to = replace(options, max_streams=1), "longest"
             if self.rows_stay == APART:
@@ -110,8 +110,7 @@ class Generator:
                                   shared=options.share_buffers and record.rows_at_start,
                                   max_rows=options.max_streams)
         # masked slots before a prompt chunk: found by running, where chunks may share runs
-        holes = record.window is None and (options.max_streams == 1 or holes_stay(
-            runner, record, record.batch or next_bucket(1, self.batch_buckets), rows_tolerance))
+        holes = record.window is None and (options.max_streams == 1 or probe.holes_stay())
         if not holes:
             log.info("masked slots before a prompt chunk change its logits (a sliding window, "
                      "or biases by slot): a chunk after a past runs apart from longer chunks")

@@ -19,11 +19,14 @@ graph is run:
   (Optimum's MPT), a sliding window (GPT-Neo's local layers, transformers' window masks),
   positions from the cache's length. There such a chunk runs apart from longer ones.
 
-    exact = rows_move(runner, record) and rows_apart(runner, record)
-    mixed = holes_stay(runner, record)  # chunks of different lengths may share a run
+    probe = RowProbe(runner, record)   # the runs the checks share, made once
+    exact = probe.rows_move() and probe.rows_apart()
+    mixed = probe.holes_stay()         # chunks of different lengths may share a run
 """
 
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 
@@ -73,46 +76,79 @@ def _next(runner, record: CacheRecord, rows, batch: int, past: int) -> np.ndarra
     return _logits(runner, record, step_feeds(record, tokens, mask, arrays))[1][0]
 
 
-def rows_move(runner, record: CacheRecord, batch: int = 1, tolerance: Tolerance = MOVED) -> bool:
-    """True when row 0's next logits are the same (within `tolerance`) with its cache in
-    place and moved MOVE slots later; rows at the start (GroupQueryAttention) never move.
+class RowProbe:
+    """The checks on one graph, sharing the runs they have in common (made once, when first
+    needed): row 0's own cache, another row's, and row 0's next logits in place.
     `runner`: anything with `infer(feeds) -> {name: array}`; `batch`: the graph's smallest
     batch (the other rows are padding)."""
-    if record.rows_at_start:
-        return True
-    row = _cached(runner, record, PROMPT, batch)
-    here = _next(runner, record, [row], batch, len(PROMPT))
-    moved = _next(runner, record, [row], batch, len(PROMPT) + MOVE)
-    return tolerance(record.logits, here, moved)
+
+    def __init__(self, runner, record: CacheRecord, batch: int = 1,
+                 tolerance: Tolerance = MOVED) -> None:
+        self.runner, self.record, self.batch, self.tolerance = runner, record, batch, tolerance
+
+    @functools.cached_property
+    def row(self) -> dict[str, np.ndarray]:
+        return _cached(self.runner, self.record, PROMPT, self.batch)
+
+    @functools.cached_property
+    def other(self) -> dict[str, np.ndarray]:
+        return _cached(self.runner, self.record, OTHER, self.batch)
+
+    @functools.cached_property
+    def here(self) -> np.ndarray:
+        """Row 0's next logits (vocab,), its cache in place, alone."""
+        return _next(self.runner, self.record, [self.row], self.batch, len(PROMPT))
+
+    def rows_move(self) -> bool:
+        """True when row 0's next logits are the same (within the tolerance) with its cache
+        in place and moved MOVE slots later; rows at the start (GroupQueryAttention) never
+        move."""
+        if self.record.rows_at_start:
+            return True
+        moved = _next(self.runner, self.record, [self.row], self.batch, len(PROMPT) + MOVE)
+        return self.tolerance(self.record.logits, self.here, moved)
+
+    def rows_apart(self) -> bool:
+        """True when row 0's next logits are the same (within the tolerance) alone and
+        beside another row of its length; True for a graph whose batch is fixed (its rows
+        always meet)."""
+        if self.record.batch is not None:
+            return True
+        beside = _next(self.runner, self.record, [self.row, self.other], max(self.batch, 2),
+                       len(PROMPT))
+        return self.tolerance(self.record.logits, self.here, beside)
+
+    def holes_stay(self) -> bool:
+        """True when row 0's chunk after its cache gets the same logits (within the
+        tolerance) beside a row whose chunk is MOVE tokens longer, MOVE masked slots then
+        lying between its cache and its chunk, as alone. Checked beside the other row's
+        chunk, as the server runs it: ask it where `rows_apart` holds. True where no such run
+        happens: a graph that takes no chunk after a past, whose batch is fixed at 1, or
+        that keeps rows at the start (the server runs its chunks after a past alone)."""
+        record = self.record
+        if record.rows_at_start or not record.takes_chunks or record.batch == 1:
+            return True
+        chunk = list(OTHER[:2])
+        longer = [OTHER[i % len(OTHER)] for i in range(len(chunk) + MOVE)]
+        alone = _chunk(self.runner, record, [self.row], [chunk], self.batch)
+        beside = _chunk(self.runner, record, [self.row, self.other], [chunk, longer],
+                        max(self.batch, 2))
+        return self.tolerance(record.logits, alone, beside)
+
+
+def rows_move(runner, record: CacheRecord, batch: int = 1, tolerance: Tolerance = MOVED) -> bool:
+    """RowProbe.rows_move on its own."""
+    return RowProbe(runner, record, batch, tolerance).rows_move()
 
 
 def rows_apart(runner, record: CacheRecord, batch: int = 1, tolerance: Tolerance = MOVED) -> bool:
-    """True when row 0's next logits are the same (within `tolerance`) alone and beside
-    another row of its length; True for a graph whose batch is fixed (its rows always meet).
-    `batch`: the graph's smallest batch (the runs alone pad to it)."""
-    if record.batch is not None:
-        return True
-    row, other = (_cached(runner, record, t, batch) for t in (PROMPT, OTHER))
-    alone = _next(runner, record, [row], batch, len(PROMPT))
-    beside = _next(runner, record, [row, other], max(batch, 2), len(PROMPT))
-    return tolerance(record.logits, alone, beside)
+    """RowProbe.rows_apart on its own."""
+    return RowProbe(runner, record, batch, tolerance).rows_apart()
 
 
 def holes_stay(runner, record: CacheRecord, batch: int = 1, tolerance: Tolerance = MOVED) -> bool:
-    """True when row 0's chunk after its cache gets the same logits (within `tolerance`)
-    beside a row whose chunk is MOVE tokens longer, MOVE masked slots then lying between
-    its cache and its chunk, as alone. Checked beside the other row's chunk, as the server
-    runs it: call it where `rows_apart` holds. True where no such run happens: a graph that
-    takes no chunk after a past, whose batch is fixed at 1, or that keeps rows at the start
-    (the server runs its chunks after a past alone)."""
-    if record.rows_at_start or not record.takes_chunks or record.batch == 1:
-        return True
-    row, other = (_cached(runner, record, t, batch) for t in (PROMPT, OTHER))
-    chunk = list(OTHER[:2])
-    longer = [OTHER[i % len(OTHER)] for i in range(len(chunk) + MOVE)]
-    alone = _chunk(runner, record, [row], [chunk], batch)
-    beside = _chunk(runner, record, [row, other], [chunk, longer], max(batch, 2))
-    return tolerance(record.logits, alone, beside)
+    """RowProbe.holes_stay on its own."""
+    return RowProbe(runner, record, batch, tolerance).holes_stay()
 
 
 def _chunk(runner, record: CacheRecord, rows, chunks, batch: int) -> np.ndarray:
