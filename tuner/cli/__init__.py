@@ -14,7 +14,7 @@ from tuner.cli import design_cmd  # noqa: F401,E402
 from tuner.cli import inspect_cmd  # noqa: F401,E402
 from tuner.cli import optimize_cmd  # noqa: F401,E402
 from tuner.cli import serve_cmd  # noqa: F401,E402
-from tuner.cli import pad_cmd, unmerge_cmd, verify_cmd  # noqa: F401,E402
+from tuner.cli import convert_cmd, pad_cmd, verify_cmd  # noqa: F401,E402
 from tuner.cli.app import ReaderWentAway, app
 from tuner.errors import BadInput
 

@@ -81,6 +81,10 @@ def _cache_lines(shape: ModelShape) -> list[str]:
     if c.mask == "lengths":
         lines.append("  mask read as lengths (GroupQueryAttention's seqlens_k): each row's "
                      "entries start at 0, right padding")
+    if c.windowed_layers:
+        lines.append(f"  windowed cache (onnxruntime-genai's): layer(s) "
+                     f"{', '.join(map(str, c.windowed_layers))} hold only the last {c.window} "
+                     "positions; `tuner optimize` makes them full-length first")
     return lines
 def render_inputs(specs: list[InputSpec], console: Console) -> None:
     table = Table(title="inputs (roles found from the graph's structure)", title_justify="left")

@@ -25,6 +25,7 @@ from tuner.graph.lm_head import keep_input
 from tuner.graph.positions import positions_input
 from tuner.graph.roles import ATTENTION_MASK, POSITION_IDS, TOKEN_IDS, input_specs, with_role
 from tuner.graph.window import sliding_window
+from tuner.graph.windowed import windowed_cache
 
 
 @dataclass(frozen=True)
@@ -128,11 +129,16 @@ def cache_record(model: ir.Model) -> CacheRecord:
     cache = find_kv_cache(graph)
     if cache is None:
         raise BadInput("the model has no KV cache (no past key/value input joined by a Concat)")
+    windowed = windowed_cache(graph)
+    if windowed is not None:  # one engine cache: every layer's past holds the whole sequence
+        raise BadInput(f"{len(windowed.nodes)} layer(s) keep only a window of "
+                       f"{windowed.window} positions in their cache (onnxruntime-genai's "
+                       "windowed caches); `tuner optimize` makes them full-length first, "
+                       "as `tuner unwindow MODEL -o OUT` does")
     lengths = _past_lengths(graph, cache)
     if len(lengths) > 1:  # one engine cache: every layer's past is as long as the others'
-        raise BadInput(f"the layers' caches have lengths of their own ({', '.join(lengths)}: "
-                       "onnxruntime-genai's sliding-window layers keep a cache of the window "
-                       "apart); a cache with per-layer lengths is not served")
+        raise BadInput(f"the layers' caches have lengths of their own ({', '.join(lengths)}); "
+                       "a cache with per-layer lengths is not served")
     widths = _head_widths(graph, cache)
     if len(widths) > 1:  # the record holds one head dim, for keys and values alike
         raise BadInput(f"keys and values have head dims of their own ({' and '.join(widths)}: "

@@ -33,6 +33,7 @@ from typing import Literal
 
 import onnx_ir as ir
 
+from tuner.graph.windowed import windowed_cache
 from tuner.graph.walk import (DATA_INPUTS, MS, as_linear, const_array, consumers, is_const, op,
                               source, walk_back, walk_forward)
 
@@ -103,6 +104,10 @@ class KvCache:
     # onnxruntime-genai's graphs): a row's entries must then start at index 0 (right padding);
     # tuner.gate.right_pad moves left-padded feeds there and back.
     mask: Literal["positions", "lengths"] = "positions"
+    # onnxruntime-genai's windowed caches (tuner.graph.windowed): the layers whose cache
+    # holds only their window, and the window; () and None elsewhere
+    windowed_layers: tuple[int, ...] = ()
+    window: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_layers != len(self.layers):
@@ -383,7 +388,14 @@ def find_kv_cache(graph: ir.Graph) -> KvCache | None:
     joins = [_classify(j) for node in graph if (j := _join(node, inputs, outputs)) is not None]
     joins += [j for node in graph for j in _fused_joins(node, inputs, outputs)]
     pairs, named = _pair(joins, order)
-    return _cache(pairs, named) if pairs else None
+    if not pairs:
+        return None
+    cache = _cache(pairs, named)
+    windowed = windowed_cache(graph)
+    if windowed is None:
+        return cache
+    return replace(cache, window=windowed.window, windowed_layers=tuple(
+        layer.index for layer in cache.layers if layer.past_key in windowed.pasts))
 
 
 def with_dims(cache: KvCache, kv_heads: int, head_dim: int) -> KvCache:

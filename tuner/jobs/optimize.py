@@ -9,6 +9,7 @@ as each shape finishes, so a rerun after an interruption measures only what is m
 from __future__ import annotations
 
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +18,9 @@ from typing import Any
 from tuner.artifact.records import Manifest
 from tuner.errors import BadInput
 from tuner.graph.load import load_model
+from tuner.graph.windowed import windowed_cache
 from tuner.jobs.pipeline import run_pipeline
+from tuner.jobs.unwindow import describe, unwindow_file
 from tuner.util.files import ensure_writable_dir, swap_dir_into_place
 
 
@@ -133,12 +136,39 @@ def optimize(cfg: OptimizeConfig) -> OptimizeResult:
     model = load_model(cfg.model)  # BadInput on anything that is not a readable ONNX model
     cfg.out.resolve().parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{cfg.out.name}.tmp-", dir=cfg.out.resolve().parent))
+    work = tmp.with_name(tmp.name.replace(".tmp-", ".unwindow-"))
     try:
-        manifest, notes = run_pipeline(cfg, model, tmp)
+        source, first = cfg.model, []
+        if windowed_cache(model.graph) is not None:  # one cache length first (the engine's)
+            del model
+            source, first = _unwindowed(cfg, work)
+            model = load_model(source)
+        manifest, notes = run_pipeline(cfg, model, tmp, source, first)
         del model
         _copy_text_files(cfg.model.parent, tmp)
         swap_dir_into_place(tmp, cfg.out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     return OptimizeResult(cfg.out, manifest, tuple(notes))
+
+
+def _unwindowed(cfg: OptimizeConfig, work: Path) -> tuple[Path, list[str]]:
+    """The input with its windowed caches made full-length (tuner.jobs.unwindow), written
+    under `work`, which the caller removes; its note. Not exact: bad input, with the table."""
+    from tuner.gate.verify import Tolerance
+    from tuner.jobs.pad import NotExact
+
+    work.mkdir()
+    say = (lambda m: print(f"tuner: {m}", file=sys.stderr, flush=True)) if cfg.progress \
+        else (lambda m: None)
+    say(f"making {cfg.model.name}'s windowed caches full-length (checked by running)")
+    try:
+        result, found = unwindow_file(cfg.model, work / cfg.model.name,
+                                      Tolerance(cfg.atol, cfg.rtol))
+    except NotExact as e:
+        raise BadInput(f"{cfg.model}: its windowed caches made full-length did not match "
+                       f"it:\n{e.result.table()}") from None
+    return work / cfg.model.name, [f"{cfg.model.name}: {describe(found, result)}"]

@@ -9,10 +9,9 @@
     keep     a generating decoder's winner cut to the logits a step reads, gated, selected
     write    manifest.json and the report
 
-The model is loaded once (by tuner.jobs.optimize); each padded variant is a rewrite of a copy
-of it, and every variant is gated against one reference of the original. What differs
-between an encoder and a decoder with a KV cache lives in the workload (tuner.jobs.workload,
-tuner.jobs.decoder): no stage here asks which one it holds.
+The model is loaded once (tuner.jobs.optimize); each padded variant rewrites a copy of it,
+and every variant is gated against one reference. What differs between an encoder and a
+decoder with a KV cache lives in the workload (tuner.jobs.workload, tuner.jobs.decoder).
 """
 
 from __future__ import annotations
@@ -77,6 +76,7 @@ class Setup:
 
     cfg: Any  # tuner.jobs.optimize.OptimizeConfig
     model: ir.Model
+    source: Path  # the graph `model` was read from: cfg.model, or its full-cache copy
     root: Path
     info: DeviceInfo
     shape: ModelShape
@@ -112,7 +112,7 @@ def workload_for(cfg, model: ir.Model, shape: ModelShape, vocab: int) -> Workloa
     return PlainWorkload(cfg, input_specs(model), vocab, positions)
 
 
-def setup(cfg, model: ir.Model, root: Path, notes: list[str]) -> Setup:
+def setup(cfg, model: ir.Model, root: Path, notes: list[str], source: Path) -> Setup:
     say = _say(cfg.progress)
     info = detect()
     say(f"inspecting {cfg.model.name}")
@@ -132,7 +132,7 @@ def setup(cfg, model: ir.Model, root: Path, notes: list[str]) -> Setup:
     workload = workload_for(cfg, model, shape, vocab)
     t = workload.traffic
     notes += [t.note] if t.note else []
-    return Setup(cfg, model, root, info, shape, vocab, workload,
+    return Setup(cfg, model, source, root, info, shape, vocab, workload,
                  tuple(selection_shapes(t.requests, t.seq_grid, t.batch)), backend, settings,
                  tol, ResultsCache.in_dir(cfg.cache_dir), device_key(info, backend.name), say)
 
@@ -146,13 +146,12 @@ def plan_stage(s: Setup, source_sha: str) -> Planned:
 def build_stage(s: Setup, planned: Planned) -> tuple[dict[str, Built], GateCheck, list[str]]:
     """The original's copy, every padded candidate from a copy of the model, every fused one
     from the variant it names as its base; each through one prepared gate."""
-    built = {"original": copy_original(s.cfg.model, s.root)}
+    built = {"original": copy_original(s.source, s.root)}
     top = s.workload.traffic.seq_grid[-1]
     shapes = accepted_shapes(input_specs(s.model),
                              sorted({(b, min(q, top)) for b, q in ((1, 7), (2, 16), (3, 33))}))
     original = built["original"].path
-    # one reference for every gate below; for a plain model its outputs are recorded and its
-    # session released, so that a big model's gates hold one session at a time
+    # one reference for every gate below (a plain model's outputs recorded, its session let go)
     try:
         gate = prepare(s.model, lambda: load_reference(original, s.settings), vocab=s.vocab,
                        shapes=shapes, tolerance=s.tolerance)
@@ -373,9 +372,10 @@ def write_stage(s: Setup, built, c: Compared, t: Timed, advice, notes: list[str]
     return manifest
 
 
-def run_pipeline(cfg, model: ir.Model, root: Path) -> tuple[Manifest, list[str]]:
-    notes: list[str] = []
-    s = setup(cfg, model, root, notes)
+def run_pipeline(cfg, model: ir.Model, root: Path, source: Path | None = None,
+                 notes: tuple[str, ...] = ()) -> tuple[Manifest, list[str]]:
+    notes = list(notes)  # what came before: the note of a full-cache copy (jobs.optimize)
+    s = setup(cfg, model, root, notes, source or cfg.model)
     source_sha = sha256_file(cfg.model)
     planned = plan_stage(s, source_sha)
     notes += planned.notes

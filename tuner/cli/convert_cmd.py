@@ -1,0 +1,83 @@
+"""The conversions into a graph that every other command reads, each checked against its
+input by running before it is written (atomically). Exit 0 written, 1 not exact (nothing
+written), 2 bad input (nothing to convert, OUT exists without --force).
+
+    tuner unmerge MERGED.onnx -o OUT.onnx    Optimum's legacy merged decoder, one plain graph
+    tuner unwindow GENAI.onnx -o OUT.onnx    onnxruntime-genai's windowed caches, full-length
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+import typer
+
+from tuner.cli.app import app, exit_not_exact
+from tuner.errors import BadInput
+
+_OUTPUT = typer.Option(..., "-o", "--output", help="where to write the converted graph")
+_ATOL = typer.Option(1e-4, "--atol", help="absolute tolerance of the accuracy check")
+_RTOL = typer.Option(1e-3, "--rtol", help="relative tolerance of the accuracy check")
+_JSON = typer.Option(False, "--json", help="print the result as one JSON object")
+_FORCE = typer.Option(False, "--force", help="replace OUT if it exists")
+
+
+def _convert(job: Callable, verb: str, model: Path, output: Path, atol: float, rtol: float,
+             as_json: bool, force: bool) -> None:
+    """Run `job(model, output, tolerance=...)` (a VerifyResult, or NotExact) and say so."""
+    from tuner.gate.verify import Tolerance
+    from tuner.jobs.pad import NotExact
+
+    if output.is_file() and not force:
+        raise BadInput(f"{output} exists; pass --force to replace it")
+    try:
+        tol = Tolerance(atol=atol, rtol=rtol)
+    except ValueError as e:
+        raise BadInput(str(e)) from None
+    try:
+        result = job(model, output, tolerance=tol)
+    except NotExact as e:
+        exit_not_exact(e.result, as_json, "converted graph")
+    if as_json:
+        print(json.dumps({"written": True, "src": str(model), "dst": str(output),
+                          "accuracy": result.to_json()}))
+        return
+    print(result.table())
+    typer.echo(f"{verb} {model} -> {output}")
+
+
+@app.command("unmerge")
+def unmerge_cmd(
+    model: Path = typer.Argument(..., help="the merged decoder (decoder_model_merged.onnx)"),
+    output: Path = _OUTPUT, atol: float = _ATOL, rtol: float = _RTOL,
+    as_json: bool = _JSON, force: bool = _FORCE,
+) -> None:
+    """Make Optimum's legacy merged decoder (its layers in an If on `use_cache_branch`) one
+    plain graph that every other command reads: the with-cache branch inlined (a past of
+    length 0 is the first step), checked against the merged file through greedy rollouts
+    on ONNX Runtime, and only then written."""
+    from tuner.jobs.unmerge import unmerge_file
+
+    _convert(unmerge_file, "unmerged", model, output, atol, rtol, as_json, force)
+
+
+@app.command("unwindow")
+def unwindow_cmd(
+    model: Path = typer.Argument(..., help="a graph from onnxruntime-genai's builder whose "
+                                           "sliding-window layers keep windowed caches"),
+    output: Path = _OUTPUT, atol: float = _ATOL, rtol: float = _RTOL,
+    as_json: bool = _JSON, force: bool = _FORCE,
+) -> None:
+    """Make onnxruntime-genai's windowed caches (Gemma 2 and 3, GPT-OSS: a sliding-window
+    layer's cache holds only its window) as long as the other layers', so that one cache
+    serves every layer: each layer still attends to its window only. Checked against the
+    windowed graph through greedy rollouts that cross the window, then written. `tuner
+    optimize` does this itself; the cost is the sliding layers' cache memory."""
+    from tuner.jobs.unwindow import unwindow_file
+
+    def job(src, dst, tolerance):
+        return unwindow_file(src, dst, tolerance)[0]
+
+    _convert(job, "unwindowed", model, output, atol, rtol, as_json, force)
