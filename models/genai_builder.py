@@ -7,8 +7,10 @@ From one Hugging Face folder (a random-weight model saved with `save_pretrained`
 plus a byte-level BPE tokenizer made with `tokenizers`; no hub download), the builder writes
 
     python -m onnxruntime_genai.models.builder -i HF -o OUT -p fp32|int4 -e cpu
+    python -m onnxruntime_genai.models.builder -i HF -o OUT -p fp16 -e cuda   # `fp16`
 
-a graph with GroupQueryAttention (seqlens_k / total_sequence_length computed from the mask
+(`fp16` is the build for a GPU, fp16 weights and cache, which ONNX Runtime's CPU provider also
+runs: what most of genai's users export), a graph with GroupQueryAttention (seqlens_k / total_sequence_length computed from the mask
 inside the graph), RotaryEmbedding, SkipSimplifiedLayerNormalization, and for int4 MatMulNBits
 weights; its I/O is `input_ids`, `attention_mask`, `past_key_values.{i}.key|value` in and
 `logits`, `present.{i}.key|value` out.
@@ -39,13 +41,19 @@ BUILD = 1  # bump when what this file builds changes: it is part of the cache ke
 GENAI_REQUIREMENTS = ("onnxruntime-genai==0.18.*", "torch==2.13.0", "transformers>=4.45",
                       "onnx", "onnx-ir", "onnxscript")
 VENV = ("genai", GENAI_REQUIREMENTS)  # the environment: models/venvs.py
-PRECISIONS = ("fp32", "int4")
+PRECISIONS = ("fp32", "int4", "fp16")
+_TARGET = {"fp16": "cuda"}  # the builder's execution provider by precision; else cpu
 VOCAB, POSITIONS = 1003, 256  # an odd vocabulary: the padding has work to do
 # Tiny configs: 2 layers, GQA, an FFN width that is not a multiple of 64.
 FAMILIES: dict[str, dict] = {
     "llama": dict(model_type="llama", num_hidden_layers=2, hidden_size=128,
                   num_attention_heads=4, num_key_value_heads=2, intermediate_size=200,
                   tie_word_embeddings=False),
+    # tied embeddings (Llama 3.2 1B/3B, Qwen2.5's small ones, Phi-4-mini): at int4 the builder
+    # reads the embedding out of the LM head's 4-bit weight (Reshape -> GatherBlockQuantized)
+    "llama_tied": dict(model_type="llama", num_hidden_layers=2, hidden_size=128,
+                       num_attention_heads=4, num_key_value_heads=2, intermediate_size=200,
+                       tie_word_embeddings=True),
     "qwen2": dict(model_type="qwen2", num_hidden_layers=2, hidden_size=128,
                   num_attention_heads=4, num_key_value_heads=2, intermediate_size=200,
                   tie_word_embeddings=False),
@@ -60,7 +68,7 @@ FAMILIES: dict[str, dict] = {
     "qwen3": dict(model_type="qwen3", num_hidden_layers=2, hidden_size=128,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                   intermediate_size=200, tie_word_embeddings=False),
-    # sliding-window layers keep a cache of their own length (refused: not served yet)
+    # sliding-window layers keep a windowed cache of their own length (tuner.rewrite.unwindow)
     "gemma2": dict(model_type="gemma2", num_hidden_layers=2, hidden_size=128,
                    num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                    intermediate_size=200, sliding_window=16),
@@ -153,7 +161,8 @@ def _build(family: str, precision: str, out: Path) -> None:
                "PYTHONPATH": ""}
         run = subprocess.run(
             [str(python), "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o",
-             str(staging), "-p", precision, "-e", "cpu", "-c", str(Path(tmp) / "cache")],
+             str(staging), "-p", precision, "-e", _TARGET.get(precision, "cpu"), "-c",
+             str(Path(tmp) / "cache")],
             env=env, capture_output=True, text=True)
         if run.returncode != 0 or not (staging / "model.onnx").is_file():
             raise RuntimeError(f"the genai model builder failed ({run.returncode}):\n"

@@ -91,14 +91,16 @@ def make_artifact(out: Path, model: Path, buckets: Buckets = BUCKETS,
 
 
 def perturbed_copy(model: Path, dst: Path) -> Path:
-    """A copy of `model` whose last 1-D float initializer (a bias or a norm weight) gets noise
-    of std 0.5: a real graph that is NOT exact, for the server's own gate to catch. (Not one
-    constant shift: a LayerNorm right after a bias takes a constant shift out again.)"""
+    """A copy of `model` whose last 1-D float (or half) initializer (a bias or a norm weight)
+    gets noise of std 0.5: a real graph that is NOT exact, for the server's own gate to catch.
+    (Not one constant shift: a LayerNorm right after a bias takes a constant shift out again.)"""
     proto = onnx.load(str(model))
+    floats = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)  # fp16: a half-precision build
     for init in reversed(proto.graph.initializer):
-        if init.data_type == onnx.TensorProto.FLOAT and len(init.dims) == 1 and init.dims[0] > 1:
+        if init.data_type in floats and len(init.dims) == 1 and init.dims[0] > 1:
             noise = np.random.default_rng(0).standard_normal(init.dims[0]) * 0.5
-            arr = onnx.numpy_helper.to_array(init) + noise.astype(np.float32)
+            arr = onnx.numpy_helper.to_array(init)
+            arr = arr + noise.astype(arr.dtype)
             init.CopyFrom(onnx.numpy_helper.from_array(arr, init.name))
             break
     else:

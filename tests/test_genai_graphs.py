@@ -15,7 +15,8 @@ MatMulNBits int4 weights, genai's own I/O names.
   rows of different lengths, chunked prefill, prefix hits and preemption each give what a
   plain greedy loop gives, and a row placed at the wrong end gives other logits;
 - Qwen3's graph (q/k norms after a Split of the packed QKV) is read like the others; Gemma
-  2's, whose sliding-window layers keep caches of their own length, is refused saying so.
+  2's and GPT-OSS's, whose sliding-window layers keep windowed caches, are read, and made
+  full-length before they are served (tests/test_unwindow.py).
 """
 
 from __future__ import annotations
@@ -50,8 +51,8 @@ from tuner.runtime.ort import OrtRunner, load_cpu
 
 pytestmark = pytest.mark.venv(*genai_builder.VENV)  # built beside the first tests (conftest)
 
-CELLS = [("llama", "fp32"), ("llama", "int4"), ("qwen2", "int4"), ("mistral", "int4"),
-         ("phi3", "int4"), ("qwen3", "int4")]
+CELLS = [("llama", "fp32"), ("llama", "int4"), ("llama", "fp16"), ("llama_tied", "int4"),
+         ("qwen2", "int4"), ("mistral", "int4"), ("phi3", "int4"), ("qwen3", "int4")]
 EXPECT = dict(num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32,
               ffn_size=200, ffn_gated=True, vocab_size=1003)
 
@@ -184,7 +185,8 @@ def _plain_greedy(path: Path, prompt: list[int], steps: int) -> list[int]:
     """ORT alone: batch 1, no padding, each step fed its own present (genai's I/O names)."""
     sess = _Session(path)
     ids = np.array([prompt], np.int64)
-    past = {f"past_key_values.{i}.{kv}": np.zeros((1, 2, 0, 32), np.float32)
+    dtype = np.float16 if "float16" in sess.sess.get_inputs()[2].type else np.float32
+    past = {f"past_key_values.{i}.{kv}": np.zeros((1, 2, 0, 32), dtype)
             for i in range(2) for kv in ("key", "value")}
     mask = np.ones_like(ids)
     tokens: list[int] = []
@@ -350,23 +352,23 @@ def test_the_engine_on_a_genai_graph_equals_a_plain_greedy_loop(options, binding
 
 
 @pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
-def test_a_cache_with_lengths_per_layer_is_refused_with_the_reason(family, tmp_path, capsys):
-    """Gemma 2 and GPT-OSS from the builder: their sliding-window layers' caches are the
-    window's own (`past_sliding_length`), which one engine cache cannot hold: exit 2 saying
-    so, nothing written, where it was an internal error out of ONNX Runtime. inspect still
-    reads them, GPT-OSS's experts too (ONNX Runtime's fused MoE op: 4 of width 96)."""
+def test_a_windowed_cache_is_read_and_where_one_cache_length_is_needed_refused(family,
+                                                                                capsys):
+    """Gemma 2 and GPT-OSS from the builder: their sliding-window layers' caches hold only
+    the window (`past_sliding_length`). inspect reads them, the windowed layer and GPT-OSS's
+    experts too (ONNX Runtime's fused MoE op: 4 of width 96); a command that feeds the cache
+    as one length (`verify`) exits 2 naming the way out, where it was an internal error out
+    of ONNX Runtime (optimize and serve: tests/test_unwindow.py)."""
     src = genai_builder.cached(family, "fp32")
     assert main(["inspect", str(src), "--json"]) == 0  # what it is can still be read
     got = json.loads(capsys.readouterr().out)
     roles = {i["name"]: i["role"] for i in got["inputs"]}
     assert roles["input_ids"] == "token_ids"  # Gemma's tied embedding: the head's weight transposed
+    assert (got["cache"]["windowed_layers"], got["cache"]["window"]) == ([0], 16)
     if family == "gpt_oss":
         assert [(e["count"], e["width"]) for e in got["sites"]["experts"]] == [(4, 96)] * 2
-    out = tmp_path / "out"
-    assert main(["optimize", str(src), "-o", str(out), "--rounds", "2", "--no-probe", "-q"]) == 2
-    assert "lengths of their own (past_sequence_length, past_sliding_length" in \
-        capsys.readouterr().err
-    assert not out.exists()
+    assert main(["verify", str(src), str(src)]) == 2
+    assert "keep only a window of 16 positions" in capsys.readouterr().err
 
 
 def test_builder_runs_in_its_own_venv():

@@ -10,7 +10,8 @@ import numpy as np
 import onnx_ir as ir
 
 from tuner.graph.load import check_external_data, external_locations, load_model, read_proto
-from tuner.graph.roles import TOKEN_IDS, _embedding_tables, input_specs, with_role
+from tuner.graph.roles import TOKEN_IDS, input_specs, with_role
+from tuner.graph.tables import embedding_tables
 from tuner.graph.shape import ModelShape
 
 FALLBACK_VOCAB = 100  # token ids to draw when no table says how many there are
@@ -40,7 +41,7 @@ def embedding_table(model: ir.Model, input_name: str) -> str | None:
     """The name of the embedding table that `input_name` indexes (a Gather on a 2-D
     initializer, through reshapes and casts); the largest when there are several."""
     value = next((v for v in model.graph.inputs if v.name == input_name), None)
-    tables = _embedding_tables(value) if value is not None else []
+    tables = embedding_tables(value) if value is not None else []
     return max(tables, key=lambda t: t[1][0])[0] if tables else None
 
 
@@ -48,7 +49,7 @@ def embedding_rows(model: ir.Model, input_name: str) -> int | None:
     """Rows of the embedding table that `input_name` indexes (a Gather on an initializer),
     following the input through reshapes and casts; None when no such Gather is found."""
     value = next((v for v in model.graph.inputs if v.name == input_name), None)
-    tables = _embedding_tables(value) if value is not None else []
+    tables = embedding_tables(value) if value is not None else []
     return max(shape[0] for _, shape in tables) if tables else None
 
 

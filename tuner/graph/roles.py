@@ -19,10 +19,8 @@ from tuner.graph.load import load_model
 from tuner.graph.role_names import (ATTENTION_MASK, INPUTS_EMBEDS, KV_CACHE, OTHER,
                                     POSITION_IDS, ROLES, TOKEN_IDS, TOKEN_TYPE_IDS)
 from tuner.graph.role_overrides import checked, with_overrides
-from tuner.graph.walk import const_tensor
+from tuner.graph.tables import embedding_tables, gathered_table, tiled_table
 
-# Ops a token id passes through unchanged on its way to the embedding Gather.
-_PASS_THROUGH = {"Reshape", "Cast", "Identity", "Flatten", "Squeeze", "Unsqueeze", "Expand"}
 _SEARCH_DEPTH = 24  # nodes followed from an input when looking for the mask or rotary path
 _LARGE_NEGATIVE = -1e4  # a constant this negative (or finfo.min) marks an attention bias
 
@@ -69,53 +67,6 @@ def _dims_of(v: ir.Value) -> tuple:
                  for d in (v.shape.dims if v.shape is not None else ()))
 
 
-def _const_table(value: ir.Value | None) -> tuple[int, ...] | None:
-    """The shape of a constant (an initializer or a Constant node's, or a Transpose of one:
-    onnxruntime-genai's tied embedding is the LM head's weight transposed), None when
-    `value` is computed."""
-    node = value.producer() if value is not None else None
-    if node is not None and node.op_type == "Transpose" and const_tensor(node.inputs[0]):
-        shape = tuple(int(d) for d in const_tensor(node.inputs[0]).shape)
-        perm = node.attributes["perm"].as_ints() if "perm" in node.attributes else None
-        return tuple(shape[i] for i in (perm or range(len(shape) - 1, -1, -1)))
-    tensor = const_tensor(value)
-    return None if tensor is None else tuple(int(d) for d in tensor.shape)
-
-
-def _embedding_tables(value: ir.Value) -> list[tuple[str, tuple[int, ...]]]:
-    """The 2-D constant tables that `value` indexes through a Gather (following pass-through
-    ops): (table name, table shape)."""
-    frontier, seen, found = [value], set(), []
-    while frontier:
-        v = frontier.pop()
-        if v in seen:
-            continue
-        seen.add(v)
-        for node, index in v.uses():
-            if node.op_type == "Gather" and index == 1:
-                shape = _const_table(node.inputs[0])
-                if shape is not None and len(shape) == 2:
-                    found.append((node.inputs[0].name or "", shape))
-            elif node.op_type in _PASS_THROUGH and index == 0:
-                frontier.extend(node.outputs)
-    return found
-
-
-def _tiled_table(value: ir.Value | None) -> bool:
-    """Whether `value` is a constant table, or one repeated over the batch (GPT-J's
-    `embed_positions.repeat(batch, 1, 1)`: Unsqueeze/Expand/Tile of an initializer)."""
-    for _ in range(8):
-        if value is None:
-            return False
-        if const_tensor(value) is not None:
-            return True
-        node = value.producer()
-        if node is None or node.op_type not in _PASS_THROUGH | {"Tile"}:
-            return False
-        value = node.inputs[0]
-    return False
-
-
 def _is_large_negative(value: ir.Value | None) -> bool:
     if value is None or value.const_value is None:
         return False
@@ -146,9 +97,9 @@ def _reach(value: ir.Value) -> tuple[set[str], bool]:
                 if node.op_type in ("Mul", "Sub", "Add", "Where", "Max", "Min") and any(
                         _is_large_negative(i) for i in node.inputs):
                     bias = True
-                if node.op_type == "Gather" and index == 1 and _const_table(node.inputs[0]):
+                if gathered_table(node, index):
                     ops.add("GatherConst")
-                if node.op_type == "GatherElements" and index == 1 and _tiled_table(
+                if node.op_type == "GatherElements" and index == 1 and tiled_table(
                         node.inputs[0]):
                     ops.add("GatherConst")  # GPT-J: torch.gather(sin/cos table, positions)
                 nxt.extend(node.outputs)
@@ -238,7 +189,7 @@ def _float_role(v: ir.Value, pasts: set[str]) -> str:
 def _roles(model: ir.Model, inputs: list[ir.Value]) -> dict[str, str]:
     """Each input's role from the structure around it (see the module's docstring)."""
     roles: dict[str, str] = {}
-    tables = {v.name: _embedding_tables(v) for v in inputs}
+    tables = {v.name: embedding_tables(v) for v in inputs}
     kinds = {v.name: (v.dtype.name if v.dtype is not None else "FLOAT") for v in inputs}
     integer = [v for v in inputs if kinds[v.name] in ("INT64", "INT32", "INT16", "INT8", "UINT8")]
     indexing = [v for v in integer if tables[v.name]]
