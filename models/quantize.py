@@ -10,6 +10,8 @@ Kinds:
   static      quantize_static, QDQ format, MatMul only, a small calibration reader of random ids
   nbits       MatMulNBitsQuantizer, 4 bits, block 32, symmetric (no zero points)
   nbits-asym  the same, asymmetric (packed uint8 zero points)
+  nbits8      the same, 8 bits, asymmetric
+  nbits-hqq   the same with HQQWeightOnlyQuantConfig (4 bits): float zero points, not integers
 
 Each is built once from the cached reference export (shape "awkward", TorchScript) and cached
 under $SHAPETUNER_CACHE by (kind, model, this file's BUILD version).
@@ -31,7 +33,8 @@ from models.build import IR_VERSION, _cache_dir, cached as reference
 from models.once import build_once
 
 BUILD = 1  # bump when what this file builds changes: it is part of the cache key
-KINDS = ("dynamic", "dynamic-u8", "dynamic-pc", "static", "nbits", "nbits-asym")
+KINDS = ("dynamic", "dynamic-u8", "dynamic-pc", "static", "nbits", "nbits-asym", "nbits8",
+         "nbits-hqq")
 
 
 def _calibration(path: Path, vocab: int):
@@ -62,10 +65,13 @@ def _quantize(kind: str, src: Path, dst: Path, vocab: int) -> None:
                         op_types_to_quantize=["MatMul"], weight_type=QuantType.QInt8,
                         activation_type=QuantType.QUInt8)
     else:
-        from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+        from onnxruntime.quantization.matmul_nbits_quantizer import (HQQWeightOnlyQuantConfig,
+                                                                     MatMulNBitsQuantizer)
 
+        how = {"nbits8": dict(bits=8),
+               "nbits-hqq": dict(algo_config=HQQWeightOnlyQuantConfig(block_size=32, bits=4))}
         q = MatMulNBitsQuantizer(onnx.load(str(src)), block_size=32,
-                                 is_symmetric=kind == "nbits")
+                                 is_symmetric=kind == "nbits", **how.get(kind, {}))
         q.process()
         onnx.save(q.model.model, str(dst))
     proto = onnx.load(str(dst))

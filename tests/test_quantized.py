@@ -1,7 +1,7 @@
 """Our reference exports quantized by ONNX Runtime's own quantizer (models/quantize.py):
 quantize_dynamic (DynamicQuantizeLinear + MatMulInteger; int8, uint8 and per-channel weights),
-quantize_static (QDQ, a small calibration reader) and MatMulNBitsQuantizer (4 bits, with and
-without zero points), on Llama (GQA) with and without its KV cache and GPT-2.
+quantize_static (QDQ, a small calibration reader) and MatMulNBitsQuantizer (4 bits with and
+without zero points, 8 bits, and HQQ's float zero points), on Llama (GQA) with and without its KV cache and GPT-2.
 
 - inspect reads the dims through the quantized weights;
 - the gate passes each quantized model against itself and FAILS a corrupted copy;
@@ -28,7 +28,7 @@ from tuner.graph.load import load_model
 from tuner.rewrite import nbits
 from tuner.rewrite.common import const_array
 
-EXACT = ["dynamic", "dynamic-u8", "static", "nbits", "nbits-asym"]
+EXACT = ["dynamic", "dynamic-u8", "static", "nbits", "nbits-asym", "nbits8"]
 CELLS = [(k, n) for k in EXACT for n in ("llama", "llama-kv")] + [("dynamic", "gpt2"),
                                                                    ("static", "gpt2")]
 
@@ -84,7 +84,7 @@ def test_vocab_and_ffn_padding_store_zero_points_and_stay_exact(kind, name, tmp_
     shape = inspect_model(before)
     padded = inspect_model(after)
     assert (padded.vocab_size, padded.ffn_size) == (1024, 448)
-    quantized_n = kind == "nbits" or kind == "nbits-asym"  # stored (N, K), else (K, N)
+    quantized_n = kind.startswith("nbits")  # stored (N, K), else (K, N)
     head, zero = _weight_and_zero(after, shape.sites.lm_head)
     new_rows = head[1003:] if quantized_n else head[:, 1003:]
     zeros = zero[1003:] if quantized_n and zero.ndim == 2 else zero
@@ -155,6 +155,31 @@ def test_nbits_padding_writes_zero_point_blocks_with_scale_zero():
     assert grown.blocks == 7 and not grown.scales[:, 5:].any()
     deq = (grown.q.astype(np.int32) - grown.zero[:, :, None]).reshape(1024, -1)
     assert not deq[:, 160:].any()
+
+
+def test_hqq_float_zero_points_pad_exactly_through_zero_scales_and_zero_units(tmp_path):
+    """HQQ's zero points are floats, not integers: no stored value dequantizes to exactly 0
+    (`widen_in` alone still refuses the old block's tail). Padding goes through all the same:
+    new LM-head rows and new blocks have scale 0, and the down projection's tail entries,
+    nearly 0, multiply padded units that are exactly 0 (a gated FFN). The gate runs it."""
+    from tuner.errors import RewriteRefused
+
+    src = cached("nbits-hqq", "llama")
+    model = load_model(src)
+    shape = inspect_model(model)
+    down = next(n for n in model.graph if n.name == shape.sites.layers[0].ffn.down)
+    w = nbits.read(down)
+    assert not w.zero_packed and not np.all(w.zero == np.round(w.zero))
+    with pytest.raises(RewriteRefused, match="float zero points that are not integers"):
+        nbits.widen_in(model.graph, down, 448, "t")
+    out = tmp_path / "pad.onnx"
+    assert main(["pad", str(src), "-o", str(out), "--vocab-multiple", "64",
+                 "--ffn-multiple", "64"]) == 0  # gated, at the default tolerance
+    after = load_model(out)
+    head = nbits.read(next(n for n in after.graph if n.name == shape.sites.lm_head))
+    assert head.n == 1024 and not head.scales[1003:].any()
+    grown = nbits.read(next(n for n in after.graph if n.name == shape.sites.layers[0].ffn.down))
+    assert grown.k == 448 and not grown.scales[:, w.blocks:].any()  # 426 -> 448: 14 blocks
 
 
 def test_optimize_a_quantized_cache_model_writes_an_artifact(tmp_path):

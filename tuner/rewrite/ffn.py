@@ -76,6 +76,7 @@ def _seed(graph: ir.Graph, widen: Widen, site: FfnSite, new: int, layer: int,
         raise RewriteRefused(f"node {site.down!r}: quantized input of a {site.activation} FFN: "
                              "its padded units would not be exactly 0 and would change the "
                              "activation's dynamic quantization range")
+    units_zero = gate is not None or fused or site.activation in ZERO_AT_ZERO  # act(.) * 0
     tag = f"ffn{new}"
     pos = list(range(f)) + ([new + i for i in range(f)] if fused else [])
     for proj in (up, gate):
@@ -101,7 +102,7 @@ def _seed(graph: ir.Graph, widen: Widen, site: FfnSite, new: int, layer: int,
             if list(t.pos) != list(range(f)):
                 raise RewriteRefused(f"node {node.name!r}: quantized K entries would move "
                                      "(inside their blocks, or off the activation's range)")
-            quantized.widen_in(graph, down, t.new, tag)
+            quantized.widen_in(graph, down, t.new, tag, fed_zeros=units_zero)
         else:
             widen_inputs(graph, down, t.new, tag, np.array(t.pos))
         reached[node.name] = True

@@ -14,6 +14,13 @@ like B, (N, ceil(blocks * bits / 8)) bytes, or of the scales' dtype) default to 
   set to their block's zero point, and whole new blocks are appended as q == zp with scale 0.
   Anything the formula above does not describe (a g_idx: act-order reordering of K) is refused,
   naming the node.
+- Float zero points that are not integers (HQQ's: ONNX Runtime's quantizer with
+  HQQWeightOnlyQuantConfig) leave no stored value that dequantizes to exactly 0. New rows and
+  whole new blocks still do (scale 0, whatever q). The entries past K in the old last block
+  get the q nearest their zero point and dequantize to a little more or less than 0; they
+  are read only against the new input features, which FFN padding makes exactly 0 (zero
+  up/gate units: act(0) * 0), so the product is still exact (`widen_in(exact_zero=False)`).
+  The gate runs it, as every rewrite.
 """
 
 from __future__ import annotations
@@ -118,14 +125,16 @@ def read(node: ir.Node) -> NBits:
                  zp is not None)
 
 
-def _zero_q(w: NBits, zero: np.ndarray) -> np.ndarray:
-    """q values that dequantize to 0 for blocks with zero point `zero` (N, blocks)."""
+def _zero_q(w: NBits, zero: np.ndarray, exact: bool = True) -> np.ndarray:
+    """q values that dequantize to 0 for blocks with zero point `zero` (N, blocks); `exact`
+    False: the nearest ones where float zero points are not integers (for entries whose
+    block's scale is 0, or that multiply exact zeros)."""
     if w.zero_packed:
         return zero.astype(np.uint8)
-    if not np.all(zero == np.round(zero)):
+    if exact and not np.all(zero == np.round(zero)):
         raise RewriteRefused(f"node {w.node.name!r}: float zero points that are not integers: "
                              "no stored value dequantizes to exactly 0")
-    return zero.astype(np.uint8)
+    return np.clip(np.round(zero), 0, (1 << w.bits) - 1).astype(np.uint8)
 
 
 def _write(graph: ir.Graph, w: NBits, q: np.ndarray, scales: np.ndarray, zero: np.ndarray,
@@ -163,9 +172,10 @@ def widen_out(graph: ir.Graph, node: ir.Node, new_n: int, tag: str,
     default_zero = np.full((new_n, w.blocks), 1 << (w.bits - 1), w.zero.dtype)
     zero = default_zero.copy()
     zero[rows] = w.zero
-    q = np.repeat(_zero_q(w, zero)[:, :, None], w.block, axis=2)  # new rows: q == zp
+    # new rows: q == zp (the nearest q for HQQ's float zero points), and scale 0
+    q = np.repeat(_zero_q(w, zero, exact=False)[:, :, None], w.block, axis=2)
     q[rows] = w.q
-    scales = np.zeros((new_n, w.blocks), w.scales.dtype)  # new rows: scale 0
+    scales = np.zeros((new_n, w.blocks), w.scales.dtype)
     scales[rows] = w.scales
     _write(graph, w, q, scales, zero, w.k, new_n, tag)
     bias = const_array(_input(node, _BIAS))
@@ -176,8 +186,11 @@ def widen_out(graph: ir.Graph, node: ir.Node, new_n: int, tag: str,
     return w.n
 
 
-def widen_in(graph: ir.Graph, node: ir.Node, new_k: int, tag: str) -> int:
+def widen_in(graph: ir.Graph, node: ir.Node, new_k: int, tag: str,
+             exact_zero: bool = True) -> int:
     """K -> new_k input features, the new ones appended and multiplied by exact zeros.
+    `exact_zero` False: the caller feeds the new features exact zeros (FFN padding), so the
+    old last block's new entries may dequantize to nearly 0 (HQQ's float zero points).
     Returns the old K."""
     w = read(node)
     if new_k < w.k:
@@ -185,7 +198,7 @@ def widen_in(graph: ir.Graph, node: ir.Node, new_k: int, tag: str) -> int:
     blocks = -(-new_k // w.block)
     zero = np.concatenate([w.zero, np.full((w.n, blocks - w.blocks), 1 << (w.bits - 1),
                                            w.zero.dtype)], axis=1)
-    zq = _zero_q(w, zero)  # (N, blocks')
+    zq = _zero_q(w, zero, exact_zero and w.k % w.block != 0)  # (N, blocks')
     q = np.repeat(zq[:, :, None], w.block, axis=2)  # (N, blocks', bs)
     flat = q.reshape(w.n, -1)
     flat[:, :w.k] = w.q.reshape(w.n, -1)[:, :w.k]  # old entries; the old block's tail -> zp

@@ -58,10 +58,13 @@ def widen_out(graph: ir.Graph, proj: Projection, new_n: int, tag: str,
     _set_weight(graph, proj, node, out, tag)
 
 
-def widen_in(graph: ir.Graph, proj: Projection, new_k: int, tag: str) -> None:
-    """K -> new_k input features, appended, each stored as the zero point (dequantized: 0)."""
+def widen_in(graph: ir.Graph, proj: Projection, new_k: int, tag: str,
+             fed_zeros: bool = False) -> None:
+    """K -> new_k input features, appended, each stored as the zero point (dequantized: 0);
+    `fed_zeros`: the new features are exact zeros (MatMulNBits may then take HQQ's float
+    zero points, tuner.rewrite.nbits)."""
     if proj.quantized == NBITS:
-        nbits.widen_in(graph, proj.node, new_k, tag)
+        nbits.widen_in(graph, proj.node, new_k, tag, exact_zero=not fed_zeros)
         return
     node, (w, zp) = _weight_holder(proj)
     out = np.full((new_k, w.shape[1]), zp, w.dtype)
