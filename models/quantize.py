@@ -12,6 +12,10 @@ Kinds:
   nbits-asym  the same, asymmetric (packed uint8 zero points)
   nbits8      the same, 8 bits, asymmetric
   nbits-hqq   the same with HQQWeightOnlyQuantConfig (4 bits): float zero points, not integers
+  qdq4        the same quantizer, quant_format=QDQ: int4 weights behind DequantizeLinear with
+              block-wise scales (opset 21), symmetric; qdq4-asym with zero points. It writes
+              opset 21 without converting the graph (an opset-17 export keeps ReduceMean's axes
+              attribute: invalid), so the export is converted to opset 21 first, as a user must
 
 Each is built once from the cached reference export (shape "awkward", TorchScript) and cached
 under $SHAPETUNER_CACHE by (kind, model, this file's BUILD version).
@@ -34,7 +38,7 @@ from models.once import build_once
 
 BUILD = 1  # bump when what this file builds changes: it is part of the cache key
 KINDS = ("dynamic", "dynamic-u8", "dynamic-pc", "static", "nbits", "nbits-asym", "nbits8",
-         "nbits-hqq")
+         "nbits-hqq", "qdq4", "qdq4-asym")
 
 
 def _calibration(path: Path, vocab: int):
@@ -65,13 +69,19 @@ def _quantize(kind: str, src: Path, dst: Path, vocab: int) -> None:
                         op_types_to_quantize=["MatMul"], weight_type=QuantType.QInt8,
                         activation_type=QuantType.QUInt8)
     else:
+        from onnx.version_converter import convert_version
         from onnxruntime.quantization.matmul_nbits_quantizer import (HQQWeightOnlyQuantConfig,
                                                                      MatMulNBitsQuantizer)
 
         how = {"nbits8": dict(bits=8),
-               "nbits-hqq": dict(algo_config=HQQWeightOnlyQuantConfig(block_size=32, bits=4))}
-        q = MatMulNBitsQuantizer(onnx.load(str(src)), block_size=32,
-                                 is_symmetric=kind == "nbits", **how.get(kind, {}))
+               "nbits-hqq": dict(algo_config=HQQWeightOnlyQuantConfig(block_size=32, bits=4)),
+               "qdq4": dict(quant_format=QuantFormat.QDQ),
+               "qdq4-asym": dict(quant_format=QuantFormat.QDQ)}
+        model = onnx.load(str(src))
+        if kind.startswith("qdq"):
+            model = convert_version(model, 21)
+        q = MatMulNBitsQuantizer(model, block_size=32, is_symmetric=kind in ("nbits", "qdq4"),
+                                 **how.get(kind, {}))
         q.process()
         onnx.save(q.model.model, str(dst))
     proto = onnx.load(str(dst))

@@ -1,7 +1,8 @@
 """Our reference exports quantized by ONNX Runtime's own quantizer (models/quantize.py):
 quantize_dynamic (DynamicQuantizeLinear + MatMulInteger; int8, uint8 and per-channel weights),
 quantize_static (QDQ, a small calibration reader) and MatMulNBitsQuantizer (4 bits with and
-without zero points, 8 bits, and HQQ's float zero points), on Llama (GQA) with and without its KV cache and GPT-2.
+without zero points, 8 bits, HQQ's float zero points, and as QDQ: int4 behind DequantizeLinear
+with block-wise scales), on Llama (GQA) with and without its KV cache and GPT-2.
 
 - inspect reads the dims through the quantized weights;
 - the gate passes each quantized model against itself and FAILS a corrupted copy;
@@ -25,10 +26,10 @@ from models.quantize import cached
 from tuner.cli import main
 from tuner.graph.inspect import inspect_model
 from tuner.graph.load import load_model
-from tuner.rewrite import nbits
+from tuner.rewrite import dq_weight, nbits
 from tuner.rewrite.common import const_array
 
-EXACT = ["dynamic", "dynamic-u8", "static", "nbits", "nbits-asym", "nbits8"]
+EXACT = ["dynamic", "dynamic-u8", "static", "nbits", "nbits-asym", "nbits8", "qdq4", "qdq4-asym"]
 CELLS = [(k, n) for k in EXACT for n in ("llama", "llama-kv")] + [("dynamic", "gpt2"),
                                                                    ("static", "gpt2")]
 
@@ -69,8 +70,9 @@ def _weight_and_zero(model: ir.Model, name: str) -> tuple[np.ndarray, np.ndarray
         return w.q.reshape(w.n, -1)[:, :w.k], np.repeat(w.zero, w.block, axis=1)[:, :w.k]
     if node.op_type == "MatMulInteger":
         return const_array(node.inputs[1]), const_array(node.inputs[3])
-    dq = node.inputs[1].producer()  # static QDQ
-    return const_array(dq.inputs[0]), const_array(dq.inputs[2])
+    w = dq_weight.read(node.inputs[1].producer())  # QDQ: per tensor, or block-wise int4
+    zero = w.grid(w.zero, *w.q.shape) if w.zero is not None else np.zeros((), w.q.dtype)
+    return w.q.astype(np.int32), np.asarray(zero).astype(np.int32)
 
 
 @pytest.mark.parametrize("kind, name", [(k, "llama") for k in EXACT],
@@ -87,11 +89,11 @@ def test_vocab_and_ffn_padding_store_zero_points_and_stay_exact(kind, name, tmp_
     quantized_n = kind.startswith("nbits")  # stored (N, K), else (K, N)
     head, zero = _weight_and_zero(after, shape.sites.lm_head)
     new_rows = head[1003:] if quantized_n else head[:, 1003:]
-    zeros = zero[1003:] if quantized_n and zero.ndim == 2 else zero
+    zeros = (zero[1003:] if quantized_n else zero[:, 1003:]) if zero.ndim == 2 else zero
     assert new_rows.size and np.array_equal(new_rows, np.broadcast_to(zeros, new_rows.shape))
     down, zero = _weight_and_zero(after, shape.sites.layers[0].ffn.down)
     new = down[:, 426:] if quantized_n else down[426:]
-    zeros = zero[:, 426:] if quantized_n and zero.ndim == 2 else zero
+    zeros = (zero[:, 426:] if quantized_n else zero[426:]) if zero.ndim == 2 else zero
     assert new.size and np.array_equal(new, np.broadcast_to(zeros, new.shape))
     old_down, _ = _weight_and_zero(before, shape.sites.layers[0].ffn.down)
     assert np.array_equal(down[:, :426] if quantized_n else down[:426], old_down)

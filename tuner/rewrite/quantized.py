@@ -5,7 +5,8 @@ so it is stored as its zero point, never as a plain 0 (with zero point z, (0 - z
 - static QDQ (quantize_static): MatMul(DQ(Q(x)), DequantizeLinear(Wq (K, N), scale, zp)). New
   entries of Wq hold the zero point; the activations' scales are constants, so a padded
   activation quantizes to its zero point and back to exactly 0 (tuner.rewrite.axis.quantize),
-  and whatever it is, it meets zero weights. Per-axis weight scales are refused.
+  and whatever it is, it meets zero weights. The weight's scales may be per tensor, per axis
+  or block-wise (ONNX Runtime's 4-bit quantizer with quant_format=QDQ): tuner.rewrite.dq_weight.
 - MatMulInteger, as onnxruntime.quantization.quantize_dynamic writes it:
 
       x --DynamicQuantizeLinear--> (xq, x_scale, x_zp)
@@ -27,7 +28,7 @@ import numpy as np
 import onnx_ir as ir
 
 from tuner.errors import RewriteRefused
-from tuner.rewrite import nbits
+from tuner.rewrite import dq_weight, nbits
 from tuner.rewrite.common import Projection, const_array, new_initializer
 
 INTEGER = "integer"
@@ -50,6 +51,9 @@ def widen_out(graph: ir.Graph, proj: Projection, new_n: int, tag: str,
     if proj.quantized == NBITS:
         nbits.widen_out(graph, proj.node, new_n, tag, columns)
         return
+    if proj.quantized == QDQ:
+        dq_weight.widen(graph, _dq_of(proj), tag, new_n=new_n, columns=columns)
+        return
     node, (w, zp) = _weight_holder(proj)
     n = w.shape[1]
     columns = np.arange(n) if columns is None else np.asarray(columns)
@@ -65,6 +69,9 @@ def widen_in(graph: ir.Graph, proj: Projection, new_k: int, tag: str,
     zero points, tuner.rewrite.nbits)."""
     if proj.quantized == NBITS:
         nbits.widen_in(graph, proj.node, new_k, tag, exact_zero=not fed_zeros)
+        return
+    if proj.quantized == QDQ:
+        dq_weight.widen(graph, _dq_of(proj), tag, new_k=new_k)
         return
     node, (w, zp) = _weight_holder(proj)
     out = np.full((new_k, w.shape[1]), zp, w.dtype)
@@ -87,34 +94,22 @@ def output_node(proj: Projection) -> ir.Node:
 
 
 def _weight_holder(proj: Projection) -> tuple[ir.Node, tuple[np.ndarray, int]]:
-    """(the node whose input 0 / 1 holds Wq, (Wq, zero point))."""
-    if proj.quantized == QDQ:
-        dq = proj.node.inputs[proj.weight_index].producer()
-        return dq, _dq_weight(dq)  # type: ignore[arg-type]
+    """(the MatMulInteger, (Wq, zero point))."""
     return proj.node, _integer_weight(proj.node)
 
 
 def _set_weight(graph: ir.Graph, proj: Projection, holder: ir.Node, w: np.ndarray,
                 tag: str) -> None:
-    slot = 0 if proj.quantized == QDQ else 1
-    if proj.quantized == QDQ and len(holder.outputs[0].uses()) > 1:
-        raise RewriteRefused(f"node {holder.name!r}: a DequantizeLinear weight shared by "
+    holder.replace_input_with(1, new_initializer(graph, f"{proj.node.name}.{tag}.weight", w))
+
+
+def _dq_of(proj: Projection) -> ir.Node:
+    """The DequantizeLinear that makes a static QDQ projection's weight, its own."""
+    dq = proj.node.inputs[proj.weight_index].producer()
+    if len(dq.outputs[0].uses()) > 1:
+        raise RewriteRefused(f"node {dq.name!r}: a DequantizeLinear weight shared by "
                              "several nodes")
-    holder.replace_input_with(slot, new_initializer(graph, f"{proj.node.name}.{tag}.weight", w))
-    holder.outputs[0].shape = None  # the dequantized weight's annotation is stale now
-
-
-def _dq_weight(dq: ir.Node) -> tuple[np.ndarray, int]:
-    """Wq (K, N) of a weight DequantizeLinear and its per-tensor zero point."""
-    w = const_array(dq.inputs[0])
-    scale = const_array(dq.inputs[1]) if len(dq.inputs) > 1 else None
-    zp = const_array(dq.inputs[2]) if len(dq.inputs) > 2 and dq.inputs[2] is not None else None
-    if w is None or w.ndim != 2 or scale is None:
-        raise RewriteRefused(f"node {dq.name!r}: DequantizeLinear weight or scale not constant")
-    if scale.size != 1 or (zp is not None and zp.size != 1):
-        raise RewriteRefused(f"node {dq.name!r}: per-axis weight quantization (a scale per "
-                             "column): not padded")
-    return w, int(zp.reshape(-1)[0]) if zp is not None else 0
+    return dq
 
 
 def _integer_weight(node: ir.Node) -> tuple[np.ndarray, int]:
