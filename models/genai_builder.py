@@ -68,6 +68,20 @@ FAMILIES: dict[str, dict] = {
     "qwen3": dict(model_type="qwen3", num_hidden_layers=2, hidden_size=128,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                   intermediate_size=200, tie_word_embeddings=False),
+    # Gemma (tied: GatherBlockQuantized at int4, gelu_tanh), Phi-2 (parallel attention and
+    # MLP, partial rotary, no GQA), Nemotron (an ungated relu2 FFN), Granite (Llama with
+    # multipliers)
+    "gemma": dict(model_type="gemma", num_hidden_layers=2, hidden_size=128,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                  intermediate_size=200),
+    "phi": dict(model_type="phi", num_hidden_layers=2, hidden_size=128, num_attention_heads=4,
+                intermediate_size=200, tie_word_embeddings=False),
+    "nemotron": dict(model_type="nemotron", num_hidden_layers=2, hidden_size=128,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                     intermediate_size=200, tie_word_embeddings=False),
+    "granite": dict(model_type="granite", num_hidden_layers=2, hidden_size=128,
+                    num_attention_heads=4, num_key_value_heads=2, intermediate_size=200,
+                    tie_word_embeddings=False),
     # sliding-window layers keep a windowed cache of their own length (tuner.rewrite.unwindow)
     "gemma2": dict(model_type="gemma2", num_hidden_layers=2, hidden_size=128,
                    num_attention_heads=4, num_key_value_heads=2, head_dim=32,

@@ -52,9 +52,12 @@ from tuner.runtime.ort import OrtRunner, load_cpu
 pytestmark = pytest.mark.venv(*genai_builder.VENV)  # built beside the first tests (conftest)
 
 CELLS = [("llama", "fp32"), ("llama", "int4"), ("llama", "fp16"), ("llama_tied", "int4"),
-         ("qwen2", "int4"), ("mistral", "int4"), ("phi3", "int4"), ("qwen3", "int4")]
+         ("qwen2", "int4"), ("mistral", "int4"), ("phi3", "int4"), ("qwen3", "int4"),
+         ("gemma", "int4"), ("phi", "int4"), ("nemotron", "int4"), ("granite", "int4")]
 EXPECT = dict(num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32,
               ffn_size=200, ffn_gated=True, vocab_size=1003)
+UNLIKE = {"phi": dict(num_kv_heads=4, ffn_gated=False), "nemotron": dict(ffn_gated=False)}
+PARTIAL_ROTARY = {"phi", "nemotron"}  # their configs' partial_rotary_factor is 0.5
 
 
 @pytest.fixture(scope="module", params=CELLS, ids=[f"{f}-{p}" for f, p in CELLS])
@@ -76,16 +79,19 @@ class _Session:
         return dict(zip(self.names, self.sess.run(None, dict(feeds))))
 
 
-def test_inspect_finds_the_dims_the_cache_and_a_mask_read_as_lengths(genai):
-    shape = inspect_model(load_model(genai))
-    assert {k: getattr(shape, k) for k in EXPECT} == EXPECT
+@pytest.mark.parametrize("family,precision", CELLS, ids=[f"{f}-{p}" for f, p in CELLS])
+def test_inspect_finds_the_dims_the_cache_and_a_mask_read_as_lengths(family, precision):
+    shape = inspect_model(load_model(genai_builder.cached(family, precision)))
+    expect = EXPECT | UNLIKE.get(family, {})
+    assert {k: getattr(shape, k) for k in expect} == expect
     cache = shape.cache
     assert (cache.num_layers, cache.num_kv_heads, cache.head_dim, cache.layout, cache.mask) == (
-        2, 2, 32, "bhsd", "lengths")
+        2, expect["num_kv_heads"], 32, "bhsd", "lengths")
     assert [(la.past_key, la.present_value) for la in cache.layers] == [
         (f"past_key_values.{i}.key", f"present.{i}.value") for i in range(2)]
     assert shape.sites.layers[0].attention.fused_op == "com.microsoft.GroupQueryAttention"
-    assert shape.sites.layers[0].attention.rotary == "full"
+    assert shape.sites.layers[0].attention.rotary == (
+        "partial" if family in PARTIAL_ROTARY else "full")
 
 
 def test_verify_passes_on_itself_and_fails_a_corrupted_copy(genai, tmp_path, capsys):
@@ -185,9 +191,8 @@ def _plain_greedy(path: Path, prompt: list[int], steps: int) -> list[int]:
     """ORT alone: batch 1, no padding, each step fed its own present (genai's I/O names)."""
     sess = _Session(path)
     ids = np.array([prompt], np.int64)
-    dtype = np.float16 if "float16" in sess.sess.get_inputs()[2].type else np.float32
-    past = {f"past_key_values.{i}.{kv}": np.zeros((1, 2, 0, 32), dtype)
-            for i in range(2) for kv in ("key", "value")}
+    past = {i.name: np.zeros((1, i.shape[1], 0, 32), np.float16 if "16" in i.type else np.float32)
+            for i in sess.sess.get_inputs() if i.name.startswith("past_key_values")}
     mask = np.ones_like(ids)
     tokens: list[int] = []
     for _ in range(steps):
