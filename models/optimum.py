@@ -323,6 +323,35 @@ def merged(name: str) -> Path:
     return out
 
 
+def quantize(export: Path, out: Path, per_channel: bool) -> Path:
+    """Optimum's own dynamic quantization (ORTQuantizer, `AutoQuantizationConfig.avx512_vnni`,
+    what `optimum-cli onnxruntime quantize --avx512_vnni [--per_channel]` runs) of `export`,
+    in its environment: MatMulInteger for every MatMul, attention's activation MatMuls too,
+    and the embedding's Gather. Written whole or not at all."""
+    script = ("import sys, pathlib, shutil; from optimum.onnxruntime import ORTQuantizer; "
+              "from optimum.onnxruntime.configuration import AutoQuantizationConfig; "
+              "src, tmp = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]); "
+              "q = ORTQuantizer.from_pretrained(src.parent, file_name=src.name); "
+              "q.quantize(save_dir=tmp, quantization_config=AutoQuantizationConfig.avx512_vnni("
+              "is_static=False, per_channel=sys.argv[3] == '1'))")
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=".quantize-") as tmp:
+        done = subprocess.run([str(ensure_venv()), "-P", "-c", script, str(export), tmp,
+                               "1" if per_channel else "0"], capture_output=True, text=True)
+        made = Path(tmp) / "model_quantized.onnx"
+        if done.returncode != 0 or not made.is_file():
+            raise RuntimeError(f"optimum could not quantize {export}: {done.stderr[-3000:]}")
+        os.replace(made, out)
+    return out
+
+
+def quantized(name: str, per_channel: bool = False) -> Path:
+    """Family `name`'s with-past export quantized by Optimum (`quantize`), cached beside it."""
+    kv = cached(name)
+    out = kv.with_name(f"model_quantized{'_per_channel' if per_channel else ''}.onnx")
+    build_once(out, out.exists, lambda: quantize(kv, out, per_channel))
+    return out
+
+
 def _main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m models.optimum", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -8,8 +8,8 @@ with block-wise scales), on Llama (GQA) with and without its KV cache and GPT-2.
 - the gate passes each quantized model against itself and FAILS a corrupted copy;
 - vocab and FFN padding are exact: every new weight entry holds its zero point, so it
   dequantizes to exactly 0 (checked on the stored tensors, not only by running);
-- per-channel dynamic weights, and head dim / heads through any quantized weight, are refused
-  with the node named;
+- per-channel dynamic weights pad their zero points and scales; head dim / heads through any
+  quantized weight are refused with the node named;
 - served, a dynamic graph's requests are never padded or joined (one activation range per
   run couples them); a static one's are.
 """
@@ -68,8 +68,9 @@ def _weight_and_zero(model: ir.Model, name: str) -> tuple[np.ndarray, np.ndarray
     if nbits.is_nbits(node):
         w = nbits.read(node)
         return w.q.reshape(w.n, -1)[:, :w.k], np.repeat(w.zero, w.block, axis=1)[:, :w.k]
-    if node.op_type == "MatMulInteger":
-        return const_array(node.inputs[1]), const_array(node.inputs[3])
+    if node.op_type == "MatMulInteger":  # a zero point per tensor or per column
+        w, zp = const_array(node.inputs[1]), const_array(node.inputs[3])
+        return w, np.broadcast_to(zp.reshape(-1), w.shape) if zp.size > 1 else zp
     w = dq_weight.read(node.inputs[1].producer())  # QDQ: per tensor, or block-wise int4
     zero = w.grid(w.zero, *w.q.shape) if w.zero is not None else np.zeros((), w.q.dtype)
     return w.q.astype(np.int32), np.asarray(zero).astype(np.int32)
@@ -108,12 +109,18 @@ def test_padding_a_cache_model_keeps_its_rollouts_exact(kind, tmp_path):
     assert main(["verify", str(src), str(out)]) == 0  # greedy rollouts, each fed its present
 
 
-def test_per_channel_dynamic_weights_are_refused_naming_the_node(tmp_path, capsys):
+def test_per_channel_dynamic_weights_pad_their_zero_points_and_scales(tmp_path):
+    """A zero point and a weight scale per column (refused before 2026-12-05): new columns
+    get zero point 0 and weight 0, and the scale vector the dequantizing Mul multiplies in
+    grows with them (0 there); gated, so exact."""
     src = cached("dynamic-pc", "llama")
-    assert main(["pad", str(src), "-o", str(tmp_path / "x.onnx"), "--vocab-multiple", "64"]) == 2
-    err = capsys.readouterr().err
-    assert "'/model/lm_head/MatMul_quant'" in err and "per-channel" in err
-    assert not (tmp_path / "x.onnx").exists()
+    out = tmp_path / "x.onnx"
+    assert main(["pad", str(src), "-o", str(out), "--vocab-multiple", "64",
+                 "--ffn-multiple", "64"]) == 0
+    model = load_model(out)
+    head = next(n for n in model.graph if n.name == "/model/lm_head/MatMul_quant")
+    w, zp = const_array(head.inputs[1]), const_array(head.inputs[3])
+    assert w.shape[1] == zp.shape[0] == 1024 and not w[:, 1003:].any() and not zp[1003:].any()
 
 
 @pytest.mark.parametrize("kind", ["dynamic", "static", "nbits"])

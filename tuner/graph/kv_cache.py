@@ -41,7 +41,8 @@ Role = Literal["key", "value"]
 # Ops between a cache Concat and the attention MatMuls: head transposes, GQA's repeat_kv
 # (Unsqueeze -> Expand -> Reshape), TorchScript's sqrt(scale) Mul on k, casts.
 _TO_ATTENTION = {"Transpose", "Reshape", "Unsqueeze", "Squeeze", "Expand", "Tile", "Mul", "Div",
-                 "Cast", "Identity", "Slice", "Gather", "QuantizeLinear", "DequantizeLinear"}
+                 "Cast", "Identity", "Slice", "Gather", "QuantizeLinear", "DequantizeLinear",
+                 "DynamicQuantizeLinear"}  # Optimum's ORTQuantizer: q @ k^T as MatMulInteger
 # Ops between the score MatMul and the Softmax: scale, mask Add/Where, soft-capping, GPT-OSS's
 # Concat of a sink logit per head.
 _TO_SOFTMAX = {"Mul", "Div", "Add", "Sub", "Where", "Cast", "Identity", "Tanh", "Slice",
@@ -51,7 +52,7 @@ _TO_SOFTMAX = {"Mul", "Div", "Add", "Sub", "Where", "Cast", "Identity", "Tanh", 
 # GPT-OSS's sink column.
 _PROBS_THROUGH = {"Cast": (0,), "Identity": (0,), "Reshape": (0,), "Dropout": (0,),
                   "Where": (1, 2), "Slice": (0,), "QuantizeLinear": (0,),
-                  "DequantizeLinear": (0,)}
+                  "DequantizeLinear": (0,), "DynamicQuantizeLinear": (0,)}
 _WALK_LIMIT = 24  # nodes per walk: the patterns above are a handful of ops deep
 # Fused attention ops: (K slot, V slot) of their inputs.
 _FUSED_KV = {"Attention": (1, 2), f"{MS}.MultiHeadAttention": (1, 2),
@@ -243,7 +244,7 @@ def _classify(j: _Join) -> _Join:
     """The role the structure shows, and the attention (Softmax or fused op) it feeds."""
     if j.role is not None:
         return j  # a fused op's past slot said so already
-    want = {"MatMul", *_FUSED_KV}
+    want = {"MatMul", "MatMulInteger", *_FUSED_KV}
     for mm in _forward(j.node.outputs[0], _TO_ATTENTION, lambda n: op(n) in want):
         if op(mm) in _FUSED_KV:
             k_slot, v_slot = _FUSED_KV[op(mm)]

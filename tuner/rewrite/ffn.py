@@ -87,11 +87,13 @@ def _seed(graph: ir.Graph, widen: Widen, site: FfnSite, new: int, layer: int,
             raise RewriteRefused(f"node {proj.node.name!r}: rank of its output unknown")
         width = new * (2 if proj is up and fused else 1)
         columns = np.array(pos if proj is up else pos[:f])
+        moved = tuple(pos if proj is up else pos[:f])
         if proj.quantized:  # new entries hold the zero point (tuner.rewrite.quantized)
-            quantized.widen_out(graph, proj, width, tag, columns)
+            for scales in quantized.widen_out(graph, proj, width, tag, columns):
+                widen.seed(scales, Track(-1, widen.rank(scales) or 1, moved, width))
         else:
             widen_outputs(graph, proj, width, tag, columns)
-        widen.seed(proj.node.outputs[0], Track(-1, rank, tuple(pos if proj is up else pos[:f]), width))
+        widen.seed(proj.node.outputs[0], Track(-1, rank, moved, width))
 
     def sink(node: ir.Node, tin: list) -> None:
         t = tin[0]

@@ -16,13 +16,17 @@ so it is stored as its zero point, never as a plain 0 (with zero point z, (0 - z
   int32 product gains exact zeros. New input rows meet padded activations: DynamicQuantizeLinear
   takes its range from min(0, x) .. max(0, x), so padded entries that are exactly 0 (a gated
   FFN's act(g) * 0, or act(0) = 0) leave x's quantization as it was; an FFN whose padded units
-  are not 0 is refused (tuner.rewrite.ffn). Per-channel weight scales (a scale per column) are
-  refused, naming the node: the scale product is computed at run time, not a constant to pad.
+  are not 0 is refused (tuner.rewrite.ffn). Per-channel weights (a zero point and a scale per
+  column: Optimum's ORTQuantizer with per_channel) get new columns of zero point 0 and weight
+  0, and the constant weight scale that the dequantizing Mul multiplies into x_scale grows
+  with them (0 for the new columns).
 
 The functions here take a tuner.rewrite.common.Projection whose `quantized` says which kind.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import onnx_ir as ir
@@ -46,20 +50,35 @@ def kind(node: ir.Node) -> str | None:
 
 
 def widen_out(graph: ir.Graph, proj: Projection, new_n: int, tag: str,
-              columns: np.ndarray | None = None) -> None:
-    """N -> new_n output features; `columns`: where each old feature goes (default: first)."""
+              columns: np.ndarray | None = None) -> list[ir.Value]:
+    """N -> new_n output features; `columns`: where each old feature goes (default: first).
+    Returns the values besides the node's output that now span new_n (a per-column scale
+    product), for the caller's axis engine."""
     if proj.quantized == NBITS:
         nbits.widen_out(graph, proj.node, new_n, tag, columns)
-        return
+        return []
     if proj.quantized == QDQ:
         dq_weight.widen(graph, _dq_of(proj), tag, new_n=new_n, columns=columns)
-        return
-    node, (w, zp) = _weight_holder(proj)
-    n = w.shape[1]
+        return []
+    w = _integer_weight(proj.node)
+    n = w.q.shape[1]
     columns = np.arange(n) if columns is None else np.asarray(columns)
-    out = np.full((w.shape[0], new_n), zp, w.dtype)  # new columns: the zero point
-    out[:, columns] = w
-    _set_weight(graph, proj, node, out, tag)
+    zero = w.zero.reshape(-1)
+    if w.zero.size > 1:  # per column: the new columns' zero point 0, their entries 0
+        zero = np.zeros(new_n, w.zero.dtype)
+        zero[columns] = w.zero.reshape(-1)
+        proj.node.replace_input_with(3, new_initializer(graph, f"{proj.node.name}.{tag}.zp",
+                                                        zero))
+    if w.scale.size > 1:  # per column: the new columns' scale 0
+        scale = np.zeros(new_n, w.scale.dtype)
+        scale[columns] = w.scale.reshape(-1)
+        shape = w.scale.shape[:-1] + (new_n,)
+        w.scale_mul.replace_input_with(w.scale_index, new_initializer(
+            graph, f"{proj.node.name}.{tag}.scale", scale.reshape(shape)))
+    out = np.array(np.broadcast_to(zero, (w.q.shape[0], new_n)), w.q.dtype)  # zero points
+    out[:, columns] = w.q
+    _set_weight(graph, proj, out, tag)
+    return [w.scale_mul.outputs[0]] if w.scale.size > 1 else []
 
 
 def widen_in(graph: ir.Graph, proj: Projection, new_k: int, tag: str,
@@ -73,10 +92,10 @@ def widen_in(graph: ir.Graph, proj: Projection, new_k: int, tag: str,
     if proj.quantized == QDQ:
         dq_weight.widen(graph, _dq_of(proj), tag, new_k=new_k)
         return
-    node, (w, zp) = _weight_holder(proj)
-    out = np.full((new_k, w.shape[1]), zp, w.dtype)
-    out[: w.shape[0]] = w
-    _set_weight(graph, proj, node, out, tag)
+    w = _integer_weight(proj.node)
+    out = np.array(np.broadcast_to(w.zero.reshape(-1), (new_k, w.q.shape[1])), w.q.dtype)
+    out[: w.q.shape[0]] = w.q  # new rows: each column's zero point
+    _set_weight(graph, proj, out, tag)
 
 
 def output_node(proj: Projection) -> ir.Node:
@@ -93,14 +112,8 @@ def output_node(proj: Projection) -> ir.Node:
                          "(the dequantizing scale)")
 
 
-def _weight_holder(proj: Projection) -> tuple[ir.Node, tuple[np.ndarray, int]]:
-    """(the MatMulInteger, (Wq, zero point))."""
-    return proj.node, _integer_weight(proj.node)
-
-
-def _set_weight(graph: ir.Graph, proj: Projection, holder: ir.Node, w: np.ndarray,
-                tag: str) -> None:
-    holder.replace_input_with(1, new_initializer(graph, f"{proj.node.name}.{tag}.weight", w))
+def _set_weight(graph: ir.Graph, proj: Projection, w: np.ndarray, tag: str) -> None:
+    proj.node.replace_input_with(1, new_initializer(graph, f"{proj.node.name}.{tag}.weight", w))
 
 
 def _dq_of(proj: Projection) -> ir.Node:
@@ -112,8 +125,22 @@ def _dq_of(proj: Projection) -> ir.Node:
     return dq
 
 
-def _integer_weight(node: ir.Node) -> tuple[np.ndarray, int]:
-    """Wq (K, N) and its per-tensor zero point; RewriteRefused for a per-channel one."""
+@dataclass(frozen=True)
+class IntegerWeight:
+    """A MatMulInteger's Wq (K, N), its zero point (a scalar, or one per column), and the
+    constant weight scale of its dequantizing Mul (x_scale * w_scale: a scalar, or (N,))
+    with the Mul that multiplies it in and its input slot there."""
+
+    q: np.ndarray
+    zero: np.ndarray
+    scale: np.ndarray
+    scale_mul: ir.Node
+    scale_index: int
+
+
+def _integer_weight(node: ir.Node) -> IntegerWeight:
+    """Wq (K, N), its zero points and the weight scale, per tensor or per column (Optimum's
+    ORTQuantizer with per_channel, quantize_dynamic(per_channel=True))."""
     w = const_array(node.inputs[1])
     if w is None or w.ndim != 2:
         raise RewriteRefused(f"node {node.name!r}: MatMulInteger weight is not a 2-D constant")
@@ -121,22 +148,23 @@ def _integer_weight(node: ir.Node) -> tuple[np.ndarray, int]:
     zp = const_array(zp_value) if zp_value is not None else np.zeros((), w.dtype)
     if zp is None:
         raise RewriteRefused(f"node {node.name!r}: MatMulInteger weight zero point not constant")
-    if zp.size != 1:
-        raise RewriteRefused(f"node {node.name!r}: per-channel weight quantization (a zero "
-                             "point and scale per column): the run-time scale product would "
-                             "need padding too")
-    _per_tensor_scale(node)
-    return w, int(zp.reshape(-1)[0])
+    mul, index, scale = _weight_scale(node)
+    n = w.shape[1]
+    if zp.size not in (1, n) or scale.size not in (1, n):
+        raise RewriteRefused(f"node {node.name!r}: zero points {zp.shape} / weight scales "
+                             f"{scale.shape} are neither per tensor nor per column of {n}")
+    return IntegerWeight(w, zp, scale, mul, index)
 
 
-def _per_tensor_scale(node: ir.Node) -> None:
-    """RewriteRefused unless the dequantizing Mul's scale (x_scale * w_scale) is a scalar."""
+def _weight_scale(node: ir.Node) -> tuple[ir.Node, int, np.ndarray]:
+    """The Mul that multiplies the weight's constant scale into x_scale, the scale's input
+    slot there, and the scale."""
     tail = output_node(Projection(node, 1, 1, 0, None, INTEGER))
     for v in tail.inputs:
         p = v.producer() if v is not None else None
         if p is not None and p.op_type == "Mul":
-            consts = [const_array(i) for i in p.inputs]
-            if any(c is not None and c.size > 1 for c in consts):
-                raise RewriteRefused(f"node {node.name!r}: per-channel weight scales "
-                                     f"({p.name!r}): the run-time scale product would need "
-                                     "padding too")
+            for i, c in enumerate(const_array(x) for x in p.inputs):
+                if c is not None:
+                    return p, i, c
+    raise RewriteRefused(f"node {node.name!r}: no constant weight scale multiplied into the "
+                         f"dequantizing Mul {tail.name!r}")

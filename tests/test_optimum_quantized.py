@@ -1,0 +1,121 @@
+"""Optimum's own quantization of its own export: `ORTQuantizer` with
+`AutoQuantizationConfig.avx512_vnni(is_static=False, per_channel=...)`, what `optimum-cli
+onnxruntime quantize --avx512_vnni [--per_channel]` runs (models/optimum.py `quantized`). It
+quantizes more than ONNX Runtime's `quantize_dynamic` does by default: attention's activation
+MatMuls too (q @ k^T and probs @ v become MatMulInteger of two DynamicQuantizeLinear outputs,
+then Cast -> Mul), and the embedding's Gather.
+
+Before 2026-12-05 every command stopped at "no attention" on both, and per-channel weights
+were refused. Now:
+- inspect finds the same dims and cache as in the float export, the softmax scale the
+  constant it is (the dequantizing Mul is not taken for a scale);
+- the gate passes each on itself and FAILS a corrupted copy;
+- vocab and FFN padding are exact, per tensor and per column (new columns: zero point 0,
+  weight 0, and the weight-scale vector the dequantizing Mul multiplies in grown by 0s);
+- optimize writes an artifact, and the engine generates from it what a plain greedy loop on
+  the quantized export gives (the engine's start check finds its rows coupled, so it runs
+  each stream alone).
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from greedy_loops import greedy_cache
+from serving_support import perturbed_copy
+
+from models import optimum
+from serving.generation import GenerateOptions, Generator
+from serving.sampling import GenerationRequest
+from tuner.cli import main
+from tuner.graph.cache_record import cache_record
+from tuner.graph.inspect import inspect_model
+from tuner.graph.load import load_model
+from tuner.rewrite.common import const_array
+from tuner.runtime.ort import OrtRunner, load_cpu
+
+pytestmark = pytest.mark.venv(*optimum.VENV)  # built beside the first tests (conftest)
+
+DIMS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "ffn_size",
+        "vocab_size")
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["per-tensor", "per-channel"])
+def quantized(request):
+    return optimum.quantized("llama", per_channel=request.param), request.param
+
+
+def test_inspect_reads_attention_through_quantized_activation_matmuls(quantized):
+    path, _ = quantized
+    model = load_model(path)
+    assert sum(n.op_type == "MatMulInteger" for n in model.graph) > 14  # attention's too
+    shape, float_shape = inspect_model(model), inspect_model(load_model(optimum.cached("llama")))
+    assert [getattr(shape, k) for k in DIMS] == [getattr(float_shape, k) for k in DIMS]
+    assert shape.cache.num_layers == float_shape.cache.num_layers
+    scale = shape.sites.layers[0].attention.scale
+    assert scale.kind == "constant" and scale.value == pytest.approx(shape.head_dim ** -0.5)
+
+
+def test_gate_passes_it_on_itself_and_fails_a_corrupted_copy(quantized, tmp_path, capsys):
+    path, _ = quantized
+    assert main(["verify", str(path), str(path)]) == 0
+    assert main(["verify", str(path), str(perturbed_copy(path, tmp_path / "bad.onnx"))]) == 1
+    assert "FAIL" in capsys.readouterr().out
+
+
+def test_vocab_and_ffn_padding_are_exact_per_tensor_and_per_column(quantized, tmp_path):
+    path, per_channel = quantized
+    out = tmp_path / "pad.onnx"
+    assert main(["pad", str(path), "-o", str(out), "--vocab-multiple", "64",
+                 "--ffn-multiple", "64"]) == 0  # gated: greedy rollouts against the original
+    padded = load_model(out)
+    shape = inspect_model(padded)
+    assert (shape.vocab_size, shape.ffn_size) == (1024, 256)
+    up = next(n for n in padded.graph if n.name == shape.sites.layers[0].ffn.up)
+    w, zp = const_array(up.inputs[1]), const_array(up.inputs[3])
+    assert w.shape[1] == 256 and not w[:, 200:].any()  # new columns: 0, at zero point 0 ...
+    if per_channel:  # ... each column its own zero point and weight scale
+        assert zp.shape == (256,) and not zp[200:].any()
+        tail = [u.node for u in up.outputs[0].uses()][0]  # Cast -> Mul(x_scale * w_scale)
+        mul = [u.node for u in tail.outputs[0].uses()][0]
+        scales = next(c for c in (const_array(v) for v in mul.inputs[1].producer().inputs)
+                      if c is not None)
+        assert scales.shape[-1] == 256 and not scales[..., 200:].any() and scales[..., :200].all()
+
+
+def _plain(path, prompt: list[int], steps: int) -> list[int]:
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return greedy_cache(sess, np.array([prompt]), steps).tokens[0].tolist()
+
+
+def test_optimize_then_the_engine_equals_a_plain_greedy_loop(quantized, tmp_path):
+    path, _ = quantized
+    out = tmp_path / "out"
+    assert main(["optimize", str(path), "-o", str(out), "--rounds", "2", "--warmup", "0",
+                 "--bucket-rounds", "1", "--no-probe", "--no-fuse", "--max-variants", "2",
+                 "--no-cache", "--max-buckets", "2", "-q"]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    served = out / next(v["path"] for v in manifest["variants"]
+                        if v["name"] == manifest["selected"])
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, 1000, int(k)).tolist() for k in (4, 11, 19)]
+    gen = Generator(OrtRunner(load_cpu(served)), cache_record(load_model(served)), 1003,
+                    GenerateOptions(max_streams=4), max_positions=128)
+    try:
+        queues = [queue.Queue() for _ in prompts]
+        for q, prompt in zip(queues, prompts):
+            gen.submit(GenerationRequest(tuple(prompt), 10), q.put)
+        got = []
+        for q in queues:
+            chunks = [q.get(timeout=120)]
+            while not chunks[-1].final:
+                chunks.append(q.get(timeout=120))
+            got.append([t for c in chunks for t in c.ids])
+        assert gen.options.max_streams == 1  # its rows are coupled: one stream at a time
+    finally:
+        gen.close()
+    assert got == [_plain(path, p, 10) for p in prompts]
