@@ -6,7 +6,7 @@ MatMuls too (q @ k^T and probs @ v become MatMulInteger of two DynamicQuantizeLi
 then Cast -> Mul), and the embedding's Gather.
 
 Before 2026-12-05 every command stopped at "no attention" on both, and per-channel weights
-were refused. Now:
+were refused. Now, on Llama (both ways), Phi-3 (per channel: its fused gate+up) and GPT-2:
 - inspect finds the same dims and cache as in the float export, the softmax scale the
   constant it is (the dequantizing Mul is not taken for a scale);
 - the gate passes each on itself and FAILS a corrupted copy;
@@ -44,31 +44,43 @@ DIMS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "f
         "vocab_size")
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["per-tensor", "per-channel"])
+# (family, per channel): Llama both ways, Phi-3's fused gate+up per channel (its two halves'
+# scales move apart), GPT-2 (Conv1D weights, a Div for the scale)
+CELLS = [("llama", False), ("llama", True), ("phi3", True), ("gpt2", False)]
+
+
+@pytest.fixture(scope="module", params=CELLS,
+                ids=[f"{f}-{'per-channel' if pc else 'per-tensor'}" for f, pc in CELLS])
 def quantized(request):
-    return optimum.quantized("llama", per_channel=request.param), request.param
+    family, per_channel = request.param
+    return optimum.quantized(family, per_channel=per_channel), per_channel, family
 
 
 def test_inspect_reads_attention_through_quantized_activation_matmuls(quantized):
-    path, _ = quantized
+    path, _, family = quantized
     model = load_model(path)
-    assert sum(n.op_type == "MatMulInteger" for n in model.graph) > 14  # attention's too
-    shape, float_shape = inspect_model(model), inspect_model(load_model(optimum.cached("llama")))
+    activations = [n for n in model.graph if n.op_type == "MatMulInteger" and all(
+        i.producer() is not None and i.producer().op_type == "DynamicQuantizeLinear"
+        for i in n.inputs[:2])]
+    # q @ k^T and probs @ v in each of the 2 layers (and Llama's inv_freq @ positions, whose
+    # product the rotary cos/sin are made of: quantized too)
+    assert len([n for n in activations if "attn" in n.name]) == 4
+    shape, float_shape = inspect_model(model), inspect_model(load_model(optimum.cached(family)))
     assert [getattr(shape, k) for k in DIMS] == [getattr(float_shape, k) for k in DIMS]
     assert shape.cache.num_layers == float_shape.cache.num_layers
-    scale = shape.sites.layers[0].attention.scale
-    assert scale.kind == "constant" and scale.value == pytest.approx(shape.head_dim ** -0.5)
+    scale, float_scale = (s.sites.layers[0].attention.scale for s in (shape, float_shape))
+    assert (scale.kind, scale.value) == (float_scale.kind, pytest.approx(float_scale.value))
 
 
 def test_gate_passes_it_on_itself_and_fails_a_corrupted_copy(quantized, tmp_path, capsys):
-    path, _ = quantized
+    path, _, _ = quantized
     assert main(["verify", str(path), str(path)]) == 0
     assert main(["verify", str(path), str(perturbed_copy(path, tmp_path / "bad.onnx"))]) == 1
     assert "FAIL" in capsys.readouterr().out
 
 
 def test_vocab_and_ffn_padding_are_exact_per_tensor_and_per_column(quantized, tmp_path):
-    path, per_channel = quantized
+    path, per_channel, family = quantized
     out = tmp_path / "pad.onnx"
     assert main(["pad", str(path), "-o", str(out), "--vocab-multiple", "64",
                  "--ffn-multiple", "64"]) == 0  # gated: greedy rollouts against the original
@@ -77,14 +89,17 @@ def test_vocab_and_ffn_padding_are_exact_per_tensor_and_per_column(quantized, tm
     assert (shape.vocab_size, shape.ffn_size) == (1024, 256)
     up = next(n for n in padded.graph if n.name == shape.sites.layers[0].ffn.up)
     w, zp = const_array(up.inputs[1]), const_array(up.inputs[3])
-    assert w.shape[1] == 256 and not w[:, 200:].any()  # new columns: 0, at zero point 0 ...
-    if per_channel:  # ... each column its own zero point and weight scale
-        assert zp.shape == (256,) and not zp[200:].any()
+    halves = 2 if family == "phi3" else 1  # gate and up in one weight: each half padded
+    new = np.r_[200:256, 456:512] if halves == 2 else np.r_[200:256]
+    assert w.shape[1] == 256 * halves and not w[:, new].any()  # new columns: weight 0 ...
+    if per_channel:  # ... each column its own zero point and weight scale, 0 there
+        assert zp.shape == (256 * halves,) and not zp[new].any()
         tail = [u.node for u in up.outputs[0].uses()][0]  # Cast -> Mul(x_scale * w_scale)
         mul = [u.node for u in tail.outputs[0].uses()][0]
         scales = next(c for c in (const_array(v) for v in mul.inputs[1].producer().inputs)
-                      if c is not None)
-        assert scales.shape[-1] == 256 and not scales[..., 200:].any() and scales[..., :200].all()
+                      if c is not None).reshape(-1)
+        old = np.setdiff1d(np.arange(256 * halves), new)
+        assert scales.shape == (256 * halves,) and not scales[new].any() and scales[old].all()
 
 
 def _plain(path, prompt: list[int], steps: int) -> list[int]:
@@ -92,8 +107,9 @@ def _plain(path, prompt: list[int], steps: int) -> list[int]:
     return greedy_cache(sess, np.array([prompt]), steps).tokens[0].tolist()
 
 
-def test_optimize_then_the_engine_equals_a_plain_greedy_loop(quantized, tmp_path):
-    path, _ = quantized
+@pytest.mark.parametrize("per_channel", [False, True], ids=["per-tensor", "per-channel"])
+def test_optimize_then_the_engine_equals_a_plain_greedy_loop(per_channel, tmp_path):
+    path = optimum.quantized("llama", per_channel=per_channel)
     out = tmp_path / "out"
     assert main(["optimize", str(path), "-o", str(out), "--rounds", "2", "--warmup", "0",
                  "--bucket-rounds", "1", "--no-probe", "--no-fuse", "--max-variants", "2",
