@@ -22,7 +22,6 @@ MatMulNBits int4 weights, genai's own I/O names.
 from __future__ import annotations
 
 import json
-import queue
 import threading
 import urllib.request
 from pathlib import Path
@@ -31,7 +30,7 @@ import numpy as np
 import onnx
 import pytest
 import tritonclient.grpc as tg
-from serving_support import perturbed_copy
+from serving_support import collect, perturbed_copy
 
 from models import genai_builder
 from serving.generation import GenerateOptions, Generator
@@ -336,15 +335,8 @@ def test_the_engine_on_a_genai_graph_equals_a_plain_greedy_loop(options, binding
     assert gen.cache.shared == options.get("share_buffers", True)
     try:
         first = [t for c in gen.generate(GenerationRequest(tuple(prompts[0]), 12)) for t in c.ids]
-        queues = [queue.Queue() for _ in prompts]
-        for q, prompt in zip(queues, prompts):  # all at once: they share steps
-            gen.submit(GenerationRequest(tuple(prompt), 12), q.put)
-        got = []
-        for q in queues:
-            chunks = [q.get(timeout=120)]
-            while not chunks[-1].final:
-                chunks.append(q.get(timeout=120))
-            got.append([t for c in chunks for t in c.ids])
+        streams = collect(gen, [GenerationRequest(tuple(p), 12) for p in prompts])  # at once
+        got = [[t for c in chunks for t in c.ids] for chunks in streams]
     finally:
         gen.close()
     assert first == _plain_greedy(src, prompts[0], 12)

@@ -20,13 +20,12 @@ were refused. Now, on Llama (both ways), Phi-3 (per channel: its fused gate+up) 
 from __future__ import annotations
 
 import json
-import queue
 
 import numpy as np
 import onnxruntime as ort
 import pytest
 from greedy_loops import greedy_cache
-from serving_support import perturbed_copy
+from serving_support import collect, perturbed_copy
 
 from models import optimum
 from serving.generation import GenerateOptions, Generator
@@ -122,15 +121,8 @@ def test_optimize_then_the_engine_equals_a_plain_greedy_loop(per_channel, tmp_pa
     gen = Generator(OrtRunner(load_cpu(served)), cache_record(load_model(served)), 1003,
                     GenerateOptions(max_streams=4), max_positions=128)
     try:
-        queues = [queue.Queue() for _ in prompts]
-        for q, prompt in zip(queues, prompts):
-            gen.submit(GenerationRequest(tuple(prompt), 10), q.put)
-        got = []
-        for q in queues:
-            chunks = [q.get(timeout=120)]
-            while not chunks[-1].final:
-                chunks.append(q.get(timeout=120))
-            got.append([t for c in chunks for t in c.ids])
+        streams = collect(gen, [GenerationRequest(tuple(p), 10) for p in prompts])  # at once
+        got = [[t for c in chunks for t in c.ids] for chunks in streams]
         assert gen.options.max_streams == 1  # its rows are coupled: one stream at a time
     finally:
         gen.close()

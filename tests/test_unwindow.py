@@ -15,12 +15,12 @@ layer's cache holds only its window, `past_sliding_length`, apart from the full 
 from __future__ import annotations
 
 import json
-import queue
 from pathlib import Path
 
 import numpy as np
 import onnx_ir as ir
 import pytest
+from serving_support import collect
 
 from models import genai_builder
 from serving.generation import GenerateOptions, Generator
@@ -164,15 +164,8 @@ def test_optimize_then_the_engine_equals_the_windowed_graph_past_its_window(fami
                     GenerateOptions(max_streams=4, prefix_block=16, prefill_tokens=8),
                     max_positions=128)
     try:
-        queues = [queue.Queue() for _ in prompts]
-        for q, prompt in zip(queues, prompts):
-            gen.submit(GenerationRequest(tuple(prompt), 20), q.put)
-        got = []
-        for q in queues:
-            chunks = [q.get(timeout=120)]
-            while not chunks[-1].final:
-                chunks.append(q.get(timeout=120))
-            got.append([t for c in chunks for t in c.ids])
+        streams = collect(gen, [GenerationRequest(tuple(p), 20) for p in prompts])  # at once
+        got = [[t for c in chunks for t in c.ids] for chunks in streams]
     finally:
         gen.close()
     assert got == [_windowed_greedy(src, p, 20)[0] for p in prompts]
