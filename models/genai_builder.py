@@ -9,10 +9,10 @@ plus a byte-level BPE tokenizer made with `tokenizers`; no hub download), the bu
     python -m onnxruntime_genai.models.builder -i HF -o OUT -p fp32|int4 -e cpu
     python -m onnxruntime_genai.models.builder -i HF -o OUT -p fp16 -e cuda   # `fp16`
 
-(`fp16` is the build for a GPU, fp16 weights and cache, which ONNX Runtime's CPU provider also
-runs: what most of genai's users export), a graph with GroupQueryAttention (seqlens_k / total_sequence_length computed from the mask
-inside the graph), RotaryEmbedding, SkipSimplifiedLayerNormalization, and for int4 MatMulNBits
-weights; its I/O is `input_ids`, `attention_mask`, `past_key_values.{i}.key|value` in and
+(`fp16` is the build for a GPU, fp16 weights and cache, which ONNX Runtime's CPU provider
+also runs: what most of genai's users export), a graph with GroupQueryAttention (seqlens_k /
+total_sequence_length computed from the mask inside the graph), RotaryEmbedding,
+SkipSimplifiedLayerNormalization, and for int4 MatMulNBits weights; its I/O is `input_ids`, `attention_mask`, `past_key_values.{i}.key|value` in and
 `logits`, `present.{i}.key|value` out.
 
 onnxruntime-genai needs the `onnxruntime` CPU wheel, which writes the same module as our

@@ -71,8 +71,8 @@ def _windowed_logits(runner: Runner, record: CacheRecord, found: WindowedCache,
     logits, fed = [], []
     new: tuple[int, ...] = r.pieces[0]
     for step in range(len(r.pieces) + r.steps):
-        feeds = step_feeds(record, [new], mask, {n: past[n] for n in record.past})
-        out = runner.infer({**feeds.arrays, **{n: past[n] for n in record.past}})
+        feeds = step_feeds(record, [new], mask, past)  # the windowed buffers as they are
+        out = runner.infer(feeds.arrays)
         logits.append(np.array(out[record.logits]))
         fed.append(new)
         past = {p: out[q] for p, q in record.past_to_present.items()}

@@ -27,8 +27,8 @@ from tuner.graph.walk import (DATA_INPUTS, Linear, as_linear, const_array, const
 _SCORES_PATH = {"Add": None, "Sub": None, "Mul": None, "Div": None, "Where": (1, 2),
                 "Cast": (0,), "Reshape": (0,), "Tanh": (0,), "Identity": (0,), "Concat": (0,),
                 "QuantizeLinear": (0,), "DequantizeLinear": (0,)}
-_PROBS_PATH = {"Where", "IsNaN", "Cast", "Dropout", "Identity", "Reshape", "Slice",
-               "QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear"}  # BLOOM: (B*a, S, S)
+_PROBS_PATH = {"Where", "IsNaN", "Cast", "Dropout", "Identity", "Reshape",  # BLOOM: (B*a, S, S)
+               "Slice", "QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear"}
 _MERGE_PATH = {"Transpose", "Reshape", "Identity", "Cast", "DynamicQuantizeLinear", "QuantizeLinear",
                "DequantizeLinear"}
 _HEAD_PLUMBING = {"Reshape", "Split", "Slice"}
@@ -57,7 +57,7 @@ def _follow(table: dict[str, tuple[int, ...] | None]):
 def _is_activation_matmul(node: ir.Node | None) -> bool:
     """A MatMul of two activations (q @ k^T, probs @ v), not a projection onto a weight; or
     ONNX Runtime's dynamic quantization of one (Optimum's ORTQuantizer quantizes these too):
-    MatMulInteger of two DynamicQuantizeLinear outputs, then Cast -> Mul (`float_output`)."""
+    MatMulInteger of two DynamicQuantizeLinear outputs, then Cast -> Mul (`_float_output`)."""
     if node is None or op(node) not in ("MatMul", "MatMulInteger") or len(node.inputs) < 2:
         return False
     if is_const(node.inputs[0]) or is_const(node.inputs[1]) or as_linear(node) is not None:
@@ -66,7 +66,7 @@ def _is_activation_matmul(node: ir.Node | None) -> bool:
         op(i.producer()) == "DynamicQuantizeLinear" for i in node.inputs[:2] if i is not None)
 
 
-def dequantizing_tail(node: ir.Node) -> list[ir.Node]:
+def _dequantizing_tail(node: ir.Node) -> list[ir.Node]:
     """The Cast -> Mul(scale) after a MatMulInteger of activations (its float result is the
     Mul's output); [] for a plain MatMul."""
     if op(node) != "MatMulInteger":
@@ -78,9 +78,9 @@ def dequantizing_tail(node: ir.Node) -> list[ir.Node]:
     return [cast[0], mul[0]] if len(mul) == 1 and op(mul[0]) == "Mul" else []
 
 
-def float_output(node: ir.Node) -> ir.Value:
+def _float_output(node: ir.Node) -> ir.Value:
     """An activation MatMul's float result (after a MatMulInteger's dequantizing Mul)."""
-    tail = dequantizing_tail(node)
+    tail = _dequantizing_tail(node)
     return tail[-1].outputs[0] if tail else node.outputs[0]
 
 
@@ -228,7 +228,7 @@ def _scores_matmul(softmax: ir.Node) -> tuple[ir.Node | None, list[ir.Node]]:
     if len(nodes) != 1:
         return None, []
     scores = next(iter(nodes.values()))
-    _, between = _forward(float_output(scores), set(_SCORES_PATH), lambda n, v: n is softmax)
+    _, between = _forward(_float_output(scores), set(_SCORES_PATH), lambda n, v: n is softmax)
     return scores, between
 
 
@@ -327,7 +327,7 @@ def match_attention(softmax: ir.Node, by_output: dict[int, Linear], dims: Dims,
     v = walk_projection(pv.inputs[1], by_output)
     if not (q.linears and k.linears and v.linears):
         return None
-    o, merge = _forward(float_output(pv), _MERGE_PATH,
+    o, merge = _forward(_float_output(pv), _MERGE_PATH,
                         lambda n, val: id(n.outputs[0]) in by_output
                         and by_output[id(n.outputs[0])].node is n and n.inputs[0] is val)
     if o is None:
