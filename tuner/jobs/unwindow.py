@@ -3,7 +3,7 @@ onnxruntime-genai's windowed caches made as long as the full layers' (tuner.rewr
 checked against the windowed file by running (tuner.gate.windowed), and only then written,
 atomically, as `tuner pad` writes.
 
-    result, found = unwindow_file("genai/model.onnx", "full/model.onnx")  # VerifyResult, WindowedCache
+    result, found = unwindow_file("genai/model.onnx", "full/model.onnx")
 """
 
 from __future__ import annotations
