@@ -8,6 +8,7 @@ plus a byte-level BPE tokenizer made with `tokenizers`; no hub download), the bu
 
     python -m onnxruntime_genai.models.builder -i HF -o OUT -p fp32|int4 -e cpu
     python -m onnxruntime_genai.models.builder -i HF -o OUT -p fp16 -e cuda   # `fp16`
+    python -m onnxruntime_genai.models.builder -i HF -o OUT -p int4 -e cuda   # `int4-cuda`
 
 (`fp16` is the build for a GPU, fp16 weights and cache, which ONNX Runtime's CPU provider
 also runs: what most of genai's users export), a graph with GroupQueryAttention (seqlens_k /
@@ -41,8 +42,10 @@ BUILD = 1  # bump when what this file builds changes: it is part of the cache ke
 GENAI_REQUIREMENTS = ("onnxruntime-genai==0.18.*", "torch==2.13.0", "transformers>=4.45",
                       "onnx", "onnx-ir", "onnxscript")
 VENV = ("genai", GENAI_REQUIREMENTS)  # the environment: models/venvs.py
-PRECISIONS = ("fp32", "int4", "fp16")
-_TARGET = {"fp16": "cuda"}  # the builder's execution provider by precision; else cpu
+PRECISIONS = ("fp32", "int4", "fp16", "int4-cuda")
+# the builder's (precision, execution provider) by our name, else (ours, "cpu"): its GPU
+# builds carry fp16, or MatMulNBits without an accuracy level (no int8 activations)
+_BUILD = {"fp16": ("fp16", "cuda"), "int4-cuda": ("int4", "cuda")}
 VOCAB, POSITIONS = 1003, 256  # an odd vocabulary: the padding has work to do
 # Tiny configs: 2 layers, GQA, an FFN width that is not a multiple of 64.
 FAMILIES: dict[str, dict] = {
@@ -52,6 +55,9 @@ FAMILIES: dict[str, dict] = {
     # tied embeddings (Llama 3.2 1B/3B, Qwen2.5's small ones, Phi-4-mini): at int4 the builder
     # reads the embedding out of the LM head's 4-bit weight (Reshape -> GatherBlockQuantized)
     "llama_tied": dict(model_type="llama", num_hidden_layers=2, hidden_size=128,
+                       num_attention_heads=4, num_key_value_heads=2, intermediate_size=200,
+                       tie_word_embeddings=True),
+    "qwen2_tied": dict(model_type="qwen2", num_hidden_layers=2, hidden_size=128,
                        num_attention_heads=4, num_key_value_heads=2, intermediate_size=200,
                        tie_word_embeddings=True),
     "qwen2": dict(model_type="qwen2", num_hidden_layers=2, hidden_size=128,
@@ -169,14 +175,14 @@ def cached(family: str, precision: str = "fp32") -> Path:
 def _build(family: str, precision: str, out: Path) -> None:
     hf = hf_folder(family)
     python = venv_python()
+    p, ep = _BUILD.get(precision, (precision, "cpu"))
     with tempfile.TemporaryDirectory(dir=_cache_dir()) as tmp:
         staging = Path(tmp) / "genai"
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                "PYTHONPATH": ""}
         run = subprocess.run(
             [str(python), "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o",
-             str(staging), "-p", precision, "-e", _TARGET.get(precision, "cpu"), "-c",
-             str(Path(tmp) / "cache")],
+             str(staging), "-p", p, "-e", ep, "-c", str(Path(tmp) / "cache")],
             env=env, capture_output=True, text=True)
         if run.returncode != 0 or not (staging / "model.onnx").is_file():
             raise RuntimeError(f"the genai model builder failed ({run.returncode}):\n"

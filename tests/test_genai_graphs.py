@@ -52,7 +52,8 @@ pytestmark = pytest.mark.venv(*genai_builder.VENV)  # built beside the first tes
 
 CELLS = [("llama", "fp32"), ("llama", "int4"), ("llama", "fp16"), ("llama_tied", "int4"),
          ("qwen2", "int4"), ("mistral", "int4"), ("phi3", "int4"), ("qwen3", "int4"),
-         ("gemma", "int4"), ("phi", "int4"), ("nemotron", "int4"), ("granite", "int4")]
+         ("gemma", "int4"), ("phi", "int4"), ("nemotron", "int4"), ("granite", "int4"),
+         ("qwen2_tied", "int4-cuda")]
 EXPECT = dict(num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32,
               ffn_size=200, ffn_gated=True, vocab_size=1003)
 UNLIKE = {"phi": dict(num_kv_heads=4, ffn_gated=False), "nemotron": dict(ffn_gated=False)}
@@ -250,7 +251,11 @@ def test_optimize_then_serve_with_inflight_batching_equals_a_plain_greedy_loop(f
                    if line.startswith("tuner_batch_size_count")]
         single = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
                   if line.startswith('tuner_batch_size_bucket{le="1.0"')]
-        assert sum(batched) > sum(single)  # some decode steps ran several streams at once
+        stays = server.slot.engine.generator.rows_stay  # why rows may not share a run
+        # some decode steps ran several streams at once, unless the engine's start check found
+        # a row's logits moved beside another: a GPU build's MatMulNBits on the CPU runs one
+        # row another way than two (1.2e-4 on qwen2_tied int4-cuda), and then each runs alone
+        assert sum(batched) > sum(single) if stays is None else "beside another row" in stays
     finally:
         server.stop(5)
 

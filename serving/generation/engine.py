@@ -50,8 +50,8 @@ MOVES = "this graph's positions follow its cache's length (a moved row's logits 
 # prompt whose prefix came from the prefix cache and whose rest ran as a chunk generated
 # other tokens than the same prompt run whole (the same request sent twice, dynamic int8
 # Llama), so its prefixes are not reused either.
-APART = ("a row's logits change beside another row (its activations are quantized with one "
-         "range per run)")
+APART = ("a row's logits change beside another row (its activations quantized with one range "
+         "per run, or a kernel that runs a batch of rows another way than one row)")
 
 
 class Handle:
