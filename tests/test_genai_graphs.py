@@ -370,6 +370,7 @@ def test_a_windowed_cache_is_read_and_where_one_cache_length_is_needed_refused(f
     roles = {i["name"]: i["role"] for i in got["inputs"]}
     assert roles["input_ids"] == "token_ids"  # Gemma's tied embedding: the head's weight transposed
     assert (got["cache"]["windowed_layers"], got["cache"]["window"]) == ([0], 16)
+    assert "windowed-cache" in {f["rule"] for f in got["findings"]}
     if family == "gpt_oss":
         assert [(e["count"], e["width"]) for e in got["sites"]["experts"]] == [(4, 96)] * 2
     assert main(["verify", str(src), str(src)]) == 2

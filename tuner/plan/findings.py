@@ -162,6 +162,18 @@ def _slot_positions(shape: ModelShape) -> list[Finding]:
                     "and its streams batched")]
 
 
+def _windowed(shape: ModelShape) -> list[Finding]:
+    c = shape.cache
+    if c is None or not c.windowed_layers:
+        return []
+    return [Finding("windowed-cache", "info",
+                    f"{len(c.windowed_layers)} layer(s) keep only their last {c.window} "
+                    "positions in their cache (onnxruntime-genai's windowed cache): `tuner "
+                    "optimize` makes every cache full-length first (exact, checked by running), "
+                    "so one cache serves every layer; the sliding layers' cache memory then "
+                    "grows with the sequence")]
+
+
 QUANTIZED_OPS = ("MatMulNBits", "DynamicQuantizeMatMul", "MatMulIntegerToFloat",
                  "MatMulInteger", "QLinearMatMul", "DequantizeLinear")
 
@@ -189,7 +201,7 @@ def audit(shape: ModelShape, device_facts: DeviceFacts, tokens: int) -> tuple[Fi
     """Every finding for `shape` on `device_facts` with `tokens` (= b*s) rows per GEMM."""
     return tuple(_vocab(shape) + _head_dim(shape) + _ffn(shape) + _hidden(shape)
                  + _waves(shape, device_facts, tokens) + _fused(shape) + _last_logits(shape)
-                 + _slot_positions(shape) + _experts(shape))
+                 + _slot_positions(shape) + _experts(shape) + _windowed(shape))
 
 
 def audited(shape: ModelShape, device: str = "cpu", tokens: int = 4096) -> ModelShape:
