@@ -1,7 +1,7 @@
-"""onnxruntime-genai's own graphs (its model builder, `-p fp32|int4 -e cpu`, run in its own venv by
-models/genai_builder.py) through every command: GroupQueryAttention reading seqlens_k /
-total_sequence_length from the mask, rotary inside it, SkipSimplifiedLayerNormalization,
-MatMulNBits int4 weights, genai's own I/O names.
+"""onnxruntime-genai's own graphs (its model builder, `-p fp32|int4 -e cpu` and the GPU builds
+`-p fp16|int4 -e cuda`, in its own venv: models/genai_builder.py) through every command:
+GroupQueryAttention reading seqlens_k / total_sequence_length from the mask, rotary inside it,
+SkipSimplifiedLayerNormalization, MatMulNBits int4 weights, genai's own I/O names.
 
 - inspect finds the dims, the cache (its head dim from the packed projection) and that the
   mask is read as lengths;
@@ -11,12 +11,10 @@ MatMulNBits int4 weights, genai's own I/O names.
   head dim / heads are refused naming the GroupQueryAttention node;
 - `tuner optimize` writes an artifact, and `tuner serve` generates from it with in-flight
   batching, token-identically to a plain ORT greedy loop on the original (every family);
-- the engine feeds such a graph its rows from position 0 (no moving of the cache per step):
-  rows of different lengths, chunked prefill, prefix hits and preemption each give what a
-  plain greedy loop gives, and a row placed at the wrong end gives other logits;
-- Qwen3's graph (q/k norms after a Split of the packed QKV) is read like the others; Gemma
-  2's and GPT-OSS's, whose sliding-window layers keep windowed caches, are read, and made
-  full-length before they are served (tests/test_unwindow.py).
+- the engine feeds such a graph its rows from position 0: rows of different lengths, chunked
+  prefill, prefix hits and preemption each give what a plain greedy loop gives;
+- Gemma 2's and GPT-OSS's windowed caches are read (served: tests/test_unwindow.py); a GPU
+  build the CPU provider cannot run is bad input, not a failed gate.
 """
 
 from __future__ import annotations
@@ -141,8 +139,7 @@ def _dequantized(node) -> np.ndarray:
     return full.reshape(w.n, -1)[:, :w.k]
 
 
-# int4-cuda: the GPU build (no accuracy level): exact through the CPU gate, where the CPU
-# build of the same tied Qwen2 had its FFN padding refused (int8 activations, README)
+# int4-cuda: the GPU build (no accuracy level), exact through the CPU gate (README)
 @pytest.mark.parametrize("family,precision", [("llama", "int4"), ("qwen2_tied", "int4-cuda")])
 def test_pad_vocab_and_ffn_through_matmulnbits_is_exact(family, precision, tmp_path):
     src = genai_builder.cached(family, precision)
@@ -375,6 +372,17 @@ def test_a_windowed_cache_is_read_and_where_one_cache_length_is_needed_refused(f
         assert [(e["count"], e["width"]) for e in got["sites"]["experts"]] == [(4, 96)] * 2
     assert main(["verify", str(src), str(src)]) == 2
     assert "keep only a window of 16 positions" in capsys.readouterr().err
+
+
+def test_a_gpu_build_the_cpu_cannot_run_is_bad_input_not_a_failed_gate(tmp_path, capsys):
+    """Qwen3's int4 CUDA build fuses its q/k norms into GroupQueryAttention, which the CPU
+    provider does not run: exit 2 saying so (pad said "not exact"), nothing written."""
+    src = genai_builder.cached("qwen3", "int4-cuda")
+    assert main(["verify", str(src), str(src)]) == 2
+    assert "cannot run" in capsys.readouterr().err
+    out = tmp_path / "pad.onnx"
+    assert main(["pad", str(src), "-o", str(out), "--vocab-multiple", "64"]) == 2
+    assert "cannot run the original" in capsys.readouterr().err and not out.exists()
 
 
 def test_builder_runs_in_its_own_venv():

@@ -92,8 +92,10 @@ def test_missing_output_and_broken_candidate_fail(tmp_path):
     result = verify(ref, Broken(), _feeds())
     assert not result and "candidate failed to run" in result.errors[0]
     assert result.to_json()["passed"] is False
+    assert not result.reference_failed  # the candidate's fault: a FAIL (exit 1)
     result = verify(Broken(), ref, _feeds())
     assert not result and "the reference failed to run" in result.errors[0]
+    assert result.reference_failed  # the original's: bad input (exit 2) for verify and pad
     assert "(2, 5)" in result.errors[0]  # says which input shape broke
 
 

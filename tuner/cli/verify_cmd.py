@@ -71,6 +71,9 @@ def verify_cmd(
         raise BadInput(f"ONNX Runtime cannot load the models: {str(e).splitlines()[0]}") from None
     result = gate.check(cand)
     write_out(result.table() + "\n")  # a reader that goes away: 141, as for inspect
+    if result.reference_failed:  # nothing compared, and not the variant's doing
+        raise BadInput(f"ONNX Runtime cannot run {original} on the gate's feeds here: "
+                       f"{result.errors[0]}")
     # SystemExit, not typer.Exit: with standalone_mode=False click returns (drops) Exit codes.
     raise SystemExit(0 if result else 1)
 

@@ -26,8 +26,8 @@ from tuner.gate.feeds import DEFAULT_SHAPES, make_feeds
 from tuner.gate.kv_feeds import (Rollout, StepFeeds, decode_feeds, greedy_rollout, prefill_feeds,
                                  served_feeds)
 from tuner.gate.right_pad import adapted
-from tuner.gate.verify import (Stats, Tolerance, TolerancePolicy, VerifyResult, tolerance_label,
-                               verify)
+from tuner.gate.verify import (REFERENCE_FAILED, Stats, Tolerance, TolerancePolicy, VerifyResult,
+                               tolerance_label, verify)
 from tuner.graph.cache_record import CacheRecord, cache_record
 from tuner.graph.kv_cache import CachePads, find_kv_cache
 from tuner.graph.lm_head import KEEP
@@ -234,7 +234,7 @@ def verify_cache_model(reference, candidate, feeds: CacheFeeds,
         try:
             ref = _rollout(reference, start, steps)
         except Exception as e:  # noqa: BLE001 - nothing to compare against: the gate fails
-            errors.append(f"{what}: the reference failed to run: {_first_line(e)}")
+            errors.append(f"{what}: {REFERENCE_FAILED}: {_first_line(e)}")
             continue
         served = widen_feeds(start, widened)
         try:

@@ -26,6 +26,9 @@ import numpy as np
 from tuner.graph.roles import InputSpec, mask_in
 from tuner.runtime.base import Runner
 
+# what an error says when the reference itself could not run a feed (no comparison made)
+REFERENCE_FAILED = "the reference failed to run"
+
 # (output name, reference array, candidate array) -> passes
 TolerancePolicy = Callable[[str, np.ndarray, np.ndarray], bool]
 
@@ -105,6 +108,13 @@ class VerifyResult:
     tolerance: str
     errors: tuple[str, ...] = field(default=())
     min_compared: int = 1  # the floor of compared elements per output, stated in the table
+
+    @property
+    def reference_failed(self) -> bool:
+        """Every feed failed on the reference itself: nothing could be compared, and the
+        fault is the original's on this runtime, not the variant's."""
+        return bool(self.errors) and len(self.errors) >= self.feeds and all(
+            REFERENCE_FAILED in e for e in self.errors)
 
     @property
     def passed(self) -> bool:
@@ -222,7 +232,7 @@ def verify(reference: Runner, candidate: Runner, feeds: Sequence[Mapping[str, np
         try:
             ref_out = reference.infer(feed)
         except Exception as e:  # noqa: BLE001 - nothing to compare against: the gate fails
-            errors.append(f"feed {i} {shapes}: the reference failed to run: {type(e).__name__}: "
+            errors.append(f"feed {i} {shapes}: {REFERENCE_FAILED}: {type(e).__name__}: "
                           f"{str(e).splitlines()[0] if str(e) else ''}")
             continue
         try:
