@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -226,6 +227,9 @@ class Chunk:
     # with its log-prob and (k > 0) the k most likely (id, log-prob) at its position
     prompt_logprobs: tuple[float, ...] | None = None
     prompt_top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
+    # when the engine made it (time.perf_counter): a frontend that reads chunks later, all
+    # at once when its thread was late, still times the tokens as they were made
+    at: float = field(default_factory=time.perf_counter, compare=False)
 
 
 def _joined(chunks: Sequence[Chunk], name: str) -> tuple | None:

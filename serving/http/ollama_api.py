@@ -208,9 +208,10 @@ class _Answer:
     ids: list[int] = dataclasses.field(default_factory=list)
 
     def arrived(self, chunk: Chunk) -> None:
-        """When the first token came: the prompt's time ends there, the tokens' begins."""
+        """When the first token was made: the prompt's time ends there, the tokens' begins
+        (the chunk's own time: this thread may read a stream's chunks late, all at once)."""
         if self.first is None:
-            self.first = time.perf_counter()
+            self.first = chunk.at
 
     def take(self, chunk: Chunk) -> dict | None:
         """The object for `chunk` (None when it releases nothing to send)."""
@@ -229,13 +230,13 @@ class _Answer:
         logprobs = _logprobs(self.engine, chunk)
         out |= {"logprobs": logprobs} if logprobs is not None else {}
         if chunk.final:
-            return out | self._done(chunk.reason)
+            return out | self._done(chunk)
         said = out["response"] if self.reply is None else \
             out["message"]["content"] or "thinking" in out["message"]
         return out if said or logprobs else None
 
-    def _done(self, reason: str) -> dict:
-        end = time.perf_counter()
+    def _done(self, last: Chunk) -> dict:
+        reason, end = last.reason, last.at  # the last token's time, as it was made
         first = self.first or end
         ns = lambda seconds: int(seconds * 1e9)  # noqa: E731
         out = {"done": True, "done_reason": reason, "total_duration": ns(end - self.started),
