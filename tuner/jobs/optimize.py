@@ -9,7 +9,6 @@ as each shape finishes, so a rerun after an interruption measures only what is m
 from __future__ import annotations
 
 import shutil
-import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +18,7 @@ from tuner.artifact.records import Manifest
 from tuner.errors import BadInput
 from tuner.graph.load import load_model
 from tuner.graph.windowed import windowed_cache
-from tuner.jobs.pipeline import run_pipeline
+from tuner.jobs.pipeline import progress_say, run_pipeline
 from tuner.jobs.unwindow import describe, unwindow_file
 from tuner.util.files import ensure_writable_dir, swap_dir_into_place
 
@@ -162,8 +161,7 @@ def _unwindowed(cfg: OptimizeConfig, work: Path) -> tuple[Path, list[str]]:
     from tuner.jobs.pad import NotExact
 
     work.mkdir()
-    say = (lambda m: print(f"tuner: {m}", file=sys.stderr, flush=True)) if cfg.progress \
-        else (lambda m: None)
+    say = progress_say(cfg.progress)
     say(f"making {cfg.model.name}'s windowed caches full-length (checked by running)")
     try:
         result, found = unwindow_file(cfg.model, work / cfg.model.name,

@@ -61,7 +61,7 @@ from tuner.util.progress import rich_progress
 Shape = tuple[int, int]
 
 
-def _say(enabled: bool) -> Callable[[str], None]:
+def progress_say(enabled: bool) -> Callable[[str], None]:
     t0 = time.perf_counter()
 
     def say(msg: str) -> None:
@@ -113,7 +113,7 @@ def workload_for(cfg, model: ir.Model, shape: ModelShape, vocab: int) -> Workloa
 
 
 def setup(cfg, model: ir.Model, root: Path, notes: list[str], source: Path) -> Setup:
-    say = _say(cfg.progress)
+    say = progress_say(cfg.progress)
     info = detect()
     say(f"inspecting {cfg.model.name}")
     device = info.facts_key or ("h100" if info.kind == "gpu" else "cpu")
