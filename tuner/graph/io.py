@@ -12,6 +12,7 @@ import onnx_ir as ir
 from tuner.graph.load import check_external_data, external_locations, load_model, read_proto
 from tuner.graph.roles import TOKEN_IDS, input_specs, with_role
 from tuner.graph.tables import embedding_tables
+from tuner.graph.walk import const_scalar
 from tuner.graph.shape import ModelShape
 
 FALLBACK_VOCAB = 100  # token ids to draw when no table says how many there are
@@ -70,10 +71,23 @@ def vocab_for_feeds(model: ir.Model, shape: ModelShape | None = None) -> int:
     return FALLBACK_VOCAB
 
 
+def _offset(indices: ir.Value | None) -> int:
+    """What the positions are shifted by before they index their table: BART's, mBART's and
+    OPT's learned positions start at row 2 (`arange(seq) + 2`), so 2 of the rows are never a
+    position (a table of 258 takes 256 tokens)."""
+    producer = indices.producer() if indices is not None else None
+    if producer is None or producer.op_type != "Add":
+        return 0
+    shifts = [const_scalar(v) for v in producer.inputs]
+    shift = next((int(c) for c in shifts if c is not None and c == int(c) and c > 0), 0)
+    return shift
+
+
 def max_positions(model: ir.Model, shape: ModelShape) -> int | None:
-    """The rows of a learned position table (a Gather on a (P, hidden) initializer that is
-    not the token embedding), i.e. the longest sequence the model takes; None if absent.
-    The largest such table wins: BERT's token-type table has 2 rows."""
+    """The positions a learned position table (a Gather on a (P, hidden) initializer that is
+    not the token embedding) holds, i.e. the longest sequence the model takes: its rows less
+    the shift its indices get (`_offset`); None if absent. The largest such table wins:
+    BERT's token-type table has 2 rows."""
     best = None
     for node in model.graph:
         if node.op_type != "Gather" or not node.inputs or node.inputs[0] is None:
@@ -84,7 +98,8 @@ def max_positions(model: ir.Model, shape: ModelShape) -> int | None:
         dims = data.const_value.shape
         if len(dims) == 2 and int(dims[1]) == shape.hidden_size and int(dims[0]) >= 16 \
                 and int(dims[0]) != shape.vocab_size:
-            best = max(best or 0, int(dims[0]))
+            rows = int(dims[0]) - _offset(node.inputs[1] if len(node.inputs) > 1 else None)
+            best = max(best or 0, rows)
     return best
 
 
