@@ -52,7 +52,7 @@ from serving.errors import InvalidArgument, NotFound
 from serving.http.chat import chat_prompt
 from serving.http.codec import http_status_for
 from serving.http.embeddings_api import embed_rows, embedder_of, encoder_named, texts_of
-from serving.http.openai_requests import body_value, generations_for, top_count
+from serving.http.openai_requests import body_value, generations_for, text_generator, top_count
 from serving.http.reasoning import Reply, Thinking
 from serving.http.streams import ChunkStream
 from serving.http.tei_api import dimensions_of, text_rows
@@ -93,11 +93,7 @@ def _served(frontend, body: dict) -> str:
 
 def _decoder(frontend, body: dict) -> tuple[str, DecoderEngine]:
     name = _served(frontend, body)
-    engine = frontend.slot.find(frontend.slot.name)
-    if not isinstance(engine, DecoderEngine) or engine.tokenizer is None:
-        raise InvalidArgument(f"model '{name}' does not generate text (it needs a decoder "
-                              "artifact with tokenizer.json)")
-    return name, engine
+    return name, text_generator(frontend.slot.find(frontend.slot.name), name)
 
 
 def _refuse(body: dict) -> None:

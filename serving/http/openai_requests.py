@@ -226,10 +226,18 @@ def model_named(frontend, body: dict) -> str:
 
 def text_engine(frontend, body: dict) -> DecoderEngine:
     name = model_named(frontend, body)
-    engine = frontend.slot.find(name)
-    if not isinstance(engine, DecoderEngine) or engine.tokenizer is None:
-        raise InvalidArgument(f"model '{name}' does not generate text (it needs a decoder "
-                              "artifact with tokenizer.json)")
+    return text_generator(frontend.slot.find(name), name)
+
+
+def text_generator(engine, name: str) -> DecoderEngine:
+    """`engine` (model `name`) if it generates text, else why not (every text API's answer)."""
+    if not isinstance(engine, DecoderEngine):
+        raise InvalidArgument(f"model '{name}' does not generate text: it is served as a tensor "
+                              "model (KServe v2 infer); generation needs a decoder exported "
+                              "with its KV cache")
+    if engine.tokenizer is None:
+        raise InvalidArgument(f"model '{name}' does not generate text: its artifact holds no "
+                              "tokenizer.json (send token ids: gRPC input_ids)")
     return engine
 
 

@@ -30,7 +30,7 @@ import serving
 from serving.decoder import DecoderEngine
 from serving.errors import InvalidArgument
 from serving.http.codec import http_status_for
-from serving.http.openai_requests import MAX_STOPS, body_value, generations_for
+from serving.http.openai_requests import MAX_STOPS, body_value, generations_for, text_generator
 from serving.http.streams import ChunkStream, until_disconnect
 from serving.http.triton_generate import SSE_HEADERS, sse
 from serving.sampling import Chunk, GenerationRequest, join_chunks
@@ -54,11 +54,7 @@ def error(exc: BaseException) -> Response:
 
 
 def _engine(frontend) -> DecoderEngine:
-    engine = frontend.slot.find(frontend.slot.name)
-    if not isinstance(engine, DecoderEngine) or engine.tokenizer is None:
-        raise InvalidArgument(f"model '{frontend.slot.name}' does not generate text (it needs "
-                              "a decoder artifact with tokenizer.json)")
-    return engine
+    return text_generator(frontend.slot.find(frontend.slot.name), frontend.slot.name)
 
 
 def _openai_body(parameters: dict) -> dict:
