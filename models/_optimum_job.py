@@ -3,9 +3,10 @@ JSON list [[checkpoint folder, task, output folder, optimization level or null],
 optimum's main_export (`optimize`: its ONNX Runtime optimization, e.g. "O2"), in one
 process so that torch and transformers are imported once. Imports nothing of ours.
 
-A checkpoint folder holding `random_model.json` ({"model_type", "config", "seed"}) instead
-of weights gets them here, from this environment's transformers: a family whose weights
-our newer transformers saves in a layout this one cannot load (Qwen3-MoE's experts)."""
+A checkpoint folder holding `random_model.json` ({"model_type", "config", "seed",
+"auto_class"}) instead of weights gets them here, from this environment's transformers: a
+family whose weights our newer transformers saves in a layout this one cannot load
+(Qwen3-MoE's experts), and the encoder-decoders (T5, BART, Whisper)."""
 
 import json
 import os
@@ -25,7 +26,8 @@ def _random_weights(checkpoint: str) -> None:
     spec = json.loads(open(spec_file).read())
     torch.manual_seed(spec["seed"])
     config = transformers.AutoConfig.for_model(spec["model_type"], **spec["config"])
-    model = transformers.AutoModelForCausalLM.from_config(config).eval().float()
+    auto = getattr(transformers, spec.get("auto_class", "AutoModelForCausalLM"))
+    model = auto.from_config(config).eval().float()
     model.save_pretrained(checkpoint, safe_serialization=True)
 
 

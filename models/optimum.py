@@ -1,8 +1,10 @@
 """Decoders exported by Hugging Face Optimum (`optimum-onnx`), the usual way an LLM reaches
-ONNX, for the conformance matrix (tests/test_conformance.py).
+ONNX, for the conformance matrix (tests/test_conformance.py); and its encoder-decoders (T5,
+BART, Whisper: a folder of graphs, tests/test_seq2seq.py).
 
     python -m models.optimum llama --task text-generation-with-past -o llama-optimum/
     python -m models.optimum gptj --task text-generation-with-past@O2   # optimized (--optimize O2)
+    python -m models.optimum t5 --task text2text-generation-with-past
     python -m models.optimum --list
 
 Optimum pins the transformers it supports (optimum-onnx 0.1 pins 4.57), older than ours,
@@ -11,6 +13,9 @@ No hub downloads: our environment writes a random-weight model (config.json, saf
 a word-level tokenizer made with `tokenizers`) into a local folder with `save_pretrained`,
 and the Optimum environment exports from that folder. Exports are cached by (family, task,
 config, versions) under $SHAPETUNER_CACHE like models/build.py's.
+
+Over 400 lines on purpose: FAMILIES is one table (every family's config and what inspect
+must find in it), read by the matrix and by --list.
 """
 
 from __future__ import annotations
@@ -40,6 +45,11 @@ TASKS = ("text-generation-with-past", "text-generation")
 # The with-past export run through Optimum's own ONNX Runtime optimization (`--optimize O2`:
 # fused LayerNorm/SkipLayerNorm, GELU, and attention where its optimizer knows the model)
 O2_TASK = f"{TASKS[0]}@O2"
+# Encoder-decoders: a folder of encoder_model.onnx, decoder_model.onnx,
+# decoder_with_past_model.onnx and decoder_model_merged.onnx (`export_all` returns the first
+# decoder's path: its folder is the export)
+SEQ2SEQ_TASKS = ("text2text-generation-with-past", "automatic-speech-recognition-with-past")
+ALL_TASKS = (*TASKS, O2_TASK, *SEQ2SEQ_TASKS)
 VOCAB = 1003  # odd: the vocab padding has something to do
 EXPORT_LAYOUT = 2  # bump when how the folder or the export is made changes (the cache key)
 
@@ -55,6 +65,7 @@ class Family:
     # the random weights written by the exporter's transformers (models/_optimum_job.py):
     # ours (5) saves some families' weights in a layout the 4.57 Optimum pins cannot load
     exporter_weights: bool = False
+    auto_class: str = "AutoModelForCausalLM"  # the transformers class made from the config
 
 
 def _family(model_type: str, config: dict[str, Any], heads: int, kv: int, head_dim: int,
@@ -190,6 +201,52 @@ FAMILIES.update({
 })
 
 
+# Encoder-decoders as Optimum exports them (a folder of graphs): T5 (relative position
+# bias, no softmax scale, ReLU FFN), Flan-T5, Marian, BART (learned positions shifted by 2,
+# GELU), Whisper
+# (a speech encoder on mel features, the decoder BART's). `expect`: the decoder's dims.
+_S2S = dict(exporter_weights=True, auto_class="AutoModelForSeq2SeqLM")
+FAMILIES.update({
+    "t5": replace(_family("t5", dict(d_model=80, num_heads=2, d_kv=40, d_ff=200, num_layers=2,
+                                     num_decoder_layers=2, decoder_start_token_id=0,
+                                     pad_token_id=0, eos_token_id=2),
+                          2, 2, 40, 200, False, SEQ2SEQ_TASKS[:1]), **_S2S),
+    # Flan-T5 (T5 v1.1): a gated GELU FFN and an untied LM head
+    "flan_t5": replace(_family("t5", dict(d_model=80, num_heads=2, d_kv=40, d_ff=200,
+                                          num_layers=2, num_decoder_layers=2,
+                                          decoder_start_token_id=0, pad_token_id=0,
+                                          eos_token_id=2, feed_forward_proj="gated-gelu",
+                                          tie_word_embeddings=False),
+                               2, 2, 40, 200, True, SEQ2SEQ_TASKS[:1]), **_S2S),
+    # Marian (OPUS-MT): sinusoidal positions (a constant table), a bias on the logits
+    "marian": replace(_family("marian", dict(d_model=80, encoder_attention_heads=2,
+                                             decoder_attention_heads=2, encoder_ffn_dim=200,
+                                             decoder_ffn_dim=200, encoder_layers=2,
+                                             decoder_layers=2, max_position_embeddings=256,
+                                             decoder_start_token_id=0, pad_token_id=0),
+                              2, 2, 40, 200, False, SEQ2SEQ_TASKS[:1]), **_S2S),
+    "bart": replace(_family("bart", dict(d_model=80, encoder_attention_heads=2,
+                                         decoder_attention_heads=2, encoder_ffn_dim=200,
+                                         decoder_ffn_dim=200, encoder_layers=2, decoder_layers=2,
+                                         max_position_embeddings=256),
+                            2, 2, 40, 200, False, SEQ2SEQ_TASKS[:1]), **_S2S),
+    "whisper": replace(_family("whisper", dict(d_model=80, encoder_attention_heads=2,
+                                               decoder_attention_heads=2, encoder_ffn_dim=200,
+                                               decoder_ffn_dim=200, encoder_layers=2,
+                                               decoder_layers=2, num_mel_bins=80,
+                                               max_source_positions=1500,
+                                               max_target_positions=64, **_IDS,
+                                               decoder_start_token_id=1),
+                               2, 2, 40, 200, False, SEQ2SEQ_TASKS[1:]),
+                       exporter_weights=True, auto_class="AutoModelForSpeechSeq2Seq"),
+})
+
+
+def main_file(task: str) -> str:
+    """The graph `export_all` returns for a task: the decoder of an encoder-decoder's folder."""
+    return "decoder_model.onnx" if task in SEQ2SEQ_TASKS else "model.onnx"
+
+
 def ensure_venv() -> Path:
     """The Optimum environment's python (models/venvs.py), made on first use."""
     return venvs.ensure_venv(*VENV)
@@ -209,12 +266,17 @@ def write_checkpoint(name: str, folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     if fam.exporter_weights:
         (folder / "random_model.json").write_text(json.dumps(
-            {"model_type": fam.model_type, "config": fam.config, "seed": SEED}))
+            {"model_type": fam.model_type, "config": fam.config, "seed": SEED,
+             "auto_class": fam.auto_class}))
     else:
         torch.manual_seed(SEED)
         config = transformers.AutoConfig.for_model(fam.model_type, **fam.config)
         model = transformers.AutoModelForCausalLM.from_config(config).eval().float()
         model.save_pretrained(folder, safe_serialization=True)
+    if fam.auto_class == "AutoModelForSpeechSeq2Seq":  # mel features in, no tokenizer
+        transformers.WhisperFeatureExtractor(
+            feature_size=fam.config["num_mel_bins"]).save_pretrained(folder)
+        return folder
     vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3,
              **{f"w{i}": i for i in range(4, fam.config["vocab_size"])}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
@@ -239,7 +301,8 @@ def _key(name: str, task: str) -> str:
 
 
 def _out_dir(name: str, task: str) -> Path:
-    short = {TASKS[0]: "kv", TASKS[1]: "nokv", O2_TASK: "kv-o2"}[task]
+    short = {TASKS[0]: "kv", TASKS[1]: "nokv", O2_TASK: "kv-o2", SEQ2SEQ_TASKS[0]: "s2s",
+             SEQ2SEQ_TASKS[1]: "asr"}[task]
     return _cache_dir() / f"optimum-{_key(name, task)}" / f"{name}-optimum-{short}"
 
 
@@ -252,20 +315,21 @@ def _job(checkpoint: Path, task: str, out: Path) -> tuple[str, str, str, str | N
 def export_all(cells: list[tuple[str, str]], outs: list[Path] | None = None) -> list[Path]:
     """Export each (family, task) with Optimum into its cache folder (or `outs`), in one
     Optimum process; returns each model.onnx. Each folder is written whole or not at all.
-    A task is one of TASKS, or O2_TASK (the with-past export, optimized)."""
+    A task is one of TASKS, O2_TASK (the with-past export, optimized) or one of
+    SEQ2SEQ_TASKS (returned: the folder's decoder_model.onnx)."""
     for name, task in cells:
-        if name not in FAMILIES or task not in (*TASKS, O2_TASK):
+        if name not in FAMILIES or task not in ALL_TASKS:
             raise ValueError(f"no Optimum export {name!r} / {task!r}; families: "
-                             f"{', '.join(FAMILIES)}; tasks: {', '.join((*TASKS, O2_TASK))}")
+                             f"{', '.join(FAMILIES)}; tasks: {', '.join(ALL_TASKS)}")
     outs = outs or [_out_dir(n, t) for n, t in cells]
 
     def missing() -> list[tuple[tuple[str, str], Path]]:
-        return [(c, o) for c, o in zip(cells, outs) if not (o / "model.onnx").exists()]
+        return [(c, o) for c, o in zip(cells, outs) if not (o / main_file(c[1])).exists()]
 
     # one Optimum process at a time: another asking for the same exports waits, then finds them
     build_once(_cache_dir() / "optimum-exports", lambda: not missing(),
                lambda: _export(missing()))
-    return [out / "model.onnx" for out in outs]
+    return [out / main_file(task) for (_, task), out in zip(cells, outs)]
 
 
 def _export(todo: list[tuple[tuple[str, str], Path]]) -> None:
@@ -352,11 +416,32 @@ def quantized(name: str, per_channel: bool = False) -> Path:
     return out
 
 
+def seq2seq_greedy(folders: list[Path], new_tokens: int = 12) -> list[dict[str, Any]]:
+    """Each encoder-decoder export folder loaded by Optimum (ORTModelForSeq2SeqLM or
+    ORTModelForSpeechSeq2Seq, in its environment) and run through its own greedy `generate`
+    on the same inputs: per folder the tokens, every step's scores and the graphs it found."""
+    import numpy as np
+
+    with tempfile.TemporaryDirectory(prefix="optimum-generate-") as tmp:
+        done = subprocess.run([str(ensure_venv()), "-P",
+                               str(Path(__file__).with_name("_optimum_generate.py")),
+                               str(new_tokens), tmp, *map(str, folders)],
+                              capture_output=True, text=True,
+                              env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        if done.returncode != 0:
+            raise RuntimeError(f"optimum could not generate from {folders}: {done.stderr[-3000:]}")
+        out = []
+        for i in range(len(folders)):
+            with np.load(Path(tmp) / f"{i}.npz", allow_pickle=False) as data:
+                out.append({k: data[k] for k in data.files})
+        return out
+
+
 def _main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m models.optimum", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("name", nargs="?", help=f"one of: {', '.join(FAMILIES)}")
-    p.add_argument("--task", choices=(*TASKS, O2_TASK), default=TASKS[0])
+    p.add_argument("--task", choices=ALL_TASKS, default=TASKS[0])
     p.add_argument("-o", "--output", type=Path, help="the folder to write (model.onnx inside)")
     p.add_argument("--list", action="store_true", help="list the families and exit")
     a = p.parse_args(argv)

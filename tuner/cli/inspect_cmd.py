@@ -100,7 +100,8 @@ def render_inputs(specs: list[InputSpec], console: Console) -> None:
 
 def render(shape: ModelShape, console: Console) -> None:
     where = _where(shape)
-    kind = shape.kind + (" (ORT-optimized: " + ", ".join(shape.fused_ops) + ")"
+    kind = shape.kind + (" (of an encoder-decoder)" if shape.cross_attention else "") + (
+        " (ORT-optimized: " + ", ".join(shape.fused_ops) + ")"
                          if shape.optimized else "")
     table = Table(title=f"{kind} transformer", title_justify="left")
     table.add_column("dimension")
@@ -118,6 +119,11 @@ def render(shape: ModelShape, console: Console) -> None:
         ("vocabulary", shape.vocab_size if shape.vocab_size is not None else "- (encoder)",
          where.get("vocab_size", "")),
     ]
+    if shape.cross_attention:
+        source = (f"keys and values from the encoder's output {shape.encoder_input}"
+                  if shape.encoder_input else "keys and values fed as a cache of the encoder's "
+                  "length (computed once per request by the decoder's first step)")
+        rows.insert(7, ("cross-attention", shape.cross_attention, f"{source}; not padded"))
     for name, value, place in rows:
         table.add_row(name, str(value), place)
     console.print(table)

@@ -1,5 +1,7 @@
 """`tuner pad MODEL.onnx -o OUT.onnx [--ffn-multiple N] [--vocab-multiple N] [--head-dim N]
-[--heads N]`: a deterministic exact padding, verified before it is written (atomically)."""
+[--heads N]`: a deterministic exact padding, verified before it is written (atomically).
+`tuner pad FOLDER -o OUT_FOLDER ...`: every graph of an export folder (Optimum's
+encoder-decoder: encoder and decoders) padded alike, written as a whole (tuner.jobs.pad_folder)."""
 
 from __future__ import annotations
 
@@ -16,8 +18,10 @@ from tuner.errors import BadInput
 @app.command("pad")
 @with_roles
 def pad_cmd(
-    model: Path = typer.Argument(..., help="the model to pad (.onnx)"),
-    output: Path = typer.Option(..., "-o", "--output", help="where to write the padded model"),
+    model: Path = typer.Argument(..., help="the model to pad (.onnx), or an export folder "
+                                 "(Optimum's encoder-decoder: every graph in it)"),
+    output: Path = typer.Option(..., "-o", "--output", help="where to write the padded model "
+                                "(a folder for a folder)"),
     ffn_multiple: Optional[int] = typer.Option(
         None, "--ffn-multiple", help="round the FFN width up to a multiple of N"),
     vocab_multiple: Optional[int] = typer.Option(
@@ -39,28 +43,40 @@ def pad_cmd(
     roles: list[str] = roles_option(),
 ) -> None:
     """Pad the model's GEMM dimensions with zeros so that outputs stay the same, check that on
-    ONNX Runtime (several batch/sequence shapes with padded masks), and only then write OUT."""
+    ONNX Runtime (several batch/sequence shapes with padded masks), and only then write OUT.
+
+    Given a folder (an Optimum export of T5, BART, Whisper...: encoder_model.onnx,
+    decoder_model.onnx, decoder_with_past_model.onnx), every graph in it is padded with the
+    same multiples and gated on its own; OUT is a copy of the folder (config, tokenizer) with
+    the padded graphs, written only when all of them passed, and loads where the original
+    did (Optimum's ORTModelForSeq2SeqLM)."""
     from tuner.gate.verify import Tolerance
     from tuner.graph.inspect import inspect_model
     from tuner.graph.load import load_model
     from tuner.jobs.pad import NotExact, pad_file
     from tuner.rewrite.compose import PadRequest
 
-    if output.is_file() and not force and output.resolve() != model.resolve():
+    taken = output.exists() if model.is_dir() else output.is_file()
+    if taken and not force and output.resolve() != model.resolve():
         # a padded model is minutes of work to redo and may be the one being served
         raise BadInput(f"{output} exists; pass --force to replace it")
     try:
         tol = Tolerance(atol=atol, rtol=rtol)
     except ValueError as e:
         raise BadInput(str(e)) from None
+    if model.is_dir():
+        from tuner.jobs.pad_folder import Multiples
+
+        _nothing_to_pad(ffn_multiple, vocab_multiple, head_dim, heads)
+        _pad_folder(model, output, Multiples(ffn_multiple, vocab_multiple, head_dim, heads,
+                                             hidden_multiple, cache_policy), tol, as_json)
+        return
     shape = inspect_model(load_model(model))
     req = PadRequest.from_multiples(shape, ffn_multiple=ffn_multiple,
                                     vocab_multiple=vocab_multiple, head_dim=head_dim,
                                     heads=heads, hidden_multiple=hidden_multiple,
                                     cache_policy=cache_policy)
-    if all(v is None for v in (ffn_multiple, vocab_multiple, head_dim, heads)):
-        raise BadInput("nothing to pad: give --ffn-multiple, --vocab-multiple, --head-dim "
-                       "or --heads")
+    _nothing_to_pad(ffn_multiple, vocab_multiple, head_dim, heads)
     try:
         result = pad_file(model, output, req, tolerance=tol)
     except NotExact as e:
@@ -72,3 +88,32 @@ def pad_cmd(
         print(result.accuracy.table())
     done = ", ".join(result.transforms) or "nothing (already aligned)"
     typer.echo(f"padded {model} -> {output}: {done}")
+
+
+def _pad_folder(src: Path, dst: Path, want, tol, as_json: bool) -> None:
+    from tuner.jobs.pad import NotExact
+    from tuner.jobs.pad_folder import pad_folder
+
+    try:
+        result = pad_folder(src, dst, want, tolerance=tol)
+    except NotExact as e:
+        exit_not_exact(e.result, as_json, "padded folder")
+    if as_json:
+        print(json.dumps({"written": True, **result.to_json()}))
+        return
+    for r in result.padded:
+        acc = r.accuracy
+        gated = (f"gate passed over {acc.feeds} feed(s), max abs "
+                 f"{max((o.max_abs for o in acc.outputs), default=0.0):.3g}" if acc else "")
+        typer.echo(f"  {Path(r.src).name}: {', '.join(r.transforms) or 'nothing'} ({gated})")
+    for name in result.copied:
+        typer.echo(f"  {name}: copied")
+    for why in result.left_out:
+        typer.echo(f"  left out {why}")
+    typer.echo(f"padded {src} -> {dst}: {len(result.padded)} graph(s) padded and verified")
+
+
+def _nothing_to_pad(*targets: int | None) -> None:
+    if all(v is None for v in targets):
+        raise BadInput("nothing to pad: give --ffn-multiple, --vocab-multiple, --head-dim "
+                       "or --heads")

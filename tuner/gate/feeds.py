@@ -4,8 +4,10 @@ masks with right and left padding, several (batch, seq) shapes; or the user's ow
 Used by the accuracy gate (`tuner verify`, `tuner pad`), the benchmark and the server's
 self-check. Inputs are recognised by their role (tuner.graph.roles.input_specs: found from the
 graph's structure): token ids below `vocab_size`, the attention mask (1 = real token),
-token types (zeros), positions (past..past+seq-1), past keys/values (length `past`); other
-integer inputs get zeros, float inputs small normal noise. Every static dim is kept, every
+token types (zeros), positions (past..past+seq-1), past keys/values (length `past`); what an
+encoder-decoder's decoder takes from its encoder runs along the encoder's length
+(`encoder_length`), its mask padded as the attention mask is; other integer inputs get zeros,
+float inputs small normal noise. Every static dim is kept, every
 dtype is the declared one (int32 ids, bool masks, fp16, bf16), and a (batch, seq) shape the
 model cannot take is mapped onto one it can (a batch-1 export is fed batch 1).
 """
@@ -20,6 +22,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from tuner.errors import BadInput
+from tuner.graph.role_names import ENCODER_MASK, ENCODER_ROLES
 from tuner.graph.roles import (ATTENTION_MASK, KV_CACHE, POSITION_IDS, TOKEN_IDS, InputSpec,
                                accepted_shapes, input_specs, np_dtype)
 
@@ -39,15 +42,23 @@ def padded_mask(batch: int, seq: int, rng: np.random.Generator) -> np.ndarray:
     return mask
 
 
+def encoder_length(seq: int) -> int:
+    """The encoder's length fed beside `seq` decoder tokens: never the decoder's own (no axis
+    can pass for the other) and longer, as a source to translate or summarize is."""
+    return 2 * seq + 3
+
+
 def concrete_dims(spec: InputSpec, batch: int, seq: int, past: int = 0,
                   has_cache: bool = False) -> tuple[int, ...]:
     """The shape of `spec` at (batch, seq): static dims kept, the batch axis gets `batch`, the
-    sequence axis `seq` (`past` for a cache input, past + seq for a mask beside a cache),
-    any other dynamic axis 1."""
+    sequence axis `seq` (`past` for a cache input, past + seq for a mask beside a cache, the
+    encoder's length for what comes from an encoder), any other dynamic axis 1."""
     if not spec.dims:
         return (batch, seq) if spec.role in (TOKEN_IDS, ATTENTION_MASK, POSITION_IDS) else ()
     length = past if spec.role == KV_CACHE else (
         past + seq if spec.role == ATTENTION_MASK and has_cache else seq)
+    if spec.role in ENCODER_ROLES:
+        length = encoder_length(seq)
     out = []
     for i, d in enumerate(spec.dims):
         if isinstance(d, int) and d >= 0 and not (d == 0 and i in (spec.batch_axis, spec.seq_axis)):
@@ -69,7 +80,7 @@ def make_feed(specs: Sequence[InputSpec], vocab_size: int, batch: int, seq: int,
     for s in specs:
         dims = concrete_dims(s, batch, seq, past, has_cache)
         dtype = np_dtype(s.dtype)
-        if s.role == ATTENTION_MASK and len(dims) == 2:
+        if s.role in (ATTENTION_MASK, ENCODER_MASK) and len(dims) == 2:
             arr = padded_mask(dims[0], dims[1], rng)
         elif s.role == TOKEN_IDS:
             arr = rng.integers(0, vocab_size, size=dims)
@@ -140,6 +151,6 @@ def check_feed(feed: dict[str, np.ndarray], specs: Sequence[InputSpec]) -> None:
                 raise BadInput(f"input {name!r} has shape {arr.shape}; the model wants {s.dims}")
         if arr.dtype != np_dtype(s.dtype):
             raise BadInput(f"input {name!r} is {arr.dtype}; the model wants {s.dtype}")
-        if s.role == ATTENTION_MASK and arr.size and not np.any(arr):
+        if s.role in (ATTENTION_MASK, ENCODER_MASK) and arr.size and not np.any(arr):
             raise BadInput(f"input {name!r} is the attention mask and it is all zeros: every "
                            "position would be padding and nothing would be compared")

@@ -31,7 +31,8 @@ from tuner.gate.verify import (REFERENCE_FAILED, Stats, Tolerance, TolerancePoli
 from tuner.graph.cache_record import CacheRecord, cache_record
 from tuner.graph.kv_cache import CachePads, find_kv_cache
 from tuner.graph.lm_head import KEEP
-from tuner.graph.roles import InputSpec
+from tuner.graph.role_names import ENCODER_ROLES, KV_CACHE
+from tuner.graph.roles import InputSpec, input_specs
 
 # (batch, seq, left-padded rows, steps) of the prefill rollouts; (batch, past, seq, steps) of
 # the decode rollouts (seq 1: a decode step; seq 3: a chunk)
@@ -42,6 +43,8 @@ DECODE = ((2, 7, 1, 3), (2, 5, 3, 2))
 # past padded to their buckets (padding rows); a prompt chunk beside decoding rows.
 SERVED = (((3, 9), (1, 1), None, None, 3), ((2, 6), (1, 1), 4, 16, 2),
           ((0, 5, 8), (4, 1, 1), None, None, 2))
+# An encoder-decoder's with-past decoder: (batch, seq, past) of its steps
+SEQ2SEQ_STEPS = ((1, 1, 5), (2, 1, 12), (3, 3, 9))
 
 
 @dataclass(frozen=True)
@@ -93,11 +96,28 @@ def cache_feeds(roles: CacheRecord, vocab_size: int, seed: int = 0) -> CacheFeed
 
 def gate_feeds(model: ir.Model, vocab_size: int, shapes: Sequence[tuple[int, int]] | None = None,
                seed: int = 0):
-    """What the gate runs `model`'s variants on: CacheFeeds for a cache model, else plain
-    feed dicts (tuner.gate.feeds.make_feeds at `shapes`)."""
+    """What the gate runs `model`'s variants on: CacheFeeds for a cache model, plain feed
+    dicts for an encoder-decoder's decoder (`crossing_feeds`), else plain feed dicts
+    (tuner.gate.feeds.make_feeds at `shapes`)."""
+    specs = input_specs(model)
+    if any(s.role in ENCODER_ROLES for s in specs):
+        return crossing_feeds(specs, vocab_size, shapes or DEFAULT_SHAPES, seed)
     if has_cache(model):
         return cache_feeds(cache_record(model), vocab_size, seed)
-    return make_feeds(model, vocab_size, shapes or DEFAULT_SHAPES, seed=seed)
+    return make_feeds(specs, vocab_size, shapes or DEFAULT_SHAPES, seed=seed)
+
+
+def crossing_feeds(specs: Sequence[InputSpec], vocab_size: int,
+                   shapes: Sequence[tuple[int, int]], seed: int = 0) -> list[dict]:
+    """An encoder-decoder's decoder, fed as one step at a time: each input from the encoder
+    at the encoder's own length, its mask padded left and right. Without a cache, `shapes`;
+    with one (the with-past file), decode steps and a chunk against random caches
+    (SEQ2SEQ_STEPS). No rollout: its rows never differ in length (every row starts from the
+    decoder's start token), so the server's row shapes do not arise."""
+    if not any(s.role == KV_CACHE for s in specs):
+        return make_feeds(specs, vocab_size, shapes, seed=seed)
+    return [feed for i, (batch, seq, past) in enumerate(SEQ2SEQ_STEPS)
+            for feed in make_feeds(specs, vocab_size, [(batch, seq)], seed=seed + i, past=past)]
 
 
 def check(reference, candidate, feeds, tolerance: Tolerance | TolerancePolicy = Tolerance(),

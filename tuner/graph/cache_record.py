@@ -23,6 +23,7 @@ from tuner.errors import BadInput
 from tuner.graph.kv_cache import CachePads, KvCache, find_kv_cache, widened_cache
 from tuner.graph.lm_head import keep_input
 from tuner.graph.positions import positions_input
+from tuner.graph.role_names import ENCODER_ROLES
 from tuner.graph.roles import ATTENTION_MASK, POSITION_IDS, TOKEN_IDS, input_specs, with_role
 from tuner.graph.window import sliding_window
 from tuner.graph.windowed import windowed_cache
@@ -145,6 +146,10 @@ def cache_record(model: ir.Model) -> CacheRecord:
                        "multi-head latent attention, as DeepSeek's); a cache whose keys and "
                        "values differ in width is not served")
     specs = input_specs(model)  # roles from the structure (tuner.graph.roles)
+    crossing = [s.name for s in specs if s.role in ENCODER_ROLES]
+    if crossing:  # the engine's steps carry no encoder: nothing would feed these
+        raise BadInput(f"an encoder-decoder's decoder (it takes {', '.join(crossing)} from its "
+                       "encoder): its generation is not served; `tuner pad` pads it exactly")
     ids, mask = with_role(specs, TOKEN_IDS), with_role(specs, ATTENTION_MASK)
     pos = with_role(specs, POSITION_IDS)
     if ids is None:

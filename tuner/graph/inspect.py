@@ -20,10 +20,13 @@ from tuner.errors import BadInput
 from tuner.graph import attention as attn_mod
 from tuner.graph import ort_fused
 from tuner.graph.dims import Dims
+from tuner.graph.encoder_side import (EncoderSide, cross_attention_count, find_encoder_side,
+                                      reads_encoder)
 from tuner.graph.experts import find_experts
 from tuner.graph.ffn import FfnMatch, find_ffns
 from tuner.graph.kv_cache import KvCache, find_kv_cache, with_dims
-from tuner.graph.lm_head import Embedding, is_tied, keep_input, lm_head, token_embedding
+from tuner.graph.lm_head import (Embedding, is_tied, keep_input, lm_head, token_embedding,
+                                 token_ids)
 from tuner.graph.load import load_model, name_nodes
 from tuner.graph.positions import positions_input, slot_positions
 from tuner.graph.shape import ExpertsSite, FfnSite, LayerSites, ModelShape, Sites
@@ -71,6 +74,16 @@ def _layer_ffns(graph: ir.Graph, attns: list[attn_mod.AttnMatch], ffns: list[Ffn
     return [g[0] if len(g) == 1 else None for g in groups], experts
 
 
+def _crossing(attns: list[attn_mod.AttnMatch], side: EncoderSide | None
+              ) -> tuple[list[attn_mod.AttnMatch], list[attn_mod.AttnMatch]]:
+    """(self-attention blocks, cross-attention blocks): an encoder-decoder's decoder attends to
+    the encoder's output in each layer too; its layers are its self-attentions."""
+    if side is None or side.states is None:
+        return attns, []
+    cross = [a for a in attns if any(reads_encoder(n, side) for n in a.projection_nodes)]
+    return [a for a in attns if a not in cross], cross
+
+
 def _one(values: list[int]) -> int:
     """The model's value of a per-layer dim (the most common one if layers differ)."""
     if not values:
@@ -94,12 +107,14 @@ def inspect_model(model: ir.Model) -> ModelShape:
     dims = Dims(model)
     attns = attn_mod.find_attention(graph, lins, dims) + ort_fused.attention_blocks(graph, lins, dims)
     attns.sort(key=lambda a: a.order)
+    side = find_encoder_side(graph, token_ids(emb))
+    attns, cross = _crossing(attns, side)
     if not attns:
         what = f"{len(ffns)} feed-forward blocks but " if ffns else ""
         raise BadInput(f"no transformer found in the graph: {what}no attention (a Softmax between "
                        "two activation MatMuls, or a fused Attention op)")
     taken = {id(lin.node) for f in ffns for lin in (f.up, f.down, f.gate) if lin is not None}
-    taken |= {id(n) for a in attns for n in a.projection_nodes}
+    taken |= {id(n) for a in attns + cross for n in a.projection_nodes}
     hidden = _hidden(emb, ffns, lins) or fusion.hidden or 0
     head = lm_head(lins, taken, emb, hidden or None)
     if head is None and emb is not None and emb.hidden != hidden:
@@ -147,6 +162,8 @@ def inspect_model(model: ir.Model) -> ModelShape:
             experts=tuple(experts) or tuple(find_experts(graph)),
         ),
         cache=with_dims(cache, kv, head_dim) if cache is not None else None,
+        cross_attention=cross_attention_count(len(cross), side),
+        encoder_input=side.states if side is not None else None,
     )
 
 

@@ -73,6 +73,15 @@ def token_embedding(graph: ir.Graph) -> Embedding | None:
     return max(found, key=lambda e: e.vocab, default=None)
 
 
+def token_ids(emb: Embedding | None) -> ir.Value | None:
+    """The graph input whose ids the embedding gathers (None: computed ids, or no embedding)."""
+    if emb is None:
+        return None
+    hits, _ = walk_back(emb.gather.inputs[1], lambda n: _INDEX_PATH.get(op(n)),
+                        lambda v: v.is_graph_input())
+    return hits[0] if len(hits) == 1 else None
+
+
 def reaches_output(v: ir.Value, limit: int = 16) -> bool:
     """True when `v` flows into a graph output through shape-only / elementwise-constant ops."""
     frontier = [v]

@@ -94,13 +94,22 @@ def check_external_data(proto: onnx.ModelProto, model_dir: Path) -> None:
                            f"({sizes[target]} bytes) than the entry claims ({offset}+{length})")
 
 
+def folder_hint(p: Path) -> str:
+    """What to do with an export folder where one graph was expected ("" for anything else)."""
+    graphs = sorted(f.name for f in p.glob("*.onnx")) if p.is_dir() else []
+    if not graphs:
+        return ""
+    return (f"a folder of graphs ({', '.join(graphs)}), not one: give one of them; `tuner "
+            "pad` takes the whole folder")
+
+
 def read_proto(path: str | os.PathLike) -> onnx.ModelProto:
     """The ModelProto without external data, or BadInput with one clear line."""
     p = Path(path)
     if not p.exists():
         raise BadInput(f"{p}: no such file")
     if not p.is_file():
-        raise BadInput(f"{p}: not a file")
+        raise BadInput(f"{p}: {folder_hint(p) or 'not a file'}")
     try:
         proto = onnx.load(str(p), load_external_data=False)
     except (DecodeError, onnx.onnx_cpp2py_export.checker.ValidationError, ValueError,
@@ -186,7 +195,9 @@ def _refuse_model_inside_control_flow(model: ir.Model, p: Path) -> None:
         raise BadInput(f"{p}: an Optimum merged decoder (its layers inside If {node.name!r} on "
                        f"the input {FLAG}): make it one plain graph first, `tuner unmerge "
                        f"{p} -o model.onnx` (verified against this file), or export with "
-                       "`optimum-cli export onnx --task text-generation-with-past`")
+                       "`optimum-cli export onnx --task text-generation-with-past`; an "
+                       "encoder-decoder's (T5, BART, Whisper) has its two branches beside it, "
+                       "decoder_model.onnx and decoder_with_past_model.onnx")
     raise BadInput(f"{p}: the model's layers lie inside {node.op_type} {node.name!r}; "
                    "shapetuner reads them from the top-level graph: export without control "
                    "flow around the layers")

@@ -25,6 +25,13 @@ PADDABLE = (
     Paddable("heads", "num_heads", ("qkv", "scores", "context", "out")),
 )
 BY_KIND = {d.kind: d for d in PADDABLE}
+
+
+def unpadded_kinds(shape) -> tuple[str, ...]:
+    """The PADDABLE kinds no rewrite may pad in `shape` (a ModelShape): an encoder-decoder's
+    decoder hands its cross-attention keys and values from one file to the next as a cache
+    (decoder_model -> decoder_with_past_model), so its heads keep their shape."""
+    return ("head_dim", "heads") if shape.cross_attention else ()
 # Every Transform kind, in the order a variant's name lists them: the paddable ones, the hidden
 # size (never padded exactly; advice only), ONNX Runtime's fusions and the LM head cut to the
 # positions a step reads (tuner.rewrite.logits_to_keep: the selected decoder's, when served).

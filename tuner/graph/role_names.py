@@ -4,6 +4,11 @@
 TOKEN_IDS, ATTENTION_MASK, POSITION_IDS, TOKEN_TYPE_IDS, KV_CACHE, INPUTS_EMBEDS, OTHER = (
     "token_ids", "attention_mask", "position_ids", "token_type_ids", "kv_cache",
     "inputs_embeds", "other")
-ROLES = (TOKEN_IDS, ATTENTION_MASK, POSITION_IDS, TOKEN_TYPE_IDS, KV_CACHE, INPUTS_EMBEDS, OTHER)
+# An encoder-decoder's decoder (tuner/graph/encoder_side.py): what it takes from its encoder,
+# along the encoder's length: its output, its mask, and (with past) the cross keys/values.
+ENCODER_STATES, ENCODER_MASK, ENCODER_CACHE = "encoder_states", "encoder_mask", "encoder_cache"
+ENCODER_ROLES = (ENCODER_STATES, ENCODER_MASK, ENCODER_CACHE)
+ROLES = (TOKEN_IDS, ATTENTION_MASK, POSITION_IDS, TOKEN_TYPE_IDS, KV_CACHE, INPUTS_EMBEDS,
+         *ENCODER_ROLES, OTHER)
 # Roles one input at most may hold: two claimants are a refusal (role_overrides.checked).
-SINGULAR = (TOKEN_IDS, ATTENTION_MASK, POSITION_IDS)
+SINGULAR = (TOKEN_IDS, ATTENTION_MASK, POSITION_IDS, ENCODER_STATES, ENCODER_MASK)

@@ -14,10 +14,12 @@ import numpy as np
 import onnx_ir as ir
 
 from tuner.graph.dtypes import NUMPY_BY_ONNX, np_dtype  # noqa: F401 - np_dtype: callers' name
+from tuner.graph.encoder_side import EncoderSide, find_encoder_side
 from tuner.graph.kv_cache import find_kv_cache
 from tuner.graph.load import load_model
-from tuner.graph.role_names import (ATTENTION_MASK, INPUTS_EMBEDS, KV_CACHE, OTHER,
-                                    POSITION_IDS, ROLES, TOKEN_IDS, TOKEN_TYPE_IDS)
+from tuner.graph.role_names import (ATTENTION_MASK, ENCODER_CACHE, ENCODER_MASK,
+                                    ENCODER_ROLES, ENCODER_STATES, INPUTS_EMBEDS, KV_CACHE,
+                                    OTHER, POSITION_IDS, ROLES, TOKEN_IDS, TOKEN_TYPE_IDS)
 from tuner.graph.role_overrides import checked, with_overrides
 from tuner.graph.tables import embedding_tables, gathered_table, tiled_table
 
@@ -186,8 +188,21 @@ def _float_role(v: ir.Value, pasts: set[str]) -> str:
     return _name_role(v.name) if _name_role(v.name) in (KV_CACHE, INPUTS_EMBEDS) else OTHER
 
 
-def _roles(model: ir.Model, inputs: list[ir.Value]) -> dict[str, str]:
-    """Each input's role from the structure around it (see the module's docstring)."""
+def _encoder_roles(side: EncoderSide | None) -> dict[str, str]:
+    """The roles of what an encoder-decoder's decoder takes from its encoder."""
+    if side is None:
+        return {}
+    roles = {name: ENCODER_CACHE for name in side.cache}
+    if side.states:
+        roles[side.states] = ENCODER_STATES
+    if side.mask:
+        roles[side.mask] = ENCODER_MASK
+    return roles
+
+
+def _roles(model: ir.Model, inputs: list[ir.Value]) -> tuple[dict[str, str], EncoderSide | None]:
+    """Each input's role from the structure around it (see the module's docstring), and an
+    encoder-decoder's encoder side (tuner.graph.encoder_side; None for the others)."""
     roles: dict[str, str] = {}
     tables = {v.name: embedding_tables(v) for v in inputs}
     kinds = {v.name: (v.dtype.name if v.dtype is not None else "FLOAT") for v in inputs}
@@ -204,24 +219,31 @@ def _roles(model: ir.Model, inputs: list[ir.Value]) -> dict[str, str]:
                 continue
             small = rows(v) <= 16 and _name_role(v.name) != POSITION_IDS
             roles[v.name] = TOKEN_TYPE_IDS if small else POSITION_IDS
-    floats = [v for v in inputs if kinds[v.name] in ("FLOAT", "FLOAT16", "BFLOAT16", "DOUBLE")]
+    token = next((v for v in inputs if roles.get(v.name) == TOKEN_IDS), None)
+    side = find_encoder_side(model.graph, token)
+    roles.update(_encoder_roles(side))
+    floats = [v for v in inputs if kinds[v.name] in ("FLOAT", "FLOAT16", "BFLOAT16", "DOUBLE")
+              and v.name not in roles]
     pasts = _cache_inputs(model)
     roles.update({v.name: _float_role(v, pasts) for v in floats})
-    token = next((v for v in inputs if roles.get(v.name) == TOKEN_IDS), None)
     token_dims = _dims_of(token) if token is not None else ()
     ref_seq = token_dims[-1] if token_dims and isinstance(token_dims[-1], str) else None
     has_cache = KV_CACHE in roles.values()
     rest = [v for v in inputs if v.name not in roles]  # integer and bool inputs
     roles.update(_integer_roles(rest, has_cache, ref_seq))
-    return roles
+    return roles, side
 
 
-def _axes(spec_dims: tuple, role: str, ref: tuple) -> tuple[int | None, int | None]:
+def _axes(spec_dims: tuple, role: str, ref: tuple,
+          encoder_length: str | None = None) -> tuple[int | None, int | None]:
     """(batch axis, sequence axis) of one input: symbols shared with the reference input
-    (the token ids, else the embeddings) first, the (batch, seq, ...) convention after."""
+    (the token ids, else the embeddings) first, the (batch, seq, ...) convention after. What
+    a decoder takes from its encoder runs along the encoder's length instead."""
     rank = len(spec_dims)
     if rank == 0:
         return None, None
+    if role in ENCODER_ROLES and encoder_length in spec_dims:
+        return 0, spec_dims.index(encoder_length)
     if role == OTHER and not any(isinstance(d, str) for d in spec_dims):
         return None, None
     b_sym = ref[0] if len(ref) >= 2 and isinstance(ref[0], str) else None
@@ -251,7 +273,8 @@ def input_specs(model) -> list[InputSpec]:
         model = load_model(model)
     initializers = set(model.graph.initializers)
     inputs = [v for v in model.graph.inputs if v.name not in initializers]
-    roles = checked(with_overrides(_roles(model, inputs), [v.name for v in inputs]))
+    found, side = _roles(model, inputs)
+    roles = checked(with_overrides(found, [v.name for v in inputs]))
     ref_value = next((v for v in inputs if roles[v.name] == TOKEN_IDS), None) or next(
         (v for v in inputs if roles[v.name] == INPUTS_EMBEDS), None)
     ref = _dims_of(ref_value) if ref_value is not None else ()
@@ -259,7 +282,7 @@ def input_specs(model) -> list[InputSpec]:
     for v in inputs:
         dtype = NUMPY_BY_ONNX.get(v.dtype.name if v.dtype is not None else "FLOAT", "float32")
         dims = _dims_of(v)
-        batch, seq = _axes(dims, roles[v.name], ref)
+        batch, seq = _axes(dims, roles[v.name], ref, side.length if side else None)
         specs.append(InputSpec(v.name, dtype, dims, roles[v.name], batch, seq))
     return specs
 

@@ -126,6 +126,10 @@ class ModelShape:
     findings: tuple[Finding, ...] = ()
     sites: Sites = field(default_factory=Sites)
     cache: KvCache | None = None  # the KV cache of a decoder exported with one (kv_cache.py)
+    # an encoder-decoder's decoder (tuner/graph/encoder_side.py): its blocks that attend to
+    # the encoder's output (not in `sites.layers`, not padded) and the input that carries it
+    cross_attention: int = 0
+    encoder_input: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)

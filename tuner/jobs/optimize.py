@@ -16,7 +16,7 @@ from typing import Any
 
 from tuner.artifact.records import Manifest
 from tuner.errors import BadInput
-from tuner.graph.load import load_model
+from tuner.graph.load import folder_hint, load_model
 from tuner.graph.windowed import windowed_cache
 from tuner.jobs.pipeline import progress_say, run_pipeline
 from tuner.jobs.unwindow import describe, unwindow_file
@@ -130,7 +130,7 @@ def _copy_text_files(model_dir: Path, out: Path) -> None:
 def optimize(cfg: OptimizeConfig) -> OptimizeResult:
     """Run the whole job; BadInput on unusable input (exit 2)."""
     if not cfg.model.is_file():
-        raise BadInput(f"{cfg.model}: no such model file")
+        raise BadInput(f"{cfg.model}: {folder_hint(cfg.model) or 'no such model file'}")
     _check_out(cfg)
     model = load_model(cfg.model)  # BadInput on anything that is not a readable ONNX model
     cfg.out.resolve().parent.mkdir(parents=True, exist_ok=True)

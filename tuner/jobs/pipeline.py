@@ -105,9 +105,9 @@ class Setup:
 
 def workload_for(cfg, model: ir.Model, shape: ModelShape, vocab: int) -> Workload:
     """The one place the kind of model is asked: a decoder exported with its KV cache is
-    measured by prefill and decode, anything else by its forward pass."""
+    measured by prefill and decode, anything else (an encoder-decoder's too) by its forward."""
     positions = max_positions(model, shape)
-    if has_cache(model):
+    if has_cache(model) and not shape.cross_attention:
         return DecoderWorkload(cfg, cache_record(model), shape.cache, vocab, positions)
     return PlainWorkload(cfg, input_specs(model), vocab, positions)
 

@@ -25,6 +25,8 @@ from tuner.gate.verify import Tolerance, VerifyResult
 from tuner.graph.load import load_model, name_nodes, save_model
 from tuner.errors import BadInput
 from tuner.graph.merged import FLAG, merged_if, with_cache
+from tuner.graph.role_names import ENCODER_ROLES
+from tuner.graph.roles import input_specs
 from tuner.jobs.pad import check_destination, gate, let_go_of_weights, load_reference, \
     move_into_place
 from tuner.rewrite.unmerge import unmerge
@@ -66,6 +68,12 @@ def unmerge_file(src: str | os.PathLike, dst: str | os.PathLike,
     flag = with_cache(model)
     unmerge(model)
     name_nodes(model)
+    crossing = [s.name for s in input_specs(model) if s.role in ENCODER_ROLES]
+    if crossing:  # its without-cache branch computes what the with-cache one is fed
+        raise BadInput(f"{src}: an encoder-decoder's merged decoder (it takes "
+                       f"{', '.join(crossing[:2])}... from its encoder): its two branches are "
+                       "the export's decoder_model.onnx and decoder_with_past_model.onnx; "
+                       "`tuner pad FOLDER` pads the whole export")
     check = prepared(src, model, flag, tolerance)
     try:
         with tempfile.TemporaryDirectory(dir=dst.parent, prefix=f".{dst.name}.") as tmp:

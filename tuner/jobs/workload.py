@@ -23,6 +23,7 @@ import numpy as np
 from tuner.artifact.records import Manifest, shape_key
 from tuner.errors import BadInput
 from tuner.gate.feeds import make_feeds
+from tuner.graph.role_names import ENCODER_ROLES
 from tuner.graph.roles import InputSpec, batch_limit, seq_limit
 from tuner.measure.bench import Measurements, Target
 from tuner.measure.buckets import (Requests, batch_buckets, fit_bucket, default_seq_buckets,
@@ -142,6 +143,10 @@ def plain_traffic(cfg, positions: int | None, specs: Sequence[InputSpec] = ()) -
     req, grid, batch = t.requests, t.seq_grid, t.batch
     b_fix, s_fix = batch_limit(specs), seq_limit(specs)
     notes = [t.note] if t.note else []
+    if any(s.role in ENCODER_ROLES for s in specs):
+        notes.append("an encoder-decoder's decoder: measured and served as a tensor model, "
+                     "one forward pass at the buckets' shapes (the encoder's inputs as long "
+                     "as the gate feeds them); its generation loop is the client's")
     if b_fix is not None:
         if tuple(batch) != (b_fix,):
             notes.append(f"the model takes batch {b_fix} only: batch buckets [{b_fix}]")

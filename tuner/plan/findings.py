@@ -143,7 +143,8 @@ def head_share(shape: ModelShape) -> float | None:
 
 def _last_logits(shape: ModelShape) -> list[Finding]:
     share = head_share(shape)
-    if shape.cache is None or share is None or shape.sites.logits_to_keep:
+    if shape.cache is None or share is None or shape.sites.logits_to_keep or \
+            shape.cross_attention:
         return []
     return [Finding("logits-every-position", "info",
                     f"the LM head projects every position onto the vocabulary ({share:.0%} of a "
@@ -174,6 +175,18 @@ def _windowed(shape: ModelShape) -> list[Finding]:
                     "grows with the sequence")]
 
 
+def _encoder_decoder(shape: ModelShape) -> list[Finding]:
+    if not shape.cross_attention:
+        return []
+    return [Finding("encoder-decoder", "info",
+                    f"an encoder-decoder's decoder ({shape.cross_attention} cross-attention "
+                    "blocks): `tuner pad` pads its FFN width and vocabulary exactly, and `tuner "
+                    "pad EXPORT_FOLDER` an Optimum export's encoder and decoders together (a "
+                    "folder Optimum's ORTModelForSeq2SeqLM loads); its heads are not padded; "
+                    "`tuner optimize` and `tuner serve` take it as a tensor model (one forward "
+                    "pass per request: the generation loop stays the client's)")]
+
+
 QUANTIZED_OPS = ("MatMulNBits", "DynamicQuantizeMatMul", "MatMulIntegerToFloat",
                  "MatMulInteger", "QLinearMatMul", "DequantizeLinear")
 
@@ -201,7 +214,8 @@ def audit(shape: ModelShape, device_facts: DeviceFacts, tokens: int) -> tuple[Fi
     """Every finding for `shape` on `device_facts` with `tokens` (= b*s) rows per GEMM."""
     return tuple(_vocab(shape) + _head_dim(shape) + _ffn(shape) + _hidden(shape)
                  + _waves(shape, device_facts, tokens) + _fused(shape) + _last_logits(shape)
-                 + _slot_positions(shape) + _experts(shape) + _windowed(shape))
+                 + _slot_positions(shape) + _experts(shape) + _windowed(shape)
+                 + _encoder_decoder(shape))
 
 
 def audited(shape: ModelShape, device: str = "cpu", tokens: int = 4096) -> ModelShape:

@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from tuner.graph.paddable import BY_KIND, KINDS, Transform
+from tuner.graph.paddable import BY_KIND, KINDS, Transform, unpadded_kinds
 from tuner.hardware.facts import ORT_FUSED_HEAD_DIMS, DeviceFacts, next_multiple
 from tuner.measure.stats import paired_ratio_ci
 from tuner.plan.probe import model_gemms
@@ -83,7 +83,8 @@ def propose(shape, facts: DeviceFacts, fuse: bool = False) -> list[Candidate]:
     preferred multiple for every dimension at once, and (with `fuse`) fused forms."""
     out = [Candidate("original", (), True, "the model as given")]
     per_dim: dict[str, list[int]] = {}
-    for kind, field in ((k, BY_KIND[k].field) for k in PROPOSED):
+    kinds = [k for k in PROPOSED if k not in unpadded_kinds(shape)]
+    for kind, field in ((k, BY_KIND[k].field) for k in kinds):
         size = getattr(shape, field) or 0
         per_dim[kind] = dim_options(kind, size, facts, shape.ffn_gated, shape.hidden_size)
         for new in per_dim[kind]:

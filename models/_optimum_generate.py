@@ -1,0 +1,44 @@
+"""Run INSIDE the Optimum environment (models/optimum.py's `seq2seq_greedy` starts it): load
+each encoder-decoder export folder the way its users do (Optimum's ORTModelForSeq2SeqLM, or
+ORTModelForSpeechSeq2Seq where the folder holds a feature extractor's config), generate
+greedily from fixed inputs (two rows, the second's source padded) and save the tokens and
+every step's scores into an .npz per folder. Imports nothing of ours.
+
+    python -P _optimum_generate.py NEW_TOKENS OUT_DIR FOLDER [FOLDER ...]
+"""
+
+import os
+import sys
+
+import numpy as np
+import torch
+from optimum.onnxruntime import ORTModelForSeq2SeqLM, ORTModelForSpeechSeq2Seq
+
+
+def _inputs(folder: str, vocab: int) -> tuple[type, dict]:
+    g = torch.Generator().manual_seed(0)
+    if os.path.exists(os.path.join(folder, "preprocessor_config.json")):  # speech: mel features
+        return ORTModelForSpeechSeq2Seq, {"input_features": torch.randn(2, 80, 3000, generator=g)}
+    ids = torch.randint(4, vocab, (2, 11), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 8:] = 0  # the second source is 8 tokens, right-padded to 11
+    return ORTModelForSeq2SeqLM, {"input_ids": ids, "attention_mask": mask}
+
+
+def main(new_tokens: int, out_dir: str, folders: list[str]) -> int:
+    for i, folder in enumerate(folders):
+        import json
+        vocab = json.load(open(os.path.join(folder, "config.json")))["vocab_size"]
+        cls, inputs = _inputs(folder, vocab)
+        model = cls.from_pretrained(folder, use_cache=True)
+        out = model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             do_sample=False, num_beams=1, output_scores=True,
+                             return_dict_in_generate=True)
+        np.savez(os.path.join(out_dir, f"{i}.npz"), tokens=out.sequences.numpy(),
+                 scores=np.stack([s.numpy() for s in out.scores]),
+                 files=np.array(sorted(f for f in os.listdir(folder) if f.endswith(".onnx"))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(int(sys.argv[1]), sys.argv[2], sys.argv[3:]))

@@ -1,0 +1,127 @@
+"""`tuner pad FOLDER -o OUT`: an export folder padded as a whole, the way it is loaded.
+
+Optimum exports an encoder-decoder (T5, BART, Marian, Whisper) as a folder of graphs beside
+its config and tokenizer:
+
+    encoder_model.onnx            the encoder (no LM head: its vocabulary is not padded)
+    decoder_model.onnx            the decoder's first step (computes the cross keys/values)
+    decoder_with_past_model.onnx  every later step (takes them, and its own cache)
+    decoder_model_merged.onnx     the two decoders again, inside an If (left out: see below)
+
+Each graph gets the same multiples (each pads what it has), is gated against its original on
+its own (tuner.jobs.pad.pad_file), and OUT appears only when every one passed; every other
+file is copied. The padded folder loads where the original did (Optimum's
+ORTModelForSeq2SeqLM, its own generation loop): the padded logits are sliced back, so every
+graph keeps its inputs and outputs. The merged decoder is left out (its layers sit inside an
+If that no rewrite reads): without it, Optimum loads the two plain decoders.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from tuner.errors import BadInput
+from tuner.gate.verify import Tolerance
+from tuner.graph.inspect import inspect_model
+from tuner.graph.io import model_files
+from tuner.graph.load import load_model
+from tuner.graph.merged import layers_inside
+from tuner.jobs.pad import PadResult, pad_file
+from tuner.rewrite.compose import PadRequest
+from tuner.util.files import ensure_writable_dir, swap_dir_into_place
+
+
+@dataclass(frozen=True)
+class Multiples:
+    """What `tuner pad` was asked for, applied to each graph of the folder."""
+
+    ffn_multiple: int | None = None
+    vocab_multiple: int | None = None
+    head_dim: int | None = None
+    heads: int | None = None
+    hidden_multiple: int | None = None  # refused where the hidden size is not a multiple
+    cache_policy: str = "keep"
+
+
+@dataclass(frozen=True)
+class FolderResult:
+    """Each graph padded (or copied as it was: nothing of it to pad), and what was left out."""
+
+    src: str
+    dst: str
+    padded: tuple[PadResult, ...]
+    copied: tuple[str, ...]  # file names copied unchanged (graphs already aligned, config)
+    left_out: tuple[str, ...]  # graphs not written, each with the reason
+
+    def to_json(self) -> dict:
+        return {"src": self.src, "dst": self.dst,
+                "padded": [r.to_json() for r in self.padded],
+                "copied": list(self.copied), "left_out": list(self.left_out)}
+
+
+def _request(path: Path, want: Multiples) -> PadRequest:
+    """`want` for one graph: the vocabulary only where it has an LM head (the encoder has
+    none), the FFN only where it has one."""
+    shape = inspect_model(load_model(path))
+    return PadRequest.from_multiples(
+        shape, ffn_multiple=want.ffn_multiple if shape.ffn_size else None,
+        vocab_multiple=want.vocab_multiple if shape.vocab_size else None,
+        head_dim=want.head_dim, heads=want.heads, hidden_multiple=want.hidden_multiple,
+        cache_policy=want.cache_policy)
+
+
+def _graphs(src: Path) -> tuple[list[Path], list[str]]:
+    """The folder's graphs to pad, and those left out (the merged decoder, with why)."""
+    graphs, left_out = [], []
+    for path in sorted(src.glob("*.onnx")):
+        if layers_inside(load_model(path, merged_ok=True)) is not None:
+            left_out.append(f"{path.name}: its layers sit inside control flow (Optimum's merged "
+                            "decoder); the plain decoders beside it are padded instead")
+        else:
+            graphs.append(path)
+    if not graphs:
+        raise BadInput(f"{src}: no .onnx graph to pad in the folder"
+                       + (f" ({'; '.join(left_out)})" if left_out else ""))
+    names = {p.name for p in graphs}
+    if left_out and "decoder_model.onnx" not in names:
+        raise BadInput(f"{src}: the decoder is only there merged ({left_out[0].split(':')[0]}); "
+                       "export with `optimum-cli export onnx --no-post-process` to get "
+                       "decoder_model.onnx and decoder_with_past_model.onnx")
+    return graphs, left_out
+
+
+def pad_folder(src: Path, dst: Path, want: Multiples,
+               tolerance: Tolerance = Tolerance()) -> FolderResult:
+    """Pad every graph of `src` (see the module's docstring) into `dst`, written whole or not
+    at all. NotExact (tuner.jobs.pad) when a graph fails its gate; BadInput on a rewrite
+    refused for any of them."""
+    src, dst = Path(src), Path(dst)
+    if dst.resolve() == src.resolve():
+        raise BadInput(f"{dst}: refusing to overwrite the input folder")
+    graphs, left_out = _graphs(src)
+    requests = {path: _request(path, want) for path in graphs}  # refusals before any work
+    ensure_writable_dir(dst.parent, f"padded folder {dst.name}")
+    stage = Path(tempfile.mkdtemp(dir=dst.parent, prefix=f".{dst.name}."))
+    try:
+        padded, copied = [], []
+        # every graph's files, the merged decoder's too: not copied as "other files"
+        taken = {f for path in src.glob("*.onnx") for f in model_files(path)}
+        for path, req in requests.items():
+            if req.empty:
+                for f in model_files(path):
+                    shutil.copy2(f, stage / f.name)
+                copied.append(path.name)
+            else:
+                padded.append(pad_file(path, stage / path.name, req, tolerance=tolerance))
+        for f in sorted(src.iterdir()):
+            if f.is_file() and f not in taken:
+                shutil.copy2(f, stage / f.name)  # config, tokenizer, generation config
+                copied.append(f.name)
+        swap_dir_into_place(stage, dst)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    return FolderResult(str(src), str(dst), tuple(padded), tuple(copied), tuple(left_out))
