@@ -163,6 +163,27 @@ def test_padded_folder_generates_what_the_original_does(exports, family, tmp_pat
     assert finite.sum() > 1000 and np.abs(a[finite] - b[finite]).max() < 1e-4
 
 
+def test_quantized_folder_pads_exactly(exports, tmp_path):
+    """Each graph of BART's export through ONNX Runtime's dynamic int8 quantizer (what
+    Optimum's ORTQuantizer runs per file): padded through its MatMulInteger weights, the
+    folder still generates in Optimum's loop what the quantized original does."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    src = tmp_path / "quantized"
+    shutil.copytree(exports["bart"], src, ignore=shutil.ignore_patterns("*.onnx"))
+    for name in ("encoder_model.onnx", *DECODERS):
+        quantize_dynamic(exports["bart"] / name, src / name, weight_type=QuantType.QInt8)
+    out = tmp_path / "padded"
+    code, _, err = _run(["pad", str(src), "-o", str(out), "--vocab-multiple", "64",
+                         "--ffn-multiple", "64"])
+    assert code == 0, err
+    assert inspect_path(out / "decoder_with_past_model.onnx").ffn_size == 256
+    original, padded = optimum.seq2seq_greedy([src, out])
+    np.testing.assert_array_equal(original["tokens"], padded["tokens"])
+    finite = np.isfinite(original["scores"])
+    assert np.abs(original["scores"][finite] - padded["scores"][finite]).max() < 1e-4
+
+
 def test_pad_folder_refusals_write_nothing(exports, tmp_path):
     src = exports["t5"]
     out = tmp_path / "out"
