@@ -152,6 +152,7 @@ def test_padded_folder_generates_what_the_original_does(exports, family, tmp_pat
         shape = inspect_path(out / file)
         assert (shape.ffn_size, shape.vocab_size) == (256, 1024)
     assert inspect_path(out / "encoder_model.onnx").ffn_size == 256
+    assert _run(["verify", str(exports[family]), str(out)])[0] == 0  # graph by graph
     original, padded = optimum.seq2seq_greedy([exports[family], out])
     assert "decoder_model_merged.onnx" in original["files"]  # Optimum ran the merged one
     assert "decoder_model_merged.onnx" not in padded["files"]
@@ -206,6 +207,25 @@ def test_pad_folder_refusals_write_nothing(exports, tmp_path):
     for command in (["inspect", str(src)], ["optimize", str(src), "-o", str(tmp_path / "o")]):
         code, _, err = _run(command)  # one graph expected, a folder given: says which
         assert code == 2 and "decoder_with_past_model.onnx" in err and "tuner pad" in err
+
+
+def test_verify_folders_graph_by_graph(exports, tmp_path):
+    """`tuner verify A B` on two folders: each graph against its namesake; one corrupted
+    graph FAILS the whole (exit 1), a missing one is bad input (exit 2)."""
+    src = exports["t5"]
+    copy = tmp_path / "copy"
+    shutil.copytree(src, copy)
+    perturbed_copy(src / "encoder_model.onnx", copy / "encoder_model.onnx")
+    code, out, _ = _run(["verify", str(src), str(copy)])
+    assert code == 1
+    tables = out.split("encoder_model.onnx: accuracy")  # sorted: the decoders come first
+    assert len(tables) == 2 and tables[0].count("\nPASS") == 2
+    assert tables[1].strip().endswith("FAIL")
+    (copy / "decoder_model.onnx").unlink()
+    code, _, err = _run(["verify", str(src), str(copy)])
+    assert code == 2 and "no decoder_model.onnx" in err
+    code, _, err = _run(["verify", str(src), str(src / "decoder_model.onnx")])
+    assert code == 2 and "two folders" in err
 
 
 def test_merged_decoder_points_at_its_branches(exports, tmp_path):

@@ -1,7 +1,8 @@
 """`tuner verify ORIGINAL.onnx VARIANT.onnx [--inputs FILE.npz] [--atol A] [--rtol R]`.
 
 Prints the accuracy table; exit 0 when every output matches, 1 when one does not, 2 on bad
-input (unreadable model, inputs that do not fit it)."""
+input (unreadable model, inputs that do not fit it). Two export folders (an Optimum
+encoder-decoder and its padded copy): each graph of the first against its namesake."""
 
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ from tuner.errors import BadInput
 @app.command("verify")
 @with_roles
 def verify_cmd(
-    original: Path = typer.Argument(..., help="the reference model (.onnx)"),
-    variant: Path = typer.Argument(..., help="the model to check against it (.onnx)"),
+    original: Path = typer.Argument(..., help="the reference model (.onnx), or an export "
+                                    "folder"),
+    variant: Path = typer.Argument(..., help="the model to check against it (.onnx), or the "
+                                   "folder of its namesakes"),
     inputs: Optional[Path] = typer.Option(None, "--inputs", help="a .npz of input arrays to "
                                           "use instead of random token ids"),
     atol: float = typer.Option(1e-4, "--atol", help="absolute tolerance"),
@@ -33,13 +36,9 @@ def verify_cmd(
 ) -> None:
     """Run both models on the same inputs and compare every output (max abs/rel error, cosine,
     top-1 agreement); positions masked out by the attention mask (found from the graph) are not
-    compared, and an output with nothing compared FAILS."""
-    from tuner.gate.entry import prepare
-    from tuner.gate.feeds import check_feed, load_npz
+    compared, and an output with nothing compared FAILS. Given two folders, every graph of the
+    first (but a merged decoder) is checked against the one of the same name in the second."""
     from tuner.gate.verify import Tolerance
-    from tuner.graph.load import load_model
-    from tuner.graph.roles import input_specs
-    from tuner.runtime.registry import get_backend
 
     try:
         tol = Tolerance.fp16() if fp16 else Tolerance(atol=atol, rtol=rtol)
@@ -51,6 +50,41 @@ def verify_cmd(
         raise BadInput(f"--seed must be >= 0, not {seed}")
     if min_compared < 1:
         raise BadInput(f"--min-compared must be >= 1, not {min_compared}")
+    if original.is_dir() or variant.is_dir():
+        if inputs is not None:
+            raise BadInput("--inputs fits one graph: give two .onnx files with it")
+        results = [_pair(a, b, None, tol, vocab, seed, min_compared, folder=True)
+                   for a, b in _namesakes(original, variant)]
+        raise SystemExit(0 if all(results) else 1)
+    raise SystemExit(0 if _pair(original, variant, inputs, tol, vocab, seed, min_compared)
+                     else 1)
+
+
+def _namesakes(original: Path, variant: Path) -> list[tuple[Path, Path]]:
+    """(graph, its namesake) for every graph of folder `original` but a merged decoder."""
+    from tuner.graph.load import load_model
+    from tuner.graph.merged import layers_inside
+
+    if not (original.is_dir() and variant.is_dir()):
+        raise BadInput(f"give two folders or two .onnx files, not {original} and {variant}")
+    graphs = [g for g in sorted(original.glob("*.onnx"))
+              if layers_inside(load_model(g, merged_ok=True)) is None]
+    missing = [g.name for g in graphs if not (variant / g.name).is_file()]
+    if not graphs or missing:
+        raise BadInput(f"{variant}: no {', '.join(missing)} to compare" if missing
+                       else f"{original}: no .onnx graph (but a merged decoder) to compare")
+    return [(g, variant / g.name) for g in graphs]
+
+
+def _pair(original: Path, variant: Path, inputs: Path | None, tol, vocab: int | None,
+          seed: int, min_compared: int, folder: bool = False):
+    """One graph against its variant: the table printed, the VerifyResult returned."""
+    from tuner.gate.entry import prepare
+    from tuner.gate.feeds import check_feed, load_npz
+    from tuner.graph.load import load_model
+    from tuner.graph.roles import input_specs
+    from tuner.runtime.registry import get_backend
+
     user_feeds = None
     if inputs is not None:
         user_feeds = [load_npz(inputs)]
@@ -70,12 +104,14 @@ def verify_cmd(
     except Exception as e:  # noqa: BLE001 - ORT's errors on a bad graph are bad input here
         raise BadInput(f"ONNX Runtime cannot load the models: {str(e).splitlines()[0]}") from None
     result = gate.check(cand)
-    write_out(result.table() + "\n")  # a reader that goes away: 141, as for inspect
+    head = f"{original.name}: " if folder else ""
+    write_out(head + result.table() + "\n")  # a reader that goes away: 141, as for inspect
     if result.reference_failed:  # nothing compared, and not the variant's doing
         raise BadInput(f"ONNX Runtime cannot run {original} on the gate's feeds here: "
                        f"{result.errors[0]}")
-    # SystemExit, not typer.Exit: with standalone_mode=False click returns (drops) Exit codes.
-    raise SystemExit(0 if result else 1)
+    # the caller exits by SystemExit, not typer.Exit: with standalone_mode=False click
+    # returns (drops) Exit codes
+    return result
 
 
 def _check_reference_runs(ref, feeds, what: str) -> None:
