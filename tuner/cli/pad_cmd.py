@@ -53,7 +53,7 @@ def pad_cmd(
     from tuner.gate.verify import Tolerance
     from tuner.graph.inspect import inspect_model
     from tuner.graph.load import load_model
-    from tuner.jobs.pad import NotExact, pad_file
+    from tuner.jobs.pad import pad_file
     from tuner.rewrite.compose import PadRequest
 
     taken = output.exists() if model.is_dir() else output.is_file()
@@ -77,12 +77,8 @@ def pad_cmd(
                                     heads=heads, hidden_multiple=hidden_multiple,
                                     cache_policy=cache_policy)
     _nothing_to_pad(ffn_multiple, vocab_multiple, head_dim, heads)
-    try:
-        result = pad_file(model, output, req, tolerance=tol)
-    except NotExact as e:
-        exit_not_exact(e.result, as_json, "padded model")
-    if as_json:
-        print(json.dumps({"written": True, **result.to_json()}))
+    result = _gated(lambda: pad_file(model, output, req, tolerance=tol), "padded model", as_json)
+    if result is None:
         return
     if result.accuracy is not None:
         print(result.accuracy.table())
@@ -90,16 +86,26 @@ def pad_cmd(
     typer.echo(f"padded {model} -> {output}: {done}")
 
 
-def _pad_folder(src: Path, dst: Path, want, tol, as_json: bool) -> None:
+def _gated(job, what: str, as_json: bool):
+    """`job()`'s result; a failed gate exits 1 (tables, nothing written); --json prints the
+    result and gives None (nothing more to print)."""
     from tuner.jobs.pad import NotExact
-    from tuner.jobs.pad_folder import pad_folder
 
     try:
-        result = pad_folder(src, dst, want, tolerance=tol)
+        result = job()
     except NotExact as e:
-        exit_not_exact(e.result, as_json, "padded folder")
+        exit_not_exact(e.result, as_json, what)
     if as_json:
         print(json.dumps({"written": True, **result.to_json()}))
+        return None
+    return result
+
+
+def _pad_folder(src: Path, dst: Path, want, tol, as_json: bool) -> None:
+    from tuner.jobs.pad_folder import pad_folder
+
+    result = _gated(lambda: pad_folder(src, dst, want, tolerance=tol), "padded folder", as_json)
+    if result is None:
         return
     for r in result.padded:
         acc = r.accuracy
