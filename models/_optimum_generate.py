@@ -1,24 +1,31 @@
 """Run INSIDE the Optimum environment (models/optimum.py's `seq2seq_greedy` starts it): load
-each encoder-decoder export folder the way its users do (Optimum's ORTModelForSeq2SeqLM, or
-ORTModelForSpeechSeq2Seq where the folder holds a feature extractor's config), generate
+each encoder-decoder export folder the way its users do (Optimum's ORTModelForSeq2SeqLM;
+ORTModelForSpeechSeq2Seq where the folder holds a feature extractor's config;
+ORTModelForVision2Seq for a VisionEncoderDecoder, random pixels), generate
 greedily from fixed inputs (two rows, the second's source padded) and save the tokens and
 every step's scores into an .npz per folder. Imports nothing of ours.
 
     python -P _optimum_generate.py NEW_TOKENS OUT_DIR FOLDER [FOLDER ...]
 """
 
+import json
 import os
 import sys
 
 import numpy as np
 import torch
-from optimum.onnxruntime import ORTModelForSeq2SeqLM, ORTModelForSpeechSeq2Seq
+from optimum.onnxruntime import (ORTModelForSeq2SeqLM, ORTModelForSpeechSeq2Seq,
+                                 ORTModelForVision2Seq)
 
 
-def _inputs(folder: str, vocab: int) -> tuple[type, dict]:
+def _inputs(folder: str, config: dict) -> tuple[type, dict]:
     g = torch.Generator().manual_seed(0)
+    if config["model_type"] == "vision-encoder-decoder":  # pixels of the encoder's image size
+        size = config["encoder"]["image_size"]
+        return ORTModelForVision2Seq, {"pixel_values": torch.randn(2, 3, size, size, generator=g)}
     if os.path.exists(os.path.join(folder, "preprocessor_config.json")):  # speech: mel features
         return ORTModelForSpeechSeq2Seq, {"input_features": torch.randn(2, 80, 3000, generator=g)}
+    vocab = config["vocab_size"]
     ids = torch.randint(4, vocab, (2, 11), generator=g)
     mask = torch.ones_like(ids)
     mask[1, 8:] = 0  # the second source is 8 tokens, right-padded to 11
@@ -27,9 +34,7 @@ def _inputs(folder: str, vocab: int) -> tuple[type, dict]:
 
 def main(new_tokens: int, out_dir: str, folders: list[str]) -> int:
     for i, folder in enumerate(folders):
-        import json
-        vocab = json.load(open(os.path.join(folder, "config.json")))["vocab_size"]
-        cls, inputs = _inputs(folder, vocab)
+        cls, inputs = _inputs(folder, json.load(open(os.path.join(folder, "config.json"))))
         model = cls.from_pretrained(folder, use_cache=True)
         out = model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                              do_sample=False, num_beams=1, output_scores=True,

@@ -48,7 +48,8 @@ O2_TASK = f"{TASKS[0]}@O2"
 # Encoder-decoders: a folder of encoder_model.onnx, decoder_model.onnx,
 # decoder_with_past_model.onnx and decoder_model_merged.onnx (`export_all` returns the first
 # decoder's path: its folder is the export)
-SEQ2SEQ_TASKS = ("text2text-generation-with-past", "automatic-speech-recognition-with-past")
+SEQ2SEQ_TASKS = ("text2text-generation-with-past", "automatic-speech-recognition-with-past",
+                 "image-to-text-with-past")
 ALL_TASKS = (*TASKS, O2_TASK, *SEQ2SEQ_TASKS)
 VOCAB = 1003  # odd: the vocab padding has something to do
 EXPORT_LAYOUT = 2  # bump when how the folder or the export is made changes (the cache key)
@@ -203,7 +204,7 @@ FAMILIES.update({
 
 # Encoder-decoders as Optimum exports them (a folder of graphs): T5 (relative position
 # bias, no softmax scale, ReLU FFN), Flan-T5, Marian, BART (learned positions shifted by 2,
-# GELU), Whisper
+# GELU), ViT + GPT-2 (an image encoder whose pixels the gate cannot make: kept), Whisper
 # (a speech encoder on mel features, the decoder BART's). `expect`: the decoder's dims.
 _S2S = dict(exporter_weights=True, auto_class="AutoModelForSeq2SeqLM")
 FAMILIES.update({
@@ -237,8 +238,20 @@ FAMILIES.update({
                                                max_source_positions=1500,
                                                max_target_positions=64, **_IDS,
                                                decoder_start_token_id=1),
-                               2, 2, 40, 200, False, SEQ2SEQ_TASKS[1:]),
+                               2, 2, 40, 200, False, SEQ2SEQ_TASKS[1:2]),
                        exporter_weights=True, auto_class="AutoModelForSpeechSeq2Seq"),
+    # VisionEncoderDecoder (ViT + GPT-2 with cross-attention, as image captioners ship):
+    # GPT-2's Conv1D flattens the encoder's output before its cross keys' Gemm
+    "vit_gpt2": replace(_family("vision-encoder-decoder", dict(
+        encoder=dict(model_type="vit", hidden_size=80, num_hidden_layers=2,
+                     num_attention_heads=2, intermediate_size=200, image_size=32,
+                     patch_size=8),
+        decoder=dict(model_type="gpt2", n_embd=80, n_layer=2, n_head=2, n_inner=200,
+                     vocab_size=VOCAB, n_positions=128, add_cross_attention=True,
+                     is_decoder=True, **_IDS),
+        decoder_start_token_id=1, pad_token_id=0, hidden_size=80),
+        2, 2, 40, 200, False, SEQ2SEQ_TASKS[2:]),
+        exporter_weights=True, auto_class="AutoModelForVision2Seq"),
 })
 
 
@@ -273,6 +286,8 @@ def write_checkpoint(name: str, folder: Path) -> Path:
         config = transformers.AutoConfig.for_model(fam.model_type, **fam.config)
         model = transformers.AutoModelForCausalLM.from_config(config).eval().float()
         model.save_pretrained(folder, safe_serialization=True)
+    if fam.auto_class == "AutoModelForVision2Seq":  # pixels in: no tokenizer to write
+        return folder
     if fam.auto_class == "AutoModelForSpeechSeq2Seq":  # mel features in, no tokenizer
         transformers.WhisperFeatureExtractor(
             feature_size=fam.config["num_mel_bins"]).save_pretrained(folder)
@@ -302,7 +317,7 @@ def _key(name: str, task: str) -> str:
 
 def _out_dir(name: str, task: str) -> Path:
     short = {TASKS[0]: "kv", TASKS[1]: "nokv", O2_TASK: "kv-o2", SEQ2SEQ_TASKS[0]: "s2s",
-             SEQ2SEQ_TASKS[1]: "asr"}[task]
+             SEQ2SEQ_TASKS[1]: "asr", SEQ2SEQ_TASKS[2]: "i2t"}[task]
     return _cache_dir() / f"optimum-{_key(name, task)}" / f"{name}-optimum-{short}"
 
 

@@ -1,5 +1,5 @@
-"""Encoder-decoders as Optimum exports them (T5, Flan-T5, Marian, BART, Whisper: a folder of
-encoder_model.onnx, decoder_model.onnx, decoder_with_past_model.onnx and the merged
+"""Encoder-decoders as Optimum exports them (T5, Flan-T5, Marian, BART, Whisper, ViT + GPT-2:
+a folder of encoder_model.onnx, decoder_model.onnx, decoder_with_past_model.onnx and the merged
 decoder; models/optimum.py).
 
 A decoder attends to the encoder's output too (cross-attention): inspect counts its layers
@@ -41,7 +41,11 @@ DECODERS = ("decoder_model.onnx", "decoder_with_past_model.onnx")
 # the MatMul of layer 0's cross-attention keys, by exporter naming (the corrupted copies)
 CROSS_KEY = {"t5": "EncDecAttention/k/MatMul", "flan_t5": "EncDecAttention/k/MatMul",
              "marian": "encoder_attn/k_proj/MatMul", "bart": "encoder_attn/k_proj/MatMul",
-             "whisper": "encoder_attn/k_proj/MatMul"}
+             "whisper": "encoder_attn/k_proj/MatMul", "vit_gpt2": "crossattention/c_attn/Gemm"}
+# the decoders that take the encoder's mask (Whisper's and the image captioner's take none)
+MASKED = ("t5", "flan_t5", "marian", "bart")
+# graphs `tuner pad FOLDER` keeps as they were, and why: the gate makes no pixels
+KEPT = {"vit_gpt2": ("encoder_model.onnx", "pixel_values")}
 
 
 @pytest.fixture(scope="module")
@@ -83,13 +87,15 @@ def test_decoder_reads_as_one_with_cross_attention(exports, family, file):
     if file == "decoder_model.onnx":
         assert roles["encoder_hidden_states"] == "encoder_states"
         assert shape.encoder_input == "encoder_hidden_states" and shape.cache is None
+    elif family == "vit_gpt2":  # GPT-2 recomputes its cross keys every step
+        assert roles["encoder_hidden_states"] == "encoder_states"
+        assert shape.cache is not None and shape.cache.num_layers == 2
     else:
         assert shape.cache is not None and shape.cache.num_layers == 2  # the growing one
         cross = [n for n, r in roles.items() if r == "encoder_cache"]
         assert len(cross) == 4 and all(".encoder." in n for n in cross)
         assert all(r == "kv_cache" for n, r in roles.items() if ".decoder." in n)
-    if family != "whisper":  # Whisper's decoder takes no encoder mask
-        assert roles["encoder_attention_mask"] == "encoder_mask"
+    assert (roles.get("encoder_attention_mask") == "encoder_mask") == (family in MASKED)
     assert roles["input_ids"] == "token_ids"
 
 
@@ -151,8 +157,13 @@ def test_padded_folder_generates_what_the_original_does(exports, family, tmp_pat
     for file in DECODERS:
         shape = inspect_path(out / file)
         assert (shape.ffn_size, shape.vocab_size) == (256, 1024)
-    assert inspect_path(out / "encoder_model.onnx").ffn_size == 256
-    assert _run(["verify", str(exports[family]), str(out)])[0] == 0  # graph by graph
+    if family in KEPT:  # copied as it was, the reason said
+        name, why = KEPT[family]
+        assert f"{name}: kept as it was" in text and why in text
+        assert (out / name).read_bytes() == (exports[family] / name).read_bytes()
+    else:
+        assert inspect_path(out / "encoder_model.onnx").ffn_size == 256
+        assert _run(["verify", str(exports[family]), str(out)])[0] == 0  # graph by graph
     original, padded = optimum.seq2seq_greedy([exports[family], out])
     assert "decoder_model_merged.onnx" in original["files"]  # Optimum ran the merged one
     assert "decoder_model_merged.onnx" not in padded["files"]
@@ -188,8 +199,13 @@ def test_quantized_folder_pads_exactly(exports, tmp_path):
 def test_pad_folder_refusals_write_nothing(exports, tmp_path):
     src = exports["t5"]
     out = tmp_path / "out"
-    code, _, err = _run(["pad", str(src), "-o", str(out), "--head-dim", "64"])
-    assert code == 2 and "cross-attention" in err and not out.exists()
+    decoders = tmp_path / "decoders"  # heads: the decoders keep theirs, so nothing to pad
+    decoders.mkdir()
+    for name in (*DECODERS, "config.json"):
+        shutil.copy2(src / name, decoders / name)
+    code, _, err = _run(["pad", str(decoders), "-o", str(out), "--head-dim", "64"])
+    assert code == 2 and "no graph could be padded" in err and "cross-attention" in err
+    assert not out.exists()
     merged_only = tmp_path / "merged-only"
     merged_only.mkdir()
     for name in ("encoder_model.onnx", "decoder_model_merged.onnx", "config.json"):
@@ -207,6 +223,19 @@ def test_pad_folder_refusals_write_nothing(exports, tmp_path):
     for command in (["inspect", str(src)], ["optimize", str(src), "-o", str(tmp_path / "o")]):
         code, _, err = _run(command)  # one graph expected, a folder given: says which
         assert code == 2 and "decoder_with_past_model.onnx" in err and "tuner pad" in err
+
+
+def test_heads_pad_the_encoder_and_keep_the_decoders(exports, tmp_path):
+    """--head-dim on a folder: the encoder's heads are its own (padded); the decoders hand
+    their cross keys from file to file, so they are kept as they were, and say why."""
+    out = tmp_path / "out"
+    code, text, err = _run(["pad", str(exports["t5"]), "-o", str(out), "--head-dim", "64"])
+    assert code == 0, err
+    assert inspect_path(out / "encoder_model.onnx").head_dim == 64
+    for name in DECODERS:
+        assert f"{name}: kept as it was" in text
+        assert (out / name).read_bytes() == (exports["t5"] / name).read_bytes()
+    assert _run(["verify", str(exports["t5"]), str(out)])[0] == 0
 
 
 def test_verify_folders_graph_by_graph(exports, tmp_path):

@@ -112,6 +112,8 @@ def _pad_folder(src: Path, dst: Path, want, tol, as_json: bool) -> None:
         gated = (f"gate passed over {acc.feeds} feed(s), max abs "
                  f"{max((o.max_abs for o in acc.outputs), default=0.0):.3g}" if acc else "")
         typer.echo(f"  {Path(r.src).name}: {', '.join(r.transforms) or 'nothing'} ({gated})")
+    for name, why in result.kept:
+        typer.echo(f"  {name}: kept as it was ({why})")
     for name in result.copied:
         typer.echo(f"  {name}: copied")
     for why in result.left_out:

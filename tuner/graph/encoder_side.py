@@ -79,9 +79,14 @@ def find_encoder_side(graph: ir.Graph, token_ids: ir.Value | None) -> EncoderSid
                        cache=tuple(v.name for v in crossed))
 
 
+# what may stand between the encoder's output and a projection reading it: GPT-2's Conv1D
+# flattens its input to 2-D for a Gemm (VisionEncoderDecoder's GPT-2 decoder)
+_PASS_THROUGH = ("Cast", "Identity", "Reshape", "Flatten", "Squeeze", "Unsqueeze")
+
+
 def reads_encoder(projection: ir.Node, side: EncoderSide) -> bool:
     """True when a projection (a cross-attention's K or V MatMul) reads the encoder's output,
-    through casts at most."""
+    through casts and reshapes at most."""
     v = projection.inputs[0] if projection.inputs else None
     for _ in range(4):
         if v is None:
@@ -89,7 +94,7 @@ def reads_encoder(projection: ir.Node, side: EncoderSide) -> bool:
         if v.is_graph_input():
             return v.name == side.states
         producer = v.producer()
-        if producer is None or producer.op_type not in ("Cast", "Identity"):
+        if producer is None or producer.op_type not in _PASS_THROUGH:
             return False
         v = producer.inputs[0]
     return False

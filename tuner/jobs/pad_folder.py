@@ -8,9 +8,10 @@ its config and tokenizer:
     decoder_with_past_model.onnx  every later step (takes them, and its own cache)
     decoder_model_merged.onnx     the two decoders again, inside an If (left out: see below)
 
-Each graph gets the same multiples (each pads what it has), is gated against its original on
-its own (tuner.jobs.pad.pad_file), and OUT appears only when every one passed; every other
-file is copied. The padded folder loads where the original did (Optimum's
+Each graph gets the same multiples (each pads what it has) and is gated against its original
+on its own (tuner.jobs.pad.pad_file); OUT appears only when every padded graph passed. A
+graph no rewrite or gate here takes (a refused rewrite, inputs the gate cannot make: an image
+encoder's pixels) is kept as it was, with the reason; every other file is copied. The padded folder loads where the original did (Optimum's
 ORTModelForSeq2SeqLM, its own generation loop): the padded logits are sliced back, so every
 graph keeps its inputs and outputs. The merged decoder is left out (its layers sit inside an
 If that no rewrite reads): without it, Optimum loads the two plain decoders.
@@ -54,12 +55,14 @@ class FolderResult:
     dst: str
     padded: tuple[PadResult, ...]
     copied: tuple[str, ...]  # file names copied unchanged (graphs already aligned, config)
+    kept: tuple[tuple[str, str], ...]  # graphs copied unpadded, as they could not be: (name, why)
     left_out: tuple[str, ...]  # graphs not written, each with the reason
 
     def to_json(self) -> dict:
         return {"src": self.src, "dst": self.dst,
-                "padded": [r.to_json() for r in self.padded],
-                "copied": list(self.copied), "left_out": list(self.left_out)}
+                "padded": [r.to_json() for r in self.padded], "copied": list(self.copied),
+                "kept": [{"graph": name, "reason": why} for name, why in self.kept],
+                "left_out": list(self.left_out)}
 
 
 def _request(path: Path, want: Multiples) -> PadRequest:
@@ -96,32 +99,48 @@ def _graphs(src: Path) -> tuple[list[Path], list[str]]:
 def pad_folder(src: Path, dst: Path, want: Multiples,
                tolerance: Tolerance = Tolerance()) -> FolderResult:
     """Pad every graph of `src` (see the module's docstring) into `dst`, written whole or not
-    at all. NotExact (tuner.jobs.pad) when a graph fails its gate; BadInput on a rewrite
-    refused for any of them."""
+    at all. NotExact (tuner.jobs.pad) when a padded graph fails its gate; BadInput when no
+    graph could be padded (each one's reason said)."""
     src, dst = Path(src), Path(dst)
     if dst.resolve() == src.resolve():
         raise BadInput(f"{dst}: refusing to overwrite the input folder")
     graphs, left_out = _graphs(src)
-    requests = {path: _request(path, want) for path in graphs}  # refusals before any work
     ensure_writable_dir(dst.parent, f"padded folder {dst.name}")
     stage = Path(tempfile.mkdtemp(dir=dst.parent, prefix=f".{dst.name}."))
     try:
-        padded, copied = [], []
-        # every graph's files, the merged decoder's too: not copied as "other files"
-        taken = {f for path in src.glob("*.onnx") for f in model_files(path)}
-        for path, req in requests.items():
-            if req.empty:
-                for f in model_files(path):
-                    shutil.copy2(f, stage / f.name)
-                copied.append(path.name)
-            else:
-                padded.append(pad_file(path, stage / path.name, req, tolerance=tolerance))
-        for f in sorted(src.iterdir()):
-            if f.is_file() and f not in taken:
-                shutil.copy2(f, stage / f.name)  # config, tokenizer, generation config
-                copied.append(f.name)
+        padded, copied, kept = [], [], []
+        for path in graphs:
+            try:
+                req = _request(path, want)
+                if not req.empty:
+                    padded.append(pad_file(path, stage / path.name, req, tolerance=tolerance))
+                    continue
+                copied.append(path.name)  # already aligned
+            except BadInput as e:  # the graph as it was: exact, and said
+                kept.append((path.name, str(e)))
+            _copy_graph(path, stage)
+        if not padded:
+            raise BadInput(f"{src}: no graph could be padded"
+                           + "".join(f"; {name}: {why}" for name, why in kept) if kept else
+                           f"{src}: every graph is aligned already: nothing to pad")
+        copied += _copy_others(src, stage)
         swap_dir_into_place(stage, dst)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
-    return FolderResult(str(src), str(dst), tuple(padded), tuple(copied), tuple(left_out))
+    return FolderResult(str(src), str(dst), tuple(padded), tuple(copied), tuple(kept),
+                        tuple(left_out))
+
+
+def _copy_graph(path: Path, stage: Path) -> None:
+    for f in model_files(path):  # the graph and its external data
+        shutil.copy2(f, stage / f.name)
+
+
+def _copy_others(src: Path, stage: Path) -> list[str]:
+    """Every file of `src` that is no graph's (config, tokenizer, generation config)."""
+    taken = {f for path in src.glob("*.onnx") for f in model_files(path)}  # merged one too
+    others = [f for f in sorted(src.iterdir()) if f.is_file() and f not in taken]
+    for f in others:
+        shutil.copy2(f, stage / f.name)
+    return [f.name for f in others]
