@@ -287,6 +287,9 @@ def test_decoder_served_as_a_tensor_model(exports, tmp_path):
                          "--bucket-rounds", "1", "--max-buckets", "2"])
     assert code == 0, err
     assert "tensor model" in (art / "report.md").read_text()
+    code, _, err = _run(["optimize", str(exports["bart"] / "decoder_with_past_model.onnx"),
+                         "-o", str(tmp_path / "later")])  # a step against a cache: refused
+    assert code == 2 and "one token against a cache" in err and not (tmp_path / "later").exists()
     sess = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"])
     port, http_port = free_port(), free_port()
     proc = serve_process(art, port, "bart", "--max-batch", "4", "--http-port", str(http_port))

@@ -148,8 +148,12 @@ def cache_record(model: ir.Model) -> CacheRecord:
     specs = input_specs(model)  # roles from the structure (tuner.graph.roles)
     crossing = [s.name for s in specs if s.role in ENCODER_ROLES]
     if crossing:  # the engine's steps carry no encoder: nothing would feed these
-        raise BadInput(f"an encoder-decoder's decoder (it takes {', '.join(crossing)} from its "
-                       "encoder): its generation is not served; `tuner pad` pads it exactly")
+        raise BadInput(f"an encoder-decoder's with-past decoder (it takes "
+                       f"{', '.join(crossing[:2])}... from its encoder): its generation is "
+                       "not served, and its steps are one token against a cache, which "
+                       "optimize's forward passes do not measure; `tuner pad FOLDER` pads the "
+                       "export, and its decoder_model.onnx is optimized and served as a "
+                       "tensor model")
     ids, mask = with_role(specs, TOKEN_IDS), with_role(specs, ATTENTION_MASK)
     pos = with_role(specs, POSITION_IDS)
     if ids is None:

@@ -107,7 +107,7 @@ def workload_for(cfg, model: ir.Model, shape: ModelShape, vocab: int) -> Workloa
     """The one place the kind of model is asked: a decoder exported with its KV cache is
     measured by prefill and decode, anything else (an encoder-decoder's too) by its forward."""
     positions = max_positions(model, shape)
-    if has_cache(model) and not shape.cross_attention:
+    if has_cache(model):  # an encoder-decoder's with-past file: refused by cache_record
         return DecoderWorkload(cfg, cache_record(model), shape.cache, vocab, positions)
     return PlainWorkload(cfg, input_specs(model), vocab, positions)
 

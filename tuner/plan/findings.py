@@ -183,8 +183,10 @@ def _encoder_decoder(shape: ModelShape) -> list[Finding]:
                     "blocks): `tuner pad` pads its FFN width and vocabulary exactly, and `tuner "
                     "pad EXPORT_FOLDER` an Optimum export's encoder and decoders together (a "
                     "folder Optimum's ORTModelForSeq2SeqLM loads); its heads are not padded; "
-                    "`tuner optimize` and `tuner serve` take it as a tensor model (one forward "
-                    "pass per request: the generation loop stays the client's)")]
+                    + ("`tuner optimize` does not take a with-past step (one token against a "
+                       "cache, not what its forward passes measure)" if shape.cache else
+                       "`tuner optimize` and `tuner serve` take it as a tensor model (one "
+                       "forward pass per request: the generation loop stays the client's)"))]
 
 
 QUANTIZED_OPS = ("MatMulNBits", "DynamicQuantizeMatMul", "MatMulIntegerToFloat",
