@@ -100,9 +100,8 @@ def render_inputs(specs: list[InputSpec], console: Console) -> None:
 
 def render(shape: ModelShape, console: Console) -> None:
     where = _where(shape)
-    kind = shape.kind + (" (of an encoder-decoder)" if shape.cross_attention else "") + (
-        " (ORT-optimized: " + ", ".join(shape.fused_ops) + ")"
-                         if shape.optimized else "")
+    kind = shape.kind + (" (of an encoder-decoder)" if shape.cross_attention else "")
+    kind += (" (ORT-optimized: " + ", ".join(shape.fused_ops) + ")") if shape.optimized else ""
     table = Table(title=f"{kind} transformer", title_justify="left")
     table.add_column("dimension")
     table.add_column("value", justify="right")

@@ -9,7 +9,8 @@ length, a symbol the decoder's tokens do not carry:
     decoder_with_past_model  past_key_values.N.encoder.key/value (B, heads, E, d)   ditto mask
 
 The with-past file's cross keys/values are a cache that never grows: no Concat appends to
-them (tuner.graph.kv_cache does not pair them with a present). Found by shapes and symbols
+them (tuner.graph.kv_cache does not pair them with a present). A GPT-2 decoder under an image
+encoder (VisionEncoderDecoder) takes encoder_hidden_states at every step instead. Found by shapes and symbols
 only: a float input of rank 3 along a length other than the tokens', or a past of rank 4 that
 no Concat appends to, along a length other than the growing cache's; the mask is the 2-D input
 along that same length.
@@ -34,10 +35,6 @@ class EncoderSide:
     states: str | None  # the encoder's output (decoder_model), None in the with-past file
     mask: str | None  # the encoder's attention mask (Whisper's decoder takes none)
     cache: tuple[str, ...] = ()  # cross-attention keys and values (the with-past file)
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        return tuple(n for n in (self.states, self.mask, *self.cache) if n is not None)
 
 
 def _dims(v: ir.Value) -> tuple:

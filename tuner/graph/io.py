@@ -79,8 +79,7 @@ def _offset(indices: ir.Value | None) -> int:
     if producer is None or producer.op_type != "Add":
         return 0
     shifts = [const_scalar(v) for v in producer.inputs]
-    shift = next((int(c) for c in shifts if c is not None and c == int(c) and c > 0), 0)
-    return shift
+    return next((int(c) for c in shifts if c is not None and c == int(c) and c > 0), 0)
 
 
 def max_positions(model: ir.Model, shape: ModelShape) -> int | None:

@@ -11,10 +11,11 @@ its config and tokenizer:
 Each graph gets the same multiples (each pads what it has) and is gated against its original
 on its own (tuner.jobs.pad.pad_file); OUT appears only when every padded graph passed. A
 graph no rewrite or gate here takes (a refused rewrite, inputs the gate cannot make: an image
-encoder's pixels) is kept as it was, with the reason; every other file is copied. The padded folder loads where the original did (Optimum's
-ORTModelForSeq2SeqLM, its own generation loop): the padded logits are sliced back, so every
-graph keeps its inputs and outputs. The merged decoder is left out (its layers sit inside an
-If that no rewrite reads): without it, Optimum loads the two plain decoders.
+encoder's pixels) is kept as it was, with the reason; every other file is copied. The padded
+folder loads where the original did (Optimum's ORTModelForSeq2SeqLM, its own generation
+loop): the padded logits are sliced back, so every graph keeps its inputs and outputs. The
+merged decoder is left out (its layers sit inside an If that no rewrite reads): without it,
+Optimum loads the two plain decoders.
 """
 
 from __future__ import annotations
@@ -49,13 +50,14 @@ class Multiples:
 
 @dataclass(frozen=True)
 class FolderResult:
-    """Each graph padded (or copied as it was: nothing of it to pad), and what was left out."""
+    """Each graph padded, copied (aligned already) or kept (not paddable), and what was left
+    out."""
 
     src: str
     dst: str
     padded: tuple[PadResult, ...]
     copied: tuple[str, ...]  # file names copied unchanged (graphs already aligned, config)
-    kept: tuple[tuple[str, str], ...]  # graphs copied unpadded, as they could not be: (name, why)
+    kept: tuple[tuple[str, str], ...]  # (graph, why) copied unpadded: it could not be
     left_out: tuple[str, ...]  # graphs not written, each with the reason
 
     def to_json(self) -> dict:
