@@ -49,7 +49,8 @@ def pad_cmd(
     decoder_model.onnx, decoder_with_past_model.onnx), every graph in it is padded with the
     same multiples and gated on its own; OUT is a copy of the folder (config, tokenizer) with
     the padded graphs, written only when all of them passed, and loads where the original
-    did (Optimum's ORTModelForSeq2SeqLM)."""
+    did (Optimum's ORTModelForSeq2SeqLM). A graph that cannot be padded is copied as it was,
+    and the output says why."""
     from tuner.gate.verify import Tolerance
     from tuner.graph.inspect import inspect_model
     from tuner.graph.load import load_model
