@@ -1,7 +1,8 @@
 """Run INSIDE the Optimum environment (models/optimum.py starts it): export each job of a
-JSON list [[checkpoint folder, task, output folder, optimization level or null], ...] with
-optimum's main_export (`optimize`: its ONNX Runtime optimization, e.g. "O2"), in one
-process so that torch and transformers are imported once. Imports nothing of ours.
+JSON list [[checkpoint folder, task, output folder, optimization level or null, dtype], ...]
+with optimum's main_export (`optimize`: its ONNX Runtime optimization, e.g. "O2"; dtype
+"fp32" or "fp16"), in one process so that torch and transformers are imported once.
+Imports nothing of ours.
 
 A checkpoint folder holding `random_model.json` ({"model_type", "config", "seed",
 "auto_class"}) instead of weights gets them here, from this environment's transformers: a
@@ -33,11 +34,11 @@ def _random_weights(checkpoint: str) -> None:
 
 def main(jobs_file: str) -> int:
     versions = {p: metadata.version(p) for p in ("optimum-onnx", "optimum", "transformers", "torch")}
-    for checkpoint, task, output, optimize in json.loads(open(jobs_file).read()):
+    for checkpoint, task, output, optimize, dtype in json.loads(open(jobs_file).read()):
         _random_weights(checkpoint)
         # do_validation=False: optimum's own check runs ORT against torch; the graph is the same
         main_export(checkpoint, output, task=task, local_files_only=True, do_validation=False,
-                    optimize=optimize)
+                    optimize=optimize, dtype=dtype, device="cpu")
         with open(f"{output}/exporter.json", "w") as f:
             json.dump(versions, f, indent=1)
     return 0

@@ -4,6 +4,7 @@ BART, Whisper: a folder of graphs, tests/test_seq2seq.py).
 
     python -m models.optimum llama --task text-generation-with-past -o llama-optimum/
     python -m models.optimum gptj --task text-generation-with-past@O2   # optimized (--optimize O2)
+    python -m models.optimum llama --task text-generation-with-past@fp16  # --dtype fp16
     python -m models.optimum t5 --task text2text-generation-with-past
     python -m models.optimum --list
 
@@ -45,12 +46,14 @@ TASKS = ("text-generation-with-past", "text-generation")
 # The with-past export run through Optimum's own ONNX Runtime optimization (`--optimize O2`:
 # fused LayerNorm/SkipLayerNorm, GELU, and attention where its optimizer knows the model)
 O2_TASK = f"{TASKS[0]}@O2"
+# The with-past export in half precision (`--dtype fp16`, which Optimum runs on the CPU too)
+FP16_TASK = f"{TASKS[0]}@fp16"
 # Encoder-decoders: a folder of encoder_model.onnx, decoder_model.onnx,
 # decoder_with_past_model.onnx and decoder_model_merged.onnx (`export_all` returns the first
 # decoder's path: its folder is the export)
 SEQ2SEQ_TASKS = ("text2text-generation-with-past", "automatic-speech-recognition-with-past",
                  "image-to-text-with-past")
-ALL_TASKS = (*TASKS, O2_TASK, *SEQ2SEQ_TASKS)
+ALL_TASKS = (*TASKS, O2_TASK, FP16_TASK, *SEQ2SEQ_TASKS)
 VOCAB = 1003  # odd: the vocab padding has something to do
 EXPORT_LAYOUT = 2  # bump when how the folder or the export is made changes (the cache key)
 
@@ -316,22 +319,25 @@ def _key(name: str, task: str) -> str:
 
 
 def _out_dir(name: str, task: str) -> Path:
-    short = {TASKS[0]: "kv", TASKS[1]: "nokv", O2_TASK: "kv-o2", SEQ2SEQ_TASKS[0]: "s2s",
+    short = {TASKS[0]: "kv", TASKS[1]: "nokv", O2_TASK: "kv-o2", FP16_TASK: "kv-fp16",
+             SEQ2SEQ_TASKS[0]: "s2s",
              SEQ2SEQ_TASKS[1]: "asr", SEQ2SEQ_TASKS[2]: "i2t"}[task]
     return _cache_dir() / f"optimum-{_key(name, task)}" / f"{name}-optimum-{short}"
 
 
-def _job(checkpoint: Path, task: str, out: Path) -> tuple[str, str, str, str | None]:
-    """[checkpoint, task, output, optimization level or None]: one line of jobs.json."""
-    base, _, level = task.partition("@")
-    return str(checkpoint), base, str(out), level or None
+def _job(checkpoint: Path, task: str, out: Path) -> tuple[str, str, str, str | None, str]:
+    """[checkpoint, task, output, optimization level or None, dtype]: one line of jobs.json
+    (a task's "@O2" is an optimization level, its "@fp16" a dtype)."""
+    base, _, option = task.partition("@")
+    dtype = option if option == "fp16" else "fp32"
+    return str(checkpoint), base, str(out), (option or None) if dtype == "fp32" else None, dtype
 
 
 def export_all(cells: list[tuple[str, str]], outs: list[Path] | None = None) -> list[Path]:
     """Export each (family, task) with Optimum into its cache folder (or `outs`), in one
     Optimum process; returns each model.onnx. Each folder is written whole or not at all.
-    A task is one of TASKS, O2_TASK (the with-past export, optimized) or one of
-    SEQ2SEQ_TASKS (returned: the folder's decoder_model.onnx)."""
+    A task is one of TASKS, O2_TASK (the with-past export, optimized), FP16_TASK (in half
+    precision) or one of SEQ2SEQ_TASKS (returned: the folder's decoder_model.onnx)."""
     for name, task in cells:
         if name not in FAMILIES or task not in ALL_TASKS:
             raise ValueError(f"no Optimum export {name!r} / {task!r}; families: "
@@ -364,7 +370,7 @@ def _export(todo: list[tuple[tuple[str, str], Path]]) -> None:
         if done.returncode != 0:
             raise RuntimeError(f"optimum could not export {[c for c, _ in todo]}: "
                                f"{(done.stderr or done.stdout)[-3000:]}")
-        for (_, _, made, _), (_, out) in zip(jobs, todo):
+        for (_, _, made, _, _), (_, out) in zip(jobs, todo):
             out.parent.mkdir(parents=True, exist_ok=True)
             if out.exists():
                 shutil.rmtree(out)

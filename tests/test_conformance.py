@@ -55,11 +55,14 @@ class Cell:
 # Optimum's --optimize O2 (ONNX Runtime's transformer optimizer inside the export) on the
 # families its optimizer knows: fused SkipLayerNorm / LayerNorm / FastGelu / BiasGelu
 O2_FAMILIES = ("gpt2", "llama", "gpt_neox", "gptj", "gpt_bigcode", "granite")
+# Optimum's --dtype fp16 (on the CPU): half-precision weights, cache and logits
+FP16_FAMILIES = ("llama", "qwen3", "phi3")
 # Families every command but inspect refuses with exit 2, and words of the reason
 REFUSED = {"deepseek_v3": "keys and values have head dims of their own (keys 24 and values 16"}
 CELLS = ([Cell("optimum", f, kv) for f, fam in optimum.FAMILIES.items() for kv in (True, False)
           if (KV_TASK if kv else PLAIN_TASK) in fam.tasks and f not in REFUSED]
          + [Cell("optimum-O2", f, True) for f in O2_FAMILIES]
+         + [Cell("optimum-fp16", f, True) for f in FP16_FAMILIES]
          + [Cell(e, f, True) for f in build.KV_FAMILIES for e in build.EXPORTERS]
          + [Cell("torchscript", "qwen2", False), Cell("dynamo", "phi3", False),
             Cell("dynamo", "gemma", False), Cell("torchscript", "llama", False)])
@@ -90,6 +93,8 @@ def optimum_exports() -> dict[tuple[str, bool], Path]:
 def _task(cell: Cell) -> str:
     if cell.exporter == "optimum-O2":
         return optimum.O2_TASK
+    if cell.exporter == "optimum-fp16":
+        return optimum.FP16_TASK
     return KV_TASK if cell.kv else PLAIN_TASK
 
 
@@ -130,7 +135,8 @@ def _ort_greedy(path: Path, prompt: list[int], steps: int) -> list[int]:
     sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     inputs = {i.name: i for i in sess.get_inputs()}
     outputs = [o.name for o in sess.get_outputs()]
-    past = {n: np.zeros((1, i.shape[1], 0, i.shape[3]), np.float32)  # (B, kv_heads, 0, d)
+    past = {n: np.zeros((1, i.shape[1], 0, i.shape[3]),  # (B, kv_heads, 0, d)
+                        np.float16 if i.type == "tensor(float16)" else np.float32)
             for n, i in inputs.items() if n.startswith("past_key_values")}
     ids, done, got = np.array([prompt], np.int64), 0, []
     for _ in range(steps):
