@@ -220,9 +220,22 @@ def test_pad_folder_refusals_write_nothing(exports, tmp_path):
     code, _, err = _run(["pad", str(src), "-o", str(out), "--ffn-multiple", "64"])
     assert code == 2 and "--force" in err
     assert not list(tmp_path.glob(".out.*"))  # no staging folder left behind
-    for command in (["inspect", str(src)], ["optimize", str(src), "-o", str(tmp_path / "o")]):
-        code, _, err = _run(command)  # one graph expected, a folder given: says which
-        assert code == 2 and "decoder_with_past_model.onnx" in err and "tuner pad" in err
+    code, _, err = _run(["optimize", str(src), "-o", str(tmp_path / "o")])
+    assert code == 2 and "decoder_with_past_model.onnx" in err and "`pad`" in err  # one graph
+
+
+def test_inspect_a_folder(exports):
+    """Each graph of the export in turn; the merged decoder named, not read."""
+    code, out, err = _run(["inspect", str(exports["bart"]), "--json"])
+    assert code == 0, err
+    folder = json.loads(out)
+    assert sorted(folder["graphs"]) == sorted(["encoder_model.onnx", *DECODERS])
+    assert folder["merged"] == ["decoder_model_merged.onnx"]
+    assert folder["graphs"]["decoder_model.onnx"]["cross_attention"] == 2
+    assert folder["graphs"]["encoder_model.onnx"]["kind"] == "encoder"
+    code, out, _ = _run(["inspect", str(exports["bart"])])
+    assert code == 0 and out.count("decoder (of an encoder-decoder) transformer") == 2
+    assert "encoder transformer" in out and "a merged decoder" in out
 
 
 def test_heads_pad_the_encoder_and_keep_the_decoders(exports, tmp_path):

@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tuner.cli.app import app, roles_option, with_roles, write_out
+from tuner.errors import BadInput
 
 if TYPE_CHECKING:
     from tuner.graph.roles import InputSpec
@@ -144,7 +145,8 @@ def render(shape: ModelShape, console: Console) -> None:
 @app.command("inspect")
 @with_roles
 def inspect(
-    model: Path = typer.Argument(..., help="the exported model (.onnx; external data beside it)"),
+    model: Path = typer.Argument(..., help="the exported model (.onnx; external data beside "
+                                 "it), or an export folder (each of its graphs)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object (docs/design.md contract)"),
     device: str = typer.Option("cpu", "--device", help="hardware facts for the findings: "
                                "a100, h100, h200 or cpu"),
@@ -152,18 +154,17 @@ def inspect(
                                help="rows per GEMM (batch x sequence) for the wave findings"),
     roles: list[str] = roles_option(),
 ) -> None:
-    """Find the transformer's dimensions, where each lives in the graph, and shape findings."""
-    from tuner.graph.inspect import inspect_path
-    from tuner.graph.roles import input_specs
+    """Find the transformer's dimensions, where each lives in the graph, and shape findings.
+    Given an export folder (an Optimum encoder-decoder), each of its graphs in turn."""
     from tuner.hardware.facts import device_facts
-    from tuner.plan.findings import audited
 
     device_facts(device)  # an unknown device is bad input before any file is read
-    shape = audited(inspect_path(model), device=device, tokens=tokens)
-    specs = input_specs(model)
+    if model.is_dir():
+        write_out(_folder_text(model, as_json, device, tokens))
+        return
+    shape, specs = _read(model, device, tokens)
     if as_json:
-        text = json.dumps({**shape.to_json(), "inputs": [s.to_json() for s in specs]},
-                          indent=2) + "\n"
+        text = json.dumps(_as_json(shape, specs), indent=2) + "\n"
     else:
         # rendered to a string, then written in one go: rich would turn a reader that went
         # away (`tuner inspect X | head`) into its own silent exit 1; a plain write raises
@@ -174,3 +175,41 @@ def inspect(
         render_inputs(specs, console)
         text = buffer.getvalue()
     write_out(text)
+
+
+def _read(path: Path, device: str, tokens: int):
+    from tuner.graph.inspect import inspect_path
+    from tuner.graph.roles import input_specs
+    from tuner.plan.findings import audited
+
+    return audited(inspect_path(path), device=device, tokens=tokens), input_specs(path)
+
+
+def _as_json(shape: ModelShape, specs: list[InputSpec]) -> dict:
+    return {**shape.to_json(), "inputs": [s.to_json() for s in specs]}
+
+
+def _folder_text(folder: Path, as_json: bool, device: str, tokens: int) -> str:
+    """Every graph of an export folder (a merged decoder named, not read: its branches are
+    the plain decoders beside it); --json: {"graphs": {file: inspect's object}, ...}."""
+    from tuner.graph.load import load_model
+    from tuner.graph.merged import layers_inside
+
+    paths = sorted(folder.glob("*.onnx"))
+    if not paths:
+        raise BadInput(f"{folder}: a folder without .onnx graphs")
+    merged = [p.name for p in paths if layers_inside(load_model(p, merged_ok=True)) is not None]
+    read = {p.name: _read(p, device, tokens) for p in paths if p.name not in merged}
+    if as_json:
+        return json.dumps({"graphs": {n: _as_json(*r) for n, r in read.items()},
+                           "merged": merged}, indent=2) + "\n"
+    buffer = io.StringIO()
+    console = Console(file=buffer, width=160, force_terminal=sys.stdout.isatty())
+    for name, (shape, specs) in read.items():
+        console.rule(name)
+        render(shape, console)
+        render_inputs(specs, console)
+    for name in merged:
+        console.print(f"{name}: a merged decoder (layers inside an If): its branches are the "
+                      "plain decoders beside it", highlight=False, markup=False)
+    return buffer.getvalue()

@@ -99,8 +99,8 @@ def folder_hint(p: Path) -> str:
     graphs = sorted(f.name for f in p.glob("*.onnx")) if p.is_dir() else []
     if not graphs:
         return ""
-    return (f"a folder of graphs ({', '.join(graphs)}), not one: give one of them; `tuner "
-            "pad` takes the whole folder")
+    return (f"a folder of graphs ({', '.join(graphs)}), not one: give one of them (`tuner "
+            "inspect`, `pad` and `verify` take the whole folder)")
 
 
 def read_proto(path: str | os.PathLike) -> onnx.ModelProto:
