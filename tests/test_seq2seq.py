@@ -238,6 +238,27 @@ def test_inspect_a_folder(exports):
     assert "encoder transformer" in out and "a merged decoder" in out
 
 
+def test_a_decoder_only_folder_beside_its_merged_copy(tmp_path):
+    """Optimum's decoder-only export folder (model.onnx, tokenizer) with the legacy merged
+    decoder beside it: model.onnx padded (its cache gated by rollouts), the merged one left
+    out, the tokenizer copied: no encoder-decoder needed for a folder."""
+    kv = optimum.cached("llama")
+    src = tmp_path / "llama"
+    src.mkdir()
+    for f in kv.parent.iterdir():
+        if f.suffix != ".onnx" or f.name == "model.onnx":
+            shutil.copy2(f, src / f.name)
+    shutil.copy2(optimum.merged("llama"), src / "decoder_model_merged.onnx")
+    out = tmp_path / "out"
+    code, text, err = _run(["pad", str(src), "-o", str(out), "--vocab-multiple", "64",
+                            "--head-dim", "32"])
+    assert code == 0, err
+    assert "model.onnx: vocab 1003->1024, head_dim 24->32" in text
+    assert "left out decoder_model_merged.onnx" in text
+    assert sorted(p.name for p in out.glob("*.onnx")) == ["model.onnx"]
+    assert (out / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
+
+
 def test_heads_pad_the_encoder_and_keep_the_decoders(exports, tmp_path):
     """--head-dim on a folder: the encoder's heads are its own (padded); the decoders hand
     their cross keys from file to file, so they are kept as they were, and say why."""

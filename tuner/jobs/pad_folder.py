@@ -15,7 +15,8 @@ encoder's pixels) is kept as it was, with the reason; every other file is copied
 folder loads where the original did (Optimum's ORTModelForSeq2SeqLM, its own generation
 loop): the padded logits are sliced back, so every graph keeps its inputs and outputs. The
 merged decoder is left out (its layers sit inside an If that no rewrite reads): without it,
-Optimum loads the two plain decoders.
+Optimum loads the two plain decoders. A decoder-only export folder (model.onnx beside its
+tokenizer, and the legacy merged decoder or quantized copies) is padded the same way.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from tuner.graph.inspect import inspect_model
 from tuner.graph.io import model_files
 from tuner.graph.load import load_model
 from tuner.graph.merged import layers_inside
+from tuner.graph.shape import ModelShape
 from tuner.jobs.pad import PadResult, pad_file
 from tuner.rewrite.compose import PadRequest
 from tuner.util.files import ensure_writable_dir, swap_dir_into_place
@@ -67,10 +69,9 @@ class FolderResult:
                 "left_out": list(self.left_out)}
 
 
-def _request(path: Path, want: Multiples) -> PadRequest:
+def _request(shape: ModelShape, want: Multiples) -> PadRequest:
     """`want` for one graph: the vocabulary only where it has an LM head (the encoder has
     none), the FFN only where it has one."""
-    shape = inspect_model(load_model(path))
     return PadRequest.from_multiples(
         shape, ffn_multiple=want.ffn_multiple if shape.ffn_size else None,
         vocab_multiple=want.vocab_multiple if shape.vocab_size else None,
@@ -78,20 +79,28 @@ def _request(path: Path, want: Multiples) -> PadRequest:
         cache_policy=want.cache_policy)
 
 
-def _graphs(src: Path) -> tuple[list[Path], list[str]]:
-    """The folder's graphs to pad, and those left out (the merged decoder, with why)."""
-    graphs, left_out = [], []
+def _shape(path: Path) -> ModelShape | BadInput:
+    try:
+        return inspect_model(load_model(path))
+    except BadInput as e:  # not a transformer inspect reads: kept as it was
+        return e
+
+
+def _graphs(src: Path) -> tuple[dict[Path, ModelShape | BadInput], list[str]]:
+    """The folder's graphs to pad, each with its shape (or why it has none), and those left
+    out (the merged decoder, with why)."""
+    graphs, left_out = {}, []
     for path in sorted(src.glob("*.onnx")):
         if layers_inside(load_model(path, merged_ok=True)) is not None:
             left_out.append(f"{path.name}: its layers sit inside control flow (Optimum's merged "
                             "decoder); the plain decoders beside it are padded instead")
         else:
-            graphs.append(path)
+            graphs[path] = _shape(path)
     if not graphs:
         raise BadInput(f"{src}: no .onnx graph to pad in the folder"
                        + (f" ({'; '.join(left_out)})" if left_out else ""))
-    names = {p.name for p in graphs}
-    if left_out and "decoder_model.onnx" not in names:
+    heads = [s for s in graphs.values() if isinstance(s, ModelShape) and s.vocab_size]
+    if left_out and not heads:  # the export's only decoder is the merged one
         raise BadInput(f"{src}: the decoder is only there merged ({left_out[0].split(':')[0]}); "
                        "export with `optimum-cli export onnx --no-post-process` to get "
                        "decoder_model.onnx and decoder_with_past_model.onnx")
@@ -111,9 +120,11 @@ def pad_folder(src: Path, dst: Path, want: Multiples,
     stage = Path(tempfile.mkdtemp(dir=dst.parent, prefix=f".{dst.name}."))
     try:
         padded, copied, kept = [], [], []
-        for path in graphs:
+        for path, shape in graphs.items():
             try:
-                req = _request(path, want)
+                if isinstance(shape, BadInput):
+                    raise shape
+                req = _request(shape, want)
                 if not req.empty:
                     padded.append(pad_file(path, stage / path.name, req, tolerance=tolerance))
                     continue
