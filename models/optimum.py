@@ -53,7 +53,9 @@ FP16_TASK = f"{TASKS[0]}@fp16"
 # decoder's path: its folder is the export)
 SEQ2SEQ_TASKS = ("text2text-generation-with-past", "automatic-speech-recognition-with-past",
                  "image-to-text-with-past")
-ALL_TASKS = (*TASKS, O2_TASK, FP16_TASK, *SEQ2SEQ_TASKS)
+# Image transformers (ViT, CLIP's and SigLIP's vision towers): pixels in, hidden states out
+VISION_TASK = "feature-extraction"
+ALL_TASKS = (*TASKS, O2_TASK, FP16_TASK, *SEQ2SEQ_TASKS, VISION_TASK)
 VOCAB = 1003  # odd: the vocab padding has something to do
 EXPORT_LAYOUT = 2  # bump when how the folder or the export is made changes (the cache key)
 
@@ -207,7 +209,7 @@ FAMILIES.update({
 
 # Encoder-decoders as Optimum exports them (a folder of graphs): T5 (relative position
 # bias, no softmax scale, ReLU FFN), Flan-T5, Marian, BART (learned positions shifted by 2,
-# GELU), ViT + GPT-2 (an image encoder whose pixels the gate cannot make: kept), Whisper
+# GELU), ViT + GPT-2 (an image encoder, then GPT-2 with cross-attention), Whisper
 # (a speech encoder on mel features, the decoder BART's). `expect`: the decoder's dims.
 _S2S = dict(exporter_weights=True, auto_class="AutoModelForSeq2SeqLM")
 FAMILIES.update({
@@ -256,6 +258,17 @@ FAMILIES.update({
         2, 2, 40, 200, False, SEQ2SEQ_TASKS[2:]),
         exporter_weights=True, auto_class="AutoModelForVision2Seq"),
 })
+# Vision towers with SigLIP-so400m's awkward head dim (72) on a 4 x 4 grid of 8-pixel patches
+# (ViT and CLIP add a class token: 17 positions; SigLIP 16); no LM head, no tokenizer
+_VISION = dict(hidden_size=144, num_hidden_layers=2, num_attention_heads=2,
+               intermediate_size=200, image_size=32, patch_size=8)
+FAMILIES.update({
+    name: replace(_family(kind, dict(_VISION), 2, 2, 72, 200, False, (VISION_TASK,)),
+                  expect=dict(num_layers=2, hidden_size=144, num_heads=2, head_dim=72,
+                              ffn_size=200, kind="encoder"),
+                  exporter_weights=True, auto_class="AutoModel")
+    for name, kind in (("vit", "vit"), ("clip_vision", "clip_vision_model"),
+                       ("siglip_vision", "siglip_vision_model"))})
 
 
 def main_file(task: str) -> str:
@@ -289,7 +302,7 @@ def write_checkpoint(name: str, folder: Path) -> Path:
         config = transformers.AutoConfig.for_model(fam.model_type, **fam.config)
         model = transformers.AutoModelForCausalLM.from_config(config).eval().float()
         model.save_pretrained(folder, safe_serialization=True)
-    if fam.auto_class == "AutoModelForVision2Seq":  # pixels in: no tokenizer to write
+    if fam.auto_class in ("AutoModelForVision2Seq", "AutoModel"):  # pixels in: no tokenizer
         return folder
     if fam.auto_class == "AutoModelForSpeechSeq2Seq":  # mel features in, no tokenizer
         transformers.WhisperFeatureExtractor(
@@ -321,7 +334,7 @@ def _key(name: str, task: str) -> str:
 def _out_dir(name: str, task: str) -> Path:
     short = {TASKS[0]: "kv", TASKS[1]: "nokv", O2_TASK: "kv-o2", FP16_TASK: "kv-fp16",
              SEQ2SEQ_TASKS[0]: "s2s",
-             SEQ2SEQ_TASKS[1]: "asr", SEQ2SEQ_TASKS[2]: "i2t"}[task]
+             SEQ2SEQ_TASKS[1]: "asr", SEQ2SEQ_TASKS[2]: "i2t", VISION_TASK: "vision"}[task]
     return _cache_dir() / f"optimum-{_key(name, task)}" / f"{name}-optimum-{short}"
 
 

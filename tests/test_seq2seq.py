@@ -44,8 +44,6 @@ CROSS_KEY = {"t5": "EncDecAttention/k/MatMul", "flan_t5": "EncDecAttention/k/Mat
              "whisper": "encoder_attn/k_proj/MatMul", "vit_gpt2": "crossattention/c_attn/Gemm"}
 # the decoders that take the encoder's mask (Whisper's and the image captioner's take none)
 MASKED = ("t5", "flan_t5", "marian", "bart")
-# graphs `tuner pad FOLDER` keeps as they were, and why: the gate makes no pixels
-KEPT = {"vit_gpt2": ("encoder_model.onnx", "pixel_values")}
 
 
 @pytest.fixture(scope="module")
@@ -157,13 +155,8 @@ def test_padded_folder_generates_what_the_original_does(exports, family, tmp_pat
     for file in DECODERS:
         shape = inspect_path(out / file)
         assert (shape.ffn_size, shape.vocab_size) == (256, 1024)
-    if family in KEPT:  # copied as it was, the reason said
-        name, why = KEPT[family]
-        assert f"{name}: kept as it was" in text and why in text
-        assert (out / name).read_bytes() == (exports[family] / name).read_bytes()
-    else:
-        assert inspect_path(out / "encoder_model.onnx").ffn_size == 256
-        assert _run(["verify", str(exports[family]), str(out)])[0] == 0  # graph by graph
+    assert inspect_path(out / "encoder_model.onnx").ffn_size == 256  # ViT's pixels too
+    assert _run(["verify", str(exports[family]), str(out)])[0] == 0  # graph by graph
     original, padded = optimum.seq2seq_greedy([exports[family], out])
     assert "decoder_model_merged.onnx" in original["files"]  # Optimum ran the merged one
     assert "decoder_model_merged.onnx" not in padded["files"]

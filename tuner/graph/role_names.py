@@ -8,7 +8,10 @@ TOKEN_IDS, ATTENTION_MASK, POSITION_IDS, TOKEN_TYPE_IDS, KV_CACHE, INPUTS_EMBEDS
 # along the encoder's length: its output, its mask, and (with past) the cross keys/values.
 ENCODER_STATES, ENCODER_MASK, ENCODER_CACHE = "encoder_states", "encoder_mask", "encoder_cache"
 ENCODER_ROLES = (ENCODER_STATES, ENCODER_MASK, ENCODER_CACHE)
+# An image transformer's pixels (tuner/graph/pixels.py): (batch, channels, height, width)
+PIXEL_VALUES = "pixel_values"
 ROLES = (TOKEN_IDS, ATTENTION_MASK, POSITION_IDS, TOKEN_TYPE_IDS, KV_CACHE, INPUTS_EMBEDS,
-         *ENCODER_ROLES, OTHER)
+         *ENCODER_ROLES, PIXEL_VALUES, OTHER)
 # Roles one input at most may hold: two claimants are a refusal (role_overrides.checked).
-SINGULAR = (TOKEN_IDS, ATTENTION_MASK, POSITION_IDS, ENCODER_STATES, ENCODER_MASK)
+SINGULAR = (TOKEN_IDS, ATTENTION_MASK, POSITION_IDS, ENCODER_STATES, ENCODER_MASK,
+            PIXEL_VALUES)

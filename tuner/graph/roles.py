@@ -17,9 +17,11 @@ from tuner.graph.dtypes import NUMPY_BY_ONNX, np_dtype  # noqa: F401 - np_dtype:
 from tuner.graph.encoder_side import EncoderSide, find_encoder_side
 from tuner.graph.kv_cache import find_kv_cache
 from tuner.graph.load import load_model
+from tuner.graph.pixels import PixelInput, pixel_input
 from tuner.graph.role_names import (ATTENTION_MASK, ENCODER_CACHE, ENCODER_MASK,
                                     ENCODER_ROLES, ENCODER_STATES, INPUTS_EMBEDS, KV_CACHE,
-                                    OTHER, POSITION_IDS, ROLES, TOKEN_IDS, TOKEN_TYPE_IDS)
+                                    OTHER, PIXEL_VALUES, POSITION_IDS, ROLES, TOKEN_IDS,
+                                    TOKEN_TYPE_IDS)
 from tuner.graph.role_overrides import checked, with_overrides
 from tuner.graph.tables import embedding_tables, gathered_table, tiled_table
 
@@ -222,6 +224,9 @@ def _roles(model: ir.Model, inputs: list[ir.Value]) -> tuple[dict[str, str], Enc
     token = next((v for v in inputs if roles.get(v.name) == TOKEN_IDS), None)
     side = find_encoder_side(model.graph, token)
     roles.update(_encoder_roles(side))
+    pixels = pixel_input(model.graph)
+    if pixels is not None:
+        roles[pixels.name] = PIXEL_VALUES
     floats = [v for v in inputs if kinds[v.name] in ("FLOAT", "FLOAT16", "BFLOAT16", "DOUBLE")
               and v.name not in roles]
     pasts = _cache_inputs(model)
@@ -244,6 +249,8 @@ def _axes(spec_dims: tuple, role: str, ref: tuple,
         return None, None
     if role in ENCODER_ROLES and encoder_length in spec_dims:
         return 0, spec_dims.index(encoder_length)
+    if role == PIXEL_VALUES:
+        return 0, None  # (batch, channels, height, width): no sequence
     if role == OTHER and not any(isinstance(d, str) for d in spec_dims):
         return None, None
     b_sym = ref[0] if len(ref) >= 2 and isinstance(ref[0], str) else None
@@ -279,12 +286,21 @@ def input_specs(model) -> list[InputSpec]:
         (v for v in inputs if roles[v.name] == INPUTS_EMBEDS), None)
     ref = _dims_of(ref_value) if ref_value is not None else ()
     specs = []
+    pixels = pixel_input(model.graph) if PIXEL_VALUES in roles.values() else None
     for v in inputs:
         dtype = NUMPY_BY_ONNX.get(v.dtype.name if v.dtype is not None else "FLOAT", "float32")
         dims = _dims_of(v)
+        if roles[v.name] == PIXEL_VALUES and pixels is not None:
+            dims = _pixel_dims(dims, pixels)
         batch, seq = _axes(dims, roles[v.name], ref, side.length if side else None)
         specs.append(InputSpec(v.name, dtype, dims, roles[v.name], batch, seq))
     return specs
+
+
+def _pixel_dims(dims: tuple, pixels: PixelInput) -> tuple:
+    """(batch, channels, height, width) with the one size the graph takes filled in (its
+    export declares every axis symbolic: tuner.graph.pixels reads them)."""
+    return (dims[0], pixels.channels, pixels.height, pixels.width)
 
 
 def _completed(spec: InputSpec) -> InputSpec:

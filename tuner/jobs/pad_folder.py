@@ -10,12 +10,12 @@ its config and tokenizer:
 
 Each graph gets the same multiples (each pads what it has) and is gated against its original
 on its own (tuner.jobs.pad.pad_file); OUT appears only when every padded graph passed. A
-graph no rewrite or gate here takes (a refused rewrite, inputs the gate cannot make: an image
-encoder's pixels) is kept as it was, with the reason; every other file is copied. The padded
-folder loads where the original did (Optimum's ORTModelForSeq2SeqLM, its own generation
-loop): the padded logits are sliced back, so every graph keeps its inputs and outputs. The
-merged decoder is left out (its layers sit inside an If that no rewrite reads): without it,
-Optimum loads the two plain decoders. A decoder-only export folder (model.onnx beside its
+graph no rewrite or gate here takes (a refused rewrite, inputs the gate cannot make: an
+audio encoder's raw samples) is kept as it was, with the reason; every other file is copied.
+The padded folder loads where the original did (Optimum's ORTModelForSeq2SeqLM, its own
+generation loop): the padded logits are sliced back, so every graph keeps its inputs and
+outputs. The merged decoder is left out (its layers sit inside an If that no rewrite reads):
+without it, Optimum loads the two plain decoders. A decoder-only export folder (model.onnx beside its
 tokenizer, and the legacy merged decoder or quantized copies) is padded the same way.
 """
 

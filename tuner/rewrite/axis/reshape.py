@@ -144,8 +144,13 @@ def op_Reshape(w: Widen, node: ir.Node, tin: list) -> list:
         return [t.moved(rank=r_out, group=t.group if r_out == t.rank else None)]
     if v_old is not None and v_old > t.old and v_old % t.old == 0 and r_out < t.rank:
         # (.., heads, d) -> (.., heads * d): the heads count is what the target says
+        merged = v_old // t.old * t.new
+        computed = _entry_value(w, last, "new") if last.setter is None else None
         if last.setter is not None:
-            last.setter(v_old // t.old * t.new)
+            last.setter(merged)
+        elif computed not in (None, merged) and not _set_piece(w, last, merged):
+            # a width read from an unpadded shape, and no piece to write it into
+            raise w.refuse(node, "computed merge target does not follow the widened axis")
         return [_merge(w, t, v_old // t.old, r_out)]
     if v_old is not None and 0 < v_old < t.old and t.old % v_old == 0:
         return [_split(w, node, ents, t, t.old // v_old, v_old, r_out)]
@@ -159,6 +164,18 @@ def op_Reshape(w: Widen, node: ir.Node, tin: list) -> list:
         if r_out <= t.rank:
             return [t.moved(rank=r_out)]
     raise w.refuse(node, f"cannot tell where the widened axis goes (target ends in {v_old})")
+
+
+def _set_piece(w: Widen, e: Entry, value: int) -> bool:
+    """A Concat piece computed from a static width (CLIP's and SigLIP's attention reshape
+    their output to `hidden_states.shape`'s embed_dim, a Shape -> Gather -> Unsqueeze of the
+    unpadded residual) becomes the constant `value` (in a private copy of the Concat)."""
+    if e.where is None or e.source is None:
+        return False
+    root, trail = e.where
+    concat = private_node(w.graph, root, trail)  # walks to the Concat; trail[-1]: the piece
+    w.set_const(concat, trail[-1], np.array([value], np.int64), "dims")
+    return True
 
 
 def _merge_outer(w: Widen, node: ir.Node, ents: list[Entry], t: Track, r_out: int) -> Track:
