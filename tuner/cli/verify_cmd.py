@@ -53,7 +53,8 @@ def verify_cmd(
     if original.is_dir() or variant.is_dir():
         if inputs is not None:
             raise BadInput("--inputs fits one graph: give two .onnx files with it")
-        results = [_pair(a, b, None, tol, vocab, seed, min_compared, folder=True)
+        results = [_identical(a, b) or _pair(a, b, None, tol, vocab, seed, min_compared,
+                                             folder=True)
                    for a, b in _namesakes(original, variant)]
         raise SystemExit(0 if all(results) else 1)
     raise SystemExit(0 if _pair(original, variant, inputs, tol, vocab, seed, min_compared)
@@ -74,6 +75,20 @@ def _namesakes(original: Path, variant: Path) -> list[tuple[Path, Path]]:
         raise BadInput(f"{variant}: no {', '.join(missing)} to compare" if missing
                        else f"{original}: no .onnx graph (but a merged decoder) to compare")
     return [(g, variant / g.name) for g in graphs]
+
+
+def _identical(original: Path, variant: Path) -> bool:
+    """The same bytes (a graph `pad FOLDER` kept as it was): the same outputs, not run."""
+    import filecmp
+
+    from tuner.graph.io import model_files
+
+    ours, theirs = model_files(original), model_files(variant)
+    same = [f.name for f in ours] == [f.name for f in theirs] and all(
+        filecmp.cmp(a, b, shallow=False) for a, b in zip(ours, theirs))
+    if same:
+        write_out(f"{original.name}: the same bytes as {variant} (not run)\n")
+    return same
 
 
 def _pair(original: Path, variant: Path, inputs: Path | None, tol, vocab: int | None,
