@@ -177,12 +177,16 @@ def inspect(
     write_out(text)
 
 
-def _read(path: Path, device: str, tokens: int):
-    from tuner.graph.inspect import inspect_path
+def _read(model, device: str, tokens: int):
+    """(audited shape, input specs) of a path or a loaded onnx_ir model."""
+    from tuner.graph.inspect import inspect_model
+    from tuner.graph.load import load_model
     from tuner.graph.roles import input_specs
     from tuner.plan.findings import audited
 
-    return audited(inspect_path(path), device=device, tokens=tokens), input_specs(path)
+    if isinstance(model, Path):
+        model = load_model(model)
+    return audited(inspect_model(model), device=device, tokens=tokens), input_specs(model)
 
 
 def _as_json(shape: ModelShape, specs: list[InputSpec]) -> dict:
@@ -192,14 +196,13 @@ def _as_json(shape: ModelShape, specs: list[InputSpec]) -> dict:
 def _folder_text(folder: Path, as_json: bool, device: str, tokens: int) -> str:
     """Every graph of an export folder (a merged decoder named, not read: its branches are
     the plain decoders beside it); --json: {"graphs": {file: inspect's object}, ...}."""
-    from tuner.graph.load import load_model
-    from tuner.graph.merged import layers_inside
+    from tuner.graph.load import folder_graphs
 
-    paths = sorted(folder.glob("*.onnx"))
-    if not paths:
+    plain, merged_paths = folder_graphs(folder, lambda model: _read(model, device, tokens))
+    if not plain and not merged_paths:
         raise BadInput(f"{folder}: a folder without .onnx graphs")
-    merged = [p.name for p in paths if layers_inside(load_model(p, merged_ok=True)) is not None]
-    read = {p.name: _read(p, device, tokens) for p in paths if p.name not in merged}
+    merged = [p.name for p in merged_paths]
+    read = {p.name: shape_and_specs for p, shape_and_specs in plain.items()}
     if as_json:
         return json.dumps({"graphs": {n: _as_json(*r) for n, r in read.items()},
                            "merged": merged}, indent=2) + "\n"

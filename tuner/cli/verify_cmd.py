@@ -63,13 +63,11 @@ def verify_cmd(
 
 def _namesakes(original: Path, variant: Path) -> list[tuple[Path, Path]]:
     """(graph, its namesake) for every graph of folder `original` but a merged decoder."""
-    from tuner.graph.load import load_model
-    from tuner.graph.merged import layers_inside
+    from tuner.graph.load import folder_graphs
 
     if not (original.is_dir() and variant.is_dir()):
         raise BadInput(f"give two folders or two .onnx files, not {original} and {variant}")
-    graphs = [g for g in sorted(original.glob("*.onnx"))
-              if layers_inside(load_model(g, merged_ok=True)) is None]
+    graphs = list(folder_graphs(original)[0])
     missing = [g.name for g in graphs if not (variant / g.name).is_file()]
     if not graphs or missing:
         raise BadInput(f"{variant}: no {', '.join(missing)} to compare" if missing

@@ -9,20 +9,19 @@ length, a symbol the decoder's tokens do not carry:
     decoder_with_past_model  past_key_values.N.encoder.key/value (B, heads, E, d)   ditto mask
 
 The with-past file's cross keys/values are a cache that never grows: no Concat appends to
-them (tuner.graph.kv_cache does not pair them with a present). A GPT-2 decoder under an image
-encoder (VisionEncoderDecoder) takes encoder_hidden_states at every step instead. Found by shapes and symbols
-only: a float input of rank 3 along a length other than the tokens', or a past of rank 4 that
-no Concat appends to, along a length other than the growing cache's; the mask is the 2-D input
-along that same length.
+them (tuner.graph.kv_cache does not pair them with a present: the caller's `pasts`). A GPT-2
+decoder under an image encoder (VisionEncoderDecoder) takes encoder_hidden_states at every
+step instead. Found by shapes and symbols only: a float input of rank 3 along a length
+other than the tokens', or a past of rank 4 that no Concat appends to, along a length other
+than the growing cache's; the mask is the 2-D input along that same length.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Collection
 
 import onnx_ir as ir
-
-from tuner.graph.kv_cache import find_kv_cache
 
 _FLOATS = ("FLOAT", "FLOAT16", "BFLOAT16", "DOUBLE")
 
@@ -49,16 +48,16 @@ def _dtype(v: ir.Value) -> str:
     return v.dtype.name if v.dtype is not None else "FLOAT"
 
 
-def find_encoder_side(graph: ir.Graph, token_ids: ir.Value | None) -> EncoderSide | None:
+def find_encoder_side(graph: ir.Graph, token_ids: ir.Value | None,
+                      pasts: Collection[str]) -> EncoderSide | None:
     """The encoder's side of `graph` (see the module's docstring), None for a decoder-only or
-    an encoder: `token_ids` is the decoder's token input (its axis 1 is the tokens' length)."""
+    an encoder: `token_ids` is the decoder's token input (its axis 1 is the tokens' length),
+    `pasts` the past inputs its growing cache appends to (tuner.graph.kv_cache)."""
     if token_ids is None or len(_dims(token_ids)) != 2:
         return None
     batch, tokens = (str(d) for d in _dims(token_ids))
     initializers = set(graph.initializers)
     inputs = [v for v in graph.inputs if v.name not in initializers]
-    cache = find_kv_cache(graph)
-    pasts = cache.pasts if cache is not None else set()
     growing = {s for v in inputs if v.name in pasts for s in _symbols(v)} - {batch}
     states = [v for v in inputs if _dtype(v) in _FLOATS and len(_dims(v)) == 3
               and _symbols(v)[:1] == [batch] and len(_symbols(v)) == 2

@@ -107,7 +107,8 @@ def inspect_model(model: ir.Model) -> ModelShape:
     dims = Dims(model)
     attns = attn_mod.find_attention(graph, lins, dims) + ort_fused.attention_blocks(graph, lins, dims)
     attns.sort(key=lambda a: a.order)
-    side = find_encoder_side(graph, token_ids(emb))
+    cache = find_kv_cache(graph)
+    side = find_encoder_side(graph, token_ids(emb), cache.pasts if cache is not None else ())
     attns, cross = _crossing(attns, side)
     if not attns:
         what = f"{len(ffns)} feed-forward blocks but " if ffns else ""
@@ -136,7 +137,6 @@ def inspect_model(model: ir.Model) -> ModelShape:
     if not head_dim and heads and hidden:
         head_dim = hidden // heads
     activation = (dense or ffns)[0].activation if ffns else fusion.activation
-    cache = find_kv_cache(graph)
     return ModelShape(
         num_layers=num_layers,
         hidden_size=hidden,

@@ -15,6 +15,7 @@ import logging
 import os
 import tempfile
 from pathlib import Path
+from typing import Callable, TypeVar
 
 import onnx
 import onnx_ir as ir
@@ -24,6 +25,8 @@ from onnx_ir.passes.common.naming import NameFixPass, SimpleNameGenerator
 
 from tuner.errors import BadInput
 from tuner.graph.merged import FLAG, layers_inside, merged_if
+
+T = TypeVar("T")
 
 
 def _external_entries(proto: onnx.ModelProto):
@@ -101,6 +104,23 @@ def folder_hint(p: Path) -> str:
         return ""
     return (f"a folder of graphs ({', '.join(graphs)}), not one: give one of them (`tuner "
             "inspect`, `pad` and `verify` take the whole folder)")
+
+
+def folder_graphs(folder: Path, read: Callable[[ir.Model], T] = lambda model: None
+                  ) -> tuple[dict[Path, T], list[Path]]:
+    """An export folder's graphs (sorted by name), each loaded once and given to `read`
+    (one in memory at a time), and apart from them the ones whose layers sit inside control
+    flow (Optimum's merged decoder: its branches are the plain decoders beside it).
+    `tuner inspect`, `pad` and `verify` on a folder."""
+    plain, merged = {}, []
+    for path in sorted(folder.glob("*.onnx")):
+        model = load_model(path, merged_ok=True)
+        if layers_inside(model) is None:
+            plain[path] = read(model)
+        else:
+            merged.append(path)
+        del model
+    return plain, merged
 
 
 def read_proto(path: str | os.PathLike) -> onnx.ModelProto:

@@ -202,9 +202,11 @@ def _encoder_roles(side: EncoderSide | None) -> dict[str, str]:
     return roles
 
 
-def _roles(model: ir.Model, inputs: list[ir.Value]) -> tuple[dict[str, str], EncoderSide | None]:
-    """Each input's role from the structure around it (see the module's docstring), and an
-    encoder-decoder's encoder side (tuner.graph.encoder_side; None for the others)."""
+def _roles(model: ir.Model, inputs: list[ir.Value]
+           ) -> tuple[dict[str, str], EncoderSide | None, PixelInput | None]:
+    """Each input's role from the structure around it (see the module's docstring), an
+    encoder-decoder's encoder side (tuner.graph.encoder_side) and an image transformer's
+    pixels (tuner.graph.pixels); None for the others."""
     roles: dict[str, str] = {}
     tables = {v.name: embedding_tables(v) for v in inputs}
     kinds = {v.name: (v.dtype.name if v.dtype is not None else "FLOAT") for v in inputs}
@@ -222,21 +224,21 @@ def _roles(model: ir.Model, inputs: list[ir.Value]) -> tuple[dict[str, str], Enc
             small = rows(v) <= 16 and _name_role(v.name) != POSITION_IDS
             roles[v.name] = TOKEN_TYPE_IDS if small else POSITION_IDS
     token = next((v for v in inputs if roles.get(v.name) == TOKEN_IDS), None)
-    side = find_encoder_side(model.graph, token)
+    pasts = _cache_inputs(model)
+    side = find_encoder_side(model.graph, token, pasts)
     roles.update(_encoder_roles(side))
     pixels = pixel_input(model.graph)
     if pixels is not None:
         roles[pixels.name] = PIXEL_VALUES
     floats = [v for v in inputs if kinds[v.name] in ("FLOAT", "FLOAT16", "BFLOAT16", "DOUBLE")
               and v.name not in roles]
-    pasts = _cache_inputs(model)
     roles.update({v.name: _float_role(v, pasts) for v in floats})
     token_dims = _dims_of(token) if token is not None else ()
     ref_seq = token_dims[-1] if token_dims and isinstance(token_dims[-1], str) else None
     has_cache = KV_CACHE in roles.values()
     rest = [v for v in inputs if v.name not in roles]  # integer and bool inputs
     roles.update(_integer_roles(rest, has_cache, ref_seq))
-    return roles, side
+    return roles, side, pixels
 
 
 def _axes(spec_dims: tuple, role: str, ref: tuple,
@@ -280,17 +282,16 @@ def input_specs(model) -> list[InputSpec]:
         model = load_model(model)
     initializers = set(model.graph.initializers)
     inputs = [v for v in model.graph.inputs if v.name not in initializers]
-    found, side = _roles(model, inputs)
+    found, side, pixels = _roles(model, inputs)
     roles = checked(with_overrides(found, [v.name for v in inputs]))
     ref_value = next((v for v in inputs if roles[v.name] == TOKEN_IDS), None) or next(
         (v for v in inputs if roles[v.name] == INPUTS_EMBEDS), None)
     ref = _dims_of(ref_value) if ref_value is not None else ()
     specs = []
-    pixels = pixel_input(model.graph) if PIXEL_VALUES in roles.values() else None
     for v in inputs:
         dtype = NUMPY_BY_ONNX.get(v.dtype.name if v.dtype is not None else "FLOAT", "float32")
         dims = _dims_of(v)
-        if roles[v.name] == PIXEL_VALUES and pixels is not None:
+        if roles[v.name] == PIXEL_VALUES and pixels is not None and v.name == pixels.name:
             dims = _pixel_dims(dims, pixels)
         batch, seq = _axes(dims, roles[v.name], ref, side.length if side else None)
         specs.append(InputSpec(v.name, dtype, dims, roles[v.name], batch, seq))

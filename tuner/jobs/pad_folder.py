@@ -15,8 +15,9 @@ audio encoder's raw samples) is kept as it was, with the reason; every other fil
 The padded folder loads where the original did (Optimum's ORTModelForSeq2SeqLM, its own
 generation loop): the padded logits are sliced back, so every graph keeps its inputs and
 outputs. The merged decoder is left out (its layers sit inside an If that no rewrite reads):
-without it, Optimum loads the two plain decoders. A decoder-only export folder (model.onnx beside its
-tokenizer, and the legacy merged decoder or quantized copies) is padded the same way.
+without it, Optimum loads the two plain decoders. A decoder-only export folder (model.onnx
+beside its tokenizer, and the legacy merged decoder or quantized copies) is padded the same
+way.
 """
 
 from __future__ import annotations
@@ -26,12 +27,13 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import onnx_ir as ir
+
 from tuner.errors import BadInput
 from tuner.gate.verify import Tolerance
 from tuner.graph.inspect import inspect_model
 from tuner.graph.io import model_files
-from tuner.graph.load import load_model
-from tuner.graph.merged import layers_inside
+from tuner.graph.load import folder_graphs
 from tuner.graph.shape import ModelShape
 from tuner.jobs.pad import PadResult, pad_file
 from tuner.rewrite.compose import PadRequest
@@ -79,9 +81,9 @@ def _request(shape: ModelShape, want: Multiples) -> PadRequest:
         cache_policy=want.cache_policy)
 
 
-def _shape(path: Path) -> ModelShape | BadInput:
+def _shape(model: ir.Model) -> ModelShape | BadInput:
     try:
-        return inspect_model(load_model(path))
+        return inspect_model(model)
     except BadInput as e:  # not a transformer inspect reads: kept as it was
         return e
 
@@ -89,13 +91,9 @@ def _shape(path: Path) -> ModelShape | BadInput:
 def _graphs(src: Path) -> tuple[dict[Path, ModelShape | BadInput], list[str]]:
     """The folder's graphs to pad, each with its shape (or why it has none), and those left
     out (the merged decoder, with why)."""
-    graphs, left_out = {}, []
-    for path in sorted(src.glob("*.onnx")):
-        if layers_inside(load_model(path, merged_ok=True)) is not None:
-            left_out.append(f"{path.name}: its layers sit inside control flow (Optimum's merged "
-                            "decoder); the plain decoders beside it are padded instead")
-        else:
-            graphs[path] = _shape(path)
+    graphs, merged = folder_graphs(src, _shape)
+    left_out = [f"{path.name}: its layers sit inside control flow (Optimum's merged decoder); "
+                "the plain decoders beside it are padded instead" for path in merged]
     if not graphs:
         raise BadInput(f"{src}: no .onnx graph to pad in the folder"
                        + (f" ({'; '.join(left_out)})" if left_out else ""))
