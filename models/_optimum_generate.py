@@ -3,7 +3,7 @@ each encoder-decoder export folder the way its users do (Optimum's ORTModelForSe
 ORTModelForSpeechSeq2Seq where the folder holds a feature extractor's config;
 ORTModelForVision2Seq for a VisionEncoderDecoder, random pixels), generate
 greedily from fixed inputs (two rows, the second's source padded) and save the tokens and
-every step's scores into an .npz per folder. Imports nothing of ours.
+every step's scores (and the inputs) into an .npz per folder. Imports nothing of ours.
 
     python -P _optimum_generate.py NEW_TOKENS OUT_DIR FOLDER [FOLDER ...]
 """
@@ -41,6 +41,7 @@ def main(new_tokens: int, out_dir: str, folders: list[str]) -> int:
                              return_dict_in_generate=True)
         np.savez(os.path.join(out_dir, f"{i}.npz"), tokens=out.sequences.numpy(),
                  scores=np.stack([s.numpy() for s in out.scores]),
+                 **{f"input_{k}": v.numpy() for k, v in inputs.items()},
                  files=np.array(sorted(f for f in os.listdir(folder) if f.endswith(".onnx"))))
     return 0
 

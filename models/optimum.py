@@ -271,6 +271,24 @@ FAMILIES.update({
                        ("siglip_vision", "siglip_vision_model"))})
 
 
+# Benchmark-only families (bench/seq2seq_generate.py): full-size shapes, not in the tests'
+# matrix. T5-small's: 6 + 6 layers, d_model 512, 8 heads of 64, FFN 2048, 32128 tokens.
+BENCH_FAMILIES: dict[str, Family] = {
+    "t5_small": replace(Family("t5", dict(d_model=512, num_heads=8, d_kv=64, d_ff=2048,
+                                          num_layers=6, num_decoder_layers=6,
+                                          decoder_start_token_id=0, pad_token_id=0,
+                                          eos_token_id=2, vocab_size=32128),
+                               dict(num_layers=6, hidden_size=512, num_heads=8, head_dim=64,
+                                    ffn_size=2048, vocab_size=32128), SEQ2SEQ_TASKS[:1]),
+                        **_S2S),
+}
+
+
+def family(name: str) -> Family:
+    """A family of the tests' matrix or of the benchmarks'."""
+    return FAMILIES.get(name) or BENCH_FAMILIES[name]
+
+
 def main_file(task: str) -> str:
     """The graph `export_all` returns for a task: the decoder of an encoder-decoder's folder."""
     return "decoder_model.onnx" if task in SEQ2SEQ_TASKS else "model.onnx"
@@ -291,7 +309,7 @@ def write_checkpoint(name: str, folder: Path) -> Path:
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    fam = FAMILIES[name]
+    fam = family(name)
     folder.mkdir(parents=True, exist_ok=True)
     if fam.exporter_weights:
         (folder / "random_model.json").write_text(json.dumps(
@@ -326,7 +344,7 @@ def write_checkpoint(name: str, folder: Path) -> Path:
 
 def _key(name: str, task: str) -> str:
     """The cache key: what the checkpoint is and which exporter wrote it."""
-    payload = json.dumps([name, task, FAMILIES[name].model_type, FAMILIES[name].config, SEED,
+    payload = json.dumps([name, task, family(name).model_type, family(name).config, SEED,
                           *REQUIREMENTS, EXPORT_LAYOUT], sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:12]
 
@@ -352,7 +370,7 @@ def export_all(cells: list[tuple[str, str]], outs: list[Path] | None = None) -> 
     A task is one of TASKS, O2_TASK (the with-past export, optimized), FP16_TASK (in half
     precision) or one of SEQ2SEQ_TASKS (returned: the folder's decoder_model.onnx)."""
     for name, task in cells:
-        if name not in FAMILIES or task not in ALL_TASKS:
+        if name not in {**FAMILIES, **BENCH_FAMILIES} or task not in ALL_TASKS:
             raise ValueError(f"no Optimum export {name!r} / {task!r}; families: "
                              f"{', '.join(FAMILIES)}; tasks: {', '.join(ALL_TASKS)}")
     outs = outs or [_out_dir(n, t) for n, t in cells]
@@ -453,7 +471,8 @@ def quantized(name: str, per_channel: bool = False) -> Path:
 def seq2seq_greedy(folders: list[Path], new_tokens: int = 12) -> list[dict[str, Any]]:
     """Each encoder-decoder export folder loaded by Optimum (ORTModelForSeq2SeqLM or
     ORTModelForSpeechSeq2Seq, in its environment) and run through its own greedy `generate`
-    on the same inputs: per folder the tokens, every step's scores and the graphs it found."""
+    on the same inputs: per folder the tokens, every step's scores, the graphs it found and
+    the inputs (`input_*`)."""
     import numpy as np
 
     with tempfile.TemporaryDirectory(prefix="optimum-generate-") as tmp:

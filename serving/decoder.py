@@ -40,7 +40,7 @@ def decoder_vocab(signature: Signature, record: CacheRecord) -> int:
     return int(vocab)
 
 
-def _stats_for(stats: Stats, metrics: Metrics | None, gm: GenerationMetrics | None
+def stats_for(stats: Stats, metrics: Metrics | None, gm: GenerationMetrics | None
                ) -> GenerationStats:
     """The generator's callbacks, feeding ModelStatistics (one request per stream, one
     execution per model run) and the Prometheus series."""
@@ -116,7 +116,7 @@ class DecoderEngine:
                                        max_positions=_max_positions(model),
                                        batch_buckets=model.buckets.batch,
                                        tokenizer=self.tokenizer, eos_ids=self.text.eos_ids,
-                                       stats=_stats_for(stats, metrics, gen_metrics),
+                                       stats=stats_for(stats, metrics, gen_metrics),
                                        pad_to=self.pad_to,
                                        rows_tolerance=tolerance_for(
                                            model.backend, get_backend(model.backend).precision))

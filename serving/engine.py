@@ -307,6 +307,12 @@ class Engine:
         # positions the client masked out are not compared
         return self.tolerance(name, kept_positions(ref, mask), kept_positions(got, mask))
 
+    def note(self) -> str:
+        """One line for the log: how requests are taken and batched."""
+        return (f"requests up to {self.max_batch} rows, {self.workers} at a time, dynamic "
+                f"batching up to {self.join_rows} rows ({self.batch_note}), sequence buckets "
+                f"{list(self.model.buckets.seq)}, padding to the {self.pad_to}")
+
     def close(self) -> None:
         """Run everything queued, then stop."""
         self.batcher.close()

@@ -183,6 +183,9 @@ class GenerationRequest:
     # the stream ends ("stop") on the token that completes one (prompt + output ending with
     # it, as TensorRT-LLM matches them; not before min_tokens); unlike a stop id, its
     # tokens are sent
+    encoder_input: np.ndarray | None = field(default=None, compare=False, repr=False)
+    # an encoder-decoder's source where it is not token ids (Whisper's log-mel features,
+    # (bins, frames)); `prompt` then holds the decoder's first tokens
 
     def __post_init__(self) -> None:
         if not self.prompt:

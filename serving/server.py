@@ -13,13 +13,10 @@ Lifecycle:
 from __future__ import annotations
 
 import gc
-import hmac
 import logging
 import signal
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -36,11 +33,14 @@ from serving.http.tools import PARSERS
 from serving.metrics import (Stats, add_endpoint_metrics, add_generation_metrics, make_metrics,
                              start_metrics_server)
 from serving.model import load_artifact
+from serving.seq2seq import Seq2SeqEngine, load_seq2seq
 from serving.wire._generated import POOL
 from serving.wire._generated import inference_pb2_grpc as pb_grpc
+from serving.wire.interceptors import EndpointInterceptor, TokenInterceptor
 from serving.wire.servicer import InferenceServicer, Slot
 from tuner.artifact.store import read_manifest
 from tuner.errors import BadInput
+from tuner.graph.seq2seq_record import is_seq2seq_folder
 from tuner.runtime.base import SessionSettings
 
 log = logging.getLogger("serving")
@@ -75,13 +75,12 @@ class ServerOptions:
             p = getattr(self, name)
             if p is not None and not Path(p).is_file():
                 raise BadInput(f"--{name.replace('_', '-')} {p}: no such file")
-        for what, port in (("port", self.port), ("HTTP port", self.http_port)):
+        for what, port in (("port", self.port), ("HTTP port", self.http_port),
+                           ("metrics port", self.metrics_port)):
             if port is not None and not 0 <= port <= 65535:
                 raise BadInput(f"{what} must be in [0, 65535], not {port}")
         if self.port is None and self.http_port is None:
             raise BadInput("both gRPC and HTTP are turned off: serve at least one")
-        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
-            raise BadInput(f"metrics port must be in [0, 65535], not {self.metrics_port}")
         if self.tool_call_parser not in (None, *PARSERS):
             raise BadInput(f"--tool-call-parser must be one of {list(PARSERS)}, not "
                            f"{self.tool_call_parser!r}")
@@ -94,83 +93,6 @@ class ServerOptions:
             raise BadInput("max message size must be in [1 KiB, 2 GiB)")
         if not 1 <= self.threads <= 4096:
             raise BadInput("threads must be in [1, 4096]")
-
-
-class _TokenInterceptor(grpc.ServerInterceptor):
-    """Every call, on every service, must carry `authorization: Bearer <token>`."""
-
-    def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
-
-    def intercept_service(self, continuation, details):
-        got = dict(details.invocation_metadata).get("authorization", "")
-        got = got.encode() if isinstance(got, str) else got
-        handler = continuation(details)
-        if hmac.compare_digest(got, self._expected) or handler is None:
-            return handler
-        return _deny(handler)
-
-
-_KINDS = {(False, False): ("unary_unary", grpc.unary_unary_rpc_method_handler),
-          (False, True): ("unary_stream", grpc.unary_stream_rpc_method_handler),
-          (True, False): ("stream_unary", grpc.stream_unary_rpc_method_handler),
-          (True, True): ("stream_stream", grpc.stream_stream_rpc_method_handler)}
-
-
-def _rebuilt(handler: grpc.RpcMethodHandler, behaviour) -> grpc.RpcMethodHandler:
-    """`handler` with another behaviour (same kind, same (de)serializers)."""
-    make = _KINDS[(handler.request_streaming, handler.response_streaming)][1]
-    return make(behaviour, request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
-
-
-def _deny(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    def abort(request, context):
-        context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                      "missing or wrong bearer token (metadata 'authorization: Bearer <token>')")
-
-    return _rebuilt(handler, abort)
-
-
-class _EndpointInterceptor(grpc.ServerInterceptor):
-    """Counts every call per method and status code, and times it (a stream: to its end),
-    into the same series as the HTTP endpoints (serving.metrics.EndpointMetrics)."""
-
-    def __init__(self, metrics) -> None:
-        self.metrics = metrics
-
-    def intercept_service(self, continuation, details):
-        handler = continuation(details)
-        if handler is None:
-            return None
-        name, observe = details.method.rsplit("/", 1)[-1], self.metrics.observe
-        kind = _KINDS[(handler.request_streaming, handler.response_streaming)][0]
-        inner = getattr(handler, kind)
-
-        @contextmanager
-        def observed(context):
-            start, code = time.perf_counter(), "OK"
-            try:
-                yield
-            except BaseException:
-                found = context.code() if hasattr(context, "code") else None
-                code = found.name if found is not None else "UNKNOWN"
-                raise
-            finally:
-                observe("grpc", name, code, time.perf_counter() - start)
-
-        if not handler.response_streaming:
-            def unary(request, context):
-                with observed(context):
-                    return inner(request, context)
-
-            return _rebuilt(handler, unary)
-
-        def streaming(request, context):
-            with observed(context):
-                yield from inner(request, context)
-
-        return _rebuilt(handler, streaming)
 
 
 def _register_in_pool(*files) -> None:
@@ -187,8 +109,11 @@ class Server:
     def __init__(self, artifact: str | Path, options: ServerOptions = ServerOptions(),
                  say: Callable[[str], None] = print) -> None:
         self.artifact, self.options, self.say = Path(artifact), options, say
-        manifest = read_manifest(self.artifact)  # bad artifacts fail here, before any port
-        name = options.model_name or Path(manifest.source_path).stem
+        if is_seq2seq_folder(self.artifact):  # an encoder-decoder export folder, as it is
+            name = options.model_name or self.artifact.resolve().name
+        else:
+            manifest = read_manifest(self.artifact)  # bad artifacts fail here, before any port
+            name = options.model_name or Path(manifest.source_path).stem
         self.slot = Slot(name)
         self.stats = Stats()
         self.metrics = make_metrics(self.stats, name, "1")
@@ -212,9 +137,9 @@ class Server:
                 # gRPC shares ports by default (SO_REUSEPORT): a second server started on a
                 # busy port would silently take half of its calls. Refuse instead.
                 ("grpc.so_reuseport", 0)]
-        interceptors = [_EndpointInterceptor(self.endpoint_metrics)]
+        interceptors = [EndpointInterceptor(self.endpoint_metrics)]
         if o.token:
-            interceptors.append(_TokenInterceptor(o.token))
+            interceptors.append(TokenInterceptor(o.token))
         server = grpc.server(ThreadPoolExecutor(o.threads, thread_name_prefix="grpc"),
                              interceptors=interceptors, options=size)
         pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(self.slot), server)
@@ -294,17 +219,8 @@ class Server:
 
     def load(self) -> None:
         """Load the model, run the accuracy gate, then report ready (or record the failure)."""
-        o = self.options
         try:
-            model = load_artifact(self.artifact, o.backend, o.settings, self.slot.name,
-                                  log=self.say, overlap=o.engine.workers is None,
-                                  shadow=o.engine.shadow_fraction > 0)
-            if model.cache_model:  # generation, and a plain forward for requests with a past
-                engine = DecoderEngine(model, o.generate, self.stats, self.metrics,
-                                       add_generation_metrics(self.metrics, self.slot.name, "1"),
-                                       forward=Engine(model, o.engine, self.stats, self.metrics))
-            else:
-                engine = Engine(model, o.engine, self.stats, self.metrics)
+            engine = self._engine()
             with self.slot.lock:
                 if self.slot.draining:  # stopped while loading
                     engine.close()
@@ -313,20 +229,30 @@ class Server:
                 self.slot.status = "ready"
             for service in ("", SERVICE):
                 self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
-            if isinstance(engine, DecoderEngine):
-                self.say(f"model '{self.slot.name}' ready ({model.note}); {engine.note()}")
-                return
-            self.say(f"model '{self.slot.name}' ready ({model.note}); requests up to "
-                     f"{engine.max_batch} rows, {engine.workers} at a time, dynamic batching "
-                     f"up to {engine.join_rows} rows "
-                     f"({engine.batch_note}), sequence buckets "
-                     f"{list(model.buckets.seq)}, padding to the {engine.pad_to}")
+            self.say(f"model '{self.slot.name}' ready ({engine.model.note}); {engine.note()}")
         except BaseException as e:  # noqa: BLE001 - reported; `serve` exits 1
             self.failed = e
             self.slot.status = f"failed to load: {e}"
             self.say(f"model '{self.slot.name}' failed to load: {type(e).__name__}: {e}")
         finally:
             self.loaded.set()
+
+    def _engine(self) -> Engine | DecoderEngine:
+        """The artifact's selected variant loaded and gated (an encoder-decoder folder: its
+        graphs loaded and their cache path checked), in the engine its kind takes."""
+        o = self.options
+        gen_metrics = lambda: add_generation_metrics(self.metrics, self.slot.name, "1")  # noqa
+        if is_seq2seq_folder(self.artifact):
+            return Seq2SeqEngine(load_seq2seq(self.artifact, o.backend, o.settings,
+                                              self.slot.name, log=self.say),
+                                 o.generate, self.stats, self.metrics, gen_metrics())
+        model = load_artifact(self.artifact, o.backend, o.settings, self.slot.name,
+                              log=self.say, overlap=o.engine.workers is None,
+                              shadow=o.engine.shadow_fraction > 0)
+        if model.cache_model:  # generation, and a plain forward for requests with a past
+            return DecoderEngine(model, o.generate, self.stats, self.metrics, gen_metrics(),
+                                 forward=Engine(model, o.engine, self.stats, self.metrics))
+        return Engine(model, o.engine, self.stats, self.metrics)
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         self.loaded.wait(timeout)

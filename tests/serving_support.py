@@ -109,6 +109,19 @@ def perturbed_copy(model: Path, dst: Path) -> Path:
     return dst
 
 
+def scaled_weight(src: Path, dst: Path, names: tuple[str, ...], factor: float = 1.5) -> Path:
+    """A copy of `src` whose first MatMul named with one of `names` has its weight scaled:
+    one projection changed, everything else the graph does untouched."""
+    proto = onnx.load(str(src))
+    node = next(n for n in proto.graph.node if n.op_type in ("MatMul", "Gemm")
+                and any(k in n.name for k in names))
+    init = next(i for i in proto.graph.initializer if i.name in node.input)
+    arr = onnx.numpy_helper.to_array(init) * factor
+    init.CopyFrom(onnx.numpy_helper.from_array(arr.astype(np.float32), init.name))
+    onnx.save(proto, str(dst))
+    return dst
+
+
 def feeds_for(length: int, rows: int = 1, vocab: int = 1000, seed: int = 0,
               pad_right: int = 0) -> dict[str, np.ndarray]:
     """input_ids / attention_mask of `rows` x `length` (the last `pad_right` masked out)."""

@@ -115,3 +115,14 @@ def test_prefill_logits_smoke():
     out = _bench("prefill_logits.py", "--smoke")
     assert re.search(r"^\| 1 \| gpt2 \| 8 \| \d+\.\d \| \d+\.\d \| \d\.\d{3} \[", out, re.M), out
     assert "gpt2, prompt 8: last / every" in out and "load average" in out
+
+
+def test_seq2seq_generate_smoke():
+    """The encoder-decoder loop against Optimum's generate, on the tests' tiny T5: every
+    workload's row, the memory line, and both sides' tokens the same."""
+    out = _bench("seq2seq_generate.py", "--family", "t5", "--rounds", "1", "--new", "4")
+    for row in ("1 stream", "8 at once", "32 at once"):
+        assert re.search(rf"^{row} +\d+\.\d \[.*\] +\d+\.\d \[.*\] +\d+\.\d\dx \[", out,
+                         re.M), out
+    assert re.search(r"^8 over 1 s +\d+\.\d .*\(no server\)", out, re.M), out
+    assert "1-stream tokens equal: yes" in out and "peak RSS" in out and "load average" in out

@@ -22,12 +22,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 import pytest
 
 from models import optimum
-from tests.serving_support import free_port, perturbed_copy, serve_process
+from tests.serving_support import free_port, perturbed_copy, scaled_weight, serve_process
 from tuner.cli import main
 from tuner.gate.kv_gate import SEQ2SEQ_STEPS, gate_feeds
 from tuner.graph.inspect import inspect_path
@@ -63,13 +62,7 @@ def _run(argv: list[str]) -> tuple[int, str, str]:
 def _cross_corrupted(src: Path, dst: Path, family: str) -> Path:
     """`src` with layer 0's cross-attention key weights scaled: the decoder's own tokens
     are untouched, only what it reads from the encoder changes."""
-    proto = onnx.load(str(src))
-    node = next(n for n in proto.graph.node if CROSS_KEY[family] in n.name)
-    init = next(i for i in proto.graph.initializer if i.name in node.input)
-    arr = onnx.numpy_helper.to_array(init) * 1.5
-    init.CopyFrom(onnx.numpy_helper.from_array(arr.astype(np.float32), init.name))
-    onnx.save(proto, str(dst))
-    return dst
+    return scaled_weight(src, dst, (CROSS_KEY[family],))
 
 
 @pytest.mark.parametrize("family", FAMILIES)

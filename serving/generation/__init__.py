@@ -1,5 +1,6 @@
-"""Server-side generation for a decoder exported with its KV cache, split the way vLLM's v1
-engine splits it, each part small and tested alone (no grpc anywhere here):
+"""Server-side generation for a decoder exported with its KV cache (and for an
+encoder-decoder folder: seq2seq.py), split the way vLLM's v1 engine splits it, each part
+small and tested alone (no grpc anywhere here):
 
     options.py    GenerateOptions, and the one bucket rule generation pads with
     scheduler.py  streams waiting and running; per step a token budget shared by the decode
@@ -9,10 +10,13 @@ engine splits it, each part small and tested alone (no grpc anywhere here):
     runner.py     a step plan -> feeds (tuner.gate.decode_step, what the gate proves) -> runs
     output.py     batched sampling, stop ids and strings, min_tokens, incremental text,
                   log-probs, chunks and metrics
+    admission.py  submit, cancel, drain and close: what both loops share
     engine.py     the one thread that loops: schedule, run, emit (`Generator`)
+    seq2seq.py    an encoder-decoder's loop (`Seq2SeqGenerator`): streams in cohorts
 """
 
-from serving.generation.engine import Generator, GenerationStats, Handle
+from serving.generation.admission import Handle
+from serving.generation.engine import Generator, GenerationStats
 from serving.generation.options import GenerateOptions, next_bucket
 
 __all__ = ["GenerateOptions", "GenerationStats", "Generator", "Handle", "next_bucket"]

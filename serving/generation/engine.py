@@ -11,22 +11,19 @@ model runs:
 from __future__ import annotations
 
 import logging
-import queue
-import threading
-import time
-from collections import deque
 from dataclasses import replace
-from typing import Callable, Iterator, Sequence
+from typing import Sequence
 
-from serving.errors import InvalidArgument, ResourceExhausted, Unavailable
+from serving.errors import InvalidArgument
+from serving.generation.admission import Admission, check_tokens
 from serving.generation.cache import CacheManager
 from serving.generation.grammar import GrammarCompiler
 from serving.generation.options import (GenerateOptions, cache_budget, cache_buckets,
                                         next_bucket)
-from serving.generation.output import GenerationStats, OutputProcessor, StreamOutput
+from serving.generation.output import GenerationStats, OutputProcessor
 from serving.generation.runner import StepRunner
 from serving.generation.scheduler import Scheduler, StepPlan, Stream
-from serving.sampling import Chunk, GenerationRequest
+from serving.sampling import GenerationRequest
 from tuner.gate.row_moves import MOVED, RowProbe
 from tuner.gate.verify import Tolerance
 from tuner.graph.cache_record import CacheRecord
@@ -54,17 +51,7 @@ APART = ("a row's logits change beside another row (its activations quantized wi
          "per run, or a kernel that runs a batch of rows another way than one row)")
 
 
-class Handle:
-    """What `submit` returns: cancel() frees the stream's slot at the next step."""
-
-    def __init__(self, stream: Stream) -> None:
-        self._stream = stream
-
-    def cancel(self) -> None:
-        self._stream.cancelled.set()
-
-
-class Generator:
+class Generator(Admission):
     """Owns the scheduler, the cache and the one thread that runs the model."""
 
     def __init__(self, runner, record: CacheRecord, vocab: int,
@@ -119,13 +106,7 @@ class Generator:
                                    record.takes_chunks, options.max_stall,
                                    chunks_share_runs=not record.rows_at_start)
         self.output = OutputProcessor(self.stats)
-        self._submitted: deque[Stream] = deque()
-        self._by_id: dict[str, list[Stream]] = {}  # streams not ended, by request id (cancel)
-        self._cv = threading.Condition()
-        self._draining = False
-        self._deadline: float | None = None
-        self._thread = threading.Thread(target=self._loop, name="generate", daemon=True)
-        self._thread.start()
+        self.start()
 
     @property
     def runner(self):
@@ -157,74 +138,14 @@ class Generator:
                 f"prompt ({n}) + max_tokens ({request.max_tokens}) cache entries exceed the "
                 f"cache's byte budget ({self.budget_bytes} bytes: {self.cache.budget_tokens} "
                 "entries); raise --kv-cache-bytes")
-        bad = [t for t in request.prompt if not 0 <= t < self.vocab]
-        bad += [t for t, _ in request.sampling.logit_bias if not 0 <= t < self.vocab]
-        bad += [t for t in request.sampling.allowed_ids if not 0 <= t < self.vocab]
-        if bad:
-            raise InvalidArgument(f"token id {bad[0]} is outside the vocabulary "
-                                  f"[0, {self.vocab})")
-        if request.stop_strings and self.tokenizer is None:
-            raise InvalidArgument("stop strings need a tokenizer (no tokenizer.json in the "
-                                  "artifact): send stop ids instead")
+        check_tokens(request, self.vocab, self.tokenizer)
 
-    def submit(self, request: GenerationRequest, on_chunk: Callable[[Chunk], None]) -> Handle:
-        """Queue a stream; `on_chunk` is called (from the engine's thread) for every chunk,
-        in order, the last one final. Raises InvalidArgument, ResourceExhausted or
-        Unavailable."""
-        self.validate(request)
-        matcher = self.grammars.matcher(request.grammar) if request.grammar else None
-        stream = Stream(request, on_chunk, StreamOutput(request, self.tokenizer, matcher))
-        with self._cv:
-            if self._draining:
-                raise Unavailable("the server is shutting down: no new streams")
-            o, running = self.options, len(self.scheduler.running)
-            queued = len(self._submitted) + len(self.scheduler.waiting)
-            if queued + running >= o.max_streams + o.max_queue:
-                raise ResourceExhausted(
-                    f"the server is full: {running} streams running and {queued} queued "
-                    f"(the queue holds {o.max_queue})")
-            self._submitted.append(stream)
-            if request.id:
-                self._by_id.setdefault(request.id, []).append(stream)
-            self.stats.on_streams(running, queued + 1)
-            self._cv.notify()
-        return Handle(stream)
+    def room(self, prompt_tokens: int) -> int:
+        """The most tokens a prompt of this length leaves room for in the cache."""
+        return self.max_cache_len - prompt_tokens + 1
 
-    def generate(self, request: GenerationRequest) -> Iterator[Chunk]:
-        """submit(), as an iterator of chunks (blocking); closing it cancels the stream."""
-        chunks: queue.Queue[Chunk] = queue.Queue()
-        handle = self.submit(request, chunks.put)
-        try:
-            while True:
-                chunk = chunks.get()
-                yield chunk
-                if chunk.final:
-                    return
-        finally:
-            handle.cancel()
-
-    def cancel(self, request_id: str) -> int:
-        """Cancel every stream of this request id that has not ended (each ends with a final
-        chunk, reason "cancelled", at the next step); how many there were."""
-        with self._cv:
-            streams = self._by_id.pop(request_id, [])
-            for s in streams:
-                s.cancelled.set()
-            self._cv.notify()
-        return len(streams)
-
-    def drain(self, grace_s: float) -> None:
-        """No new streams; those running get `grace_s` to finish, then end with a final chunk
-        saying so (reason "shutdown"). Returns at once; close() waits."""
-        with self._cv:
-            self._draining = True
-            self._deadline = time.perf_counter() + grace_s
-            self._cv.notify()
-
-    def close(self, grace_s: float = 0.0) -> None:
-        if not self._draining:
-            self.drain(grace_s)
-        self._thread.join()
+    def occupancy(self) -> tuple[int, int]:
+        return len(self.scheduler.running), len(self.scheduler.waiting)
 
     @property
     def active(self) -> int:
@@ -233,17 +154,15 @@ class Generator:
     # ---------------------------------------------------------------------------- the loop
 
     def _busy(self) -> bool:
-        return bool(self._submitted or self.scheduler.waiting or self.scheduler.running)
+        return bool(self.scheduler.waiting or self.scheduler.running)
 
     def _loop(self) -> None:
         while True:
-            with self._cv:
-                while not (self._busy() or self._draining):
-                    self._cv.wait()
-                if self._draining and not self._busy():
-                    return
-                while self._submitted:
-                    self.scheduler.add(self._submitted.popleft())
+            taken = self._take_submitted(self._busy)
+            if taken is None:
+                return
+            for stream in taken:
+                self.scheduler.add(stream)
             try:
                 self._end_overdue()
                 self._drop_cancelled()
@@ -306,16 +225,10 @@ class Generator:
     def _remove(self, s: Stream) -> None:
         """An ended stream: out of the scheduler (its cache freed) and of the ids' index."""
         self.scheduler.remove(s)
-        if s.request.id:
-            with self._cv:
-                left = [x for x in self._by_id.get(s.request.id, ()) if x is not s]
-                if left:
-                    self._by_id[s.request.id] = left
-                else:
-                    self._by_id.pop(s.request.id, None)
+        self._forget(s)
 
     def _end_overdue(self) -> None:
-        if self._deadline is None or time.perf_counter() < self._deadline:
+        if not self._overdue():
             return
         for s in list(self.scheduler.running) + list(self.scheduler.waiting):
             self._end(s, "shutdown", "the server shut down before the stream finished "

@@ -47,11 +47,14 @@ class GenerationStats:
 class StreamOutput:
     """What one stream has produced: its sampler, its text so far and how much was sent."""
 
-    def __init__(self, request: GenerationRequest, tokenizer, matcher=None) -> None:
+    def __init__(self, request: GenerationRequest, tokenizer, matcher=None,
+                 context: Sequence[int] | None = None) -> None:
+        """`context`: the ids the output is decoded after (default: the prompt's)."""
         self.request = request
         self.matcher = matcher  # its grammar's (serving.generation.grammar), if it has one
         self.rng = np.random.default_rng(request.sampling.seed)
-        self.detok = IncrementalDecoder(tokenizer, request.prompt) if tokenizer else None
+        self.detok = IncrementalDecoder(
+            tokenizer, request.prompt if context is None else context) if tokenizer else None
         self.text = ""  # the output text decoded so far
         self.sent = 0  # characters of it sent
         self.generated = 0

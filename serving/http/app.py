@@ -125,14 +125,14 @@ async def metrics_text(frontend: Frontend, request: Request) -> Response:
 
 
 def build_app(frontend: Frontend) -> Starlette:
-    from serving.http import (embeddings_api, hf_routes, kserve, messages_api, ollama_api,
-                              openai_api, rerank_api, responses_api, sagemaker, score_api,
-                              tei_api, tgi_api, tokenize_api, triton_generate)
+    from serving.http import (audio_api, embeddings_api, hf_routes, kserve, messages_api,
+                              ollama_api, openai_api, rerank_api, responses_api, sagemaker,
+                              score_api, tei_api, tgi_api, tokenize_api, triton_generate)
 
     routes = [Route("/metrics", endpoint(frontend, "metrics", metrics_text), methods=["GET"])]
     for module in (kserve, triton_generate, openai_api, responses_api, messages_api,
                    tokenize_api, embeddings_api, rerank_api, score_api, tgi_api, tei_api,
-                   hf_routes, sagemaker, ollama_api):
+                   hf_routes, sagemaker, ollama_api, audio_api):
         for path, methods, name, handler, errors in module.ROUTES:
             routes.append(Route(path, endpoint(frontend, name, handler, errors or kserve_error),
                                 methods=methods))

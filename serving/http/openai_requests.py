@@ -161,7 +161,7 @@ def generations_for(engine: DecoderEngine, body: dict, prompt: tuple[int, ...],
     `echo` with max_tokens 0 runs one token that the answer leaves out (_Shape.drop)."""
     _check_unsupported(body)
     n = choice_count(engine, body)
-    room = engine.generator.max_cache_len - len(prompt) + 1
+    room = engine.generator.room(len(prompt))
     limit = default_max_tokens or min(engine.options.max_tokens, max(1, room))
     max_tokens = max_tokens_of(body)
     if echo and max_tokens == 0:

@@ -98,7 +98,7 @@ def _request(frontend, body: dict) -> tuple[DecoderEngine, GenerationRequest, di
     top = body_value(parameters, "top_n_tokens", (int,), 0) or 0
     # TGI's default, held to what the cache and --max-tokens leave room for (a number the
     # request names is refused when it does not fit, as TGI refuses it)
-    room = engine.generator.max_cache_len - len(prompt) + 1
+    room = engine.generator.room(len(prompt))
     default = max(1, min(DEFAULT_MAX_NEW_TOKENS, engine.options.max_tokens, room))
     (generation,) = generations_for(engine, _openai_body(parameters), prompt, top,
                                     "tgi-" + uuid.uuid4().hex, default_max_tokens=default)

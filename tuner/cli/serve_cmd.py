@@ -79,10 +79,13 @@ def _say(line: str) -> None:
 def _settings(out: Path, threads: int | None, spin: bool | None) -> SessionSettings | None:
     """The runtime's settings: the artifact's (None) unless --threads / --spin change them."""
     from tuner.artifact.store import read_manifest
+    from tuner.graph.seq2seq_record import is_seq2seq_folder
+    from tuner.runtime.base import SessionSettings
 
     if threads is None and spin is None:
         return None
-    base = read_manifest(out).session_settings(ignore_unknown=True)
+    base = (SessionSettings() if is_seq2seq_folder(out)
+            else read_manifest(out).session_settings(ignore_unknown=True))
     return dataclasses.replace(
         base, intra_op_threads=base.intra_op_threads if threads is None else threads,
         allow_spinning=base.allow_spinning if spin is None else spin)
@@ -91,14 +94,18 @@ def _settings(out: Path, threads: int | None, spin: bool | None) -> SessionSetti
 @app.command()
 def serve(
     out: Path = typer.Argument(..., help="artifact folder written by `tuner optimize` "
-                                         "(holds manifest.json)"),
+                                         "(holds manifest.json), or an encoder-decoder's "
+                                         "export folder (Optimum's encoder_model.onnx, "
+                                         "decoder_model.onnx, decoder_with_past_model.onnx; "
+                                         "`tuner pad FOLDER` writes one) to generate from"),
     host: str = typer.Option("127.0.0.1", help="address to bind; 0.0.0.0 exposes the server "
                                                "to the network"),
     port: int = typer.Option(8001, help="gRPC port (0: any free port; -1: no gRPC)"),
     http_port: int = typer.Option(8000, help="HTTP port: KServe v2 REST, Triton's generate "
                                              "endpoints, the OpenAI-compatible API, "
                                              "Anthropic's Messages API, Text Generation "
-                                             "Inference's generate API (a decoder), Text "
+                                             "Inference's generate API (a decoder), OpenAI's "
+                                             "audio API (a Whisper folder), Text "
                                              "Embeddings Inference's API (an encoder), "
                                              "Ollama's API and /metrics (0: any free port; "
                                              "-1: no HTTP)"),
@@ -201,11 +208,15 @@ def serve(
 
     Before reporting ready it re-runs the accuracy gate against the original on this machine
     and serves the original if the variant fails. Requests longer than the largest sequence
-    bucket are refused with INVALID_ARGUMENT."""
+    bucket are refused with INVALID_ARGUMENT. An encoder-decoder folder (T5, BART, Marian;
+    Whisper through OpenAI's /v1/audio/transcriptions) is generated from as it is (the
+    decoder's names and APIs, streams batched in cohorts), once its with-past decoder is
+    checked against its first-step decoder here."""
     import logging
 
     from tuner.artifact.store import read_manifest
     from tuner.graph.role_overrides import overriding, parse_roles
+    from tuner.graph.seq2seq_record import is_seq2seq_folder
 
     # here, not at the top: the other commands neither need the server nor fail with it
     try:
@@ -242,7 +253,8 @@ def serve(
         tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser)
     _check_before_binding(out, backend)
     # the manifest's role overrides (those optimize ran with), then this command's own
-    with overriding({**(read_manifest(out).roles or {}), **parse_roles(roles)}):
+    saved = {} if is_seq2seq_folder(out) else read_manifest(out).roles or {}
+    with overriding({**saved, **parse_roles(roles)}):
         code = run(out, options, say=_say)
     if code:
         raise typer.Exit(code)
@@ -254,9 +266,14 @@ def _check_before_binding(out: Path, backend: str | None) -> None:
     only after "listening"."""
 
     from tuner.artifact.store import read_manifest
+    from tuner.graph.seq2seq_record import find_seq2seq_record, is_seq2seq_folder
+    from tuner.runtime.ort import CPU_BACKEND
     from tuner.runtime.registry import get_backend
 
-    name = backend or read_manifest(out).backend
+    if is_seq2seq_folder(out):
+        find_seq2seq_record(out)  # one a generation loop cannot feed: refused here, exit 2
+    name = backend or (CPU_BACKEND.name if is_seq2seq_folder(out)
+                       else read_manifest(out).backend)
     ok, reason = get_backend(name).available()
     if not ok:
         raise BadInput(f"backend {name} cannot run here: {reason}")

@@ -186,7 +186,8 @@ def _encoder_decoder(shape: ModelShape) -> list[Finding]:
                     + ("`tuner optimize` does not take a with-past step (one token against a "
                        "cache, not what its forward passes measure)" if shape.cache else
                        "`tuner optimize` and `tuner serve` take it as a tensor model (one "
-                       "forward pass per request: the generation loop stays the client's)"))]
+                       "forward pass per request)")
+                    + "; `tuner serve EXPORT_FOLDER` generates from the folder's three graphs")]
 
 
 QUANTIZED_OPS = ("MatMulNBits", "DynamicQuantizeMatMul", "MatMulIntegerToFloat",

@@ -1,0 +1,231 @@
+"""Audio in, Whisper's encoder input out: a WAV file read (PCM or float, any rate, any number
+of channels), resampled to the feature extractor's rate, and its log-mel spectrogram as
+Whisper computes it (transformers' WhisperFeatureExtractor, the same arithmetic in numpy:
+tests/test_audio_transcription.py compares the two). No grpc, no transformers here.
+
+    samples (n,) at 16 kHz -> zero-padded to 30 s -> |STFT|^2 (400-point Hann, hop 160,
+    centred, reflect-padded) -> 80 Slaney mel bands -> log10 -> floor at max - 8 ->
+    (x + 4) / 4 -> (80, 3000)
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+from serving.errors import InvalidArgument
+from serving.text_config import read_json
+
+_PCM, _FLOAT, _EXTENSIBLE = 1, 3, 0xFFFE
+
+
+@dataclass(frozen=True)
+class FeatureConfig:
+    """preprocessor_config.json's WhisperFeatureExtractor fields."""
+
+    mel_bins: int = 80
+    sampling_rate: int = 16000
+    n_fft: int = 400
+    hop_length: int = 160
+    chunk_length: int = 30  # seconds: what one encoder run hears
+
+    @property
+    def n_samples(self) -> int:
+        return self.chunk_length * self.sampling_rate
+
+    @property
+    def frames(self) -> int:
+        return self.n_samples // self.hop_length
+
+
+def feature_config(folder: Path) -> FeatureConfig | None:
+    """The folder's Whisper feature extractor, None when it has none."""
+    data = read_json(Path(folder) / "preprocessor_config.json")
+    if not isinstance(data, dict) or data.get("feature_extractor_type") != \
+            "WhisperFeatureExtractor":
+        return None
+    d = FeatureConfig()
+    ints = {k: data.get(k) for k in ("feature_size", "sampling_rate", "n_fft", "hop_length",
+                                     "chunk_length")}
+    if not all(isinstance(v, int) and v > 0 for v in ints.values() if v is not None):
+        return None
+    return FeatureConfig(ints["feature_size"] or d.mel_bins,
+                         ints["sampling_rate"] or d.sampling_rate, ints["n_fft"] or d.n_fft,
+                         ints["hop_length"] or d.hop_length,
+                         ints["chunk_length"] or d.chunk_length)
+
+
+# ------------------------------------------------------------------------------- WAV files
+
+
+def _chunks(data: bytes):
+    """(id, body) of each RIFF chunk after the WAVE header."""
+    at = 12
+    while at + 8 <= len(data):
+        kind, size = data[at:at + 4], struct.unpack_from("<I", data, at + 4)[0]
+        yield kind, data[at + 8:at + 8 + size]
+        at += 8 + size + (size & 1)
+
+
+def read_wav(data: bytes) -> tuple[np.ndarray, int]:
+    """(mono samples in [-1, 1] as float32, sampling rate) of a WAV file: integer PCM of 8,
+    16, 24 or 32 bits or IEEE float of 32 or 64, its channels averaged. InvalidArgument
+    for anything else, saying what."""
+    if len(data) < 12 or data[:4] != b"RIFF" or data[8:12] != b"WAVE":
+        raise InvalidArgument("the audio is not a WAV file (RIFF/WAVE): send WAV, e.g. "
+                              "`ffmpeg -i in.mp3 -ar 16000 out.wav`")
+    chunks = dict(_chunks(data))
+    fmt, body = chunks.get(b"fmt "), chunks.get(b"data")
+    if fmt is None or len(fmt) < 16 or body is None:
+        raise InvalidArgument("the WAV file has no format or no data chunk")
+    code, channels, rate, _, align, bits = struct.unpack_from("<HHIIHH", fmt)
+    if code == _EXTENSIBLE and len(fmt) >= 26:
+        code = struct.unpack_from("<H", fmt, 24)[0]  # the sub-format's first two bytes
+    kinds = {(_PCM, 8): "u1", (_PCM, 16): "<i2", (_PCM, 32): "<i4", (_FLOAT, 32): "<f4",
+             (_FLOAT, 64): "<f8"}
+    if not channels or not rate or ((code, bits) not in kinds and (code, bits) != (_PCM, 24)):
+        raise InvalidArgument(f"WAV format {code} with {bits} bits is not read here (integer "
+                              "PCM of 8-32 bits or float of 32/64 are)")
+    width = bits // 8
+    usable = len(body) - len(body) % (width * channels)
+    if (code, bits) == (_PCM, 24):  # three bytes, little-endian: widened to int32
+        raw = np.frombuffer(body[:usable], np.uint8).reshape(-1, 3).astype(np.int32)
+        x = ((raw[:, 0] | raw[:, 1] << 8 | raw[:, 2] << 16) << 8 >> 8) / float(1 << 23)
+    else:
+        x = np.frombuffer(body[:usable], kinds[code, bits]).astype(np.float64)
+        if code == _PCM:
+            x = (x - 128) / 128 if bits == 8 else x / float(1 << (bits - 1))
+    return x.reshape(-1, channels).mean(axis=1).astype(np.float32), rate
+
+
+def resample(x: np.ndarray, rate: int, target: int) -> np.ndarray:
+    """`x` at `target` Hz: band-limited resampling (its spectrum cut or zero-extended)."""
+    if rate == target or not len(x):
+        return x
+    n = max(1, round(len(x) * target / rate))
+    spectrum = np.fft.rfft(x.astype(np.float64))
+    keep = min(len(spectrum), n // 2 + 1)
+    out = np.zeros(n // 2 + 1, complex)
+    out[:keep] = spectrum[:keep]
+    return (np.fft.irfft(out, n) * (n / len(x))).astype(np.float32)
+
+
+def pieces(samples: np.ndarray, c: FeatureConfig, search_s: float = 1.0,
+           most: int = 120) -> list[np.ndarray]:
+    """Audio longer than one window cut into pieces of at most chunk_length seconds, each
+    cut at the quietest 100 ms of the last `search_s` before the limit (vLLM's approach: a
+    cut between words, not through one); at most `most` pieces (InvalidArgument past it)."""
+    limit, rate = c.n_samples, c.sampling_rate
+    if len(samples) > most * limit:
+        raise InvalidArgument(f"the audio lasts {len(samples) / rate:.0f} s; at most "
+                              f"{most * c.chunk_length} s are taken")
+    out, at, frame = [], 0, max(1, rate // 10)
+    while len(samples) - at > limit:
+        low = at + limit - int(search_s * rate)
+        window = samples[low:at + limit].astype(np.float64) ** 2
+        energy = np.convolve(window, np.ones(frame), "valid")[::frame // 2 or 1]
+        cut = low + int(np.argmin(energy)) * (frame // 2 or 1) + frame // 2
+        out.append(samples[at:cut])
+        at = cut
+    return out + [samples[at:]]
+
+
+# ------------------------------------------------------------------------- log-mel features
+
+
+def _hz_to_mel(f):  # Slaney's scale: linear below 1 kHz, logarithmic above
+    f = np.asarray(f, np.float64)
+    log = 15.0 + 27.0 * np.log(np.maximum(f, 1e-10) / 1000.0) / np.log(6.4)
+    return np.where(f >= 1000.0, log, 3.0 * f / 200.0)
+
+
+def _mel_to_hz(m):
+    m = np.asarray(m, np.float64)
+    return np.where(m >= 15.0, 1000.0 * np.exp(np.log(6.4) / 27.0 * (m - 15.0)), 200.0 * m / 3.0)
+
+
+@lru_cache(maxsize=4)
+def mel_filters(c: FeatureConfig) -> np.ndarray:
+    """(1 + n_fft / 2, mel bins): triangles on Slaney's mel scale from 0 to 8 kHz, each of
+    unit area (Slaney's norm)."""
+    edges = _mel_to_hz(np.linspace(_hz_to_mel(0.0), _hz_to_mel(8000.0), c.mel_bins + 2))
+    bins = np.linspace(0, c.sampling_rate // 2, 1 + c.n_fft // 2)
+    slopes = edges[None, :] - bins[:, None]
+    widths = np.diff(edges)
+    down, up = -slopes[:, :-2] / widths[:-1], slopes[:, 2:] / widths[1:]
+    return np.maximum(0.0, np.minimum(down, up)) * (2.0 / (edges[2:] - edges[:-2]))
+
+
+def log_mel(samples: np.ndarray, c: FeatureConfig) -> np.ndarray:
+    """(mel bins, frames) float32: Whisper's input for up to chunk_length seconds of audio at
+    c.sampling_rate (longer is InvalidArgument)."""
+    if len(samples) > c.n_samples:
+        raise InvalidArgument(f"the audio lasts {len(samples) / c.sampling_rate:.1f} s; one "
+                              f"request takes at most {c.chunk_length} s (the encoder's "
+                              "window): send it in pieces")
+    x = np.zeros(c.n_samples, np.float64)
+    x[:len(samples)] = samples
+    half = c.n_fft // 2
+    x = np.pad(x, half, mode="reflect")
+    frames = np.lib.stride_tricks.sliding_window_view(x, c.n_fft)[::c.hop_length]
+    window = 0.5 - 0.5 * np.cos(2 * np.pi * np.arange(c.n_fft) / c.n_fft)  # periodic Hann
+    power = np.abs(np.fft.rfft(frames * window, axis=1)) ** 2  # (frames + 1, bins)
+    mel = np.log10(np.maximum(1e-10, power @ mel_filters(c))).T[:, :-1]
+    mel = np.maximum(mel, mel.max() - 8.0)
+    return ((mel + 4.0) / 4.0).astype(np.float32)
+
+
+# ------------------------------------------------------------------- the decoder's first tokens
+
+
+@dataclass(frozen=True)
+class WhisperPrompt:
+    """What Whisper's generation_config.json says the decoder starts with (transformers'
+    WhisperGenerationMixin: the start token, the language's, the task's, and
+    <|notimestamps|> when no timestamps are asked for)."""
+
+    start: int
+    languages: dict[str, int]  # "en" -> the id of <|en|> (multilingual models)
+    tasks: dict[str, int]  # "transcribe" / "translate" -> its token's id
+    no_timestamps: int | None = None
+    forced: tuple[int, ...] = ()  # an older config's forced_decoder_ids, without the maps
+
+    def prefix(self, language: str | None, task: str) -> tuple[int, ...]:
+        """The first tokens for `task` in `language` (a code, "en"; None: detected first,
+        by the caller, where the model is multilingual). InvalidArgument for a language or
+        task the model has no token for."""
+        if not self.tasks:
+            return (self.start, *self.forced)
+        out = [self.start]
+        if self.languages:
+            if language not in self.languages:
+                raise InvalidArgument(f"language {language!r} is not one of this model's: "
+                                      f"{', '.join(sorted(self.languages))}")
+            out.append(self.languages[language])
+        if task not in self.tasks:
+            raise InvalidArgument(f"this model has no {task!r} task (it has "
+                                  f"{', '.join(sorted(self.tasks))})")
+        out.append(self.tasks[task])
+        if self.no_timestamps is not None:
+            out.append(self.no_timestamps)
+        return tuple(out)
+
+
+def whisper_prompt(folder: Path, start: int) -> WhisperPrompt:
+    g = read_json(Path(folder) / "generation_config.json")
+    g = g if isinstance(g, dict) else {}
+
+    def ids(key: str) -> dict[str, int]:
+        found = g.get(key) if isinstance(g.get(key), dict) else {}
+        return {k.strip("<|>"): v for k, v in found.items() if isinstance(v, int)}
+
+    forced = g.get("forced_decoder_ids") if isinstance(g.get("forced_decoder_ids"), list) else []
+    nots = g.get("no_timestamps_token_id")
+    return WhisperPrompt(start, ids("lang_to_id") if g.get("is_multilingual", True) else {},
+                         ids("task_to_id"), nots if isinstance(nots, int) else None,
+                         tuple(p[1] for p in sorted(f for f in forced if isinstance(f, list)
+                                                    and len(f) == 2 and isinstance(f[1], int))))

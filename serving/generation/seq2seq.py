@@ -1,0 +1,267 @@
+"""Generation with an encoder-decoder (T5, BART, Marian as Optimum exports them:
+tuner.graph.seq2seq_record): one thread, streams batched in cohorts.
+
+A cohort is the streams admitted at one step. Its sources are encoded in one run (right-padded
+to the longest, the encoder's mask zero past each row's end); the first-step decoder gives
+every row its first token and the cross keys/values it keeps; every later step feeds the
+cohort's last tokens and its caches to the with-past decoder. The with-past decoder takes no
+mask of its own tokens, so rows of different lengths cannot share a run: every row of a
+cohort is at the same step, and each cohort runs apart (one run each per step, new cohorts
+formed while older ones decode). An ended row leaves its cohort at once (its rows of every
+array dropped), so no run computes a finished stream.
+
+    per cohort (B rows, sources up to S tokens, t tokens generated):
+      encoder    ids (B, S), mask (B, S)                -> states (B, S, h)         once
+      first      start ids (B, 1), states, mask         -> logits, self (B, H, 1, d), cross
+      later      last ids (B, 1), mask, self (B, H, t, d), cross -> logits, self (B, H, t+1, d)
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from serving.errors import InvalidArgument
+from serving.generation.admission import Admission, check_tokens
+from serving.generation.grammar import GrammarCompiler
+from serving.generation.options import GenerateOptions
+from serving.generation.output import GenerationStats, OutputProcessor
+from serving.generation.scheduler import Stream
+from serving.sampling import GenerationRequest
+from tuner.gate.seq2seq_steps import caches_after, decoder_feeds, source_feeds
+from tuner.graph.seq2seq_record import Seq2SeqRecord
+from tuner.runtime.base import Runner
+
+log = logging.getLogger("serving")
+
+
+@dataclass(frozen=True)
+class Seq2SeqRunners:
+    """The three graphs' runners."""
+
+    encoder: Runner
+    first: Runner
+    later: Runner
+
+    def close(self) -> None:
+        for runner in (self.encoder, self.first, self.later):
+            runner.close()
+
+
+@dataclass(frozen=True)
+class DecoderIds:
+    """What config.json and generation_config.json say about the decoder's ids."""
+
+    start: int  # decoder_start_token_id: the first step's input (a text source's)
+    pad: int  # what a short source is padded with (masked out)
+    suppress: tuple[int, ...] = ()  # never generated (Whisper's suppress_tokens, Marian's
+    # one-token bad_words_ids: its pad)
+    begin_suppress: tuple[int, ...] = ()  # not as the first token (begin_suppress_tokens)
+    forced_first: int | None = None  # the only first token (forced_bos_token_id: mBART's
+    # target language)
+
+
+class Cohort:
+    """Streams at the same step, and the arrays their next run takes (rows in stream order)."""
+
+    def __init__(self, streams: list[Stream]) -> None:
+        self.streams = streams
+        self.mask: np.ndarray | None = None  # (B, S): the encoder's
+        self.states: np.ndarray | None = None  # (B, S, h), kept where later steps take it
+        self.cross: dict[str, np.ndarray] = {}  # past input -> (B, H, S, d), fixed
+        self.own: dict[str, np.ndarray] = {}  # past input -> (B, H, t, d), grows
+
+    def keep(self, rows: list[int]) -> None:
+        """Only these rows go on (every array stacks its rows on axis 0)."""
+        self.streams = [self.streams[i] for i in rows]
+        take = lambda a: None if a is None else a[rows]  # noqa: E731
+        self.mask, self.states = take(self.mask), take(self.states)
+        self.cross = {k: v[rows] for k, v in self.cross.items()}
+        self.own = {k: v[rows] for k, v in self.own.items()}
+
+
+class Seq2SeqGenerator(Admission):
+    """The encoder-decoder's generation loop (see the module's docstring)."""
+
+    detok_context = ()  # the output is a text of its own, not the source's continuation
+
+    def __init__(self, runners: Seq2SeqRunners, record: Seq2SeqRecord, ids: DecoderIds,
+                 options: GenerateOptions = GenerateOptions(), *, tokenizer=None,
+                 eos_ids: Sequence[int] = (), stats: GenerationStats | None = None,
+                 max_target: int | None = None) -> None:
+        self.runners, self.record, self.ids, self.options = runners, record, ids, options
+        self.vocab, self.tokenizer = record.vocab, tokenizer
+        self.grammars = GrammarCompiler(tokenizer, self.vocab, eos_ids)
+        self.stats = stats or GenerationStats()
+        self.output = OutputProcessor(self.stats)
+        # the decoder's positions hold the start token and every token fed after it
+        self.max_target = max_target or record.max_positions or 2048
+        self.max_prompt = record.encoder.max_positions or options.max_prompt or 2048
+        self.max_cache_len = self.max_target  # what the frontends report as the model's length
+        self.cache_buckets: tuple[int, ...] = ()  # every shape as it comes (no buckets)
+        self.batch_buckets: tuple[int, ...] = ()
+        self.rows_stay = None
+        self.waiting: list[Stream] = []
+        self.cohorts: list[Cohort] = []
+        self.start()
+
+    def room(self, prompt_tokens: int) -> int:
+        """The most tokens a text request may generate (its source takes no decoder
+        position; the start token takes one)."""
+        return self.max_target
+
+    @property
+    def active(self) -> int:
+        return sum(len(c.streams) for c in self.cohorts)
+
+    def occupancy(self) -> tuple[int, int]:
+        return self.active, len(self.waiting)
+
+    def prefix(self, request: GenerationRequest) -> tuple[int, ...]:
+        """The decoder's first tokens: the start token after a text source; after audio
+        features, the request's prompt (Whisper's start, language and task tokens)."""
+        return request.prompt if self.record.encoder.features else (self.ids.start,)
+
+    def validate(self, request: GenerationRequest) -> None:
+        features = self.record.encoder.features
+        source = request.encoder_input
+        if features is None and source is not None:
+            raise InvalidArgument("this encoder reads token ids, not features")
+        if features is not None and (source is None or tuple(source.shape) != features):
+            raise InvalidArgument(f"this encoder reads audio features of shape {features} "
+                                  "(Whisper's log-mel spectrogram; the audio endpoints make "
+                                  "it from a file)")
+        n = len(request.prompt)  # (never 0: GenerationRequest refuses an empty prompt)
+        if features is None and n > self.max_prompt:
+            raise InvalidArgument(f"the source has {n} tokens; the encoder takes at most "
+                                  f"{self.max_prompt}")
+        limit = min(self.options.max_tokens, self.max_target - len(self.prefix(request)) + 1)
+        if request.max_tokens > limit:
+            raise InvalidArgument(f"max_tokens {request.max_tokens} is over the limit "
+                                  f"{limit} (the decoder's positions)")
+        check_tokens(request, self.vocab, self.tokenizer)
+        if request.prompt_logprobs is not None:
+            raise InvalidArgument("prompt log-probs: the source is read by the encoder, which "
+                                  "scores no token")
+
+    # ---------------------------------------------------------------------------- the loop
+
+    def _loop(self) -> None:
+        while True:
+            taken = self._take_submitted(lambda: bool(self.waiting or self.cohorts))
+            if taken is None:
+                return
+            self.waiting += taken
+            try:
+                self._drop_ended()
+                new = self._admit()
+                for cohort in [c for c in self.cohorts if c is not new]:
+                    self._later_step(cohort)
+                self.cohorts = [c for c in self.cohorts if c.streams]
+            except Exception as e:  # noqa: BLE001 - the model failed: end every stream, go on
+                log.exception("generation step failed")
+                for c in self.cohorts:
+                    for s in c.streams:
+                        self._end(s, "error", f"the model failed: {type(e).__name__}: {e}")
+                self.cohorts = []
+            self.stats.on_streams(self.active, len(self.waiting))
+
+    def _admit(self) -> Cohort | None:
+        """A new cohort of the waiting streams the limit has room for: encoded, and its first
+        tokens out."""
+        room = self.options.max_streams - self.active
+        if room <= 0 or not self.waiting or self._draining:
+            return None
+        # one cohort's first tokens are one run: as many as the first waiting stream's
+        n = len(self.prefix(self.waiting[0].request))
+        streams = [s for s in self.waiting if len(self.prefix(s.request)) == n][:room]
+        self.waiting = [s for s in self.waiting if s not in streams]
+        cohort = Cohort(streams)
+        self.cohorts.append(cohort)  # (a failing run below ends its streams with the rest)
+        audio = self.record.encoder.features is not None
+        feeds, cohort.mask = source_feeds(
+            self.record, [s.request.encoder_input if audio else s.request.prompt
+                          for s in streams], self.ids.pad)
+        cohort.states = self._run(self.runners.encoder, feeds)[self.record.encoder.output]
+        first, later = self.record.first, self.record.later
+        prefixes = np.asarray([self.prefix(s.request) for s in streams])
+        out = self._run(self.runners.first,
+                        decoder_feeds(first, prefixes, cohort.mask, cohort.states))
+        cohort.own, cohort.cross = caches_after(later, out)
+        if later.states is None:
+            cohort.states = None  # nothing after the first step reads them
+        self._emit(cohort, out[first.logits], first=True)
+        return cohort
+
+    def _later_step(self, cohort: Cohort) -> None:
+        later = self.record.later
+        tokens = np.asarray([[s.tokens[-1]] for s in cohort.streams])
+        out = self._run(self.runners.later,
+                        decoder_feeds(later, tokens, cohort.mask, cohort.states,
+                                      {**cohort.own, **cohort.cross}))
+        cohort.own, cohort.cross = caches_after(later, out, cohort.cross)
+        self._emit(cohort, out[later.logits])
+
+    def _run(self, runner, feeds: Mapping[str, np.ndarray]) -> dict:
+        began = time.perf_counter()
+        out = runner.infer(feeds)
+        self.stats.on_step(len(next(iter(feeds.values()))), time.perf_counter() - began)
+        return out
+
+    def _emit(self, cohort: Cohort, logits: np.ndarray, first: bool = False) -> None:
+        """Each row's next token from the logits of its last position, the ids the
+        generation config suppresses (and, for a first token, those it suppresses there or
+        the one it forces) at -inf, as transformers' generate has them; ended rows leave."""
+        logits = self._constrained(logits[:, -1, :self.vocab], first)
+        tokens, scores = self.output.sample(cohort.streams, logits)
+        for s, token, score in zip(cohort.streams, tokens, scores):
+            self.output.emit(s, token, score)
+            if s.done:
+                self._forget(s)
+        self._keep_going(cohort)
+
+    def _constrained(self, logits: np.ndarray, first: bool) -> np.ndarray:
+        ids = self.ids
+        banned = [t for t in (*ids.suppress, *(ids.begin_suppress if first else ()))
+                  if 0 <= t < self.vocab]
+        forced = ids.forced_first if first and ids.forced_first is not None else None
+        if not banned and forced is None:
+            return logits
+        logits = logits.copy()
+        logits[:, banned] = -np.inf
+        if forced is not None and 0 <= forced < self.vocab:
+            keep = logits[:, forced].copy()
+            logits[:] = -np.inf
+            logits[:, forced] = keep
+        return logits
+
+    def _keep_going(self, cohort: Cohort) -> None:
+        rows = [i for i, s in enumerate(cohort.streams) if not s.done]
+        if len(rows) < len(cohort.streams):
+            cohort.keep(rows)
+
+    def _drop_ended(self) -> None:
+        """Cancelled streams (and every stream once the grace period is over) end now; a
+        waiting stream ends when the server drains."""
+        for s in list(self.waiting):
+            why = self._end_reason(s, running=False) or (
+                ("shutdown", "the server shut down before the stream started")
+                if self._draining else None)
+            if why:
+                self.waiting.remove(s)
+                self._end(s, *why)
+        for cohort in self.cohorts:
+            for s in cohort.streams:
+                why = self._end_reason(s, running=True)
+                if why:
+                    self._end(s, *why)
+            self._keep_going(cohort)
+        self.cohorts = [c for c in self.cohorts if c.streams]
+
+    def _end(self, s: Stream, reason: str, detail: str = "") -> None:
+        self.output.finish(s, reason, detail)
+        self._forget(s)

@@ -1,0 +1,198 @@
+"""OpenAI's audio API for a Whisper export folder (`tuner serve FOLDER`):
+`POST /v1/audio/transcriptions` and `POST /v1/audio/translations`, multipart form data as
+the `openai` client sends it: `file` (a WAV file: PCM or float, any rate, any channels; up
+to 60 minutes: audio longer than the encoder's 30 s is cut into pieces at quiet moments,
+generated together and joined), `model`, `language` (a code; without one a multilingual
+model detects it first, as transformers' generate does), `temperature` (0: greedy),
+`response_format` (`json`, `text`; the timestamped formats are refused: this server does not
+generate timestamps), `stream` (Server-Sent Events: `transcript.text.delta` events, then
+`transcript.text.done`). The log-mel features are computed here (serving/audio.py) and
+generated from by the encoder-decoder loop. Errors are OpenAI's."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from serving.audio import log_mel, pieces, read_wav, resample
+from serving.errors import InvalidArgument
+from serving.http.openai_api import error
+from serving.http.streams import ChunkStream, ChunkStreams, until_disconnect
+from serving.http.triton_generate import SSE_HEADERS, sse
+from serving.sampling import GenerationRequest, Sampling, join_chunks
+from serving.seq2seq import Seq2SeqEngine
+
+FORMATS = ("json", "text")
+TIMESTAMPED = ("verbose_json", "srt", "vtt")
+
+
+def _engine(frontend, name: str) -> Seq2SeqEngine:
+    engine = frontend.slot.find(name)
+    if not isinstance(engine, Seq2SeqEngine) or engine.audio is None:
+        raise InvalidArgument(f"model '{name}' does not take audio: the audio API serves a "
+                              "Whisper export folder (its encoder reads log-mel features, "
+                              "preprocessor_config.json makes them)")
+    if engine.tokenizer is None:
+        raise InvalidArgument(f"model '{name}' has no tokenizer.json: its tokens cannot be "
+                              "made text")
+    return engine
+
+
+def _field(form, name: str, default: str = "") -> str:
+    value = form.get(name)
+    if value is not None and not isinstance(value, str):
+        raise InvalidArgument(f"'{name}' must be a form field, not a file")
+    return default if value is None else value
+
+
+def _temperature(form) -> float:
+    raw = _field(form, "temperature", "0")
+    try:
+        value = float(raw)
+    except ValueError:
+        raise InvalidArgument(f"'temperature' must be a number, not {raw!r}") from None
+    if not 0 <= value <= 2:
+        raise InvalidArgument(f"'temperature' must be between 0 and 2, not {value}")
+    return value
+
+
+async def _detected(frontend, engine: Seq2SeqEngine, features) -> str:
+    """A multilingual model's language for this audio: the first step's most likely
+    language token (transformers' detect_language)."""
+    languages = engine.whisper.languages
+    request = GenerationRequest(prompt=(engine.whisper.start,), max_tokens=1,
+                                sampling=Sampling(allowed_ids=tuple(languages.values())),
+                                encoder_input=features)
+    whole = join_chunks(await ChunkStream(engine, request).collect())
+    by_id = {v: k for k, v in languages.items()}
+    if not whole.ids or whole.ids[0] not in by_id:
+        raise RuntimeError(f"language detection ended without a language: {whole.reason}")
+    return by_id[whole.ids[0]]
+
+
+@dataclass(frozen=True)
+class Asked:
+    engine: Seq2SeqEngine
+    generations: tuple[GenerationRequest, ...]  # one per piece of the audio, in order
+    format: str
+    seconds: float  # the audio's length
+    language: str  # "" where the model has no language tokens
+    stream: bool
+
+
+async def _asked(frontend, request: Request, task: str) -> Asked:
+    form = await request.form(max_files=1, max_fields=32)
+    upload = form.get("file")
+    if upload is None or isinstance(upload, str):
+        raise InvalidArgument("'file' (the audio, a WAV file) is required")
+    engine = _engine(frontend, _field(form, "model") or frontend.slot.name)
+    fmt = _field(form, "response_format", "json")
+    if fmt in TIMESTAMPED:
+        raise InvalidArgument(f"response_format {fmt!r} needs timestamps, which this server "
+                              f"does not generate: use one of {', '.join(FORMATS)}")
+    if fmt not in FORMATS:
+        raise InvalidArgument(f"response_format must be one of {', '.join(FORMATS)}")
+    if _field(form, "prompt"):
+        raise InvalidArgument("'prompt' (text before the audio) is not supported here")
+    data = await upload.read(frontend.max_body_bytes + 1)
+    if len(data) > frontend.max_body_bytes:
+        raise InvalidArgument(f"the file is over the limit {frontend.max_body_bytes} bytes")
+    samples, rate = read_wav(data)
+    config = engine.audio
+    samples = resample(samples, rate, config.sampling_rate)
+    features = [log_mel(piece, config) for piece in pieces(samples, config)]
+    language = _field(form, "language") or None  # (of the audio, for either task)
+    if not engine.whisper.languages:
+        language = None  # an English-only model: no language token
+    elif language is None:
+        language = await _detected(frontend, engine, features[0])
+    prefix = engine.whisper.prefix(language, task)
+    sampling = Sampling(temperature=_temperature(form))
+    generations = tuple(GenerationRequest(
+        prompt=prefix, max_tokens=engine.generator.max_target - len(prefix) + 1,
+        sampling=sampling, stop_ids=frozenset(engine.text.eos_ids), encoder_input=f,
+        id=_field(form, "request_id")) for f in features)
+    return Asked(engine, generations, fmt, len(samples) / config.sampling_rate,
+                 language or "", _field(form, "stream", "false").lower() in ("true", "1"))
+
+
+def _joined(text: str, piece: str) -> str:
+    """`piece` as it follows `text`: a space between pieces unless one is there."""
+    if not text or not piece or text[-1:].isspace() or piece[:1].isspace():
+        return piece
+    return " " + piece
+
+
+async def _in_order(streams: ChunkStreams, n: int) -> AsyncIterator[str]:
+    """The pieces' text in order: the first unfinished piece's as it comes, a later one's
+    held until those before it end (they decode together, in cohorts)."""
+    held: list[list[str]] = [[] for _ in range(n)]
+    done, current, text = [False] * n, 0, ""
+    async for i, chunk in streams:
+        if chunk.final and chunk.reason not in ("length", "stop"):
+            raise RuntimeError(chunk.detail or f"generation ended: {chunk.reason}")
+        held[i] += [chunk.text] if chunk.text else []
+        done[i] |= chunk.final
+        while current < n:
+            for piece in held[current]:
+                piece = _joined(text, piece)
+                text += piece
+                yield piece
+            held[current] = []
+            if not done[current]:
+                break
+            current += 1
+
+
+def _usage(seconds: float) -> dict:
+    return {"type": "duration", "seconds": math.ceil(seconds)}
+
+
+async def _answer(frontend, request: Request, task: str) -> Response:
+    asked = await _asked(frontend, request, task)
+    streams = ChunkStreams(asked.engine, asked.generations)
+    texts = _in_order(streams, len(asked.generations))
+    if asked.stream:
+        async def events():
+            text = ""
+            try:
+                async for piece in texts:
+                    text += piece
+                    yield sse({"type": "transcript.text.delta", "delta": piece})
+            except RuntimeError as e:
+                yield sse({"error": {"message": str(e)}})
+                return
+            yield sse({"type": "transcript.text.done", "text": text.strip(),
+                       "usage": _usage(asked.seconds)})
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)
+
+    async def whole() -> str:
+        return "".join([piece async for piece in texts]).strip()
+
+    text = await until_disconnect(request.receive, whole(), streams.close)
+    if text is None:
+        return Response(status_code=499)  # the client went away; nothing to answer
+    if asked.format == "text":
+        return PlainTextResponse(text + "\n")
+    body = {"text": text, "usage": _usage(asked.seconds)}
+    return JSONResponse({**body, "language": asked.language} if asked.language else body)
+
+
+async def transcriptions(frontend, request: Request) -> Response:
+    return await _answer(frontend, request, "transcribe")
+
+
+async def translations(frontend, request: Request) -> Response:
+    return await _answer(frontend, request, "translate")
+
+
+ROUTES = [
+    ("/v1/audio/transcriptions", ["POST"], "audio_transcriptions", transcriptions, error),
+    ("/v1/audio/translations", ["POST"], "audio_translations", translations, error),
+]

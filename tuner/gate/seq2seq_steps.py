@@ -1,0 +1,92 @@
+"""An encoder-decoder's steps (tuner.graph.seq2seq_record): the feeds of each of its three
+graphs, the one home of them (the server's loop, serving.generation.seq2seq, and the check
+below build them here), and the check a server runs before it generates: the cache path
+(the first step, then the with-past decoder fed its own presents and the first step's cross
+keys/values) gives the logits the first-step decoder gives run on the whole sequence at once.
+
+The check proves the three graphs make one cache path (a with-past decoder from another
+export, padded apart, or corrupted FAILS); it does not compare with an original: that is
+`tuner verify SRC OUT`."""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from tuner.gate.verify import Stats, Tolerance, VerifyResult
+from tuner.graph.seq2seq_record import DecoderIO, Seq2SeqRecord
+
+Arrays = Mapping[str, np.ndarray]
+
+
+def source_feeds(record: Seq2SeqRecord, sources: Sequence, pad: int
+                 ) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
+    """The encoder's feeds for rows of sources, and the mask (B, S) the decoders take too
+    (None for an audio encoder, which takes none). Token ids are right-padded with `pad`
+    and masked out; features (bins, frames) are stacked."""
+    enc = record.encoder
+    if enc.features is not None:
+        return {enc.source: np.stack(sources).astype(enc.source_dtype)}, None
+    longest = max(len(s) for s in sources)
+    ids = np.full((len(sources), longest), pad, dtype=enc.source_dtype)
+    mask = np.zeros((len(sources), longest), dtype=enc.mask_dtype or "int64")
+    for i, s in enumerate(sources):
+        ids[i, :len(s)], mask[i, :len(s)] = s, 1
+    feeds = {enc.source: ids}
+    if enc.mask is not None:
+        feeds[enc.mask] = mask
+    return feeds, mask
+
+
+def decoder_feeds(io: DecoderIO, tokens: np.ndarray, mask: np.ndarray | None,
+                  states: np.ndarray | None, caches: Arrays = {}) -> dict[str, np.ndarray]:
+    """A decoder's feeds: token ids (B, n), the encoder's mask and states where `io` takes
+    them, and (the with-past graph) its caches by input name."""
+    feeds = {io.token_ids: np.asarray(tokens, dtype=io.ids_dtype)}
+    if io.mask is not None:
+        feeds[io.mask] = mask.astype(io.mask_dtype)
+    if io.states is not None:
+        feeds[io.states] = states
+    return {**feeds, **caches}
+
+
+def caches_after(io: DecoderIO, out: Arrays, cross: Arrays | None = None
+                 ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """(own cache, cross keys/values) the with-past graph `io` takes next, from a run's
+    outputs `out`; `cross`: those kept from the first step (None: this run is the first)."""
+    own = {k: out[v] for k, v in io.own_past.items()}
+    return own, {k: out[v] for k, v in io.cross_past.items()} if cross is None else dict(cross)
+
+
+def check_cache_path(record: Seq2SeqRecord, encoder, first, later,
+                     tolerance: Tolerance = Tolerance(), start: int = 0, steps: int = 5,
+                     seed: int = 0) -> VerifyResult:
+    """Two sources (token ids: one padded; features: random, in Whisper's range) encoded, `steps` + 1 decoder tokens (`start`, then random
+    ones: teacher-forced, any ids do) run whole through `first` and one at a time through
+    the cache path; every step's logits compared. FAILS when nothing was compared."""
+    rng = np.random.default_rng(seed)
+    low, vocab = min(4, record.vocab - 1), record.vocab
+    longest = min(9, record.encoder.max_positions or 9)
+    sources = ([rng.uniform(-1, 1, record.encoder.features) for _ in range(2)]
+               if record.encoder.features else
+               [rng.integers(low, vocab, longest), rng.integers(low, vocab, max(1, longest - 4))])
+    tokens = np.concatenate([np.full((2, 1), start), rng.integers(low, vocab, (2, steps))], 1)
+    stats, errors, name = Stats(), [], "cache-path logits"
+    try:
+        feeds, mask = source_feeds(record, sources, pad=0)
+        states = encoder.infer(feeds)[record.encoder.output]
+        whole = first.infer(decoder_feeds(record.first, tokens, mask, states))[record.first.logits]
+        out = first.infer(decoder_feeds(record.first, tokens[:, :1], mask, states))
+        stats.add(name, whole[:, :1], out[record.first.logits], tolerance)
+        own, cross = caches_after(record.later, out)
+        for i in range(1, steps + 1):
+            out = later.infer(decoder_feeds(record.later, tokens[:, i:i + 1], mask, states,
+                                            {**own, **cross}))
+            stats.add(name, whole[:, i:i + 1], out[record.later.logits], tolerance)
+            own, cross = caches_after(record.later, out, cross)
+    except Exception as e:  # noqa: BLE001 - a graph that cannot run fails the check
+        errors.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    floor = 2 * (steps + 1) * vocab  # every row's logits at every step
+    return VerifyResult((stats.report(name, floor),), steps + 1, tolerance.label(),
+                        tuple(errors), floor)
