@@ -2,7 +2,8 @@
 in-process, no transport) against the loop users write around the same export, Optimum's
 ORTModelForSeq2SeqLM and its greedy `generate`, on the same threads.
 
-Workloads (--new tokens each, greedy, no early end; sources of 24-48 random ids):
+Workloads (--new tokens each, greedy, no early end; sources of 24-48 random ids, or for an
+audio encoder (--family whisper_tiny) random log-mel features, one 30-s window each):
   1 stream     one source
   8 at once    8 sources submitted together: one cohort here; one `generate` call (a
                static batch, right-padded) in Optimum
@@ -18,7 +19,8 @@ ratio (here / Optimum) with its range, and the load average before and after. Th
 round also checks that both sides generated the same tokens for the 1-stream source.
 
     .venv/bin/python bench/seq2seq_generate.py [--family t5_small] [--rounds 3]
-        [--threads 2] [--new 32]      (--family t5: the tests' tiny T5, a smoke run)
+        [--threads 2] [--new 32]      (--family t5 / whisper: the tests' tiny ones, a smoke
+                                       run; --family whisper_tiny: Whisper-tiny's shape)
 """
 
 from __future__ import annotations
@@ -44,13 +46,26 @@ WORKLOADS = ("1 stream", "8 at once", "32 at once")
 SPREAD = "8 over 1 s"
 
 
+SIZES = {"1 stream": 1, "8 at once": 8, "32 at once": 32, SPREAD: 8}
+
+
 def sources(vocab: int, seed: int = 0) -> dict[str, list[list[int]]]:
+    """Each workload's sources: random token ids, 24-48 of them each."""
     rng = np.random.default_rng(seed)
+    return {name: [rng.integers(4, vocab, int(rng.integers(24, 49))).tolist()
+                   for _ in range(n)] for name, n in SIZES.items()}
 
-    def some(n: int) -> list[list[int]]:
-        return [rng.integers(4, vocab, int(rng.integers(24, 49))).tolist() for _ in range(n)]
 
-    return {"1 stream": some(1), "8 at once": some(8), "32 at once": some(32), SPREAD: some(8)}
+def audio_sources(shape: tuple[int, int], path: Path, seed: int = 0) -> dict[str, list[int]]:
+    """An audio encoder's: random log-mel features in Whisper's range, one (bins, frames)
+    array per stream, saved to `path` (.npy); each workload names its rows."""
+    rng = np.random.default_rng(seed)
+    total = sum(SIZES.values())
+    np.save(path, rng.uniform(-1, 1, (total, *shape)).astype(np.float32))
+    rows, out = iter(range(total)), {}
+    for name, n in SIZES.items():
+        out[name] = [next(rows) for _ in range(n)]
+    return out
 
 
 # ------------------------------------------------------------------------ this side's worker
@@ -67,11 +82,20 @@ def _ours(folder: Path, threads: int, spec: dict) -> dict:
 
     model = load_seq2seq(folder, settings=SessionSettings(intra_op_threads=threads))
     eos = frozenset(load_text_config(folder).eos_ids)
-    generator = Seq2SeqGenerator(model.runners, model.record, model.ids,
+    generator = Seq2SeqGenerator(model.runners, model.record, model.decoder,
                                  GenerateOptions(max_streams=32), max_target=model.max_target)
-    new = spec["new"]
+    new, features = spec["new"], spec.get("features")
+    rows = np.load(features, mmap_mode="r") if features else None
 
-    def run(batch: list[list[int]], spread_s: float = 0.0) -> tuple[float, int, list]:
+    def request(source) -> GenerationRequest:
+        """Token ids, or (audio) a row of the features file after the start token."""
+        audio = rows is not None
+        return GenerationRequest(prompt=(model.decoder.start,) if audio else tuple(source),
+                                 max_tokens=new, min_tokens=new, sampling=Sampling(),
+                                 stop_ids=eos, encoder_input=np.array(rows[source])
+                                 if audio else None)
+
+    def run(batch: list, spread_s: float = 0.0) -> tuple[float, int, list]:
         done, tokens = threading.Semaphore(0), [[] for _ in batch]
 
         def collect(i):
@@ -85,14 +109,12 @@ def _ours(folder: Path, threads: int, spec: dict) -> dict:
         for i, source in enumerate(batch):
             if spread_s:
                 time.sleep(max(0.0, began + i * spread_s / len(batch) - time.perf_counter()))
-            generator.submit(GenerationRequest(prompt=tuple(source), max_tokens=new,
-                                               min_tokens=new, sampling=Sampling(),
-                                               stop_ids=eos), collect(i))
+            generator.submit(request(source), collect(i))
         for _ in batch:
             done.acquire()
         return time.perf_counter() - began, sum(map(len, tokens)), tokens
 
-    run([[5, 6, 7]])  # warm up
+    run([0 if rows is not None else [5, 6, 7]])  # warm up
     out = {}
     for name, batch in spec["workloads"].items():
         seconds, count, tokens = run(batch, 1.0 if name == SPREAD else 0.0)
@@ -138,25 +160,34 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--family", default="t5_small", help="models/optimum.py family (an "
-                   "encoder-decoder): t5_small (the default) or the tests' tiny t5")
+                   "encoder-decoder): t5_small (the default), whisper_tiny (audio: random "
+                   "log-mel features), or the tests' tiny t5 / whisper")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--new", type=int, default=32, help="tokens each stream generates")
     a = p.parse_args(argv)
     from models import optimum
 
-    folder = optimum.export_all([(a.family, optimum.SEQ2SEQ_TASKS[0])])[0].parent
-    vocab = optimum.family(a.family).config["vocab_size"]
-    work = sources(vocab)
+    family = optimum.family(a.family)
+    task = family.tasks[0]
+    if task not in optimum.SEQ2SEQ_TASKS[:2]:
+        raise SystemExit(f"{a.family} is not an encoder-decoder of text or audio")
+    folder = optimum.export_all([(a.family, task)])[0].parent
     ours_py, theirs_py = Path(sys.executable), optimum.ensure_venv()
     here = [str(Path(__file__).resolve()), "--worker"]
     there = ["-P", str(Path(__file__).with_name("_optimum_seq2seq_worker.py"))]
     load = [os.getloadavg()[0]]
     rounds: list[tuple[dict, dict]] = []
     with tempfile.TemporaryDirectory(prefix="seq2seq-bench-") as tmp:
+        extra = {}
+        if task == optimum.SEQ2SEQ_TASKS[1]:  # speech: features, (80, 3000) each
+            extra = {"features": str(Path(tmp) / "features.npy")}
+            work = audio_sources((family.config["num_mel_bins"], 3000), Path(extra["features"]))
+        else:
+            work = sources(family.config["vocab_size"])
         ours_spec, theirs_spec = Path(tmp) / "ours.json", Path(tmp) / "theirs.json"
-        ours_spec.write_text(json.dumps({"new": a.new, "workloads": work}))
-        theirs_spec.write_text(json.dumps({"new": a.new, "workloads": {
+        ours_spec.write_text(json.dumps({"new": a.new, "workloads": work, **extra}))
+        theirs_spec.write_text(json.dumps({"new": a.new, **extra, "workloads": {
             k: v for k, v in work.items() if k != SPREAD}}))
         for r in range(a.rounds):
             order = [("ours", ours_py, here, ours_spec), ("theirs", theirs_py, there,

@@ -5,7 +5,10 @@ ORTModelForVision2Seq for a VisionEncoderDecoder, random pixels), generate
 greedily from fixed inputs (two rows, the second's source padded) and save the tokens and
 every step's scores (and the inputs) into an .npz per folder. Imports nothing of ours.
 
-    python -P _optimum_generate.py NEW_TOKENS OUT_DIR FOLDER [FOLDER ...]
+    python -P _optimum_generate.py NEW_TOKENS OUT_DIR OPTIONS_JSON FOLDER [FOLDER ...]
+
+OPTIONS_JSON: more arguments of `generate` (`{}`: greedy, NEW_TOKENS exactly; e.g.
+`{"num_beams": 4, "min_new_tokens": 0}`).
 """
 
 import json
@@ -32,13 +35,13 @@ def _inputs(folder: str, config: dict) -> tuple[type, dict]:
     return ORTModelForSeq2SeqLM, {"input_ids": ids, "attention_mask": mask}
 
 
-def main(new_tokens: int, out_dir: str, folders: list[str]) -> int:
+def main(new_tokens: int, out_dir: str, folders: list[str], options: dict) -> int:
     for i, folder in enumerate(folders):
         cls, inputs = _inputs(folder, json.load(open(os.path.join(folder, "config.json"))))
         model = cls.from_pretrained(folder, use_cache=True)
-        out = model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                             do_sample=False, num_beams=1, output_scores=True,
-                             return_dict_in_generate=True)
+        asked = {"min_new_tokens": new_tokens, "num_beams": 1, **options}
+        out = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False,
+                             output_scores=True, return_dict_in_generate=True, **asked)
         np.savez(os.path.join(out_dir, f"{i}.npz"), tokens=out.sequences.numpy(),
                  scores=np.stack([s.numpy() for s in out.scores]),
                  **{f"input_{k}": v.numpy() for k, v in inputs.items()},
@@ -47,4 +50,4 @@ def main(new_tokens: int, out_dir: str, folders: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(int(sys.argv[1]), sys.argv[2], sys.argv[3:]))
+    sys.exit(main(int(sys.argv[1]), sys.argv[2], sys.argv[4:], json.loads(sys.argv[3])))

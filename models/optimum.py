@@ -281,6 +281,20 @@ BENCH_FAMILIES: dict[str, Family] = {
                                dict(num_layers=6, hidden_size=512, num_heads=8, head_dim=64,
                                     ffn_size=2048, vocab_size=32128), SEQ2SEQ_TASKS[:1]),
                         **_S2S),
+    # Whisper-tiny's: 4 + 4 layers, d_model 384, 6 heads of 64, FFN 1536, 51865 tokens
+    "whisper_tiny": replace(Family("whisper", dict(d_model=384, encoder_attention_heads=6,
+                                                   decoder_attention_heads=6,
+                                                   encoder_ffn_dim=1536, decoder_ffn_dim=1536,
+                                                   encoder_layers=4, decoder_layers=4,
+                                                   num_mel_bins=80, max_source_positions=1500,
+                                                   max_target_positions=448,
+                                                   vocab_size=51865, pad_token_id=50257,
+                                                   bos_token_id=50257, eos_token_id=50257,
+                                                   decoder_start_token_id=50258),
+                                   dict(num_layers=4, hidden_size=384, num_heads=6,
+                                        head_dim=64, ffn_size=1536, vocab_size=51865),
+                                   SEQ2SEQ_TASKS[1:2]),
+                            exporter_weights=True, auto_class="AutoModelForSpeechSeq2Seq"),
 }
 
 
@@ -468,17 +482,20 @@ def quantized(name: str, per_channel: bool = False) -> Path:
     return out
 
 
-def seq2seq_greedy(folders: list[Path], new_tokens: int = 12) -> list[dict[str, Any]]:
+def seq2seq_greedy(folders: list[Path], new_tokens: int = 12,
+                   options: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Each encoder-decoder export folder loaded by Optimum (ORTModelForSeq2SeqLM or
-    ORTModelForSpeechSeq2Seq, in its environment) and run through its own greedy `generate`
-    on the same inputs: per folder the tokens, every step's scores, the graphs it found and
-    the inputs (`input_*`)."""
+    ORTModelForSpeechSeq2Seq, in its environment) and run through its own `generate` on the
+    same inputs (greedy, `new_tokens` exactly; `options`: more of generate's arguments, e.g.
+    num_beams): per folder the tokens, every step's scores, the graphs it found and the
+    inputs (`input_*`)."""
     import numpy as np
 
     with tempfile.TemporaryDirectory(prefix="optimum-generate-") as tmp:
         done = subprocess.run([str(ensure_venv()), "-P",
                                str(Path(__file__).with_name("_optimum_generate.py")),
-                               str(new_tokens), tmp, *map(str, folders)],
+                               str(new_tokens), tmp, json.dumps(options or {}),
+                               *map(str, folders)],
                               capture_output=True, text=True,
                               env={**os.environ, "HF_HUB_OFFLINE": "1"})
         if done.returncode != 0:

@@ -87,7 +87,10 @@ def read_wav(data: bytes) -> tuple[np.ndarray, int]:
         code = struct.unpack_from("<H", fmt, 24)[0]  # the sub-format's first two bytes
     kinds = {(_PCM, 8): "u1", (_PCM, 16): "<i2", (_PCM, 32): "<i4", (_FLOAT, 32): "<f4",
              (_FLOAT, 64): "<f8"}
-    if not channels or not rate or ((code, bits) not in kinds and (code, bits) != (_PCM, 24)):
+    if not 1000 <= rate <= 768000:
+        raise InvalidArgument(f"a sampling rate of {rate} Hz is not audio this reads "
+                              "(1 kHz to 768 kHz)")
+    if not channels or ((code, bits) not in kinds and (code, bits) != (_PCM, 24)):
         raise InvalidArgument(f"WAV format {code} with {bits} bits is not read here (integer "
                               "PCM of 8-32 bits or float of 32/64 are)")
     width = bits // 8
@@ -114,15 +117,24 @@ def resample(x: np.ndarray, rate: int, target: int) -> np.ndarray:
     return (np.fft.irfft(out, n) * (n / len(x))).astype(np.float32)
 
 
+MOST_PIECES = 120  # one request's audio: 60 minutes of 30-s windows
+
+
+def check_length(samples: int, rate: int, c: FeatureConfig, most: int = MOST_PIECES) -> None:
+    """InvalidArgument for audio longer than `most` windows (checked before resampling:
+    what a request may make this server compute is bounded by its length in seconds)."""
+    if samples / rate > most * c.chunk_length:
+        raise InvalidArgument(f"the audio lasts {samples / rate:.0f} s; at most "
+                              f"{most * c.chunk_length} s are taken")
+
+
 def pieces(samples: np.ndarray, c: FeatureConfig, search_s: float = 1.0,
-           most: int = 120) -> list[np.ndarray]:
+           most: int = MOST_PIECES) -> list[np.ndarray]:
     """Audio longer than one window cut into pieces of at most chunk_length seconds, each
     cut at the quietest 100 ms of the last `search_s` before the limit (vLLM's approach: a
     cut between words, not through one); at most `most` pieces (InvalidArgument past it)."""
     limit, rate = c.n_samples, c.sampling_rate
-    if len(samples) > most * limit:
-        raise InvalidArgument(f"the audio lasts {len(samples) / rate:.0f} s; at most "
-                              f"{most * c.chunk_length} s are taken")
+    check_length(len(samples), rate, c, most)
     out, at, frame = [], 0, max(1, rate // 10)
     while len(samples) - at > limit:
         low = at + limit - int(search_s * rate)

@@ -218,11 +218,11 @@ def _vllm(raw, values: dict, stops: list[str], bad: list[str]) -> None:
 
 def parse_request(tensors: Mapping[str, np.ndarray], parameters: Mapping[str, object],
                   tokenizer=None, default_max_tokens: int = 16, request_id: str = "",
-                  eos_ids: Sequence[int] = ()) -> ClientRequest:
+                  eos_ids: Sequence[int] = (), max_beams: int = 1) -> ClientRequest:
     """A ClientRequest from decoded request tensors and request parameters (a tensor wins
     over `sampling_parameters`, which wins over a request parameter of the same name).
     `eos_ids`: the model's end tokens, which the vLLM convention stops at unless
-    `ignore_eos`. InvalidArgument, saying what is wrong, for anything else."""
+    `ignore_eos`; `max_beams`: the widest `beam_width` the engine searches (a decoder's: 1). InvalidArgument, saying what is wrong, for anything else."""
     for name in tensors:
         if name not in KNOWN_INPUTS:
             raise InvalidArgument(f"unexpected input '{name}'; a decoder takes "
@@ -240,8 +240,10 @@ def parse_request(tensors: Mapping[str, np.ndarray], parameters: Mapping[str, ob
         _vllm(tensors["sampling_parameters"], values, stops, bad)
     values.update({_CONTROLS[k][1]: _scalar(k, v, _CONTROLS[k][0]) for k, v in tensors.items()
                    if k in _CONTROLS})
-    if values.get("beam_width", 1) != 1:
-        raise InvalidArgument(f"beam_width {values['beam_width']} is not supported: only 1")
+    beams = values.get("beam_width")
+    if beams is not None and not 1 <= beams <= max_beams:
+        raise InvalidArgument(f"beam_width {beams} is not supported: "
+                              + ("only 1" if max_beams == 1 else f"1 to {max_beams}"))
     if "stop_words" in tensors:
         stops += [w for w in _strings("stop_words", tensors["stop_words"]) if w]
     trtllm_bad = _strings("bad_words", tensors["bad_words"]) if "bad_words" in tensors else []
@@ -278,7 +280,7 @@ def parse_request(tensors: Mapping[str, np.ndarray], parameters: Mapping[str, ob
         or top is not None, top_logprobs=top or 0, ranks=top is not None,
         bad_words=bad_words + (core.bad_words if core else ()),
         grammar=_trtllm_guide(tensors) or values.get("grammar"),
-        stop_sequences=core.stop_sequences if core else ())
+        stop_sequences=core.stop_sequences if core else (), beams=beams)
     if core:  # not streamed unless asked, as there; output_ids carry the prompt's ids first
         stream = values.get("stream", False)
         return ClientRequest(generation, stream, extras=extras, core=True,

@@ -89,6 +89,7 @@ class DecoderEngine:
     stats, parse, submit) around one Generator."""
 
     decoupled = True
+    max_beams = 1  # beam search: an encoder-decoder's (serving.seq2seq)
 
     def __init__(self, model: LoadedModel, options: GenerateOptions, stats: Stats,
                  metrics: Metrics | None = None, gen_metrics: GenerationMetrics | None = None,
@@ -150,7 +151,7 @@ class DecoderEngine:
         rows = trtllm_core.rows(tensors)
         return [dataclasses.replace(
             parse_request(row, parameters, self.tokenizer, self.options.default_max_tokens,
-                          request_id, self.text.eos_ids),
+                          request_id, self.text.eos_ids, self.max_beams),
             outputs=tuple(outputs), batch_index=i if len(rows) > 1 else None)
             for i, row in enumerate(rows)]
 

@@ -186,6 +186,8 @@ class GenerationRequest:
     encoder_input: np.ndarray | None = field(default=None, compare=False, repr=False)
     # an encoder-decoder's source where it is not token ids (Whisper's log-mel features,
     # (bins, frames)); `prompt` then holds the decoder's first tokens
+    beams: int | None = None  # beam search's width (TensorRT-LLM's beam_width); None: the
+    # model's default (an encoder-decoder's generation config), 1 for a decoder
 
     def __post_init__(self) -> None:
         if not self.prompt:
@@ -206,6 +208,8 @@ class GenerationRequest:
             raise InvalidArgument("a bad word must hold at least one token")
         if any(not w for w in self.stop_sequences):
             raise InvalidArgument("a stop word must hold at least one token")
+        if self.beams is not None and self.beams < 1:
+            raise InvalidArgument(f"beams must be >= 1, not {self.beams}")
 
 
 @dataclass(frozen=True)

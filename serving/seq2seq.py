@@ -16,7 +16,8 @@ from serving.conventions import client_signature
 from serving.decoder import VERSION, DecoderEngine, stats_for
 from serving.generation import GenerateOptions
 from serving.audio import FeatureConfig, WhisperPrompt, feature_config, whisper_prompt
-from serving.generation.seq2seq import DecoderIds, Seq2SeqGenerator, Seq2SeqRunners
+from serving.generation.beams import BeamConfig
+from serving.generation.seq2seq import DecoderConfig, Seq2SeqGenerator, Seq2SeqRunners
 from serving.metrics import GenerationMetrics, Metrics, Stats
 from serving.text_config import load_text_config, read_json
 from serving.tokenizer import load_tokenizer
@@ -38,7 +39,7 @@ class Seq2SeqModel:
     record: Seq2SeqRecord
     runners: Seq2SeqRunners
     backend: str
-    ids: DecoderIds
+    decoder: DecoderConfig
     max_target: int | None
     check: VerifyResult
     served: str = "the export folder"
@@ -69,7 +70,7 @@ def _ids(value) -> tuple[int, ...]:
     return tuple(v for v in value if _int(v) is not None) if isinstance(value, list) else ()
 
 
-def decoder_ids(folder: Path) -> DecoderIds:
+def decoder_config(folder: Path) -> DecoderConfig:
     start = _int(_config(folder, "decoder_start_token_id"))
     if start is None:
         raise BadInput(f"{folder}: config.json names no decoder_start_token_id (the first "
@@ -78,10 +79,22 @@ def decoder_ids(folder: Path) -> DecoderIds:
     bad = _config(folder, "bad_words_ids")  # (one-token ones: a word of more is a sequence)
     single = [w[0] for w in bad if isinstance(w, list) and len(w) == 1] if isinstance(
         bad, list) else []
-    return DecoderIds(start=start, pad=pad if pad is not None else 0,
-                      suppress=_ids(_config(folder, "suppress_tokens")) + _ids(single),
-                      begin_suppress=_ids(_config(folder, "begin_suppress_tokens")),
-                      forced_first=_int(_config(folder, "forced_bos_token_id")))
+    return DecoderConfig(start=start, pad=pad if pad is not None else 0,
+                         suppress=_ids(_config(folder, "suppress_tokens")) + _ids(single),
+                         begin_suppress=_ids(_config(folder, "begin_suppress_tokens")),
+                         forced_first=_int(_config(folder, "forced_bos_token_id")),
+                         beams=_beam_config(folder))
+
+
+def _beam_config(folder: Path) -> BeamConfig:
+    """num_beams, length_penalty and early_stopping (transformers' defaults: 1, 1.0, False),
+    up to Seq2SeqEngine.max_beams."""
+    beams = _int(_config(folder, "num_beams")) or 1
+    penalty = _config(folder, "length_penalty")
+    early = _config(folder, "early_stopping")
+    return BeamConfig(min(max(beams, 1), Seq2SeqEngine.max_beams),
+                      float(penalty) if isinstance(penalty, (int, float)) else 1.0,
+                      early if early in (True, False, "never") else False)
 
 
 def load_seq2seq(folder: Path, backend: str | None = None,
@@ -91,14 +104,14 @@ def load_seq2seq(folder: Path, backend: str | None = None,
     folder cannot be generated from or its check FAILS."""
     folder = Path(folder)
     record = find_seq2seq_record(folder)  # (each graph's external data checked there)
-    ids = decoder_ids(folder)
+    decoder = decoder_config(folder)
     backend = backend or CPU_BACKEND.name
     loader = get_backend(backend)
     settings = settings or SessionSettings()
     runners = Seq2SeqRunners(*(loader.load(folder / f, settings)
                                for f in (ENCODER, FIRST_STEP, LATER_STEPS)))
     check = check_cache_path(record, runners.encoder, runners.first, runners.later,
-                             Tolerance().at_precision(loader.precision), start=ids.start)
+                             Tolerance().at_precision(loader.precision), start=decoder.start)
     if not check:
         runners.close()
         raise BadInput(f"{folder}: {LATER_STEPS} does not agree with {FIRST_STEP} run on the "
@@ -109,12 +122,14 @@ def load_seq2seq(folder: Path, backend: str | None = None,
     max_target = record.max_positions or next(
         (_int(_config(folder, k)) for k in ("max_target_positions", "max_position_embeddings",
                                             "n_positions") if _int(_config(folder, k))), None)
-    return Seq2SeqModel(name or folder.name, folder, record, runners, backend, ids,
+    return Seq2SeqModel(name or folder.name, folder, record, runners, backend, decoder,
                         max_target, check)
 
 
 class Seq2SeqEngine(DecoderEngine):
     """A decoder's face (parse, submit, stop, drain: serving.decoder) on the cohort loop."""
+
+    max_beams = 16
 
     def __init__(self, model: Seq2SeqModel, options: GenerateOptions, stats: Stats,
                  metrics: Metrics | None = None,
@@ -129,10 +144,10 @@ class Seq2SeqEngine(DecoderEngine):
         # an audio encoder (Whisper): what makes its features, and its first tokens
         self.audio: FeatureConfig | None = (feature_config(model.folder)
                                             if model.record.encoder.features else None)
-        self.whisper: WhisperPrompt | None = (whisper_prompt(model.folder, model.ids.start)
+        self.whisper: WhisperPrompt | None = (whisper_prompt(model.folder, model.decoder.start)
                                               if self.audio else None)
         self.generator = Seq2SeqGenerator(
-            model.runners, model.record, model.ids, options, tokenizer=self.tokenizer,
+            model.runners, model.record, model.decoder, options, tokenizer=self.tokenizer,
             eos_ids=self.text.eos_ids, stats=stats_for(stats, metrics, gen_metrics),
             max_target=options.max_cache_len or model.max_target)
 

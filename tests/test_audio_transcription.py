@@ -100,6 +100,7 @@ def test_wav_files_of_every_common_format():
         assert rate == RATE and got.shape == x.shape
         assert np.abs(got - x).max() <= tolerance + 1e-7
     for bad, why in ((b"ID3\x04mp3 bytes", "not a WAV file"),
+                     (_wav(x, rate=8), "not audio this reads"),
                      (_wav(x)[:40], "no format or no data"),
                      (_float_wav(x).replace(struct.pack("<HH", 3, 1), struct.pack("<HH", 2, 1),
                                             1), "not read here")):
@@ -144,14 +145,14 @@ def whisper(export, tmp_path_factory) -> Path:
 
 def _generator(folder: Path) -> Seq2SeqGenerator:
     model = load_seq2seq(folder)
-    return Seq2SeqGenerator(model.runners, model.record, model.ids, GenerateOptions(),
+    return Seq2SeqGenerator(model.runners, model.record, model.decoder, GenerateOptions(),
                             max_target=model.max_target)
 
 
 def _greedy(generator, features: np.ndarray, n: int, at_least: int | None = None
             ) -> list[int]:
     """Up to `n` tokens, the end token (2) held back until `at_least` (default: n)."""
-    request = GenerationRequest(prompt=(generator.ids.start,), max_tokens=n,
+    request = GenerationRequest(prompt=(generator.decoder.start,), max_tokens=n,
                                 min_tokens=n if at_least is None else at_least,
                                 sampling=Sampling(), stop_ids=frozenset({2}),
                                 encoder_input=features)

@@ -117,10 +117,12 @@ def test_prefill_logits_smoke():
     assert "gpt2, prompt 8: last / every" in out and "load average" in out
 
 
-def test_seq2seq_generate_smoke():
-    """The encoder-decoder loop against Optimum's generate, on the tests' tiny T5: every
-    workload's row, the memory line, and both sides' tokens the same."""
-    out = _bench("seq2seq_generate.py", "--family", "t5", "--rounds", "1", "--new", "4")
+@pytest.mark.parametrize("family", ["t5", "whisper"])
+def test_seq2seq_generate_smoke(family):
+    """The encoder-decoder loop against Optimum's generate, on the tests' tiny T5 and
+    Whisper (random features): every workload's row, the memory line, and both sides'
+    tokens the same."""
+    out = _bench("seq2seq_generate.py", "--family", family, "--rounds", "1", "--new", "4")
     for row in ("1 stream", "8 at once", "32 at once"):
         assert re.search(rf"^{row} +\d+\.\d \[.*\] +\d+\.\d \[.*\] +\d+\.\d\dx \[", out,
                          re.M), out

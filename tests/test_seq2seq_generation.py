@@ -11,6 +11,7 @@ refused before any port opens (Whisper's audio: tests/test_audio_transcription.p
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import shutil
@@ -131,7 +132,7 @@ def test_greedy_equals_optimum_generate(exports, optimum_greedy, family):
     want = _want(exports[family], reference)
     model = load_seq2seq(exports[family])
     ask = lambda source: _request(source, len(want[0]), exports[family])  # noqa: E731
-    generator = Seq2SeqGenerator(model.runners, model.record, model.ids,
+    generator = Seq2SeqGenerator(model.runners, model.record, model.decoder,
                                  GenerateOptions(max_streams=4), max_target=model.max_target)
     try:
         with ThreadPoolExecutor(2) as pool:
@@ -147,7 +148,7 @@ def test_cohorts_each_stream_itself_alone_and_cancel_frees(exports):
     while the first decodes): each equals itself alone; a cancelled stream leaves its cohort
     at the next step and the others go on."""
     model = load_seq2seq(exports["t5"])
-    generator = Seq2SeqGenerator(model.runners, model.record, model.ids,
+    generator = Seq2SeqGenerator(model.runners, model.record, model.decoder,
                                  GenerateOptions(max_streams=4), max_target=model.max_target)
     rng = np.random.default_rng(3)
     sources = [rng.integers(4, 1003, n).tolist() for n in (3, 17, 8, 30, 1, 12)]
@@ -243,7 +244,7 @@ def test_padded_folder_generates_what_the_original_does(exports, optimum_greedy,
                      "--ffn-multiple", "64"]) == 0
     model = load_seq2seq(out)
     assert model.record.vocab == 1003  # (the padded logits are sliced back in the graph)
-    generator = Seq2SeqGenerator(model.runners, model.record, model.ids, GenerateOptions(),
+    generator = Seq2SeqGenerator(model.runners, model.record, model.decoder, GenerateOptions(),
                                  max_target=model.max_target)
     try:
         reference = optimum_greedy["marian"]
@@ -278,7 +279,7 @@ def test_generation_config_constraints(exports, tmp_path):
     shutil.copytree(exports["bart"], folder)
     config = json.loads((folder / "generation_config.json").read_text())
     model = load_seq2seq(folder)
-    generator = Seq2SeqGenerator(model.runners, model.record, model.ids, GenerateOptions(),
+    generator = Seq2SeqGenerator(model.runners, model.record, model.decoder, GenerateOptions(),
                                  max_target=model.max_target)
     source = list(range(5, 16))
     try:
@@ -288,11 +289,96 @@ def test_generation_config_constraints(exports, tmp_path):
     config.update(forced_bos_token_id=7, bad_words_ids=[[free[1]], [5, 6]])
     (folder / "generation_config.json").write_text(json.dumps(config))
     model = load_seq2seq(folder)
-    assert model.ids.forced_first == 7 and model.ids.suppress == (free[1],)
-    generator = Seq2SeqGenerator(model.runners, model.record, model.ids, GenerateOptions(),
+    assert model.decoder.forced_first == 7 and model.decoder.suppress == (free[1],)
+    generator = Seq2SeqGenerator(model.runners, model.record, model.decoder, GenerateOptions(),
                                  max_target=model.max_target)
     try:
         got = _tokens(generator, _request(source, 8, folder))
     finally:
         generator.close()
     assert got[0] == 7 and free[1] not in got and len(got) == 8
+
+
+# generate's beam settings as a generation config names them (Marian's: num_beams 4), the
+# end token allowed early or held back, length penalties of each sign, each early_stopping
+BEAMS = ({"num_beams": 4, "min_new_tokens": 0},
+         {"num_beams": 3, "min_new_tokens": 0, "length_penalty": 0.0},
+         {"num_beams": 4, "min_new_tokens": 0, "length_penalty": -2.0, "early_stopping": True},
+         {"num_beams": 2, "min_new_tokens": 3, "length_penalty": 2.0,
+          "early_stopping": "never"})
+
+
+@pytest.mark.parametrize("options", BEAMS, ids=lambda o: "-".join(map(str, o.values())))
+def test_beam_search_equals_optimum_generate(exports, options, tmp_path):
+    """A folder whose generation config names a beam search: a greedy request gets it, and
+    its answer is Optimum's `generate` with the same settings (transformers' beam search:
+    2k candidates a step, finished hypotheses scored by length, its early-stopping rules),
+    ending early where the end token wins (BART at length penalty 0: the empty answer).
+    transformers' forced_eos_token_id is turned off there: this server does not force it."""
+    references = optimum.seq2seq_greedy([exports[f] for f in TEXT], NEW,
+                                        {"forced_eos_token_id": None, **options})
+    settings = {k: v for k, v in options.items() if k != "min_new_tokens"}
+    for family, reference in zip(TEXT, references):
+        folder = tmp_path / family
+        shutil.copytree(exports[family], folder)
+        config = json.loads((folder / "generation_config.json").read_text())
+        (folder / "generation_config.json").write_text(json.dumps({**config, **settings}))
+        model = load_seq2seq(folder)
+        assert model.decoder.beams.beams == options["num_beams"]
+        eos = load_text_config(folder).eos_ids
+        generator = Seq2SeqGenerator(model.runners, model.record, model.decoder,
+                                     GenerateOptions(), max_target=model.max_target)
+        try:
+            for row, source in enumerate(_sources(reference)):
+                want = reference["tokens"][row, 1:].tolist()
+                want = want[:next((i for i, t in enumerate(want) if t in eos), len(want))]
+                request = GenerationRequest(prompt=tuple(source), max_tokens=NEW,
+                                            min_tokens=options["min_new_tokens"],
+                                            sampling=Sampling(), stop_ids=frozenset(eos))
+                assert _tokens(generator, request) == want, (family, row)
+        finally:
+            generator.close()
+
+
+def test_beam_width_from_a_tensorrt_llm_client(exports, optimum_greedy):
+    """TensorRT-LLM's `beam_width` over Triton's gRPC client picks the search per request
+    (BART's config names none): 4 beams give the in-process search's answer, 1 greedy's; a
+    decoder-only server still refuses it; beams with sampling are refused."""
+    import tritonclient.grpc as tg
+    from tritonclient.utils import InferenceServerException
+
+    source, family = _sources(optimum_greedy["bart"])[0], "bart"
+    model = load_seq2seq(exports[family])
+    generator = Seq2SeqGenerator(model.runners, model.record, model.decoder, GenerateOptions(),
+                                 max_target=model.max_target)
+    try:
+        beamed = _tokens(generator, dataclasses.replace(_request(source, 8, exports[family]),
+                                                        beams=4))
+        greedy = _tokens(generator, _request(source, 8, exports[family]))
+        with pytest.raises(InvalidArgument, match="beam search"):
+            generator.submit(GenerationRequest(prompt=tuple(source), beams=2,
+                                               sampling=Sampling(temperature=0.7)),
+                             lambda c: None)
+    finally:
+        generator.close()
+    assert beamed != greedy  # (the search finds another answer on this model)
+    server = start(exports[family], model_name=family)
+    try:
+        client = tg.InferenceServerClient(f"127.0.0.1:{server.port}")
+
+        def ask(width: int) -> list[int]:
+            inputs = []
+            for name, arr, kind in (("input_ids", np.array([source], np.int64), "INT64"),
+                                    ("max_tokens", np.array([8], np.int32), "INT32"),
+                                    ("min_length", np.array([8], np.int32), "INT32"),
+                                    ("end_id", np.array([2], np.int32), "INT32"),
+                                    ("beam_width", np.array([width], np.int32), "INT32")):
+                inputs.append(tg.InferInput(name, list(arr.shape), kind))
+                inputs[-1].set_data_from_numpy(arr)
+            return client.infer(family, inputs).as_numpy("output_ids").reshape(-1).tolist()
+
+        assert ask(4)[-8:] == beamed and ask(1)[-8:] == greedy
+        with pytest.raises(InferenceServerException, match="beam_width 99 is not supported"):
+            ask(99)
+    finally:
+        server.stop(0)

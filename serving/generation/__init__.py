@@ -13,6 +13,7 @@ small and tested alone (no grpc anywhere here):
     admission.py  submit, cancel, drain and close: what both loops share
     engine.py     the one thread that loops: schedule, run, emit (`Generator`)
     seq2seq.py    an encoder-decoder's loop (`Seq2SeqGenerator`): streams in cohorts
+    beams.py      beam search for one stream, as transformers' generate runs it
 """
 
 from serving.generation.admission import Handle

@@ -139,6 +139,8 @@ class Generator(Admission):
                 f"cache's byte budget ({self.budget_bytes} bytes: {self.cache.budget_tokens} "
                 "entries); raise --kv-cache-bytes")
         check_tokens(request, self.vocab, self.tokenizer)
+        if request.beams not in (None, 1):
+            raise InvalidArgument(f"beam_width {request.beams} is not supported: only 1")
 
     def room(self, prompt_tokens: int) -> int:
         """The most tokens a prompt of this length leaves room for in the cache."""

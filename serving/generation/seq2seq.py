@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
 import numpy as np
 
 from serving.errors import InvalidArgument
 from serving.generation.admission import Admission, check_tokens
+from serving.generation.beams import BeamConfig, BeamSearch, log_softmax
 from serving.generation.grammar import GrammarCompiler
 from serving.generation.options import GenerateOptions
 from serving.generation.output import GenerationStats, OutputProcessor
@@ -53,7 +54,7 @@ class Seq2SeqRunners:
 
 
 @dataclass(frozen=True)
-class DecoderIds:
+class DecoderConfig:
     """What config.json and generation_config.json say about the decoder's ids."""
 
     start: int  # decoder_start_token_id: the first step's input (a text source's)
@@ -63,20 +64,29 @@ class DecoderIds:
     begin_suppress: tuple[int, ...] = ()  # not as the first token (begin_suppress_tokens)
     forced_first: int | None = None  # the only first token (forced_bos_token_id: mBART's
     # target language)
+    beams: BeamConfig = BeamConfig(1)  # num_beams and its settings: greedy requests' default
 
 
 class Cohort:
-    """Streams at the same step, and the arrays their next run takes (rows in stream order)."""
+    """Streams at the same step, and the arrays their next run takes: one row per stream, k
+    rows for a stream searched with k beams."""
 
     def __init__(self, streams: list[Stream]) -> None:
-        self.streams = streams
+        self.streams = streams  # each row's stream
+        self.next: list[int] = []  # each row's next input token
+        self.beams: dict[Stream, BeamSearch] = {}  # the beam-searched streams' searches
         self.mask: np.ndarray | None = None  # (B, S): the encoder's
         self.states: np.ndarray | None = None  # (B, S, h), kept where later steps take it
         self.cross: dict[str, np.ndarray] = {}  # past input -> (B, H, S, d), fixed
         self.own: dict[str, np.ndarray] = {}  # past input -> (B, H, t, d), grows
 
-    def keep(self, rows: list[int]) -> None:
-        """Only these rows go on (every array stacks its rows on axis 0)."""
+    @property
+    def members(self) -> list[Stream]:
+        return list(dict.fromkeys(self.streams))
+
+    def take(self, rows: list[int]) -> None:
+        """These rows go on, in this order, a row taken twice where two beams continue it
+        (every array stacks its rows on axis 0)."""
         self.streams = [self.streams[i] for i in rows]
         take = lambda a: None if a is None else a[rows]  # noqa: E731
         self.mask, self.states = take(self.mask), take(self.states)
@@ -89,11 +99,11 @@ class Seq2SeqGenerator(Admission):
 
     detok_context = ()  # the output is a text of its own, not the source's continuation
 
-    def __init__(self, runners: Seq2SeqRunners, record: Seq2SeqRecord, ids: DecoderIds,
+    def __init__(self, runners: Seq2SeqRunners, record: Seq2SeqRecord, decoder: DecoderConfig,
                  options: GenerateOptions = GenerateOptions(), *, tokenizer=None,
                  eos_ids: Sequence[int] = (), stats: GenerationStats | None = None,
                  max_target: int | None = None) -> None:
-        self.runners, self.record, self.ids, self.options = runners, record, ids, options
+        self.runners, self.record, self.decoder, self.options = runners, record, decoder, options
         self.vocab, self.tokenizer = record.vocab, tokenizer
         self.grammars = GrammarCompiler(tokenizer, self.vocab, eos_ids)
         self.stats = stats or GenerationStats()
@@ -116,7 +126,7 @@ class Seq2SeqGenerator(Admission):
 
     @property
     def active(self) -> int:
-        return sum(len(c.streams) for c in self.cohorts)
+        return sum(len(c.members) for c in self.cohorts)
 
     def occupancy(self) -> tuple[int, int]:
         return self.active, len(self.waiting)
@@ -124,7 +134,7 @@ class Seq2SeqGenerator(Admission):
     def prefix(self, request: GenerationRequest) -> tuple[int, ...]:
         """The decoder's first tokens: the start token after a text source; after audio
         features, the request's prompt (Whisper's start, language and task tokens)."""
-        return request.prompt if self.record.encoder.features else (self.ids.start,)
+        return request.prompt if self.record.encoder.features else (self.decoder.start,)
 
     def validate(self, request: GenerationRequest) -> None:
         features = self.record.encoder.features
@@ -144,9 +154,26 @@ class Seq2SeqGenerator(Admission):
             raise InvalidArgument(f"max_tokens {request.max_tokens} is over the limit "
                                   f"{limit} (the decoder's positions)")
         check_tokens(request, self.vocab, self.tokenizer)
+        self.beams_of(request)
         if request.prompt_logprobs is not None:
             raise InvalidArgument("prompt log-probs: the source is read by the encoder, which "
                                   "scores no token")
+
+    def beams_of(self, request: GenerationRequest) -> int:
+        """How many beams search for `request`: its own number, else the generation config's
+        for a greedy request that asks nothing a beam search does not give (log-probs,
+        grammars, penalties, sampling), else 1."""
+        r, sampling = request, request.sampling
+        plain = (sampling.greedy and not sampling.adjusts and not (
+            r.logprobs or r.top_logprobs or r.ranks or r.grammar or r.stop_sequences
+            or r.bad_words))
+        if r.beams is None:
+            return self.decoder.beams.beams if plain else 1
+        if r.beams > 1 and not plain:
+            raise InvalidArgument(f"beam search ({r.beams} beams) is greedy and gives the best "
+                                  "sequence only: no sampling, penalties, log-probs, grammars, "
+                                  "stop words or bad words with it")
+        return r.beams
 
     # ---------------------------------------------------------------------------- the loop
 
@@ -165,7 +192,7 @@ class Seq2SeqGenerator(Admission):
             except Exception as e:  # noqa: BLE001 - the model failed: end every stream, go on
                 log.exception("generation step failed")
                 for c in self.cohorts:
-                    for s in c.streams:
+                    for s in c.members:
                         self._end(s, "error", f"the model failed: {type(e).__name__}: {e}")
                 self.cohorts = []
             self.stats.on_streams(self.active, len(self.waiting))
@@ -185,7 +212,7 @@ class Seq2SeqGenerator(Admission):
         audio = self.record.encoder.features is not None
         feeds, cohort.mask = source_feeds(
             self.record, [s.request.encoder_input if audio else s.request.prompt
-                          for s in streams], self.ids.pad)
+                          for s in streams], self.decoder.pad)
         cohort.states = self._run(self.runners.encoder, feeds)[self.record.encoder.output]
         first, later = self.record.first, self.record.later
         prefixes = np.asarray([self.prefix(s.request) for s in streams])
@@ -194,12 +221,17 @@ class Seq2SeqGenerator(Admission):
         cohort.own, cohort.cross = caches_after(later, out)
         if later.states is None:
             cohort.states = None  # nothing after the first step reads them
+        for s in streams:
+            k = self.beams_of(s.request)
+            if k > 1:
+                cohort.beams[s] = BeamSearch(replace(self.decoder.beams, beams=k),
+                                             s.request.stop_ids, s.request.max_tokens)
         self._emit(cohort, out[first.logits], first=True)
         return cohort
 
     def _later_step(self, cohort: Cohort) -> None:
         later = self.record.later
-        tokens = np.asarray([[s.tokens[-1]] for s in cohort.streams])
+        tokens = np.asarray(cohort.next).reshape(-1, 1)
         out = self._run(self.runners.later,
                         decoder_feeds(later, tokens, cohort.mask, cohort.states,
                                       {**cohort.own, **cohort.cross}))
@@ -213,36 +245,89 @@ class Seq2SeqGenerator(Admission):
         return out
 
     def _emit(self, cohort: Cohort, logits: np.ndarray, first: bool = False) -> None:
-        """Each row's next token from the logits of its last position, the ids the
-        generation config suppresses (and, for a first token, those it suppresses there or
-        the one it forces) at -inf, as transformers' generate has them; ended rows leave."""
-        logits = self._constrained(logits[:, -1, :self.vocab], first)
-        tokens, scores = self.output.sample(cohort.streams, logits)
-        for s, token, score in zip(cohort.streams, tokens, scores):
-            self.output.emit(s, token, score)
-            if s.done:
-                self._forget(s)
-        self._keep_going(cohort)
+        """From the logits of each row's last position: each plain stream's next token
+        (sampled, sent), each beam search's next step (its answer sent when it ends); the
+        rows that go on, and their next tokens."""
+        logits = logits[:, -1, :self.vocab]
+        rows, tokens = [], []
+        plain = [i for i, s in enumerate(cohort.streams) if s not in cohort.beams]
+        if plain:
+            streams = [cohort.streams[i] for i in plain]
+            sampled, scores = self.output.sample(streams,
+                                                 self._constrained(logits[plain], first))
+            for i, s, token, score in zip(plain, streams, sampled, scores):
+                self.output.emit(s, token, score)
+                if s.done:
+                    self._forget(s)
+                else:
+                    rows.append(i)
+                    tokens.append(token)
+        for s, search in list(cohort.beams.items()):
+            mine = [i for i, x in enumerate(cohort.streams) if x is s]
+            chosen = search.step(self._beam_scores(logits[mine], s, search, first))
+            if search.done:
+                del cohort.beams[s]
+                self._send_all(s, search.best())
+            else:
+                rows += [mine[c] for c in chosen]
+                tokens += search.next_tokens
+        cohort.take(rows)
+        cohort.next = tokens
+
+    def _banned(self, first: bool) -> tuple[list[int], int | None]:
+        """(the ids the generation config suppresses, the one it forces or None) at this
+        step, as transformers' generate applies them."""
+        d = self.decoder
+        banned = [t for t in (*d.suppress, *(d.begin_suppress if first else ()))
+                  if 0 <= t < self.vocab]
+        forced = d.forced_first if first else None
+        return banned, forced if forced is not None and 0 <= forced < self.vocab else None
 
     def _constrained(self, logits: np.ndarray, first: bool) -> np.ndarray:
-        ids = self.ids
-        banned = [t for t in (*ids.suppress, *(ids.begin_suppress if first else ()))
-                  if 0 <= t < self.vocab]
-        forced = ids.forced_first if first and ids.forced_first is not None else None
+        """Sampled rows' logits: the banned ids at -inf, only the forced one left."""
+        banned, forced = self._banned(first)
         if not banned and forced is None:
             return logits
         logits = logits.copy()
         logits[:, banned] = -np.inf
-        if forced is not None and 0 <= forced < self.vocab:
+        if forced is not None:
             keep = logits[:, forced].copy()
             logits[:] = -np.inf
             logits[:, forced] = keep
         return logits
 
+    def _beam_scores(self, logits: np.ndarray, s: Stream, search: BeamSearch,
+                     first: bool) -> np.ndarray:
+        """A beam search's log-probs: of the raw logits, then the constraints on them as
+        transformers' processors put them (-inf; the forced token 0; the end tokens -inf
+        before min_tokens)."""
+        scores = log_softmax(logits)
+        banned, forced = self._banned(first)
+        if search.generated < s.request.min_tokens:
+            banned += [t for t in s.request.stop_ids if 0 <= t < self.vocab]
+        scores[:, banned] = -np.inf
+        if forced is not None:
+            scores[:] = -np.inf
+            scores[:, forced] = 0.0
+        return scores
+
+    def _send_all(self, s: Stream, tokens: tuple[int, ...]) -> None:
+        """A beam search's answer, token by token (it ends at its end token or length)."""
+        for token in tokens:
+            self.output.emit(s, token)
+            if s.done:
+                break
+        if not s.done:
+            self.output.finish(s, "length")
+        self._forget(s)
+
     def _keep_going(self, cohort: Cohort) -> None:
         rows = [i for i, s in enumerate(cohort.streams) if not s.done]
         if len(rows) < len(cohort.streams):
-            cohort.keep(rows)
+            for s in [s for s in cohort.beams if s.done]:
+                del cohort.beams[s]
+            cohort.take(rows)
+            cohort.next = [cohort.next[i] for i in rows] if cohort.next else []
 
     def _drop_ended(self) -> None:
         """Cancelled streams (and every stream once the grace period is over) end now; a
@@ -255,7 +340,7 @@ class Seq2SeqGenerator(Admission):
                 self.waiting.remove(s)
                 self._end(s, *why)
         for cohort in self.cohorts:
-            for s in cohort.streams:
+            for s in cohort.members:
                 why = self._end_reason(s, running=True)
                 if why:
                     self._end(s, *why)

@@ -56,11 +56,16 @@ class Frontend:
         """`fn(*args)` in the model's thread pool (the event loop stays free)."""
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
-    async def body(self, request: Request) -> bytes:
+    def check_length(self, request: Request) -> None:
+        """InvalidArgument for a body whose declared length is over the limit (before any
+        of it is read)."""
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             raise InvalidArgument(f"the body ({length} bytes) is over the limit "
                                   f"{self.max_body_bytes}")
+
+    async def body(self, request: Request) -> bytes:
+        self.check_length(request)
         body = await request.body()
         if len(body) > self.max_body_bytes:
             raise InvalidArgument(f"the body is over the limit {self.max_body_bytes} bytes")

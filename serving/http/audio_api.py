@@ -18,7 +18,7 @@ from typing import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from serving.audio import log_mel, pieces, read_wav, resample
+from serving.audio import check_length, log_mel, pieces, read_wav, resample
 from serving.errors import InvalidArgument
 from serving.http.openai_api import error
 from serving.http.streams import ChunkStream, ChunkStreams, until_disconnect
@@ -85,6 +85,7 @@ class Asked:
 
 
 async def _asked(frontend, request: Request, task: str) -> Asked:
+    frontend.check_length(request)  # the declared length; the file is held to it below too
     form = await request.form(max_files=1, max_fields=32)
     upload = form.get("file")
     if upload is None or isinstance(upload, str):
@@ -103,6 +104,7 @@ async def _asked(frontend, request: Request, task: str) -> Asked:
         raise InvalidArgument(f"the file is over the limit {frontend.max_body_bytes} bytes")
     samples, rate = read_wav(data)
     config = engine.audio
+    check_length(len(samples), rate, config)
     samples = resample(samples, rate, config.sampling_rate)
     features = [log_mel(piece, config) for piece in pieces(samples, config)]
     language = _field(form, "language") or None  # (of the audio, for either task)
