@@ -83,7 +83,9 @@ def decoder_config(folder: Path) -> DecoderConfig:
                          suppress=_ids(_config(folder, "suppress_tokens")) + _ids(single),
                          begin_suppress=_ids(_config(folder, "begin_suppress_tokens")),
                          forced_first=_int(_config(folder, "forced_bos_token_id")),
-                         beams=_beam_config(folder))
+                         beams=_beam_config(folder),
+                         no_repeat_ngram=max(0, _int(_config(folder, "no_repeat_ngram_size"))
+                                             or 0))
 
 
 def _beam_config(folder: Path) -> BeamConfig:

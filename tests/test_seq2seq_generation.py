@@ -308,23 +308,21 @@ BEAMS = ({"num_beams": 4, "min_new_tokens": 0},
           "early_stopping": "never"})
 
 
-@pytest.mark.parametrize("options", BEAMS, ids=lambda o: "-".join(map(str, o.values())))
-def test_beam_search_equals_optimum_generate(exports, options, tmp_path):
-    """A folder whose generation config names a beam search: a greedy request gets it, and
-    its answer is Optimum's `generate` with the same settings (transformers' beam search:
-    2k candidates a step, finished hypotheses scored by length, its early-stopping rules),
-    ending early where the end token wins (BART at length penalty 0: the empty answer).
-    transformers' forced_eos_token_id is turned off there: this server does not force it."""
+def _as_optimum_generates(exports, options: dict, folders: Path) -> None:
+    """Each family's folder, `options` in its generation config (min_new_tokens: the
+    request's), generates what Optimum's `generate` does with them (its forced end token
+    off: this server does not force it), each answer cut at its end token."""
     references = optimum.seq2seq_greedy([exports[f] for f in TEXT], NEW,
                                         {"forced_eos_token_id": None, **options})
     settings = {k: v for k, v in options.items() if k != "min_new_tokens"}
     for family, reference in zip(TEXT, references):
-        folder = tmp_path / family
+        folder = folders / family
         shutil.copytree(exports[family], folder)
         config = json.loads((folder / "generation_config.json").read_text())
         (folder / "generation_config.json").write_text(json.dumps({**config, **settings}))
         model = load_seq2seq(folder)
-        assert model.decoder.beams.beams == options["num_beams"]
+        assert model.decoder.beams.beams == options.get("num_beams", 1)
+        assert model.decoder.no_repeat_ngram == options.get("no_repeat_ngram_size", 0)
         eos = load_text_config(folder).eos_ids
         generator = Seq2SeqGenerator(model.runners, model.record, model.decoder,
                                      GenerateOptions(), max_target=model.max_target)
@@ -333,11 +331,29 @@ def test_beam_search_equals_optimum_generate(exports, options, tmp_path):
                 want = reference["tokens"][row, 1:].tolist()
                 want = want[:next((i for i, t in enumerate(want) if t in eos), len(want))]
                 request = GenerationRequest(prompt=tuple(source), max_tokens=NEW,
-                                            min_tokens=options["min_new_tokens"],
+                                            min_tokens=options.get("min_new_tokens", NEW),
                                             sampling=Sampling(), stop_ids=frozenset(eos))
                 assert _tokens(generator, request) == want, (family, row)
         finally:
             generator.close()
+
+
+@pytest.mark.parametrize("options", BEAMS, ids=lambda o: "-".join(map(str, o.values())))
+def test_beam_search_equals_optimum_generate(exports, options, tmp_path):
+    """A folder whose generation config names a beam search: a greedy request gets it, and
+    its answer is Optimum's `generate`'s with the same settings, ending early where the
+    end token wins (BART at length penalty 0: the empty answer)."""
+    _as_optimum_generates(exports, options, tmp_path)
+
+
+@pytest.mark.parametrize("options", [{"no_repeat_ngram_size": 2},
+                                     {"no_repeat_ngram_size": 3, "num_beams": 3,
+                                      "min_new_tokens": 0}], ids=["greedy", "beams"])
+def test_no_repeat_ngram_equals_optimum_generate(exports, options, tmp_path):
+    """generation_config.json's no_repeat_ngram_size (BART-CNN's 3): no n-gram of the
+    decoder's ids twice, greedy or beam-searched, as Optimum's `generate` has it (these
+    random models repeat tokens, so the rule acts at nearly every step)."""
+    _as_optimum_generates(exports, options, tmp_path)
 
 
 def test_beam_width_from_a_tensorrt_llm_client(exports, optimum_greedy):

@@ -65,6 +65,18 @@ class DecoderConfig:
     forced_first: int | None = None  # the only first token (forced_bos_token_id: mBART's
     # target language)
     beams: BeamConfig = BeamConfig(1)  # num_beams and its settings: greedy requests' default
+    no_repeat_ngram: int = 0  # no_repeat_ngram_size: no n-gram of the decoder's ids twice
+
+
+def repeated_ngram_bans(ids: Sequence[int], n: int) -> list[int]:
+    """The tokens that would complete an n-gram `ids` (the decoder's ids so far, its first
+    tokens included) already holds, as transformers' NoRepeatNGramLogitsProcessor bans
+    them: those that followed its last n - 1 ids where they stood before."""
+    if n < 1 or len(ids) + 1 < n:
+        return []
+    tail = tuple(ids[len(ids) + 1 - n:]) if n > 1 else ()
+    return [ids[i + n - 1] for i in range(len(ids) - n + 1)
+            if tuple(ids[i:i + n - 1]) == tail]
 
 
 class Cohort:
@@ -253,8 +265,10 @@ class Seq2SeqGenerator(Admission):
         plain = [i for i, s in enumerate(cohort.streams) if s not in cohort.beams]
         if plain:
             streams = [cohort.streams[i] for i in plain]
-            sampled, scores = self.output.sample(streams,
-                                                 self._constrained(logits[plain], first))
+            decoded = ([self._decoded(s) for s in streams] if self.decoder.no_repeat_ngram
+                       else [])
+            sampled, scores = self.output.sample(
+                streams, self._constrained(logits[plain], first, decoded))
             for i, s, token, score in zip(plain, streams, sampled, scores):
                 self.output.emit(s, token, score)
                 if s.done:
@@ -264,7 +278,9 @@ class Seq2SeqGenerator(Admission):
                     tokens.append(token)
         for s, search in list(cohort.beams.items()):
             mine = [i for i, x in enumerate(cohort.streams) if x is s]
-            chosen = search.step(self._beam_scores(logits[mine], s, search, first))
+            decoded = ([(*self.prefix(s.request), *row) for row in search.running.tolist()]
+                       if self.decoder.no_repeat_ngram else [])
+            chosen = search.step(self._beam_scores(logits[mine], s, search, first, decoded))
             if search.done:
                 del cohort.beams[s]
                 self._send_all(s, search.best())
@@ -283,29 +299,43 @@ class Seq2SeqGenerator(Admission):
         forced = d.forced_first if first else None
         return banned, forced if forced is not None and 0 <= forced < self.vocab else None
 
-    def _constrained(self, logits: np.ndarray, first: bool) -> np.ndarray:
-        """Sampled rows' logits: the banned ids at -inf, only the forced one left."""
+    def _decoded(self, s: Stream) -> tuple[int, ...]:
+        """A plain stream's decoder ids so far: its first tokens, then what it generated."""
+        return (*self.prefix(s.request), *s.tokens[len(s.request.prompt):])
+
+    def _ngram_bans(self, scores: np.ndarray, decoded: list[tuple[int, ...]]) -> None:
+        n = self.decoder.no_repeat_ngram
+        for row, ids in enumerate(decoded):
+            if n:
+                scores[row, repeated_ngram_bans(ids, n)] = -np.inf
+
+    def _constrained(self, logits: np.ndarray, first: bool,
+                     decoded: list[tuple[int, ...]]) -> np.ndarray:
+        """Sampled rows' logits: the banned ids at -inf (and each row's repeated n-grams'),
+        only the forced one left."""
         banned, forced = self._banned(first)
-        if not banned and forced is None:
+        if not banned and forced is None and not self.decoder.no_repeat_ngram:
             return logits
         logits = logits.copy()
         logits[:, banned] = -np.inf
+        self._ngram_bans(logits, decoded)
         if forced is not None:
             keep = logits[:, forced].copy()
             logits[:] = -np.inf
             logits[:, forced] = keep
         return logits
 
-    def _beam_scores(self, logits: np.ndarray, s: Stream, search: BeamSearch,
-                     first: bool) -> np.ndarray:
+    def _beam_scores(self, logits: np.ndarray, s: Stream, search: BeamSearch, first: bool,
+                     decoded: list[tuple[int, ...]]) -> np.ndarray:
         """A beam search's log-probs: of the raw logits, then the constraints on them as
         transformers' processors put them (-inf; the forced token 0; the end tokens -inf
-        before min_tokens)."""
+        before min_tokens; each beam's repeated n-grams)."""
         scores = log_softmax(logits)
         banned, forced = self._banned(first)
         if search.generated < s.request.min_tokens:
             banned += [t for t in s.request.stop_ids if 0 <= t < self.vocab]
         scores[:, banned] = -np.inf
+        self._ngram_bans(scores, decoded)
         if forced is not None:
             scores[:] = -np.inf
             scores[:, forced] = 0.0
