@@ -19,7 +19,7 @@ from serving.audio import FeatureConfig, WhisperPrompt, feature_config, whisper_
 from serving.generation.beams import BeamConfig
 from serving.generation.seq2seq import DecoderConfig, Seq2SeqGenerator, Seq2SeqRunners
 from serving.metrics import GenerationMetrics, Metrics, Stats
-from serving.text_config import load_text_config, read_json
+from serving.text_config import load_text_config, read_json, token_ids
 from serving.tokenizer import load_tokenizer
 from tuner.errors import BadInput
 from tuner.gate.seq2seq_steps import check_cache_path
@@ -66,10 +66,6 @@ def _int(value) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def _ids(value) -> tuple[int, ...]:
-    return tuple(v for v in value if _int(v) is not None) if isinstance(value, list) else ()
-
-
 def decoder_config(folder: Path) -> DecoderConfig:
     start = _int(_config(folder, "decoder_start_token_id"))
     if start is None:
@@ -80,8 +76,10 @@ def decoder_config(folder: Path) -> DecoderConfig:
     single = [w[0] for w in bad if isinstance(w, list) and len(w) == 1] if isinstance(
         bad, list) else []
     return DecoderConfig(start=start, pad=pad if pad is not None else 0,
-                         suppress=_ids(_config(folder, "suppress_tokens")) + _ids(single),
-                         begin_suppress=_ids(_config(folder, "begin_suppress_tokens")),
+                         suppress=tuple(token_ids(_config(folder, "suppress_tokens"))
+                                        + token_ids(single)),
+                         begin_suppress=tuple(
+                             token_ids(_config(folder, "begin_suppress_tokens"))),
                          forced_first=_int(_config(folder, "forced_bos_token_id")),
                          beams=_beam_config(folder),
                          no_repeat_ngram=max(0, _int(_config(folder, "no_repeat_ngram_size"))

@@ -63,8 +63,9 @@ def _template(value) -> str | None:
     return None
 
 
-def _ids(value) -> list[int]:
-    """An `eos_token_id` as these files write it: an id or a list of ids."""
+def token_ids(value) -> list[int]:
+    """Token ids as these files write them (`eos_token_id`, `suppress_tokens`): an id or a
+    list of ids; anything else, none."""
     if isinstance(value, list):
         return [i for i in value if isinstance(i, int) and not isinstance(i, bool)]
     return [value] if isinstance(value, int) and not isinstance(value, bool) else []
@@ -76,9 +77,9 @@ def load_text_config(folder: Path | None, tokenizer=None) -> TextConfig:
     folder = Path(folder)
     config, tok = _read(folder / "config.json"), _read(folder / TOKENIZER_CONFIG)
     genai = _read(folder / "genai_config.json").get("model")
-    named = (_ids(config.get("eos_token_id"))
-             + _ids(_read(folder / "generation_config.json").get("eos_token_id"))
-             + _ids(genai.get("eos_token_id") if isinstance(genai, dict) else None))
+    named = (token_ids(config.get("eos_token_id"))
+             + token_ids(_read(folder / "generation_config.json").get("eos_token_id"))
+             + token_ids(genai.get("eos_token_id") if isinstance(genai, dict) else None))
     ids = list(dict.fromkeys(named))  # each once, in the files' order
     eos_token = _token(tok.get("eos_token"))
     if not ids and eos_token and tokenizer is not None:
