@@ -8,7 +8,9 @@ every step's scores (and the inputs) into an .npz per folder. Imports nothing of
     python -P _optimum_generate.py NEW_TOKENS OUT_DIR OPTIONS_JSON FOLDER [FOLDER ...]
 
 OPTIONS_JSON: more arguments of `generate` (`{}`: greedy, NEW_TOKENS exactly; e.g.
-`{"num_beams": 4, "min_new_tokens": 0}`).
+`{"num_beams": 4, "min_new_tokens": 0}`; Whisper's `prompt_ids` as a list). With
+`return_timestamps`, Whisper's generate seeks through the audio window by window: what is
+saved is each row's first window (`window_0`, `window_1`: its decoder ids, prefix included).
 """
 
 import json
@@ -40,6 +42,16 @@ def main(new_tokens: int, out_dir: str, folders: list[str], options: dict) -> in
         cls, inputs = _inputs(folder, json.load(open(os.path.join(folder, "config.json"))))
         model = cls.from_pretrained(folder, use_cache=True)
         asked = {"min_new_tokens": new_tokens, "num_beams": 1, **options}
+        if "prompt_ids" in asked:
+            asked["prompt_ids"] = torch.tensor(asked["prompt_ids"])
+        if asked.get("return_timestamps"):
+            out = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False,
+                                 return_dict_in_generate=True, **asked)
+            np.savez(os.path.join(out_dir, f"{i}.npz"), **{
+                f"window_{b}": row[0]["result"]["sequences"].numpy()
+                for b, row in enumerate(out["segments"])},
+                **{f"input_{k}": v.numpy() for k, v in inputs.items()})
+            continue
         out = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False,
                              output_scores=True, return_dict_in_generate=True, **asked)
         np.savez(os.path.join(out_dir, f"{i}.npz"), tokens=out.sequences.numpy(),

@@ -193,37 +193,77 @@ def log_mel(samples: np.ndarray, c: FeatureConfig) -> np.ndarray:
 
 # ------------------------------------------------------------------- the decoder's first tokens
 
+# Whisper's languages, code: name (its tokenizer's table; OpenAI's verbose answers name them)
+LANGUAGES = dict(pair.split(":") for pair in (
+    "en:english, zh:chinese, de:german, es:spanish, ru:russian, ko:korean, fr:french, "
+    "ja:japanese, pt:portuguese, tr:turkish, pl:polish, ca:catalan, nl:dutch, ar:arabic, "
+    "sv:swedish, it:italian, id:indonesian, hi:hindi, fi:finnish, vi:vietnamese, he:hebrew, "
+    "uk:ukrainian, el:greek, ms:malay, cs:czech, ro:romanian, da:danish, hu:hungarian, "
+    "ta:tamil, no:norwegian, th:thai, ur:urdu, hr:croatian, bg:bulgarian, lt:lithuanian, "
+    "la:latin, mi:maori, ml:malayalam, cy:welsh, sk:slovak, te:telugu, fa:persian, "
+    "lv:latvian, bn:bengali, sr:serbian, az:azerbaijani, sl:slovenian, kn:kannada, "
+    "et:estonian, mk:macedonian, br:breton, eu:basque, is:icelandic, hy:armenian, ne:nepali, "
+    "mn:mongolian, bs:bosnian, kk:kazakh, sq:albanian, sw:swahili, gl:galician, mr:marathi, "
+    "pa:punjabi, si:sinhala, km:khmer, sn:shona, yo:yoruba, so:somali, af:afrikaans, "
+    "oc:occitan, ka:georgian, be:belarusian, tg:tajik, sd:sindhi, gu:gujarati, am:amharic, "
+    "yi:yiddish, lo:lao, uz:uzbek, fo:faroese, ht:haitian creole, ps:pashto, tk:turkmen, "
+    "nn:nynorsk, mt:maltese, sa:sanskrit, lb:luxembourgish, my:myanmar, bo:tibetan, "
+    "tl:tagalog, mg:malagasy, as:assamese, tt:tatar, haw:hawaiian, ln:lingala, ha:hausa, "
+    "ba:bashkir, jw:javanese, su:sundanese, yue:cantonese").split(", "))
+
+
+def language_code(language: str) -> str:
+    """A language as a client names it ("en", "EN", "English") as Whisper's code ("en");
+    a name it does not know is returned as given (the model's table decides)."""
+    key = language.strip().lower()
+    return next((code for code, name in LANGUAGES.items() if name == key), key)
+
 
 @dataclass(frozen=True)
 class WhisperPrompt:
     """What Whisper's generation_config.json says the decoder starts with (transformers'
-    WhisperGenerationMixin: the start token, the language's, the task's, and
-    <|notimestamps|> when no timestamps are asked for)."""
+    WhisperGenerationMixin: earlier text after <|startofprev|> where a prompt is given, the
+    start token, the language's, the task's, and <|notimestamps|> when no timestamps are
+    asked for)."""
 
     start: int
     languages: dict[str, int]  # "en" -> the id of <|en|> (multilingual models)
     tasks: dict[str, int]  # "transcribe" / "translate" -> its token's id
     no_timestamps: int | None = None
     forced: tuple[int, ...] = ()  # an older config's forced_decoder_ids, without the maps
+    previous: int | None = None  # <|startofprev|> (prev_sot_token_id): earlier text after it
 
-    def prefix(self, language: str | None, task: str) -> tuple[int, ...]:
+    @property
+    def no_speech(self) -> int | None:
+        """<|nospeech|>: the id before <|notimestamps|> (transformers' rule)."""
+        return None if self.no_timestamps is None else self.no_timestamps - 1
+
+    def prefix(self, language: str | None, task: str, timestamps: bool = False,
+               before: tuple[int, ...] = ()) -> tuple[int, ...]:
         """The first tokens for `task` in `language` (a code, "en"; None: detected first,
-        by the caller, where the model is multilingual). InvalidArgument for a language or
-        task the model has no token for."""
+        by the caller, where the model is multilingual), with `before` (earlier text's ids)
+        ahead of them. InvalidArgument for a language or task the model has no token for."""
+        if before and self.previous is None:
+            raise InvalidArgument("this model names no <|startofprev|> token "
+                                  "(prev_sot_token_id): it takes no prompt")
+        out = [self.previous, *before] if before else []
+        out.append(self.start)
         if not self.tasks:
-            return (self.start, *self.forced)
-        out = [self.start]
-        if self.languages:
-            if language not in self.languages:
-                raise InvalidArgument(f"language {language!r} is not one of this model's: "
-                                      f"{', '.join(sorted(self.languages))}")
-            out.append(self.languages[language])
-        if task not in self.tasks:
-            raise InvalidArgument(f"this model has no {task!r} task (it has "
-                                  f"{', '.join(sorted(self.tasks))})")
-        out.append(self.tasks[task])
-        if self.no_timestamps is not None:
+            out += self.forced
+        else:
+            if self.languages:
+                if language not in self.languages:
+                    raise InvalidArgument(f"language {language!r} is not one of this model's: "
+                                          f"{', '.join(sorted(self.languages))}")
+                out.append(self.languages[language])
+            if task not in self.tasks:
+                raise InvalidArgument(f"this model has no {task!r} task (it has "
+                                      f"{', '.join(sorted(self.tasks))})")
+            out.append(self.tasks[task])
+        if self.no_timestamps is not None and not timestamps and out[-1] != self.no_timestamps:
             out.append(self.no_timestamps)
+        elif timestamps and out[-1] == self.no_timestamps:
+            out.pop()  # (an older config forces it)
         return tuple(out)
 
 
@@ -236,8 +276,9 @@ def whisper_prompt(folder: Path, start: int) -> WhisperPrompt:
         return {k.strip("<|>"): v for k, v in found.items() if isinstance(v, int)}
 
     forced = g.get("forced_decoder_ids") if isinstance(g.get("forced_decoder_ids"), list) else []
-    nots = g.get("no_timestamps_token_id")
+    nots, previous = g.get("no_timestamps_token_id"), g.get("prev_sot_token_id")
     return WhisperPrompt(start, ids("lang_to_id") if g.get("is_multilingual", True) else {},
                          ids("task_to_id"), nots if isinstance(nots, int) else None,
                          tuple(p[1] for p in sorted(f for f in forced if isinstance(f, list)
-                                                    and len(f) == 2 and isinstance(f[1], int))))
+                                                    and len(f) == 2 and isinstance(f[1], int))),
+                         previous if isinstance(previous, int) else None)

@@ -137,6 +137,8 @@ class ClientRequest:
     core: bool = False
     prompt_ids_first: bool = False
     batch_index: int | None = None  # its row in a batch of prompts (None: not a batch)
+    transcripts: bool = False  # Triton's TensorRT-LLM Whisper names (serving/whisper_names.py):
+    # every response carries the whole text so far as TRANSCRIPTS, and nothing else
 
 
 def _one(name: str, value):

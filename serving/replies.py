@@ -15,6 +15,7 @@ import numpy as np
 from serving.conventions import ClientRequest
 from serving.sampling import Chunk
 from serving.tokenizer import token_text
+from serving.whisper_names import OUTPUT, transcript
 
 _VLLM_REASONS = {"length": "length", "stop": "stop"}  # else vLLM's "abort"
 
@@ -38,10 +39,14 @@ class Reply:
     generated: int = 0
     cum_logprob: float = 0.0
     started: bool = field(default=False)
+    text: str = ""  # the text so far (a transcript's responses carry all of it)
 
     def outputs(self, chunk: Chunk) -> dict[str, np.ndarray]:
         if self.request.core:
             return self._named(self._core(chunk))
+        if self.request.transcripts:
+            self.text += chunk.text or ""
+            return self._named({OUTPUT: np.array([transcript(self.text).encode()], object)})
         text = chunk.text
         if not self.started and self.request.prompt_text is not None:
             text = self.request.prompt_text + (text or "")

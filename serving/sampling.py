@@ -188,6 +188,12 @@ class GenerationRequest:
     # (bins, frames)); `prompt` then holds the decoder's first tokens
     beams: int | None = None  # beam search's width (TensorRT-LLM's beam_width); None: the
     # model's default (an encoder-decoder's generation config), 1 for a decoder
+    timestamps: bool = False  # Whisper's timestamp tokens generated under their rule
+    # (serving.generation.timestamps); `prompt` then ends without <|notimestamps|>
+    prompt_probe: tuple[int, tuple[int, ...]] | None = None  # (position, ids): the first
+    # chunk carries the log-probs of `ids` under the logits at that position of the prompt
+    # (Whisper's no-speech probability: <|nospeech|> where <|startoftranscript|> stands);
+    # both of an encoder-decoder only
 
     def __post_init__(self) -> None:
         if not self.prompt:
@@ -208,6 +214,9 @@ class GenerationRequest:
             raise InvalidArgument("a bad word must hold at least one token")
         if any(not w for w in self.stop_sequences):
             raise InvalidArgument("a stop word must hold at least one token")
+        if self.prompt_probe is not None and not 0 <= self.prompt_probe[0] < len(self.prompt):
+            raise InvalidArgument(f"the probed position {self.prompt_probe[0]} is not in the "
+                                  f"prompt ({len(self.prompt)} tokens)")
         if self.beams is not None and self.beams < 1:
             raise InvalidArgument(f"beams must be >= 1, not {self.beams}")
 
@@ -234,6 +243,8 @@ class Chunk:
     # with its log-prob and (k > 0) the k most likely (id, log-prob) at its position
     prompt_logprobs: tuple[float, ...] | None = None
     prompt_top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
+    probe: tuple[float, ...] | None = None  # the first chunk of a request with a
+    # prompt_probe: one log-prob per probed id
     # when the engine made it (time.perf_counter): a frontend that reads chunks later, all
     # at once when its thread was late, still times the tokens as they were made
     at: float = field(default_factory=time.perf_counter, compare=False)
@@ -264,7 +275,8 @@ def join_chunks(chunks: Sequence[Chunk]) -> Chunk:
                  logprobs=_joined(chunks, "logprobs"),
                  top_logprobs=_joined(chunks, "top_logprobs"), ranks=_joined(chunks, "ranks"),
                  prompt_logprobs=first.prompt_logprobs,
-                 prompt_top_logprobs=first.prompt_top_logprobs)
+                 prompt_top_logprobs=first.prompt_top_logprobs,
+                 probe=next((c.probe for c in chunks if c.probe is not None), None))
 
 
 def sample(logits: np.ndarray, s: Sampling, rng: np.random.Generator) -> int:

@@ -10,17 +10,23 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping, Sequence
 
-from serving.conventions import client_signature
+import numpy as np
+
+from serving.conventions import ClientRequest, client_signature
+from serving.errors import InvalidArgument
 from serving.decoder import VERSION, DecoderEngine, stats_for
 from serving.generation import GenerateOptions
 from serving.audio import FeatureConfig, WhisperPrompt, feature_config, whisper_prompt
 from serving.generation.beams import BeamConfig
-from serving.generation.seq2seq import DecoderConfig, Seq2SeqGenerator, Seq2SeqRunners
+from serving.generation.constraints import DecoderConfig
+from serving.generation.seq2seq import Seq2SeqGenerator, Seq2SeqRunners
+from serving.generation.timestamps import TimestampRule
 from serving.metrics import GenerationMetrics, Metrics, Stats
 from serving.text_config import load_text_config, read_json, token_ids
 from serving.tokenizer import load_tokenizer
+from serving.whisper_names import OUTPUT, parse_audio, with_whisper_names
 from tuner.errors import BadInput
 from tuner.gate.seq2seq_steps import check_cache_path
 from tuner.gate.verify import Tolerance, VerifyResult
@@ -83,7 +89,18 @@ def decoder_config(folder: Path) -> DecoderConfig:
                          forced_first=_int(_config(folder, "forced_bos_token_id")),
                          beams=_beam_config(folder),
                          no_repeat_ngram=max(0, _int(_config(folder, "no_repeat_ngram_size"))
-                                             or 0))
+                                             or 0),
+                         timestamps=_timestamp_rule(folder))
+
+
+def _timestamp_rule(folder: Path) -> TimestampRule | None:
+    """Whisper's timestamp tokens (after no_timestamps_token_id), None where the config
+    names none."""
+    none = _int(_config(folder, "no_timestamps_token_id"))
+    end = _int(_config(folder, "eos_token_id"))
+    if none is None or end is None:
+        return None
+    return TimestampRule(none, end, _int(_config(folder, "max_initial_timestamp_index")))
 
 
 def _beam_config(folder: Path) -> BeamConfig:
@@ -146,10 +163,28 @@ class Seq2SeqEngine(DecoderEngine):
                                             if model.record.encoder.features else None)
         self.whisper: WhisperPrompt | None = (whisper_prompt(model.folder, model.decoder.start)
                                               if self.audio else None)
+        if self.audio is not None and self.tokenizer is not None:  # Triton's Whisper names
+            self.signature = with_whisper_names(self.signature)
         self.generator = Seq2SeqGenerator(
             model.runners, model.record, model.decoder, options, tokenizer=self.tokenizer,
             eos_ids=self.text.eos_ids, stats=stats_for(stats, metrics, gen_metrics),
             max_target=options.max_cache_len or model.max_target)
+
+    def parse_rows(self, tensors: Mapping[str, np.ndarray], parameters: Mapping[str, object],
+                   request_id: str = "", outputs: Sequence[str] = ()) -> list[ClientRequest]:
+        """A decoder's parse, and, where the request sends Whisper's WAV, whisper_bls's
+        names (serving/whisper_names.py)."""
+        if "WAV" not in tensors:
+            return super().parse_rows(tensors, parameters, request_id, outputs)
+        if self.audio is None or self.tokenizer is None:
+            raise InvalidArgument(f"model '{self.name}' does not take audio (WAV): it is not "
+                                  "a Whisper folder with a tokenizer")
+        if any(name != OUTPUT for name in outputs):
+            raise InvalidArgument(f"a WAV request is answered with {OUTPUT} only")
+        return [dataclasses.replace(parse_audio(
+            tensors, tokenizer=self.tokenizer, whisper=self.whisper, config=self.audio,
+            room=self.generator.max_target, eos_ids=self.text.eos_ids, request_id=request_id),
+            outputs=tuple(outputs))]
 
     def note(self) -> str:
         g = self.generator

@@ -10,12 +10,10 @@ language and task tokens start the decoder."""
 
 from __future__ import annotations
 
-import io
 import json
 import shutil
 import struct
 import warnings
-import wave
 from pathlib import Path
 
 import numpy as np
@@ -24,32 +22,9 @@ import pytest
 from models import optimum
 from serving.audio import FeatureConfig, WhisperPrompt, log_mel, pieces, read_wav, resample
 from serving.errors import InvalidArgument
-from serving.generation import GenerateOptions
-from serving.generation.seq2seq import Seq2SeqGenerator
 from serving.sampling import GenerationRequest, Sampling
-from serving.seq2seq import load_seq2seq
+from tests.audio_support import RATE, loop, tone, wav, with_tokenizer
 from tests.llm_support import openai_client, start
-
-RATE = 16000
-
-
-def _tone(seconds: float, rate: int = RATE, seed: int = 0) -> np.ndarray:
-    t = np.arange(int(seconds * rate)) / rate
-    noise = np.random.default_rng(seed).standard_normal(len(t)) * 0.05
-    return (0.3 * np.sin(2 * np.pi * 300 * t) + noise).astype(np.float32)
-
-
-def _wav(x: np.ndarray, rate: int = RATE, width: int = 2, channels: int = 1) -> bytes:
-    """A PCM WAV file of `x` (stdlib `wave`), every channel the same."""
-    ints = {1: (x * 127 + 128).astype(np.uint8), 2: (x * 32767).astype("<i2"),
-            4: (x * 2147483647).astype("<i4")}[width]
-    out = io.BytesIO()
-    with wave.open(out, "wb") as w:
-        w.setnchannels(channels)
-        w.setsampwidth(width)
-        w.setframerate(rate)
-        w.writeframes(np.repeat(ints, channels).tobytes())
-    return out.getvalue()
 
 
 def _float_wav(x: np.ndarray, rate: int = RATE, extensible: bool = False) -> bytes:
@@ -80,34 +55,34 @@ def test_features_are_whispers():
     from transformers import WhisperFeatureExtractor
 
     theirs = WhisperFeatureExtractor(feature_size=80)
-    for x in (_tone(3), _tone(30, seed=1), np.zeros(200, np.float32),
+    for x in (tone(3), tone(30, seed=1), np.zeros(200, np.float32),
               np.random.default_rng(2).standard_normal(RATE).astype(np.float32) * 0.2):
         want = theirs(x, sampling_rate=RATE, return_tensors="np")["input_features"][0]
         got = log_mel(x, FeatureConfig())
         assert got.shape == want.shape == (80, 3000) and got.dtype == np.float32
         assert np.abs(got - want).max() < 1e-4
     with pytest.raises(InvalidArgument, match="at most 30 s"):
-        log_mel(_tone(30.5), FeatureConfig())
+        log_mel(tone(30.5), FeatureConfig())
 
 
 def test_wav_files_of_every_common_format():
-    x = _tone(0.5)
-    for data, tolerance in ((_wav(x), 1e-4), (_wav(x, width=4), 1e-6),
-                            (_wav(x, width=1), 2e-2), (_wav(x, channels=2), 1e-4),
+    x = tone(0.5)
+    for data, tolerance in ((wav(x), 1e-4), (wav(x, width=4), 1e-6),
+                            (wav(x, width=1), 2e-2), (wav(x, channels=2), 1e-4),
                             (_float_wav(x), 0), (_float_wav(x, extensible=True), 0),
                             (_24_bit(x), 1e-6)):
         got, rate = read_wav(data)
         assert rate == RATE and got.shape == x.shape
         assert np.abs(got - x).max() <= tolerance + 1e-7
     for bad, why in ((b"ID3\x04mp3 bytes", "not a WAV file"),
-                     (_wav(x, rate=8), "not audio this reads"),
-                     (_wav(x)[:40], "no format or no data"),
+                     (wav(x, rate=8), "not audio this reads"),
+                     (wav(x)[:40], "no format or no data"),
                      (_float_wav(x).replace(struct.pack("<HH", 3, 1), struct.pack("<HH", 2, 1),
                                             1), "not read here")):
         with pytest.raises(InvalidArgument, match=why):
             read_wav(bad)
     # 8 kHz up to 16 kHz: the tone stays at 300 Hz, the length doubles
-    low = _tone(1.0, rate=8000)
+    low = tone(1.0, rate=8000)
     up = resample(low, 8000, RATE)
     assert len(up) == RATE
     assert abs(np.argmax(np.abs(np.fft.rfft(up))) * RATE / len(up) - 300) < 2
@@ -131,22 +106,7 @@ def export() -> Path:
 
 @pytest.fixture(scope="module")
 def whisper(export, tmp_path_factory) -> Path:
-    """The export with a tokenizer (a word-level one over its ids), as Whisper ships one."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    folder = tmp_path_factory.mktemp("whisper") / "whisper"
-    shutil.copytree(export, folder)
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{f"w{i}": i for i in range(4, 1003)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(str(folder / "tokenizer.json"))
-    return folder
-
-
-def _generator(folder: Path) -> Seq2SeqGenerator:
-    model = load_seq2seq(folder)
-    return Seq2SeqGenerator(model.runners, model.record, model.decoder, GenerateOptions(),
-                            max_target=model.max_target)
+    return with_tokenizer(export, tmp_path_factory.mktemp("whisper") / "whisper")
 
 
 def _greedy(generator, features: np.ndarray, n: int, at_least: int | None = None
@@ -163,7 +123,7 @@ def test_greedy_equals_optimum_generate(export):
     """Optimum's ORTModelForSpeechSeq2Seq greedy `generate` on two random feature sets (its
     begin_suppress_tokens at the first step): the same 12 tokens here."""
     reference = optimum.seq2seq_greedy([export])[0]
-    generator = _generator(export)
+    generator = loop(export)
     try:
         features = reference["input_input_features"]
         assert [_greedy(generator, f, 12) for f in features] == \
@@ -181,9 +141,9 @@ def test_transcriptions_through_the_openai_client(whisper):
     import openai
     from tokenizers import Tokenizer
 
-    audio = _tone(2.0, rate=44100)
-    data = _wav(audio, rate=44100, channels=2)
-    generator = _generator(whisper)
+    audio = tone(2.0, rate=44100)
+    data = wav(audio, rate=44100, channels=2)
+    generator = loop(whisper)
     try:
         from transformers import WhisperFeatureExtractor
 
@@ -232,10 +192,10 @@ def test_a_multilingual_model_detects_its_language(whisper, tmp_path):
     config.update(is_multilingual=True, lang_to_id={"<|en|>": 10, "<|de|>": 11},
                   task_to_id={"transcribe": 12, "translate": 13}, no_timestamps_token_id=14)
     (folder / "generation_config.json").write_text(json.dumps(config))
-    data = _wav(_tone(1.0))
+    data = wav(tone(1.0))
     mono, _ = read_wav(data)
     features = log_mel(mono, FeatureConfig())
-    generator = _generator(folder)
+    generator = loop(folder)
     try:
         detect = GenerationRequest(prompt=(1,), max_tokens=1,
                                    sampling=Sampling(allowed_ids=(10, 11)),
@@ -266,16 +226,16 @@ def test_long_audio_in_pieces(whisper):
     streamed; past the limit on pieces, refused."""
     from tokenizers import Tokenizer
 
-    audio = _tone(45.0)
+    audio = tone(45.0)
     audio[int(29.30 * RATE):int(29.45 * RATE)] = 0
     cut = pieces(audio, FeatureConfig())
     assert [len(p) for p in cut][0] / RATE == pytest.approx(29.4, abs=0.06)
     with pytest.raises(InvalidArgument, match="at most 30 s are taken"):
         pieces(audio, FeatureConfig(), most=1)
-    data = _wav(audio)
+    data = wav(audio)
     mono, _ = read_wav(data)
     tokenizer = Tokenizer.from_file(str(whisper / "tokenizer.json"))
-    generator = _generator(whisper)
+    generator = loop(whisper)
     try:
         texts = [tokenizer.decode(_greedy(generator, log_mel(p, FeatureConfig()),
                                           generator.max_target, at_least=0))

@@ -141,6 +141,9 @@ class Generator(Admission):
         check_tokens(request, self.vocab, self.tokenizer)
         if request.beams not in (None, 1):
             raise InvalidArgument(f"beam_width {request.beams} is not supported: only 1")
+        if request.timestamps or request.prompt_probe is not None:
+            raise InvalidArgument("timestamps and prompt probes are an encoder-decoder's "
+                                  "(Whisper's)")
 
     def room(self, prompt_tokens: int) -> int:
         """The most tokens a prompt of this length leaves room for in the cache."""

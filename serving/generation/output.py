@@ -64,6 +64,7 @@ class StreamOutput:
         self.prompt_logprobs: list[float] = []
         self.prompt_top: list[tuple[tuple[int, float], ...]] = []
         self.prompt_sent = False
+        self.pending: dict = {}  # Chunk fields the next chunk sent carries (a prompt probe)
 
     def release(self, final: bool) -> tuple[str | None, str | None]:
         """(text to send now, the stop string that matched or None): up to the first stop
@@ -251,6 +252,8 @@ class OutputProcessor:
             chunk = replace(chunk, prompt_logprobs=tuple(out.prompt_logprobs),
                             prompt_top_logprobs=tuple(out.prompt_top) if k else None)
             out.prompt_sent = True
+        if out.pending:
+            chunk, out.pending = replace(chunk, **out.pending), {}
         try:
             stream.on_chunk(chunk)
         except Exception:  # noqa: BLE001 - a broken consumer must not stop the others

@@ -27,7 +27,8 @@ import numpy as np
 
 from serving.errors import InvalidArgument
 from serving.generation.admission import Admission, check_tokens
-from serving.generation.beams import BeamConfig, BeamSearch, log_softmax
+from serving.generation.beams import BeamSearch, log_softmax
+from serving.generation.constraints import Constraints, DecoderConfig
 from serving.generation.grammar import GrammarCompiler
 from serving.generation.options import GenerateOptions
 from serving.generation.output import GenerationStats, OutputProcessor
@@ -51,32 +52,6 @@ class Seq2SeqRunners:
     def close(self) -> None:
         for runner in (self.encoder, self.first, self.later):
             runner.close()
-
-
-@dataclass(frozen=True)
-class DecoderConfig:
-    """What config.json and generation_config.json say about the decoder's ids."""
-
-    start: int  # decoder_start_token_id: the first step's input (a text source's)
-    pad: int  # what a short source is padded with (masked out)
-    suppress: tuple[int, ...] = ()  # never generated (Whisper's suppress_tokens, Marian's
-    # one-token bad_words_ids: its pad)
-    begin_suppress: tuple[int, ...] = ()  # not as the first token (begin_suppress_tokens)
-    forced_first: int | None = None  # the only first token (forced_bos_token_id: mBART's
-    # target language)
-    beams: BeamConfig = BeamConfig(1)  # num_beams and its settings: greedy requests' default
-    no_repeat_ngram: int = 0  # no_repeat_ngram_size: no n-gram of the decoder's ids twice
-
-
-def repeated_ngram_bans(ids: Sequence[int], n: int) -> list[int]:
-    """The tokens that would complete an n-gram `ids` (the decoder's ids so far, its first
-    tokens included) already holds, as transformers' NoRepeatNGramLogitsProcessor bans
-    them: those that followed its last n - 1 ids where they stood before."""
-    if n < 1 or len(ids) + 1 < n:
-        return []
-    tail = tuple(ids[len(ids) + 1 - n:]) if n > 1 else ()
-    return [ids[i + n - 1] for i in range(len(ids) - n + 1)
-            if tuple(ids[i:i + n - 1]) == tail]
 
 
 class Cohort:
@@ -117,6 +92,7 @@ class Seq2SeqGenerator(Admission):
                  max_target: int | None = None) -> None:
         self.runners, self.record, self.decoder, self.options = runners, record, decoder, options
         self.vocab, self.tokenizer = record.vocab, tokenizer
+        self.constraints = Constraints(decoder, self.vocab)
         self.grammars = GrammarCompiler(tokenizer, self.vocab, eos_ids)
         self.stats = stats or GenerationStats()
         self.output = OutputProcessor(self.stats)
@@ -166,6 +142,12 @@ class Seq2SeqGenerator(Admission):
             raise InvalidArgument(f"max_tokens {request.max_tokens} is over the limit "
                                   f"{limit} (the decoder's positions)")
         check_tokens(request, self.vocab, self.tokenizer)
+        if request.timestamps and self.decoder.timestamps is None:
+            raise InvalidArgument("this model has no timestamp tokens (its generation config "
+                                  "names no no_timestamps_token_id)")
+        if request.prompt_probe is not None and not all(
+                0 <= t < self.vocab for t in request.prompt_probe[1]):
+            raise InvalidArgument(f"a probed id is outside the vocabulary (0..{self.vocab - 1})")
         self.beams_of(request)
         if request.prompt_logprobs is not None:
             raise InvalidArgument("prompt log-probs: the source is read by the encoder, which "
@@ -178,13 +160,13 @@ class Seq2SeqGenerator(Admission):
         r, sampling = request, request.sampling
         plain = (sampling.greedy and not sampling.adjusts and not (
             r.logprobs or r.top_logprobs or r.ranks or r.grammar or r.stop_sequences
-            or r.bad_words))
+            or r.bad_words or r.timestamps))
         if r.beams is None:
             return self.decoder.beams.beams if plain else 1
         if r.beams > 1 and not plain:
             raise InvalidArgument(f"beam search ({r.beams} beams) is greedy and gives the best "
                                   "sequence only: no sampling, penalties, log-probs, grammars, "
-                                  "stop words or bad words with it")
+                                  "stop words, bad words or timestamps with it")
         return r.beams
 
     # ---------------------------------------------------------------------------- the loop
@@ -231,6 +213,7 @@ class Seq2SeqGenerator(Admission):
         out = self._run(self.runners.first,
                         decoder_feeds(first, prefixes, cohort.mask, cohort.states))
         cohort.own, cohort.cross = caches_after(later, out)
+        self._probe(streams, out[first.logits])
         if later.states is None:
             cohort.states = None  # nothing after the first step reads them
         for s in streams:
@@ -240,6 +223,15 @@ class Seq2SeqGenerator(Admission):
                                              s.request.stop_ids, s.request.max_tokens)
         self._emit(cohort, out[first.logits], first=True)
         return cohort
+
+    def _probe(self, streams: list[Stream], logits: np.ndarray) -> None:
+        """Each probing stream's log-probs at its probed prompt position (logits: (B, n,
+        vocab), every first token's), sent with its first chunk."""
+        for row, s in enumerate(streams):
+            if s.request.prompt_probe is not None:
+                at, ids = s.request.prompt_probe
+                scores = log_softmax(logits[row:row + 1, at, :self.vocab])[0]
+                s.output.pending["probe"] = tuple(float(scores[t]) for t in ids)
 
     def _later_step(self, cohort: Cohort) -> None:
         later = self.record.later
@@ -265,10 +257,8 @@ class Seq2SeqGenerator(Admission):
         plain = [i for i, s in enumerate(cohort.streams) if s not in cohort.beams]
         if plain:
             streams = [cohort.streams[i] for i in plain]
-            decoded = ([self._decoded(s) for s in streams] if self.decoder.no_repeat_ngram
-                       else [])
             sampled, scores = self.output.sample(
-                streams, self._constrained(logits[plain], first, decoded))
+                streams, self.constraints.sampled(logits[plain], first, streams, self._decoded))
             for i, s, token, score in zip(plain, streams, sampled, scores):
                 self.output.emit(s, token, score)
                 if s.done:
@@ -278,9 +268,9 @@ class Seq2SeqGenerator(Admission):
                     tokens.append(token)
         for s, search in list(cohort.beams.items()):
             mine = [i for i, x in enumerate(cohort.streams) if x is s]
-            decoded = ([(*self.prefix(s.request), *row) for row in search.running.tolist()]
-                       if self.decoder.no_repeat_ngram else [])
-            chosen = search.step(self._beam_scores(logits[mine], s, search, first, decoded))
+            decoded = [(*self.prefix(s.request), *row) for row in search.running.tolist()]
+            held = s.request.stop_ids if search.generated < s.request.min_tokens else ()
+            chosen = search.step(self.constraints.beamed(logits[mine], first, decoded, held))
             if search.done:
                 del cohort.beams[s]
                 self._send_all(s, search.best())
@@ -290,56 +280,9 @@ class Seq2SeqGenerator(Admission):
         cohort.take(rows)
         cohort.next = tokens
 
-    def _banned(self, first: bool) -> tuple[list[int], int | None]:
-        """(the ids the generation config suppresses, the one it forces or None) at this
-        step, as transformers' generate applies them."""
-        d = self.decoder
-        banned = [t for t in (*d.suppress, *(d.begin_suppress if first else ()))
-                  if 0 <= t < self.vocab]
-        forced = d.forced_first if first else None
-        return banned, forced if forced is not None and 0 <= forced < self.vocab else None
-
     def _decoded(self, s: Stream) -> tuple[int, ...]:
         """A plain stream's decoder ids so far: its first tokens, then what it generated."""
         return (*self.prefix(s.request), *s.tokens[len(s.request.prompt):])
-
-    def _ngram_bans(self, scores: np.ndarray, decoded: list[tuple[int, ...]]) -> None:
-        n = self.decoder.no_repeat_ngram
-        for row, ids in enumerate(decoded):
-            if n:
-                scores[row, repeated_ngram_bans(ids, n)] = -np.inf
-
-    def _constrained(self, logits: np.ndarray, first: bool,
-                     decoded: list[tuple[int, ...]]) -> np.ndarray:
-        """Sampled rows' logits: the banned ids at -inf (and each row's repeated n-grams'),
-        only the forced one left."""
-        banned, forced = self._banned(first)
-        if not banned and forced is None and not self.decoder.no_repeat_ngram:
-            return logits
-        logits = logits.copy()
-        logits[:, banned] = -np.inf
-        self._ngram_bans(logits, decoded)
-        if forced is not None:
-            keep = logits[:, forced].copy()
-            logits[:] = -np.inf
-            logits[:, forced] = keep
-        return logits
-
-    def _beam_scores(self, logits: np.ndarray, s: Stream, search: BeamSearch, first: bool,
-                     decoded: list[tuple[int, ...]]) -> np.ndarray:
-        """A beam search's log-probs: of the raw logits, then the constraints on them as
-        transformers' processors put them (-inf; the forced token 0; the end tokens -inf
-        before min_tokens; each beam's repeated n-grams)."""
-        scores = log_softmax(logits)
-        banned, forced = self._banned(first)
-        if search.generated < s.request.min_tokens:
-            banned += [t for t in s.request.stop_ids if 0 <= t < self.vocab]
-        scores[:, banned] = -np.inf
-        self._ngram_bans(scores, decoded)
-        if forced is not None:
-            scores[:] = -np.inf
-            scores[:, forced] = 0.0
-        return scores
 
     def _send_all(self, s: Stream, tokens: tuple[int, ...]) -> None:
         """A beam search's answer, token by token (it ends at its end token or length)."""

@@ -2,12 +2,15 @@
 `POST /v1/audio/transcriptions` and `POST /v1/audio/translations`, multipart form data as
 the `openai` client sends it: `file` (a WAV file: PCM or float, any rate, any channels; up
 to 60 minutes: audio longer than the encoder's 30 s is cut into pieces at quiet moments,
-generated together and joined), `model`, `language` (a code; without one a multilingual
-model detects it first, as transformers' generate does), `temperature` (0: greedy),
-`response_format` (`json`, `text`; the timestamped formats are refused: this server does not
-generate timestamps), `stream` (Server-Sent Events: `transcript.text.delta` events, then
-`transcript.text.done`). The log-mel features are computed here (serving/audio.py) and
-generated from by the encoder-decoder loop. Errors are OpenAI's."""
+generated together and joined), `model`, `language` (a code or a name; without one a
+multilingual model detects it first, as transformers' generate does), `prompt` (earlier
+text, after <|startofprev|>: its last tokens up to half the decoder's length, as OpenAI's
+whisper keeps them), `temperature` (0: greedy), `response_format` (`json`, `text`;
+`verbose_json`, `srt`, `vtt` generate Whisper's timestamp tokens: segments with their times;
+`timestamp_granularities[]` `segment`), `stream` (json / text: Server-Sent Events,
+`transcript.text.delta` events, then `transcript.text.done`). The log-mel features are
+computed here (serving/audio.py) and generated from by the encoder-decoder loop. Errors are
+OpenAI's."""
 
 from __future__ import annotations
 
@@ -18,16 +21,19 @@ from typing import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from serving.audio import check_length, log_mel, pieces, read_wav, resample
+from serving.audio import (LANGUAGES, check_length, language_code, log_mel, pieces, read_wav,
+                           resample)
 from serving.errors import InvalidArgument
 from serving.http.openai_api import error
 from serving.http.streams import ChunkStream, ChunkStreams, until_disconnect
+from serving.http.transcripts import Piece, joined, srt, timed, verbose, vtt
 from serving.http.triton_generate import SSE_HEADERS, sse
 from serving.sampling import GenerationRequest, Sampling, join_chunks
 from serving.seq2seq import Seq2SeqEngine
 
-FORMATS = ("json", "text")
+PLAIN = ("json", "text")
 TIMESTAMPED = ("verbose_json", "srt", "vtt")
+FORMATS = PLAIN + TIMESTAMPED
 
 
 def _engine(frontend, name: str) -> Seq2SeqEngine:
@@ -80,8 +86,41 @@ class Asked:
     generations: tuple[GenerationRequest, ...]  # one per piece of the audio, in order
     format: str
     seconds: float  # the audio's length
-    language: str  # "" where the model has no language tokens
+    spans: tuple[tuple[float, float], ...]  # each piece's (offset, duration), seconds
+    language: str  # a code; "" where the model has no language tokens (English-only)
     stream: bool
+    task: str
+    temperature: float
+
+
+def _format(form, engine: Seq2SeqEngine) -> str:
+    fmt = _field(form, "response_format", "json")
+    if fmt not in FORMATS:
+        raise InvalidArgument(f"response_format must be one of {', '.join(FORMATS)}")
+    granularities = form.getlist("timestamp_granularities[]") + form.getlist(
+        "timestamp_granularities")
+    if any(g not in ("segment", "word") for g in granularities):
+        raise InvalidArgument("timestamp_granularities must be 'segment' (or 'word')")
+    if "word" in granularities:
+        raise InvalidArgument("word timestamps are not generated here (they need the "
+                              "decoder's cross-attention): ask for 'segment'")
+    if granularities and fmt != "verbose_json":
+        raise InvalidArgument("timestamp_granularities needs response_format 'verbose_json'")
+    if fmt in TIMESTAMPED and engine.model.decoder.timestamps is None:
+        raise InvalidArgument(f"response_format {fmt!r} needs timestamps, and this model's "
+                              "generation config names no no_timestamps_token_id: use json "
+                              "or text")
+    return fmt
+
+
+def _previous(form, engine: Seq2SeqEngine) -> tuple[int, ...]:
+    """The prompt's ids (" " + the text, as transformers' get_prompt_ids), its last ones up
+    to half the decoder's length (OpenAI's whisper keeps n_ctx // 2 - 1)."""
+    text = _field(form, "prompt").strip()
+    if not text:
+        return ()
+    ids = engine.tokenizer.encode(" " + text, add_special_tokens=False).ids
+    return tuple(ids[-(engine.generator.max_target // 2 - 1):])
 
 
 async def _asked(frontend, request: Request, task: str) -> Asked:
@@ -91,14 +130,12 @@ async def _asked(frontend, request: Request, task: str) -> Asked:
     if upload is None or isinstance(upload, str):
         raise InvalidArgument("'file' (the audio, a WAV file) is required")
     engine = _engine(frontend, _field(form, "model") or frontend.slot.name)
-    fmt = _field(form, "response_format", "json")
-    if fmt in TIMESTAMPED:
-        raise InvalidArgument(f"response_format {fmt!r} needs timestamps, which this server "
-                              f"does not generate: use one of {', '.join(FORMATS)}")
-    if fmt not in FORMATS:
-        raise InvalidArgument(f"response_format must be one of {', '.join(FORMATS)}")
-    if _field(form, "prompt"):
-        raise InvalidArgument("'prompt' (text before the audio) is not supported here")
+    fmt = _format(form, engine)
+    stream = _field(form, "stream", "false").lower() in ("true", "1")
+    if stream and fmt in TIMESTAMPED:
+        raise InvalidArgument(f"a streamed answer is text: response_format {fmt!r} is not "
+                              "streamed (use json)")
+    before = _previous(form, engine)
     data = await upload.read(frontend.max_body_bytes + 1)
     if len(data) > frontend.max_body_bytes:
         raise InvalidArgument(f"the file is over the limit {frontend.max_body_bytes} bytes")
@@ -106,27 +143,33 @@ async def _asked(frontend, request: Request, task: str) -> Asked:
     config = engine.audio
     check_length(len(samples), rate, config)
     samples = resample(samples, rate, config.sampling_rate)
-    features = [log_mel(piece, config) for piece in pieces(samples, config)]
-    language = _field(form, "language") or None  # (of the audio, for either task)
+    cut = pieces(samples, config)
+    features = [log_mel(piece, config) for piece in cut]
+    language = language_code(_field(form, "language")) or None  # (of the audio, either task)
     if not engine.whisper.languages:
         language = None  # an English-only model: no language token
     elif language is None:
         language = await _detected(frontend, engine, features[0])
-    prefix = engine.whisper.prefix(language, task)
-    sampling = Sampling(temperature=_temperature(form))
+    stamped = fmt in TIMESTAMPED
+    prefix = engine.whisper.prefix(language, task, stamped, before)
+    temperature = _temperature(form)
+    no_speech = engine.whisper.no_speech
+    probe = ((prefix.index(engine.whisper.start), (no_speech,))
+             if fmt == "verbose_json" and no_speech is not None else None)
     generations = tuple(GenerationRequest(
         prompt=prefix, max_tokens=engine.generator.max_target - len(prefix) + 1,
-        sampling=sampling, stop_ids=frozenset(engine.text.eos_ids), encoder_input=f,
-        id=_field(form, "request_id")) for f in features)
-    return Asked(engine, generations, fmt, len(samples) / config.sampling_rate,
-                 language or "", _field(form, "stream", "false").lower() in ("true", "1"))
+        sampling=Sampling(temperature=temperature), stop_ids=frozenset(engine.text.eos_ids),
+        encoder_input=f, id=_field(form, "request_id"), timestamps=stamped,
+        logprobs=fmt == "verbose_json", prompt_probe=probe) for f in features)
+    starts = [sum(len(p) for p in cut[:i]) for i in range(len(cut))]
+    spans = tuple((at / config.sampling_rate, len(p) / config.sampling_rate)
+                  for at, p in zip(starts, cut))
+    return Asked(engine, generations, fmt, len(samples) / config.sampling_rate, spans,
+                 language or "", stream, task, temperature)
 
 
-def _joined(text: str, piece: str) -> str:
-    """`piece` as it follows `text`: a space between pieces unless one is there."""
-    if not text or not piece or text[-1:].isspace() or piece[:1].isspace():
-        return piece
-    return " " + piece
+def _failed(chunk) -> bool:
+    return chunk.final and chunk.reason not in ("length", "stop")
 
 
 async def _in_order(streams: ChunkStreams, n: int) -> AsyncIterator[str]:
@@ -135,13 +178,13 @@ async def _in_order(streams: ChunkStreams, n: int) -> AsyncIterator[str]:
     held: list[list[str]] = [[] for _ in range(n)]
     done, current, text = [False] * n, 0, ""
     async for i, chunk in streams:
-        if chunk.final and chunk.reason not in ("length", "stop"):
+        if _failed(chunk):
             raise RuntimeError(chunk.detail or f"generation ended: {chunk.reason}")
         held[i] += [chunk.text] if chunk.text else []
         done[i] |= chunk.final
         while current < n:
             for piece in held[current]:
-                piece = _joined(text, piece)
+                piece = joined(text, piece)
                 text += piece
                 yield piece
             held[current] = []
@@ -154,35 +197,65 @@ def _usage(seconds: float) -> dict:
     return {"type": "duration", "seconds": math.ceil(seconds)}
 
 
+def _streamed(asked: Asked, texts: AsyncIterator[str]) -> Response:
+    async def events():
+        text = ""
+        try:
+            async for piece in texts:
+                text += piece
+                yield sse({"type": "transcript.text.delta", "delta": piece})
+        except RuntimeError as e:
+            yield sse({"error": {"message": str(e)}})
+            return
+        yield sse({"type": "transcript.text.done", "text": text.strip(),
+                   "usage": _usage(asked.seconds)})
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+async def _timestamped(asked: Asked, streams: ChunkStreams) -> Response | str:
+    """The segments' answer (verbose_json, srt, vtt) from each piece's whole output."""
+    chunks = await streams.collect()
+    failed = next((c for cs in chunks for c in cs if _failed(c)), None)
+    if failed is not None:
+        raise RuntimeError(failed.detail or f"generation ended: {failed.reason}")
+    engine = asked.engine
+    rate = engine.audio.sampling_rate / engine.audio.hop_length  # frames per second
+    whole = [Piece(join_chunks(cs), at, length, round(at * rate))
+             for cs, (at, length) in zip(chunks, asked.spans)]
+    rule, decode = engine.model.decoder.timestamps, engine.tokenizer.decode
+    parts = timed(whole, rule, decode)
+    if asked.format == "srt":
+        return srt(parts)
+    if asked.format == "vtt":
+        return vtt(parts)
+    return JSONResponse({**verbose(parts, whole, rule, decode, task=asked.task,
+                                   language=LANGUAGES.get(asked.language or "en",
+                                                          asked.language),
+                                   seconds=asked.seconds, temperature=asked.temperature),
+                         "usage": _usage(asked.seconds)})
+
+
 async def _answer(frontend, request: Request, task: str) -> Response:
     asked = await _asked(frontend, request, task)
     streams = ChunkStreams(asked.engine, asked.generations)
-    texts = _in_order(streams, len(asked.generations))
     if asked.stream:
-        async def events():
-            text = ""
-            try:
-                async for piece in texts:
-                    text += piece
-                    yield sse({"type": "transcript.text.delta", "delta": piece})
-            except RuntimeError as e:
-                yield sse({"error": {"message": str(e)}})
-                return
-            yield sse({"type": "transcript.text.done", "text": text.strip(),
-                       "usage": _usage(asked.seconds)})
-
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers=SSE_HEADERS)
-
-    async def whole() -> str:
-        return "".join([piece async for piece in texts]).strip()
-
-    text = await until_disconnect(request.receive, whole(), streams.close)
-    if text is None:
+        return _streamed(asked, _in_order(streams, len(asked.generations)))
+    if asked.format in TIMESTAMPED:
+        work = _timestamped(asked, streams)
+    else:
+        async def work() -> str:
+            texts = _in_order(streams, len(asked.generations))
+            return "".join([piece async for piece in texts]).strip()
+        work = work()
+    answer = await until_disconnect(request.receive, work, streams.close)
+    if answer is None:
         return Response(status_code=499)  # the client went away; nothing to answer
-    if asked.format == "text":
-        return PlainTextResponse(text + "\n")
-    body = {"text": text, "usage": _usage(asked.seconds)}
+    if isinstance(answer, Response):
+        return answer
+    if asked.format != "json":  # text, srt, vtt
+        return PlainTextResponse(answer if asked.format in TIMESTAMPED else answer + "\n")
+    body = {"text": answer, "usage": _usage(asked.seconds)}
     return JSONResponse({**body, "language": asked.language} if asked.language else body)
 
 

@@ -1,0 +1,55 @@
+"""What the Whisper tests share: audio made up (a tone with noise), WAV files of it, a Whisper
+export folder given a tokenizer, and the generation loop on a folder."""
+
+from __future__ import annotations
+
+import io
+import shutil
+import wave
+from pathlib import Path
+
+import numpy as np
+
+from serving.generation import GenerateOptions
+from serving.generation.seq2seq import Seq2SeqGenerator
+from serving.seq2seq import load_seq2seq
+
+RATE = 16000
+
+
+def tone(seconds: float, rate: int = RATE, seed: int = 0) -> np.ndarray:
+    t = np.arange(int(seconds * rate)) / rate
+    noise = np.random.default_rng(seed).standard_normal(len(t)) * 0.05
+    return (0.3 * np.sin(2 * np.pi * 300 * t) + noise).astype(np.float32)
+
+
+def wav(x: np.ndarray, rate: int = RATE, width: int = 2, channels: int = 1) -> bytes:
+    """A PCM WAV file of `x` (stdlib `wave`), every channel the same."""
+    ints = {1: (x * 127 + 128).astype(np.uint8), 2: (x * 32767).astype("<i2"),
+            4: (x * 2147483647).astype("<i4")}[width]
+    out = io.BytesIO()
+    with wave.open(out, "wb") as w:
+        w.setnchannels(channels)
+        w.setsampwidth(width)
+        w.setframerate(rate)
+        w.writeframes(np.repeat(ints, channels).tobytes())
+    return out.getvalue()
+
+
+def with_tokenizer(export: Path, folder: Path) -> Path:
+    """A copy of the tests' Whisper export at `folder` with a tokenizer (a word-level one over
+    its ids: "w7" is id 7), as Whisper ships one."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    shutil.copytree(export, folder)
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{f"w{i}": i for i in range(4, 1003)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def loop(folder: Path) -> Seq2SeqGenerator:
+    model = load_seq2seq(folder)
+    return Seq2SeqGenerator(model.runners, model.record, model.decoder, GenerateOptions(),
+                            max_target=model.max_target)
