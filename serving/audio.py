@@ -1,5 +1,6 @@
-"""Audio in, Whisper's encoder input out: a WAV file read (PCM or float, any rate, any number
-of channels), resampled to the feature extractor's rate, and its log-mel spectrogram as
+"""Audio in, Whisper's encoder input out: an audio file read (WAV, FLAC, OGG, MP3, AIFF, as
+libsndfile reads them; any rate, any number of channels), resampled to the feature
+extractor's rate, and its log-mel spectrogram as
 Whisper computes it (transformers' WhisperFeatureExtractor, the same arithmetic in numpy:
 tests/test_audio_transcription.py compares the two). No grpc, no transformers here.
 
@@ -10,7 +11,7 @@ tests/test_audio_transcription.py compares the two). No grpc, no transformers he
 
 from __future__ import annotations
 
-import struct
+import io
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -19,9 +20,6 @@ import numpy as np
 
 from serving.errors import InvalidArgument
 from serving.text_config import read_json
-
-_PCM, _FLOAT, _EXTENSIBLE = 1, 3, 0xFFFE
-
 
 @dataclass(frozen=True)
 class FeatureConfig:
@@ -59,50 +57,45 @@ def feature_config(folder: Path) -> FeatureConfig | None:
                          ints["chunk_length"] or d.chunk_length)
 
 
-# ------------------------------------------------------------------------------- WAV files
+# ----------------------------------------------------------------------------- audio files
+
+BLOCK = 1 << 20  # frames decoded at a time (a file's channels are averaged block by block)
+MAX_DECODED_RATE = 48000  # a file decodes to at most its seconds' worth at this rate (a
+# compressed file is small for its length: its frame count, not its size, bounds the memory)
 
 
-def _chunks(data: bytes):
-    """(id, body) of each RIFF chunk after the WAVE header."""
-    at = 12
-    while at + 8 <= len(data):
-        kind, size = data[at:at + 4], struct.unpack_from("<I", data, at + 4)[0]
-        yield kind, data[at + 8:at + 8 + size]
-        at += 8 + size + (size & 1)
+def read_audio(data: bytes, max_seconds: float) -> tuple[np.ndarray, int]:
+    """(mono samples in [-1, 1] as float32, sampling rate) of an audio file as libsndfile
+    reads it (soundfile): WAV (integer PCM, float, extensible), FLAC, OGG (Vorbis, Opus),
+    MP3, AIFF, ...; its channels averaged. InvalidArgument for anything else, for a rate
+    outside 1-768 kHz, and for audio over `max_seconds` (or its decoded length at 48 kHz):
+    both known from the header, before anything is decoded."""
+    import soundfile
 
-
-def read_wav(data: bytes) -> tuple[np.ndarray, int]:
-    """(mono samples in [-1, 1] as float32, sampling rate) of a WAV file: integer PCM of 8,
-    16, 24 or 32 bits or IEEE float of 32 or 64, its channels averaged. InvalidArgument
-    for anything else, saying what."""
-    if len(data) < 12 or data[:4] != b"RIFF" or data[8:12] != b"WAVE":
-        raise InvalidArgument("the audio is not a WAV file (RIFF/WAVE): send WAV, e.g. "
-                              "`ffmpeg -i in.mp3 -ar 16000 out.wav`")
-    chunks = dict(_chunks(data))
-    fmt, body = chunks.get(b"fmt "), chunks.get(b"data")
-    if fmt is None or len(fmt) < 16 or body is None:
-        raise InvalidArgument("the WAV file has no format or no data chunk")
-    code, channels, rate, _, align, bits = struct.unpack_from("<HHIIHH", fmt)
-    if code == _EXTENSIBLE and len(fmt) >= 26:
-        code = struct.unpack_from("<H", fmt, 24)[0]  # the sub-format's first two bytes
-    kinds = {(_PCM, 8): "u1", (_PCM, 16): "<i2", (_PCM, 32): "<i4", (_FLOAT, 32): "<f4",
-             (_FLOAT, 64): "<f8"}
+    try:
+        info = soundfile.info(io.BytesIO(data))
+    except (RuntimeError, TypeError, ValueError):
+        raise InvalidArgument("the audio is not in a format this reads (WAV, FLAC, OGG, MP3, "
+                              "AIFF): convert it, e.g. `ffmpeg -i in.m4a -ar 16000 "
+                              "out.wav`") from None
+    rate, frames = int(info.samplerate), int(info.frames)
     if not 1000 <= rate <= 768000:
         raise InvalidArgument(f"a sampling rate of {rate} Hz is not audio this reads "
                               "(1 kHz to 768 kHz)")
-    if not channels or ((code, bits) not in kinds and (code, bits) != (_PCM, 24)):
-        raise InvalidArgument(f"WAV format {code} with {bits} bits is not read here (integer "
-                              "PCM of 8-32 bits or float of 32/64 are)")
-    width = bits // 8
-    usable = len(body) - len(body) % (width * channels)
-    if (code, bits) == (_PCM, 24):  # three bytes, little-endian: widened to int32
-        raw = np.frombuffer(body[:usable], np.uint8).reshape(-1, 3).astype(np.int32)
-        x = ((raw[:, 0] | raw[:, 1] << 8 | raw[:, 2] << 16) << 8 >> 8) / float(1 << 23)
-    else:
-        x = np.frombuffer(body[:usable], kinds[code, bits]).astype(np.float64)
-        if code == _PCM:
-            x = (x - 128) / 128 if bits == 8 else x / float(1 << (bits - 1))
-    return x.reshape(-1, channels).mean(axis=1).astype(np.float32), rate
+    if frames / rate > max_seconds or frames > max_seconds * MAX_DECODED_RATE:
+        raise InvalidArgument(f"the audio lasts {frames / rate:.0f} s at {rate} Hz; at most "
+                              f"{max_seconds:.0f} s (at up to {MAX_DECODED_RATE} Hz) are taken")
+    out = np.empty(frames, np.float32)
+    at = 0
+    try:
+        for block in soundfile.blocks(io.BytesIO(data), blocksize=BLOCK, dtype="float32",
+                                      always_2d=True):
+            n = min(len(block), frames - at)
+            out[at:at + n] = block[:n].mean(axis=1)
+            at += n
+    except (RuntimeError, ValueError) as e:
+        raise InvalidArgument(f"the audio file is damaged: {e}") from None
+    return out[:at], rate
 
 
 def resample(x: np.ndarray, rate: int, target: int) -> np.ndarray:

@@ -9,6 +9,7 @@ import wave
 from pathlib import Path
 
 import numpy as np
+import onnx
 
 from serving.generation import GenerateOptions
 from serving.generation.seq2seq import Seq2SeqGenerator
@@ -36,12 +37,35 @@ def wav(x: np.ndarray, rate: int = RATE, width: int = 2, channels: int = 1) -> b
     return out.getvalue()
 
 
-def with_tokenizer(export: Path, folder: Path) -> Path:
-    """A copy of the tests' Whisper export at `folder` with a tokenizer (a word-level one over
-    its ids: "w7" is id 7), as Whisper ships one."""
+def _scaled(path: Path, factors: dict[str, float]) -> None:
+    """The graph at `path` with the weights named (an initializer's name, or the end of the
+    name of the MatMul node that reads it) scaled."""
+    proto = onnx.load(str(path))
+    weights = {i.name: i for i in proto.graph.initializer}
+    for name, factor in factors.items():
+        names = [name] if name in weights else [
+            x for n in proto.graph.node if n.name.endswith(name) for x in n.input if x in weights]
+        assert names, f"{path.name}: no weight {name}"
+        for x in names:
+            value = onnx.numpy_helper.to_array(weights[x]) * factor
+            weights[x].CopyFrom(onnx.numpy_helper.from_array(value.astype(np.float32), x))
+    onnx.save(proto, str(path))
+
+
+def whisper_copy(export: Path, folder: Path) -> Path:
+    """A copy of the tests' Whisper export at `folder` that hears its audio, with a tokenizer
+    (a word-level one over its ids: "w7" is id 7), as Whisper ships one. With random
+    weights the encoder's positions drown the audio and every file gives the same tokens:
+    here its convolutions and the decoders' cross-attention outputs are scaled up (the same
+    in both decoders, whose cache path stays exact), so that a tone, noise and silence are
+    told apart; the merged decoder is left out (Optimum then loads these two)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     shutil.copytree(export, folder)
+    (folder / "decoder_model_merged.onnx").unlink(missing_ok=True)
+    _scaled(folder / "encoder_model.onnx", {"conv1.weight": 10.0, "conv2.weight": 10.0})
+    for name in ("decoder_model.onnx", "decoder_with_past_model.onnx"):
+        _scaled(folder / name, {"encoder_attn/out_proj/MatMul": 20.0})
     vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{f"w{i}": i for i in range(4, 1003)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()

@@ -10,6 +10,7 @@ language and task tokens start the decoder."""
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
 import struct
@@ -20,10 +21,10 @@ import numpy as np
 import pytest
 
 from models import optimum
-from serving.audio import FeatureConfig, WhisperPrompt, log_mel, pieces, read_wav, resample
+from serving.audio import FeatureConfig, WhisperPrompt, log_mel, pieces, read_audio, resample
 from serving.errors import InvalidArgument
 from serving.sampling import GenerationRequest, Sampling
-from tests.audio_support import RATE, loop, tone, wav, with_tokenizer
+from tests.audio_support import RATE, loop, tone, wav, whisper_copy
 from tests.llm_support import openai_client, start
 
 
@@ -65,22 +66,44 @@ def test_features_are_whispers():
         log_mel(tone(30.5), FeatureConfig())
 
 
-def test_wav_files_of_every_common_format():
+def _encoded(x: np.ndarray, fmt: str, channels: int = 1, rate: int = RATE) -> bytes:
+    """`x` at `rate` written by libsndfile (soundfile) as a FLAC, OGG or MP3 file."""
+    import soundfile
+
+    out = io.BytesIO()
+    soundfile.write(out, np.stack([x] * channels, axis=1), rate, format=fmt)
+    return out.getvalue()
+
+
+def _peak_hz(x: np.ndarray, rate: int = RATE) -> float:
+    return float(np.argmax(np.abs(np.fft.rfft(x))) * rate / len(x))
+
+
+def test_audio_files_of_every_common_format():
+    """WAV of every sample format exactly; FLAC nearly so; OGG and MP3 (lossy, an MP3 shifted
+    by its encoder's delay) keep the tone's length and frequency. A file no reader takes, a
+    rate no audio has, audio over the limit and a damaged file are refused."""
     x = tone(0.5)
     for data, tolerance in ((wav(x), 1e-4), (wav(x, width=4), 1e-6),
                             (wav(x, width=1), 2e-2), (wav(x, channels=2), 1e-4),
                             (_float_wav(x), 0), (_float_wav(x, extensible=True), 0),
-                            (_24_bit(x), 1e-6)):
-        got, rate = read_wav(data)
+                            (_24_bit(x), 1e-6), (_encoded(x, "FLAC", 2), 1e-4)):
+        got, rate = read_audio(data, 60)
         assert rate == RATE and got.shape == x.shape
         assert np.abs(got - x).max() <= tolerance + 1e-7
-    for bad, why in ((b"ID3\x04mp3 bytes", "not a WAV file"),
-                     (wav(x, rate=8), "not audio this reads"),
-                     (wav(x)[:40], "no format or no data"),
-                     (_float_wav(x).replace(struct.pack("<HH", 3, 1), struct.pack("<HH", 2, 1),
-                                            1), "not read here")):
+    for fmt in ("OGG", "MP3"):
+        got, rate = read_audio(_encoded(x, fmt, 2), 60)
+        assert rate == RATE and abs(len(got) - len(x)) <= 0.05 * len(x)
+        assert abs(_peak_hz(got) - 300) < 4 and 0.1 < np.abs(got).max() < 0.5
+    flac = _encoded(x, "FLAC")
+    for bad, limit, why in ((b"ID3\x04mp3 bytes", 60, "not in a format this reads"),
+                            (b"\x00\x00\x00\x20ftypM4A " + bytes(64), 60, "ffmpeg -i"),
+                            (wav(x, rate=8), 60, "not audio this reads"),
+                            (wav(tone(2.0)), 1, "at most 1 s"),
+                            (wav(tone(2.0, rate=96000), rate=96000), 1.5, "at up to 48000 Hz"),
+                            (flac[:len(flac) // 2], 60, "damaged")):
         with pytest.raises(InvalidArgument, match=why):
-            read_wav(bad)
+            read_audio(bad, limit)
     # 8 kHz up to 16 kHz: the tone stays at 300 Hz, the length doubles
     low = tone(1.0, rate=8000)
     up = resample(low, 8000, RATE)
@@ -106,7 +129,7 @@ def export() -> Path:
 
 @pytest.fixture(scope="module")
 def whisper(export, tmp_path_factory) -> Path:
-    return with_tokenizer(export, tmp_path_factory.mktemp("whisper") / "whisper")
+    return whisper_copy(export, tmp_path_factory.mktemp("whisper") / "whisper")
 
 
 def _greedy(generator, features: np.ndarray, n: int, at_least: int | None = None
@@ -137,7 +160,9 @@ def test_greedy_equals_optimum_generate(export):
 def test_transcriptions_through_the_openai_client(whisper):
     """A 2 s WAV at 44.1 kHz, stereo: the text is what the loop generates from the features
     transformers computes of the same audio resampled; `text` and streamed formats agree;
-    translations answer; timestamped formats, other files and a missing file are refused."""
+    translations answer; an MP3 of it is transcribed from its decoded samples; timestamped
+    formats (this model has no timestamp tokens), a file no reader takes and a missing file
+    are refused."""
     import openai
     from tokenizers import Tokenizer
 
@@ -147,11 +172,16 @@ def test_transcriptions_through_the_openai_client(whisper):
     try:
         from transformers import WhisperFeatureExtractor
 
-        mono, rate = read_wav(data)
+        mono, rate = read_audio(data, 60)
         features = WhisperFeatureExtractor(feature_size=80)(
             resample(mono, rate, RATE), sampling_rate=RATE,
             return_tensors="np")["input_features"][0]
         tokens = _greedy(generator, features, generator.max_target, at_least=0)
+        mp3 = _encoded(audio, "MP3", 2, rate=44100)
+        decoded, mp3_rate = read_audio(mp3, 60)
+        assert mp3_rate == 44100
+        mp3_tokens = _greedy(generator, log_mel(resample(decoded, mp3_rate, RATE),
+                                                FeatureConfig()), generator.max_target, 0)
     finally:
         generator.close()
     tokenizer = Tokenizer.from_file(str(whisper / "tokenizer.json"))
@@ -172,8 +202,13 @@ def test_transcriptions_through_the_openai_client(whisper):
             warnings.simplefilter("ignore", DeprecationWarning)
             translated = client.audio.translations.create(model="whisper", file=("a.wav", data))
         assert translated.text == got.text  # (this model has no task tokens: the same start)
+        got = client.audio.transcriptions.create(model="whisper", file=("a.mp3", mp3))
+        assert got.text.split() == tokenizer.decode(mp3_tokens).split()
+        silence = client.audio.transcriptions.create(model="whisper",
+                                                     file=("s.wav", wav(audio * 0)))
+        assert silence.text != got.text  # (the audio reaches the model)
         for kwargs, why in ((dict(file=("a.wav", data), response_format="srt"), "timestamps"),
-                            (dict(file=("a.mp3", b"ID3 not a wav")), "not a WAV file")):
+                            (dict(file=("a.m4a", b"ID3 not audio")), "not in a format")):
             with pytest.raises(openai.BadRequestError, match=why):
                 client.audio.transcriptions.create(model="whisper", **kwargs)
     finally:
@@ -193,7 +228,7 @@ def test_a_multilingual_model_detects_its_language(whisper, tmp_path):
                   task_to_id={"transcribe": 12, "translate": 13}, no_timestamps_token_id=14)
     (folder / "generation_config.json").write_text(json.dumps(config))
     data = wav(tone(1.0))
-    mono, _ = read_wav(data)
+    mono, _ = read_audio(data, 60)
     features = log_mel(mono, FeatureConfig())
     generator = loop(folder)
     try:
@@ -233,7 +268,7 @@ def test_long_audio_in_pieces(whisper):
     with pytest.raises(InvalidArgument, match="at most 30 s are taken"):
         pieces(audio, FeatureConfig(), most=1)
     data = wav(audio)
-    mono, _ = read_wav(data)
+    mono, _ = read_audio(data, 60)
     tokenizer = Tokenizer.from_file(str(whisper / "tokenizer.json"))
     generator = loop(whisper)
     try:

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 
 from models import optimum
-from serving.audio import FeatureConfig, WhisperPrompt, language_code, log_mel, read_wav
+from serving.audio import FeatureConfig, WhisperPrompt, language_code, log_mel, read_audio
 from serving.errors import InvalidArgument
 from serving.generation.timestamps import Segment, TimestampRule, constrain, segments
 from serving.sampling import GenerationRequest, Sampling
-from tests.audio_support import loop, tone, wav, with_tokenizer
+from tests.audio_support import loop, tone, wav, whisper_copy
 from tests.llm_support import openai_client, start
 
 NO_TIMESTAMPS, PREVIOUS = 900, 898  # the tests' folder: timestamps 901..1002 (0.00-2.02 s)
@@ -105,7 +105,7 @@ def stamped(tmp_path_factory) -> Path:
     """The tests' Whisper export with a tokenizer and Whisper's timestamp, prompt and
     initial-timestamp settings in its generation config."""
     export = optimum.export_all([("whisper", optimum.SEQ2SEQ_TASKS[1])])[0].parent
-    folder = with_tokenizer(export, tmp_path_factory.mktemp("stamped") / "whisper")
+    folder = whisper_copy(export, tmp_path_factory.mktemp("stamped") / "whisper")
     path = folder / "generation_config.json"
     config = json.loads(path.read_text())
     config.pop("_from_model_config", None)  # (else transformers rebuilds it from config.json)
@@ -170,7 +170,7 @@ def test_verbose_json_srt_and_vtt_through_the_openai_client(stamped):
 
     audio = tone(1.5)
     data = wav(audio)
-    features = log_mel(read_wav(data)[0], FeatureConfig())
+    features = log_mel(read_audio(data, 60)[0], FeatureConfig())
     generator = loop(stamped)
     try:
         room = generator.max_target + 1  # (the server's max_tokens: room - the prefix)

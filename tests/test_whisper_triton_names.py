@@ -17,7 +17,7 @@ from models import optimum
 from serving.audio import FeatureConfig, log_mel
 from serving.sampling import GenerationRequest, Sampling
 from serving.whisper_names import transcript
-from tests.audio_support import RATE, loop, tone, with_tokenizer
+from tests.audio_support import RATE, loop, tone, whisper_copy
 from tests.llm_support import start
 
 # the tests' tokenizer, its ids 1, 2, 10, 12 and 14 named as Whisper's special tokens
@@ -31,7 +31,7 @@ def whisper(tmp_path_factory) -> Path:
     from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
     export = optimum.export_all([("whisper", optimum.SEQ2SEQ_TASKS[1])])[0].parent
-    folder = with_tokenizer(export, tmp_path_factory.mktemp("bls") / "whisper")
+    folder = whisper_copy(export, tmp_path_factory.mktemp("bls") / "whisper")
     names = {v: k for k, v in SPECIAL.items()}
     vocab = {names.get(i, f"w{i}"): i for i in range(1003) if i not in (0, 3)}
     tok = Tokenizer(models.WordLevel({"<pad>": 0, "<unk>": 3, **vocab}, unk_token="<unk>"))
@@ -116,6 +116,8 @@ def test_a_whisper_bls_client_transcribes(whisper):
         assert texts[-1] == expected[PREFIX] and len(texts) > 2
         assert all(texts[-1].startswith(t) for t in texts)
 
+        silence = grpc.infer("whisper_bls", _bls_inputs(grpcclient, audio * 0, PREFIX))
+        assert _text(silence) != expected[PREFIX]  # (the audio reaches the model)
         too_long = _bls_inputs(grpcclient, tone(31.0), PREFIX)
         with pytest.raises(Exception, match="/v1/audio/transcriptions"):
             grpc.infer("whisper_bls", too_long)

@@ -1,7 +1,7 @@
 """OpenAI's audio API for a Whisper export folder (`tuner serve FOLDER`):
 `POST /v1/audio/transcriptions` and `POST /v1/audio/translations`, multipart form data as
-the `openai` client sends it: `file` (a WAV file: PCM or float, any rate, any channels; up
-to 60 minutes: audio longer than the encoder's 30 s is cut into pieces at quiet moments,
+the `openai` client sends it: `file` (WAV, FLAC, OGG, MP3 or AIFF, any rate, any channels;
+up to 60 minutes: audio longer than the encoder's 30 s is cut into pieces at quiet moments,
 generated together and joined), `model`, `language` (a code or a name; without one a
 multilingual model detects it first, as transformers' generate does), `prompt` (earlier
 text, after <|startofprev|>: its last tokens up to half the decoder's length, as OpenAI's
@@ -21,7 +21,7 @@ from typing import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from serving.audio import (LANGUAGES, check_length, language_code, log_mel, pieces, read_wav,
+from serving.audio import (LANGUAGES, MOST_PIECES, language_code, log_mel, pieces, read_audio,
                            resample)
 from serving.errors import InvalidArgument
 from serving.http.openai_api import error
@@ -128,7 +128,7 @@ async def _asked(frontend, request: Request, task: str) -> Asked:
     form = await request.form(max_files=1, max_fields=32)
     upload = form.get("file")
     if upload is None or isinstance(upload, str):
-        raise InvalidArgument("'file' (the audio, a WAV file) is required")
+        raise InvalidArgument("'file' (the audio: WAV, FLAC, OGG, MP3) is required")
     engine = _engine(frontend, _field(form, "model") or frontend.slot.name)
     fmt = _format(form, engine)
     stream = _field(form, "stream", "false").lower() in ("true", "1")
@@ -139,9 +139,8 @@ async def _asked(frontend, request: Request, task: str) -> Asked:
     data = await upload.read(frontend.max_body_bytes + 1)
     if len(data) > frontend.max_body_bytes:
         raise InvalidArgument(f"the file is over the limit {frontend.max_body_bytes} bytes")
-    samples, rate = read_wav(data)
     config = engine.audio
-    check_length(len(samples), rate, config)
+    samples, rate = read_audio(data, MOST_PIECES * config.chunk_length)
     samples = resample(samples, rate, config.sampling_rate)
     cut = pieces(samples, config)
     features = [log_mel(piece, config) for piece in cut]
