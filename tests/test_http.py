@@ -291,3 +291,42 @@ def test_each_port_can_be_turned_off(bert, tmp_path) -> None:
         http_only.stop(5)
     with pytest.raises(BadInput, match="both gRPC and HTTP are turned off"):
         ServerOptions(port=None, http_port=None)
+
+
+def _endless_request(content_type: bytes, first: bytes = b""):
+    """A real Starlette request whose body (`first`, then 1 KiB chunks) never ends (chunked,
+    no Content-Length), and how many chunks were pulled from it."""
+    from starlette.requests import Request
+
+    pulled = [0]
+
+    async def receive():
+        pulled[0] += 1
+        body = first if pulled[0] == 1 and first else b"x" * 1024
+        return {"type": "http.request", "body": body, "more_body": True}
+
+    scope = {"type": "http", "method": "POST", "path": "/", "query_string": b"",
+             "headers": [(b"content-type", content_type), (b"transfer-encoding", b"chunked")]}
+    return Request(scope, receive), pulled
+
+
+def test_a_body_without_a_length_is_read_no_further_than_the_limit():
+    """JSON bodies and forms alike stop at the limit (a chunked body was read whole
+    before its size was checked)."""
+    import asyncio
+
+    from serving.errors import InvalidArgument
+    from serving.http.app import Frontend
+
+    frontend = Frontend(slot=None, max_body_bytes=10 * 1024)
+    part = b'--b\r\nContent-Disposition: form-data; name="file"; filename="a.wav"\r\n\r\n'
+    for read, kind, first in ((frontend.body, b"application/json", b""),
+                              (lambda r: frontend.form(r, 1, 8),
+                               b"multipart/form-data; boundary=b", part)):
+        request, pulled = _endless_request(kind, first)
+        with pytest.raises(InvalidArgument, match="over the limit 10240"):
+            asyncio.run(read(request))
+        assert pulled[0] == 11
+    request, _ = _endless_request(b"text/plain")
+    with pytest.raises(InvalidArgument, match="multipart/form-data"):
+        asyncio.run(frontend.form(request, 1, 8))

@@ -146,8 +146,7 @@ def test_greedy_equals_optimum_generate(exports, optimum_greedy, family):
 def test_cohorts_each_stream_itself_alone_and_cancel_frees(exports):
     """Six sources of their own lengths at once (cohorts of up to 4, the later ones formed
     while the first decodes): each equals itself alone; a cancelled stream leaves its cohort
-    at the next step and the others go on. (Flan-T5: the tests' random T5 answers every
-    source with the same tokens, which would make the comparison hold whatever the rows.)"""
+    at the next step and the others go on (Flan-T5: the random T5 answers all alike)."""
     model = load_seq2seq(exports["flan_t5"])
     generator = Seq2SeqGenerator(model.runners, model.record, model.decoder,
                                  GenerateOptions(max_streams=4), max_target=model.max_target)
@@ -157,8 +156,7 @@ def test_cohorts_each_stream_itself_alone_and_cancel_frees(exports):
         alone = [_tokens(generator, _request(s, 20)) for s in sources]
         with ThreadPoolExecutor(6) as pool:
             together = list(pool.map(lambda s: _tokens(generator, _request(s, 20)), sources))
-        assert together == alone and all(len(t) == 20 for t in alone)
-        assert len({tuple(t) for t in alone}) == len(sources)  # each source its own answer
+        assert together == alone and len({tuple(t) for t in alone}) == len(sources)
         chunks = []
         handle = generator.submit(_request(sources[0], 200), chunks.append)
         others = [generator.submit(_request(s, 200), lambda c: None) for s in sources[1:3]]

@@ -20,11 +20,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Awaitable, Callable
+from typing import AsyncIterator, Awaitable, Callable
 
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from python_multipart.multipart import parse_options_header
 from starlette.applications import Starlette
+from starlette.datastructures import FormData
+from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -64,12 +67,31 @@ class Frontend:
             raise InvalidArgument(f"the body ({length} bytes) is over the limit "
                                   f"{self.max_body_bytes}")
 
-    async def body(self, request: Request) -> bytes:
+    async def stream(self, request: Request) -> AsyncIterator[bytes]:
+        """The body's chunks as they arrive, InvalidArgument as soon as they pass the limit:
+        a body sent without a Content-Length (chunked) is never read past it."""
         self.check_length(request)
-        body = await request.body()
-        if len(body) > self.max_body_bytes:
-            raise InvalidArgument(f"the body is over the limit {self.max_body_bytes} bytes")
-        return body
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise InvalidArgument(f"the body is over the limit {self.max_body_bytes} bytes")
+            yield chunk
+
+    async def body(self, request: Request) -> bytes:
+        return b"".join([chunk async for chunk in self.stream(request)])
+
+    async def form(self, request: Request, max_files: int, max_fields: int) -> FormData:
+        """A multipart/form-data body (the audio API's), parsed as it streams in, within the
+        limit."""
+        kind, _ = parse_options_header(request.headers.get("content-type", ""))
+        if kind != b"multipart/form-data":
+            raise InvalidArgument("the body must be multipart/form-data")
+        try:
+            return await MultiPartParser(request.headers, self.stream(request),
+                                         max_files=max_files, max_fields=max_fields).parse()
+        except MultiPartException as e:
+            raise InvalidArgument(f"the form is not valid: {e.message}") from None
 
     async def json(self, request: Request) -> dict:
         """The body as a JSON object (InvalidArgument when it is not one)."""

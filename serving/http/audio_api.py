@@ -124,8 +124,7 @@ def _previous(form, engine: Seq2SeqEngine) -> tuple[int, ...]:
 
 
 async def _asked(frontend, request: Request, task: str) -> Asked:
-    frontend.check_length(request)  # the declared length; the file is held to it below too
-    form = await request.form(max_files=1, max_fields=32)
+    form = await frontend.form(request, max_files=1, max_fields=32)  # (within the limit)
     upload = form.get("file")
     if upload is None or isinstance(upload, str):
         raise InvalidArgument("'file' (the audio: WAV, FLAC, OGG, MP3) is required")
@@ -136,9 +135,7 @@ async def _asked(frontend, request: Request, task: str) -> Asked:
         raise InvalidArgument(f"a streamed answer is text: response_format {fmt!r} is not "
                               "streamed (use json)")
     before = _previous(form, engine)
-    data = await upload.read(frontend.max_body_bytes + 1)
-    if len(data) > frontend.max_body_bytes:
-        raise InvalidArgument(f"the file is over the limit {frontend.max_body_bytes} bytes")
+    data = await upload.read()  # (the body was held to the limit as it came)
     config = engine.audio
     samples, rate = read_audio(data, MOST_PIECES * config.chunk_length)
     samples = resample(samples, rate, config.sampling_rate)
