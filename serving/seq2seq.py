@@ -31,7 +31,7 @@ from tuner.errors import BadInput
 from tuner.gate.seq2seq_steps import check_cache_path
 from tuner.gate.verify import Tolerance, VerifyResult
 from tuner.graph.seq2seq_record import (ENCODER, FIRST_STEP, LATER_STEPS, Seq2SeqRecord,
-                                        find_seq2seq_record)
+                                        find_seq2seq_record, graphs_dir)
 from tuner.runtime.base import SessionSettings
 from tuner.runtime.ort import CPU_BACKEND
 from tuner.runtime.registry import get_backend
@@ -125,7 +125,7 @@ def load_seq2seq(folder: Path, backend: str | None = None,
     backend = backend or CPU_BACKEND.name
     loader = get_backend(backend)
     settings = settings or SessionSettings()
-    runners = Seq2SeqRunners(*(loader.load(folder / f, settings)
+    runners = Seq2SeqRunners(*(loader.load(graphs_dir(folder) / f, settings)
                                for f in (ENCODER, FIRST_STEP, LATER_STEPS)))
     check = check_cache_path(record, runners.encoder, runners.first, runners.later,
                              Tolerance().at_precision(loader.precision), start=decoder.start)

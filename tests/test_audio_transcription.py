@@ -288,3 +288,36 @@ def test_long_audio_in_pieces(whisper):
         assert "".join(e.delta for e in events[:-1]).strip() == got.text
     finally:
         server.stop(0)
+
+
+def test_export_layouts(whisper, tmp_path):
+    """The layout of transformers.js repositories (graphs under onnx/, configs and tokenizer
+    at the top) is served as the flat folder is, the same text for the same file; a folder
+    with Optimum's merged decoder but not the two plain ones exits 2 before listening,
+    saying which files the loop runs and how to get them."""
+    import subprocess
+    import sys
+
+    nested = tmp_path / "nested"
+    (nested / "onnx").mkdir(parents=True)
+    for f in whisper.iterdir():
+        shutil.copy(f, nested / "onnx" / f.name if f.suffix == ".onnx" else nested / f.name)
+    data = wav(tone(1.0))
+    texts = []
+    for folder in (whisper, nested):
+        server = start(folder, model_name="whisper")
+        try:
+            texts.append(openai_client(server).audio.transcriptions.create(
+                model="whisper", file=("a.wav", data)).text)
+        finally:
+            server.stop(0)
+    assert texts[0] and texts[1] == texts[0]
+    merged = tmp_path / "merged"  # (only the file names matter here)
+    shutil.copytree(whisper, merged)
+    (merged / "decoder_model.onnx").rename(merged / "decoder_model_merged.onnx")
+    (merged / "decoder_with_past_model.onnx").unlink()
+    done = subprocess.run([sys.executable, "-m", "tuner", "serve", str(merged), "--port", "0",
+                           "--http-port", "-1", "--metrics-port", "-1"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "decoder_model_merged.onnx only" in done.stderr
+    assert "optimum-cli export onnx" in done.stderr and "listening" not in done.stderr

@@ -96,8 +96,9 @@ def serve(
     out: Path = typer.Argument(..., help="artifact folder written by `tuner optimize` "
                                          "(holds manifest.json), or an encoder-decoder's "
                                          "export folder (Optimum's encoder_model.onnx, "
-                                         "decoder_model.onnx, decoder_with_past_model.onnx; "
-                                         "`tuner pad FOLDER` writes one) to generate from"),
+                                         "decoder_model.onnx, decoder_with_past_model.onnx, "
+                                         "in it or in its onnx/; `tuner pad FOLDER` writes "
+                                         "one) to generate from"),
     host: str = typer.Option("127.0.0.1", help="address to bind; 0.0.0.0 exposes the server "
                                                "to the network"),
     port: int = typer.Option(8001, help="gRPC port (0: any free port; -1: no gRPC)"),
@@ -216,7 +217,7 @@ def serve(
 
     from tuner.artifact.store import read_manifest
     from tuner.graph.role_overrides import overriding, parse_roles
-    from tuner.graph.seq2seq_record import is_seq2seq_folder
+    from tuner.graph.seq2seq_record import is_seq2seq_folder, merged_only
 
     # here, not at the top: the other commands neither need the server nor fail with it
     try:
@@ -230,6 +231,9 @@ def serve(
             raise
         raise BadInput(line) from None
     logging.basicConfig(level=logging.WARNING, format="tuner serve: %(levelname)s %(message)s")
+    why = merged_only(out)
+    if why is not None:
+        raise BadInput(why)
     try:
         engine = EngineOptions(max_batch, max_queue_delay_ms, shadow_fraction, workers,
                                pad_to=pad_to, batch_variance=allow_batch_variance)

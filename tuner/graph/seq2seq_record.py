@@ -37,10 +37,35 @@ ENCODER, FIRST_STEP, LATER_STEPS = ("encoder_model.onnx", "decoder_model.onnx",
 FILES = (ENCODER, FIRST_STEP, LATER_STEPS)
 
 
+MERGED = "decoder_model_merged.onnx"
+
+
+def graphs_dir(folder: Path) -> Path:
+    """Where an export folder's graphs lie: the folder, or its `onnx/` (the layout of
+    transformers.js repositories: configs and tokenizer at the top, graphs below)."""
+    folder = Path(folder)
+    below = folder / "onnx"
+    return below if not (folder / ENCODER).is_file() and (below / ENCODER).is_file() else folder
+
+
 def is_seq2seq_folder(folder: Path) -> bool:
-    """An encoder-decoder export folder (its three graphs present), as Optimum writes it and
-    `tuner pad FOLDER` copies it."""
-    return folder.is_dir() and all((folder / f).is_file() for f in FILES)
+    """An encoder-decoder export folder (its three graphs present, in it or its `onnx/`), as
+    Optimum writes it and `tuner pad FOLDER` copies it."""
+    graphs = graphs_dir(folder)
+    return folder.is_dir() and all((graphs / f).is_file() for f in FILES)
+
+
+def merged_only(folder: Path) -> str | None:
+    """For an encoder-decoder folder that holds Optimum's merged decoder but not the two plain
+    ones (which a generation loop runs), the sentence that says so and what to do; else
+    None."""
+    graphs = graphs_dir(folder)
+    if not ((graphs / ENCODER).is_file() and (graphs / MERGED).is_file()) or \
+            is_seq2seq_folder(folder):
+        return None
+    return (f"{folder}: an encoder-decoder folder with {ENCODER} and {MERGED} only; the loop "
+            f"here runs the two plain decoders ({FIRST_STEP}, {LATER_STEPS}), which "
+            "`optimum-cli export onnx --model MODEL OUT` writes beside the merged one")
 
 
 @dataclass(frozen=True)
@@ -179,8 +204,9 @@ def find_seq2seq_record(folder: Path) -> Seq2SeqRecord:
 
 
 def _record(folder: Path) -> Seq2SeqRecord:
-    encoder = _encoder(load_model(folder / ENCODER))
-    first_model, later_model = load_model(folder / FIRST_STEP), load_model(folder / LATER_STEPS)
+    graphs = graphs_dir(folder)
+    encoder = _encoder(load_model(graphs / ENCODER))
+    first_model, later_model = load_model(graphs / FIRST_STEP), load_model(graphs / LATER_STEPS)
     first, first_specs, vocab = _decoder(first_model, FIRST_STEP)
     later, later_specs, later_vocab = _decoder(later_model, LATER_STEPS)
     if first.states is None:
