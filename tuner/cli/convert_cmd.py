@@ -3,6 +3,7 @@ input by running before it is written (atomically). Exit 0 written, 1 not exact 
 written), 2 bad input (nothing to convert, OUT exists without --force).
 
     tuner unmerge MERGED.onnx -o OUT.onnx    Optimum's legacy merged decoder, one plain graph
+    tuner unmerge FOLDER -o OUT              an encoder-decoder's, its two plain decoders
     tuner unwindow GENAI.onnx -o OUT.onnx    onnxruntime-genai's windowed caches, full-length
 """
 
@@ -30,7 +31,7 @@ def _convert(job: Callable, verb: str, model: Path, output: Path, atol: float, r
     from tuner.gate.verify import Tolerance
     from tuner.jobs.pad import NotExact
 
-    if output.is_file() and not force:
+    if output.exists() and not force:
         raise BadInput(f"{output} exists; pass --force to replace it")
     try:
         tol = Tolerance(atol=atol, rtol=rtol)
@@ -50,17 +51,25 @@ def _convert(job: Callable, verb: str, model: Path, output: Path, atol: float, r
 
 @app.command("unmerge")
 def unmerge_cmd(
-    model: Path = typer.Argument(..., help="the merged decoder (decoder_model_merged.onnx)"),
+    model: Path = typer.Argument(..., help="the merged decoder (decoder_model_merged.onnx), "
+                                           "or an encoder-decoder's export folder that holds "
+                                           "it beside encoder_model.onnx"),
     output: Path = _OUTPUT, atol: float = _ATOL, rtol: float = _RTOL,
     as_json: bool = _JSON, force: bool = _FORCE,
 ) -> None:
     """Make Optimum's legacy merged decoder (its layers in an If on `use_cache_branch`) one
     plain graph that every other command reads: the with-cache branch inlined (a past of
     length 0 is the first step), checked against the merged file through greedy rollouts
-    on ONNX Runtime, and only then written."""
+    on ONNX Runtime, and only then written. Given an encoder-decoder's folder (Whisper, T5,
+    BART as transformers.js repositories ship them, graphs in it or in its onnx/), OUT is
+    the folder `tuner serve` generates from: decoder_model.onnx (the first step) and
+    decoder_with_past_model.onnx (the later ones), each checked against the merged file
+    step by step, beside the encoder, configs and tokenizer."""
     from tuner.jobs.unmerge import unmerge_file
+    from tuner.jobs.unmerge_folder import unmerge_folder
 
-    _convert(unmerge_file, "unmerged", model, output, atol, rtol, as_json, force)
+    job = unmerge_folder if model.is_dir() else unmerge_file
+    _convert(job, "unmerged", model, output, atol, rtol, as_json, force)
 
 
 @app.command("unwindow")

@@ -15,6 +15,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from tuner.gate.verify import Stats, Tolerance, VerifyResult
+from tuner.graph.merged import FLAG
 from tuner.graph.seq2seq_record import DecoderIO, Seq2SeqRecord
 
 Arrays = Mapping[str, np.ndarray]
@@ -59,19 +60,27 @@ def caches_after(io: DecoderIO, out: Arrays, cross: Arrays | None = None
     return own, {k: out[v] for k, v in io.cross_past.items()} if cross is None else dict(cross)
 
 
-def check_cache_path(record: Seq2SeqRecord, encoder, first, later,
-                     tolerance: Tolerance = Tolerance(), start: int = 0, steps: int = 5,
-                     seed: int = 0) -> VerifyResult:
-    """Two sources (token ids: one padded; features: random, in Whisper's range) encoded, `steps` + 1 decoder tokens (`start`, then random
-    ones: teacher-forced, any ids do) run whole through `first` and one at a time through
-    the cache path; every step's logits compared. FAILS when nothing was compared."""
+def _probe(record: Seq2SeqRecord, start: int, steps: int, seed: int
+           ) -> tuple[list[np.ndarray], np.ndarray]:
+    """Two sources (token ids: one padded; features: random, in Whisper's range) and (2,
+    steps + 1) decoder tokens: `start`, then random ones (teacher-forced: any ids do)."""
     rng = np.random.default_rng(seed)
     low, vocab = min(4, record.vocab - 1), record.vocab
     longest = min(9, record.encoder.max_positions or 9)
     sources = ([rng.uniform(-1, 1, record.encoder.features) for _ in range(2)]
                if record.encoder.features else
                [rng.integers(low, vocab, longest), rng.integers(low, vocab, max(1, longest - 4))])
-    tokens = np.concatenate([np.full((2, 1), start), rng.integers(low, vocab, (2, steps))], 1)
+    return sources, np.concatenate([np.full((2, 1), start), rng.integers(low, vocab, (2, steps))], 1)
+
+
+def check_cache_path(record: Seq2SeqRecord, encoder, first, later,
+                     tolerance: Tolerance = Tolerance(), start: int = 0, steps: int = 5,
+                     seed: int = 0) -> VerifyResult:
+    """Two sources (token ids: one padded; features: random, in Whisper's range) encoded, `steps` + 1 decoder tokens (`start`, then random
+    ones: teacher-forced, any ids do) run whole through `first` and one at a time through
+    the cache path; every step's logits compared. FAILS when nothing was compared."""
+    sources, tokens = _probe(record, start, steps, seed)
+    vocab = record.vocab
     stats, errors, name = Stats(), [], "cache-path logits"
     try:
         feeds, mask = source_feeds(record, sources, pad=0)
@@ -90,3 +99,45 @@ def check_cache_path(record: Seq2SeqRecord, encoder, first, later,
     floor = 2 * (steps + 1) * vocab  # every row's logits at every step
     return VerifyResult((stats.report(name, floor),), steps + 1, tolerance.label(),
                         tuple(errors), floor)
+
+
+def check_branches(record: Seq2SeqRecord, encoder, first, later, merged,
+                   merged_inputs: Sequence[str], flag: np.ndarray,
+                   tolerance: Tolerance = Tolerance(), start: int = 0, steps: int = 3,
+                   seed: int = 0) -> VerifyResult:
+    """The two plain decoders made from a merged one (tuner.rewrite.unmerge.branch) against
+    the merged file, step by step on the same feeds: the first step against it fed
+    `use_cache_branch` False (the first step's own presents fed as the past the branch
+    ignores), each later step against it fed True; every output of the plain graph
+    compared. FAILS when nothing was compared."""
+    sources, tokens = _probe(record, start, steps, seed)
+    stats: dict[str, Stats] = {}
+    errors: list[str] = []
+    wanted = set(merged_inputs)
+
+    def compare(feeds: dict, plain_out: dict, extra: dict, on: np.ndarray) -> None:
+        asked = {k: v for k, v in {**feeds, **extra, FLAG: on}.items() if k in wanted}
+        reference = merged.infer(asked)
+        for name, got in plain_out.items():
+            stats.setdefault(name, Stats()).add(name, reference[name], got, tolerance)
+
+    try:
+        feeds, mask = source_feeds(record, sources, pad=0)
+        states = encoder.infer(feeds)[record.encoder.output]
+        step = decoder_feeds(record.first, tokens[:, :1], mask, states)
+        out = first.infer(step)
+        own, cross = caches_after(record.later, out)
+        compare(step, out, {**own, **cross}, np.zeros_like(flag))
+        for i in range(1, steps + 1):
+            step = decoder_feeds(record.later, tokens[:, i:i + 1], mask, states,
+                                 {**own, **cross})
+            out = later.infer(step)
+            compare(step, out, {record.first.states: states}, flag)
+            own, cross = caches_after(record.later, out, cross)
+    except Exception as e:  # noqa: BLE001 - a graph that cannot run fails the check
+        errors.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    reports = tuple(s.report(name) for name, s in stats.items())
+    floor = 2 * record.vocab  # (each output at least one row's worth)
+    if not reports or not any(r.compared >= floor for r in reports):
+        errors.append("nothing compared")
+    return VerifyResult(reports, steps + 1, tolerance.label(), tuple(errors), 1)

@@ -64,8 +64,9 @@ def merged_only(folder: Path) -> str | None:
             is_seq2seq_folder(folder):
         return None
     return (f"{folder}: an encoder-decoder folder with {ENCODER} and {MERGED} only; the loop "
-            f"here runs the two plain decoders ({FIRST_STEP}, {LATER_STEPS}), which "
-            "`optimum-cli export onnx --model MODEL OUT` writes beside the merged one")
+            f"here runs the two plain decoders ({FIRST_STEP}, {LATER_STEPS}): `tuner unmerge "
+            f"{folder} -o OUT` writes them (checked against the merged one), then `tuner "
+            "serve OUT`")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,103 @@
+"""`tuner unmerge FOLDER -o OUT`: an encoder-decoder export folder whose decoder is only
+there merged (`decoder_model_merged.onnx`, as transformers.js repositories ship Whisper, T5,
+BART) made the folder a generation loop runs:
+
+    encoder_model.onnx             copied
+    decoder_model_merged.onnx  ->  decoder_model.onnx             its without-cache branch
+                               ->  decoder_with_past_model.onnx   its with-cache branch
+
+each branch inlined and pruned to the inputs and outputs it uses (tuner.rewrite.unmerge.
+branch), then checked against the merged file step by step on ONNX Runtime
+(tuner.gate.seq2seq_steps.check_branches), and the folder written whole or not at all, the
+configs and tokenizer beside the graphs (a folder whose graphs lie in its `onnx/` is written
+flat). `tuner serve OUT` generates from it; Optimum loads it as it loads its own exports.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+from tuner.errors import BadInput
+from tuner.gate.seq2seq_steps import check_branches
+from tuner.gate.verify import Tolerance, VerifyResult
+from tuner.graph.io import model_files
+from tuner.graph.load import load_model, name_nodes, save_model
+from tuner.graph.merged import FLAG, merged_if, with_cache
+from tuner.graph.seq2seq_record import (ENCODER, FIRST_STEP, LATER_STEPS, MERGED,
+                                        find_seq2seq_record, graphs_dir)
+from tuner.jobs.pad import NotExact, load_reference
+from tuner.rewrite.unmerge import branch
+from tuner.util.files import ensure_writable_dir, swap_dir_into_place
+
+
+def _merged(src: Path) -> Path:
+    graphs = graphs_dir(src)
+    path = graphs / MERGED
+    if not src.is_dir() or not (graphs / ENCODER).is_file() or not path.is_file():
+        raise BadInput(f"{src}: not an encoder-decoder folder with {ENCODER} and {MERGED}")
+    return path
+
+
+def _write_branches(merged: Path, stage: Path) -> tuple[list[str], object]:
+    """The two plain decoders written into `stage`; (the merged file's inputs, its flag)."""
+    for with_cache_branch, name in ((False, FIRST_STEP), (True, LATER_STEPS)):
+        model = load_model(merged, merged_ok=True)
+        if merged_if(model) is None:
+            raise BadInput(f"{merged}: not an Optimum merged decoder (no If on an input "
+                           f"'{FLAG}' holding the layers)")
+        inputs, flag = [v.name for v in model.graph.inputs], with_cache(model)
+        name_nodes(branch(model, with_cache_branch))
+        save_model(model, stage / name)
+    return inputs, flag
+
+
+def _copy_others(src: Path, stage: Path) -> None:
+    """The encoder (and its external data), then every file that is no graph's: configs,
+    tokenizer, generation and preprocessor configs, from the folder and its graphs' folder."""
+    graphs = graphs_dir(src)
+    for f in model_files(graphs / ENCODER):
+        shutil.copy2(f, stage / f.name)
+    taken = {f for path in graphs.glob("*.onnx") for f in model_files(path)}
+    for folder in dict.fromkeys((src, graphs)):
+        for f in sorted(folder.iterdir()):
+            if f.is_file() and f not in taken and not (stage / f.name).exists():
+                shutil.copy2(f, stage / f.name)
+
+
+def unmerge_folder(src: str | Path, dst: str | Path,
+                   tolerance: Tolerance = Tolerance()) -> VerifyResult:
+    """`src`'s merged decoder as its two plain ones, in `dst` beside a copy of the rest;
+    BadInput: not such a folder; NotExact: a branch differs from the merged file (nothing is
+    written)."""
+    from tuner.runtime.registry import get_backend
+
+    src, dst = Path(src), Path(dst)
+    merged = _merged(src)
+    if dst.resolve() == src.resolve():
+        raise BadInput(f"{dst}: refusing to overwrite the input folder")
+    ensure_writable_dir(dst.parent, f"unmerged folder {dst.name}")
+    stage = Path(tempfile.mkdtemp(dir=dst.parent, prefix=f".{dst.name}."))
+    runners = []
+    try:
+        inputs, flag = _write_branches(merged, stage)
+        _copy_others(src, stage)
+        record = find_seq2seq_record(stage)
+        cpu = get_backend("ort-cpu")
+        runners = [cpu.load(stage / f) for f in (ENCODER, FIRST_STEP, LATER_STEPS)]
+        runners.append(load_reference(merged))
+        result = check_branches(record, *runners, merged_inputs=inputs, flag=flag,
+                                tolerance=tolerance)
+        for runner in runners:
+            runner.close()
+        runners = []
+        if not result:
+            raise NotExact(result)
+        swap_dir_into_place(stage, dst)
+    except BaseException:
+        for runner in runners:
+            runner.close()
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    return result
