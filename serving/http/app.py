@@ -79,7 +79,12 @@ class Frontend:
             yield chunk
 
     async def body(self, request: Request) -> bytes:
-        return b"".join([chunk async for chunk in self.stream(request)])
+        """The whole body, read once per request (a handler that passes the request on, as
+        SageMaker's /invocations does, has it read again from here)."""
+        body = getattr(request.state, "body", None)
+        if body is None:
+            body = request.state.body = b"".join([c async for c in self.stream(request)])
+        return body
 
     async def form(self, request: Request, max_files: int, max_fields: int) -> FormData:
         """A multipart/form-data body (the audio API's), parsed as it streams in, within the
