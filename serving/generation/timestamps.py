@@ -92,18 +92,18 @@ def segments(ids: Sequence[int], rule: TimestampRule, offset: float = 0.0,
     duration]; segments without text are left out."""
     window = duration if duration is not None else 30.0
     out: list[Segment] = []
-    start, held = 0.0, []  # the open segment's start and ids (its opening timestamp first)
+    start, held, text = 0.0, [], False  # the open segment: its start, ids, whether it has text
     for token in ids:
-        has_text = any(t < rule.begin for t in held)
         if token < rule.begin:
             held.append(token)
-        elif has_text:  # the timestamp that closes the segment
+            text = True
+        elif text:  # the timestamp that closes the segment (the next starts there too)
             out.append(_segment(start, rule.seconds(token), [*held, token], rule, offset,
                                 window))
-            start, held = 0.0, []
+            start, held, text = rule.seconds(token), [], False
         else:  # the timestamp that opens the next
             start, held = rule.seconds(token), [token]
-    if any(t < rule.begin for t in held):
+    if text:
         out.append(_segment(start, window, held, rule, offset, window))
     return out
 
