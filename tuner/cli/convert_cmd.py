@@ -54,7 +54,8 @@ def unmerge_cmd(
     model: Path = typer.Argument(..., help="the merged decoder (decoder_model_merged.onnx), "
                                            "or an encoder-decoder's export folder that holds "
                                            "it beside encoder_model.onnx"),
-    output: Path = _OUTPUT, atol: float = _ATOL, rtol: float = _RTOL,
+    output: Path = typer.Option(..., "-o", "--output", help="where to write the plain graph "
+                                "(given a folder: the folder to write)"), atol: float = _ATOL, rtol: float = _RTOL,
     as_json: bool = _JSON, force: bool = _FORCE,
 ) -> None:
     """Make Optimum's legacy merged decoder (its layers in an If on `use_cache_branch`) one
