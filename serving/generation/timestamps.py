@@ -65,12 +65,12 @@ def constrain(scores: np.ndarray, generated: Sequence[int], rule: TimestampRule)
         scores[:begin] = -np.inf
         if rule.max_initial is not None:
             scores[begin + rule.max_initial + 1:] = -np.inf
-    x = scores.astype(np.float64)
-    total = _logsumexp(x)
-    if total == -np.inf:
-        return
-    if _logsumexp(x[begin:]) - total > x[:begin].max(initial=-np.inf) - total:
-        scores[:begin] = -np.inf  # the timestamps together outweigh every text token
+    # the timestamps together outweigh every text token: log-softmax on both sides of
+    # transformers' comparison subtracts the same total, so it is left out (and the exp runs
+    # over the timestamps only)
+    stamps_total = _logsumexp(scores[begin:].astype(np.float64))
+    if stamps_total > -np.inf and stamps_total > scores[:begin].max(initial=-np.inf):
+        scores[:begin] = -np.inf
 
 
 @dataclass(frozen=True)
