@@ -131,9 +131,14 @@ def load_seq2seq(folder: Path, backend: str | None = None,
                              Tolerance().at_precision(loader.precision), start=decoder.start)
     if not check:
         runners.close()
+        why = ("its decoders quantize their activations with one range per run (ONNX "
+               "Runtime's quantize_dynamic), so a step's numbers depend on the run and the "
+               "cache path cannot agree within the tolerance: quantized encoder-decoders are "
+               "not served yet; serve the export before quantization"
+               if record.activations_quantized else
+               "a decoder from another export, or changed")
         raise BadInput(f"{folder}: {LATER_STEPS} does not agree with {FIRST_STEP} run on the "
-                       f"whole sequence (a decoder from another export, or changed): not "
-                       f"served\n{check.table()}")
+                       f"whole sequence ({why}): not served\n{check.table()}")
     log(f"cache path checked on this machine: {check.outputs[0].max_abs:.3g} max abs over "
         f"{check.outputs[0].compared} logits")
     max_target = record.max_positions or next(

@@ -104,6 +104,9 @@ class Seq2SeqRecord:
     later: DecoderIO
     vocab: int  # the logits' width (a padded vocabulary's slice is already cut in the graph)
     max_positions: int | None  # the decoder's position table's rows (None: relative, T5)
+    # a decoder quantizes its activations with one range per run (ONNX Runtime's
+    # quantize_dynamic: DynamicQuantizeLinear), so that a step's numbers depend on the run
+    activations_quantized: bool = False
 
 
 def _present_name(past: str) -> str:
@@ -229,5 +232,7 @@ def _record(folder: Path) -> Seq2SeqRecord:
                        "no states)")
     later = DecoderIO(later.token_ids, later.states, later.mask, later.logits, later.ids_dtype,
                       later.mask_dtype, own, cross)
+    quantized = any(n.op_type == "DynamicQuantizeLinear"
+                    for m in (first_model, later_model) for n in m.graph.all_nodes())
     return Seq2SeqRecord(folder, encoder, first, later, vocab,
-                         max_positions(first_model, inspect_model(first_model)))
+                         max_positions(first_model, inspect_model(first_model)), quantized)

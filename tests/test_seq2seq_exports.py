@@ -1,8 +1,11 @@
-"""`tuner unmerge FOLDER -o OUT` on an encoder-decoder folder whose decoder is only there
-merged (Optimum's `decoder_model_merged.onnx`, as transformers.js repositories ship them,
-graphs under `onnx/`): the two plain decoders are its branches, checked against it step by
-step, and OUT generates what the full export generates, served by `tuner serve`. A plain
-decoder that differs from the merged file FAILS the check."""
+"""Encoder-decoder folders as users bring them, beside Optimum's own export:
+
+- a transformers.js repository's (graphs under `onnx/`, the decoder only merged): `tuner
+  unmerge FOLDER -o OUT` writes the two plain decoders, its branches, checked against it step
+  by step, and OUT generates what the full export generates. A plain decoder that differs
+  from the merged file FAILS the check.
+- ONNX Runtime's quantize_dynamic of each graph: refused by serve, saying why (activations
+  quantized per run: the cache path cannot agree)."""
 
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from serving.generation import GenerateOptions
 from serving.generation.seq2seq import Seq2SeqGenerator
 from serving.sampling import GenerationRequest, Sampling
 from serving.seq2seq import load_seq2seq
+from tuner.errors import BadInput
 from tests.serving_support import scaled_weight
 from tuner.cli import main
 from tuner.gate.seq2seq_steps import check_branches
@@ -102,3 +106,18 @@ def test_a_decoder_unlike_the_merged_one_fails(exports, tmp_path):
                 r.close()
         assert bool(result) is passes, result.table()
     assert FLAG in inputs
+
+
+def test_a_dynamically_quantized_folder_is_refused_saying_why(exports, tmp_path):
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    folder = tmp_path / "quantized"
+    shutil.copytree(exports["whisper"], folder)
+    (folder / "decoder_model_merged.onnx").unlink()
+    for name in ("encoder_model.onnx", "decoder_model.onnx", "decoder_with_past_model.onnx"):
+        quantize_dynamic(str(folder / name), str(tmp_path / name), weight_type=QuantType.QInt8)
+        shutil.move(tmp_path / name, folder / name)
+    assert find_seq2seq_record(folder).activations_quantized
+    assert not find_seq2seq_record(exports["whisper"]).activations_quantized
+    with pytest.raises(BadInput, match="quantize their activations with one range per run"):
+        load_seq2seq(folder)
