@@ -223,3 +223,34 @@ def test_verbose_json_srt_and_vtt_through_the_openai_client(stamped):
                                                    **kwargs)
     finally:
         server.stop(0)
+
+
+def test_long_audio_segments_are_timed_in_the_whole_audio(stamped):
+    """45 s with a pause at 29.3 s: two pieces generated together; each piece's segments are
+    those of its own tokens, shifted by where it starts (its `seek` in frames), in order."""
+    from serving.audio import pieces
+
+    audio = tone(45.0)
+    audio[int(29.30 * 16000):int(29.45 * 16000)] = 0
+    cut = pieces(audio, FeatureConfig())
+    generator = loop(stamped)
+    try:
+        room = generator.max_target
+        tokens = [_run(generator, log_mel(p, FeatureConfig()), [1], room, 0, timestamps=True)
+                  for p in cut]
+    finally:
+        generator.close()
+    offset = len(cut[0]) / 16000
+    want = (segments(tokens[0], RULE, 0.0, offset)
+            + segments(tokens[1], RULE, offset, len(cut[1]) / 16000))
+    assert any(s.start >= offset for s in want)
+    server = start(stamped, model_name="whisper")
+    try:
+        got = openai_client(server).audio.transcriptions.create(
+            model="whisper", file=("a.wav", wav(audio)), response_format="verbose_json")
+    finally:
+        server.stop(0)
+    assert [(s.start, s.end, s.tokens) for s in got.segments] == \
+        [(round(s.start, 3), round(s.end, 3), list(s.ids)) for s in want]
+    assert {s.seek for s in got.segments} == {0, round(offset * 100)}
+    assert got.duration == 45.0
