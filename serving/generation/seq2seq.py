@@ -268,7 +268,8 @@ class Seq2SeqGenerator(Admission):
                     tokens.append(token)
         for s, search in list(cohort.beams.items()):
             mine = [i for i, x in enumerate(cohort.streams) if x is s]
-            decoded = [(*self.prefix(s.request), *row) for row in search.running.tolist()]
+            decoded = ([(*self.prefix(s.request), *row) for row in search.running.tolist()]
+                       if self.decoder.no_repeat_ngram else [])  # (only the n-grams read it)
             held = s.request.stop_ids if search.generated < s.request.min_tokens else ()
             chosen = search.step(self.constraints.beamed(logits[mine], first, decoded, held))
             if search.done:
