@@ -111,6 +111,13 @@ def model_files(model_path: Path) -> list[Path]:
     return [model_path] + [model_path.parent / loc for loc in external_locations(proto)]
 
 
+def other_files(folder: Path) -> list[Path]:
+    """Every file of an export folder that is no graph's and no graph's external data
+    (configs, tokenizer, generation and preprocessor configs), in name order."""
+    taken = {f for path in folder.glob("*.onnx") for f in model_files(path)}
+    return [f for f in sorted(folder.iterdir()) if f.is_file() and f not in taken]
+
+
 def model_bytes(path: str | os.PathLike) -> int:
     """The graph file plus every external-data file it names, whatever the exporter called
     them (`model.onnx.data`, `model.onnx_data`, one file per tensor): read from the graph, not

@@ -32,7 +32,7 @@ import onnx_ir as ir
 from tuner.errors import BadInput
 from tuner.gate.verify import Tolerance
 from tuner.graph.inspect import inspect_model
-from tuner.graph.io import model_files
+from tuner.graph.io import model_files, other_files
 from tuner.graph.load import folder_graphs
 from tuner.graph.shape import ModelShape
 from tuner.jobs.pad import PadResult, pad_file
@@ -149,9 +149,9 @@ def _copy_graph(path: Path, stage: Path) -> None:
 
 
 def _copy_others(src: Path, stage: Path) -> list[str]:
-    """Every file of `src` that is no graph's (config, tokenizer, generation config)."""
-    taken = {f for path in src.glob("*.onnx") for f in model_files(path)}  # merged one too
-    others = [f for f in sorted(src.iterdir()) if f.is_file() and f not in taken]
+    """Every file of `src` that is no graph's (config, tokenizer, generation config; the
+    merged decoder is a graph too)."""
+    others = other_files(src)
     for f in others:
         shutil.copy2(f, stage / f.name)
     return [f.name for f in others]

@@ -22,7 +22,7 @@ from pathlib import Path
 from tuner.errors import BadInput
 from tuner.gate.seq2seq_steps import check_branches
 from tuner.gate.verify import Tolerance, VerifyResult
-from tuner.graph.io import model_files
+from tuner.graph.io import model_files, other_files
 from tuner.graph.load import load_model, name_nodes, save_model
 from tuner.graph.merged import FLAG, merged_if, with_cache
 from tuner.graph.seq2seq_record import (ENCODER, FIRST_STEP, LATER_STEPS, MERGED,
@@ -59,10 +59,9 @@ def _copy_others(src: Path, stage: Path) -> None:
     graphs = graphs_dir(src)
     for f in model_files(graphs / ENCODER):
         shutil.copy2(f, stage / f.name)
-    taken = {f for path in graphs.glob("*.onnx") for f in model_files(path)}
     for folder in dict.fromkeys((src, graphs)):
-        for f in sorted(folder.iterdir()):
-            if f.is_file() and f not in taken and not (stage / f.name).exists():
+        for f in other_files(folder):
+            if not (stage / f.name).exists():
                 shutil.copy2(f, stage / f.name)
 
 
