@@ -32,7 +32,9 @@ def _demo_model(name: str) -> Path:
 @app.command()
 @with_roles
 def optimize(
-    model: Optional[Path] = typer.Argument(None, help="the ONNX model to optimize"),
+    model: Optional[Path] = typer.Argument(None, help=(
+        "the ONNX model to optimize, or an encoder-decoder's export folder (Optimum's "
+        "encoder_model.onnx, decoder_model.onnx, decoder_with_past_model.onnx)")),
     out: Path = typer.Option(..., "-o", "--out", help="artifact folder to write"),
     demo: Optional[str] = typer.Option(None, help="optimize a built-in small model: gpt2, bert or llama"),
     backend: str = typer.Option("ort-cpu", help="backend to measure on: a name, or 'auto'"),
@@ -74,10 +76,18 @@ def optimize(
     roles: list[str] = roles_option(),
 ) -> None:
     """Build exact padded variants, verify them, time them against the original in
-    interleaved rounds, choose buckets for the traffic, and write the artifact folder."""
+    interleaved rounds, choose buckets for the traffic, and write the artifact folder.
+
+    Given an encoder-decoder's export folder, each variant is the whole folder padded (every
+    graph gated, its cache path checked) and timed on whole requests (encoder, first step,
+    later steps; --streams sources at once, --max-seq source tokens, or a JSONL --requests
+    with prompt_tokens and output_tokens); OUT is the selected folder, which `tuner serve OUT`
+    serves, with selection.json, report.md and timings.png. Buckets, fusion and the GEMM
+    probe are single-graph steps."""
     from tuner.artifact.codec import manifest_to_json
     from tuner.jobs.optimize import OptimizeConfig
     from tuner.jobs.optimize import optimize as run
+    from tuner.jobs.optimize_folder import optimize_folder as run_folder
     from tuner.measure.cache import default_cache_dir
 
     if (model is None) == (demo is None):
@@ -91,6 +101,9 @@ def optimize(
         cache_policy=cache_policy,
         cache_dir=None if no_cache else (cache_dir or default_cache_dir()), force=force,
         progress=not quiet and not as_json)
+    if cfg.model.is_dir():
+        _print_folder(run_folder(cfg), cfg.out, as_json)
+        return
     result = run(cfg)
     if as_json:
         # docs/pipeline.md: the same object as OUT/manifest.json, so that a pipeline reads
@@ -116,3 +129,21 @@ def optimize(
     for n in s["notes"]:
         print(f"note: {n}")
     print(f"wrote {result.out}/manifest.json, report.md, report.html")
+
+
+def _print_folder(s, out: Path, as_json: bool) -> None:
+    """`tuner optimize FOLDER`'s answer: the selection and each variant's request time."""
+    if as_json:  # the same object as OUT/selection.json
+        print(json.dumps(s.to_json(), indent=2, allow_nan=False))
+        return
+    print(f"selected {s.selected}: {s.reason}")
+    for v in s.variants:
+        e, f, later = v.parts_ms
+        speed = "" if v.speedup is None else (f", {v.speedup.ratio:.3f}x [{v.speedup.low:.3f}, "
+                                              f"{v.speedup.high:.3f}]")
+        print(f"  {v.name}: {v.request_ms:.2f} ms/request (encoder {e:.2f}, first step "
+              f"{f:.2f}, later steps {later:.2f}){speed}")
+    for n in s.notes:
+        print(f"note: {n}")
+    print(f"wrote {out}/ (the selected folder: `tuner serve {out}`), selection.json, report.md, "
+          "timings.png")

@@ -67,7 +67,7 @@ def _subsample(grid: tuple[int, ...], n: int = 8) -> tuple[int, ...]:
     return tuple(grid[i] for i in sorted({round(k * (len(grid) - 1) / (n - 1)) for k in range(n)}))
 
 
-def _read_jsonl(path: Path) -> list[tuple[int, int, int]] | None:
+def token_requests(path: Path) -> list[tuple[int, int, int]] | None:
     """(batch, prompt, output) per line when the file is JSONL that names prompt/output
     tokens; None when it does not (then it is an ordinary requests file)."""
     if path.suffix.lower() not in (".jsonl", ".ndjson"):
@@ -99,7 +99,7 @@ def decoder_traffic(requests: Path | None, max_seq: int | None, max_batch: int,
                     positions: int | None) -> DecoderTraffic:
     """Prompt and cache-length distributions from the traffic file (or uniform prompts up to
     the model's positions, capped at 256, with DEFAULT_OUTPUT_TOKENS each)."""
-    rows = _read_jsonl(requests) if requests is not None else None
+    rows = token_requests(requests) if requests is not None else None
     note = None
     if rows is None:
         if requests is not None:

@@ -1,0 +1,152 @@
+"""`tuner optimize FOLDER -o OUT` on encoder-decoder export folders as users bring them
+(Optimum's flat layout, a transformers.js repository's with the graphs under onnx/):
+every variant is the whole folder padded and gated, its cache path checked, timed on whole
+requests; OUT is the selected folder, which the server loads and which generates the
+source's tokens. Bad input exits 2 and writes nothing."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from models import optimum
+from serving.generation import GenerateOptions
+from serving.generation.seq2seq import Seq2SeqGenerator
+from serving.sampling import GenerationRequest, Sampling
+from serving.seq2seq import load_seq2seq
+from tests.serving_support import scaled_weight
+from tuner.cli import main
+from tuner.graph.seq2seq_record import FILES, find_seq2seq_record
+from tuner.jobs import optimize_folder as job
+from tuner.measure.select import Selection
+
+FAST = ["-q", "--rounds", "5", "--warmup", "1"]
+
+
+@pytest.fixture(scope="module")
+def exports() -> dict[str, Path]:
+    cells = [(f, optimum.FAMILIES[f].tasks[0]) for f in ("bart", "whisper")]
+    return {f: p.parent for (f, _), p in zip(cells, optimum.export_all(cells))}
+
+
+def _tokens(folder: Path) -> list[list[int]]:
+    """Greedy tokens for two sources (ids, or random features), 8 each."""
+    model = load_seq2seq(folder)
+    features = model.record.encoder.features
+    generator = Seq2SeqGenerator(model.runners, model.record, model.decoder, GenerateOptions(),
+                                 max_target=model.max_target)
+    rng = np.random.default_rng(0)
+    try:
+        out = []
+        for n in (5, 11):
+            source = rng.standard_normal(features).astype(np.float32) if features else None
+            prompt = (model.decoder.start,) if features else tuple(rng.integers(4, 900, n))
+            request = GenerationRequest(prompt=prompt, max_tokens=8, min_tokens=8,
+                                        sampling=Sampling(), encoder_input=source)
+            out.append([t for c in generator.generate(request) for t in c.ids])
+        return out
+    finally:
+        generator.close()
+
+
+def test_a_folder_is_optimized_into_a_folder_that_serves(exports, tmp_path, capsys):
+    src, out = exports["bart"], tmp_path / "out"
+    assert main(["optimize", str(src), "-o", str(out), "--json", *FAST]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record == json.loads((out / "selection.json").read_text())
+    names = [v["name"] for v in record["variants"]]
+    assert names[0] == "original" and len(names) >= 2 and record["selected"] in names
+    for v in record["variants"]:
+        assert v["gate_max_abs"] <= 1e-4 and v["cache_path_max_abs"] <= 1e-4
+        assert v["request_ms"] > 0 and all(p > 0 for p in v["parts_ms"])
+        assert (v["speedup"] is None) == (v["name"] == "original")
+    padded = record["variants"][1]
+    assert padded["transforms"] and all(":" in t for t in padded["transforms"])
+    assert record["workload"] == {"batch": 1, "source_tokens": 32, "output_tokens": 32,
+                                  "note": record["workload"]["note"]}
+    assert {*FILES, "config.json", "tokenizer.json", "report.md", "timings.png"} <= {
+        f.name for f in out.iterdir()}
+    assert not (out / "variants").exists()
+    assert (out / "timings.png").read_bytes()[:4] == b"\x89PNG"
+    assert "| original |" in (out / "report.md").read_text()
+    if record["selected"] == "original":  # (the honest answer on a CPU)
+        for name in FILES:
+            assert (out / name).read_bytes() == (src / name).read_bytes()
+    assert _tokens(out) == _tokens(src)
+    assert main(["optimize", str(src), "-o", str(out), *FAST]) == 2  # exists, no --force
+    assert "--force" in capsys.readouterr().err
+
+
+def test_the_selected_padded_variant_is_what_out_holds(exports, tmp_path, monkeypatch):
+    """The selection rule is tested on its own (tests/test_bench.py); here it is made to pick
+    the padded vocabulary, so that OUT is that folder: padded graphs, the same tokens."""
+    monkeypatch.setattr(job, "select", lambda speedups, margin: Selection(
+        next(n for n in speedups if n.startswith("vocab")), "chosen by the test"))
+    src, out = exports["bart"], tmp_path / "out"
+    assert main(["optimize", str(src), "-o", str(out), *FAST]) == 0
+    record = json.loads((out / "selection.json").read_text())
+    assert record["selected"].startswith("vocab-")
+    assert (out / "decoder_model.onnx").read_bytes() != (src / "decoder_model.onnx").read_bytes()
+    assert find_seq2seq_record(out).vocab == find_seq2seq_record(src).vocab  # sliced back
+    assert _tokens(out) == _tokens(src)
+
+
+def test_a_transformers_js_layout_and_audio(exports, tmp_path, capsys):
+    """Whisper with its graphs under onnx/ (configs at the top), two streams at once: OUT is
+    flat, the audio's one shape timed, and the same tokens come out."""
+    src = tmp_path / "repo"
+    (src / "onnx").mkdir(parents=True)
+    for f in exports["whisper"].iterdir():
+        shutil.copy(f, src / "onnx" / f.name if f.name in FILES else src / f.name)
+    (src / "decoder_model_merged.onnx").unlink(missing_ok=True)
+    out = tmp_path / "out"
+    assert main(["optimize", str(src), "-o", str(out), "--streams", "2", *FAST]) == 0
+    printed = capsys.readouterr().out
+    assert "selected " in printed and "ms/request (encoder" in printed
+    record = json.loads((out / "selection.json").read_text())
+    assert record["workload"]["source_tokens"] is None and record["workload"]["batch"] == 2
+    assert "audio features" in record["workload"]["note"]
+    assert _tokens(out) == _tokens(exports["whisper"])
+
+
+def test_traffic_from_a_requests_file(exports, tmp_path):
+    src, out = exports["bart"], tmp_path / "out"
+    jsonl = tmp_path / "traffic.jsonl"
+    jsonl.write_text('{"prompt_tokens": 12, "output_tokens": 6}\n'
+                     '{"prompt_tokens": 20, "output_tokens": 10}\n'
+                     '{"prompt_tokens": 40, "output_tokens": 8}\n')
+    assert main(["optimize", str(src), "-o", str(out), "--requests", str(jsonl),
+                 "--max-variants", "2", *FAST]) == 0
+    workload = json.loads((out / "selection.json").read_text())["workload"]
+    assert (workload["source_tokens"], workload["output_tokens"]) == (20, 8)
+    csv = tmp_path / "traffic.csv"
+    csv.write_text("seq\n12\n")
+    assert main(["optimize", str(src), "-o", str(tmp_path / "o2"), "--requests", str(csv),
+                 *FAST]) == 2
+    assert not (tmp_path / "o2").exists()
+
+
+def test_bad_folders_exit_2_and_write_nothing(exports, tmp_path, capsys):
+    src = exports["bart"]
+    merged = tmp_path / "merged"
+    merged.mkdir()
+    for name in ("encoder_model.onnx", "decoder_model_merged.onnx", "config.json"):
+        shutil.copy(src / name, merged / name)
+    broken = tmp_path / "broken"  # a with-past decoder unlike its first step
+    shutil.copytree(src, broken)
+    scaled_weight(src / "decoder_with_past_model.onnx", broken / "decoder_with_past_model.onnx",
+                  ("self_attn/v_proj",))
+    cases = [(merged, "tuner unmerge"), (broken, "does not agree"),
+             (tmp_path, "not an encoder-decoder export folder")]
+    for folder, said in cases:
+        out = tmp_path / f"out-{folder.name}"
+        assert main(["optimize", str(folder), "-o", str(out), *FAST]) == 2, folder
+        assert said in capsys.readouterr().err
+        assert not out.exists()
+    assert main(["optimize", str(src), "-o", str(src / "inside"), *FAST]) == 2
+    assert "inside the model's own folder" in capsys.readouterr().err
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no stage left
