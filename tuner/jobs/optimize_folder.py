@@ -32,7 +32,7 @@ from tuner.errors import BadInput
 from tuner.gate.seq2seq_steps import check_cache_path
 from tuner.gate.verify import Tolerance, VerifyResult
 from tuner.graph.inspect import inspect_model
-from tuner.graph.io import model_files, other_files
+from tuner.graph.io import model_bytes, model_files, other_files
 from tuner.graph.load import load_model
 from tuner.graph.paddable import Transform
 from tuner.graph.seq2seq_record import (FILES, FIRST_STEP, find_seq2seq_record, graphs_dir,
@@ -48,6 +48,7 @@ from tuner.measure.timing import interleave_timed
 from tuner.plan.propose import MULTIPLES, Candidate, propose, prune
 from tuner.artifact.records import Speedup
 from tuner.runtime.base import SessionSettings
+from tuner.runtime.memory import load_fitting
 from tuner.runtime.registry import resolve
 from tuner.util.files import ensure_writable_dir, swap_dir_into_place
 from tuner.util.progress import rich_progress
@@ -185,11 +186,16 @@ def _compare(built: list[Built], traffic: Seq2SeqTraffic, backend, settings, cfg
     """Every variant loaded and its cache path checked, then timed request by request in
     interleaved rounds; the selection."""
     say(f"loading {len(built)} variant(s) on {backend.name}")
-    loaded, timers, sessions = [], [], []
+    by_name = {b.name: b for b in built}
+    items = [(b.name, b.folder, sum(model_bytes(b.folder / f) for f in FILES)) for b in built]
+    # every variant's three sessions stay alive for interleaved timing: only while they fit
+    sessions, left_out = load_fitting(
+        items, lambda name, folder: [backend.load(folder / f, settings) for f in FILES])
+    notes += left_out
+    loaded, timers = [], []
     try:
-        for b in built:
-            runners = [backend.load(b.folder / name, settings) for name in FILES]
-            sessions += runners
+        for name, runners in sessions:
+            b = by_name[name]
             record = find_seq2seq_record(b.folder)
             check = check_cache_path(record, *runners, Tolerance(cfg.atol, cfg.rtol)
                                      .at_precision(backend.precision))
@@ -203,8 +209,9 @@ def _compare(built: list[Built], traffic: Seq2SeqTraffic, backend, settings, cfg
             timers.append(RequestTimer(record, runners, traffic))
         times = _time(timers, [b.name for b in loaded], cfg)
     finally:
-        for r in sessions:
-            r.close()
+        for _, runners in sessions:
+            for r in runners:
+                r.close()
     return _selection(loaded, times, traffic, backend, settings, cfg, notes)
 
 
