@@ -1,8 +1,9 @@
-"""`tuner optimize FOLDER -o OUT` on encoder-decoder export folders as users bring them
-(Optimum's flat layout, a transformers.js repository's with the graphs under onnx/):
+"""`tuner optimize FOLDER -o OUT` on export folders as users bring them (Optimum's flat
+layout, a transformers.js repository's with the graphs under onnx/). An encoder-decoder's:
 every variant is the whole folder padded and gated, its cache path checked, timed on whole
 requests; OUT is the selected folder, which the server loads and which generates the
-source's tokens. Bad input exits 2 and writes nothing."""
+source's tokens. A decoder-only's: its model.onnx optimized, the tokenizer beside it
+carried into the artifact. Bad input exits 2 and writes nothing."""
 
 from __future__ import annotations
 
@@ -141,7 +142,7 @@ def test_bad_folders_exit_2_and_write_nothing(exports, tmp_path, capsys):
     scaled_weight(src / "decoder_with_past_model.onnx", broken / "decoder_with_past_model.onnx",
                   ("self_attn/v_proj",))
     cases = [(merged, "tuner unmerge"), (broken, "does not agree"),
-             (tmp_path, "not an encoder-decoder export folder")]
+             (tmp_path, "nor an encoder-decoder's three graphs")]
     for folder, said in cases:
         out = tmp_path / f"out-{folder.name}"
         assert main(["optimize", str(folder), "-o", str(out), *FAST]) == 2, folder
@@ -150,3 +151,24 @@ def test_bad_folders_exit_2_and_write_nothing(exports, tmp_path, capsys):
     assert main(["optimize", str(src), "-o", str(src / "inside"), *FAST]) == 2
     assert "inside the model's own folder" in capsys.readouterr().err
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no stage left
+
+
+def test_a_decoder_only_folder_optimizes_its_model_onnx(tmp_path):
+    """A transformers.js repository of a decoder-only model: onnx/model.onnx (a quantized
+    copy beside it), configs and tokenizer at the top: the artifact of model.onnx, with the
+    tokenizer the server reads."""
+    (export,) = optimum.export_all([("llama", "text-generation-with-past")])
+    repo = tmp_path / "repo"
+    (repo / "onnx").mkdir(parents=True)
+    shutil.copy(export, repo / "onnx" / "model.onnx")
+    shutil.copy(export, repo / "onnx" / "model_quantized.onnx")  # (not taken)
+    for f in export.parent.glob("*.json"):
+        shutil.copy(f, repo / f.name)
+    out = tmp_path / "out"
+    assert main(["optimize", str(repo), "-o", str(out), "--rounds", "2", "--bucket-rounds", "1",
+                 "--max-variants", "1", "--no-fuse", "--no-probe", "-q", "--json"]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert Path(manifest["source"]["path"]) == (repo / "onnx" / "model.onnx").resolve()
+    assert {"tokenizer.json", "tokenizer_config.json", "config.json"} <= {
+        f.name for f in out.iterdir()}
+    assert main(["optimize", str(repo), "-o", str(repo), "-q"]) == 2  # its own folder

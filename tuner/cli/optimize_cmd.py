@@ -33,7 +33,8 @@ def _demo_model(name: str) -> Path:
 @with_roles
 def optimize(
     model: Optional[Path] = typer.Argument(None, help=(
-        "the ONNX model to optimize, or an encoder-decoder's export folder (Optimum's "
+        "the ONNX model to optimize, or an export folder: a decoder-only's (its model.onnx, "
+        "in the folder or its onnx/, the tokenizer beside) or an encoder-decoder's (Optimum's "
         "encoder_model.onnx, decoder_model.onnx, decoder_with_past_model.onnx)")),
     out: Path = typer.Option(..., "-o", "--out", help="artifact folder to write"),
     demo: Optional[str] = typer.Option(None, help="optimize a built-in small model: gpt2, bert or llama"),
@@ -87,6 +88,7 @@ def optimize(
     from tuner.artifact.codec import manifest_to_json
     from tuner.jobs.optimize import OptimizeConfig
     from tuner.jobs.optimize import optimize as run
+    from tuner.jobs.optimize_folder import is_encoder_decoder
     from tuner.jobs.optimize_folder import optimize_folder as run_folder
     from tuner.measure.cache import default_cache_dir
 
@@ -101,7 +103,7 @@ def optimize(
         cache_policy=cache_policy,
         cache_dir=None if no_cache else (cache_dir or default_cache_dir()), force=force,
         progress=not quiet and not as_json)
-    if cfg.model.is_dir():
+    if cfg.model.is_dir() and is_encoder_decoder(cfg.model):
         _print_folder(run_folder(cfg), cfg.out, as_json)
         return
     result = run(cfg)

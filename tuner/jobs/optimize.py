@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,7 @@ class OptimizeConfig:
     rtol: float = 1e-3
     cache_policy: str = "keep"  # head-dim/head-count variants of a KV-cache decoder (docs/design.md)
     cache_dir: Path | None = None  # None: no results cache
+    text_dir: Path | None = None  # where the tokenizer and configs are (None: the model's)
     force: bool = False
     progress: bool = True
 
@@ -98,7 +99,7 @@ def _check_out(cfg: OptimizeConfig) -> None:
         raise BadInput(f"{out}: exists and is not a folder")
     if out.is_dir() and any(out.iterdir()) and not cfg.force:
         raise BadInput(f"{out}: exists and is not empty (use --force to replace it)")
-    if out.resolve() == cfg.model.resolve().parent:
+    if out.resolve() in (cfg.model.resolve().parent, (cfg.text_dir or cfg.model).resolve()):
         raise BadInput(f"{out}: is the model's own folder; choose another output folder")
     # OUT is staged beside itself and renamed at the end: its parent must take files
     ensure_writable_dir(out.resolve().parent, f"artifact {out.name}/")
@@ -129,6 +130,8 @@ def _copy_text_files(model_dir: Path, out: Path) -> None:
 
 def optimize(cfg: OptimizeConfig) -> OptimizeResult:
     """Run the whole job; BadInput on unusable input (exit 2)."""
+    if cfg.model.is_dir():
+        cfg = replace(cfg, model=folder_model(cfg.model), text_dir=cfg.model)
     if not cfg.model.is_file():
         raise BadInput(f"{cfg.model}: {folder_hint(cfg.model) or 'no such model file'}")
     _check_out(cfg)
@@ -144,7 +147,7 @@ def optimize(cfg: OptimizeConfig) -> OptimizeResult:
             model = load_model(source)
         manifest, notes = run_pipeline(cfg, model, tmp, source, first)
         del model
-        _copy_text_files(cfg.model.parent, tmp)
+        _copy_text_files(cfg.text_dir or cfg.model.parent, tmp)
         swap_dir_into_place(tmp, cfg.out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -152,6 +155,20 @@ def optimize(cfg: OptimizeConfig) -> OptimizeResult:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return OptimizeResult(cfg.out, manifest, tuple(notes))
+
+
+def folder_model(folder: Path) -> Path:
+    """A decoder-only export folder's one graph, `model.onnx`, as Optimum writes it (or
+    under onnx/, as transformers.js repositories hold it, its quantized copies beside it);
+    BadInput naming what the folder holds otherwise."""
+    for path in (folder / "model.onnx", folder / "onnx" / "model.onnx"):
+        if path.is_file():
+            return path
+    graphs = sorted(p.relative_to(folder).as_posix()
+                    for p in (*folder.glob("*.onnx"), *folder.glob("onnx/*.onnx")))
+    raise BadInput(f"{folder}: no model.onnx (a decoder-only export's graph) nor an "
+                   "encoder-decoder's three graphs in the folder"
+                   + (f"; it holds {', '.join(graphs)}: give one of them" if graphs else ""))
 
 
 def _unwindowed(cfg: OptimizeConfig, work: Path) -> tuple[Path, list[str]]:

@@ -65,6 +65,12 @@ class Built:
     cache_path: VerifyResult | None = None
 
 
+def is_encoder_decoder(folder: Path) -> bool:
+    """Whether `folder` is this job's: an encoder-decoder's, whole or with its decoder
+    merged (refused below, naming the command that unmerges it)."""
+    return is_seq2seq_folder(folder) or merged_only(folder) is not None
+
+
 def refuse_unless_seq2seq(folder: Path) -> None:
     """BadInput unless `folder` holds an encoder-decoder's three graphs (the merged-only
     layout named with the command that unmerges it)."""
