@@ -225,3 +225,48 @@ def collect(gen, requests) -> list[list]:
             chunks.append(q.get(timeout=120))
         out.append(chunks)
     return out
+
+
+def quantize_dynamic_copy(src: Path, dst: Path, **extra_options) -> Path:
+    """ONNX Runtime's quantize_dynamic (int8 weights) of `src` into `dst`, run on a private
+    copy of `src`: the quantizer writes its shape-inferred `<name>-inferred.onnx` beside the
+    model it reads and deletes it after, so two test workers quantizing one cached export
+    race on that file."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    private = dst.parent / f".{dst.stem}-source"
+    private.mkdir(parents=True)
+    try:
+        proto = onnx.load(str(src))  # (its external data, if any, read in)
+        onnx.save(proto, str(private / src.name))
+        quantize_dynamic(str(private / src.name), str(dst), weight_type=QuantType.QInt8,
+                         extra_options=extra_options)
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
+    return dst
+
+
+def seq2seq_tokens(folder: Path, n: int = 10) -> list[list[int]]:
+    """An encoder-decoder folder's greedy tokens for two sources (ids of 5 and 11 tokens, or
+    random features where its encoder reads audio), `n` each, through the server's loop."""
+    from serving.generation import GenerateOptions
+    from serving.generation.seq2seq import Seq2SeqGenerator
+    from serving.sampling import GenerationRequest, Sampling
+    from serving.seq2seq import load_seq2seq
+
+    model = load_seq2seq(folder)
+    features = model.record.encoder.features
+    generator = Seq2SeqGenerator(model.runners, model.record, model.decoder, GenerateOptions(),
+                                 max_target=model.max_target)
+    rng = np.random.default_rng(0)
+    try:
+        out = []
+        for length in (5, 11):
+            source = rng.standard_normal(features).astype(np.float32) if features else None
+            prompt = (model.decoder.start,) if features else tuple(rng.integers(4, 900, length))
+            request = GenerationRequest(prompt=prompt, max_tokens=n, min_tokens=n,
+                                        sampling=Sampling(), encoder_input=source)
+            out.append([t for c in generator.generate(request) for t in c.ids])
+        return out
+    finally:
+        generator.close()

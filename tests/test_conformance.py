@@ -34,6 +34,7 @@ import tritonclient.grpc as tg
 from models import build, optimum
 from serving.generation import GenerateOptions
 from serving.server import Server, ServerOptions
+from tests.serving_support import quantize_dynamic_copy
 from tuner.cli import main
 
 pytestmark = pytest.mark.venv(*optimum.VENV)  # built beside the first tests (conftest)
@@ -392,10 +393,8 @@ def test_a_quantized_merged_decoder_unmerges_too(optimum_exports, tmp_path) -> N
     the merged file, as transformers.js repositories ship it): the quantizer reaches into
     the If's branches, unmerge inlines the quantized with-cache branch exactly (max abs 0
     against the quantized merged file) and inspect reads the dims through MatMulInteger."""
-    from onnxruntime.quantization import QuantType, quantize_dynamic
-
-    quantized = tmp_path / "decoder_model_merged_quantized.onnx"
-    quantize_dynamic(str(optimum.merged("llama")), str(quantized), weight_type=QuantType.QInt8)
+    quantized = quantize_dynamic_copy(optimum.merged("llama"),
+                                      tmp_path / "decoder_model_merged_quantized.onnx")
     plain = tmp_path / "model.onnx"
     code, out, err = _run(["unmerge", str(quantized), "-o", str(plain), "--atol", "0",
                            "--rtol", "0"])

@@ -11,15 +11,11 @@ import json
 import shutil
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from models import optimum
-from serving.generation import GenerateOptions
-from serving.generation.seq2seq import Seq2SeqGenerator
-from serving.sampling import GenerationRequest, Sampling
 from serving.seq2seq import load_seq2seq
-from tests.serving_support import scaled_weight
+from tests.serving_support import quantize_dynamic_copy, scaled_weight, seq2seq_tokens
 from tuner.cli import main
 from tuner.graph.seq2seq_record import FILES, find_seq2seq_record
 from tuner.jobs import optimize_folder as job
@@ -32,26 +28,6 @@ FAST = ["-q", "--rounds", "5", "--warmup", "1"]
 def exports() -> dict[str, Path]:
     cells = [(f, optimum.FAMILIES[f].tasks[0]) for f in ("bart", "whisper")]
     return {f: p.parent for (f, _), p in zip(cells, optimum.export_all(cells))}
-
-
-def _tokens(folder: Path) -> list[list[int]]:
-    """Greedy tokens for two sources (ids, or random features), 8 each."""
-    model = load_seq2seq(folder)
-    features = model.record.encoder.features
-    generator = Seq2SeqGenerator(model.runners, model.record, model.decoder, GenerateOptions(),
-                                 max_target=model.max_target)
-    rng = np.random.default_rng(0)
-    try:
-        out = []
-        for n in (5, 11):
-            source = rng.standard_normal(features).astype(np.float32) if features else None
-            prompt = (model.decoder.start,) if features else tuple(rng.integers(4, 900, n))
-            request = GenerationRequest(prompt=prompt, max_tokens=8, min_tokens=8,
-                                        sampling=Sampling(), encoder_input=source)
-            out.append([t for c in generator.generate(request) for t in c.ids])
-        return out
-    finally:
-        generator.close()
 
 
 def test_a_folder_is_optimized_into_a_folder_that_serves(exports, tmp_path, capsys):
@@ -77,7 +53,7 @@ def test_a_folder_is_optimized_into_a_folder_that_serves(exports, tmp_path, caps
     if record["selected"] == "original":  # (the honest answer on a CPU)
         for name in FILES:
             assert (out / name).read_bytes() == (src / name).read_bytes()
-    assert _tokens(out) == _tokens(src)
+    assert seq2seq_tokens(out) == seq2seq_tokens(src)
     assert main(["optimize", str(src), "-o", str(out), *FAST]) == 2  # exists, no --force
     assert "--force" in capsys.readouterr().err
 
@@ -93,7 +69,7 @@ def test_the_selected_padded_variant_is_what_out_holds(exports, tmp_path, monkey
     assert record["selected"].startswith("vocab-")
     assert (out / "decoder_model.onnx").read_bytes() != (src / "decoder_model.onnx").read_bytes()
     assert find_seq2seq_record(out).vocab == find_seq2seq_record(src).vocab  # sliced back
-    assert _tokens(out) == _tokens(src)
+    assert seq2seq_tokens(out) == seq2seq_tokens(src)
 
 
 def test_a_transformers_js_layout_and_audio(exports, tmp_path, capsys):
@@ -111,7 +87,7 @@ def test_a_transformers_js_layout_and_audio(exports, tmp_path, capsys):
     record = json.loads((out / "selection.json").read_text())
     assert record["workload"]["source_tokens"] is None and record["workload"]["batch"] == 2
     assert "audio features" in record["workload"]["note"]
-    assert _tokens(out) == _tokens(exports["whisper"])
+    assert seq2seq_tokens(out) == seq2seq_tokens(exports["whisper"])
 
 
 def test_traffic_from_a_requests_file(exports, tmp_path):
@@ -172,3 +148,23 @@ def test_a_decoder_only_folder_optimizes_its_model_onnx(tmp_path):
     assert {"tokenizer.json", "tokenizer_config.json", "config.json"} <= {
         f.name for f in out.iterdir()}
     assert main(["optimize", str(repo), "-o", str(repo), "-q"]) == 2  # its own folder
+
+
+def test_a_dynamically_quantized_folder(exports, tmp_path):
+    """Each graph through ONNX Runtime's quantize_dynamic: every variant checked as the
+    server checks such a folder (exact with its activations in float, and within the
+    quantization's own noise as served); the vocabulary padded through the int8 weights;
+    a head dim, which quantized weights refuse, skipped saying why; OUT loads."""
+    src = tmp_path / "quantized"
+    shutil.copytree(exports["bart"], src, ignore=shutil.ignore_patterns("*.onnx"))
+    for name in FILES:
+        quantize_dynamic_copy(exports["bart"] / name, src / name)
+    out = tmp_path / "out"
+    assert main(["optimize", str(src), "-o", str(out), *FAST]) == 0
+    record = json.loads((out / "selection.json").read_text())
+    names = [v["name"] for v in record["variants"]]
+    assert "vocab-1024" in names
+    assert any(n.startswith("skipped head_dim") and "quantized" in n for n in record["notes"])
+    assert all(v["cache_path_max_abs"] <= 1e-4 for v in record["variants"])  # (in float)
+    assert find_seq2seq_record(out).activations_quantized
+    load_seq2seq(out).runners.close()

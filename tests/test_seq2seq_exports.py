@@ -4,8 +4,9 @@
   unmerge FOLDER -o OUT` writes the two plain decoders, its branches, checked against it step
   by step, and OUT generates what the full export generates. A plain decoder that differs
   from the merged file FAILS the check.
-- ONNX Runtime's quantize_dynamic of each graph: refused by serve, saying why (activations
-  quantized per run: the cache path cannot agree)."""
+
+ONNX Runtime's quantize_dynamic of each graph, and a transformers.js repository's quantized
+copies (`tuner unmerge FOLDER --dtype quantized`): tests/test_seq2seq_quantized.py."""
 
 from __future__ import annotations
 
@@ -17,12 +18,7 @@ import onnx
 import pytest
 
 from models import optimum
-from serving.generation import GenerateOptions
-from serving.generation.seq2seq import Seq2SeqGenerator
-from serving.sampling import GenerationRequest, Sampling
-from serving.seq2seq import load_seq2seq
-from tuner.errors import BadInput
-from tests.serving_support import scaled_weight
+from tests.serving_support import scaled_weight, seq2seq_tokens
 from tuner.cli import main
 from tuner.gate.seq2seq_steps import check_branches
 from tuner.graph.merged import FLAG
@@ -51,25 +47,6 @@ def _merged_only(export: Path, dst: Path) -> Path:
     return dst
 
 
-def _tokens(folder: Path, features: tuple[int, int] | None) -> list[list[int]]:
-    """Greedy tokens for two sources (ids, or random features), 10 each."""
-    model = load_seq2seq(folder)
-    generator = Seq2SeqGenerator(model.runners, model.record, model.decoder, GenerateOptions(),
-                                 max_target=model.max_target)
-    rng = np.random.default_rng(0)
-    try:
-        out = []
-        for n in (5, 11):
-            source = rng.standard_normal(features).astype(np.float32) if features else None
-            prompt = (model.decoder.start,) if features else tuple(rng.integers(4, 900, n))
-            request = GenerationRequest(prompt=prompt, max_tokens=10, min_tokens=10,
-                                        sampling=Sampling(), encoder_input=source)
-            out.append([t for c in generator.generate(request) for t in c.ids])
-        return out
-    finally:
-        generator.close()
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_unmerged_folder_generates_as_the_export(exports, family, tmp_path):
     src = _merged_only(exports[family], tmp_path / "repo")
@@ -78,8 +55,8 @@ def test_unmerged_folder_generates_as_the_export(exports, family, tmp_path):
     assert {"decoder_model.onnx", "decoder_with_past_model.onnx", "encoder_model.onnx",
             "config.json", "generation_config.json"} <= {f.name for f in out.iterdir()}
     assert not (out / "decoder_model_merged.onnx").exists()
-    features = find_seq2seq_record(out).encoder.features
-    assert _tokens(out, features) == _tokens(exports[family], features)
+    assert (find_seq2seq_record(out).encoder.features is None) == (family != "whisper")
+    assert seq2seq_tokens(out) == seq2seq_tokens(exports[family])
     assert main(["unmerge", str(src), "-o", str(out)]) == 2  # exists, without --force
 
 
@@ -107,17 +84,3 @@ def test_a_decoder_unlike_the_merged_one_fails(exports, tmp_path):
         assert bool(result) is passes, result.table()
     assert FLAG in inputs
 
-
-def test_a_dynamically_quantized_folder_is_refused_saying_why(exports, tmp_path):
-    from onnxruntime.quantization import QuantType, quantize_dynamic
-
-    folder = tmp_path / "quantized"
-    shutil.copytree(exports["whisper"], folder)
-    (folder / "decoder_model_merged.onnx").unlink()
-    for name in ("encoder_model.onnx", "decoder_model.onnx", "decoder_with_past_model.onnx"):
-        quantize_dynamic(str(folder / name), str(tmp_path / name), weight_type=QuantType.QInt8)
-        shutil.move(tmp_path / name, folder / name)
-    assert find_seq2seq_record(folder).activations_quantized
-    assert not find_seq2seq_record(exports["whisper"]).activations_quantized
-    with pytest.raises(BadInput, match="quantize their activations with one range per run"):
-        load_seq2seq(folder)

@@ -8,7 +8,10 @@ cohort's last tokens and its caches to the with-past decoder. The with-past deco
 mask of its own tokens, so rows of different lengths cannot share a run: every row of a
 cohort is at the same step, and each cohort runs apart (one run each per step, new cohorts
 formed while older ones decode). An ended row leaves its cohort at once (its rows of every
-array dropped), so no run computes a finished stream.
+array dropped), so no run computes a finished stream. Where a row's numbers depend on the
+other rows of its run (Seq2SeqRecord.rows_coupled: activations quantized per run), each
+stream is a cohort of its own (its beams, rows of one search, stay together), unless
+GenerateOptions.batch_variance.
 
     per cohort (B rows, sources up to S tokens, t tokens generated):
       encoder    ids (B, S), mask (B, S)                -> states (B, S, h)         once
@@ -39,6 +42,9 @@ from tuner.graph.seq2seq_record import Seq2SeqRecord
 from tuner.runtime.base import Runner
 
 log = logging.getLogger("serving")
+
+APART = ("its graphs quantize their activations with one range per run (ONNX Runtime's "
+         "quantize_dynamic), so a row's numbers depend on the other rows of its run")
 
 
 @dataclass(frozen=True)
@@ -102,7 +108,13 @@ class Seq2SeqGenerator(Admission):
         self.max_cache_len = self.max_target  # what the frontends report as the model's length
         self.cache_buckets: tuple[int, ...] = ()  # every shape as it comes (no buckets)
         self.batch_buckets: tuple[int, ...] = ()
-        self.rows_stay = None
+        # a row's numbers depend on the other rows of its run (quantize_dynamic: one
+        # activation range per run): each stream is then a cohort of its own, what it is
+        # alone; a beam search's beams stay rows of one run, as in transformers' search
+        self.rows_stay = (APART if record.rows_coupled and not options.batch_variance
+                          else None)
+        if self.rows_stay:
+            log.warning(f"{self.rows_stay}: each stream runs in a cohort of its own")
         self.waiting: list[Stream] = []
         self.cohorts: list[Cohort] = []
         self.start()
@@ -199,7 +211,8 @@ class Seq2SeqGenerator(Admission):
             return None
         # one cohort's first tokens are one run: as many as the first waiting stream's
         n = len(self.prefix(self.waiting[0].request))
-        streams = [s for s in self.waiting if len(self.prefix(s.request)) == n][:room]
+        streams = [s for s in self.waiting if len(self.prefix(s.request)) == n][
+            :1 if self.rows_stay else room]
         self.waiting = [s for s in self.waiting if s not in streams]
         cohort = Cohort(streams)
         self.cohorts.append(cohort)  # (a failing run below ends its streams with the rest)

@@ -4,6 +4,7 @@ written), 2 bad input (nothing to convert, OUT exists without --force).
 
     tuner unmerge MERGED.onnx -o OUT.onnx    Optimum's legacy merged decoder, one plain graph
     tuner unmerge FOLDER -o OUT              an encoder-decoder's, its two plain decoders
+    tuner unmerge FOLDER -o OUT --dtype q8   ... of its transformers.js quantized copies
     tuner unwindow GENAI.onnx -o OUT.onnx    onnxruntime-genai's windowed caches, full-length
 """
 
@@ -57,6 +58,11 @@ def unmerge_cmd(
     output: Path = typer.Option(..., "-o", "--output", help="where to write the plain graph "
                                 "(given a folder: the folder to write)"), atol: float = _ATOL, rtol: float = _RTOL,
     as_json: bool = _JSON, force: bool = _FORCE,
+    dtype: str = typer.Option("fp32", "--dtype", help="given a transformers.js folder: which "
+                              "of its precisions to unmerge, as transformers.js names them "
+                              "(fp32: encoder_model.onnx and decoder_model_merged.onnx; q8 or "
+                              "quantized: *_quantized.onnx; fp16, int8, uint8, q4, q4f16, "
+                              "bnb4: *_fp16.onnx, ...); OUT holds them under the plain names"),
 ) -> None:
     """Make Optimum's legacy merged decoder (its layers in an If on `use_cache_branch`) one
     plain graph that every other command reads: the with-cache branch inlined (a past of
@@ -65,11 +71,17 @@ def unmerge_cmd(
     BART as transformers.js repositories ship them, graphs in it or in its onnx/), OUT is
     the folder `tuner serve` generates from: decoder_model.onnx (the first step) and
     decoder_with_past_model.onnx (the later ones), each checked against the merged file
-    step by step, beside the encoder, configs and tokenizer."""
+    step by step, beside the encoder, configs and tokenizer (--dtype: its quantized or
+    half-precision copies instead, e.g. encoder_model_quantized.onnx)."""
+    from functools import partial
+
+    from tuner.graph.js_dtypes import dtype_of
     from tuner.jobs.unmerge import unmerge_file
     from tuner.jobs.unmerge_folder import unmerge_folder
 
-    job = unmerge_folder if model.is_dir() else unmerge_file
+    if dtype_of(dtype) != "fp32" and not model.is_dir():
+        raise BadInput(f"--dtype {dtype} picks the files of a folder; {model} is one graph")
+    job = partial(unmerge_folder, dtype=dtype) if model.is_dir() else unmerge_file
     _convert(job, "unmerged", model, output, atol, rtol, as_json, force)
 
 

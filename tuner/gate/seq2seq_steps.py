@@ -6,7 +6,8 @@ keys/values) gives the logits the first-step decoder gives run on the whole sequ
 
 The check proves the three graphs make one cache path (a with-past decoder from another
 export, padded apart, or corrupted FAILS); it does not compare with an original: that is
-`tuner verify SRC OUT`."""
+`tuner verify SRC OUT`. Where the decoders quantize their activations per run, the cache path
+cannot be exact as served: tuner.gate.seq2seq_quantized judges the same probe otherwise."""
 
 from __future__ import annotations
 
@@ -60,8 +61,8 @@ def caches_after(io: DecoderIO, out: Arrays, cross: Arrays | None = None
     return own, {k: out[v] for k, v in io.cross_past.items()} if cross is None else dict(cross)
 
 
-def _probe(record: Seq2SeqRecord, start: int, steps: int, seed: int
-           ) -> tuple[list[np.ndarray], np.ndarray]:
+def probe(record: Seq2SeqRecord, start: int, steps: int, seed: int
+          ) -> tuple[list[np.ndarray], np.ndarray]:
     """Two sources (token ids: one padded; features: random, in Whisper's range) and (2,
     steps + 1) decoder tokens: `start`, then random ones (teacher-forced: any ids do)."""
     rng = np.random.default_rng(seed)
@@ -73,30 +74,52 @@ def _probe(record: Seq2SeqRecord, start: int, steps: int, seed: int
     return sources, np.concatenate([np.full((2, 1), start), rng.integers(low, vocab, (2, steps))], 1)
 
 
+def cache_path(record: Seq2SeqRecord, first, later, tokens: np.ndarray,
+               mask: np.ndarray | None, states: np.ndarray
+               ) -> tuple[np.ndarray, list[np.ndarray]]:
+    """The first-step decoder's logits for the whole of `tokens` (B, n + 1, vocab) at once,
+    and each step's logits (B, 1, vocab) along the cache path: `first` on the first token,
+    then `later` fed one token at a time with its own presents and the first step's cross
+    keys/values."""
+    whole = first.infer(decoder_feeds(record.first, tokens, mask, states))[record.first.logits]
+    out = first.infer(decoder_feeds(record.first, tokens[:, :1], mask, states))
+    stepped = [out[record.first.logits]]
+    own, cross = caches_after(record.later, out)
+    for i in range(1, tokens.shape[1]):
+        out = later.infer(decoder_feeds(record.later, tokens[:, i:i + 1], mask, states,
+                                        {**own, **cross}))
+        stepped.append(out[record.later.logits])
+        own, cross = caches_after(record.later, out, cross)
+    return whole, stepped
+
+
+def compare_steps(stats: Stats, name: str, whole: np.ndarray, stepped: list[np.ndarray],
+                  tolerance) -> None:
+    """Each step's logits against the whole sequence's at its position."""
+    for i, logits in enumerate(stepped):
+        stats.add(name, whole[:, i:i + 1], logits, tolerance)
+
+
+def error_line(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
 def check_cache_path(record: Seq2SeqRecord, encoder, first, later,
                      tolerance: Tolerance = Tolerance(), start: int = 0, steps: int = 5,
                      seed: int = 0) -> VerifyResult:
     """Two sources (token ids: one padded; features: random, in Whisper's range) encoded, `steps` + 1 decoder tokens (`start`, then random
     ones: teacher-forced, any ids do) run whole through `first` and one at a time through
     the cache path; every step's logits compared. FAILS when nothing was compared."""
-    sources, tokens = _probe(record, start, steps, seed)
-    vocab = record.vocab
+    sources, tokens = probe(record, start, steps, seed)
     stats, errors, name = Stats(), [], "cache-path logits"
     try:
         feeds, mask = source_feeds(record, sources, pad=0)
         states = encoder.infer(feeds)[record.encoder.output]
-        whole = first.infer(decoder_feeds(record.first, tokens, mask, states))[record.first.logits]
-        out = first.infer(decoder_feeds(record.first, tokens[:, :1], mask, states))
-        stats.add(name, whole[:, :1], out[record.first.logits], tolerance)
-        own, cross = caches_after(record.later, out)
-        for i in range(1, steps + 1):
-            out = later.infer(decoder_feeds(record.later, tokens[:, i:i + 1], mask, states,
-                                            {**own, **cross}))
-            stats.add(name, whole[:, i:i + 1], out[record.later.logits], tolerance)
-            own, cross = caches_after(record.later, out, cross)
+        compare_steps(stats, name, *cache_path(record, first, later, tokens, mask, states),
+                      tolerance)
     except Exception as e:  # noqa: BLE001 - a graph that cannot run fails the check
-        errors.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-    floor = 2 * (steps + 1) * vocab  # every row's logits at every step
+        errors.append(error_line(e))
+    floor = 2 * (steps + 1) * record.vocab  # every row's logits at every step
     return VerifyResult((stats.report(name, floor),), steps + 1, tolerance.label(),
                         tuple(errors), floor)
 
@@ -110,7 +133,7 @@ def check_branches(record: Seq2SeqRecord, encoder, first, later, merged,
     `use_cache_branch` False (the first step's own presents fed as the past the branch
     ignores), each later step against it fed True; every output of the plain graph
     compared. FAILS when nothing was compared."""
-    sources, tokens = _probe(record, start, steps, seed)
+    sources, tokens = probe(record, start, steps, seed)
     stats: dict[str, Stats] = {}
     errors: list[str] = []
     wanted = set(merged_inputs)
@@ -135,7 +158,7 @@ def check_branches(record: Seq2SeqRecord, encoder, first, later, merged,
             compare(step, out, {record.first.states: states}, flag)
             own, cross = caches_after(record.later, out, cross)
     except Exception as e:  # noqa: BLE001 - a graph that cannot run fails the check
-        errors.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        errors.append(error_line(e))
     reports = tuple(s.report(name) for name, s in stats.items())
     floor = 2 * record.vocab  # (each output at least one row's worth)
     if not reports or not any(r.compared >= floor for r in reports):

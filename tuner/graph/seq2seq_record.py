@@ -104,9 +104,20 @@ class Seq2SeqRecord:
     later: DecoderIO
     vocab: int  # the logits' width (a padded vocabulary's slice is already cut in the graph)
     max_positions: int | None  # the decoder's position table's rows (None: relative, T5)
-    # a decoder quantizes its activations with one range per run (ONNX Runtime's
-    # quantize_dynamic: DynamicQuantizeLinear), so that a step's numbers depend on the run
-    activations_quantized: bool = False
+    # the graphs that quantize their activations with one range per run (ONNX Runtime's
+    # quantize_dynamic: DynamicQuantizeLinear), so that a row's numbers depend on the run
+    quantized_per_run: tuple[str, ...] = ()
+
+    @property
+    def activations_quantized(self) -> bool:
+        """A decoder's step depends on its run: the cache path cannot be exact as served."""
+        return FIRST_STEP in self.quantized_per_run or LATER_STEPS in self.quantized_per_run
+
+    @property
+    def rows_coupled(self) -> bool:
+        """A row's numbers depend on the other rows of its run (the encoder's or a
+        decoder's): streams are generated apart."""
+        return bool(self.quantized_per_run)
 
 
 def _present_name(past: str) -> str:
@@ -209,7 +220,8 @@ def find_seq2seq_record(folder: Path) -> Seq2SeqRecord:
 
 def _record(folder: Path) -> Seq2SeqRecord:
     graphs = graphs_dir(folder)
-    encoder = _encoder(load_model(graphs / ENCODER))
+    encoder_model = load_model(graphs / ENCODER)
+    encoder = _encoder(encoder_model)
     first_model, later_model = load_model(graphs / FIRST_STEP), load_model(graphs / LATER_STEPS)
     first, first_specs, vocab = _decoder(first_model, FIRST_STEP)
     later, later_specs, later_vocab = _decoder(later_model, LATER_STEPS)
@@ -232,7 +244,7 @@ def _record(folder: Path) -> Seq2SeqRecord:
                        "no states)")
     later = DecoderIO(later.token_ids, later.states, later.mask, later.logits, later.ids_dtype,
                       later.mask_dtype, own, cross)
-    quantized = any(n.op_type == "DynamicQuantizeLinear"
-                    for m in (first_model, later_model) for n in m.graph.all_nodes())
+    quantized = tuple(f for f, m in zip(FILES, (encoder_model, first_model, later_model))
+                      if any(n.op_type == "DynamicQuantizeLinear" for n in m.graph.all_nodes()))
     return Seq2SeqRecord(folder, encoder, first, later, vocab,
                          max_positions(first_model, inspect_model(first_model)), quantized)

@@ -29,12 +29,11 @@ import numpy as np
 
 from tuner.artifact.folder_report import FolderSelection, FolderVariant, write_folder_report
 from tuner.errors import BadInput
-from tuner.gate.seq2seq_steps import check_cache_path
+from tuner.gate.seq2seq_quantized import check_folder
 from tuner.gate.verify import Tolerance, VerifyResult
 from tuner.graph.inspect import inspect_model
 from tuner.graph.io import model_bytes, model_files, other_files
 from tuner.graph.load import load_model
-from tuner.graph.paddable import Transform
 from tuner.graph.seq2seq_record import (FILES, FIRST_STEP, find_seq2seq_record, graphs_dir,
                                         is_seq2seq_folder, merged_only)
 from tuner.hardware.detect import detect
@@ -102,7 +101,11 @@ def optimize_folder(cfg) -> FolderSelection:
         traffic = seq2seq_traffic(cfg.requests, cfg.max_seq, cfg.streams, record)
         notes = [*notes, traffic.note]
         built = [Built("original", original, (), 0.0)]
-        for c in _candidates(original, info, cfg.max_variants, notes):
+        for c in _candidates(original, info, notes):  # best first, until the budget is met
+            if len(built) >= cfg.max_variants:
+                notes.append(f"not built {c.name}: over the limit of {cfg.max_variants} "
+                             "variants")
+                continue
             say(f"building {c.name} (every graph padded and gated)")
             b = _build(original, stage / "variants" / c.name, c, Tolerance(cfg.atol, cfg.rtol),
                        cfg.cache_policy, notes)
@@ -143,11 +146,14 @@ def _flat_copy(src: Path, dst: Path) -> Path:
     return dst
 
 
-def _candidates(folder: Path, info, max_variants: int, notes: list[str]) -> list[Candidate]:
-    """The padded candidates (the original left out) from the first-step decoder's dims,
-    which has every dimension the folder pads (the encoder has no vocabulary)."""
+def _candidates(folder: Path, info, notes: list[str]) -> list[Candidate]:
+    """The padded candidates (the original left out), best first, from the first-step
+    decoder's dims, which has every dimension the folder pads (the encoder has no
+    vocabulary). All of them: one a folder's graphs refuse (a head dim through quantized
+    weights) gives its place in the budget to the next."""
     shape = inspect_model(load_model(folder / FIRST_STEP))
-    kept, dropped = prune(propose(shape, info.facts()), max_variants)
+    candidates = propose(shape, info.facts())
+    kept, dropped = prune(candidates, len(candidates))
     notes += dropped
     if len(kept) == 1:
         notes.append("every dimension is aligned already: the original is the only variant")
@@ -174,8 +180,8 @@ def _build(original: Path, dst: Path, c: Candidate, tolerance: Tolerance, cache_
         result = pad_folder(original, dst, Multiples(**{**_multiples(c).__dict__,
                                                         "cache_policy": cache_policy}),
                             tolerance)
-    except (BadInput, NotExact) as e:
-        notes.append(f"skipped {c.name}: {str(e).splitlines()[0]}")
+    except (BadInput, NotExact) as e:  # (its first line, without the stage's path)
+        notes.append(f"skipped {c.name}: {str(e).splitlines()[0].replace(f'{original}: ', '')}")
         return None
     notes += [f"{c.name}: {graph} kept unpadded ({why})" for graph, why in result.kept]
     return Built(c.name, dst, _labels(result), max(
@@ -203,8 +209,8 @@ def _compare(built: list[Built], traffic: Seq2SeqTraffic, backend, settings, cfg
         for name, runners in sessions:
             b = by_name[name]
             record = find_seq2seq_record(b.folder)
-            check = check_cache_path(record, *runners, Tolerance(cfg.atol, cfg.rtol)
-                                     .at_precision(backend.precision))
+            check = check_folder(record, *runners, Tolerance(cfg.atol, cfg.rtol)
+                                 .at_precision(backend.precision))
             if not check:
                 if b.name == "original":
                     raise BadInput(f"{cfg.model}: its with-past decoder does not agree with "

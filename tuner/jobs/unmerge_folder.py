@@ -11,6 +11,10 @@ branch), then checked against the merged file step by step on ONNX Runtime
 (tuner.gate.seq2seq_steps.check_branches), and the folder written whole or not at all, the
 configs and tokenizer beside the graphs (a folder whose graphs lie in its `onnx/` is written
 flat). `tuner serve OUT` generates from it; Optimum loads it as it loads its own exports.
+
+`dtype` picks which of a transformers.js repository's precisions (tuner.graph.js_dtypes:
+`encoder_model_quantized.onnx` and `decoder_model_merged_quantized.onnx` for q8) is made
+so; OUT holds them under the plain names whatever the dtype.
 """
 
 from __future__ import annotations
@@ -22,22 +26,29 @@ from pathlib import Path
 from tuner.errors import BadInput
 from tuner.gate.seq2seq_steps import check_branches
 from tuner.gate.verify import Tolerance, VerifyResult
+from tuner.graph import js_dtypes
 from tuner.graph.io import model_files, other_files
 from tuner.graph.load import load_model, name_nodes, save_model
 from tuner.graph.merged import FLAG, merged_if, with_cache
 from tuner.graph.seq2seq_record import (ENCODER, FIRST_STEP, LATER_STEPS, MERGED,
-                                        find_seq2seq_record, graphs_dir)
+                                        find_seq2seq_record)
 from tuner.jobs.pad import NotExact, load_reference
 from tuner.rewrite.unmerge import branch
 from tuner.util.files import ensure_writable_dir, swap_dir_into_place
 
 
-def _merged(src: Path) -> Path:
-    graphs = graphs_dir(src)
-    path = graphs / MERGED
-    if not src.is_dir() or not (graphs / ENCODER).is_file() or not path.is_file():
-        raise BadInput(f"{src}: not an encoder-decoder folder with {ENCODER} and {MERGED}")
-    return path
+def _graphs(src: Path, dtype: str) -> tuple[Path, Path]:
+    """(the encoder, the merged decoder) of `dtype`; BadInput naming the dtypes there are."""
+    dtype = js_dtypes.dtype_of(dtype)
+    files = (ENCODER, MERGED)
+    graphs = js_dtypes.graphs_of(src, files, dtype) if src.is_dir() else None
+    if graphs is None:
+        named = " and ".join(js_dtypes.variant(f, dtype) for f in files)
+        there = js_dtypes.present(src, files) if src.is_dir() else []
+        raise BadInput(f"{src}: not an encoder-decoder folder with {named}"
+                       + (f"; it holds the dtypes {', '.join(there)} (--dtype)" if there
+                          else ""))
+    return graphs / js_dtypes.variant(ENCODER, dtype), graphs / js_dtypes.variant(MERGED, dtype)
 
 
 def _write_branches(merged: Path, stage: Path) -> tuple[list[str], object]:
@@ -53,27 +64,29 @@ def _write_branches(merged: Path, stage: Path) -> tuple[list[str], object]:
     return inputs, flag
 
 
-def _copy_others(src: Path, stage: Path) -> None:
-    """The encoder (and its external data), then every file that is no graph's: configs,
-    tokenizer, generation and preprocessor configs, from the folder and its graphs' folder."""
-    graphs = graphs_dir(src)
-    for f in model_files(graphs / ENCODER):
+def _copy_others(src: Path, encoder: Path, stage: Path) -> None:
+    """The encoder as ENCODER (its external data under the names it gives them), then every
+    file that is no graph's: configs, tokenizer, generation and preprocessor configs, from
+    the folder and its graphs' folder."""
+    graph, *data = model_files(encoder)
+    shutil.copy2(graph, stage / ENCODER)
+    for f in data:
         shutil.copy2(f, stage / f.name)
-    for folder in dict.fromkeys((src, graphs)):
+    for folder in dict.fromkeys((src, encoder.parent)):
         for f in other_files(folder):
             if not (stage / f.name).exists():
                 shutil.copy2(f, stage / f.name)
 
 
-def unmerge_folder(src: str | Path, dst: str | Path,
-                   tolerance: Tolerance = Tolerance()) -> VerifyResult:
-    """`src`'s merged decoder as its two plain ones, in `dst` beside a copy of the rest;
-    BadInput: not such a folder; NotExact: a branch differs from the merged file (nothing is
-    written)."""
+def unmerge_folder(src: str | Path, dst: str | Path, tolerance: Tolerance = Tolerance(),
+                   dtype: str = "fp32") -> VerifyResult:
+    """`src`'s merged decoder (of `dtype`) as its two plain ones, in `dst` beside a copy of
+    its encoder and the rest; BadInput: not such a folder; NotExact: a branch differs from
+    the merged file (nothing is written)."""
     from tuner.runtime.registry import get_backend
 
     src, dst = Path(src), Path(dst)
-    merged = _merged(src)
+    encoder, merged = _graphs(src, dtype)
     if dst.resolve() == src.resolve():
         raise BadInput(f"{dst}: refusing to overwrite the input folder")
     ensure_writable_dir(dst.parent, f"unmerged folder {dst.name}")
@@ -81,7 +94,7 @@ def unmerge_folder(src: str | Path, dst: str | Path,
     runners = []
     try:
         inputs, flag = _write_branches(merged, stage)
-        _copy_others(src, stage)
+        _copy_others(src, encoder, stage)
         record = find_seq2seq_record(stage)
         cpu = get_backend("ort-cpu")
         runners = [cpu.load(stage / f) for f in (ENCODER, FIRST_STEP, LATER_STEPS)]
