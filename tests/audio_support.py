@@ -4,6 +4,7 @@ export folder given a tokenizer, and the generation loop on a folder."""
 from __future__ import annotations
 
 import io
+import json
 import shutil
 import wave
 from pathlib import Path
@@ -16,6 +17,11 @@ from serving.generation.seq2seq import Seq2SeqGenerator
 from serving.seq2seq import load_seq2seq
 
 RATE = 16000
+# One greedy try per window (whisper's --temperature_increment_on_fallback None), for tests
+# that compare the served text with the loop's greedy tokens: the tests' random Whisper fails
+# whisper's thresholds on every window, so a request at the default temperature 0 is redone
+# up to 1.0 (serving/http/fallback.py; tests/test_whisper_fallback.py)
+ONE_TRY = {"extra_body": {"temperature_increment_on_fallback": "none"}}
 
 
 def tone(seconds: float, rate: int = RATE, seed: int = 0) -> np.ndarray:
@@ -70,6 +76,18 @@ def whisper_copy(export: Path, folder: Path) -> Path:
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def with_timestamps(folder: Path, no_timestamps: int = 900, previous: int = 898) -> Path:
+    """`folder`'s generation config given Whisper's timestamp, prompt and initial-timestamp
+    settings (the tests' ids: timestamps 901..1002, 0.00-2.02 s; <|nospeech|> 899)."""
+    path = folder / "generation_config.json"
+    config = json.loads(path.read_text())
+    config.pop("_from_model_config", None)  # (else transformers rebuilds it from config.json)
+    config.update(no_timestamps_token_id=no_timestamps, prev_sot_token_id=previous,
+                  max_initial_timestamp_index=50)
+    path.write_text(json.dumps(config))
     return folder
 
 

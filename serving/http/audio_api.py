@@ -5,10 +5,14 @@ up to 60 minutes: audio longer than the encoder's 30 s is cut into pieces at qui
 generated together and joined), `model`, `language` (a code or a name; without one a
 multilingual model detects it first, as transformers' generate does), `prompt` (earlier
 text, after <|startofprev|>: its last tokens up to half the decoder's length, as OpenAI's
-whisper keeps them), `temperature` (0: greedy), `response_format` (`json`, `text`;
+whisper keeps them), `temperature` (0, the default: greedy, each window redone at higher
+temperatures while it fails whisper's thresholds, serving/http/fallback.py; over 0: one
+sampled try; `temperature_increment_on_fallback`, whisper's option: the step, or "none" for
+one try), `response_format` (`json`, `text`;
 `verbose_json`, `srt`, `vtt` generate Whisper's timestamp tokens: segments with their times;
 `timestamp_granularities[]` `segment`), `stream` (json / text: Server-Sent Events,
-`transcript.text.delta` events, then `transcript.text.done`). The log-mel features are
+`transcript.text.delta` events, one per window once it is decided, then
+`transcript.text.done`). A window whisper calls silence is left out. The log-mel features are
 computed here (serving/audio.py) and generated from by the encoder-decoder loop. Errors are
 OpenAI's."""
 
@@ -16,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable, Sequence
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -24,8 +28,9 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from serving.audio import (LANGUAGES, MOST_PIECES, language_code, log_mel, pieces, read_audio,
                            resample)
 from serving.errors import InvalidArgument
+from serving.http.fallback import INCREMENT, Fallback, Window, temperatures
 from serving.http.openai_api import error
-from serving.http.streams import ChunkStream, ChunkStreams, until_disconnect
+from serving.http.streams import ChunkStream, until_disconnect
 from serving.http.transcripts import Piece, joined, srt, timed, verbose, vtt
 from serving.http.triton_generate import SSE_HEADERS, sse
 from serving.sampling import GenerationRequest, Sampling, join_chunks
@@ -66,6 +71,22 @@ def _temperature(form) -> float:
     return value
 
 
+def _increment(form) -> float | None:
+    """whisper's --temperature_increment_on_fallback: the step from 0 up to 1 (0.2), or
+    "none": one try."""
+    raw = _field(form, "temperature_increment_on_fallback", str(INCREMENT))
+    if raw.strip().lower() in ("none", "null"):
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= 1:
+        raise InvalidArgument("'temperature_increment_on_fallback' must be a number in "
+                              f"(0, 1] or none, not {raw!r}")
+    return value
+
+
 async def _detected(frontend, engine: Seq2SeqEngine, features) -> str:
     """A multilingual model's language for this audio: the first step's most likely
     language token (transformers' detect_language)."""
@@ -90,7 +111,7 @@ class Asked:
     language: str  # a code; "" where the model has no language tokens (English-only)
     stream: bool
     task: str
-    temperature: float
+    temperatures: tuple[float, ...]  # a window's tries (serving/http/fallback.py)
 
 
 def _format(form, engine: Seq2SeqEngine) -> str:
@@ -148,52 +169,53 @@ async def _asked(frontend, request: Request, task: str) -> Asked:
         language = await _detected(frontend, engine, features[0])
     stamped = fmt in TIMESTAMPED
     prefix = engine.whisper.prefix(language, task, stamped, before)
-    temperature = _temperature(form)
+    tries = temperatures(_temperature(form), _increment(form))
     no_speech = engine.whisper.no_speech
-    probe = ((prefix.index(engine.whisper.start), (no_speech,))
-             if fmt == "verbose_json" and no_speech is not None else None)
+    probe = (None if no_speech is None
+             else (prefix.index(engine.whisper.start), (no_speech,)))
+    # every window is scored (log-probs, no-speech probability); its end token is a stop
+    # sequence, sent with its log-prob, which whisper's average counts
     generations = tuple(GenerationRequest(
         prompt=prefix, max_tokens=engine.generator.max_target - len(prefix) + 1,
-        sampling=Sampling(temperature=temperature), stop_ids=frozenset(engine.text.eos_ids),
-        encoder_input=f, id=_field(form, "request_id"), timestamps=stamped,
-        logprobs=fmt == "verbose_json", prompt_probe=probe) for f in features)
+        stop_sequences=tuple((t,) for t in engine.text.eos_ids), encoder_input=f,
+        id=_field(form, "request_id"), timestamps=stamped, logprobs=True,
+        prompt_probe=probe) for f in features)
     starts = [sum(len(p) for p in cut[:i]) for i in range(len(cut))]
     spans = tuple((at / config.sampling_rate, len(p) / config.sampling_rate)
                   for at, p in zip(starts, cut))
     return Asked(engine, generations, fmt, len(samples) / config.sampling_rate, spans,
-                 language or "", stream, task, temperature)
+                 language or "", stream, task, tries)
 
 
-def _failed(chunk) -> bool:
-    return chunk.final and chunk.reason not in ("length", "stop")
+def _text_of(asked: Asked) -> Callable[[Sequence[int]], str]:
+    """A window's text from its ids: a timestamped one's timestamps left out (as whisper's
+    decode)."""
+    rule, decode = asked.engine.model.decoder.timestamps, asked.engine.tokenizer.decode
+    begin = rule.begin if rule is not None and asked.format in TIMESTAMPED else math.inf
+    return lambda ids: decode([t for t in ids if t < begin])
 
 
-async def _in_order(streams: ChunkStreams, n: int) -> AsyncIterator[str]:
-    """The pieces' text in order: the first unfinished piece's as it comes, a later one's
-    held until those before it end (they decode together, in cohorts)."""
-    held: list[list[str]] = [[] for _ in range(n)]
-    done, current, text = [False] * n, 0, ""
-    async for i, chunk in streams:
-        if _failed(chunk):
-            raise RuntimeError(chunk.detail or f"generation ended: {chunk.reason}")
-        held[i] += [chunk.text] if chunk.text else []
-        done[i] |= chunk.final
-        while current < n:
-            for piece in held[current]:
-                piece = joined(text, piece)
-                text += piece
-                yield piece
-            held[current] = []
-            if not done[current]:
-                break
-            current += 1
+def _fallback(asked: Asked) -> Fallback:
+    return Fallback(asked.engine, asked.generations, asked.temperatures,
+                    frozenset(asked.engine.text.eos_ids), _text_of(asked))
+
+
+async def _in_order(asked: Asked, windows: AsyncIterator[Window]) -> AsyncIterator[str]:
+    """The windows' text in order, each once it is decided, silence left out."""
+    text, decode = "", _text_of(asked)
+    async for window in windows:
+        if not window.silent:
+            piece = joined(text, decode(window.chunk.ids))
+            text += piece
+            yield piece
 
 
 def _usage(seconds: float) -> dict:
     return {"type": "duration", "seconds": math.ceil(seconds)}
 
 
-def _streamed(asked: Asked, texts: AsyncIterator[str]) -> Response:
+def _streamed(asked: Asked, texts: AsyncIterator[str], close: Callable[[], None]
+              ) -> Response:
     async def events():
         text = ""
         try:
@@ -203,48 +225,47 @@ def _streamed(asked: Asked, texts: AsyncIterator[str]) -> Response:
         except RuntimeError as e:
             yield sse({"error": {"message": str(e)}})
             return
+        finally:
+            close()
         yield sse({"type": "transcript.text.done", "text": text.strip(),
                    "usage": _usage(asked.seconds)})
 
     return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
 
 
-async def _timestamped(asked: Asked, streams: ChunkStreams) -> Response | str:
-    """The segments' answer (verbose_json, srt, vtt) from each piece's whole output."""
-    chunks = await streams.collect()
-    failed = next((c for cs in chunks for c in cs if _failed(c)), None)
-    if failed is not None:
-        raise RuntimeError(failed.detail or f"generation ended: {failed.reason}")
+async def _timestamped(asked: Asked, fallback: Fallback) -> Response | str:
+    """The segments' answer (verbose_json, srt, vtt) from each window's kept output."""
+    windows = await fallback.all()
     engine = asked.engine
     rate = engine.audio.sampling_rate / engine.audio.hop_length  # frames per second
-    whole = [Piece(join_chunks(cs), at, length, round(at * rate))
-             for cs, (at, length) in zip(chunks, asked.spans)]
+    kept = [Piece(w.chunk, at, length, round(at * rate), w.scores, w.temperature)
+            for w, (at, length) in zip(windows, asked.spans) if not w.silent]
     rule, decode = engine.model.decoder.timestamps, engine.tokenizer.decode
-    parts = timed(whole, rule, decode)
+    parts = timed(kept, rule, decode)
     if asked.format == "srt":
         return srt(parts)
     if asked.format == "vtt":
         return vtt(parts)
-    return JSONResponse({**verbose(parts, whole, rule, decode, task=asked.task,
+    return JSONResponse({**verbose(parts, task=asked.task,
                                    language=LANGUAGES.get(asked.language or "en",
                                                           asked.language),
-                                   seconds=asked.seconds, temperature=asked.temperature),
+                                   seconds=asked.seconds),
                          "usage": _usage(asked.seconds)})
 
 
 async def _answer(frontend, request: Request, task: str) -> Response:
     asked = await _asked(frontend, request, task)
-    streams = ChunkStreams(asked.engine, asked.generations)
+    fallback = _fallback(asked)  # (the first tries submitted: an error is the request's)
     if asked.stream:
-        return _streamed(asked, _in_order(streams, len(asked.generations)))
+        return _streamed(asked, _in_order(asked, fallback.in_order()), fallback.close)
     if asked.format in TIMESTAMPED:
-        work = _timestamped(asked, streams)
+        work = _timestamped(asked, fallback)
     else:
         async def work() -> str:
-            texts = _in_order(streams, len(asked.generations))
+            texts = _in_order(asked, fallback.in_order())
             return "".join([piece async for piece in texts]).strip()
         work = work()
-    answer = await until_disconnect(request.receive, work, streams.close)
+    answer = await until_disconnect(request.receive, work, fallback.close)
     if answer is None:
         return Response(status_code=499)  # the client went away; nothing to answer
     if isinstance(answer, Response):

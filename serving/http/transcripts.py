@@ -1,26 +1,27 @@
-"""The audio API's timestamped answers, from each piece's whole output: OpenAI's
-`verbose_json` (segments with their times, ids and scores), SRT and WebVTT subtitles
-(written as OpenAI's whisper package writes them). No HTTP here."""
+"""The audio API's timestamped answers, from each piece's kept output: OpenAI's
+`verbose_json` (segments with their times, ids, scores and the temperature that made them),
+SRT and WebVTT subtitles (written as OpenAI's whisper package writes them). No HTTP here."""
 
 from __future__ import annotations
 
-import math
-import zlib
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Callable, Sequence
 
 from serving.generation.timestamps import Segment, TimestampRule, segments
+from serving.http.fallback import Scores
 from serving.sampling import Chunk
 
 
 @dataclass(frozen=True)
 class Piece:
-    """One window of the audio and its whole output."""
+    """One window of the audio and its kept output (serving.http.fallback.Window)."""
 
-    chunk: Chunk  # every chunk of its stream joined (serving.sampling.join_chunks)
+    chunk: Chunk  # its ids (without the end token), joined
     offset: float  # where it starts in the audio, seconds
     duration: float  # seconds
     seek: int  # its first frame (Whisper's 100 per second: OpenAI's `seek`)
+    scores: Scores  # the window's, which all its segments carry (as OpenAI's)
+    temperature: float  # the one its kept try was made at
 
 
 @dataclass(frozen=True)
@@ -54,36 +55,14 @@ def text_of(parts: Sequence[Timed]) -> str:
     return text.strip()
 
 
-def _compression_ratio(text: str) -> float:
-    """OpenAI's measure of repetition: the text's bytes over its zlib-compressed bytes."""
-    data = text.encode()
-    return len(data) / len(zlib.compress(data)) if data else 0.0
-
-
-def _piece_scores(piece: Piece, decode: Callable[[list[int]], str], rule: TimestampRule
-                  ) -> dict:
-    """A piece's scores, which all its segments carry (as OpenAI's, one per window): the
-    mean log-prob of its tokens, its text's compression ratio, and the probability of
-    <|nospeech|> at the start token (the probe)."""
-    c = piece.chunk
-    logprobs = c.logprobs or ()
-    return {"avg_logprob": sum(logprobs) / len(logprobs) if logprobs else 0.0,
-            "compression_ratio": _compression_ratio(decode([t for t in c.ids
-                                                            if t < rule.begin])),
-            "no_speech_prob": math.exp(c.probe[0]) if c.probe else 0.0}
-
-
-def verbose(parts: Sequence[Timed], pieces: Sequence[Piece], rule: TimestampRule,
-            decode: Callable[[list[int]], str], *, task: str, language: str,
-            seconds: float, temperature: float) -> dict:
+def verbose(parts: Sequence[Timed], *, task: str, language: str, seconds: float) -> dict:
     """OpenAI's verbose_json body (without usage)."""
-    scores = {id(p): _piece_scores(p, decode, rule) for p in pieces}
     return {"task": task, "language": language, "duration": round(seconds, 3),
             "text": text_of(parts),
             "segments": [{"id": i, "seek": t.piece.seek, "start": round(t.segment.start, 3),
                           "end": round(t.segment.end, 3), "text": t.text,
-                          "tokens": list(t.segment.ids), "temperature": temperature,
-                          **scores[id(t.piece)]} for i, t in enumerate(parts)]}
+                          "tokens": list(t.segment.ids), "temperature": t.piece.temperature,
+                          **asdict(t.piece.scores)} for i, t in enumerate(parts)]}
 
 
 def _clock(seconds: float, marker: str, hours: bool) -> str:
