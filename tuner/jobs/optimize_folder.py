@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -160,26 +160,32 @@ def _candidates(folder: Path, info, notes: list[str]) -> list[Candidate]:
     return kept[1:]
 
 
-def _multiples(c: Candidate) -> Multiples:
+def _multiples(c: Candidate) -> Multiples | None:
     """A candidate's sizes as the multiples `tuner pad FOLDER` takes (each graph rounds its
-    own dims up; the head dim is absolute)."""
+    own dims up; the head dim is absolute); None where a size is no rounding up of the old
+    one (a SwiGLU width searched near 8/3 h)."""
     want = {}
     for t in c.transforms:
         if t.kind == "head_dim":
             want["head_dim"] = t.new
             continue
-        m = max(m for m in (*MULTIPLES, 256) if -(-t.old // m) * m == t.new)
-        want[{"ffn": "ffn_multiple", "vocab": "vocab_multiple"}[t.kind]] = m
+        fits = [m for m in (*MULTIPLES, 256) if -(-t.old // m) * m == t.new]
+        if not fits:
+            return None
+        want[{"ffn": "ffn_multiple", "vocab": "vocab_multiple"}[t.kind]] = max(fits)
     return Multiples(**want)
 
 
 def _build(original: Path, dst: Path, c: Candidate, tolerance: Tolerance, cache_policy: str,
            notes: list[str]) -> Built | None:
     """`c` padded into `dst` (None, with a note, when no graph took it or a gate FAILED)."""
+    want = _multiples(c)
+    if want is None:
+        notes.append(f"skipped {c.name}: a folder's graphs are padded to multiples of their "
+                     "own sizes, and this size is none")
+        return None
     try:
-        result = pad_folder(original, dst, Multiples(**{**_multiples(c).__dict__,
-                                                        "cache_policy": cache_policy}),
-                            tolerance)
+        result = pad_folder(original, dst, replace(want, cache_policy=cache_policy), tolerance)
     except (BadInput, NotExact) as e:  # (its first line, without the stage's path)
         notes.append(f"skipped {c.name}: {str(e).splitlines()[0].replace(f'{original}: ', '')}")
         return None
