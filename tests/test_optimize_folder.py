@@ -1,9 +1,9 @@
-"""`tuner optimize FOLDER -o OUT` on export folders as users bring them (Optimum's flat
-layout, a transformers.js repository's with the graphs under onnx/). An encoder-decoder's:
-every variant is the whole folder padded and gated, its cache path checked, timed on whole
-requests; OUT is the selected folder, which the server loads and which generates the
-source's tokens. A decoder-only's: its model.onnx optimized, the tokenizer beside it
-carried into the artifact. Bad input exits 2 and writes nothing."""
+"""`tuner optimize FOLDER -o OUT` (and inspect, pad, verify) on export folders as users
+bring them (Optimum's flat layout, a transformers.js repository's with the graphs under
+onnx/). An encoder-decoder's: every variant is the whole folder padded and gated, its cache
+path checked, timed on whole requests; OUT is the selected folder, which the server loads
+and which generates the source's tokens. A decoder-only's: its model.onnx optimized, the
+tokenizer beside it carried into the artifact. Bad input exits 2 and writes nothing."""
 
 from __future__ import annotations
 
@@ -168,3 +168,23 @@ def test_a_dynamically_quantized_folder(exports, tmp_path):
     assert all(v["cache_path_max_abs"] <= 1e-4 for v in record["variants"])  # (in float)
     assert find_seq2seq_record(out).activations_quantized
     load_seq2seq(out).runners.close()
+
+
+def test_inspect_pad_verify_take_the_transformers_js_layout(exports, tmp_path, capsys):
+    """Graphs under onnx/, configs at the top: inspect reads each graph, pad writes OUT flat
+    (as Optimum writes a folder), verify pairs each graph with its namesake there."""
+    src = tmp_path / "repo"
+    (src / "onnx").mkdir(parents=True)
+    for f in exports["bart"].iterdir():
+        shutil.copy(f, src / "onnx" / f.name if f.name in FILES else src / f.name)
+    (src / "decoder_model_merged.onnx").unlink(missing_ok=True)
+    assert main(["inspect", str(src), "--json"]) == 0
+    assert set(json.loads(capsys.readouterr().out)["graphs"]) == set(FILES)
+    out = tmp_path / "padded"
+    assert main(["pad", str(src), "-o", str(out), "--vocab-multiple", "64"]) == 0
+    assert set(FILES) <= {f.name for f in out.iterdir()} and not (out / "onnx").exists()
+    assert (out / "tokenizer.json").is_file()
+    capsys.readouterr()
+    assert main(["verify", str(src), str(out)]) == 0
+    assert "PASS" in capsys.readouterr().out
+    assert seq2seq_tokens(out) == seq2seq_tokens(exports["bart"])

@@ -63,16 +63,17 @@ def verify_cmd(
 
 def _namesakes(original: Path, variant: Path) -> list[tuple[Path, Path]]:
     """(graph, its namesake) for every graph of folder `original` but a merged decoder."""
-    from tuner.graph.load import folder_graphs
+    from tuner.graph.load import folder_graphs, graphs_folder
 
     if not (original.is_dir() and variant.is_dir()):
         raise BadInput(f"give two folders or two .onnx files, not {original} and {variant}")
     graphs = list(folder_graphs(original)[0])
-    missing = [g.name for g in graphs if not (variant / g.name).is_file()]
+    theirs = graphs_folder(variant)  # (either may hold its graphs in onnx/)
+    missing = [g.name for g in graphs if not (theirs / g.name).is_file()]
     if not graphs or missing:
         raise BadInput(f"{variant}: no {', '.join(missing)} to compare" if missing
                        else f"{original}: no .onnx graph (but a merged decoder) to compare")
-    return [(g, variant / g.name) for g in graphs]
+    return [(g, theirs / g.name) for g in graphs]
 
 
 def _identical(original: Path, variant: Path) -> bool:

@@ -97,9 +97,19 @@ def check_external_data(proto: onnx.ModelProto, model_dir: Path) -> None:
                            f"({sizes[target]} bytes) than the entry claims ({offset}+{length})")
 
 
+def graphs_folder(folder: Path) -> Path:
+    """Where an export folder's graphs lie: in it (Optimum's layout), or, where it holds
+    none, in its onnx/ (transformers.js repositories: configs and tokenizer at the top, the
+    graphs and their quantized copies below)."""
+    below = folder / "onnx"
+    if not any(folder.glob("*.onnx")) and below.is_dir() and any(below.glob("*.onnx")):
+        return below
+    return folder
+
+
 def folder_hint(p: Path) -> str:
     """What to do with an export folder where one graph was expected ("" for anything else)."""
-    graphs = sorted(f.name for f in p.glob("*.onnx")) if p.is_dir() else []
+    graphs = sorted(f.name for f in graphs_folder(p).glob("*.onnx")) if p.is_dir() else []
     if not graphs:
         return ""
     return (f"a folder of graphs ({', '.join(graphs)}), not one: give one of them (`tuner "
@@ -108,12 +118,13 @@ def folder_hint(p: Path) -> str:
 
 def folder_graphs(folder: Path, read: Callable[[ir.Model], T] = lambda model: None
                   ) -> tuple[dict[Path, T], list[Path]]:
-    """An export folder's graphs (sorted by name), each loaded once and given to `read`
+    """An export folder's graphs (sorted by name; graphs_folder: in it or its onnx/), each
+    loaded once and given to `read`
     (one in memory at a time), and apart from them the ones whose layers sit inside control
     flow (Optimum's merged decoder: its branches are the plain decoders beside it).
     `tuner inspect`, `pad` and `verify` on a folder."""
     plain, merged = {}, []
-    for path in sorted(folder.glob("*.onnx")):
+    for path in sorted(graphs_folder(folder).glob("*.onnx")):
         model = load_model(path, merged_ok=True)
         if layers_inside(model) is None:
             plain[path] = read(model)

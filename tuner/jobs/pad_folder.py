@@ -17,7 +17,8 @@ generation loop): the padded logits are sliced back, so every graph keeps its in
 outputs. The merged decoder is left out (its layers sit inside an If that no rewrite reads):
 without it, Optimum loads the two plain decoders. A decoder-only export folder (model.onnx
 beside its tokenizer, and the legacy merged decoder or quantized copies) is padded the same
-way.
+way. A transformers.js repository's graphs lie in its onnx/ (tuner.graph.load.graphs_folder):
+OUT is written flat, graphs beside the configs, as Optimum writes a folder.
 """
 
 from __future__ import annotations
@@ -100,8 +101,9 @@ def _graphs(src: Path) -> tuple[dict[Path, ModelShape | BadInput], list[str]]:
     heads = [s for s in graphs.values() if isinstance(s, ModelShape) and s.vocab_size]
     if left_out and not heads:  # the export's only decoder is the merged one
         raise BadInput(f"{src}: the decoder is only there merged ({left_out[0].split(':')[0]}); "
-                       "export with `optimum-cli export onnx --no-post-process` to get "
-                       "decoder_model.onnx and decoder_with_past_model.onnx")
+                       f"`tuner unmerge {src} -o OUT` writes decoder_model.onnx and "
+                       "decoder_with_past_model.onnx from it (or export with `optimum-cli "
+                       "export onnx --no-post-process`)")
     return graphs, left_out
 
 
