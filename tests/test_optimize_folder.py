@@ -43,6 +43,9 @@ def test_a_folder_is_optimized_into_a_folder_that_serves(exports, tmp_path, caps
         assert (v["speedup"] is None) == (v["name"] == "original")
     padded = record["variants"][1]
     assert padded["transforms"] and all(":" in t for t in padded["transforms"])
+    vocab = next(v for v in record["variants"] if v["name"].startswith("vocab"))
+    assert [part for part, ratio in vocab["unchanged"] if ratio > 0] == ["encoder"]  # (A/A)
+    assert record["variants"][0]["unchanged"] == []
     assert record["workload"] == {"batch": 1, "source_tokens": 32, "output_tokens": 32,
                                   "note": record["workload"]["note"]}
     assert {*FILES, "config.json", "tokenizer.json", "report.md", "timings.png"} <= {

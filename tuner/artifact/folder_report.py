@@ -27,6 +27,9 @@ class FolderVariant:
     request_q3_ms: float
     parts_ms: tuple[float, float, float]  # medians: encoder, first step, later steps (all)
     speedup: Speedup | None  # against the original, paired round by round (None: itself)
+    # the parts whose graph is the original's, byte for byte, and their time ratio (original
+    # / variant medians): what this run's noise alone makes of the same work (an A/A check)
+    unchanged: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -77,7 +80,9 @@ def markdown(s: FolderSelection) -> str:
                      f"{v.request_q3_ms:.2f}] | {e:.2f} / {f:.2f} / {later:.2f} | {_ci(v.speedup)} "
                      f"| {v.gate_max_abs:.3g} | {v.cache_path_max_abs:.3g} |")
     for v in s.variants:
-        lines += [f"- {v.name}: " + ("; ".join(v.transforms) or "the folder as given")]
+        lines += [f"- {v.name}: " + ("; ".join(v.transforms) or "the folder as given")
+                  + "".join(f"; its {part} is the original's, byte for byte, and timed "
+                            f"{ratio:.3f}x it: this run's noise" for part, ratio in v.unchanged)]
     lines += [f"- note: {n}" for n in s.notes] + ["", "Plot: timings.png.", ""]
     return "\n".join(lines)
 

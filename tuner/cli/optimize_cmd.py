@@ -144,7 +144,9 @@ def _print_folder(s, out: Path, as_json: bool) -> None:
         speed = "" if v.speedup is None else (f", {v.speedup.ratio:.3f}x [{v.speedup.low:.3f}, "
                                               f"{v.speedup.high:.3f}]")
         print(f"  {v.name}: {v.request_ms:.2f} ms/request (encoder {e:.2f}, first step "
-              f"{f:.2f}, later steps {later:.2f}){speed}")
+              f"{f:.2f}, later steps {later:.2f}){speed}"
+              + "".join(f"; its {part}, the original's bytes, timed {ratio:.3f}x (noise)"
+                        for part, ratio in v.unchanged))
     for n in s.notes:
         print(f"note: {n}")
     print(f"wrote {out}/ (the selected folder: `tuner serve {out}`), selection.json, report.md, "

@@ -20,6 +20,7 @@ padding seldom pays, and "keep the original" is then the answer.
 
 from __future__ import annotations
 
+import filecmp
 import shutil
 import tempfile
 from dataclasses import dataclass, replace
@@ -40,7 +41,7 @@ from tuner.hardware.detect import detect
 from tuner.jobs.pad import NotExact
 from tuner.jobs.pad_folder import FolderResult, Multiples, pad_folder
 from tuner.jobs.pipeline import progress_say
-from tuner.jobs.seq2seq_timing import RequestTimer, Seq2SeqTraffic, seq2seq_traffic
+from tuner.jobs.seq2seq_timing import PARTS, RequestTimer, Seq2SeqTraffic, seq2seq_traffic
 from tuner.measure.select import select
 from tuner.measure.stats import paired_ratio_ci
 from tuner.measure.timing import interleave_timed
@@ -262,9 +263,23 @@ def _selection(loaded: list[Built], times: dict[str, tuple], traffic: Seq2SeqTra
             b.name, b.transforms, b.gate_max_abs, b.cache_path.outputs[0].max_abs,
             float(median), float(q1), float(q3),
             tuple(float(x) for x in np.median(parts, axis=0)),
-            None if b.name == "original" else Speedup(ci.ratio, ci.low, ci.high, ci.confidence)))
+            None if b.name == "original" else Speedup(ci.ratio, ci.low, ci.high, ci.confidence),
+            () if b.name == "original" else _unchanged(loaded[0], b, times)))
     workload = {"batch": traffic.batch, "source_tokens": traffic.source,
                 "output_tokens": traffic.output, "note": traffic.note}
     return FolderSelection(str(cfg.model), detect().label, backend.name,
                            dict(settings.__dict__), workload, cfg.rounds, cfg.margin,
                            tuple(variants), chosen.name, chosen.reason, tuple(notes))
+
+
+def _unchanged(original: Built, variant: Built, times: dict[str, tuple]
+               ) -> tuple[tuple[str, float], ...]:
+    """Each part of `variant` whose graph is the original's, byte for byte (a vocabulary
+    padding leaves the encoder), with its time ratio to the original's: the same work timed
+    twice in one run, what the run's noise alone makes of it."""
+    mine = np.median(times["original"][1], axis=0)
+    theirs = np.median(times[variant.name][1], axis=0)
+    return tuple((part, float(mine[i] / theirs[i]))
+                 for i, (part, name) in enumerate(zip(PARTS, FILES))
+                 if filecmp.cmp(original.folder / name, variant.folder / name, shallow=False)
+                 and theirs[i] > 0)
