@@ -20,6 +20,7 @@ from tuner.cli import main
 from tuner.graph.seq2seq_record import FILES, find_seq2seq_record
 from tuner.jobs import optimize_folder as job
 from tuner.measure.select import Selection
+from tuner.measure.stats import RatioCI
 
 FAST = ["-q", "--rounds", "5", "--warmup", "1"]
 
@@ -64,7 +65,7 @@ def test_a_folder_is_optimized_into_a_folder_that_serves(exports, tmp_path, caps
 def test_the_selected_padded_variant_is_what_out_holds(exports, tmp_path, monkeypatch):
     """The selection rule is tested on its own (tests/test_bench.py); here it is made to pick
     the padded vocabulary, so that OUT is that folder: padded graphs, the same tokens."""
-    monkeypatch.setattr(job, "select", lambda speedups, margin: Selection(
+    monkeypatch.setattr(job, "select", lambda speedups, margin, **_: Selection(
         next(n for n in speedups if n.startswith("vocab")), "chosen by the test"))
     src, out = exports["bart"], tmp_path / "out"
     assert main(["optimize", str(src), "-o", str(out), *FAST]) == 0
@@ -73,6 +74,21 @@ def test_the_selected_padded_variant_is_what_out_holds(exports, tmp_path, monkey
     assert (out / "decoder_model.onnx").read_bytes() != (src / "decoder_model.onnx").read_bytes()
     assert find_seq2seq_record(out).vocab == find_seq2seq_record(src).vocab  # sliced back
     assert seq2seq_tokens(out) == seq2seq_tokens(src)
+
+
+def test_a_win_must_clear_what_the_same_work_shows():
+    """Whisper-tiny's vocabulary padding measured 1.047x [1.026, 1.067] in one run while its
+    encoder, the original's bytes, timed 1.063x: above the 3% margin, and still no win; the
+    same interval where the unchanged parts agree within it is one."""
+    ci = RatioCI(1.047, 1.026, 1.067, 0.95, 9)
+    speedups = {"original": RatioCI(1, 1, 1, 0.95, 9), "vocab-51904": ci}
+    for unchanged, selected in (((("encoder", 1.063),), "original"),
+                                ((("encoder", 1.004),), "vocab-51904"),
+                                ((("encoder", 0.95),), "vocab-51904"), ((), "vocab-51904")):
+        chosen = job.select(speedups, 0.02, eligible=job.clears_noise(
+            speedups, {"vocab-51904": unchanged}))
+        assert chosen.name == selected, unchanged
+    assert "timed 1.063x" in job._vetoed("vocab-51904", ci, (("encoder", 1.063),))
 
 
 def test_a_transformers_js_layout_and_audio(exports, tmp_path, capsys):

@@ -10,7 +10,9 @@ transformers.js repository's with the graphs under onnx/) optimized as it is ser
                against the first-step decoder run whole: tuner.gate.seq2seq_steps)
     compare    one request per variant per round, interleaved in a fresh random order
                (tuner.jobs.seq2seq_timing); paired ratios against the original
-    select     the original unless a variant's whole interval lies above 1 + margin
+    select     the original unless a variant's whole interval lies above 1 + margin and
+               above what its unchanged parts (graphs of the original's bytes: the same
+               work, timed in the same run) showed in its favour
     write      the selected folder's files at OUT's top (what `tuner serve OUT` loads),
                selection.json, report.md, timings.png
 
@@ -25,6 +27,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -253,7 +256,11 @@ def _selection(loaded: list[Built], times: dict[str, tuple], traffic: Seq2SeqTra
                settings: SessionSettings, cfg, notes: list[str]) -> FolderSelection:
     base = times["original"][0]
     speedups = {b.name: paired_ratio_ci(base, times[b.name][0]) for b in loaded}
-    chosen = select(speedups, cfg.margin)
+    unchanged = {b.name: _unchanged(loaded[0], b, times) for b in loaded[1:]}
+    clears = clears_noise(speedups, unchanged)
+    chosen = select(speedups, cfg.margin, eligible=clears)
+    notes += [_vetoed(n, speedups[n], unchanged[n]) for n in unchanged
+              if speedups[n].above(1 + cfg.margin) and not clears(n)]
     variants = []
     for b in loaded:
         ms, parts = times[b.name]
@@ -264,7 +271,7 @@ def _selection(loaded: list[Built], times: dict[str, tuple], traffic: Seq2SeqTra
             float(median), float(q1), float(q3),
             tuple(float(x) for x in np.median(parts, axis=0)),
             None if b.name == "original" else Speedup(ci.ratio, ci.low, ci.high, ci.confidence),
-            () if b.name == "original" else _unchanged(loaded[0], b, times)))
+            unchanged.get(b.name, ())))
     workload = {"batch": traffic.batch, "source_tokens": traffic.source,
                 "output_tokens": traffic.output, "note": traffic.note}
     return FolderSelection(str(cfg.model), detect().label, backend.name,
@@ -283,3 +290,17 @@ def _unchanged(original: Built, variant: Built, times: dict[str, tuple]
                  for i, (part, name) in enumerate(zip(PARTS, FILES))
                  if filecmp.cmp(original.folder / name, variant.folder / name, shallow=False)
                  and theirs[i] > 0)
+
+
+def clears_noise(speedups: dict, unchanged: dict) -> Callable[[str], bool]:
+    """The selection's second rule (beside the margin): a variant's speedup interval must lie
+    above the largest ratio its unchanged parts (the same work) showed in its favour in the
+    same run."""
+    return lambda name: speedups[name].low > max((r for _, r in unchanged[name]), default=0.0)
+
+
+def _vetoed(name: str, ci, unchanged: tuple[tuple[str, float], ...]) -> str:
+    part, ratio = max(unchanged, key=lambda pr: pr[1])
+    return (f"{name}: {ci.ratio:.3f}x [{ci.low:.3f}, {ci.high:.3f}] is not a win: its {part}, "
+            f"the original's bytes, timed {ratio:.3f}x the original's in the same run, and "
+            "the interval must lie above what the same work shows")
