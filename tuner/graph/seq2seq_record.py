@@ -27,7 +27,7 @@ import onnx_ir as ir
 from tuner.errors import BadInput
 from tuner.graph.inspect import inspect_model
 from tuner.graph.io import max_positions
-from tuner.graph.load import load_model
+from tuner.graph.load import graphs_folder, load_model
 from tuner.graph.role_names import (ATTENTION_MASK, ENCODER_CACHE, ENCODER_MASK, ENCODER_STATES,
                                     KV_CACHE, TOKEN_IDS)
 from tuner.graph.roles import InputSpec, input_specs
@@ -41,11 +41,10 @@ MERGED = "decoder_model_merged.onnx"
 
 
 def graphs_dir(folder: Path) -> Path:
-    """Where an export folder's graphs lie: the folder, or its `onnx/` (the layout of
-    transformers.js repositories: configs and tokenizer at the top, graphs below)."""
-    folder = Path(folder)
-    below = folder / "onnx"
-    return below if not (folder / ENCODER).is_file() and (below / ENCODER).is_file() else folder
+    """Where an encoder-decoder folder's graphs lie: tuner.graph.load.graphs_folder (the
+    folder, or its `onnx/` as transformers.js repositories hold them), the one rule every
+    command follows."""
+    return graphs_folder(Path(folder))
 
 
 def is_seq2seq_folder(folder: Path) -> bool:

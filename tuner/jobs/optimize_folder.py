@@ -36,13 +36,13 @@ from tuner.errors import BadInput
 from tuner.gate.seq2seq_quantized import check_folder
 from tuner.gate.verify import Tolerance, VerifyResult
 from tuner.graph.inspect import inspect_model
-from tuner.graph.io import model_bytes, model_files, other_files
+from tuner.graph.io import model_bytes, other_files
 from tuner.graph.load import load_model
 from tuner.graph.seq2seq_record import (FILES, FIRST_STEP, find_seq2seq_record, graphs_dir,
                                         is_seq2seq_folder, merged_only)
 from tuner.hardware.detect import detect
 from tuner.jobs.pad import NotExact
-from tuner.jobs.pad_folder import FolderResult, Multiples, pad_folder
+from tuner.jobs.pad_folder import FolderResult, Multiples, copy_graph, pad_folder
 from tuner.jobs.pipeline import progress_say
 from tuner.jobs.seq2seq_timing import PARTS, RequestTimer, Seq2SeqTraffic, seq2seq_traffic
 from tuner.measure.select import select
@@ -143,8 +143,7 @@ def _flat_copy(src: Path, dst: Path) -> Path:
     dst.mkdir(parents=True)
     graphs = graphs_dir(src)
     for name in FILES:
-        for f in model_files(graphs / name):
-            shutil.copy2(f, dst / f.name)
+        copy_graph(graphs / name, dst)
     for f in other_files(src):
         shutil.copy2(f, dst / f.name)
     return dst

@@ -131,7 +131,7 @@ def pad_folder(src: Path, dst: Path, want: Multiples,
                 copied.append(path.name)  # already aligned
             except BadInput as e:  # the graph as it was: exact, and said
                 kept.append((path.name, str(e)))
-            _copy_graph(path, stage)
+            copy_graph(path, stage)
         if not padded:
             raise BadInput(f"{src}: no graph could be padded"
                            + "".join(f"; {name}: {why}" for name, why in kept) if kept else
@@ -145,7 +145,8 @@ def pad_folder(src: Path, dst: Path, want: Multiples,
                         tuple(left_out))
 
 
-def _copy_graph(path: Path, stage: Path) -> None:
+def copy_graph(path: Path, stage: Path) -> None:
+    """The graph at `path` and its external data, into `stage`."""
     for f in model_files(path):  # the graph and its external data
         shutil.copy2(f, stage / f.name)
 
