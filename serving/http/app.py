@@ -156,18 +156,27 @@ async def metrics_text(frontend: Frontend, request: Request) -> Response:
     return Response(generate_latest(frontend.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-def build_app(frontend: Frontend) -> Starlette:
-    from serving.http import (audio_api, embeddings_api, hf_routes, kserve, messages_api,
-                              ollama_api, openai_api, rerank_api, responses_api, sagemaker,
-                              score_api, tei_api, tgi_api, tokenize_api, triton_generate)
+# KServe's Hugging Face runtime serves the OpenAI API under /openai (a client set up for it
+# has base_url ".../openai/v1"): those modules' /v1 routes answer there too
+OPENAI_PREFIX = "/openai"
 
+
+def build_app(frontend: Frontend) -> Starlette:
+    from serving.http import (audio_api, embeddings_api, hf_routes, kserve, kserve_v1,
+                              messages_api, ollama_api, openai_api, rerank_api, responses_api,
+                              sagemaker, score_api, tei_api, tgi_api, tokenize_api,
+                              triton_generate)
+
+    openai_shaped = (openai_api, responses_api, embeddings_api, rerank_api, audio_api)
     routes = [Route("/metrics", endpoint(frontend, "metrics", metrics_text), methods=["GET"])]
-    for module in (kserve, triton_generate, openai_api, responses_api, messages_api,
-                   tokenize_api, embeddings_api, rerank_api, score_api, tgi_api, tei_api,
-                   hf_routes, sagemaker, ollama_api, audio_api):
+    for module in (kserve, kserve_v1, triton_generate, openai_api, responses_api,
+                   messages_api, tokenize_api, embeddings_api, rerank_api, score_api, tgi_api,
+                   tei_api, hf_routes, sagemaker, ollama_api, audio_api):
         for path, methods, name, handler, errors in module.ROUTES:
-            routes.append(Route(path, endpoint(frontend, name, handler, errors or kserve_error),
-                                methods=methods))
+            call = endpoint(frontend, name, handler, errors or kserve_error)
+            routes.append(Route(path, call, methods=methods))
+            if module in openai_shaped and path.startswith("/v1/"):
+                routes.append(Route(OPENAI_PREFIX + path, call, methods=methods))
     return Starlette(routes=routes)
 
 

@@ -9,7 +9,8 @@ Inference for an encoder one), since a client of either calls them:
                similarity (what InferenceClient.sentence_similarity sends), `query` with
                `texts` -> rerank (a cross-encoder), otherwise embed (what
                InferenceClient.feature_extraction sends)
-  GET  /       200 once the model serves, 503 before (TEI's health check there)
+  GET  /       200 once the model serves, 503 before (TEI's health check there); the body
+               {"status": "alive"}, what KServe V1's client reads as the server's liveness
 
 Errors are answered in the shape of the API that took the body."""
 
@@ -19,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from serving.decoder import DecoderEngine
-from serving.http import openai_api, rerank_api, tei_api, tgi_api
+from serving.http import rerank_api, tei_api, tgi_api
 from serving.http.embeddings_api import embedder_of
 from serving.rerank import is_cross_encoder
 
@@ -61,6 +62,11 @@ async def root(frontend, request: Request) -> Response:
         return tei_api.error(e)
 
 
+async def health(frontend, request: Request) -> Response:
+    ready = frontend.slot.ready()
+    return JSONResponse({"status": "alive" if ready else "loading"}, 200 if ready else 503)
+
+
 ROUTES = [("/", ["POST"], "hf/", root, tei_api.error),
-          ("/", ["GET"], "hf/health", openai_api.health, None),
+          ("/", ["GET"], "hf/health", health, None),
           ("/info", ["GET"], "hf/info", info, tei_api.error)]

@@ -69,17 +69,23 @@ def _model(name: str) -> dict:
 
 
 async def models(frontend, request: Request) -> Response:
+    """OpenAI's and Anthropic's model list, and KServe V1's (`models`: the names): the three
+    share the path, each client reads its own keys."""
     name = frontend.slot.name
     return JSONResponse({"object": "list", "data": [_model(name)],
-                         "has_more": False, "first_id": name, "last_id": name})
+                         "has_more": False, "first_id": name, "last_id": name,
+                         "models": [name]})
 
 
 async def model(frontend, request: Request) -> Response:
-    """`client.models.retrieve(name)`: the served model, or 404 model_not_found."""
+    """`client.models.retrieve(name)`: the served model, or 404 model_not_found; KServe V1's
+    model readiness on the same path (`name`, `ready`; 503 until the model serves, as
+    KServe answers)."""
     name = request.path_params["model"]
     if name != frontend.slot.name:
         raise NotFound(f"The model '{name}' does not exist")
-    return JSONResponse(_model(name))
+    ready = frontend.slot.ready()
+    return JSONResponse(_model(name) | {"name": name, "ready": ready}, 200 if ready else 503)
 
 
 async def health(frontend, request: Request) -> Response:
