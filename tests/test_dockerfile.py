@@ -18,6 +18,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 DOCKERFILE = ROOT / "Dockerfile"
 MANIFEST = ROOT / "deploy" / "kserve" / "inferenceservice.yaml"
+RUNTIME = ROOT / "deploy" / "kserve" / "servingruntime.yaml"
 CI_JOB = ROOT / "deploy" / "ci" / "optimize-and-deploy.yml"
 
 
@@ -160,6 +161,27 @@ def test_kserve_manifest_runs_the_image_as_a_custom_predictor():
     assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"
     user = [a for w, a in _instructions(DOCKERFILE.read_text()) if w == "USER"][-1]
     assert str(c["securityContext"]["runAsUser"]) == user.split(":")[0]
+
+
+def test_kserve_runtime_serves_its_formats_on_kserves_ports():
+    """The ClusterServingRuntime: an InferenceService that names the format gets the image
+    with real serve options, the service's name as the model's, the ports KServe's own model
+    server uses (HTTP 8080 first: Knative routes the first), the protocols the server speaks."""
+    runtime, isvc = yaml.safe_load_all(RUNTIME.read_text())
+    assert (runtime["kind"], isvc["kind"]) == ("ClusterServingRuntime", "InferenceService")
+    spec = runtime["spec"]
+    assert set(spec["protocolVersions"]) == {"v1", "v2", "grpc-v2"}
+    (c,) = spec["containers"]
+    args, options = c["args"], _serve_options()
+    assert args[0] == "/mnt/models" and all(a in options for a in args if a.startswith("--"))
+    assert args[args.index("--model-name") + 1] == "{{.Name}}"  # KServe's template
+    http, grpc, metrics = (int(args[args.index(o) + 1])
+                           for o in ("--http-port", "--port", "--metrics-port"))
+    assert [p["containerPort"] for p in c["ports"]] == [http, grpc] == [8080, 8081]
+    assert spec["annotations"]["prometheus.kserve.io/port"] == str(metrics)
+    assert c["readinessProbe"]["httpGet"] == {"path": "/v2/health/ready", "port": http}
+    formats = {f["name"] for f in spec["supportedModelFormats"]}
+    assert isvc["spec"]["predictor"]["model"]["modelFormat"]["name"] in formats
 
 
 def test_ci_example_uses_the_files_it_names():
