@@ -9,9 +9,9 @@ served by `tuner serve FOLDER`:
   Optimum's own `generate` gives that source alone on the same folder (Whisper, Flan-T5), in
   process and through Triton's gRPC client; a beam search's beams share runs, as in
   transformers' search, and equal Optimum's search of that source alone;
-- `tuner unmerge FOLDER --dtype quantized` makes a transformers.js repository's quantized
-  files a servable folder: its branches equal the merged file exactly, and it generates
-  what Optimum generates from the quantized merged decoder."""
+- `tuner unmerge FOLDER --dtype quantized` (or `q4`) makes a transformers.js repository's
+  quantized (or 4-bit) files a servable folder: its branches equal the merged file exactly,
+  and it generates what Optimum generates from that merged decoder."""
 
 from __future__ import annotations
 
@@ -58,9 +58,21 @@ def _quantized(export: Path, dst: Path) -> Path:
     return dst
 
 
+def _q4(src: Path, dst: Path) -> None:
+    """`src` with 4-bit weights as transformers.js's `_q4` files are made: ONNX Runtime's
+    MatMulNBitsQuantizer, blocks of 32, symmetric (it reaches into the merged If's branches)."""
+    import onnx
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    quantizer = MatMulNBitsQuantizer(onnx.load(str(src)), block_size=32, is_symmetric=True)
+    quantizer.process()
+    onnx.save(quantizer.model.model, str(dst))
+
+
 def _js_repo(export: Path, dst: Path) -> Path:
     """A transformers.js repository: configs at the top; under onnx/ the encoder and merged
-    decoder, and their quantized copies (the merged one's branches quantized too)."""
+    decoder, and their quantized (q8) and 4-bit (q4) copies, the merged one's branches
+    quantized too."""
     (dst / "onnx").mkdir(parents=True)
     for f in export.iterdir():
         if f.suffix != ".onnx":
@@ -69,6 +81,7 @@ def _js_repo(export: Path, dst: Path) -> Path:
         shutil.copy(export / f"{name}.onnx", dst / "onnx" / f"{name}.onnx")
         _quantize(export / f"{name}.onnx", dst / "onnx" / f"{name}_quantized.onnx",
                   EnableSubgraph=True)
+        _q4(export / f"{name}.onnx", dst / "onnx" / f"{name}_q4.onnx")
     return dst
 
 
@@ -85,21 +98,21 @@ def folders(exports, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("quantized")
     out = {f: _quantized(exports[f], root / f) for f in ("whisper", "flan_t5")}
     out["repo"] = repo = _js_repo(exports["flan_t5"], root / "repo")
-    merged = root / "merged"
-    merged.mkdir()
-    for f in repo.iterdir():
-        if f.is_file():
-            shutil.copy(f, merged / f.name)
-    for name in ("encoder_model", "decoder_model_merged"):
-        shutil.copy(repo / "onnx" / f"{name}_quantized.onnx", merged / f"{name}.onnx")
-    out["merged"] = merged
+    for key, suffix in (("merged", "_quantized"), ("merged_q4", "_q4")):
+        merged = out[key] = root / key
+        merged.mkdir()
+        for f in repo.iterdir():
+            if f.is_file():
+                shutil.copy(f, merged / f.name)
+        for name in ("encoder_model", "decoder_model_merged"):
+            shutil.copy(repo / "onnx" / f"{name}{suffix}.onnx", merged / f"{name}.onnx")
     return out
 
 
 @pytest.fixture(scope="module")
 def alone(folders) -> dict[str, dict]:
     """Optimum's greedy `generate` on each of ROWS inputs by itself, per folder."""
-    names = ("whisper", "flan_t5", "merged")
+    names = ("whisper", "flan_t5", "merged", "merged_q4")
     return dict(zip(names, optimum.seq2seq_greedy([folders[n] for n in names], NEW,
                                                   {"rows": ROWS, "alone": True})))
 
@@ -260,7 +273,13 @@ def test_unmerge_a_transformers_js_folders_quantized_files(folders, alone, tmp_p
     assert find_seq2seq_record(out).activations_quantized
     got, rows, _ = _together(out, alone["merged"])
     assert got == alone["merged"]["tokens"][:, 1:].tolist() and max(rows) == 1
-    assert main(["unmerge", str(repo), "-o", str(tmp_path / "q4"), "--dtype", "q4"]) == 2
+    # --dtype q4: 4-bit weights (MatMulNBits), activations in float: streams batch freely
+    result = unmerge_folder(repo, tmp_path / "q4", dtype="q4")
+    assert result and all(o.max_abs == 0 for o in result.outputs)
+    assert not find_seq2seq_record(tmp_path / "q4").activations_quantized
+    got, _, apart = _together(tmp_path / "q4", alone["merged_q4"])
+    assert got == alone["merged_q4"]["tokens"][:, 1:].tolist() and apart is None
     assert main(["unmerge", str(repo), "-o", str(tmp_path / "x"), "--dtype", "int3"]) == 2
-    with pytest.raises(BadInput, match="holds the dtypes fp32, q8"):
-        unmerge_folder(repo, tmp_path / "q4", dtype="q4")
+    assert main(["unmerge", str(repo), "-o", str(tmp_path / "y"), "--dtype", "bnb4"]) == 2
+    with pytest.raises(BadInput, match="holds the dtypes fp32, q8, q4"):
+        unmerge_folder(repo, tmp_path / "z", dtype="bnb4")
