@@ -200,8 +200,9 @@ def serve(
                    "opens the block)"),
 ) -> None:
     """Serve OUT's selected variant until SIGTERM: KServe v2 / Open Inference Protocol over
-    gRPC (--port) and HTTP/REST (--http-port), and for a decoder Triton's generate endpoints,
-    an OpenAI-compatible API (/v1), Anthropic's Messages API (/v1/messages), Text
+    gRPC (--port) and HTTP/REST (--http-port), KServe V1 (/v1/models/NAME:predict) on the
+    HTTP port, and for a decoder Triton's generate endpoints, an OpenAI-compatible API (/v1,
+    and /openai/v1 as KServe's Hugging Face runtime serves it), Anthropic's Messages API (/v1/messages), Text
     Generation Inference's (/generate, /generate_stream) and Ollama's (/api/generate,
     /api/chat) on the HTTP port; for an encoder, OpenAI's embeddings, Text Embeddings
     Inference's API, Ollama's /api/embed and the rerank APIs; with Amazon SageMaker's /ping
