@@ -93,8 +93,8 @@ class Costs:
     def decode_step(self, batch: int, past: int) -> float:
         """d(batch): the median of STEPS decode steps over caches of `past` entries."""
         r = self.record
-        rows = [{n: self.rng.standard_normal(r.past_shape(1, past)).astype(r.dtypes.get(n, r.dtype))
-                 for n in r.past} for _ in range(batch)]
+        rows = [{n: self.rng.standard_normal(r.past_shape(1, past, n)).astype(
+                     r.dtypes.get(n, r.dtype)) for n in r.past} for _ in range(batch)]
         shared = r.rows_at_start and self.runner.writes_into
         arrays, mask = pad_rows(r, rows, batch, past, past + STEPS if shared else None)
         seconds = []

@@ -195,7 +195,7 @@ FAMILIES.update({
                                                    moe_intermediate_size=72,
                                                    decoder_sparse_step=1, mlp_only_layers=[]),
                                  4, 2, 24, 0, False, _KV), exporter_weights=True),
-    # multi-head latent attention: keys 24 wide (16 + 8 rotary), values 16; refused by serve
+    # multi-head latent attention: keys 24 wide (16 + 8 rotary), values 16 (head dim not padded)
     "deepseek_v3": _family("deepseek_v3", dict(_L, **_IDS, hidden_size=96, num_attention_heads=4,
                                                num_key_value_heads=4, intermediate_size=200,
                                                moe_intermediate_size=72, n_routed_experts=4,

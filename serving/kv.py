@@ -5,7 +5,8 @@ the first step) and gets logits and `present` back. No grpc here.
     check_cache_feeds(record, feeds, "gpt2-kv")      # InvalidArgument, Triton-style message
 
 What is checked, beyond the tensor specs (dtype, rank, static dims): every past has the
-cache's layout with the kv heads and head dim the served graph declares, all pasts hold
+cache's layout with the kv heads and head dim the served graph declares (a value's own where
+keys and values differ in width), all pasts hold
 the same number of positions P and the same batch as the ids, and the attention mask is
 P + seq long. A request that breaks these would otherwise fail deep inside the runtime (an
 out-of-bounds Gather) or, worse, run on a mask that hides the wrong positions.
@@ -34,7 +35,7 @@ def check_cache_feeds(record: CacheRecord, feeds: Mapping[str, np.ndarray], mode
                                   f"({record.layout}), not {list(arr.shape)}")
         for letter, want, what in (("b", batch, f"the batch of '{record.input_ids}'"),
                                    ("h", record.kv_heads, "the model's kv heads"),
-                                   ("d", record.head_dim, "the model's head dim")):
+                                   ("d", record.cache.dim_of(name), _dim_what(record, name))):
             got = int(arr.shape[axis[letter]])
             if want is not None and got != want:
                 raise InvalidArgument(f"input '{name}' of model '{model}' has {got} on axis "
@@ -52,3 +53,11 @@ def check_cache_feeds(record: CacheRecord, feeds: Mapping[str, np.ndarray], mode
                 f"input '{record.attention_mask}' of model '{model}' must be (batch, past + seq) "
                 f"= ({batch}, {past + seq}) for a past of {past} and {seq} new token(s), not "
                 f"{list(mask.shape)}")
+
+
+def _dim_what(record: CacheRecord, name: str) -> str:
+    """What the head-dim axis must match: the model's head dim, or the keys' or the values'
+    own where they differ (multi-head latent attention)."""
+    if record.value_head_dim is None:
+        return "the model's head dim"
+    return "the values' head dim" if name in record.cache.values else "the keys' head dim"

@@ -262,7 +262,7 @@ def test_optimize_then_serve_with_inflight_batching_equals_a_plain_greedy_loop(f
 
 def _own_cache(sess: _Session, record, prompt: list[int]) -> dict[str, np.ndarray]:
     ids = np.array([prompt], np.int64)
-    past = {n: np.zeros(record.past_shape(1, 0), np.float32) for n in record.past}
+    past = {n: np.zeros(record.past_shape(1, 0, n), np.float32) for n in record.past}
     out = sess.infer({"input_ids": ids, "attention_mask": np.ones_like(ids), **past})
     return {p: out[q] for p, q in record.past_to_present.items()}
 

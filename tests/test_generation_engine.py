@@ -165,7 +165,7 @@ def test_the_newest_stream_is_preempted_when_the_cache_budget_runs_out(llama):
 
 def _row(record, length: int, seed: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
-    return {n: rng.standard_normal(record.past_shape(1, length)).astype(np.float32)
+    return {n: rng.standard_normal(record.past_shape(1, length, n)).astype(np.float32)
             for n in record.past}
 
 

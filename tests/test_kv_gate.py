@@ -1,7 +1,9 @@
 """The gate for decoders with a KV cache: `tuner verify m m` passes on every cache export,
 corrupted copies (embedding rows x3, one FFN weight, the LM head's last vocab entry) fail,
 and `tuner pad` gates cache models through the rollouts (vocab and FFN padding exact, the
-cache untouched)."""
+cache untouched). A cache whose keys and values differ in width (multi-head latent
+attention, DeepSeek-V3's Optimum export) is gated at each one's own width, and copies that
+change its values alone or its keys' shared rotary part alone fail."""
 
 from __future__ import annotations
 
@@ -9,8 +11,10 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 
+from models import optimum
 from models.build import EXPORTERS, cached
 from tuner.cli import main
+from tuner.errors import BadInput
 from tuner.graph.cache_record import cache_record
 from tuner.gate.kv_feeds import prefill_feeds
 from tuner.gate.kv_gate import SERVED, CacheFeeds, cache_feeds, check, widen_feeds
@@ -152,3 +156,48 @@ def test_a_corrupted_model_fails_on_the_served_shapes_alone(tmp_path):
     served = CacheFeeds(feeds.roles, feeds.starts[-len(SERVED):])
     assert check(OrtRunner(load_cpu(src)), OrtRunner(load_cpu(src)), served)
     assert not check(OrtRunner(load_cpu(src)), OrtRunner(load_cpu(bad)), served)
+
+
+def _noisy_columns(src, dst, node: str, cols: slice, std: float):
+    """A copy of `src` whose MatMul named with `node` gets noise of `std` in its weight
+    columns `cols` (its outputs there change, nothing else the graph computes before it)."""
+    model = load_model(src)
+    w = next(n for n in model.graph if n.op_type == "MatMul" and node in n.name).inputs[1]
+    arr = w.const_value.numpy().copy()  # (in, out)
+    noise = np.random.default_rng(0).standard_normal(arr[:, cols].shape) * std
+    arr[:, cols] += noise.astype(arr.dtype)
+    w.const_value = ir.tensor(arr)
+    ir.save(model, str(dst))
+    return dst
+
+
+@pytest.mark.venv(*optimum.VENV)  # the export is cached; its environment built beside the tests
+def test_a_latent_attention_cache_is_gated_at_its_own_widths(tmp_path, capsys):
+    """DeepSeek-V3 caches keys 24 wide (16 per head, 8 of rotary shared by the heads) and
+    values 16: each past gets its own shape, the bytes count both widths, a shape asked for
+    without the tensor's name is refused; `verify m m` passes comparing both presents, and a
+    copy whose values alone change (head 0's value columns of layer 0's kv_b_proj, per head
+    [keys 16 | values 16]) or whose keys' shared rotary part alone changes (the last 8
+    columns of layer 1's kv_a_proj_with_mqa, [latent 32 | rotary 8]) FAILS on that cache,
+    the same layer's other cache passing."""
+    src = optimum.cached("deepseek_v3")
+    record = cache_record(load_model(src))
+    assert (record.head_dim, record.value_head_dim, record.layout) == (24, 16, "bhsd")
+    assert record.past_shape(2, 5, "past_key_values.1.key") == (2, 4, 5, 24)
+    assert record.past_shape(2, 5, "past_key_values.1.value") == (2, 4, 5, 16)
+    assert record.bytes_per_token == 2 * 4 * (24 + 16) * 4  # layers x kv heads x widths x fp32
+    with pytest.raises(BadInput, match="needs the tensor's name"):
+        record.past_shape(2, 5)
+    assert main(["verify", str(src), str(src)]) == 0
+    out = capsys.readouterr().out
+    assert "present.1.value" in out and out.strip().endswith("PASS")
+    liars = (("layers.0/self_attn/kv_b_proj", slice(16, 32), "present.0.value", "present.0.key"),
+             ("layers.1/self_attn/kv_a_proj_with_mqa", slice(32, 40), "present.1.key",
+              "present.1.value"))
+    for node, cols, hit, spared in liars:  # noise of 1e-3: the cache's own rows tell
+        liar = _noisy_columns(src, tmp_path / f"{hit}.onnx", node, cols, 1e-3)
+        assert main(["verify", str(src), str(liar)]) == 1
+        out = capsys.readouterr().out
+        rows = {line.split()[0]: line.split()[-1] for line in out.splitlines()
+                if line.startswith("present.")}
+        assert (rows[hit], rows[spared], out.strip()[-4:]) == ("FAIL", "pass", "FAIL"), out

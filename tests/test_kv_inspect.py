@@ -154,6 +154,10 @@ def test_cache_record_is_validated():
         KvCache(num_layers=2, layout="bhsd", **args)
     with pytest.raises(ValueError, match="layout must order the letters b, h, s, d, not 'bhs'"):
         KvCache(num_layers=1, layout="bhs", **args)
+    with pytest.raises(ValueError, match="value_head_dim 8 is the keys' head dim: leave it None"):
+        KvCache(num_layers=1, layout="bhsd", value_head_dim=8, **args)
+    latent = KvCache(num_layers=1, layout="bhsd", value_head_dim=6, **args)  # keys 8, values 6
+    assert (latent.dim_of("pk"), latent.dim_of("pv"), latent.values_dim) == (8, 6, 6)
 
 
 @pytest.fixture(scope="module")

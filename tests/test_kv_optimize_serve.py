@@ -15,6 +15,7 @@ import tritonclient.grpc as tg
 from serving_support import make_artifact
 from tritonclient.utils import InferenceServerException
 
+from models import optimum
 from models.build import EXPORTERS, cached
 from serving.engine import EngineOptions
 from serving.server import Server, ServerOptions
@@ -163,6 +164,22 @@ def test_serve_checks_the_past_against_the_mask(served):
             _infer(server, {**step, **change})
         assert "INVALID_ARG" in str(e.value.status()) and message in e.value.message(), (
             change.keys(), e.value.message())
+
+
+@pytest.mark.venv(*optimum.VENV)  # the export is cached; its environment built beside the tests
+def test_a_clients_past_is_checked_at_the_keys_and_the_values_own_widths():
+    """DeepSeek-V3 (multi-head latent attention) caches keys 24 wide and values 16: each
+    past is checked at its own width, and a value of the keys' width is refused naming the
+    values' head dim."""
+    from serving.errors import InvalidArgument
+    from serving.kv import check_cache_feeds
+
+    record = cache_record(load_model(optimum.cached("deepseek_v3")))
+    step = dict(decode_feeds(record, batch=1, past=4, seq=1, vocab_size=1003).arrays)
+    check_cache_feeds(record, step, "deepseek")
+    wrong = {**step, "past_key_values.1.value": np.zeros((1, 4, 4, 24), np.float32)}
+    with pytest.raises(InvalidArgument, match="has 24 on axis 3, but the values' head dim is 16"):
+        check_cache_feeds(record, wrong, "deepseek")
 
 
 def test_serve_a_widened_cache_the_client_feeds_wide(tmp_path):

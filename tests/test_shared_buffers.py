@@ -25,7 +25,7 @@ class _Row:
 
     def __init__(self, record, n: int, rng: np.random.Generator) -> None:
         self.computed, self.slot, self.prefix_counted = n, None, True
-        self.cache = {name: rng.standard_normal(record.past_shape(1, n)).astype(np.float32)
+        self.cache = {name: rng.standard_normal(record.past_shape(1, n, name)).astype(np.float32)
                       for name in record.past}
         self.want = {k: v.copy() for k, v in self.cache.items()}
 

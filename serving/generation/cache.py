@@ -343,8 +343,8 @@ class CacheManager:
         kept, self._idle = self._idle, None
         if kept is None or capacity is None:
             return None
-        shape = self.record.past_shape(rows, capacity)
-        return kept if all(a.shape == shape for a in kept.values()) else None
+        return kept if all(a.shape == self.record.past_shape(rows, capacity, n)
+                           for n, a in kept.items()) else None
 
     def clear(self) -> None:
         """Nothing is decoding: drop the batch. Shared buffers that fit the byte budget at

@@ -67,8 +67,9 @@ def _cache_lines(shape: ModelShape) -> list[str]:
     per_token = f"{c.bytes_per_token} bytes per token" if c.bytes_per_token else "size unknown"
     first, last = c.layers[0], c.layers[-1]
     lines = [
-        f"KV cache: {c.num_layers} layers x {c.num_kv_heads} kv heads x head dim {c.head_dim}, "
-        f"layout {c.layout}, {c.dtype}, {per_token} (K and V)",
+        f"KV cache: {c.num_layers} layers x {c.num_kv_heads} kv heads x head dim {c.head_dim}"
+        + (f" (keys; values {c.value_head_dim}: multi-head latent attention)"
+           if c.value_head_dim else "") + f", layout {c.layout}, {c.dtype}, {per_token} (K and V)",
         f"  axes: batch {c.batch_dim or '-'}, past {c.past_dim or '-'}, "
         f"present {c.present_dim or '-'}",
         f"  layer 0: {first.past_key}, {first.past_value} -> "

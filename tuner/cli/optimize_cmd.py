@@ -123,8 +123,10 @@ def optimize(
         sel = m.selected_variant()
         (pk,), (dk,) = m.phases["prefill"]["shapes"], m.phases["decode"]["shapes"]
         p, d = sel.latency.get(pk), sel.latency_decode.get(dk)
+        values = m.cache.get("value_head_dim")  # multi-head latent attention's own width
         print(f"decoder: cache {m.cache['served_shape']} per layer x {m.cache['layers']} "
-              f"(policy {m.cache['policy']}), cache-length buckets {list(m.buckets.past)}; "
+              + (f"(values {values} wide) " if values else "")
+              + f"(policy {m.cache['policy']}), cache-length buckets {list(m.buckets.past)}; "
               + (f"prefill {pk} {p.median_ms:.2f} ms, decode {dk} {d.median_ms:.3f} ms/token; "
                  if p and d else "")
               + f"selection weighs decode x {m.phases['mean_output_tokens']:.1f} tokens/request")

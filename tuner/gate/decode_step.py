@@ -166,8 +166,8 @@ def last_only(feeds: StepFeeds, rows: int | None = None) -> StepFeeds:
 
 def empty_past(record: CacheRecord, batch: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """Every past of length 0, and its (B, 0) mask: a first step."""
-    shape = record.past_shape(batch, 0)
-    return ({name: np.zeros(shape, record.dtypes.get(name, record.dtype))
+    return ({name: np.zeros(record.past_shape(batch, 0, name),
+                            record.dtypes.get(name, record.dtype))
              for name in record.past}, np.zeros((batch, 0), np.int64))
 
 
@@ -187,13 +187,15 @@ def pad_rows(record: CacheRecord, caches: Sequence[Mapping[str, np.ndarray]],
                        f"fit a batch of {batch} and a past of {past}")
     if capacity is not None and (capacity < past or not record.rows_at_start):
         raise BadInput(f"a buffer of {capacity} positions needs rows at the start and >= {past}")
-    shape = record.past_shape(batch, capacity or past)
+    shapes = {name: record.past_shape(batch, capacity or past, name) for name in record.past}
     if into is not None and not (record.rows_at_start and capacity is not None and all(
-            into[n].shape == shape for n in record.past)):
-        raise BadInput(f"buffers to reuse must be {shape} per past, rows at the start")
+            into[n].shape == shapes[n] for n in record.past)):
+        raise BadInput(f"buffers to reuse must be {shapes[record.past[0]]} per past (a "
+                       "value's head dim its own), rows at the start")
     mask = np.zeros((batch, past), np.int64)  # (B, P)
     arrays = dict(into) if into is not None else {
-        name: np.zeros(shape, record.dtypes.get(name, record.dtype)) for name in record.past}
+        name: np.zeros(shapes[name], record.dtypes.get(name, record.dtype))
+        for name in record.past}
     for i, cache in enumerate(caches):
         place_row(record, arrays, mask, i, cache)
     return arrays, mask

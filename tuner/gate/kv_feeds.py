@@ -49,8 +49,8 @@ def decode_feeds(record: CacheRecord, batch: int, past: int, seq: int, vocab_siz
                        f"not ({batch}, {past}, {seq})")
     rng = np.random.default_rng(seed)
     ids = rng.integers(0, vocab_size, (batch, seq))
-    shape = record.past_shape(batch, past)
-    cache = {name: rng.standard_normal(shape) for name in record.past}
+    cache = {name: rng.standard_normal(record.past_shape(batch, past, name))
+             for name in record.past}
     return build_feeds(record, ids, np.ones((batch, past + seq), np.int64), cache)
 
 
@@ -62,7 +62,7 @@ def served_feeds(record: CacheRecord, lengths: Sequence[int], chunks: Sequence[i
     tokens (1: decoding; k: a prompt chunk beside the decoding rows); rows past len(lengths)
     up to `batch` are bucket padding."""
     rng = np.random.default_rng(seed)
-    caches = [{name: rng.standard_normal(record.past_shape(1, n)) for name in record.past}
+    caches = [{name: rng.standard_normal(record.past_shape(1, n, name)) for name in record.past}
               for n in lengths]
     size = batch or len(lengths)
     arrays, mask = pad_rows(record, caches, size, past or max(lengths))

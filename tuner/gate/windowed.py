@@ -67,7 +67,7 @@ def _windowed_logits(runner: Runner, record: CacheRecord, found: WindowedCache,
     each step's new tokens."""
     past, mask = empty_past(record, 1)
     for name in found.pasts:  # its windowed layers take their buffer, whatever the length
-        past[name] = np.zeros(record.past_shape(1, r.capacity), past[name].dtype)
+        past[name] = np.zeros(record.past_shape(1, r.capacity, name), past[name].dtype)
     logits, fed = [], []
     new: tuple[int, ...] = r.pieces[0]
     for step in range(len(r.pieces) + r.steps):

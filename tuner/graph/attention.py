@@ -288,6 +288,9 @@ def _dims(q_in: ir.Value, q: _Path, k: _Path, v: _Path, fused_qkv: bool, dims: D
         a = a or q_out // d
         k_out = k.linears[0].out_dim if k.linears else 0
         kv = k_out // d if k_out else a
+        if k_out % d:  # not kv heads x d wide: multi-head latent attention's kv_b_proj, which
+            # makes each head's keys (less their shared rotary part) and its values at once
+            kv = _reshape_dims(k)[0] or a
     return a, kv, d
 
 

@@ -4,12 +4,14 @@ gate (rollouts), optimize (the cache section, the decoder's feeds) and the serve
 
     record = find_cache_record(model)       # None when the graph has no KV cache
     record.past_to_present                  # past input -> the present output feeding it
-    record.past_shape(batch=2, length=7)    # in the cache's own layout, e.g. bhsd
+    record.past_shape(2, 7, "past_key_values.0.value")   # in the cache's own layout, e.g. bhsd
 
 It joins what tuner.graph.kv_cache finds from the structure (layers, layout, kv heads,
 head dim, dtype) with the roles tuner.graph.roles finds for every model (token ids, mask,
 position ids), the logits output, and the widened entries a rewrite recorded (`widen`).
-The dims are the served graph's own: a widened cache is wider here.
+The dims are the served graph's own: a widened cache is wider here. Keys and values may
+differ in width (multi-head latent attention: `value_head_dim`), so a past's shape is asked
+for by the tensor's name.
 """
 
 from __future__ import annotations
@@ -59,7 +61,14 @@ class CacheRecord:
 
     @property
     def head_dim(self) -> int | None:
+        """The keys' head dim (the values' too, unless value_head_dim says otherwise)."""
         return self.cache.head_dim
+
+    @property
+    def value_head_dim(self) -> int | None:
+        """The values' own head dim where it is not the keys' (multi-head latent attention);
+        None: the values are head_dim wide too."""
+        return self.cache.value_head_dim
 
     @property
     def dtype(self) -> str:
@@ -101,11 +110,17 @@ class CacheRecord:
         """Whether the graph runs seq > 1 beside a past > 0 (chunked prefill, prefix hits)."""
         return self.seq is None or self.seq > 1
 
-    def past_shape(self, batch: int, length: int) -> tuple[int, ...]:
-        """The shape of one past tensor holding `length` positions, in the cache's layout."""
-        if self.kv_heads is None or self.head_dim is None:
+    def past_shape(self, batch: int, length: int, name: str | None = None) -> tuple[int, ...]:
+        """The shape of the past (or present) tensor `name` holding `length` positions, in
+        the cache's layout: a value's head dim is the values' own. `name` may be left out
+        only where keys and values are one width."""
+        if name is None and self.value_head_dim is not None:
+            raise BadInput(f"keys ({self.head_dim}) and values ({self.value_head_dim}) differ "
+                           "in head dim: a past's shape needs the tensor's name")
+        dim = self.cache.dim_of(name) if name is not None else self.head_dim
+        if self.kv_heads is None or dim is None:
             raise BadInput("the cache's kv heads / head dim are not static in the graph")
-        size = {"b": batch, "h": self.kv_heads, "s": length, "d": self.head_dim}
+        size = {"b": batch, "h": self.kv_heads, "s": length, "d": dim}
         return tuple(size[letter] for letter in self.layout)  # e.g. bhsd: (B, kv_heads, P, d)
 
 
@@ -140,11 +155,6 @@ def cache_record(model: ir.Model) -> CacheRecord:
     if len(lengths) > 1:  # one engine cache: every layer's past is as long as the others'
         raise BadInput(f"the layers' caches have lengths of their own ({', '.join(lengths)}); "
                        "a cache with per-layer lengths is not served")
-    widths = _head_widths(graph, cache)
-    if len(widths) > 1:  # the record holds one head dim, for keys and values alike
-        raise BadInput(f"keys and values have head dims of their own ({' and '.join(widths)}: "
-                       "multi-head latent attention, as DeepSeek's); a cache whose keys and "
-                       "values differ in width is not served")
     specs = input_specs(model)  # roles from the structure (tuner.graph.roles)
     crossing = [s.name for s in specs if s.role in ENCODER_ROLES]
     if crossing:  # the engine's steps carry no encoder: nothing would feed these
@@ -177,22 +187,6 @@ def _past_lengths(graph: ir.Graph, cache: KvCache) -> list[str]:
     dims = [v.shape[axis] for v in graph.inputs if v.name in cache.pasts and v.shape is not None
             and len(v.shape) > axis]
     return sorted({d.value for d in dims if isinstance(d, ir.SymbolicDim) and d.value})
-
-
-def _head_widths(graph: ir.Graph, cache: KvCache) -> list[str]:
-    """'keys 24', 'values 16': the static widths of the past keys and values on the head-dim
-    axis where they differ (a transposed key's axis there is its symbolic length: skipped)."""
-    axis = cache.layout.index("d")
-    shapes = {v.name: v.shape for v in graph.inputs if v.shape is not None}
-    found: dict[str, set[int]] = {"keys": set(), "values": set()}
-    for layer in cache.layers:
-        for role, name in (("keys", layer.past_key), ("values", layer.past_value)):
-            shape = shapes.get(name)
-            if shape is not None and len(shape) > axis and isinstance(shape[axis], int):
-                found[role].add(shape[axis])
-    if not found["keys"] or found["keys"] == found["values"]:
-        return []
-    return [f"{role} {'/'.join(map(str, sorted(w)))}" for role, w in found.items() if w]
 
 
 def find_cache_record(model: ir.Model) -> CacheRecord | None:

@@ -90,11 +90,11 @@ class KvCache:
 
     num_layers: int
     num_kv_heads: int | None  # None: not static in the graph
-    head_dim: int | None
+    head_dim: int | None  # the keys' (and, unless value_head_dim says otherwise, the values')
     layout: str
     dtype: str  # numpy name, e.g. "float32"
     itemsize: int  # bytes per element
-    bytes_per_token: int | None  # 2 (K and V) * layers * kv heads * head dim * itemsize
+    bytes_per_token: int | None  # layers * kv heads * (key + value head dims) * itemsize
     batch_dim: str | None  # symbolic dim names (dim_param); None when static or unnamed
     past_dim: str | None
     present_dim: str | None  # past + seq, on present
@@ -109,17 +109,40 @@ class KvCache:
     # holds only their window, and the window; () and None elsewhere
     windowed_layers: tuple[int, ...] = ()
     window: int | None = None
+    # the values' head dim where it is not the keys' (multi-head latent attention, as
+    # DeepSeek-V2/V3 and Kimi K2 export it: keys carry the rotary part, values do not);
+    # None: the values are head_dim wide too
+    value_head_dim: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_layers != len(self.layers):
             raise ValueError(f"num_layers {self.num_layers} != {len(self.layers)} layers listed")
         if sorted(self.layout) != sorted("bhsd"):
             raise ValueError(f"layout must order the letters b, h, s, d, not {self.layout!r}")
+        if self.value_head_dim is not None and self.value_head_dim == self.head_dim:
+            raise ValueError(f"value_head_dim {self.value_head_dim} is the keys' head dim: "
+                             "leave it None")
 
     @property
     def pasts(self) -> set[str]:
         """Every layer's past key and value input names."""
         return {n for layer in self.layers for n in (layer.past_key, layer.past_value)}
+
+    @property
+    def values(self) -> set[str]:
+        """Every layer's past and present value names (the tensors of the values' width)."""
+        return {n for layer in self.layers for n in (layer.past_value, layer.present_value)
+                if n is not None}
+
+    @property
+    def values_dim(self) -> int | None:
+        """The values' head dim: value_head_dim where they have their own, else head_dim."""
+        return self.value_head_dim or self.head_dim
+
+    def dim_of(self, name: str) -> int | None:
+        """The head dim of the past or present tensor `name`: the values' for a value, the
+        keys' for anything else."""
+        return self.values_dim if name in self.values else self.head_dim
 
 
 @dataclass(frozen=True)
@@ -356,22 +379,34 @@ def _layer(index: int, k: _Join, v: _Join) -> CacheLayer:
                       k.node.name or "", v.node.name or "")
 
 
+def _per_token(layers: int, heads: int | None, key_dim: int | None, value_dim: int | None,
+               itemsize: int) -> int | None:
+    """Bytes one position of every layer's keys and values takes; None where a dim is unknown."""
+    if not (heads and key_dim and value_dim):
+        return None
+    return layers * heads * (key_dim + value_dim) * itemsize
+
+
 def _cache(pairs: list[tuple[_Join, _Join]], named: bool) -> KvCache:
     k0, v0 = pairs[0]
     layout = _layout(v0.axis)  # the value's: a transposed key (bhds) still holds the same sizes
     heads_axis, dim_axis = layout.index("h"), layout.index("d")
     tensors = [v0.past, v0.present]
-    heads, head_dim = _static(tensors, heads_axis), _static(tensors, dim_axis)
-    if heads is None or head_dim is None:  # onnxruntime-genai: `kv_cache_dim` is symbolic
+    heads, value_dim = _static(tensors, heads_axis), _static(tensors, dim_axis)
+    # the key's own width, on its own head-dim axis (a transposed key's is elsewhere)
+    key_dim = _static([k0.past, k0.present], _layout(k0.axis).index("d"))
+    if heads is None or value_dim is None:  # onnxruntime-genai: `kv_cache_dim` is symbolic
         fused_heads, fused_dim = gqa_cache_dims(v0.node)
-        heads, head_dim = heads or fused_heads, head_dim or fused_dim
+        heads, value_dim = heads or fused_heads, value_dim or fused_dim
+    head_dim = key_dim or value_dim
+    own = value_dim if value_dim and head_dim and value_dim != head_dim else None
     dtype = v0.past.dtype
     assert dtype is not None  # _join kept floating-point inputs only
-    per_token = (2 * len(pairs) * heads * head_dim * int(dtype.itemsize)
-                 if heads and head_dim else None)
+    per_token = _per_token(len(pairs), heads, head_dim, own or head_dim, int(dtype.itemsize))
     return KvCache(
         num_layers=len(pairs), num_kv_heads=heads, head_dim=head_dim, layout=layout,
         dtype=str(dtype.numpy()), itemsize=int(dtype.itemsize), bytes_per_token=per_token,
+        value_head_dim=own,
         batch_dim=_symbol(v0.past, 0), past_dim=_symbol(v0.past, v0.axis),
         present_dim=_symbol(v0.present, v0.axis),
         layers=tuple(_layer(i, k, v) for i, (k, v) in enumerate(pairs)),
@@ -405,7 +440,8 @@ def with_dims(cache: KvCache, kv_heads: int, head_dim: int) -> KvCache:
     dim = cache.head_dim or head_dim or None
     if heads == cache.num_kv_heads and dim == cache.head_dim:
         return cache
-    per_token = 2 * cache.num_layers * heads * dim * cache.itemsize if heads and dim else None
+    per_token = _per_token(cache.num_layers, heads, dim, cache.value_head_dim or dim,
+                           cache.itemsize)
     return replace(cache, num_kv_heads=heads, head_dim=dim, bytes_per_token=per_token)
 
 

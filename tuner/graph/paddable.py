@@ -28,10 +28,27 @@ BY_KIND = {d.kind: d for d in PADDABLE}
 
 
 def unpadded_kinds(shape) -> tuple[str, ...]:
-    """The PADDABLE kinds no rewrite may pad in `shape` (a ModelShape): an encoder-decoder's
-    decoder hands its cross-attention keys and values from one file to the next as a cache
-    (decoder_model -> decoder_with_past_model), so its heads keep their shape."""
-    return ("head_dim", "heads") if shape.cross_attention else ()
+    """The PADDABLE kinds no rewrite may pad in `shape` (a ModelShape): its heads, where
+    unpadded_reason says why."""
+    return ("head_dim", "heads") if unpadded_reason(shape) else ()
+
+
+def unpadded_reason(shape) -> str | None:
+    """Why the heads of `shape` (a ModelShape) keep their shape, or None where they may be
+    padded: an encoder-decoder's decoder hands its cross-attention keys and values from one
+    file to the next as a cache (decoder_model -> decoder_with_past_model); multi-head latent
+    attention's keys are a per-head part and a rotary part shared by the heads, its values
+    the per-head width alone, a layout the head rewrites do not follow."""
+    if shape.cross_attention:
+        return (f"an encoder-decoder's decoder ({shape.cross_attention} cross-attention "
+                "blocks) hands its cross-attention keys and values from one file to the next "
+                "as a cache, so its heads are not padded")
+    cache = shape.cache
+    if cache is not None and cache.value_head_dim is not None:
+        return (f"keys and values have head dims of their own (keys {cache.head_dim}, values "
+                f"{cache.value_head_dim}: multi-head latent attention), a layout the head "
+                "rewrites do not follow")
+    return None
 # Every Transform kind, in the order a variant's name lists them: the paddable ones, the hidden
 # size (never padded exactly; advice only), ONNX Runtime's fusions and the LM head cut to the
 # positions a step reads (tuner.rewrite.logits_to_keep: the selected decoder's, when served).

@@ -170,11 +170,11 @@ def combined_totals(prefill: Mapping, decode: Mapping, mean_output: float) -> np
     return p + mean_output * d
 
 
-def _cache_shape(cache: KvCache, widened: Mapping) -> list:
-    letters = {"b": "batch", "h": cache.num_kv_heads, "s": "past", "d": cache.head_dim}
+def _cache_shape(cache: KvCache, widened: Mapping, name: str) -> list:
+    """The shape of past tensor `name` as fed (a value's head dim is the values' own)."""
+    letters = {"b": "batch", "h": cache.num_kv_heads, "s": "past", "d": cache.dim_of(name)}
     shape = [letters[x] for x in cache.layout]
-    first = cache.layers[0].past_key
-    for axis, _pos, new in widened.get(first, ()):
+    for axis, _pos, new in widened.get(name, ()):
         shape[axis] = new
     return shape
 
@@ -182,11 +182,13 @@ def _cache_shape(cache: KvCache, widened: Mapping) -> list:
 def cache_section(cache: KvCache, served_path: Path, served: str, policy: str) -> dict[str, Any]:
     """The manifest's `cache`: what clients (or a server owning the cache) feed as past."""
     widened = widened_cache(load_model(served_path)) if served != "original" else {}
+    key = cache.layers[0].past_key  # the shapes are the keys'; value_head_dim: the values'
     return {"layers": cache.num_layers, "kv_heads": cache.num_kv_heads,
-            "head_dim": cache.head_dim, "layout": cache.layout, "dtype": cache.dtype,
+            "head_dim": cache.head_dim, "value_head_dim": cache.value_head_dim,
+            "layout": cache.layout, "dtype": cache.dtype,
             "bytes_per_token": cache.bytes_per_token, "policy": policy,
-            "widened": bool(widened), "original_shape": _cache_shape(cache, {}),
-            "served_shape": _cache_shape(cache, widened), "served_variant": served,
+            "widened": bool(widened), "original_shape": _cache_shape(cache, {}, key),
+            "served_shape": _cache_shape(cache, widened, key), "served_variant": served,
             "past": [n for layer in cache.layers for n in (layer.past_key, layer.past_value)],
             "present": [n for layer in cache.layers
                         for n in (layer.present_key, layer.present_value)]}
@@ -209,7 +211,8 @@ def report_section(manifest_json: Mapping[str, Any]) -> str:
     """report.md's decoder part: the cache, both phases per variant, the rule."""
     c, ph = manifest_json["cache"], manifest_json["phases"]
     lines = ["", "## Decoder: prefill and decode", "",
-             f"- cache: {c['layers']} layers, {c['kv_heads']} kv heads of {c['head_dim']}, "
+             f"- cache: {c['layers']} layers, {c['kv_heads']} kv heads of {c['head_dim']}"
+             + (f" (values {c['value_head_dim']})" if c.get("value_head_dim") else "") + ", "
              f"layout {c['layout']}, {c['dtype']}; policy `{c['policy']}`; shape as served "
              f"{c['served_shape']} (original {c['original_shape']})",
              f"- selection: {ph['rule']}; mean output tokens {ph['mean_output_tokens']:.1f}",

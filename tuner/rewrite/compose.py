@@ -16,7 +16,8 @@ from typing import Callable
 import onnx_ir as ir
 
 from tuner.errors import BadInput, RewriteRefused
-from tuner.graph.paddable import BY_KIND, PADDABLE, Transform, unpadded_kinds
+from tuner.graph.paddable import (BY_KIND, PADDABLE, Transform, unpadded_kinds,
+                                  unpadded_reason)
 from tuner.graph.shape import ModelShape
 from tuner.rewrite.axis.cache import POLICIES as CACHE_POLICIES
 from tuner.rewrite.common import remove_unused
@@ -120,11 +121,8 @@ def apply(model: ir.Model, shape: ModelShape, req: PadRequest) -> tuple[ir.Model
     refused = [d for d in PADDABLE if d.kind in unpadded_kinds(shape)
                and getattr(req, d.field) is not None]
     if refused:
-        raise RewriteRefused(
-            f"{refused[0].kind}: an encoder-decoder's decoder ({shape.cross_attention} "
-            "cross-attention blocks) hands its cross-attention keys and values from one file "
-            "to the next as a cache, so its heads are not padded; its FFN width and vocabulary "
-            "are (--ffn-multiple, --vocab-multiple)")
+        raise RewriteRefused(f"{refused[0].kind}: {unpadded_reason(shape)}; its FFN width and "
+                             "vocabulary are padded (--ffn-multiple, --vocab-multiple)")
     done: list[Transform] = []
     for dim in PADDABLE:
         new = getattr(req, dim.field)
