@@ -219,6 +219,7 @@ def test_openai_client_under_kserves_prefix(decoder, llama) -> None:  # noqa: F8
 
     c = openai.OpenAI(base_url=f"http://127.0.0.1:{decoder.http_port}/openai/v1", api_key="x")
     assert [m.id for m in c.models.list().data] == [decoder.slot.name]
+    assert c.models.retrieve(decoder.slot.name).id == decoder.slot.name
     want = _greedy_text(llama, rendered_ids(CHAT), 6)
     whole = c.chat.completions.create(model=decoder.slot.name, messages=CHAT, max_tokens=6,
                                       temperature=0)
