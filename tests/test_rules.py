@@ -47,6 +47,17 @@ def test_head_dim_not_a_multiple_of_8_is_an_error():
     assert "32" in kernel.message  # next fused size, and FlashAttention's rounding
 
 
+def test_heads_a_rewrite_keeps_are_audited_without_a_pad_remedy():
+    """An encoder-decoder's decoder keeps its heads (its cross-attention cache crosses
+    files): the head-dim findings still say what the hardware wants, and that this tool does
+    not pad them, never "pad each head" (inspect's remedy would be refused)."""
+    found = rules(audit(shape(hidden_size=600, num_heads=30, num_kv_heads=30, head_dim=20,
+                              cross_attention=2), device_facts("h100"), 4096))
+    for rule in ("head-dim-multiple-8", "attention-kernel"):
+        assert "not padded here" in found[rule].message and "cross-attention" in found[rule].message
+        assert "pad each head" not in found[rule].message and "pad to 32" not in found[rule].message
+
+
 def test_swiglu_width_names_the_search_around_8_3_h():
     f = rules(audit(shape(hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128,
                           ffn_size=10922, ffn_gated=True, vocab_size=32000),

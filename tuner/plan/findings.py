@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from tuner.graph.paddable import unpadded_reason
 from tuner.graph.shape import Finding, ModelShape
 from tuner.hardware.facts import (ORT_FUSED_HEAD_DIMS, DeviceFacts, device_facts,
                                   largest_power_of_two_dividing, next_multiple, waves)
@@ -31,21 +32,26 @@ def _head_dim(shape: ModelShape) -> list[Finding]:
     d = shape.head_dim
     if not d:
         return []
+    # the hardware's view stands; where the heads keep their shape, the remedy is not ours
+    kept = unpadded_reason(shape)
+    not_here = f"; not padded here: {kept}" if kept else ""
     out = []
     if d % 8:
+        fix = (f"pad each head to {next_multiple(d, 8)} (exact, zero columns in Q/K/V, scale "
+               "kept at 1/sqrt(d))")
         out.append(Finding("head-dim-multiple-8", "error",
                            f"head dim {d} is not a multiple of 8: fp16 tensor cores cannot run the "
-                           f"attention GEMMs; pad each head to {next_multiple(d, 8)} (exact, zero "
-                           "columns in Q/K/V, scale kept at 1/sqrt(d))"))
+                           f"attention GEMMs" + (not_here if kept else f"; {fix}")))
     elif d % 64:
+        fix = f"candidate: pad each head to {next_multiple(d, 64)} (exact) and measure"
         out.append(Finding("head-dim-multiple-64", "warning",
                            f"head dim {d} is a multiple of only "
                            f"{largest_power_of_two_dividing(d)}: GEMM efficiency rises with powers "
-                           f"of two up to 64; candidate: pad each head to {next_multiple(d, 64)} "
-                           "(exact) and measure"))
+                           f"of two up to 64" + (not_here if kept else f"; {fix}")))
     if d not in ORT_FUSED_HEAD_DIMS:
         better = next((x for x in ORT_FUSED_HEAD_DIMS if x > d), None)
         hint = f"pad to {better} to get one" if better else "no larger fused size exists"
+        hint = f"not padded here: {kept}" if kept else hint
         out.append(Finding("attention-kernel", "warning",
                            f"head dim {d} has no ONNX Runtime fused attention kernel "
                            f"({'/'.join(map(str, ORT_FUSED_HEAD_DIMS))}): {hint}; FlashAttention "
