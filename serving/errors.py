@@ -25,3 +25,7 @@ class Unauthenticated(ServingError):
 
 class ResourceExhausted(ServingError):
     """The server is full (every stream slot taken and the queue too): try again later."""
+
+
+class AlreadyExists(ServingError):
+    """The name is taken (a shared memory region registered twice, as Triton refuses it)."""

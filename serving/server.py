@@ -34,6 +34,7 @@ from serving.metrics import (Stats, add_endpoint_metrics, add_generation_metrics
                              start_metrics_server)
 from serving.model import load_artifact
 from serving.seq2seq import Seq2SeqEngine, load_seq2seq
+from serving.shared_memory import SystemRegions
 from serving.wire._generated import POOL
 from serving.wire._generated import inference_pb2_grpc as pb_grpc
 from serving.wire.interceptors import EndpointInterceptor, TokenInterceptor
@@ -114,7 +115,7 @@ class Server:
         else:
             manifest = read_manifest(self.artifact)  # bad artifacts fail here, before any port
             name = options.model_name or Path(manifest.source_path).stem
-        self.slot = Slot(name)
+        self.slot = Slot(name, regions=SystemRegions(options.max_message_bytes))
         self.stats = Stats()
         self.metrics = make_metrics(self.stats, name, "1")
         self.endpoint_metrics = add_endpoint_metrics(self.metrics)
@@ -277,6 +278,7 @@ class Server:
         engine = self.slot.engine
         if engine is not None:
             engine.close()
+        self.slot.regions.close()  # every client's shared memory region let go
         if self._metrics_http is not None:
             http, thread = self._metrics_http
             http.shutdown()

@@ -165,11 +165,12 @@ def build_app(frontend: Frontend) -> Starlette:
     from serving.http import (audio_api, embeddings_api, hf_routes, kserve, kserve_v1,
                               messages_api, ollama_api, openai_api, rerank_api, responses_api,
                               sagemaker, score_api, tei_api, tgi_api, tokenize_api,
-                              triton_generate)
+                              triton_extensions, triton_generate)
 
     openai_shaped = (openai_api, responses_api, embeddings_api, rerank_api, audio_api)
     routes = [Route("/metrics", endpoint(frontend, "metrics", metrics_text), methods=["GET"])]
-    for module in (kserve, kserve_v1, triton_generate, openai_api, responses_api,
+    for module in (kserve, triton_extensions, kserve_v1, triton_generate, openai_api,
+                   responses_api,
                    messages_api, tokenize_api, embeddings_api, rerank_api, score_api, tgi_api,
                    tei_api, hf_routes, sagemaker, ollama_api, audio_api):
         for path, methods, name, handler, errors in module.ROUTES:

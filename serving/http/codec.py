@@ -11,14 +11,15 @@ when the request's parameters say `"binary_data_output": true` (tritonclient.htt
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from typing import Collection, Mapping
 
 import numpy as np
 import orjson
 
 from serving.datatypes import DATATYPES, datatype_of
-from serving.errors import (InvalidArgument, NotFound, ResourceExhausted, Unauthenticated,
-                            Unavailable)
+from serving.errors import (AlreadyExists, InvalidArgument, NotFound, ResourceExhausted,
+                            Unauthenticated, Unavailable)
+from serving.shared_memory import Place, SystemRegions, place_of
 from serving.wire.protocol import decode_raw, raw_bytes
 from tuner.errors import BadInput
 
@@ -28,7 +29,7 @@ _BINARY_ONLY = ("FP16", "BF16")  # no JSON form
 # ONE table: exception type -> HTTP status. First match wins; anything else is 500.
 HTTP_STATUS: tuple[tuple[type[BaseException], int], ...] = (
     (InvalidArgument, 400), (BadInput, 400), (NotFound, 404), (Unauthenticated, 401),
-    (ResourceExhausted, 429), (Unavailable, 503),
+    (ResourceExhausted, 429), (Unavailable, 503), (AlreadyExists, 400),  # 400: as Triton
 )
 
 
@@ -98,8 +99,23 @@ def _from_json(name: str, datatype: str, shape: tuple[int, ...], data) -> np.nda
         raise InvalidArgument(f"input '{name}' holds values outside {datatype}") from None
 
 
-def decode_inputs(header: Mapping, binary: bytes) -> dict[str, np.ndarray]:
-    """The request's inputs as numpy arrays, keyed by name."""
+def _shared(name: str, datatype: str, shape: tuple[int, ...], elsewhere: bool, place: Place,
+            regions: SystemRegions | None) -> np.ndarray:
+    """An input read from shared memory; it may not come `elsewhere` too (Triton's rule:
+    one of 'data', 'binary_data_size', 'shared_memory_region')."""
+    if elsewhere:
+        raise InvalidArgument(f"input '{name}': Input must set only one of the following "
+                              "fields: 'data', 'binary_data_size' in 'parameters', "
+                              "'shared_memory_region' in 'parameters'")
+    if regions is None:
+        raise InvalidArgument(f"input '{name}': shared memory is not served on this path")
+    return decode_raw(name, datatype, shape, regions.read(place, f"input '{name}'"))
+
+
+def decode_inputs(header: Mapping, binary: bytes, regions: SystemRegions | None = None
+                  ) -> dict[str, np.ndarray]:
+    """The request's inputs as numpy arrays, keyed by name (those whose parameters name a
+    shared memory region read from it)."""
     inputs = header.get("inputs")
     if not isinstance(inputs, list) or not inputs:
         raise InvalidArgument("the request must have a non-empty 'inputs' list")
@@ -114,8 +130,12 @@ def decode_inputs(header: Mapping, binary: bytes) -> dict[str, np.ndarray]:
         if datatype not in DATATYPES:
             raise InvalidArgument(f"input '{name}' has unknown datatype '{datatype}'")
         shape = _shape(entry, name)
-        size = _params(entry, f"input '{name}'").get("binary_data_size")
-        if size is not None:
+        params = _params(entry, f"input '{name}'")
+        size, place = params.get("binary_data_size"), place_of(params, f"input '{name}'")
+        if place is not None:
+            elsewhere = "data" in entry or size is not None
+            feeds[name] = _shared(name, datatype, shape, elsewhere, place, regions)
+        elif size is not None:
             if not isinstance(size, int) or size < 0 or offset + size > len(binary):
                 raise InvalidArgument(f"input '{name}': binary_data_size {size!r} runs past the "
                                       f"{len(binary)} binary bytes of the body")
@@ -144,6 +164,21 @@ def requested_outputs(header: Mapping) -> tuple[list[str], dict[str, bool]]:
     return names, binary or {"*": default}
 
 
+def output_places(header: Mapping) -> dict[str, Place]:
+    """The requested outputs whose parameters name a shared memory region, by name."""
+    places = {}
+    for entry in header.get("outputs") or []:
+        name = entry["name"]  # requested_outputs checked the entries
+        params = _params(entry, f"output '{name}'")
+        place = place_of(params, f"output '{name}'")
+        if place is not None:
+            if params.get("binary_data") is True:
+                raise InvalidArgument(f"output '{name}': Output can't set both "
+                                      "'shared_memory_region' and 'binary_data'")
+            places[name] = place
+    return places
+
+
 def _json_data(array: np.ndarray):
     """An output's `data`: strings for BYTES, else the flat array itself (orjson writes
     numpy arrays natively, ~100x faster than json.dumps of a list: 1 ms against 117 ms
@@ -156,18 +191,22 @@ def _json_data(array: np.ndarray):
 
 def encode_response(model: str, version: str, request_id: str | None,
                     outputs: Mapping[str, np.ndarray], binary: Mapping[str, bool],
-                    parameters: Mapping | None = None) -> tuple[bytes, int | None]:
-    """The response body and, when any output is binary, the JSON header's length."""
+                    parameters: Mapping | None = None, placed: Collection[str] = ()
+                    ) -> tuple[bytes, int | None]:
+    """The response body and, when any output is binary, the JSON header's length. An
+    output in `placed` was written to shared memory: its name, datatype and shape only."""
     entries, blobs = [], []
     for name, array in outputs.items():
         entry = {"name": name, "datatype": datatype_of(array.dtype), "shape": list(array.shape)}
+        entries.append(entry)
+        if name in placed:  # the data is in the client's region already
+            continue
         if binary.get(name, binary.get("*", False)) or entry["datatype"] in _BINARY_ONLY:
             blob = raw_bytes(array)
             entry["parameters"] = {"binary_data_size": len(blob)}
             blobs.append(blob)
         else:
             entry["data"] = _json_data(array)
-        entries.append(entry)
     head = {"model_name": model, "model_version": version, "outputs": entries}
     if request_id:
         head["id"] = request_id

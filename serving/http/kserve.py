@@ -19,6 +19,7 @@ from serving.http.streams import ChunkStream, until_disconnect
 from serving.sampling import join_chunks
 from serving.trtllm_core import asks_to_stop
 from serving.wire._generated import inference_pb2 as pb
+from serving.wire.protocol import write_placed
 from serving.wire.servicer import (EXTENSIONS, SERVER_NAME, config_for, model_metadata,
                                    model_statistics)
 
@@ -94,13 +95,20 @@ async def infer(frontend, request: Request) -> Response:
     engine = frontend.slot.find(*_names(request))
     body = await frontend.body(request)
     header, binary = codec.split_body(body, request.headers.get(codec.HEADER_LENGTH))
-    feeds = codec.decode_inputs(header, binary)
+    regions = frontend.slot.regions
     names, as_binary = codec.requested_outputs(header)
+    places = codec.output_places(header)
+    for name, place in places.items():  # a bad place is refused before the model runs
+        regions.check(place, f"output '{name}'")
+    feeds = codec.decode_inputs(header, binary, regions)
     request_id = header.get("id")
     if request_id is not None and not isinstance(request_id, str):
         raise InvalidArgument("'id' must be a string")
     parameters = header.get("parameters") or {}
     if isinstance(engine, DecoderEngine) and not engine.takes_forward(feeds):
+        for name in places:
+            raise InvalidArgument(f"output '{name}': a generation's outputs are sent in its "
+                                  "response, not written to shared memory")
         # the decoder answers with the outputs named, those its flags produce (Reply)
         outputs = await _generate_whole(engine, request, feeds, parameters, request_id or "",
                                         names)
@@ -121,8 +129,9 @@ async def infer(frontend, request: Request) -> Response:
                 raise InvalidArgument(f"unexpected inference output '{missing[0]}' for model "
                                       f"'{engine.name}'")
             outputs = {n: outputs[n] for n in names}
+        write_placed(regions, places, outputs)
     content, header_length = codec.encode_response(engine.name, engine.version, request_id,
-                                                   outputs, as_binary, final)
+                                                   outputs, as_binary, final, places)
     if header_length is None:
         return Response(content, media_type="application/json")
     return Response(content, media_type=_BINARY,

@@ -12,8 +12,9 @@ from typing import Iterator
 from serving.datatypes import triton_type
 from serving.replies import Reply
 from serving.decoder import DecoderEngine
-from serving.errors import NotFound, ServingError
+from serving.errors import InvalidArgument, NotFound, ServingError
 from serving.sampling import Chunk, join_chunks
+from serving.shared_memory import SystemRegions
 from serving.trtllm_core import asks_to_stop
 from serving.wire import protocol
 from serving.wire._generated import inference_pb2 as pb
@@ -22,10 +23,11 @@ log = logging.getLogger("serving")
 PLATFORM = "onnxruntime_onnx"  # as serving.service says
 
 
-def generate_whole(engine: DecoderEngine, request, context) -> pb.ModelInferResponse:
+def generate_whole(engine: DecoderEngine, request, context,
+                   regions: SystemRegions | None = None) -> pb.ModelInferResponse:
     """Unary: the whole generated sequence in one response (a `stop` request: an empty
     one, once the request it names is cancelled)."""
-    tensors = protocol.decode_inputs(request)
+    tensors = _decode(request, regions)
     if asks_to_stop(tensors):
         engine.stop(request.id)
         return _stopped(engine, request.id)
@@ -43,7 +45,18 @@ def generate_whole(engine: DecoderEngine, request, context) -> pb.ModelInferResp
                            Reply(parsed, engine.tokenizer))
 
 
-def generate_stream(engine: DecoderEngine, request_iterator, context
+def _decode(request, regions: SystemRegions | None) -> dict:
+    """The request's inputs (shared memory ones read from their regions). Outputs go in
+    the responses only: a generation streams them, one response per token, and a region
+    would hold only the last."""
+    for name in protocol.output_places(request):
+        raise InvalidArgument(f"output '{name}': a generation's outputs are sent in its "
+                              "responses, not written to shared memory")
+    return protocol.decode_inputs(request, regions)
+
+
+def generate_stream(engine: DecoderEngine, request_iterator, context,
+                    regions: SystemRegions | None = None
                     ) -> Iterator[pb.ModelStreamInferResponse]:
     """Decoupled: every request on the stream generates at once (a reader thread submits
     them as they arrive); responses interleave, one per token, each request's last one
@@ -51,7 +64,8 @@ def generate_stream(engine: DecoderEngine, request_iterator, context
     events: queue.Queue = queue.Queue()
     handles = []
     context.add_callback(lambda: [h.cancel() for h in list(handles)])
-    threading.Thread(target=_read_requests, args=(engine, request_iterator, events, handles),
+    threading.Thread(target=_read_requests,
+                     args=(engine, request_iterator, events, handles, regions),
                      name="stream-reader", daemon=True).start()
     open_requests, reading = 0, True
     while reading or open_requests:
@@ -118,12 +132,12 @@ class _RequestState:
 
 
 def _read_requests(engine: DecoderEngine, request_iterator, events: queue.Queue,
-                   handles: list) -> None:
+                   handles: list, regions: SystemRegions | None) -> None:
     try:
         for request in request_iterator:
             events.put(("opened", request, None))
             try:
-                tensors = protocol.decode_inputs(request)
+                tensors = _decode(request, regions)
                 if asks_to_stop(tensors):  # TensorRT-LLM's cancel of a running request, by
                     # id whatever model it names (LangChain's TensorRT-LLM client sends it to
                     # `tensorrt_llm` for a request it sent to `ensemble`)

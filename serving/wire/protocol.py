@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import math
 import struct
-from typing import Iterable, Mapping, Sequence
+from typing import Collection, Iterable, Mapping, Sequence
 
 import grpc
 import numpy as np
 
 from serving.datatypes import DATATYPES, datatype_of
-from serving.errors import (InvalidArgument, NotFound, ResourceExhausted, Unauthenticated,
-                            Unavailable)
+from serving.errors import (AlreadyExists, InvalidArgument, NotFound, ResourceExhausted,
+                            Unauthenticated, Unavailable)
+from serving.shared_memory import Place, SystemRegions, place_of
 from serving.wire._generated import inference_pb2 as pb
 from tuner.errors import BadInput
 
@@ -36,6 +37,7 @@ STATUS_CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (Unavailable, grpc.StatusCode.UNAVAILABLE),
     (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
     (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (AlreadyExists, grpc.StatusCode.ALREADY_EXISTS),
 )
 
 
@@ -110,31 +112,70 @@ def _decode_typed(tensor) -> np.ndarray:
                               f"{tensor.datatype}") from None
 
 
-def decode_inputs(request: pb.ModelInferRequest) -> dict[str, np.ndarray]:
+def decode_inputs(request: pb.ModelInferRequest, regions: SystemRegions | None = None
+                  ) -> dict[str, np.ndarray]:
     """The request's input tensors as numpy arrays, keyed by name (read-only views of the
-    message's bytes where possible). InvalidArgument on anything the wire contradicts."""
+    message's bytes where possible; an input whose parameters name a shared memory region
+    is read from it, in the raw format). InvalidArgument on anything the wire contradicts."""
     model = request.model_name
     raw = request.raw_input_contents
-    if raw and len(raw) != len(request.inputs):
-        raise InvalidArgument(f"expected {len(request.inputs)} raw input contents (one per "
-                              f"input) but got {len(raw)} for model '{model}'")
+    places = [place_of(parameter_values(t.parameters), f"input '{t.name}'")
+              for t in request.inputs]
+    in_body = places.count(None)  # raw entries skip the inputs in shared memory, as Triton
+    if raw and len(raw) != in_body:
+        raise InvalidArgument(f"expected {in_body} raw input contents (one per input not in "
+                              f"shared memory) but got {len(raw)} for model '{model}'")
     feeds: dict[str, np.ndarray] = {}
-    for i, tensor in enumerate(request.inputs):
+    index = 0
+    for tensor, place in zip(request.inputs, places):
         if tensor.name in feeds:
             raise InvalidArgument(f"input '{tensor.name}' is given twice for model '{model}'")
         if tensor.datatype not in DATATYPES:
             raise InvalidArgument(f"input '{tensor.name}' has unknown datatype "
                                   f"'{tensor.datatype}'")
         has_typed = tensor.HasField("contents") and tensor.contents.ByteSize() > 0
-        if raw:
+        if place is not None:
+            feeds[tensor.name] = _decode_shared(tensor, place, regions, has_typed, model)
+        elif raw:
             if has_typed:
                 raise InvalidArgument(f"contents field must not be specified when using "
                                       f"raw_input_contents for '{tensor.name}' for model "
                                       f"'{model}'")
-            feeds[tensor.name] = _decode_raw(tensor, raw[i])
+            feeds[tensor.name] = _decode_raw(tensor, raw[index])
+            index += 1
         else:
             feeds[tensor.name] = _decode_typed(tensor)
     return feeds
+
+
+def _decode_shared(tensor, place: Place, regions: SystemRegions | None, has_typed: bool,
+                   model: str) -> np.ndarray:
+    what = f"input '{tensor.name}'"
+    if has_typed:
+        raise InvalidArgument(f"unexpected 'content' provided when using shared memory for "
+                              f"input tensor '{tensor.name}' for model '{model}'")
+    if regions is None:
+        raise InvalidArgument(f"{what}: shared memory is not served on this path")
+    return _decode_raw(tensor, regions.read(place, what))
+
+
+def output_places(request: pb.ModelInferRequest) -> dict[str, Place]:
+    """The requested outputs whose parameters name a shared memory region, by name."""
+    places = {}
+    for o in request.outputs:
+        place = place_of(parameter_values(o.parameters), f"output '{o.name}'")
+        if place is not None:
+            places[o.name] = place
+    return places
+
+
+def write_placed(regions: SystemRegions, places: Mapping[str, Place],
+                 outputs: Mapping[str, np.ndarray]) -> None:
+    """Each placed output's raw bytes into its region (the response then carries its name,
+    shape and datatype, and no data: Triton's way)."""
+    for name, place in places.items():
+        if name in outputs:
+            regions.write(place, raw_bytes(outputs[name]), f"output '{name}'")
 
 
 def parameter_values(parameters) -> dict[str, bool | int | float | str]:
@@ -169,15 +210,17 @@ def raw_bytes(array: np.ndarray) -> bytes:
 
 
 def encode_response(model: str, version: str, request_id: str,
-                    outputs: Mapping[str, np.ndarray], order: Sequence[str]
-                    ) -> pb.ModelInferResponse:
+                    outputs: Mapping[str, np.ndarray], order: Sequence[str],
+                    placed: Collection[str] = ()) -> pb.ModelInferResponse:
     """A response with every output in `order` as raw bytes (tritonclient decodes only
-    raw_output_contents), one entry per output in the same order as `outputs`."""
+    raw_output_contents), one entry per output in the same order as `outputs`; an output
+    in `placed` was written to shared memory: its entry is empty, as Triton keeps one per
+    output (tritonclient finds an output's bytes by its index)."""
     response = pb.ModelInferResponse(model_name=model, model_version=version, id=request_id)
     for name in order:
         array = outputs[name]
         response.outputs.add(name=name, datatype=datatype_of(array.dtype), shape=array.shape)
-        response.raw_output_contents.append(raw_bytes(array))
+        response.raw_output_contents.append(b"" if name in placed else raw_bytes(array))
     return response
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field
+from typing import Iterable
 
 import grpc
 
@@ -14,8 +15,9 @@ from serving.datatypes import triton_type
 from serving.decoder import DecoderEngine
 from serving.embedding import embed_texts, texts_in
 from serving.engine import Engine
-from serving.errors import NotFound, ServingError, Unavailable
-from serving.wire import protocol
+from serving.errors import InvalidArgument, NotFound, ServingError, Unavailable
+from serving.shared_memory import SystemRegions, no_cuda
+from serving.wire import extensions, protocol
 from serving.wire._generated import inference_pb2 as pb
 from serving.wire._generated import inference_pb2_grpc as pb_grpc
 from serving.wire.generation import decoder_config, generate_stream, generate_whole
@@ -23,7 +25,7 @@ from serving.wire.generation import decoder_config, generate_stream, generate_wh
 log = logging.getLogger("serving")
 
 SERVER_NAME = "shapetuner"
-EXTENSIONS = ("model_configuration", "statistics")
+EXTENSIONS = ("model_configuration", "statistics", "model_repository", "system_shared_memory")
 PLATFORM = "onnxruntime_onnx"
 
 
@@ -37,6 +39,7 @@ class Slot:
     status: str = "loading and checking accuracy"
     draining: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    regions: SystemRegions = field(default_factory=SystemRegions, repr=False)
 
     def ready(self) -> bool:
         return self.engine is not None and not self.draining
@@ -54,6 +57,46 @@ class Slot:
         if engine is None:
             raise Unavailable(f"model '{name}' is not ready: {self.status}")
         return engine
+
+    # Triton's model repository extension, for a server that serves one model for its
+    # lifetime: the index lists it, a load of it is answered once it is ready, nothing
+    # else loads and nothing unloads.
+
+    def index(self, ready_only: bool = False) -> list[ModelIndex]:
+        ready = self.ready()
+        if ready_only and not ready:
+            return []
+        return [ModelIndex(self.name, "1", "READY" if ready else "UNAVAILABLE",
+                           "" if ready else ("shutting down" if self.draining else self.status))]
+
+    def load(self, name: str, parameters: Iterable[str] = ()) -> None:
+        self._served(name, "load")
+        if any(p == "config" or p.startswith("file:") for p in parameters):
+            raise InvalidArgument(f"model '{name}' is served as its artifact was built: a load "
+                                  "with a config or files cannot change it")
+        if not self.ready():
+            raise Unavailable(f"model '{name}' is not ready: "
+                              f"{'shutting down' if self.draining else self.status}")
+
+    def unload(self, name: str) -> None:
+        self._served(name, "unload")
+        raise InvalidArgument(f"model '{name}' cannot be unloaded: this server serves one model "
+                              "for its lifetime (stop the server instead)")
+
+    def _served(self, name: str, action: str) -> None:
+        if name != self.name:
+            raise NotFound(f"cannot {action} model '{name}': this server serves one model, "
+                           f"'{self.name}'")
+
+
+@dataclass(frozen=True)
+class ModelIndex:
+    """One entry of the repository index (Triton's RepositoryIndexResponse.ModelIndex)."""
+
+    name: str
+    version: str
+    state: str  # READY or UNAVAILABLE
+    reason: str = ""
 
 
 def _unknown(name: str) -> NotFound:
@@ -120,15 +163,20 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     def _infer(self, request: pb.ModelInferRequest, engine: Engine | None = None
                ) -> pb.ModelInferResponse:
         engine = engine or self._engine(request.model_name, request.model_version)
-        feeds = protocol.decode_inputs(request)
+        regions = self.slot.regions
+        places = protocol.output_places(request)
+        for name, place in places.items():  # a bad place is refused before the model runs
+            regions.check(place, f"output '{name}'")
+        feeds = protocol.decode_inputs(request, regions)
         names = protocol.requested_outputs(request)
         texts = texts_in(feeds, engine) if isinstance(engine, Engine) else None
         if texts is not None:  # an encoder sent text: its sentence embeddings
             outputs = embed_texts(engine, texts, names)
         else:
             outputs, _ = engine.infer(feeds, names)
+        protocol.write_placed(regions, places, outputs)
         return protocol.encode_response(engine.name, engine.version, request.id, outputs,
-                                        list(outputs))
+                                        list(outputs), places)
 
     def ModelInfer(self, request, context):
         try:
@@ -136,7 +184,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             if isinstance(engine, DecoderEngine):
                 if engine.takes_forward(i.name for i in request.inputs):
                     return self._infer(request, engine.forward)
-                return generate_whole(engine, request, context)
+                return generate_whole(engine, request, context, self.slot.regions)
             return self._infer(request, engine)
         except Exception as e:  # noqa: BLE001 - mapped to a status; the server lives on
             return self._abort(context, e)
@@ -146,7 +194,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         answers with `error_message` and the stream goes on. A decoder is decoupled: many
         responses per request (serving.generation_service)."""
         if isinstance(self.slot.engine, DecoderEngine):
-            yield from generate_stream(self.slot.engine, request_iterator, context)
+            yield from generate_stream(self.slot.engine, request_iterator, context,
+                                       self.slot.regions)
             return
         for request in request_iterator:
             try:
@@ -156,6 +205,39 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 if not isinstance(e, ServingError):
                     log.error("internal error answering a stream request", exc_info=e)
                 yield pb.ModelStreamInferResponse(error_message=message)
+
+    # ------------------------------------------------- model repository, shared memory
+
+    def _answer(self, context: grpc.ServicerContext, call, *args):
+        """`call(*args)`'s message, or the call aborted with its error's status."""
+        try:
+            return call(*args)
+        except Exception as e:  # noqa: BLE001
+            return self._abort(context, e)
+
+    def RepositoryIndex(self, request, context):
+        return self._answer(context, extensions.index, self.slot, request)
+
+    def RepositoryModelLoad(self, request, context):
+        return self._answer(context, extensions.load, self.slot, request)
+
+    def RepositoryModelUnload(self, request, context):
+        return self._answer(context, extensions.unload, self.slot, request)
+
+    def SystemSharedMemoryStatus(self, request, context):
+        return self._answer(context, extensions.shm_status, self.slot.regions, request)
+
+    def SystemSharedMemoryRegister(self, request, context):
+        return self._answer(context, extensions.shm_register, self.slot.regions, request,
+                            context.peer())
+
+    def SystemSharedMemoryUnregister(self, request, context):
+        return self._answer(context, extensions.shm_unregister, self.slot.regions, request)
+
+    def CudaSharedMemoryStatus(self, request, context):
+        return self._answer(context, no_cuda)
+
+    CudaSharedMemoryRegister = CudaSharedMemoryUnregister = CudaSharedMemoryStatus
 
 
 def model_metadata(engine: Engine | DecoderEngine) -> pb.ModelMetadataResponse:
