@@ -106,9 +106,9 @@ async def infer(frontend, request: Request) -> Response:
         raise InvalidArgument("'id' must be a string")
     parameters = header.get("parameters") or {}
     if isinstance(engine, DecoderEngine) and not engine.takes_forward(feeds):
-        for name in places:
-            raise InvalidArgument(f"output '{name}': a generation's outputs are sent in its "
-                                  "response, not written to shared memory")
+        if places:
+            raise InvalidArgument(f"output '{next(iter(places))}': a generation's outputs "
+                                  "are sent in its response, not written to shared memory")
         # the decoder answers with the outputs named, those its flags produce (Reply)
         outputs = await _generate_whole(engine, request, feeds, parameters, request_id or "",
                                         names)

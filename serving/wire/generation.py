@@ -49,9 +49,10 @@ def _decode(request, regions: SystemRegions | None) -> dict:
     """The request's inputs (shared memory ones read from their regions). Outputs go in
     the responses only: a generation streams them, one response per token, and a region
     would hold only the last."""
-    for name in protocol.output_places(request):
-        raise InvalidArgument(f"output '{name}': a generation's outputs are sent in its "
-                              "responses, not written to shared memory")
+    placed = protocol.output_places(request)
+    if placed:
+        raise InvalidArgument(f"output '{next(iter(placed))}': a generation's outputs are "
+                              "sent in its responses, not written to shared memory")
     return protocol.decode_inputs(request, regions)
 
 
