@@ -68,6 +68,16 @@ def test_optimize_gpt2_smoke():
     assert re.search(r"^\| 1x8 \| [\d.]+ \([\d.]+\) \| [\d.]+ \([\d.]+\) \| [\d.]+x \[", out, re.M)
 
 
+def test_serve_shared_memory_smoke():
+    """Both paths (tensors in the messages, in shared memory) through tritonclient, equal."""
+    out = _bench("serve_shared_memory.py", "--model", "bert", "--shapes", "1x16", "--rounds",
+                 "3", "--repeats", "1")
+    assert re.search(r"^  tensors in the messages +\d+\.\d+ ms", out, re.M), out
+    assert re.search(r"^  tensors in shared memory +\d+\.\d+ ms", out, re.M), out
+    diff = re.search(r"outputs max abs ([\d.e+-]+)", out)
+    assert diff and float(diff.group(1)) < 1e-5 and "load average" in out, out
+
+
 def test_serve_latency_smoke():
     """The server, the in-process baseline and the floor server (serve_floor_server.py)."""
     out = _bench("serve_latency.py", "--rounds", "5", "--models", "bert", "--seq", "16")
