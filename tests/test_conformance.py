@@ -225,12 +225,12 @@ def _check_inspect(cell: Cell, src: Path) -> None:
 
 def _check_pad(cell: Cell, src: Path, tmp: Path) -> None:
     head = -(-_expect(cell)["head_dim"] // 32) * 32 if _expect(cell)["head_dim"] % 32 else None
-    argv = ["pad", str(src), "-o", str(tmp / "padded.onnx"), "--vocab-multiple", "64",
-            "--ffn-multiple", "64", *(["--head-dim", str(head)] if head else [])]
-    code, out, err = _run(argv)
+    vocab_ffn = ["pad", str(src), "-o", str(tmp / "padded.onnx"), "--vocab-multiple", "64",
+                 "--ffn-multiple", "64"]
+    code, out, err = _run(vocab_ffn + (["--head-dim", str(head)] if head else []))
     if cell.id in PAD_REFUSED:
         assert code == 2 and PAD_REFUSED[cell.id] in err, err
-        code, out, err = _run(argv[:8])  # the vocab and FFN padding alone: exact
+        code, out, err = _run(vocab_ffn)  # the vocab and FFN padding alone: exact
     assert code == 0, err + out[-2000:]
     assert (tmp / "padded.onnx").exists()
 
