@@ -241,3 +241,17 @@ def decoder(llama, tmp_path_factory):
               generate={"max_streams": 4, "max_tokens": 64})
     yield s
     s.stop(5)
+
+
+@pytest.fixture(scope="module")
+def bert(reference_model) -> Path:
+    return reference_model("bert", "small", "torchscript")
+
+
+@pytest.fixture(scope="module")
+def encoder(bert, tmp_path_factory):
+    """A BERT-small encoder server (a tensor model: gRPC and HTTP on free ports)."""
+    s = start(make_artifact(tmp_path_factory.mktemp("encoder"), bert))
+    yield s
+    s.stop(5)
+

@@ -15,24 +15,14 @@ import urllib.request
 import numpy as np
 import pytest
 import tritonclient.http as th
-from llm_support import PROMPT, decoder, greedy, llama, start, tokenizer, wait_for  # noqa: F401
+from llm_support import (PROMPT, bert, decoder, encoder, greedy, llama,  # noqa: F401
+                         start, tokenizer, wait_for)
 from serving_support import feeds_for, make_artifact
 from tritonclient.utils import InferenceServerException
 
 TOKEN = "s3cret-token"
 
 
-
-@pytest.fixture(scope="module")
-def bert(reference_model):
-    return reference_model("bert", "small", "torchscript")
-
-
-@pytest.fixture(scope="module")
-def encoder(bert, tmp_path_factory):
-    s = start(make_artifact(tmp_path_factory.mktemp("enc"), bert))
-    yield s
-    s.stop(5)
 
 
 def _client(server) -> th.InferenceServerClient:

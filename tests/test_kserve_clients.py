@@ -16,8 +16,8 @@ import urllib.request
 
 import numpy as np
 import pytest
-from llm_support import (CHAT, PROMPT, decoder, greedy, llama, openai_client,  # noqa: F401
-                         rendered_ids, start, tokenizer)
+from llm_support import (CHAT, PROMPT, bert, decoder, encoder, greedy,  # noqa: F401
+                         llama, openai_client, rendered_ids, start, tokenizer)
 from serving_support import make_artifact
 
 from models.venvs import ensure_venv
@@ -89,17 +89,6 @@ def _client(script: str, *args: str) -> dict:
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.splitlines()[-1])
 
-
-@pytest.fixture(scope="module")
-def bert(reference_model):
-    return reference_model("bert", "small", "torchscript")
-
-
-@pytest.fixture(scope="module")
-def encoder(bert, tmp_path_factory):
-    s = start(make_artifact(tmp_path_factory.mktemp("kserve-enc"), bert))
-    yield s
-    s.stop(5)
 
 
 def _reference(model, feeds: dict[str, list]) -> dict[str, np.ndarray]:

@@ -12,23 +12,12 @@ import grpc
 import pytest
 import tritonclient.grpc as tg
 import tritonclient.http as th
-from llm_support import start
+from llm_support import bert, encoder  # noqa: F401 - fixtures
 from serving_support import make_artifact
 from tritonclient.utils import InferenceServerException
 
 from serving.server import Server, ServerOptions
 
-
-@pytest.fixture(scope="module")
-def bert(reference_model):
-    return reference_model("bert", "small", "torchscript")
-
-
-@pytest.fixture(scope="module")
-def encoder(bert, tmp_path_factory):
-    s = start(make_artifact(tmp_path_factory.mktemp("enc"), bert))
-    yield s
-    s.stop(5)
 
 
 def _clients(server) -> tuple[tg.InferenceServerClient, th.InferenceServerClient]:

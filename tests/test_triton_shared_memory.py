@@ -20,7 +20,7 @@ import pytest
 import tritonclient.grpc as tg
 import tritonclient.http as th
 import tritonclient.utils.shared_memory as shm
-from llm_support import decoder, llama, start  # noqa: F401
+from llm_support import bert, decoder, encoder, llama  # noqa: F401 - fixtures
 from serving_support import feeds_for, make_artifact
 from tritonclient.utils import (InferenceServerException, serialize_byte_tensor,
                                serialized_byte_size)
@@ -30,17 +30,6 @@ from serving.server import Server, ServerOptions
 OUT = "last_hidden_state"
 CLIENT_FDS = 2  # tritonclient's handle: the object's descriptor and its mapping's dup
 
-
-@pytest.fixture(scope="module")
-def bert(reference_model):
-    return reference_model("bert", "small", "torchscript")
-
-
-@pytest.fixture(scope="module")
-def encoder(bert, tmp_path_factory):
-    s = start(make_artifact(tmp_path_factory.mktemp("enc"), bert))
-    yield s
-    s.stop(5)
 
 
 @pytest.fixture
