@@ -144,7 +144,7 @@ def test_kserve_clients_v1_v2_and_grpc_equal_onnx_runtime(encoder, bert) -> None
 def test_v1_bad_bodies_are_400_naming_the_fault(encoder) -> None:
     ragged = {"input_ids": [[1, 2], [3]], "attention_mask": [[1, 1], [1]]}
     for body, words in (({"inputs": ragged}, "rows differ in length"),
-                        ({"instances": [{"input_ids": [1.5, 2]}]}, "takes ints"),
+                        ({"instances": [{"input_ids": [1.5, 2]}]}, "must be ints"),
                         ({"instances": [{"pixel_values": [1]}]}, "unexpected inference input"),
                         ({"instances": [[1, 2, 3]]}, "send each example as an object"),
                         ({"instances": []}, "'instances' must be a list"),

@@ -84,17 +84,23 @@ def _from_json(name: str, datatype: str, shape: tuple[int, ...], data) -> np.nda
     if flat is None or flat.size != math.prod(shape):
         raise InvalidArgument(f"input '{name}': 'data' must hold {math.prod(shape)} values for "
                               f"shape {list(shape)}")
+    return typed(name, datatype, shape, flat.tolist())
+
+
+def typed(name: str, datatype: str, shape: tuple[int, ...], items: list) -> np.ndarray:
+    """JSON values (flat, `shape`'s many) as a `datatype` array: strings for BYTES, true/false
+    for BOOL, ints for integer types (a float is refused, not truncated), numbers for FP*."""
     if datatype == "BYTES":
-        if any(not isinstance(x, str) for x in flat):
+        if any(not isinstance(x, str) for x in items):
             raise InvalidArgument(f"input '{name}': BYTES data must be strings")
-        return np.array([x.encode() for x in flat], dtype=object).reshape(shape)
+        return np.array([x.encode() for x in items], dtype=object).reshape(shape)
     kind = bool if datatype == "BOOL" else float if datatype.startswith("FP") else int
     if any(isinstance(x, bool) != (kind is bool) or not isinstance(x, (int, float))
-           or (kind is int and isinstance(x, float)) for x in flat):
+           or (kind is int and isinstance(x, float)) for x in items):
         raise InvalidArgument(f"input '{name}': {datatype} data must be "
                               f"{'true/false' if kind is bool else kind.__name__ + 's'}")
     try:
-        return np.array(flat.tolist(), dtype=DATATYPES[datatype]).reshape(shape)
+        return np.array(items, dtype=DATATYPES[datatype]).reshape(shape)
     except OverflowError:
         raise InvalidArgument(f"input '{name}' holds values outside {datatype}") from None
 

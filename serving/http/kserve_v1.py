@@ -21,10 +21,10 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from serving.datatypes import DATATYPES
 from serving.decoder import DecoderEngine
 from serving.embedding import EMBEDDINGS_OUTPUT, embed_texts
 from serving.errors import InvalidArgument
+from serving.http import codec
 
 _MOST_INSTANCES = 1024  # one body's examples: each is a request of its own
 
@@ -44,20 +44,8 @@ def tensor(name: str, datatype: str, value) -> np.ndarray:
     if flat.shape != shape:
         raise InvalidArgument(f"input '{name}': a nested list whose rows differ in length "
                               f"(a V1 value is rectangular)")
-    items = flat.reshape(-1).tolist()
-    if datatype == "BYTES":
-        if not all(isinstance(x, str) for x in items):
-            raise InvalidArgument(f"input '{name}' takes strings")
-        return np.array([x.encode() for x in items], dtype=object).reshape(shape)
-    kind = bool if datatype == "BOOL" else float if datatype.startswith("FP") else int
-    if not all(isinstance(x, (int, float)) and isinstance(x, bool) == (kind is bool)
-               and not (kind is int and isinstance(x, float)) for x in items):
-        wanted = "true/false" if kind is bool else kind.__name__ + "s"
-        raise InvalidArgument(f"input '{name}' takes {wanted} ({datatype})")
-    try:
-        return np.array(items, dtype=DATATYPES[datatype]).reshape(shape)
-    except OverflowError:
-        raise InvalidArgument(f"input '{name}' holds values outside {datatype}") from None
+    # V1 has no 'shape' or 'datatype': the nesting gives one, the graph the other
+    return codec.typed(name, datatype, shape, flat.reshape(-1).tolist())
 
 
 def _named(engine, example) -> dict:
