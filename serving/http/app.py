@@ -98,10 +98,14 @@ class Frontend:
         except MultiPartException as e:
             raise InvalidArgument(f"the form is not valid: {e.message}") from None
 
-    async def json(self, request: Request) -> dict:
-        """The body as a JSON object (InvalidArgument when it is not one)."""
+    async def json(self, request: Request, empty_ok: bool = False) -> dict:
+        """The body as a JSON object (InvalidArgument when it is not one); `empty_ok`: an
+        empty body is {} (tritonclient sends none for some of Triton's extension calls)."""
+        raw = await self.body(request)
+        if empty_ok and not raw.strip():
+            return {}
         try:
-            body = orjson.loads(await self.body(request))
+            body = orjson.loads(raw)
         except orjson.JSONDecodeError as e:
             raise InvalidArgument(f"the request body is not JSON: {e}") from None
         if not isinstance(body, dict):

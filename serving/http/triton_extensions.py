@@ -5,7 +5,6 @@ back; errors are KServe's `{"error": ...}` through the one table of statuses."""
 
 from __future__ import annotations
 
-import orjson
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -16,20 +15,6 @@ from serving.shared_memory import no_cuda
 def _ok() -> Response:
     """Triton's answer to a call that succeeds with nothing to say: 200, an empty body."""
     return Response(b"", 200, media_type="application/json")
-
-
-async def _object(frontend, request: Request) -> dict:
-    """The body as a JSON object; an empty body as {} (tritonclient sends none for some)."""
-    body = await frontend.body(request)
-    if not body.strip():
-        return {}
-    try:
-        value = orjson.loads(body)
-    except orjson.JSONDecodeError as e:
-        raise InvalidArgument(f"the request body is not JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise InvalidArgument("the request body must be a JSON object")
-    return value
 
 
 def _uint(body: dict, key: str, default: int | None = None) -> int:
@@ -49,7 +34,7 @@ async def shm_status(frontend, request: Request) -> Response:
 
 
 async def shm_register(frontend, request: Request) -> Response:
-    body = await _object(frontend, request)
+    body = await frontend.json(request, empty_ok=True)
     key = body.get("key")
     if not isinstance(key, str):
         raise InvalidArgument("Shared memory register request has no 'key' field (a string)")
@@ -70,7 +55,7 @@ async def cuda_refused(frontend, request: Request) -> Response:
 
 
 async def repository_index(frontend, request: Request) -> Response:
-    ready = (await _object(frontend, request)).get("ready", False)
+    ready = (await frontend.json(request, empty_ok=True)).get("ready", False)
     if not isinstance(ready, bool):
         raise InvalidArgument("Invalid value for 'ready': expected a boolean")
     return JSONResponse([{"name": m.name, "version": m.version, "state": m.state,
@@ -79,7 +64,7 @@ async def repository_index(frontend, request: Request) -> Response:
 
 
 async def repository_load(frontend, request: Request) -> Response:
-    parameters = (await _object(frontend, request)).get("parameters") or {}
+    parameters = (await frontend.json(request, empty_ok=True)).get("parameters") or {}
     if not isinstance(parameters, dict):
         raise InvalidArgument("'parameters' must be an object")
     frontend.slot.load(request.path_params["model"], list(parameters))
