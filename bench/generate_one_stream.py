@@ -17,7 +17,9 @@ Every side generates greedily --new tokens after the round's own --prompt random
 a round's ratio is of the two sides' inter-token p50s (time per token: below 1 is faster);
 the table gives the median [min..max] over --rounds and the load average. The bare loop
 runs the graph as genai and the server run it: shared past/present buffers written in place
-(GroupQueryAttention), new ids and the mask bound each step.
+(GroupQueryAttention), new ids and the mask bound each step. The engine and the server run without prompt lookup
+(`--speculate 0`): this bench measures what a decode run costs around it, one token a run;
+bench/generate_vs_genai.py and bench/speculate.py measure what the drafts win.
 
     .venv/bin/python bench/generate_one_stream.py [--small] [--rounds 8] [--threads 2]
         [--serve-threads N]
@@ -147,7 +149,7 @@ def engine_side(artifact: Path, threads: int, prompts: list[list[int]], new: int
     model = load_artifact(artifact, settings=SessionSettings(intra_op_threads=threads,
                                                              allow_spinning=True))
     gen = Generator(model.runner, model.cache, decoder_vocab(model.signature, model.cache),
-                    GenerateOptions(), max_positions=model.max_positions,
+                    GenerateOptions(speculate=0), max_positions=model.max_positions,
                     batch_buckets=model.buckets.batch)
     runs: list[float] = []
     gen.step_runner.on_run = lambda rows, seconds: runs.append(seconds)
@@ -195,7 +197,7 @@ def engine_side(artifact: Path, threads: int, prompts: list[list[int]], new: int
 def served_side(g, artifact: Path, genai_dir: Path, threads: int, prompts: list[list[int]],
                 new: int) -> list[dict]:
     """`tuner serve` (a subprocess) and genai (its environment), alternating per round."""
-    proc, port = g.start_server(artifact, threads)
+    proc, port = g.start_server(artifact, threads, "--speculate", "0")
     name = g.artifact_name(artifact)
     try:
         g.served_run(port, name, [g.Job(tuple(prompts[0][:8]), 4)])  # warm-up

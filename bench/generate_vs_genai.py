@@ -16,7 +16,9 @@ folder:
     genai user brings: both engines then run the same graph, so the table compares engines),
     and `torch`, models.kv's export of the Hugging Face cache layout (torch.onnx.export:
     repeat_kv, no GroupQueryAttention); `tuner serve` serves it as a subprocess (twice: with
-    and without the prefix cache); tritonclient streams from it.
+    and without the prefix cache, with its defaults otherwise, prompt lookup's speculation
+    included; and a third time without it, `--speculate 0`, for the 1-stream workload);
+    tritonclient streams from it.
 The two never run at the same time (they would share the cores). Workloads, greedy: one
 stream (prompt 128, 64 new tokens); 8 and 32 streams sent at once (prompts 64..192); 32
 arriving over --spread-s; 32 sharing a 512-token system prompt. The whole alternation runs
@@ -390,6 +392,9 @@ def alternation(genai_dir: Path, servers: dict, w: dict) -> dict[str, tuple[Run,
     cold_port, cold_name = servers["no prefix"]
     timed("serve shared, no prefix cache",
           lambda: served_run(cold_port, cold_name, w["shared prefix"]))
+    plain_port, plain_name = servers["no speculation"]  # tuner serve --speculate 0
+    timed("serve 1, no speculation", lambda: _pooled([served_run(plain_port, plain_name, [job])
+                                                      for job in w["1"]]))
     return out
 
 
@@ -398,8 +403,13 @@ def ratios(a: dict[str, tuple[Run, float, float]]) -> dict[str, float]:
     r = {k: v[0] for k, v in a.items()}
     shared = r["serve shared, prefix cache"], r["serve shared, no prefix cache"]
     spread = r["serve 32 over time"]
+    plain = r["serve 1, no speculation"]
     return {
         "1 stream / genai (goal >= 1.0)": r["serve 1"].tokens_per_s / r["genai 1"].tokens_per_s,
+        "1 stream without prompt lookup / genai": plain.tokens_per_s / r["genai 1"].tokens_per_s,
+        "1 stream with prompt lookup / without": r["serve 1"].tokens_per_s / plain.tokens_per_s,
+        "1 stream: outputs identical with and without (1 = yes)":
+            float(plain.ids == r["serve 1"].ids),
         "8 streams / genai static 8 (goal >= 1.3)":
             r["serve 8"].tokens_per_s / r["genai static8"].tokens_per_s,
         "32 streams / genai static 8 (goal >= 1.5)":
@@ -467,7 +477,8 @@ def bench_source(a, shape: str, source: str, genai_dir: Path, artifact: Path) ->
     procs, servers = [], {}
     try:
         budget = ("--prefill-tokens", str(a.prefill_tokens), "--max-stall", str(a.max_stall))
-        for label, extra in (("prefix", ()), ("no prefix", ("--no-prefix-cache",))):
+        for label, extra in (("prefix", ()), ("no prefix", ("--no-prefix-cache",)),
+                             ("no speculation", ("--speculate", "0"))):
             proc, port = start_server(artifact, a.threads, *budget, *extra)
             procs.append(proc)
             servers[label] = (port, artifact_name(artifact))

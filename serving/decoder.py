@@ -78,10 +78,16 @@ def stats_for(stats: Stats, metrics: Metrics | None, gm: GenerationMetrics | Non
         gm.prefix_looked_up.inc(looked_up)
         gm.prefix_hit.inc(hit)
 
+    def on_draft(drafts: int, accepted: int) -> None:
+        gm.drafts.inc()
+        gm.draft_tokens.inc(drafts)
+        gm.accepted_tokens.inc(accepted)
+
     return GenerationStats(on_token=on_token, on_prompt=gm.prompt_tokens.inc,
                            on_step=on_step, on_streams=on_streams,
                            on_cache_usage=gm.cache_usage.set, on_end=on_end,
-                           on_prefix=on_prefix, on_preempt=gm.preempted.inc)
+                           on_prefix=on_prefix, on_preempt=gm.preempted.inc,
+                           on_draft=on_draft)
 
 
 class DecoderEngine:

@@ -151,7 +151,8 @@ class GenerationMetrics:
     """A decoder's series (serving.generation): tokens, first-token, inter-token and whole-
     stream latency, streams running, queued and finished (by reason), the cache's use, prompt
     tokens looked up in / served from the prefix cache (their ratio is the hit rate),
-    preemptions; rows per step go to `tuner_batch_size`. Bound to one model."""
+    preemptions, speculative runs with their draft and accepted tokens (their ratio is the
+    acceptance rate); rows per step go to `tuner_batch_size`. Bound to one model."""
 
     tokens: Counter
     prompt_tokens: Counter
@@ -164,6 +165,9 @@ class GenerationMetrics:
     prefix_looked_up: Counter
     prefix_hit: Counter
     preempted: Counter
+    drafts: Counter
+    draft_tokens: Counter
+    accepted_tokens: Counter
     finished: Callable[[str], Counter]  # reason -> its counter
     cache_config: Callable[[int, int], None]  # (prefix block, blocks in the budget)
 
@@ -205,6 +209,12 @@ def add_generation_metrics(metrics: Metrics, model: str, version: str) -> Genera
                         "keys/values came from the prefix cache"),
         preempted=made(Counter, "tuner_preempted_streams", "Streams preempted (cache budget) "
                        "and recomputed"),
+        drafts=made(Counter, "tuner_spec_drafts", "Speculative runs (a stream's drafts "
+                    "checked in one run)"),
+        draft_tokens=made(Counter, "tuner_spec_draft_tokens", "Draft tokens proposed (prompt "
+                          "lookup)"),
+        accepted_tokens=made(Counter, "tuner_spec_accepted_tokens", "Draft tokens accepted "
+                             "(each one a decode run saved)"),
         finished=lambda reason: finished.labels(model, version, reason),
         cache_config=lambda block, blocks: config.labels(model, version, str(block),
                                                          str(blocks)).set(1))
@@ -228,6 +238,9 @@ _VLLM_NAMES = {
     "tuner_preempted_streams": ("vllm:num_preemptions",),
     "tuner_prefix_cache_lookup_tokens": ("vllm:prefix_cache_queries",),
     "tuner_prefix_cache_hit_tokens": ("vllm:prefix_cache_hits",),
+    "tuner_spec_drafts": ("vllm:spec_decode_num_drafts",),
+    "tuner_spec_draft_tokens": ("vllm:spec_decode_num_draft_tokens",),
+    "tuner_spec_accepted_tokens": ("vllm:spec_decode_num_accepted_tokens",),
 }
 # vLLM's labels: the model as `model_name`, a stream's end as `finished_reason` (an end
 # before the stream's own stop or length is an abort there)

@@ -127,6 +127,14 @@ def test_prefill_logits_smoke():
     assert "gpt2, prompt 8: last / every" in out and "load average" in out
 
 
+def test_speculate_smoke():
+    """Prompt lookup's bench on the test Llama: both settings, their table, equal outputs."""
+    out = _bench("speculate.py", "--smoke", "--graph",
+                 str(cached("llama-kv", "awkward", "torchscript")))
+    assert re.search(r"^ +3 +\d+\.\d \[.*\] +\d\.\d{3}x \[.*\] +\d+/\d+ +yes ", out, re.M), out
+    assert "peak RSS" in out
+
+
 @pytest.mark.parametrize("family", ["t5", "whisper"])
 def test_seq2seq_generate_smoke(family):
     """The encoder-decoder loop against Optimum's generate, on the tests' tiny T5 and

@@ -35,7 +35,8 @@ from typing import Sequence
 import numpy as np
 
 from serving.generation.options import next_bucket
-from tuner.gate.decode_step import cache_length, pad_rows, place_row, row_cache, seq_index
+from tuner.gate.decode_step import (cache_length, pad_rows, place_row, rewind, row_cache,
+                                    seq_index)
 from tuner.graph.cache_record import CacheRecord
 
 Cache = dict[str, np.ndarray]  # past name -> (1, .., L, ..)
@@ -334,6 +335,16 @@ class CacheManager:
         b.mask = mask
         if presents is not None:
             b.arrays = presents
+
+    def rewind(self, stream, entries: int) -> None:
+        """A decoding stream's row keeps its first `entries` entries: a speculative run wrote
+        the entries of drafts that were not accepted after them (tuner.gate.decode_step.rewind).
+        Shared buffers: the mask then ends at the longest row again, so that the buffers' room
+        is not spent on entries nobody reads."""
+        b = self.batch
+        b.mask = rewind(b.mask, stream.slot, entries)
+        if b.storage is not None:  # rows at the start: row i's entries are [0, sum of its mask)
+            b.mask = b.mask[:, :int(b.mask.sum(1).max())]
 
     def _reusable(self, rows: int, capacity: int | None) -> dict[str, np.ndarray] | None:
         """The idle shared buffers, where the next batch's are of their shape. Writing into

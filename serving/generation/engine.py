@@ -4,8 +4,10 @@ model runs:
   1. streams that were cancelled (or whose client went away) end, freeing their cache;
   2. the scheduler plans the step (decode rows, prefill chunks, preemptions);
   3. one run decodes every decoding stream (a batch of one token each, the cache written
-     in place), one run feeds the prefill chunks (a prompt's last chunk gives its first
-     token); the output processor samples and sends the chunks.
+     in place; a stream decoding alone may feed drafts after its token, checked in the same
+     run: speculation, serving.generation.speculate), one run feeds the prefill chunks (a
+     prompt's last chunk gives its first token); the output processor samples and sends
+     the chunks.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from serving.generation.options import (GenerateOptions, cache_budget, cache_buc
 from serving.generation.output import GenerationStats, OutputProcessor
 from serving.generation.runner import StepRunner
 from serving.generation.scheduler import Scheduler, StepPlan, Stream
+from serving.generation.speculate import propose
 from serving.sampling import GenerationRequest
 from tuner.gate.row_moves import MOVED, RowProbe
 from tuner.gate.verify import Tolerance
@@ -49,6 +52,9 @@ MOVES = "this graph's positions follow its cache's length (a moved row's logits 
 # Llama), so its prefixes are not reused either.
 APART = ("a row's logits change beside another row (its activations quantized with one range "
          "per run, or a kernel that runs a batch of rows another way than one row)")
+NO_DRAFTS = ("this graph's logits change when the entries of rejected drafts are masked out "
+             "(a sliding window or biases by slot, positions from its cache's length, or "
+             "activations quantized per run): no speculation")
 
 
 class Generator(Admission):
@@ -106,7 +112,23 @@ class Generator(Admission):
                                    record.takes_chunks, options.max_stall,
                                    chunks_share_runs=not record.rows_at_start)
         self.output = OutputProcessor(self.stats)
+        self.speculate = self._speculation(probe, options.speculate)
         self.start()
+
+    @staticmethod
+    def _speculation(probe: RowProbe, drafts: int) -> int:
+        """Drafts per step (0: none): where dropping a rejected draft's entries is exact,
+        found by running, as the rows' moves above."""
+        if not drafts:
+            return 0
+        try:
+            exact = probe.drafts_drop()
+        except Exception as e:  # noqa: BLE001 - a backend that refuses the probe's shapes
+            log.info(f"no speculation: the probe's run failed ({type(e).__name__}: {e})")
+            return 0
+        if not exact:
+            log.info(NO_DRAFTS)
+        return drafts if exact else 0
 
     @property
     def runner(self):
@@ -184,11 +206,7 @@ class Generator(Admission):
         for _ in plan.preempted:
             self.stats.on_preempt()
         if plan.decode:
-            batch = self.cache.decode_batch(plan.decode)
-            result = self.step_runner.decode(self.cache, batch)
-            self.scheduler.costs.observe_decode(result.seconds)
-            rows = [s.slot for s in plan.decode]
-            self._emit(plan.decode, result.logits[rows])
+            self._decode(plan.decode)
         if plan.prefill:
             result = self.step_runner.prefill(self.cache, plan.prefill)
             self.scheduler.costs.observe_prefill(sum(n for _, n in plan.prefill), result.seconds)
@@ -212,6 +230,54 @@ class Generator(Admission):
                 self.cache.store_prefix(s, cache)
         if not any(s.decoding for s in self.scheduler.running):
             self.cache.clear()  # nothing decodes: free the batch
+
+    def _decode(self, streams: Sequence[Stream]) -> None:
+        batch = self.cache.decode_batch(streams)
+        drafts = self._drafts(streams, batch)
+        if drafts:
+            self._speculate(streams[0], batch, drafts)
+            return
+        result = self.step_runner.decode(self.cache, batch)
+        self.scheduler.costs.observe_decode(result.seconds)
+        self._emit(streams, result.logits[[s.slot for s in streams]])
+
+    def _drafts(self, decode: Sequence[Stream], batch) -> list[int]:
+        """Prompt lookup's drafts for a stream that decodes alone, as many as its length, the
+        model's positions and the buffers leave room for. None beside other decoding rows:
+        there a run is less memory-bound (8 rows cost 1.5x one) and every row would wait for
+        the longest."""
+        if not self.speculate or len(decode) != 1 or not decode[0].lookups.ready():
+            return []
+        if self.record.rows_at_start and len(batch.slots) > 1:
+            return []  # GroupQueryAttention runs seq > 1 beside a past at batch 1 only
+        s = decode[0]
+        room = min(self.speculate,
+                   s.request.max_tokens - s.output.generated - 1,  # the run's own token
+                   self.max_cache_len - len(s.tokens))  # positions after the drafts'
+        if batch.capacity is not None:  # rows at the start: the row's entries after the run
+            room = min(room, batch.capacity - s.computed - 1)
+        if room < 1 or not self.cache.fits(self.scheduler.held() + 1 + room):
+            return []
+        return propose(s.tokens, room)
+
+    def _speculate(self, s: Stream, batch, drafts: list[int]) -> None:
+        """One run feeds `s`'s last token and its drafts; each position's token is sampled
+        in turn as a decode step samples it (the stream's sampler, penalties, grammar and
+        stops see the tokens before it) and the next position counts only while the token
+        equals the draft it checks. The entries of the drafts after the first miss are
+        dropped."""
+        result = self.step_runner.verify(self.cache, batch, s, drafts)
+        self.scheduler.costs.observe_decode(result.seconds)
+        accepted = 0
+        for j, logits in enumerate(result.logits):  # (vocab,) scoring the token after draft j-1
+            self._emit([s], logits[None])
+            if s.done or j == len(drafts) or s.tokens[-1] != drafts[j]:
+                break
+            accepted += 1
+        self.stats.on_draft(len(drafts), accepted)
+        s.lookups.observe(accepted)
+        if not s.done:
+            self.cache.rewind(s, s.computed)  # its last token and the drafts accepted
 
     def _emit(self, streams: Sequence[Stream], logits) -> None:
         if not streams:

@@ -42,6 +42,8 @@ class GenerationStats:
     # prompt tokens looked up in the prefix cache, and how many of them were found there
     on_prefix: Callable[[int, int], None] = lambda looked_up, hit: None
     on_preempt: Callable[[], None] = lambda: None
+    # a speculative run: how many drafts it checked, and how many of them were accepted
+    on_draft: Callable[[int, int], None] = lambda drafts, accepted: None
 
 
 class StreamOutput:

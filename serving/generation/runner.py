@@ -49,10 +49,29 @@ class StepRunner:
         return out, seconds
 
     def decode(self, cache: CacheManager, batch: DecodeBatch) -> RunResult:
-        """One token for every stream in the batch (free rows are padding): the batch's
-        past becomes this step's present, as it is, or (shared buffers) the graph writes
-        the new entries into the batch's buffers."""
+        """One token for every stream in the batch (free rows are padding)."""
         rows = [[s.tokens[-1]] if s is not None else None for s in batch.slots]
+        out, feeds, seconds = self._advance(cache, batch, rows)
+        return RunResult(self._last_logits(out, feeds), (), seconds)
+
+    def verify(self, cache: CacheManager, batch: DecodeBatch, stream,
+               drafts: Sequence[int]) -> RunResult:
+        """`decode`, with `stream` (the batch's one decoding row) fed its drafts after its
+        last token (serving.generation.speculate). The logits are that row's at every fed
+        position (1 + len(drafts), vocab): position j scores the token after draft j - 1
+        (j = 0: after the last token). The row then holds an entry for every fed token;
+        CacheManager.rewind drops those of drafts that were not accepted."""
+        rows: list = [None] * len(batch.slots)
+        rows[stream.slot] = [stream.tokens[-1], *drafts]
+        out, feeds, seconds = self._advance(cache, batch, rows)
+        # every position: logits_to_keep, where the graph takes it, is left at its default 0
+        logits = out[self.record.logits]  # (B, S, vocab); the row's tokens fill its S slots
+        return RunResult(logits[stream.slot, :feeds.seq, : self.vocab], (), seconds)
+
+    def _advance(self, cache: CacheManager, batch: DecodeBatch, rows):
+        """One run of the decode batch, `rows` its rows' new tokens (None: a free row): the
+        batch's past becomes the step's present, as it is, or (shared buffers) the graph
+        writes the new entries into the batch's buffers. (outputs, feeds, seconds)."""
         real = sum(r is not None for r in rows)
         feeds = step_feeds(self.record, rows, batch.mask, batch.arrays)
         if batch.capacity is None:
@@ -64,10 +83,11 @@ class StepRunner:
             cache.advance(batch, feeds.mask, None)
         else:  # a runner without IO binding: the past cut to its length, the present copied in
             out, seconds = self._run(self._cut(feeds.arrays, batch.past), real)
+            span = seq_index(self.record, slice(None), slice(0, batch.past + feeds.seq))
             for p, q in self.presents.items():
-                batch.arrays[p][seq_index(self.record, slice(None), slice(0, batch.past + 1))] = out[q]
+                batch.arrays[p][span] = out[q]
             cache.advance(batch, feeds.mask, None)
-        return RunResult(self._last_logits(out, feeds), (), seconds)
+        return out, feeds, seconds
 
     def _cut(self, arrays, past: int) -> dict:
         span = seq_index(self.record, slice(None), slice(0, past))

@@ -29,6 +29,7 @@ from typing import Callable
 
 import numpy as np
 
+from serving.generation.speculate import Backoff
 from serving.sampling import Chunk, GenerationRequest
 
 
@@ -48,6 +49,7 @@ class Stream:
         self.prefix_stored = False
         self.prefix_hit = 0  # prompt tokens found in the prefix cache
         self.prefix_counted = False
+        self.lookups = Backoff()  # when prompt lookup may draft for it (speculation)
         self.done = False
 
     @property

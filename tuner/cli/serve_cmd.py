@@ -185,6 +185,12 @@ def serve(
                                                "inter-token times, at a cost in throughput "
                                                "and first tokens); 0 (default): no bound "
                                                "but --prefill-tokens"),
+    speculate: int = typer.Option(3, help="decoders: while one stream decodes alone, up to "
+                                          "N draft tokens a step, guessed from its own "
+                                          "earlier tokens (prompt lookup: a quoted passage, "
+                                          "edited code, a repeated phrase) and checked in "
+                                          "the same run: the same output, more tokens a run "
+                                          "where the guesses hold; 0: off"),
     tool_call_parser: Optional[str] = typer.Option(
         None, help="decoders: how chat's tool_choice 'auto' reads the model's own tool calls "
                    "out of its text, as vLLM's parser of the name: 'hermes' "
@@ -244,7 +250,7 @@ def serve(
                                    kv_cache_bytes=kv_cache_bytes, prefill_tokens=prefill_tokens,
                                    prefix_cache=prefix_cache,
                                    max_stall=None if max_stall == 0 else max_stall,
-                                   batch_variance=allow_batch_variance)
+                                   batch_variance=allow_batch_variance, speculate=speculate)
     except ValueError as e:
         raise BadInput(str(e)) from None
     options = ServerOptions(

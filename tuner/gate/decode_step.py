@@ -7,6 +7,7 @@ runs.
     feeds = step_feeds(record, [(5,), (7, 8, 9)], mask, past)          # a decode row + a chunk
     feeds = last_only(feeds)             # each row's last logits only, where the graph can
     feeds = next_feeds(feeds, outputs, tokens)                         # present -> next past
+    mask = rewind(feeds.mask, row=0, entries=20)   # a speculative run's rejected drafts dropped
 
 How rows of different lengths share a step (the graph's mask says which way):
   - left padding (a graph that reads its mask entry by entry): the past is LEFT-padded to a
@@ -235,6 +236,20 @@ def row_cache(record: CacheRecord, arrays: Mapping[str, np.ndarray], mask_row: n
     axis = record.layout.index("s")
     return {p: np.take(arrays[n][seq_index(record, slice(row, row + 1), slice(None))], kept,
                        axis=axis) for p, n in zip(record.past, names)}
+
+
+def rewind(mask: np.ndarray, row: int, entries: int) -> np.ndarray:
+    """`mask` (B, P) with row `row` keeping its first `entries` kept entries only: the ones
+    after them (written by a speculative run for drafts that were not accepted,
+    serving.generation.speculate) masked out. Left padding leaves them as masked holes, as a
+    short chunk's slots are; rows at the start end at `entries`, and the next step writes
+    its entry over them. A new array; the cache's arrays are not touched."""
+    kept = np.flatnonzero(mask[row])
+    if entries > kept.size:
+        raise BadInput(f"row {row} holds {kept.size} entries; it cannot keep {entries}")
+    out = mask.copy()
+    out[row, kept[entries:]] = 0
+    return out
 
 
 def next_feeds(feeds: StepFeeds, outputs: Mapping[str, np.ndarray],

@@ -19,19 +19,27 @@ graph is run:
   (Optimum's MPT), a sliding window (GPT-Neo's local layers, transformers' window masks),
   positions from the cache's length. There such a chunk runs apart from longer ones.
 
+- a row may drop entries it wrote (`drafts_drop`): a speculative run feeds a token and its
+  drafts after the row's cache, and the entries of drafts that were not accepted are then
+  masked out (tuner.gate.decode_step.rewind). Exact where masked entries count for nothing;
+  not where the graph counts slots or takes positions from the cache's length (as above).
+  There the server does not speculate.
+
     probe = RowProbe(runner, record)   # the runs the checks share, made once
     exact = probe.rows_move() and probe.rows_apart()
     mixed = probe.holes_stay()         # chunks of different lengths may share a run
+    speculate = probe.drafts_drop()    # a speculative run's rejected drafts may be dropped
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import numpy as np
 
-from tuner.gate.decode_step import (empty_past, last_only, next_feeds, pad_rows, row_cache,
-                                    step_feeds)
+from tuner.gate.decode_step import (empty_past, last_only, next_feeds, pad_rows, rewind,
+                                    row_cache, step_feeds)
 from tuner.gate.verify import Tolerance
 from tuner.graph.cache_record import CacheRecord
 
@@ -134,6 +142,30 @@ class RowProbe:
         beside = _chunk(self.runner, record, [self.row, self.other], [chunk, longer],
                         max(self.batch, 2))
         return self.tolerance(record.logits, alone, beside)
+
+    def drafts_drop(self) -> bool:
+        """True when row 0's logits after a speculative run whose two drafts were dropped
+        (OTHER[0] and two drafts fed after its cache, the drafts' entries masked out by
+        `rewind`, then OTHER[1] fed) are the same (within the tolerance) as after OTHER[0]
+        and OTHER[1] fed one per step. False for a graph that takes no chunk after a past,
+        and for left padding under a sliding window: the window counts slots, so holes move
+        its edge, which the probe's few entries never reach (GPT-Neo's local layers pass it)."""
+        record, runner, batch = self.record, self.runner, self.batch
+        if not record.takes_chunks or (record.window is not None and not record.rows_at_start):
+            return False
+        arrays, mask = pad_rows(record, [self.row], batch, len(PROMPT))
+        then = np.full(batch, OTHER[1])
+
+        def after(feeds, entries: int) -> np.ndarray:  # row 0's logits at OTHER[1]
+            out, _ = _logits(runner, record, feeds)
+            kept = replace(feeds, mask=rewind(feeds.mask, 0, entries))
+            return _logits(runner, record, next_feeds(kept, out, then))[1][0]
+
+        entries = len(PROMPT) + 1
+        plain = after(step_feeds(record, [[OTHER[0]]], mask, arrays), entries)
+        drafts = [OTHER[0], OTHER[2], PROMPT[1]]
+        dropped = after(step_feeds(record, [drafts], mask, arrays), entries)
+        return self.tolerance(record.logits, plain, dropped)
 
 
 def rows_move(runner, record: CacheRecord, batch: int = 1, tolerance: Tolerance = MOVED) -> bool:
