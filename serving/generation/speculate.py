@@ -2,14 +2,15 @@
 
 A decode step at one row is memory-bound: the run reads every weight for one token, and a
 run of a few tokens costs little more (an 8-layer h-1024 Llama on 2 cores, past 160: 2, 3,
-4 and 6 tokens 1.10x, 1.14x, 1.21x and 1.37x a 1-token run). So when the stream's last tokens already occurred earlier in
-its prompt or output (a quoted passage, code being edited, a repeated phrase), the tokens
-that followed them there are fed as drafts after its last token, and one run scores all of
-them (serving.generation.engine). Each position's token is then sampled as any step samples
-it, in order, and kept while it equals the draft it checks: the output is the one the
-stream gets without drafts (the same tokens for greedy rows, the same random draws for
-sampled ones), up to floating-point rounding between a run of several tokens and several
-runs of one. (Saxena's prompt lookup decoding; vLLM's "ngram" and TGI's --speculate.)
+4 and 6 tokens 1.10x, 1.14x, 1.21x and 1.37x a 1-token run). So when the stream's last
+tokens already occurred earlier in its prompt or output (a quoted passage, code being
+edited, a repeated phrase), the tokens that followed them there are fed as drafts after its
+last token, and one run scores all of them (serving.generation.engine). Each position's
+token is then sampled as any step samples it, in order, and kept while it equals the draft
+it checks: the output is the one the stream gets without drafts (the same tokens for greedy
+rows, the same random draws for sampled ones), up to floating-point rounding between a run
+of several tokens and several runs of one. (Saxena's prompt lookup decoding; vLLM's "ngram"
+method and TGI's --speculate.)
 
     propose([7, 8, 9, 4, 7, 8], drafts=3)   # -> [9, 4, 7]: what followed (7, 8) before
 
