@@ -184,7 +184,8 @@ def test_the_engine_asks_for_the_last_logits_unless_a_prompt_wants_its_log_probs
     shared = tuple(int(t) for t in rng.integers(0, VOCAB, 40))
     prompts = [shared + tuple(int(t) for t in rng.integers(0, VOCAB, n)) for n in (5, 23, 61)]
     requests = [GenerationRequest(p, 12) for p in prompts]
-    options = GenerateOptions(prefill_tokens=32, max_streams=2, prefix_block=8)
+    # speculate=0: a speculative run reads every position it feeds (tests/test_speculation.py)
+    options = GenerateOptions(prefill_tokens=32, max_streams=2, prefix_block=8, speculate=0)
     want = _run(Generator(OrtRunner(load_cpu(src)), cache_record(load_model(src)), VOCAB,
                           options, max_positions=256), requests)
     recording = Recording(cut, record.logits)

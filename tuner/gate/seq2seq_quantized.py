@@ -45,10 +45,13 @@ from tuner.runtime.ort import OrtRunner, load_cpu
 
 # As served, the cache path's max abs difference over the noise measured beside it was 0.76
 # to 1.30 on quantize_dynamic copies of Whisper, T5, Flan-T5, BART and Marian (3 probes
-# each): both are the same rounding of moved ranges. 4x leaves room for a model whose ranges
-# move more from one run to the next than between the probe's two rows; a changed weight is
-# the exact criterion's to find, not this one's.
-NOISE_MULTIPLE = 4.0
+# each): both are the same rounding of moved ranges. But the same BART quantized by
+# onnxruntime 1.32 (2026-12-06) gave 4.5x (0.0293 against a noise of 0.0065), unchanged and
+# exact with its activations in float: a model's ranges may move more from one run to the
+# next than between the probe's two rows. 8x leaves that room; a changed weight is the exact
+# criterion's to find, not this one's (a Whisper copy changed by 1.5x passed this one at 3.1x
+# the same day and FAILED the exact one).
+NOISE_MULTIPLE = 8.0
 
 EXACT = "cache path, float acts"
 SERVED = "cache path, as served"
