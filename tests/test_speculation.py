@@ -13,7 +13,8 @@ import urllib.request
 
 import numpy as np
 import pytest
-from llm_support import decoder_artifact, greedy, llama, start, tokenizer  # noqa: F401
+from llm_support import (decoder_artifact, greedy, llama, openai_client, start,  # noqa: F401
+                         tokenizer)
 from serving_support import collect, scraped_metrics
 
 from models import genai_builder
@@ -252,16 +253,20 @@ def test_the_server_speculates_and_counts_drafts_in_its_metrics(llama, tmp_path)
         request = urllib.request.Request(f"http://127.0.0.1:{server.http_port}/v1/completions",
                                          body, {"Content-Type": "application/json"})
         answer = json.loads(urllib.request.urlopen(request, timeout=60).read())
+        streamed = openai_client(server).completions.create(  # the real client, streamed
+            model=server.slot.name, prompt=looping, max_tokens=40, temperature=0, stream=True,
+            extra_body={"ignore_eos": True})
+        streamed = "".join(c.choices[0].text for c in streamed if c.choices)
         metrics = scraped_metrics(server)
     finally:
         server.stop(5)
     want = greedy(llama, looping, 40)[0]
-    assert answer["choices"][0]["text"] == tokenizer().decode(want)
+    assert answer["choices"][0]["text"] == streamed == tokenizer().decode(want)
     drafts = metrics[("tuner_spec_draft_tokens_total", ())]
     accepted = metrics[("tuner_spec_accepted_tokens_total", ())]
     assert 0 < accepted <= drafts
     assert metrics[("vllm:spec_decode_num_accepted_tokens_total", ())] == accepted
-    assert metrics[("tuner_generated_tokens_total", ())] == 40
+    assert metrics[("tuner_generated_tokens_total", ())] == 80
 
 
 def test_the_option_is_on_the_cli_and_a_negative_count_refused(capsys):
