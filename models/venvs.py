@@ -33,6 +33,11 @@ from models.once import build_once
 
 TORCH = "torch==2.13.0"  # the CPU wheel (a plain `torch` downloads GBs of CUDA)
 _MARK = ".complete"
+# Built with --no-compile, an environment's modules compile when first imported; with
+# PYTHONDONTWRITEBYTECODE set (CI machines and this one set it) they would compile again in
+# every process, ~10 s of torch and transformers per tool run. This .pth line (site runs it
+# at start-up) lets each of these cache environments keep its own bytecode.
+_BYTECODE = ("_shapetuner_bytecode.pth", "import sys; sys.dont_write_bytecode = False\n")
 
 
 def venv_dir(name: str, requirements: Sequence[str]) -> Path:
@@ -49,7 +54,17 @@ def ensure_venv(name: str, requirements: Sequence[str]) -> Path:
     or two). RuntimeError with pip's own words when pip cannot install them."""
     root = venv_dir(name, requirements)
     build_once(root, (root / _MARK).exists, lambda: _build(root, name, requirements))
+    _keep_bytecode(root)  # also in an environment made before this line existed
     return python_of(root)
+
+
+def _keep_bytecode(root: Path) -> None:
+    name, line = _BYTECODE
+    for site in root.glob("lib/python*/site-packages"):
+        if not (site / name).is_file():
+            tmp = site / f".{name}.{os.getpid()}"
+            tmp.write_text(line)
+            os.replace(tmp, site / name)  # whole or absent: another process may start now
 
 
 def _build(root: Path, name: str, requirements: Sequence[str]) -> None:

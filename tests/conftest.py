@@ -10,12 +10,18 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# The suite starts hundreds of Python processes (servers, the CLI, benchmarks): where
+# PYTHONDONTWRITEBYTECODE is set (this machine's environment sets it) each would compile our
+# modules again, ~1.4 s a process. Their bytecode goes to the checkout's __pycache__ folders.
+sys.dont_write_bytecode = False
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 _BUILDER = pytest.StashKey[subprocess.Popen]()
 

@@ -54,3 +54,21 @@ def test_a_build_pip_refuses_leaves_nothing(cache, tmp_path) -> None:
         venvs.ensure_venv("broken", [missing])
     assert [p.name for p in cache.iterdir()] == [f".{venvs.venv_dir('broken', [missing]).name}"
                                                  ".lock"]
+
+
+def test_an_environment_keeps_its_bytecode_where_the_caller_forbids_it(cache, tmp_path) -> None:
+    """With PYTHONDONTWRITEBYTECODE set (this machine's and CI's environment) a tool would
+    compile torch and transformers again in every process: ours cache theirs all the same."""
+    python = venvs.ensure_venv("probe", PIP_ONLY)
+    module = tmp_path / "probe_module.py"
+    module.write_text("X = 1\n")
+    env = {"PYTHONDONTWRITEBYTECODE": "1", "PATH": "/usr/bin:/bin"}
+    run = subprocess.run([str(python), "-c", "import probe_module"], cwd=tmp_path, env=env)
+    assert run.returncode == 0
+    assert list((tmp_path / "__pycache__").glob("probe_module.*.pyc"))
+    bare = tmp_path / "bare"  # the same run without the environment's line writes none
+    bare.mkdir()
+    (bare / "probe_module.py").write_text("X = 1\n")
+    subprocess.run([str(python), "-S", "-c", "import probe_module"], cwd=bare, env=env,
+                   check=True)
+    assert not (bare / "__pycache__").exists()
