@@ -26,11 +26,27 @@ os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 _BUILDER = pytest.StashKey[subprocess.Popen]()
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """xdist hands the files out in the order pytest_collection_modifyitems leaves them in
+    (by default it reorders them by their number of tests, which would put a file that
+    waits for a tool environment among the first)."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The tests that need a tool environment run last (in their own order): the
-    environments' install then overlaps every other test instead of holding up the first
-    one that needs it."""
-    items.sort(key=lambda item: item.get_closest_marker("venv") is not None)  # stable
+    """The files that need a tool environment run last: the environments' install then
+    overlaps every other test instead of holding up the first one that needs it. In each
+    half the files with more tests go first (xdist's own order), so that the run does not
+    end on one worker alone with a long file."""
+    needs_venv: dict[str, bool] = {}
+    count: dict[str, int] = {}
+    for item in items:
+        file = item.nodeid.split("::")[0]
+        venv = item.get_closest_marker("venv") is not None
+        needs_venv[file] = needs_venv.get(file, False) or venv
+        count[file] = count.get(file, 0) + 1
+    items.sort(key=lambda item: (needs_venv[f := item.nodeid.split("::")[0]], -count[f], f))
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
