@@ -42,11 +42,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     needs_venv: dict[str, bool] = {}
     count: dict[str, int] = {}
     for item in items:
-        file = item.nodeid.split("::")[0]
-        venv = item.get_closest_marker("venv") is not None
-        needs_venv[file] = needs_venv.get(file, False) or venv
+        file = _file(item)
+        needs_venv[file] = needs_venv.get(file, False) or bool(item.get_closest_marker("venv"))
         count[file] = count.get(file, 0) + 1
-    items.sort(key=lambda item: (needs_venv[f := item.nodeid.split("::")[0]], -count[f], f))
+    items.sort(key=lambda item: (needs_venv[_file(item)], -count[_file(item)], _file(item)))
+
+
+def _file(item: pytest.Item) -> str:
+    return item.nodeid.split("::")[0]
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
