@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Sequence
 
 from models.build import _cache_dir
 from models.once import build_once
@@ -163,34 +164,60 @@ def hf_folder(family: str) -> Path:
 
 def cached(family: str, precision: str = "fp32") -> Path:
     """The builder's model.onnx for `family` at `precision` (built once, then cached)."""
-    if family not in FAMILIES or precision not in PRECISIONS:
-        raise KeyError(f"no genai build {family}/{precision}; families {sorted(FAMILIES)}, "
-                       f"precisions {PRECISIONS}")
-    out = _cache_dir() / _key("genai", family, FAMILIES[family], precision) / "genai"
-    model = out / "model.onnx"
-    build_once(out, model.is_file, lambda: _build(family, precision, out))
-    return model
+    return build_all([(family, precision)])[0]
 
 
-def _build(family: str, precision: str, out: Path) -> None:
-    hf = hf_folder(family)
+def build_all(cells: Sequence[tuple[str, str]]) -> list[Path]:
+    """The builder's model.onnx for each (family, precision), those not cached yet built in
+    ONE builder process (models/_genai_job.py): importing torch, transformers and the builder
+    is ~9 s of a tiny model's ~10 s build, so a test file asks for all its builds at once.
+    Each build's folder is written whole or not at all."""
+    for family, precision in cells:
+        if family not in FAMILIES or precision not in PRECISIONS:
+            raise KeyError(f"no genai build {family}/{precision}; families {sorted(FAMILIES)}, "
+                           f"precisions {PRECISIONS}")
+    outs = [_out_dir(family, precision) for family, precision in cells]
+
+    def missing() -> list[tuple[tuple[str, str], Path]]:
+        return [(cell, out) for cell, out in zip(cells, outs) if not (out / "model.onnx").is_file()]
+
+    # one builder process at a time: another asking meanwhile waits, then finds its builds
+    build_once(_cache_dir() / "genai-builds", lambda: not missing(),
+               lambda: _build(dict(missing())))
+    return [out / "model.onnx" for out in outs]
+
+
+def _out_dir(family: str, precision: str) -> Path:
+    return _cache_dir() / _key("genai", family, FAMILIES[family], precision) / "genai"
+
+
+def _build(todo: dict[tuple[str, str], Path]) -> None:
+    hf = {family: hf_folder(family) for family, _ in todo}
     python = venv_python()
-    p, ep = _BUILD.get(precision, (precision, "cpu"))
     with tempfile.TemporaryDirectory(dir=_cache_dir()) as tmp:
-        staging = Path(tmp) / "genai"
+        staging = {cell: Path(tmp) / f"genai{i}" for i, cell in enumerate(todo)}
+        jobs = [[str(hf[family]), str(staging[family, precision]),
+                 *_BUILD.get(precision, (precision, "cpu")), str(Path(tmp) / "cache")]
+                for family, precision in todo]
+        (Path(tmp) / "jobs.json").write_text(json.dumps(jobs))
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                "PYTHONPATH": ""}
-        run = subprocess.run(
-            [str(python), "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o",
-             str(staging), "-p", p, "-e", ep, "-c", str(Path(tmp) / "cache")],
-            env=env, capture_output=True, text=True)
-        if run.returncode != 0 or not (staging / "model.onnx").is_file():
-            raise RuntimeError(f"the genai model builder failed ({run.returncode}):\n"
-                               f"{run.stderr[-4000:]}")
-        for name in ("tokenizer.json", "config.json"):  # what `tuner optimize` copies along
-            if not (staging / name).is_file():
-                shutil.copyfile(hf / name, staging / name)
-        os.replace(staging, out)
+        # -P: the script's folder (models/) stays off sys.path, as in models/optimum.py
+        run = subprocess.run([str(python), "-P", str(Path(__file__).with_name("_genai_job.py")),
+                              str(Path(tmp) / "jobs.json")],
+                             env=env, capture_output=True, text=True)
+        if run.returncode != 0 or not all((s / "model.onnx").is_file() for s in staging.values()):
+            raise RuntimeError(f"the genai model builder failed ({run.returncode}) on "
+                               f"{list(todo)}:\n{run.stderr[-4000:]}")
+        for (family, precision), out in todo.items():
+            made = staging[family, precision]
+            for name in ("tokenizer.json", "config.json"):  # what `tuner optimize` copies along
+                if not (made / name).is_file():
+                    shutil.copyfile(hf[family] / name, made / name)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            if out.exists():  # a folder left without its model.onnx
+                shutil.rmtree(out)
+            os.replace(made, out)
 
 
 def _main(argv: list[str] | None = None) -> int:

@@ -3,9 +3,10 @@ memory object), and the reads and writes of tensors in them. No transport here: 
 servicer and the HTTP frontend convert their messages to these calls and back.
 
 Every client input is untrusted, so:
-- a key is a plain POSIX shm name ("/name": one leading '/', no other, no "..") and is
-  opened in /dev/shm only (as shm_open does), never through a symlink, and only when it is
-  a regular file: no other file can be reached;
+- a key is a plain POSIX shm name ("/name": one leading '/', no other, no "..", not
+  Triton's reserved prefix for its own backends' objects) and is opened in /dev/shm only
+  (as shm_open does), never through a symlink, and only when it is a regular file: no
+  other file can be reached;
 - a region's offset and byte size are checked against the object's real size when it is
   registered, and every tensor's span against the region's (INVALID_ARGUMENT past it);
 - the object is read and written with pread/pwrite on the descriptor kept open, not
@@ -34,6 +35,10 @@ from serving.errors import (AlreadyExists, InvalidArgument, NotFound, ResourceEx
 SHM_FOLDER = "/dev/shm"  # where glibc's shm_open creates and finds objects
 # "/" then a name of the characters shm names use in practice; 255 is NAME_MAX
 _KEY = re.compile(r"/[A-Za-z0-9_.:@+\-]{1,255}")
+# Triton's Python-based backends (its vLLM backend among them) keep their own requests in shm
+# objects of this prefix; Triton refuses it as a client's key, and so does this server, which
+# may run beside a Triton on one host
+RESERVED_PREFIX = "triton_python_backend_shm_region_"
 MAX_REGIONS = 256  # each holds a descriptor: a client must not exhaust the server's
 MAX_TENSOR_BYTES = 256 * 1024 * 1024  # as --max-message-mb's default: no larger read
 
@@ -79,6 +84,10 @@ def _check_key(name: str, key: str) -> str:
             f"cannot register shared memory region '{name}': invalid shm key {key!r} (a "
             "POSIX shared memory name: '/' then letters, digits, '_', '.', '-', with no "
             "other '/' and no '..')")
+    if key[1:].startswith(RESERVED_PREFIX):
+        raise InvalidArgument(
+            f"cannot register shared memory region '{name}' with key '{key}' as the key "
+            f"contains the reserved prefix '{RESERVED_PREFIX}'")
     return key[1:]
 
 

@@ -217,6 +217,12 @@ def test_keys_that_are_not_plain_shm_names_are_refused(encoder, regions, tmp_pat
                       grpc.StatusCode.INVALID_ARGUMENT, "Unable to open", link.name)
         _refused_grpc(lambda: client.register_system_shared_memory("r", "/no_such_obj_x", 8),
                       grpc.StatusCode.INVALID_ARGUMENT, "Unable to open", "/no_such_obj_x")
+        # Triton's own backends' objects, refused as Triton refuses them, before any open
+        reserved = "/triton_python_backend_shm_region_1"
+        _refused_grpc(lambda: client.register_system_shared_memory("r", reserved, 8),
+                      grpc.StatusCode.INVALID_ARGUMENT, "reserved prefix", reserved)
+        with pytest.raises(InferenceServerException, match="reserved prefix"):
+            http.register_system_shared_memory("r", reserved, 8)
     finally:
         link.unlink()
     assert not client.get_system_shared_memory_status().regions

@@ -41,6 +41,12 @@ FAMILIES = ["gemma2", "gpt_oss"]
 WINDOW, VOCAB = 16, 1003  # the builder's tiny configs (models/genai_builder.py)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _builds() -> None:
+    """This file's builds, made together in one builder process before its first test."""
+    genai_builder.build_all([(family, "fp32") for family in FAMILIES] + [("llama", "fp32")])
+
+
 def _windowed_greedy(path: Path, prompt: list[int], steps: int) -> tuple[list[int], list]:
     """The windowed graph as onnxruntime-genai runs it: batch 1, the sliding layer's buffers
     of the window's capacity, the full layer's growing, each fed its own present."""
