@@ -15,11 +15,19 @@ with -1 to the longest, no scores): what a graph whose rows depend on each other
 quantized per run) gives each input on its own. With
 `return_timestamps`, Whisper's generate seeks through the audio window by window: what is
 saved is each row's first window (`window_0`, `window_1`: its decoder ids, prefix included).
+
+    python -P _optimum_generate.py --serve
+
+takes one job a line on stdin (JSON [NEW_TOKENS, OUT_DIR, OPTIONS, [FOLDER, ...]]) and
+answers each with one line, `ok` or `error` and the traceback as JSON: a test process keeps
+one such process, so that Optimum, transformers and torch are imported once (~8 s) rather
+than once a call. Anything the libraries print goes to stderr, never into the answers.
 """
 
 import json
 import os
 import sys
+import traceback
 
 import numpy as np
 import torch
@@ -99,5 +107,22 @@ def main(new_tokens: int, out_dir: str, folders: list[str], options: dict) -> in
     return 0
 
 
+def serve() -> int:
+    answers = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # the libraries' prints (C and Python alike) go to stderr
+    sys.stdout = sys.stderr
+    for line in sys.stdin:
+        new_tokens, out_dir, options, folders = json.loads(line)
+        try:
+            main(new_tokens, out_dir, folders, options)
+        except Exception:  # the caller raises it, naming the folders; the next job runs
+            answers.write("error " + json.dumps(traceback.format_exc()) + "\n")
+        else:
+            answers.write("ok\n")
+    return 0
+
+
 if __name__ == "__main__":
+    if sys.argv[1:] == ["--serve"]:
+        sys.exit(serve())
     sys.exit(main(int(sys.argv[1]), sys.argv[2], sys.argv[4:], json.loads(sys.argv[3])))

@@ -22,6 +22,7 @@ must find in it), read by the matrix and by --list.
 from __future__ import annotations
 
 import argparse
+import atexit
 import hashlib
 import json
 import os
@@ -29,6 +30,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -492,19 +494,60 @@ def seq2seq_greedy(folders: list[Path], new_tokens: int = 12,
     import numpy as np
 
     with tempfile.TemporaryDirectory(prefix="optimum-generate-") as tmp:
-        done = subprocess.run([str(ensure_venv()), "-P",
-                               str(Path(__file__).with_name("_optimum_generate.py")),
-                               str(new_tokens), tmp, json.dumps(options or {}),
-                               *map(str, folders)],
-                              capture_output=True, text=True,
-                              env={**os.environ, "HF_HUB_OFFLINE": "1"})
-        if done.returncode != 0:
-            raise RuntimeError(f"optimum could not generate from {folders}: {done.stderr[-3000:]}")
+        _GENERATOR.run([new_tokens, tmp, options or {}, [str(f) for f in folders]])
         out = []
         for i in range(len(folders)):
             with np.load(Path(tmp) / f"{i}.npz", allow_pickle=False) as data:
                 out.append({k: data[k] for k in data.files})
         return out
+
+
+class _Generator:
+    """One Optimum process (models/_optimum_generate.py --serve) kept by this process for
+    every `seq2seq_greedy`: importing Optimum, transformers and torch is ~8 s of each call,
+    and a test file calls it a dozen times. Started on first use, stopped at exit; one that
+    died is started again by the next call."""
+
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen | None = None
+        self._log: Any = None  # its stderr, a temporary file (a pipe nobody reads would fill)
+        self._lock = threading.Lock()
+        atexit.register(self.stop)
+
+    def run(self, job: list) -> None:
+        with self._lock:
+            proc = self._started()
+            proc.stdin.write(json.dumps(job) + "\n")
+            proc.stdin.flush()
+            answer = proc.stdout.readline()
+        if answer.strip() == "ok":
+            return
+        if answer.startswith("error "):
+            why = json.loads(answer[len("error "):])
+        else:  # the process died
+            self._log.seek(0)
+            why = f"(exit {proc.wait()}) " + self._log.read().decode(errors="replace")
+        raise RuntimeError(f"optimum could not generate from {job[3]}: {why[-3000:]}")
+
+    def _started(self) -> subprocess.Popen:
+        if self._proc is None or self._proc.poll() is not None:
+            self._log = tempfile.TemporaryFile()
+            self._proc = subprocess.Popen(
+                [str(ensure_venv()), "-P", str(Path(__file__).with_name("_optimum_generate.py")),
+                 "--serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
+                text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        return self._proc
+
+    def stop(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.stdin.close()  # its loop ends at end of input
+            try:
+                self._proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+
+
+_GENERATOR = _Generator()
 
 
 def _main(argv: list[str] | None = None) -> int:
