@@ -517,16 +517,19 @@ class _Generator:
     def run(self, job: list) -> None:
         with self._lock:
             proc = self._started()
-            proc.stdin.write(json.dumps(job) + "\n")
-            proc.stdin.flush()
-            answer = proc.stdout.readline()
-        if answer.strip() == "ok":
-            return
-        if answer.startswith("error "):
-            why = json.loads(answer[len("error "):])
-        else:  # the process died
-            self._log.seek(0)
-            why = f"(exit {proc.wait()}) " + self._log.read().decode(errors="replace")
+            try:
+                proc.stdin.write(json.dumps(job) + "\n")
+                proc.stdin.flush()
+                answer = proc.stdout.readline()
+            except BrokenPipeError:  # it died before reading the job
+                answer = ""
+            if answer.strip() == "ok":
+                return
+            if answer.startswith("error "):
+                why = json.loads(answer[len("error "):])
+            else:  # it died: what it printed says why
+                self._log.seek(0)
+                why = f"(exit {proc.wait()}) " + self._log.read().decode(errors="replace")
         raise RuntimeError(f"optimum could not generate from {job[3]}: {why[-3000:]}")
 
     def _started(self) -> subprocess.Popen:

@@ -32,10 +32,25 @@ def test_a_failed_job_is_an_error_and_the_process_answers_the_next(tmp_path):
     np.testing.assert_array_equal(again["scores"], first["scores"])
 
 
-def test_a_process_that_died_is_started_again():
+def test_a_process_that_died_is_started_again(monkeypatch):
     folder = optimum.export_all([T5])[0].parent
     first = optimum.seq2seq_greedy([folder], new_tokens=3)[0]
-    optimum._GENERATOR._proc.kill()
+    optimum._GENERATOR._proc.kill()  # between two jobs
     optimum._GENERATOR._proc.wait()
     again = optimum.seq2seq_greedy([folder], new_tokens=3)[0]
     np.testing.assert_array_equal(again["tokens"], first["tokens"])
+
+    started = optimum._GENERATOR._started
+
+    def dies_on_the_job():  # the process as it is handed a job, killed
+        proc = started()
+        proc.kill()
+        proc.wait()
+        return proc
+
+    monkeypatch.setattr(optimum._GENERATOR, "_started", dies_on_the_job)
+    with pytest.raises(RuntimeError, match=r"\(exit -9\)"):  # that job fails, saying how
+        optimum.seq2seq_greedy([folder], new_tokens=3)
+    monkeypatch.undo()
+    third = optimum.seq2seq_greedy([folder], new_tokens=3)[0]
+    np.testing.assert_array_equal(third["tokens"], first["tokens"])
