@@ -79,8 +79,8 @@ PAD_REFUSED: dict[str, str] = {"optimum-cohere-kv": "/model/rotary_emb/Tile",
                                "optimum-glm-kv": "self_attn/Slice_2",
                                "optimum-deepseek_v3-kv": "keys and values have head dims of "
                                                          "their own (keys 24, values 16"}
-FAST = ["--rounds", "2", "--warmup", "0", "--bucket-rounds", "1", "--no-probe", "--no-fuse",
-        "--max-variants", "2", "--no-cache", "--max-buckets", "2"]
+FAST = ["--no-plots", "--rounds", "2", "--warmup", "0", "--bucket-rounds", "1", "--no-probe",
+        "--no-fuse", "--max-variants", "2", "--no-cache", "--max-buckets", "2"]
 # Small traffic keeps optimize's shapes small: prompts and outputs for cache exports.
 TRAFFIC = {True: [{"prompt_tokens": p, "output_tokens": o} for p, o in ((5, 8), (12, 6), (20, 4))],
            False: [{"seq": s, "batch": 2} for s in (5, 12, 20)]}

@@ -15,8 +15,8 @@ from tuner.cli import main
 
 pytestmark = pytest.mark.venv(*optimum.VENV)  # built beside the first tests (conftest)
 
-FAST = ["--rounds", "2", "--warmup", "0", "--bucket-rounds", "1", "--no-probe", "--no-fuse",
-        "--max-variants", "2", "--no-cache", "--max-buckets", "1"]
+FAST = ["--no-plots", "--rounds", "2", "--warmup", "0", "--bucket-rounds", "1", "--no-probe",
+        "--no-fuse", "--max-variants", "2", "--no-cache", "--max-buckets", "1"]
 
 
 def _optimize(tmp_path) -> tuple[int, str]:

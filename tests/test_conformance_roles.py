@@ -129,7 +129,7 @@ def test_optimize_records_the_overrides_and_serve_reads_them(tmp_path):
     out = tmp_path / "art"
     code, _, err = _run(["optimize", str(src), "-o", str(out), "--requests", str(traffic),
                          "--roles", "position_ids=position_ids", "--rounds", "2", "--warmup",
-                         "0", "--bucket-rounds", "1", "--no-probe", "--no-fuse",
+                         "0", "--bucket-rounds", "1", "--no-probe", "--no-fuse", "--no-plots",
                          "--max-variants", "1", "--no-cache", "--max-buckets", "1"])
     assert code == 0, err
     assert json.loads((out / "manifest.json").read_text())["roles"] == {

@@ -268,7 +268,8 @@ def test_optimize_runs_on_shapes_the_model_takes(layout, name, tmp_path, capsys)
 
     src, out = layout(name), tmp_path / "out"
     rc = main(["optimize", str(src), "-o", str(out), "--rounds", "2", "--warmup", "0",
-               "--bucket-rounds", "1", "--no-probe", "--max-variants", "3", "--max-seq", "32",
+               "--bucket-rounds", "1", "--no-probe", "--no-plots", "--max-variants", "3",
+               "--max-seq", "32",
                "--no-cache", "-q", *([] if name == "fp16" else ["--no-fuse"])])
     captured = capsys.readouterr()
     # every layout optimizes today: a refusal (exit 2) is a regression, not a skip

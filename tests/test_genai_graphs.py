@@ -229,7 +229,8 @@ def test_optimize_then_serve_with_inflight_batching_equals_a_plain_greedy_loop(f
     out = tmp_path / "out"
     assert main(["optimize", str(src), "-o", str(out), "--requests", str(traffic), "--rounds",
                  "2", "--warmup", "0", "--bucket-rounds", "1", "--no-probe", "--no-fuse",
-                 "--max-variants", "2", "--no-cache", "--max-buckets", "2", "-q"]) == 0
+                 "--max-variants", "2", "--no-cache", "--max-buckets", "2", "-q",
+                 "--no-plots"]) == 0
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["cache"]["layers"] == 2 and (out / "tokenizer.json").is_file()
     assert all(v["accuracy"]["passed"] for v in manifest["variants"])

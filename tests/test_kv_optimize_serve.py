@@ -28,8 +28,8 @@ from tuner.graph.load import load_model
 from tuner.jobs.pad import pad_file
 from tuner.rewrite.compose import PadRequest
 
-FAST = ["--rounds", "2", "--warmup", "0", "--bucket-rounds", "1", "--no-probe", "--no-fuse",
-        "--max-variants", "2", "--no-cache", "--max-buckets", "2"]
+FAST = ["--no-plots", "--rounds", "2", "--warmup", "0", "--bucket-rounds", "1", "--no-probe",
+        "--no-fuse", "--max-variants", "2", "--no-cache", "--max-buckets", "2"]
 
 
 def _src(family: str, exporter: str):

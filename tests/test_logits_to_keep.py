@@ -230,7 +230,7 @@ def test_optimize_serves_a_decoders_winnercut_copy(tmp_path):
     out = tmp_path / "out"
     assert main(["optimize", str(src), "-o", str(out), "--rounds", "2", "--warmup", "0",
                  "--bucket-rounds", "1", "--no-probe", "--no-fuse", "--max-variants", "1",
-                 "--no-cache", "--max-buckets", "2", "--quiet"]) == 0
+                 "--no-cache", "--max-buckets", "2", "--quiet", "--no-plots"]) == 0
     manifest = json.loads((out / "manifest.json").read_text())
     chosen = next(v for v in manifest["variants"] if v["name"] == manifest["selected"])
     assert chosen["name"].endswith("last-logits")

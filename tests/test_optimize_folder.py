@@ -93,16 +93,20 @@ def test_a_win_must_clear_what_the_same_work_shows():
 
 def test_a_transformers_js_layout_and_audio(exports, tmp_path, capsys):
     """Whisper with its graphs under onnx/ (configs at the top), two streams at once: OUT is
-    flat, the audio's one shape timed, and the same tokens come out."""
+    flat, the audio's one shape timed, and the same tokens come out (--no-plots: no
+    timings.png, nor a word of it)."""
     src = tmp_path / "repo"
     (src / "onnx").mkdir(parents=True)
     for f in exports["whisper"].iterdir():
         shutil.copy(f, src / "onnx" / f.name if f.name in FILES else src / f.name)
     (src / "decoder_model_merged.onnx").unlink(missing_ok=True)
     out = tmp_path / "out"
-    assert main(["optimize", str(src), "-o", str(out), "--streams", "2", *FAST]) == 0
+    assert main(["optimize", str(src), "-o", str(out), "--streams", "2", "--no-plots",
+                 *FAST]) == 0
     printed = capsys.readouterr().out
     assert "selected " in printed and "ms/request (encoder" in printed
+    assert not (out / "timings.png").exists() and "timings.png" not in printed  # --no-plots
+    assert "timings.png" not in (out / "report.md").read_text()
     record = json.loads((out / "selection.json").read_text())
     assert record["workload"]["source_tokens"] is None and record["workload"]["batch"] == 2
     assert "audio features" in record["workload"]["note"]

@@ -112,7 +112,7 @@ def test_optimize_then_the_engine_equals_a_plain_greedy_loop(per_channel, tmp_pa
     out = tmp_path / "out"
     assert main(["optimize", str(path), "-o", str(out), "--rounds", "2", "--warmup", "0",
                  "--bucket-rounds", "1", "--no-probe", "--no-fuse", "--max-variants", "2",
-                 "--no-cache", "--max-buckets", "2", "-q"]) == 0
+                 "--no-cache", "--max-buckets", "2", "-q", "--no-plots"]) == 0
     manifest = json.loads((out / "manifest.json").read_text())
     served = out / next(v["path"] for v in manifest["variants"]
                         if v["name"] == manifest["selected"])

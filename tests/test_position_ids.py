@@ -158,7 +158,8 @@ def test_optimize_gives_the_positions_and_the_server_batches_exactly(exports, na
                                for p in (6, 18, 30)))
     assert main(["optimize", str(src), "-o", str(art), "--requests", str(traffic),
                  "--rounds", "2", "--warmup", "0", "--bucket-rounds", "1", "--no-probe",
-                 "--no-fuse", "--max-variants", "1", "--no-cache", "--max-buckets", "2"]) == 0
+                 "--no-fuse", "--max-variants", "1", "--no-cache", "--max-buckets", "2",
+                 "--no-plots"]) == 0
     manifest = json.loads((art / "manifest.json").read_text())
     chosen = next(v for v in manifest["variants"] if v["name"] == manifest["selected"])
     assert [t["kind"] for t in chosen["transforms"]][-2:] == ["last-logits", "positions"]

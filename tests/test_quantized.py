@@ -200,7 +200,7 @@ def test_optimize_a_quantized_cache_model_writes_an_artifact(tmp_path):
     assert main(["optimize", str(cached("nbits-asym", "llama-kv")), "-o", str(out),
                  "--requests", str(traffic), "--rounds", "2", "--warmup", "0",
                  "--bucket-rounds", "1", "--no-probe", "--no-fuse", "--max-variants", "2",
-                 "--no-cache", "--max-buckets", "2", "-q"]) == 0
+                 "--no-cache", "--max-buckets", "2", "-q", "--no-plots"]) == 0
     manifest = json.loads((out / "manifest.json").read_text())
     padded = [v for v in manifest["variants"] if v["name"] != "original"]
     assert padded and all(v["accuracy"]["passed"] and v["exact"] for v in padded)

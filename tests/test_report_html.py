@@ -142,6 +142,17 @@ def test_no_markdown_is_left_and_the_plots_are_images(written):
     assert (root / "report.md").read_text().startswith("# shapetuner report: m<1>.onnx")
 
 
+def test_without_plots_the_same_tables_and_no_image(written, tmp_path):
+    """`tuner optimize --no-plots`: the page's tables as with the plots, no image, and
+    report.md says that none were drawn."""
+    root, with_plots = written
+    write_report(tmp_path, _manifest(), coverage={64: 0.75, 128: 0.25}, with_plots=False)
+    p = _parse((tmp_path / "report.html").read_text(encoding="utf-8"))
+    assert p.images == [] and p.tables == with_plots.tables
+    md = (tmp_path / "report.md").read_text()
+    assert "no plots drawn" in md and "Plots: report.html" in (root / "report.md").read_text()
+
+
 def test_text_from_the_model_is_escaped(written):
     root, p = written
     page = (root / "report.html").read_text(encoding="utf-8")

@@ -306,7 +306,7 @@ def test_decoder_served_as_a_tensor_model(exports, tmp_path):
     art = tmp_path / "art"
     code, _, err = _run(["optimize", str(src), "-o", str(art), "--rounds", "2", "--warmup", "0",
                          "--no-probe", "--no-fuse", "--max-variants", "2", "--no-cache",
-                         "--bucket-rounds", "1", "--max-buckets", "2"])
+                         "--bucket-rounds", "1", "--max-buckets", "2", "--no-plots"])
     assert code == 0, err
     assert "tensor model" in (art / "report.md").read_text()
     code, _, err = _run(["optimize", str(exports["bart"] / "decoder_with_past_model.onnx"),

@@ -155,7 +155,7 @@ def test_optimize_then_the_engine_equals_the_windowed_graph_past_its_window(fami
     out = tmp_path / "out"
     assert main(["optimize", str(src), "-o", str(out), "--rounds", "2", "--warmup", "0",
                  "--bucket-rounds", "1", "--no-probe", "--no-fuse", "--max-variants", "2",
-                 "--no-cache", "--max-buckets", "2", "-q"]) == 0
+                 "--no-cache", "--max-buckets", "2", "-q", "--no-plots"]) == 0
     manifest = json.loads((out / "manifest.json").read_text())
     assert any("window of 16 positions" in n and "made full-length" in n
                for n in manifest["notes"])

@@ -50,19 +50,20 @@ class FolderSelection:
         return asdict(self)
 
 
-def write_folder_report(root: Path, s: FolderSelection) -> None:
-    """selection.json, report.md and timings.png into `root`."""
+def write_folder_report(root: Path, s: FolderSelection, with_plots: bool = True) -> None:
+    """selection.json, report.md and (`with_plots`) timings.png into `root`."""
     (root / RECORD).write_text(json.dumps(s.to_json(), indent=2, allow_nan=False) + "\n",
                                encoding="utf-8")
-    (root / "report.md").write_text(markdown(s), encoding="utf-8")
-    _plot(s, root / "timings.png")
+    (root / "report.md").write_text(markdown(s, with_plots), encoding="utf-8")
+    if with_plots:
+        _plot(s, root / "timings.png")
 
 
 def _ci(sp: Speedup | None) -> str:
     return "1 (itself)" if sp is None else f"{sp.ratio:.3f}x [{sp.low:.3f}, {sp.high:.3f}]"
 
 
-def markdown(s: FolderSelection) -> str:
+def markdown(s: FolderSelection, with_plots: bool = True) -> str:
     w = s.workload
     source = "audio features" if w["source_tokens"] is None else f"{w['source_tokens']} tokens"
     lines = [f"# shapetuner report: {Path(s.source).name} (encoder-decoder folder)", "",
@@ -83,7 +84,8 @@ def markdown(s: FolderSelection) -> str:
         lines += [f"- {v.name}: " + ("; ".join(v.transforms) or "the folder as given")
                   + "".join(f"; its {part} is the original's, byte for byte, and timed "
                             f"{ratio:.3f}x it: this run's noise" for part, ratio in v.unchanged)]
-    lines += [f"- note: {n}" for n in s.notes] + ["", "Plot: timings.png.", ""]
+    lines += [f"- note: {n}" for n in s.notes]
+    lines += (["", "Plot: timings.png."] if with_plots else []) + [""]
     return "\n".join(lines)
 
 

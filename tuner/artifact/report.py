@@ -23,7 +23,8 @@ def _shared_shapes(m: Manifest) -> list[str]:
     return sorted(keys, key=parse_shape_key)
 
 
-def markdown(m: Manifest, coverage: Mapping[int, float] | None = None) -> str:
+def markdown(m: Manifest, coverage: Mapping[int, float] | None = None,
+             with_plots: bool = True) -> str:
     sel = m.selected_variant()
     lines = [f"# shapetuner report: {Path(m.source_path).name}", "",
              f"- device: {m.device_label}", f"- backend: {m.backend}, settings: "
@@ -67,7 +68,8 @@ def markdown(m: Manifest, coverage: Mapping[int, float] | None = None) -> str:
         lines += [f"| {s} | {w:.1%} |" for s, w in sorted(coverage.items())]
     if m.notes:
         lines += ["", "## Notes", ""] + [f"- {n}" for n in m.notes]
-    lines += ["", "Plots: report.html.", ""]
+    lines += ["", "Plots: report.html." if with_plots else "Tables: report.html (no plots drawn).",
+              ""]
     return "\n".join(lines)
 
 
@@ -151,11 +153,12 @@ def plots(m: Manifest, req=None, grid_latency: Mapping[Shape, float] | None = No
 
 
 def write_report(root: Path, m: Manifest, req=None, grid_latency=None, coverage=None,
-                 phases=None) -> None:
+                 phases=None, with_plots: bool = True) -> None:
     """OUT/report.md (markdown, for humans and CI logs) and OUT/report.html (the rendered page
-    with the plots; `phases`: optional tuner.artifact.report_html.PhaseRow list for decoders)."""
-    md = markdown(m, coverage)
+    with the plots, or its tables alone without `with_plots`; `phases`: optional
+    tuner.artifact.report_html.PhaseRow list for decoders)."""
+    md = markdown(m, coverage, with_plots)
     (root / "report.md").write_text(md, encoding="utf-8")
-    imgs = plots(m, req, grid_latency, coverage)
+    imgs = plots(m, req, grid_latency, coverage) if with_plots else {}
     page = render(m, images=imgs, coverage=coverage, phases=phases)
     (root / "report.html").write_text(page, encoding="utf-8")

@@ -74,6 +74,10 @@ def optimize(
         False, "--json", help="print the manifest (the same object as OUT/manifest.json) on "
                               "stdout instead of the summary"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress output"),
+    plots: bool = typer.Option(True, help=(
+        "draw the report's charts (report.html; a folder's timings.png) with matplotlib; "
+        "--no-plots writes the tables alone, a second or so sooner, for a pipeline that "
+        "reads manifest.json")),
     roles: list[str] = roles_option(),
 ) -> None:
     """Build exact padded variants, verify them, time them against the original in
@@ -102,9 +106,9 @@ def optimize(
         probe=probe, advise=advise, threads=threads, graph_optimization=graph_opt, atol=atol, rtol=rtol,
         cache_policy=cache_policy,
         cache_dir=None if no_cache else (cache_dir or default_cache_dir()), force=force,
-        progress=not quiet and not as_json)
+        progress=not quiet and not as_json, plots=plots)
     if cfg.model.is_dir() and is_encoder_decoder(cfg.model):
-        _print_folder(run_folder(cfg), cfg.out, as_json)
+        _print_folder(run_folder(cfg), cfg.out, as_json, plots)
         return
     result = run(cfg)
     if as_json:
@@ -135,7 +139,7 @@ def optimize(
     print(f"wrote {result.out}/manifest.json, report.md, report.html")
 
 
-def _print_folder(s, out: Path, as_json: bool) -> None:
+def _print_folder(s, out: Path, as_json: bool, plots: bool) -> None:
     """`tuner optimize FOLDER`'s answer: the selection and each variant's request time."""
     if as_json:  # the same object as OUT/selection.json
         print(json.dumps(s.to_json(), indent=2, allow_nan=False))
@@ -151,5 +155,5 @@ def _print_folder(s, out: Path, as_json: bool) -> None:
                         for part, ratio in v.unchanged))
     for n in s.notes:
         print(f"note: {n}")
-    print(f"wrote {out}/ (the selected folder: `tuner serve {out}`), selection.json, report.md, "
-          "timings.png")
+    print(f"wrote {out}/ (the selected folder: `tuner serve {out}`), selection.json, report.md"
+          + (", timings.png" if plots else ""))

@@ -13,7 +13,9 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
+from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 
 import onnx
 import onnx_ir as ir
@@ -72,12 +74,26 @@ def _symbolic_shape_inference():
     return module.SymbolicShapeInference
 
 
-def infer_symbolic(model: ir.Model) -> dict[str, tuple[Dim, ...]]:
+def infer_symbolic(model: ir.Model) -> Mapping[str, tuple[Dim, ...]]:
     """value name -> dims, from ORT's symbolic shape inference, or from onnx's own (with data
     propagation) where ORT's stops: it asserts on an Expand whose shape it cannot compute
     (Optimum's Cohere and Helium exports), and onnx's still gives every value its rank.
-    {} when both fail."""
-    light = _light_proto(model)
+    {} when both fail. Read-only: one answer per graph in the process (`_inferred_from`)."""
+    return _inferred_from(_light_proto(model).SerializeToString())
+
+
+# One command asks for the same graph's shapes several times (optimize: the audit, the LM
+# head cut, the gate's vocabulary; pad: the command and the job), each from a model object of
+# its own; the inference is most of an inspect (0.1-0.25 s for two layers, seconds for a deep
+# model). Keyed by the light graph's bytes (no weights: a few MB at most), so a graph that was
+# edited is a new key and its shapes are inferred afresh.
+@functools.lru_cache(maxsize=8)
+def _inferred_from(light_bytes: bytes) -> Mapping[str, tuple[Dim, ...]]:
+    light = onnx.ModelProto.FromString(light_bytes)
+    return MappingProxyType(_infer(light))
+
+
+def _infer(light: onnx.ModelProto) -> dict[str, tuple[Dim, ...]]:
     try:
         out = _symbolic_shape_inference().infer_shapes(light, auto_merge=True,
                                                        guess_output_rank=True)
@@ -117,9 +133,9 @@ class Dims:
 
     def __init__(self, model: ir.Model) -> None:
         self._model = model
-        self._inferred: dict[str, tuple[Dim, ...]] | None = None
+        self._inferred: Mapping[str, tuple[Dim, ...]] | None = None
 
-    def inferred(self) -> dict[str, tuple[Dim, ...]]:
+    def inferred(self) -> Mapping[str, tuple[Dim, ...]]:
         if self._inferred is None:
             self._inferred = infer_symbolic(self._model)
         return self._inferred

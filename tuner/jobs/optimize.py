@@ -50,6 +50,7 @@ class OptimizeConfig:
     text_dir: Path | None = None  # where the tokenizer and configs are (None: the model's)
     force: bool = False
     progress: bool = True
+    plots: bool = True  # the report's matplotlib charts (False: its tables alone)
 
     def __post_init__(self) -> None:
         checks = [(self.rounds >= 2, "--rounds must be >= 2 (a ratio needs pairs)"),

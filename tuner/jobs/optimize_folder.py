@@ -119,7 +119,7 @@ def optimize_folder(cfg) -> FolderSelection:
         for f in selected.iterdir():
             shutil.move(str(f), stage / f.name)
         shutil.rmtree(stage / "variants")
-        write_folder_report(stage, chosen)
+        write_folder_report(stage, chosen, cfg.plots)
         swap_dir_into_place(stage, out)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)

@@ -359,12 +359,12 @@ def write_stage(s: Setup, built, c: Compared, t: Timed, advice, notes: list[str]
                         ExpectedLatency(main.expected_ms, main.pad_to_max_ms, main.no_buckets_ms),
                         req.source, req.count, tuple(by_field.get("past", ()))),
         variants=tuple(_variants(s, built, c, t, kept)), selection=reason,
-        margin=s.cfg.margin, notes=tuple(notes), advice=advice,
-        roles=role_overrides() or None,
+        margin=s.cfg.margin, notes=tuple(notes), advice=advice, roles=role_overrides() or None,
         **s.workload.manifest_parts((kept or built[sel]).path, sel, s.cfg.cache_policy, c.phases))
     write_manifest(s.root, manifest)
     write_report(s.root, manifest, req=req, grid_latency=t.latency[first.name],
-                 coverage=main.coverage, phases=s.workload.phase_rows(manifest))
+                 coverage=main.coverage, phases=s.workload.phase_rows(manifest),
+                 with_plots=s.cfg.plots)
     section = s.workload.report_section(manifest)
     if section:  # the workload's own part (a decoder's: both phases side by side)
         with open(s.root / "report.md", "a", encoding="utf-8") as f:
