@@ -224,7 +224,8 @@ def parse_request(tensors: Mapping[str, np.ndarray], parameters: Mapping[str, ob
     """A ClientRequest from decoded request tensors and request parameters (a tensor wins
     over `sampling_parameters`, which wins over a request parameter of the same name).
     `eos_ids`: the model's end tokens, which the vLLM convention stops at unless
-    `ignore_eos`; `max_beams`: the widest `beam_width` the engine searches (a decoder's: 1). InvalidArgument, saying what is wrong, for anything else."""
+    `ignore_eos`; `max_beams`: the widest `beam_width` the engine searches. InvalidArgument,
+    saying what is wrong, for anything else."""
     for name in tensors:
         if name not in KNOWN_INPUTS:
             raise InvalidArgument(f"unexpected input '{name}'; a decoder takes "
@@ -250,7 +251,7 @@ def parse_request(tensors: Mapping[str, np.ndarray], parameters: Mapping[str, ob
         stops += [w for w in _strings("stop_words", tensors["stop_words"]) if w]
     trtllm_bad = _strings("bad_words", tensors["bad_words"]) if "bad_words" in tensors else []
     bad_words = bad_word_ids(tokenizer, trtllm_bad) + bad_word_ids(tokenizer, bad, vllm=True)
-    trtllm_core.refuse_unsupported(tensors)
+    trtllm_core.refuse_unsupported(tensors, beams or 1)
     core = trtllm_core.read(tensors) if trtllm_core.is_core(tensors) else None
     prompt = core.prompt if core else _prompt(tensors, tokenizer)
     # sampling asked for in tensors (TensorRT-LLM's names, or ours) follows TensorRT-LLM's

@@ -16,6 +16,7 @@ from serving.conventions import ClientRequest, client_signature, parse_request
 from serving.engine import Engine
 from serving.errors import InvalidArgument
 from serving.generation import GenerateOptions, GenerationStats, Generator
+from serving.generation.beam_decode import MAX_BEAMS
 from serving.metrics import GenerationMetrics, Metrics, Stats
 from serving.model import LoadedModel, Signature
 from serving.sampling import GenerationRequest
@@ -95,7 +96,7 @@ class DecoderEngine:
     stats, parse, submit) around one Generator."""
 
     decoupled = True
-    max_beams = 1  # beam search: an encoder-decoder's (serving.seq2seq)
+    max_beams = MAX_BEAMS  # beam search (serving.generation.beam_decode)
 
     def __init__(self, model: LoadedModel, options: GenerateOptions, stats: Stats,
                  metrics: Metrics | None = None, gen_metrics: GenerationMetrics | None = None,

@@ -151,8 +151,6 @@ def load_seq2seq(folder: Path, backend: str | None = None,
 class Seq2SeqEngine(DecoderEngine):
     """A decoder's face (parse, submit, stop, drain: serving.decoder) on the cohort loop."""
 
-    max_beams = 16
-
     def __init__(self, model: Seq2SeqModel, options: GenerateOptions, stats: Stats,
                  metrics: Metrics | None = None,
                  gen_metrics: GenerationMetrics | None = None) -> None:

@@ -18,7 +18,8 @@ share (`end_id`, `temperature`, `runtime_top_k`, `min_length`, `return_log_probs
 - greedy unless a top-k or top-p is given, whatever the temperature (`sampling_rule`);
 - beam search's own controls (`len_penalty`, the ensemble's `length_penalty`,
   `early_stopping`, `beam_search_diversity_rate`) are taken and change nothing at beam
-  width 1, as there;
+  width 1, as there; above it (serving/generation/beam_decode.py) only at the values of
+  the search transformers runs by default, any other refused by name;
 - top-p decay, context / generation logits and more than one sequence are refused by name
   (in the ensemble's requests too).
 
@@ -45,6 +46,10 @@ BEAM_ONLY = ("len_penalty", "length_penalty", "early_stopping", "beam_search_div
 # refused unless they ask for nothing: name -> the value that leaves them off
 _OFF = {"runtime_top_p_decay": 1.0, "return_context_logits": False,
         "return_generation_logits": False, "num_return_sequences": 1}
+# the beam search this server runs: transformers' defaults (no length penalty's exponent
+# but 1, no early stopping, no diversity)
+_SEARCH = {"len_penalty": 1.0, "length_penalty": 1.0, "early_stopping": False,
+           "beam_search_diversity_rate": 0.0}
 _TOP_P_DECAY = ("runtime_top_p_min", "runtime_top_p_reset_ids")  # only read with a decay
 BIAS_WORDS = ("embedding_bias_words", "embedding_bias_weights")  # the ensemble's bias
 # TensorRT-LLM's names that its ensemble and its core model both take
@@ -117,13 +122,17 @@ def asks_to_stop(tensors: Mapping[str, np.ndarray]) -> bool:
     return stop is not None and np.asarray(stop).size == 1 and bool(np.asarray(stop).item())
 
 
-def refuse_unsupported(tensors: Mapping[str, np.ndarray]) -> None:
+def refuse_unsupported(tensors: Mapping[str, np.ndarray], beams: int = 1) -> None:
     """InvalidArgument, naming it, for a TensorRT-LLM input (ensemble or core) that asks for
-    what this server does not do."""
-    for name, off in _OFF.items():
-        if name in tensors and _value(name, tensors[name]) != off:
+    what this server does not do; at a `beams` width above 1, a beam-only control that asks
+    for another search than transformers' default one (serving.generation.beams), rather
+    than ignored."""
+    off = {**_OFF, **(_SEARCH if beams > 1 else {})}
+    for name, value in off.items():
+        if name in tensors and _value(name, tensors[name]) != value:
             raise InvalidArgument(f"'{name}' {_value(name, tensors[name])} is not supported "
-                                  f"(only {off})")
+                                  f"(only {value}" + (", the search transformers runs by "
+                                                      "default)" if name in _SEARCH else ")"))
 
 
 def read(tensors: Mapping[str, np.ndarray]) -> CoreInputs:

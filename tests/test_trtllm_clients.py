@@ -175,11 +175,30 @@ def test_sampling_with_a_top_k_is_seeded_and_greedy_without(server, llama) -> No
     ({"runtime_top_p_decay": np.array([[0.9]], np.float32)}, "'runtime_top_p_decay'"),
     ({"input_lengths": np.array([[99]], np.int32)}, "'input_lengths' 99"),
     ({"stop_words_list": np.array([[[5, 6], [3, -1]]], np.int32)}, "end offset"),
-    ({"beam_width": np.array([[2]], np.uint32)}, "beam_width 2"),
+    ({"beam_width": np.array([[17]], np.uint32)}, "beam_width 17 is not supported: 1 to 16"),
+    ({"beam_width": np.array([[2]], np.uint32), "return_log_probs": np.array([[True]], bool)},
+     "beam search \\(2 beams\\) is greedy"),
+    ({"beam_width": np.array([[2]], np.uint32), "len_penalty": np.array([[1.5]], np.float32)},
+     "'len_penalty' 1.5 is not supported \\(only 1.0, the search transformers runs"),
 ])
 def test_what_the_core_model_cannot_take_is_refused_by_name(server, extra, message) -> None:
     with pytest.raises(InferenceServerException, match=message):
         unary(server, prompt_ids(), 4, **extra)
+
+
+def test_a_beam_width_searches_and_the_best_comes_back_as_beam_0(server) -> None:
+    """beam_width 3: the search's best sequence, as transformers' beam search on the torch
+    model gives it, as beam 0 (output_ids [1, 1, n]); with an end_id that it meets, cut
+    there."""
+    from test_decoder_beams import transformers_beams
+
+    prompt, width = prompt_ids(), {"beam_width": np.array([[3]], np.uint32)}
+    got, result = unary(server, prompt, 6, **width)
+    assert got == transformers_beams(prompt, 3, 6)
+    assert result.as_numpy("output_ids").shape == (1, 1, 6)
+    end = got[2]
+    got, _ = unary(server, prompt, 6, end_id=np.array([[end]], np.int32), **width)
+    assert got == transformers_beams(prompt, 3, 6, end)
 
 
 def test_core_names_need_request_output_len_and_beam_only_controls_are_taken(server,

@@ -14,6 +14,7 @@ small and tested alone (no grpc anywhere here):
     engine.py     the one thread that loops: schedule, run, emit (`Generator`)
     seq2seq.py    an encoder-decoder's loop (`Seq2SeqGenerator`): streams in cohorts
     beams.py      beam search for one stream, as transformers' generate runs it
+    beam_decode.py  a decoder's beam searches, each a batch of its own beside the engine's
 """
 
 from serving.generation.admission import Handle

@@ -37,6 +37,22 @@ class BeamConfig:
                              f"{self.early_stopping!r}")
 
 
+def searchable(request) -> bool:
+    """Whether a beam search answers `request` as asked: greedy, and nothing asked of it that
+    a search does not give (per-token scores, grammars, penalties, stop words)."""
+    r, sampling = request, request.sampling
+    return sampling.greedy and not sampling.adjusts and not (
+        r.logprobs or r.top_logprobs or r.ranks or r.grammar or r.stop_sequences
+        or r.bad_words or r.timestamps or r.prompt_logprobs is not None)
+
+
+def unsearchable(beams: int) -> str:
+    """Why a request that `searchable` refuses is not searched with `beams` beams."""
+    return (f"beam search ({beams} beams) is greedy and gives the best sequence only: no "
+            "sampling, penalties, log-probs, grammars, stop words, bad words or timestamps "
+            "with it")
+
+
 def log_softmax(logits: np.ndarray) -> np.ndarray:
     x = logits.astype(np.float32)
     top = x.max(axis=-1, keepdims=True)

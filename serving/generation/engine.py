@@ -7,7 +7,9 @@ model runs:
      in place; a stream decoding alone may feed drafts after its token, checked in the same
      run: speculation, serving.generation.speculate), one run feeds the prefill chunks (a
      prompt's last chunk gives its first token); the output processor samples and sends
-     the chunks.
+     the chunks;
+  4. a beam search, where one runs, takes one step: its beams are a batch of their own
+     (serving.generation.beam_decode).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Sequence
 
 from serving.errors import InvalidArgument
 from serving.generation.admission import Admission, check_tokens
+from serving.generation.beam_decode import BeamRuns, refusal
 from serving.generation.cache import CacheManager
 from serving.generation.grammar import GrammarCompiler
 from serving.generation.options import (GenerateOptions, cache_budget, cache_buckets,
@@ -112,6 +115,9 @@ class Generator(Admission):
                                    record.takes_chunks, options.max_stall,
                                    chunks_share_runs=not record.rows_at_start)
         self.output = OutputProcessor(self.stats)
+        # beam searches: batches of their own, beside this one (serving.generation.beam_decode)
+        self.beams = BeamRuns(lambda feeds: self.runner.infer(feeds), record, vocab,
+                              self.stats.on_step)
         self.speculate = self._speculation(probe, options.speculate)
         self.start()
 
@@ -161,8 +167,9 @@ class Generator(Admission):
                 f"cache's byte budget ({self.budget_bytes} bytes: {self.cache.budget_tokens} "
                 "entries); raise --kv-cache-bytes")
         check_tokens(request, self.vocab, self.tokenizer)
-        if request.beams not in (None, 1):
-            raise InvalidArgument(f"beam_width {request.beams} is not supported: only 1")
+        why = refusal(request, self.record, self.cache.budget_tokens)
+        if why:
+            raise InvalidArgument(why)
         if request.timestamps or request.prompt_probe is not None:
             raise InvalidArgument("timestamps and prompt probes are an encoder-decoder's "
                                   "(Whisper's)")
@@ -172,16 +179,16 @@ class Generator(Admission):
         return self.max_cache_len - prompt_tokens + 1
 
     def occupancy(self) -> tuple[int, int]:
-        return len(self.scheduler.running), len(self.scheduler.waiting)
+        return self.active, len(self.scheduler.waiting) + len(self.beams.waiting)
 
     @property
     def active(self) -> int:
-        return len(self.scheduler.running)
+        return len(self.scheduler.running) + (self.beams.current is not None)
 
     # ---------------------------------------------------------------------------- the loop
 
     def _busy(self) -> bool:
-        return bool(self.scheduler.waiting or self.scheduler.running)
+        return bool(self.scheduler.waiting or self.scheduler.running or self.beams)
 
     def _loop(self) -> None:
         while True:
@@ -189,14 +196,19 @@ class Generator(Admission):
             if taken is None:
                 return
             for stream in taken:
-                self.scheduler.add(stream)
+                if (stream.request.beams or 1) > 1:
+                    self.beams.waiting.append(stream)
+                else:
+                    self.scheduler.add(stream)
             try:
                 self._end_overdue()
                 self._drop_cancelled()
                 self._step(self.scheduler.schedule())
+                self.beams.step(self._send_all)
             except Exception as e:  # noqa: BLE001 - the model failed: end every stream, go on
                 log.exception("generation step failed")
-                for s in list(self.scheduler.running):
+                searched = [self.beams.current.stream] if self.beams.current else []
+                for s in list(self.scheduler.running) + searched:
                     self._end(s, "error", f"the model failed: {type(e).__name__}: {e}")
                 self.cache.clear()
             self.stats.on_streams(len(self.scheduler.running), len(self.scheduler.waiting))
@@ -293,23 +305,37 @@ class Generator(Admission):
         self.output.finish(s, reason, detail)
         self._remove(s)
 
+    def _send_all(self, s: Stream, tokens: tuple[int, ...]) -> None:
+        """A beam search's answer, token by token (it ends at its end token or length)."""
+        for token in tokens:
+            self.output.emit(s, token)
+            if s.done:
+                break
+        if not s.done:
+            self.output.finish(s, "length")
+        self._forget(s)
+
     def _remove(self, s: Stream) -> None:
-        """An ended stream: out of the scheduler (its cache freed) and of the ids' index."""
+        """An ended stream: out of the scheduler (its cache freed) or its beam search, and
+        of the ids' index."""
         self.scheduler.remove(s)
+        self.beams.remove(s)
         self._forget(s)
 
     def _end_overdue(self) -> None:
         if not self._overdue():
             return
-        for s in list(self.scheduler.running) + list(self.scheduler.waiting):
+        for s in list(self.scheduler.running) + list(self.scheduler.waiting) + self.beams.streams:
             self._end(s, "shutdown", "the server shut down before the stream finished "
                                      "(grace period over)")
 
     def _drop_cancelled(self) -> None:
-        sched = self.scheduler
-        for s in list(sched.running) + list(sched.waiting):
+        sched, beams = self.scheduler, self.beams
+        for s in list(sched.running) + list(sched.waiting) + beams.streams:
+            started = s in sched.running or (beams.current is not None
+                                             and beams.current.stream is s)
             if s.cancelled.is_set():
-                self._end(s, "cancelled", "cancelled by the client" if s in sched.running
+                self._end(s, "cancelled", "cancelled by the client" if started
                           else "cancelled before it started")
-            elif self._draining and s in sched.waiting and s.computed == 0 and not s.preemptions:
+            elif self._draining and not started and s.computed == 0 and not s.preemptions:
                 self._end(s, "shutdown", "the server shut down before the stream started")

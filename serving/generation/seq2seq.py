@@ -30,7 +30,7 @@ import numpy as np
 
 from serving.errors import InvalidArgument
 from serving.generation.admission import Admission, check_tokens
-from serving.generation.beams import BeamSearch, log_softmax
+from serving.generation.beams import BeamSearch, log_softmax, searchable, unsearchable
 from serving.generation.constraints import Constraints, DecoderConfig
 from serving.generation.grammar import GrammarCompiler
 from serving.generation.options import GenerateOptions
@@ -169,16 +169,11 @@ class Seq2SeqGenerator(Admission):
         """How many beams search for `request`: its own number, else the generation config's
         for a greedy request that asks nothing a beam search does not give (log-probs,
         grammars, penalties, sampling), else 1."""
-        r, sampling = request, request.sampling
-        plain = (sampling.greedy and not sampling.adjusts and not (
-            r.logprobs or r.top_logprobs or r.ranks or r.grammar or r.stop_sequences
-            or r.bad_words or r.timestamps))
+        r, plain = request, searchable(request)
         if r.beams is None:
             return self.decoder.beams.beams if plain else 1
         if r.beams > 1 and not plain:
-            raise InvalidArgument(f"beam search ({r.beams} beams) is greedy and gives the best "
-                                  "sequence only: no sampling, penalties, log-probs, grammars, "
-                                  "stop words, bad words or timestamps with it")
+            raise InvalidArgument(unsearchable(r.beams))
         return r.beams
 
     # ---------------------------------------------------------------------------- the loop

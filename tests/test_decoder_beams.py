@@ -1,0 +1,116 @@
+"""Beam search on a decoder with its KV cache (serving/generation/beam_decode.py), on a real
+exported Llama through the engine: the searched answer equals transformers' generate with
+the same beams on the torch model the export was made of (ending at the length limit, and at
+an end token); a search beside plain streams leaves each as it is alone; what a search cannot
+give is refused; a cancelled search frees the engine. TensorRT-LLM clients' `beam_width`
+over gRPC: tests/test_trtllm_clients.py."""
+
+from __future__ import annotations
+
+import queue
+from functools import lru_cache
+
+import numpy as np
+import pytest
+from serving_support import collect
+
+from models.build import build_torch_model, cached, spec
+from serving.errors import InvalidArgument
+from serving.generation import GenerateOptions, Generator
+from serving.sampling import GenerationRequest, Sampling
+from tuner.graph.cache_record import cache_record
+from tuner.graph.load import load_model
+from tuner.runtime.ort import OrtRunner, load_cpu
+
+VOCAB = 1003
+PROMPT = tuple(int(t) for t in np.random.default_rng(11).integers(3, VOCAB, 9))
+
+
+@pytest.fixture(scope="module")
+def gen():
+    path = cached("llama-kv", "awkward", "torchscript")
+    g = Generator(OrtRunner(load_cpu(path)), cache_record(load_model(path)), VOCAB,
+                  GenerateOptions(max_streams=4), max_positions=256)
+    yield g
+    g.close()
+
+
+@lru_cache(maxsize=1)
+def _torch_model():
+    return build_torch_model(spec("llama-kv", "awkward"))
+
+
+def transformers_beams(prompt, beams: int, max_tokens: int, eos: int | None = None) -> list[int]:
+    """transformers' beam search (its defaults: length penalty 1, early_stopping False), the
+    end token and what pads after it cut off, as the server sends no end token."""
+    import torch
+
+    ids = torch.tensor([list(prompt)])
+    with torch.no_grad():
+        out = _torch_model().generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                      num_beams=beams, max_new_tokens=max_tokens,
+                                      pad_token_id=0, eos_token_id=eos)
+    got = out[0, len(prompt):].tolist()
+    return got[:got.index(eos)] if eos in got else got
+
+
+def _ids(chunks) -> list[int]:
+    return [t for c in chunks for t in c.ids]
+
+
+@pytest.mark.parametrize("beams", [2, 4])
+def test_the_search_is_transformers_at_the_length_limit_and_at_an_end_token(gen, beams):
+    want = transformers_beams(PROMPT, beams, 10)
+    (chunks,) = collect(gen, [GenerationRequest(PROMPT, 10, beams=beams)])
+    assert _ids(chunks) == want and chunks[-1].reason == "length"
+    assert want != transformers_beams(PROMPT, 1, 10) or beams == 2  # 4 beams: not greedy's
+    # the third token is an end token: hypotheses end there while others run on
+    eos = want[2]
+    want = transformers_beams(PROMPT, beams, 10, eos)
+    (chunks,) = collect(gen, [GenerationRequest(PROMPT, 10, beams=beams,
+                                                stop_ids=frozenset({eos}))])
+    assert _ids(chunks) == want
+
+
+def test_a_search_beside_plain_streams_leaves_each_as_it_is_alone(gen):
+    plain = [GenerationRequest(PROMPT[:5], 12), GenerationRequest(PROMPT[3:], 7)]
+    searched = GenerationRequest(PROMPT, 8, beams=3)
+    alone = [_ids(c) for c in collect(gen, plain)] + [_ids(collect(gen, [searched])[0])]
+    together = [_ids(c) for c in collect(gen, [searched, *plain])]
+    assert together == [alone[2], *alone[:2]]
+    assert alone[2] == transformers_beams(PROMPT, 3, 8)
+    assert gen.active == 0 and gen.occupancy() == (0, 0)
+
+
+@pytest.mark.parametrize("request_, message", [
+    (GenerationRequest(PROMPT, 4, beams=2, sampling=Sampling(temperature=0.7)), "greedy"),
+    (GenerationRequest(PROMPT, 4, beams=2, logprobs=True), "log-probs"),
+    (GenerationRequest(PROMPT, 4, beams=17), "1 to 16"),
+    (GenerationRequest(PROMPT, 200, beams=16), "byte budget"),
+])
+def test_what_a_search_cannot_give_is_refused(request_, message):
+    path = cached("llama-kv", "awkward", "torchscript")
+    record = cache_record(load_model(path))
+    # a budget that holds one stream's 209 entries, not 16 beams' of them
+    g = Generator(OrtRunner(load_cpu(path)), record, VOCAB,
+                  GenerateOptions(kv_cache_bytes=1024 * record.bytes_per_token),
+                  max_positions=256)
+    try:
+        with pytest.raises(InvalidArgument, match=message):
+            g.validate(request_)
+        g.validate(GenerationRequest(PROMPT, 200))  # one beam of it fits
+    finally:
+        g.close()
+
+
+def test_a_cancelled_search_ends_and_frees_the_engine(gen):
+    chunks: queue.Queue = queue.Queue()
+    handle = gen.submit(GenerationRequest(PROMPT, 64, beams=4), chunks.put)
+    handle.cancel()
+    last = chunks.get(timeout=30)
+    while not last.final:
+        last = chunks.get(timeout=30)
+    assert last.reason == "cancelled"
+    assert gen.active == 0
+    (after,) = collect(gen, [GenerationRequest(PROMPT, 6, beams=2)])  # the next one runs
+    assert _ids(after) == transformers_beams(PROMPT, 2, 6)
