@@ -2,8 +2,9 @@
 exported Llama through the engine: the searched answer equals transformers' generate with
 the same beams on the torch model the export was made of (ending at the length limit, and at
 an end token); a search beside plain streams leaves each as it is alone; what a search cannot
-give is refused; a cancelled search frees the engine. TensorRT-LLM clients' `beam_width`
-over gRPC: tests/test_trtllm_clients.py."""
+give is refused; a cancelled search frees the engine; on onnxruntime-genai's graph (its
+cache rows at the start) it equals a search that keeps no cache. TensorRT-LLM clients'
+`beam_width` over gRPC: tests/test_trtllm_clients.py."""
 
 from __future__ import annotations
 
@@ -14,10 +15,13 @@ import numpy as np
 import pytest
 from serving_support import collect
 
+from models import genai_builder
 from models.build import build_torch_model, cached, spec
 from serving.errors import InvalidArgument
 from serving.generation import GenerateOptions, Generator
+from serving.generation.beams import BeamConfig, BeamSearch, log_softmax
 from serving.sampling import GenerationRequest, Sampling
+from tuner.gate.decode_step import empty_past, last_only, step_feeds
 from tuner.graph.cache_record import cache_record
 from tuner.graph.load import load_model
 from tuner.runtime.ort import OrtRunner, load_cpu
@@ -75,7 +79,7 @@ def test_the_search_is_transformers_at_the_length_limit_and_at_an_end_token(gen,
 def test_a_search_beside_plain_streams_leaves_each_as_it_is_alone(gen):
     plain = [GenerationRequest(PROMPT[:5], 12), GenerationRequest(PROMPT[3:], 7)]
     searched = GenerationRequest(PROMPT, 8, beams=3)
-    alone = [_ids(c) for c in collect(gen, plain)] + [_ids(collect(gen, [searched])[0])]
+    alone = [_ids(collect(gen, [r])[0]) for r in [*plain, searched]]
     together = [_ids(c) for c in collect(gen, [searched, *plain])]
     assert together == [alone[2], *alone[:2]]
     assert alone[2] == transformers_beams(PROMPT, 3, 8)
@@ -114,3 +118,36 @@ def test_a_cancelled_search_ends_and_frees_the_engine(gen):
     assert gen.active == 0
     (after,) = collect(gen, [GenerationRequest(PROMPT, 6, beams=2)])  # the next one runs
     assert _ids(after) == transformers_beams(PROMPT, 2, 6)
+
+
+def _recomputed_search(runner, record, prompt, beams: int, max_tokens: int) -> list[int]:
+    """The same search with no cache kept: each beam's logits from a run of its whole
+    sequence against an empty past (what a gather of the wrong rows cannot give)."""
+    search = BeamSearch(BeamConfig(beams), frozenset(), max_tokens)
+    rows = [list(prompt)]
+    while True:
+        scores = []
+        for row in rows:
+            past, mask = empty_past(record, 1)
+            feeds = last_only(step_feeds(record, [row], mask, past))
+            out = runner.infer(dict(feeds.arrays))
+            scores.append(out[record.logits][0, feeds.logit_slots[0], :VOCAB])
+        search.step(log_softmax(np.stack(scores)))
+        if search.done:
+            return list(search.best())
+        rows = [list(prompt) + beam for beam in search.running.tolist()]
+
+
+@pytest.mark.venv(*genai_builder.VENV)  # built beside the first tests (conftest)
+def test_a_graph_that_reads_its_mask_as_lengths_searches_the_same():
+    """onnxruntime-genai's Llama (GroupQueryAttention: rows at the start of the cache, the
+    present written by the graph): the engine's search equals one that keeps no cache."""
+    src = genai_builder.cached("llama", "fp32")
+    runner, record = OrtRunner(load_cpu(src)), cache_record(load_model(src))
+    assert record.rows_at_start
+    g = Generator(runner, record, VOCAB, GenerateOptions(max_streams=4), max_positions=128)
+    try:
+        got = _ids(g.generate(GenerationRequest(PROMPT, 8, beams=4)))
+    finally:
+        g.close()
+    assert got == _recomputed_search(runner, record, PROMPT, 4, 8)
