@@ -146,6 +146,16 @@ class Admission:
             self._submitted.clear()
             return taken
 
+    def _send_all(self, s: Stream, tokens: tuple[int, ...]) -> None:
+        """A beam search's answer, token by token (it ends at its end token or length)."""
+        for token in tokens:
+            self.output.emit(s, token)
+            if s.done:
+                break
+        if not s.done:
+            self.output.finish(s, "length")
+        self._forget(s)
+
     def _overdue(self) -> bool:
         return self._deadline is not None and time.perf_counter() >= self._deadline
 

@@ -305,16 +305,6 @@ class Generator(Admission):
         self.output.finish(s, reason, detail)
         self._remove(s)
 
-    def _send_all(self, s: Stream, tokens: tuple[int, ...]) -> None:
-        """A beam search's answer, token by token (it ends at its end token or length)."""
-        for token in tokens:
-            self.output.emit(s, token)
-            if s.done:
-                break
-        if not s.done:
-            self.output.finish(s, "length")
-        self._forget(s)
-
     def _remove(self, s: Stream) -> None:
         """An ended stream: out of the scheduler (its cache freed) or its beam search, and
         of the ids' index."""

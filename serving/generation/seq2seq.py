@@ -293,16 +293,6 @@ class Seq2SeqGenerator(Admission):
         """A plain stream's decoder ids so far: its first tokens, then what it generated."""
         return (*self.prefix(s.request), *s.tokens[len(s.request.prompt):])
 
-    def _send_all(self, s: Stream, tokens: tuple[int, ...]) -> None:
-        """A beam search's answer, token by token (it ends at its end token or length)."""
-        for token in tokens:
-            self.output.emit(s, token)
-            if s.done:
-                break
-        if not s.done:
-            self.output.finish(s, "length")
-        self._forget(s)
-
     def _keep_going(self, cohort: Cohort) -> None:
         rows = [i for i, s in enumerate(cohort.streams) if not s.done]
         if len(rows) < len(cohort.streams):
