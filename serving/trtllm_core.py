@@ -46,8 +46,8 @@ BEAM_ONLY = ("len_penalty", "length_penalty", "early_stopping", "beam_search_div
 # refused unless they ask for nothing: name -> the value that leaves them off
 _OFF = {"runtime_top_p_decay": 1.0, "return_context_logits": False,
         "return_generation_logits": False, "num_return_sequences": 1}
-# the beam search this server runs: transformers' defaults (no length penalty's exponent
-# but 1, no early stopping, no diversity)
+# the beam search a decoder's server runs: transformers' defaults (length penalty 1, no
+# early stopping, no diversity)
 _SEARCH = {"len_penalty": 1.0, "length_penalty": 1.0, "early_stopping": False,
            "beam_search_diversity_rate": 0.0}
 _TOP_P_DECAY = ("runtime_top_p_min", "runtime_top_p_reset_ids")  # only read with a decay

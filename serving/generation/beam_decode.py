@@ -82,8 +82,8 @@ class BeamRun:
 
 
 class BeamRuns:
-    """The searches waiting and the one running; the engine's thread calls `step` once per
-    iteration and ends streams through `send_all` and `end`."""
+    """The searches waiting and the one running: the engine's thread calls `step` once per
+    iteration, and `remove` for a stream that ended otherwise (cancelled, shut down)."""
 
     def __init__(self, infer: Callable[[dict], dict], record: CacheRecord, vocab: int,
                  on_run: Callable[[int, float], None]) -> None:

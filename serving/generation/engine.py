@@ -211,7 +211,7 @@ class Generator(Admission):
                 for s in list(self.scheduler.running) + searched:
                     self._end(s, "error", f"the model failed: {type(e).__name__}: {e}")
                 self.cache.clear()
-            self.stats.on_streams(len(self.scheduler.running), len(self.scheduler.waiting))
+            self.stats.on_streams(*self.occupancy())
             self.stats.on_cache_usage(self.cache.usage(self.scheduler.held()))
 
     def _step(self, plan: StepPlan) -> None:
