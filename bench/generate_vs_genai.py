@@ -21,7 +21,9 @@ folder:
     tritonclient streams from it.
 The two never run at the same time (they would share the cores). Workloads, greedy: one
 stream (prompt 128, 64 new tokens); 8 and 32 streams sent at once (prompts 64..192); 32
-arriving over --spread-s; 32 sharing a 512-token system prompt. The whole alternation runs
+arriving over --spread-s; 32 sharing a 512-token system prompt; and one stream searched with
+4 beams (two prompts, one after another; the end token masked out, as genai's min_length
+does, and the outputs compared with genai's). The whole alternation runs
 --repeats times; the table shows medians with their range and the load average (1 min)
 before and after each workload. onnxruntime-genai runs in this process where it is importable;
 elsewhere in its own virtual environment (models/venvs.py, made on first use under
@@ -55,6 +57,8 @@ FULL = dict(num_hidden_layers=8, hidden_size=1024, num_attention_heads=16,
 SMALL = dict(num_hidden_layers=4, hidden_size=256, num_attention_heads=8,
              num_key_value_heads=2, intermediate_size=704)
 VOCAB, POSITIONS = 3072, 1024
+EOS = 2  # the end token of the saved config
+BEAMS = 4  # the beam-search workload's width
 
 
 @dataclass(frozen=True)
@@ -97,7 +101,7 @@ def prepare_hf(folder: Path, dims: dict) -> None:
         return
     torch.manual_seed(0)
     config = transformers.LlamaConfig(**dims, vocab_size=VOCAB, max_position_embeddings=POSITIONS,
-                                      tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+                                      tie_word_embeddings=False, bos_token_id=1, eos_token_id=EOS)
     model = transformers.LlamaForCausalLM(config).eval()
     model.save_pretrained(folder)
     save_tokenizer(folder, VOCAB)
@@ -183,35 +187,38 @@ def _env() -> dict[str, str]:
 # ------------------------------------------------------------------------------ genai
 
 
-def genai_run(folder: Path, jobs: list[Job], batch: int = 1) -> Run:
+def genai_run(folder: Path, jobs: list[Job], batch: int = 1, beams: int = 1) -> Run:
     """genai_here, in this process where onnxruntime_genai imports, else in its own
     environment (this script with --genai-side, the Run back as JSON)."""
     if _genai_importable():
-        return genai_here(folder, jobs, batch)
-    spec = json.dumps({"folder": str(folder), "batch": batch,
+        return genai_here(folder, jobs, batch, beams)
+    spec = json.dumps({"folder": str(folder), "batch": batch, "beams": beams,
                        "jobs": [[list(j.prompt), j.new, j.arrival_s] for j in jobs]})
     done = subprocess.run([str(genai_python()), "-P", str(Path(__file__).resolve()),
                            "--genai-side"], input=spec, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"onnxruntime-genai failed: {done.stderr[-3000:]}")
     r = json.loads(done.stdout.splitlines()[-1])
-    return Run(r["tokens"], r["wall_s"], tuple(r["ttft_s"]), tuple(r["itl_s"]))
+    return Run(r["tokens"], r["wall_s"], tuple(r["ttft_s"]), tuple(r["itl_s"]),
+               tuple(tuple(ids) for ids in r["ids"]))
 
 
 def _genai_side() -> int:
     """Inside onnxruntime-genai's environment: one genai_here run, its Run as JSON."""
     spec = json.loads(sys.stdin.read())
     jobs = [Job(tuple(p), n, t) for p, n, t in spec["jobs"]]
-    r = genai_here(Path(spec["folder"]), jobs, spec["batch"])
+    r = genai_here(Path(spec["folder"]), jobs, spec["batch"], spec["beams"])
     print(json.dumps({"tokens": r.tokens, "wall_s": r.wall_s, "ttft_s": list(r.ttft_s),
-                      "itl_s": list(r.itl_s)}))
+                      "itl_s": list(r.itl_s), "ids": [list(ids) for ids in r.ids]}))
     return 0
 
 
-def genai_here(folder: Path, jobs: list[Job], batch: int = 1) -> Run:
+def genai_here(folder: Path, jobs: list[Job], batch: int = 1, beams: int = 1) -> Run:
     """Jobs one after another (batch 1), or in static batches of `batch` equal prompts. A
     batch runs until its longest job is done; the tokens counted are what each job asked
-    for (a shorter job's row goes on being computed: what a static batch costs)."""
+    for (a shorter job's row goes on being computed: what a static batch costs). `beams`:
+    each job searched with that many (transformers' settings: no early stopping, length
+    penalty 1), its best sequence kept."""
     import onnxruntime_genai as og
 
     model = og.Model(str(folder))
@@ -223,7 +230,8 @@ def genai_here(folder: Path, jobs: list[Job], batch: int = 1) -> Run:
     while not warm_gen.is_done():
         warm_gen.generate_next_token()
     del warm_gen
-    ttft, itl, tokens = [], [], 0
+    ttft, itl, tokens, ids = [], [], 0, []
+    search = dict(num_beams=beams, early_stopping=False, length_penalty=1.0) if beams > 1 else {}
     start = time.perf_counter()
     for i in range(0, len(jobs), batch):
         group = jobs[i:i + batch]
@@ -231,7 +239,7 @@ def genai_here(folder: Path, jobs: list[Job], batch: int = 1) -> Run:
         params = og.GeneratorParams(model)
         total = length + max(j.new for j in group)
         params.set_search_options(max_length=total, min_length=total, do_sample=False,
-                                  batch_size=len(group))
+                                  batch_size=len(group), **search)
         generator = og.Generator(model, params)
         began = time.perf_counter()
         generator.append_tokens(np.array([j.prompt for j in group], np.int32))
@@ -241,10 +249,12 @@ def genai_here(folder: Path, jobs: list[Job], batch: int = 1) -> Run:
             now = time.perf_counter()
             (ttft.append(now - began) if last is None else itl.append(now - last))
             last = now
-        tokens += sum(min(len(generator.get_sequence(r)) - length, j.new)
-                      for r, j in enumerate(group))
+        made = [generator.get_sequence(r)[length:length + j.new].tolist()
+                for r, j in enumerate(group)]
+        tokens += sum(len(m) for m in made)
+        ids += [tuple(m) for m in made]
         del generator
-    return Run(tokens, time.perf_counter() - start, tuple(ttft), tuple(itl))
+    return Run(tokens, time.perf_counter() - start, tuple(ttft), tuple(itl), tuple(ids))
 
 
 # ------------------------------------------------------------------------------ served
@@ -286,8 +296,11 @@ def artifact_name(artifact: Path) -> str:
     return Path(read_manifest(artifact).source_path).stem
 
 
-def _stream_one(port: int, name: str, index: int, job: Job, t0: float, out: list) -> None:
-    """One client, one stream: wait for the job's arrival, send, time every response."""
+def _stream_one(port: int, name: str, index: int, job: Job, t0: float, out: list,
+                beams: int = 1) -> None:
+    """One client, one stream: wait for the job's arrival, send, time every response.
+    `beams` > 1: searched with TensorRT-LLM's beam_width, the end token masked out for the
+    whole length (end_id with min_length, as genai's min_length masks it)."""
     import tritonclient.grpc as tg
 
     client = tg.InferenceServerClient(f"127.0.0.1:{port}")
@@ -299,6 +312,10 @@ def _stream_one(port: int, name: str, index: int, job: Job, t0: float, out: list
               tg.InferInput("max_tokens", [1], "INT32")]
     inputs[0].set_data_from_numpy(ids)
     inputs[1].set_data_from_numpy(np.array([job.new], np.int32))
+    if beams > 1:
+        for control, value in (("beam_width", beams), ("end_id", EOS), ("min_length", job.new)):
+            inputs.append(tg.InferInput(control, [1], "INT32"))
+            inputs[-1].set_data_from_numpy(np.array([value], np.int32))
     time.sleep(max(0.0, t0 + job.arrival_s - time.perf_counter()))
     sent = time.perf_counter()
     client.async_stream_infer(name, inputs)
@@ -318,10 +335,10 @@ def _stream_one(port: int, name: str, index: int, job: Job, t0: float, out: list
     out.append((index, sent, stamps, ids))
 
 
-def served_run(port: int, name: str, jobs: list[Job]) -> Run:
+def served_run(port: int, name: str, jobs: list[Job], beams: int = 1) -> Run:
     results: list = []
     t0 = time.perf_counter() + 0.2
-    threads = [threading.Thread(target=_stream_one, args=(port, name, i, j, t0, results))
+    threads = [threading.Thread(target=_stream_one, args=(port, name, i, j, t0, results, beams))
                for i, j in enumerate(jobs)]
     for t in threads:
         t.start()
@@ -345,8 +362,9 @@ def workloads(prompt: int, new: int, spread_s: float, system: int, seed: int = 0
     prompt/2..3*prompt/2); 32 arriving over `spread_s`; 32 sharing a `system`-token prefix
     (each its own 16-token question, 16 new tokens); genai's static batch of 8 (equal
     prompts); 32 of equal prompts asking for new/4..7*new/4 tokens (as many in all as the
-    others), sent at once to the server and as static batches of 8 to genai. Every prompt is new for each `seed`: a server's prefix cache must not find an
-    earlier alternation's (or the warm-up's) prompts, which genai could not."""
+    others), sent at once to the server and as static batches of 8 to genai; two prompts for
+    the beam search. Every prompt is new for each `seed`: a server's prefix cache must not
+    find an earlier alternation's (or the warm-up's) prompts, which genai could not."""
     rng = np.random.default_rng(seed)
 
     def tokens(n: int) -> tuple[int, ...]:
@@ -364,7 +382,8 @@ def workloads(prompt: int, new: int, spread_s: float, system: int, seed: int = 0
                               for a in np.sort(rng.uniform(0, spread_s, 32))],
             "static8": [Job(tokens(prompt), new) for _ in range(8)],
             "varied": [Job(tokens(prompt), int(n))
-                       for n in rng.integers(new // 4, new * 7 // 4 + 1, 32)]}
+                       for n in rng.integers(new // 4, new * 7 // 4 + 1, 32)],
+            "beams": [Job(tokens(prompt), new) for _ in range(2)]}
 
 
 def _load() -> float:
@@ -395,6 +414,9 @@ def alternation(genai_dir: Path, servers: dict, w: dict) -> dict[str, tuple[Run,
     plain_port, plain_name = servers["no speculation"]  # tuner serve --speculate 0
     timed("serve 1, no speculation", lambda: _pooled([served_run(plain_port, plain_name, [job])
                                                       for job in w["1"]]))
+    timed(f"genai 1, {BEAMS} beams", lambda: genai_run(genai_dir, w["beams"], beams=BEAMS))
+    timed(f"serve 1, {BEAMS} beams", lambda: _pooled([served_run(port, name, [job], BEAMS)
+                                                      for job in w["beams"]]))
     return out
 
 
@@ -423,6 +445,10 @@ def ratios(a: dict[str, tuple[Run, float, float]]) -> dict[str, float]:
         "shared prefix: TTFT p50 without / with prefix cache (goal >= 3)":
             float(np.median(shared[1].ttft_s)) / float(np.median(shared[0].ttft_s)),
         "shared prefix: outputs identical (1 = yes)": float(shared[0].ids == shared[1].ids),
+        f"1 stream, {BEAMS} beams / genai {BEAMS} beams (no goal)":
+            r[f"serve 1, {BEAMS} beams"].tokens_per_s / r[f"genai 1, {BEAMS} beams"].tokens_per_s,
+        f"{BEAMS} beams: outputs identical to genai's (1 = yes)":
+            float(r[f"serve 1, {BEAMS} beams"].ids == r[f"genai 1, {BEAMS} beams"].ids),
     }
 
 

@@ -41,6 +41,8 @@ def test_ratios_and_their_median_and_range():
         "serve shared, prefix cache": (run(90, 0.2), 1.0, 1.0),
         "serve shared, no prefix cache": (run(60, 0.8), 1.0, 1.0),
         "serve 1, no speculation": (run(44, 0.1, ids=((1, 3),)), 1.0, 1.0),
+        "genai 1, 4 beams": (run(20, 1.0, ids=((5, 6),)), 1.0, 1.0),
+        "serve 1, 4 beams": (run(25, 1.0, ids=((5, 6),)), 1.0, 1.0),
     }
     r = bench.ratios(alternation)
     assert r["1 stream / genai (goal >= 1.0)"] == pytest.approx(1.1)
@@ -54,6 +56,8 @@ def test_ratios_and_their_median_and_range():
     assert r["1 stream without prompt lookup / genai"] == pytest.approx(0.88)
     assert r["1 stream with prompt lookup / without"] == pytest.approx(1.25)
     assert r["1 stream: outputs identical with and without (1 = yes)"] == 0.0
+    assert r["1 stream, 4 beams / genai 4 beams (no goal)"] == pytest.approx(1.25)
+    assert r["4 beams: outputs identical to genai's (1 = yes)"] == 1.0
 
 
 @pytest.mark.venv(*genai_builder.VENV)  # built beside the first tests (conftest)
@@ -72,3 +76,5 @@ def test_the_bench_runs_end_to_end_on_a_small_llama(tmp_path, capsys):
     assert all(" 1.00x" in x for x in lines)  # with and without the prefix cache: same tokens
     lines = [x for x in out.splitlines() if x.startswith("1 stream: outputs identical")]
     assert len(lines) == 1 and " 1.00x" in lines[0]  # with and without prompt lookup: the same
+    lines = [x for x in out.splitlines() if x.startswith("4 beams: outputs identical")]
+    assert len(lines) == 1 and " 1.00x" in lines[0]  # the server's search is genai's
