@@ -283,7 +283,8 @@ def parse_request(tensors: Mapping[str, np.ndarray], parameters: Mapping[str, ob
         or top is not None, top_logprobs=top or 0, ranks=top is not None,
         bad_words=bad_words + (core.bad_words if core else ()),
         grammar=_trtllm_guide(tensors) or values.get("grammar"),
-        stop_sequences=core.stop_sequences if core else (), beams=beams)
+        stop_sequences=core.stop_sequences if core else (), beams=beams,
+        **trtllm_core.search_settings(tensors))
     if core:  # not streamed unless asked, as there; output_ids carry the prompt's ids first
         stream = values.get("stream", False)
         return ClientRequest(generation, stream, extras=extras, core=True,

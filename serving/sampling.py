@@ -188,6 +188,9 @@ class GenerationRequest:
     # (bins, frames)); `prompt` then holds the decoder's first tokens
     beams: int | None = None  # beam search's width (TensorRT-LLM's beam_width); None: the
     # model's default (an encoder-decoder's generation config), 1 for a decoder
+    length_penalty: float | None = None  # a search's own settings (TensorRT-LLM's
+    early_stopping: bool | None = None  # len_penalty, early_stopping); None: the model's
+    # (an encoder-decoder's generation config), else transformers' defaults (1.0, False)
     timestamps: bool = False  # Whisper's timestamp tokens generated under their rule
     # (serving.generation.timestamps); `prompt` then ends without <|notimestamps|>
     prompt_probe: tuple[int, tuple[int, ...]] | None = None  # (position, ids): the first
@@ -219,6 +222,8 @@ class GenerationRequest:
                                   f"prompt ({len(self.prompt)} tokens)")
         if self.beams is not None and self.beams < 1:
             raise InvalidArgument(f"beams must be >= 1, not {self.beams}")
+        if self.length_penalty is not None and not math.isfinite(self.length_penalty):
+            raise InvalidArgument(f"the length penalty must be finite, not {self.length_penalty}")
 
 
 @dataclass(frozen=True)

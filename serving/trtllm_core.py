@@ -18,8 +18,8 @@ share (`end_id`, `temperature`, `runtime_top_k`, `min_length`, `return_log_probs
 - greedy unless a top-k or top-p is given, whatever the temperature (`sampling_rule`);
 - beam search's own controls (`len_penalty`, the ensemble's `length_penalty`,
   `early_stopping`, `beam_search_diversity_rate`) are taken and change nothing at beam
-  width 1, as there; above it (serving/generation/beam_decode.py) only at the values of
-  the search transformers runs by default, any other refused by name;
+  width 1, as there; above it the length penalty and early stopping are the search's
+  (`search_settings`), and a diversity rate other than 0 is refused by name;
 - top-p decay, context / generation logits and more than one sequence are refused by name
   (in the ensemble's requests too).
 
@@ -46,10 +46,8 @@ BEAM_ONLY = ("len_penalty", "length_penalty", "early_stopping", "beam_search_div
 # refused unless they ask for nothing: name -> the value that leaves them off
 _OFF = {"runtime_top_p_decay": 1.0, "return_context_logits": False,
         "return_generation_logits": False, "num_return_sequences": 1}
-# the beam search a decoder's server runs: transformers' defaults (length penalty 1, no
-# early stopping, no diversity)
-_SEARCH = {"len_penalty": 1.0, "length_penalty": 1.0, "early_stopping": False,
-           "beam_search_diversity_rate": 0.0}
+# what a beam search does not do (transformers' diverse beam search is another search)
+_SEARCH_OFF = {"beam_search_diversity_rate": 0.0}
 _TOP_P_DECAY = ("runtime_top_p_min", "runtime_top_p_reset_ids")  # only read with a decay
 BIAS_WORDS = ("embedding_bias_words", "embedding_bias_weights")  # the ensemble's bias
 # TensorRT-LLM's names that its ensemble and its core model both take
@@ -124,15 +122,25 @@ def asks_to_stop(tensors: Mapping[str, np.ndarray]) -> bool:
 
 def refuse_unsupported(tensors: Mapping[str, np.ndarray], beams: int = 1) -> None:
     """InvalidArgument, naming it, for a TensorRT-LLM input (ensemble or core) that asks for
-    what this server does not do; at a `beams` width above 1, a beam-only control that asks
-    for another search than transformers' default one (serving.generation.beams), rather
-    than ignored."""
-    off = {**_OFF, **(_SEARCH if beams > 1 else {})}
+    what this server does not do (at a `beams` width above 1, a diverse search too, rather
+    than ignored)."""
+    off = {**_OFF, **(_SEARCH_OFF if beams > 1 else {})}
     for name, value in off.items():
         if name in tensors and _value(name, tensors[name]) != value:
             raise InvalidArgument(f"'{name}' {_value(name, tensors[name])} is not supported "
-                                  f"(only {value}" + (", the search transformers runs by "
-                                                      "default)" if name in _SEARCH else ")"))
+                                  f"(only {value})")
+
+
+def search_settings(tensors: Mapping[str, np.ndarray]) -> dict:
+    """A beam search's length penalty and early stopping, where the request names them
+    (serving.sampling.GenerationRequest's fields; they change nothing at width 1)."""
+    out: dict = {}
+    for name in ("len_penalty", "length_penalty"):
+        if name in tensors:
+            out["length_penalty"] = float(_value(name, tensors[name]))
+    if "early_stopping" in tensors:
+        out["early_stopping"] = bool(_value("early_stopping", tensors["early_stopping"]))
+    return out
 
 
 def read(tensors: Mapping[str, np.ndarray]) -> CoreInputs:

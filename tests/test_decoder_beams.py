@@ -44,16 +44,18 @@ def _torch_model():
     return build_torch_model(spec("llama-kv", "awkward"))
 
 
-def transformers_beams(prompt, beams: int, max_tokens: int, eos: int | None = None) -> list[int]:
-    """transformers' beam search (its defaults: length penalty 1, early_stopping False), the
-    end token and what pads after it cut off, as the server sends no end token."""
+def transformers_beams(prompt, beams: int, max_tokens: int, eos: int | None = None,
+                       **settings) -> list[int]:
+    """transformers' beam search (its defaults, unless `settings` say: length penalty 1,
+    early_stopping False), the end token and what pads after it cut off, as the server
+    sends no end token."""
     import torch
 
     ids = torch.tensor([list(prompt)])
     with torch.no_grad():
         out = _torch_model().generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                       num_beams=beams, max_new_tokens=max_tokens,
-                                      pad_token_id=0, eos_token_id=eos)
+                                      pad_token_id=0, eos_token_id=eos, **settings)
     got = out[0, len(prompt):].tolist()
     return got[:got.index(eos)] if eos in got else got
 
@@ -74,6 +76,35 @@ def test_the_search_is_transformers_at_the_length_limit_and_at_an_end_token(gen,
     (chunks,) = collect(gen, [GenerationRequest(PROMPT, 10, beams=beams,
                                                 stop_ids=frozenset({eos}))])
     assert _ids(chunks) == want
+
+
+@pytest.mark.parametrize("at, settings, other", [
+    (2, {"length_penalty": 2.0}, {}),
+    (4, {"length_penalty": 2.0, "early_stopping": True}, {"length_penalty": 2.0})])
+def test_a_requests_length_penalty_and_early_stopping_are_transformers(gen, at, settings,
+                                                                       other):
+    """A request's own search settings (TensorRT-LLM's len_penalty and early_stopping): with
+    the end token met mid-search, each gives transformers' answer under the same settings,
+    which here differs from its answer under the `other` ones."""
+    eos = transformers_beams(PROMPT, 3, 10)[at]
+    want = transformers_beams(PROMPT, 3, 10, eos, **settings)
+    assert want != transformers_beams(PROMPT, 3, 10, eos, **other)
+    (chunks,) = collect(gen, [GenerationRequest(PROMPT, 10, beams=3, stop_ids=frozenset({eos}),
+                                                **settings)])
+    assert _ids(chunks) == want
+
+
+def test_tensorrt_llms_names_give_the_search_its_settings():
+    """The ensemble's length_penalty (the core's len_penalty: tests/test_trtllm_clients.py)
+    and early_stopping become the request's; a request that names none leaves the model's."""
+    from serving.conventions import parse_request
+
+    ids = {"input_ids": np.array([PROMPT], np.int32), "beam_width": np.array([3], np.int32)}
+    search = parse_request({**ids, "length_penalty": np.array([0.5], np.float32),
+                            "early_stopping": np.array([True])}, {}, max_beams=16).generation
+    assert (search.beams, search.length_penalty, search.early_stopping) == (3, 0.5, True)
+    plain = parse_request(ids, {}, max_beams=16).generation
+    assert (plain.beams, plain.length_penalty, plain.early_stopping) == (3, None, None)
 
 
 def test_a_search_beside_plain_streams_leaves_each_as_it_is_alone(gen):

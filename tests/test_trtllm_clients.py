@@ -178,8 +178,9 @@ def test_sampling_with_a_top_k_is_seeded_and_greedy_without(server, llama) -> No
     ({"beam_width": np.array([[17]], np.uint32)}, "beam_width 17 is not supported: 1 to 16"),
     ({"beam_width": np.array([[2]], np.uint32), "return_log_probs": np.array([[True]], bool)},
      "beam search \\(2 beams\\) is greedy"),
-    ({"beam_width": np.array([[2]], np.uint32), "len_penalty": np.array([[1.5]], np.float32)},
-     "'len_penalty' 1.5 is not supported \\(only 1.0, the search transformers runs"),
+    ({"beam_width": np.array([[2]], np.uint32),
+      "beam_search_diversity_rate": np.array([[0.5]], np.float32)},
+     "'beam_search_diversity_rate' 0.5 is not supported"),
 ])
 def test_what_the_core_model_cannot_take_is_refused_by_name(server, extra, message) -> None:
     with pytest.raises(InferenceServerException, match=message):
@@ -189,7 +190,7 @@ def test_what_the_core_model_cannot_take_is_refused_by_name(server, extra, messa
 def test_a_beam_width_searches_and_the_best_comes_back_as_beam_0(server) -> None:
     """beam_width 3: the search's best sequence, as transformers' beam search on the torch
     model gives it, as beam 0 (output_ids [1, 1, n]); with an end_id that it meets, cut
-    there."""
+    there; with len_penalty and early_stopping, transformers' search under them."""
     from test_decoder_beams import transformers_beams
 
     prompt, width = prompt_ids(), {"beam_width": np.array([[3]], np.uint32)}
@@ -199,6 +200,10 @@ def test_a_beam_width_searches_and_the_best_comes_back_as_beam_0(server) -> None
     end = got[2]
     got, _ = unary(server, prompt, 6, end_id=np.array([[end]], np.int32), **width)
     assert got == transformers_beams(prompt, 3, 6, end)
+    settings = {"len_penalty": np.array([[2.0]], np.float32),  # the search's own settings
+                "early_stopping": np.array([[True]], bool)}
+    got, _ = unary(server, prompt, 6, end_id=np.array([[end]], np.int32), **width, **settings)
+    assert got == transformers_beams(prompt, 3, 6, end, length_penalty=2.0, early_stopping=True)
 
 
 def test_core_names_need_request_output_len_and_beam_only_controls_are_taken(server,

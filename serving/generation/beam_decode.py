@@ -1,5 +1,7 @@
 """Beam search on a decoder with its KV cache (TensorRT-LLM's `beam_width`, our `beams`), as
-transformers' generate searches (serving/generation/beams.py holds the search itself).
+transformers' generate searches (serving/generation/beams.py holds the search itself), with
+the request's length penalty and early stopping where it names them, else transformers'
+defaults (1.0, False).
 
 A searched request runs beside the in-flight batch, not in it: its k beams are rows of one
 search that are reordered every step (a beam that continues another takes that row's cache),
@@ -23,8 +25,8 @@ from typing import Callable
 
 import numpy as np
 
-from serving.generation.beams import (BeamConfig, BeamSearch, log_softmax, searchable,
-                                      unsearchable)
+from serving.generation.beams import (BeamConfig, BeamSearch, config_for, log_softmax,
+                                      searchable, unsearchable)
 from tuner.gate.decode_step import empty_past, last_only, step_feeds
 from tuner.graph.cache_record import CacheRecord
 
@@ -56,7 +58,8 @@ class BeamRun:
     def __init__(self, stream, record: CacheRecord, vocab: int) -> None:
         r = stream.request
         self.stream, self.record, self.vocab = stream, record, vocab
-        self.search = BeamSearch(BeamConfig(r.beams), frozenset(r.stop_ids), r.max_tokens)
+        self.search = BeamSearch(config_for(r, BeamConfig(r.beams), r.beams),
+                                 frozenset(r.stop_ids), r.max_tokens)
         self.arrays, self.mask = empty_past(record, 1)  # (1, .., 0, ..), (1, 0)
         self.rows: list[list[int]] = [list(r.prompt)]  # each row's new tokens, next step
 

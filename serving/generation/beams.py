@@ -16,7 +16,7 @@ vectorized `_beam_search`, 4.50 on): an encoder-decoder's generation config name
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -35,6 +35,13 @@ class BeamConfig:
         if self.early_stopping not in (True, False, "never"):
             raise ValueError(f"early_stopping must be true, false or 'never', not "
                              f"{self.early_stopping!r}")
+
+
+def config_for(request, base: BeamConfig, beams: int) -> BeamConfig:
+    """`base` (the model's settings) with `beams` beams and the request's own length penalty
+    and early stopping where it names them."""
+    own = {"length_penalty": request.length_penalty, "early_stopping": request.early_stopping}
+    return replace(base, beams=beams, **{k: v for k, v in own.items() if v is not None})
 
 
 def searchable(request) -> bool:

@@ -23,14 +23,15 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 import numpy as np
 
 from serving.errors import InvalidArgument
 from serving.generation.admission import Admission, check_tokens
-from serving.generation.beams import BeamSearch, log_softmax, searchable, unsearchable
+from serving.generation.beams import (BeamSearch, config_for, log_softmax, searchable,
+                                      unsearchable)
 from serving.generation.constraints import Constraints, DecoderConfig
 from serving.generation.grammar import GrammarCompiler
 from serving.generation.options import GenerateOptions
@@ -227,7 +228,7 @@ class Seq2SeqGenerator(Admission):
         for s in streams:
             k = self.beams_of(s.request)
             if k > 1:
-                cohort.beams[s] = BeamSearch(replace(self.decoder.beams, beams=k),
+                cohort.beams[s] = BeamSearch(config_for(s.request, self.decoder.beams, k),
                                              s.request.stop_ids, s.request.max_tokens)
         self._emit(cohort, out[first.logits], first=True)
         return cohort
