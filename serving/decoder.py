@@ -17,6 +17,7 @@ from serving.engine import Engine
 from serving.errors import InvalidArgument
 from serving.generation import GenerateOptions, GenerationStats, Generator
 from serving.generation.beam_decode import MAX_BEAMS
+from serving.generation.beams import BeamConfig
 from serving.metrics import GenerationMetrics, Metrics, Stats
 from serving.model import LoadedModel, Signature
 from serving.sampling import GenerationRequest
@@ -126,6 +127,8 @@ class DecoderEngine:
                                        tokenizer=self.tokenizer, eos_ids=self.text.eos_ids,
                                        stats=stats_for(stats, metrics, gen_metrics),
                                        pad_to=self.pad_to,
+                                       search=BeamConfig(1, self.text.length_penalty,
+                                                         self.text.early_stopping),
                                        rows_tolerance=tolerance_for(
                                            model.backend, get_backend(model.backend).precision))
         except (ValueError, BadInput) as e:

@@ -6,8 +6,10 @@ too: a Llama 3 Instruct folder may name only <|end_of_text|> in config.json and 
 tokenizer_config.json's `eos_token`) and the chat template with the special tokens it
 refers to: `chat_template.jinja`, where transformers' save_pretrained writes it now, else
 tokenizer_config.json's `chat_template` (a string or a list of named templates), else
-`chat_template.json` (a processor's). Absent or unreadable files give empty facts, never an error: generation without them
-still works (the OpenAI chat endpoint then says what is missing).
+`chat_template.json` (a processor's); and a beam search's length penalty and early stopping
+(generation_config.json's, else config.json's, as transformers' generate takes them).
+Absent or unreadable files give empty facts, never an error: generation without them still
+works (the OpenAI chat endpoint then says what is missing).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ class TextConfig:
     chat_template: str | None = None
     bos_token: str = ""
     eos_token: str = ""
+    length_penalty: float = 1.0  # a beam search's, unless a request names its own
+    early_stopping: bool | str = False  # True, False or "never"
 
 
 def read_json(path: Path):
@@ -85,8 +89,21 @@ def load_text_config(folder: Path | None, tokenizer=None) -> TextConfig:
     if not ids and eos_token and tokenizer is not None:
         found = tokenizer.token_to_id(eos_token)
         ids = [found] if found is not None else []
+    search = {**_search(config), **_search(_read(folder / "generation_config.json"))}
     return TextConfig(tuple(ids), _chat_template(folder, tok), _token(tok.get("bos_token")),
-                      eos_token)
+                      eos_token, **search)
+
+
+def _search(config: dict) -> dict:
+    """A beam search's settings a config file names (the others skipped: a value of the
+    wrong type is not a setting)."""
+    out: dict = {}
+    penalty, early = config.get("length_penalty"), config.get("early_stopping")
+    if isinstance(penalty, (int, float)) and not isinstance(penalty, bool):
+        out["length_penalty"] = float(penalty)
+    if early in (True, False, "never"):
+        out["early_stopping"] = early
+    return out
 
 
 def _chat_template(folder: Path, tok: dict) -> str | None:

@@ -3,8 +3,9 @@ exported Llama through the engine: the searched answer equals transformers' gene
 the same beams on the torch model the export was made of (ending at the length limit, and at
 an end token); a search beside plain streams leaves each as it is alone; what a search cannot
 give is refused; a cancelled search frees the engine; on onnxruntime-genai's graph (its
-cache rows at the start) it equals a search that keeps no cache. TensorRT-LLM clients'
-`beam_width` over gRPC: tests/test_trtllm_clients.py."""
+cache rows at the start) it equals a search that keeps no cache; a length penalty and early
+stopping, the request's or the model's generation config's, give transformers' answer under
+them. TensorRT-LLM clients' `beam_width` over gRPC: tests/test_trtllm_clients.py."""
 
 from __future__ import annotations
 
@@ -182,3 +183,30 @@ def test_a_graph_that_reads_its_mask_as_lengths_searches_the_same():
     finally:
         g.close()
     assert got == _recomputed_search(runner, record, PROMPT, 4, 8)
+
+
+def test_the_models_generation_config_sets_the_search_unless_the_request_does(tmp_path):
+    """generation_config.json's length_penalty and early_stopping are the search's, as
+    transformers' generate takes them, over real gRPC (TensorRT-LLM's example inputs); a
+    request that names its own (len_penalty, early_stopping) has those."""
+    import json
+
+    from llm_support import decoder_artifact, start
+    from trtllm_support import unary
+
+    art = decoder_artifact(tmp_path, cached("llama-kv", "awkward", "torchscript"))
+    (art / "generation_config.json").write_text(json.dumps({"length_penalty": 2.0,
+                                                            "early_stopping": True}))
+    eos = transformers_beams(PROMPT, 3, 10)[4]
+    model_s = transformers_beams(PROMPT, 3, 10, eos, length_penalty=2.0, early_stopping=True)
+    defaults = transformers_beams(PROMPT, 3, 10, eos)
+    assert model_s != defaults
+    controls = {"beam_width": np.array([[3]], np.uint32), "end_id": np.array([[eos]], np.int32)}
+    server = start(art, generate={"max_tokens": 64})
+    try:
+        assert unary(server, list(PROMPT), 10, **controls)[0] == model_s
+        own = {"len_penalty": np.array([[1.0]], np.float32),
+               "early_stopping": np.array([[False]], bool)}
+        assert unary(server, list(PROMPT), 10, **controls, **own)[0] == defaults
+    finally:
+        server.stop(5)

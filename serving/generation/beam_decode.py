@@ -1,7 +1,7 @@
 """Beam search on a decoder with its KV cache (TensorRT-LLM's `beam_width`, our `beams`), as
 transformers' generate searches (serving/generation/beams.py holds the search itself), with
-the request's length penalty and early stopping where it names them, else transformers'
-defaults (1.0, False).
+the request's length penalty and early stopping where it names them, else the model's (its
+generation config's, serving.text_config), else transformers' defaults (1.0, False).
 
 A searched request runs beside the in-flight batch, not in it: its k beams are rows of one
 search that are reordered every step (a beam that continues another takes that row's cache),
@@ -55,11 +55,11 @@ def refusal(request, record: CacheRecord, budget_tokens: int) -> str | None:
 class BeamRun:
     """One stream's search: its rows' caches, mask and next tokens between steps."""
 
-    def __init__(self, stream, record: CacheRecord, vocab: int) -> None:
+    def __init__(self, stream, record: CacheRecord, vocab: int, model: BeamConfig) -> None:
         r = stream.request
         self.stream, self.record, self.vocab = stream, record, vocab
-        self.search = BeamSearch(config_for(r, BeamConfig(r.beams), r.beams),
-                                 frozenset(r.stop_ids), r.max_tokens)
+        self.search = BeamSearch(config_for(r, model, r.beams), frozenset(r.stop_ids),
+                                 r.max_tokens)
         self.arrays, self.mask = empty_past(record, 1)  # (1, .., 0, ..), (1, 0)
         self.rows: list[list[int]] = [list(r.prompt)]  # each row's new tokens, next step
 
@@ -89,8 +89,10 @@ class BeamRuns:
     iteration, and `remove` for a stream that ended otherwise (cancelled, shut down)."""
 
     def __init__(self, infer: Callable[[dict], dict], record: CacheRecord, vocab: int,
-                 on_run: Callable[[int, float], None]) -> None:
+                 on_run: Callable[[int, float], None], model: BeamConfig = BeamConfig(1)
+                 ) -> None:
         self.infer, self.record, self.vocab, self.on_run = infer, record, vocab, on_run
+        self.model = model  # the model's search settings (its generation config's)
         self.waiting: deque = deque()
         self.current: BeamRun | None = None
 
@@ -105,7 +107,8 @@ class BeamRuns:
         """Start the next search if none runs, then one step of it; its answer out at its
         end (`send_all(stream, tokens)`)."""
         if self.current is None and self.waiting:
-            self.current = BeamRun(self.waiting.popleft(), self.record, self.vocab)
+            self.current = BeamRun(self.waiting.popleft(), self.record, self.vocab,
+                                   self.model)
         if self.current is not None:
             run = self.current
             if run.step(self._run):

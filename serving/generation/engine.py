@@ -21,6 +21,7 @@ from typing import Sequence
 from serving.errors import InvalidArgument
 from serving.generation.admission import Admission, check_tokens
 from serving.generation.beam_decode import BeamRuns, refusal
+from serving.generation.beams import BeamConfig
 from serving.generation.cache import CacheManager
 from serving.generation.grammar import GrammarCompiler
 from serving.generation.options import (GenerateOptions, cache_budget, cache_buckets,
@@ -68,6 +69,7 @@ class Generator(Admission):
                  max_positions: int | None = None, batch_buckets: Sequence[int] = (),
                  tokenizer=None, eos_ids: Sequence[int] = (),
                  stats: GenerationStats | None = None, pad_to: str = "longest",
+                 search: BeamConfig = BeamConfig(1),
                  rows_tolerance: Tolerance = MOVED) -> None:
         if pad_to not in ("bucket", "longest"):
             raise ValueError(f"pad_to must be bucket or longest, not {pad_to!r}")
@@ -116,8 +118,9 @@ class Generator(Admission):
                                    chunks_share_runs=not record.rows_at_start)
         self.output = OutputProcessor(self.stats)
         # beam searches: batches of their own, beside this one (serving.generation.beam_decode)
+        # (`search`: the model's length penalty and early stopping, as its config names them)
         self.beams = BeamRuns(lambda feeds: self.runner.infer(feeds), record, vocab,
-                              self.stats.on_step)
+                              self.stats.on_step, search)
         self.speculate = self._speculation(probe, options.speculate)
         self.start()
 
