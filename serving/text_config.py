@@ -15,6 +15,7 @@ works (the OpenAI chat endpoint then says what is missing).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,7 +100,8 @@ def _search(config: dict) -> dict:
     wrong type is not a setting)."""
     out: dict = {}
     penalty, early = config.get("length_penalty"), config.get("early_stopping")
-    if isinstance(penalty, (int, float)) and not isinstance(penalty, bool):
+    if isinstance(penalty, (int, float)) and not isinstance(penalty, bool) and math.isfinite(
+            penalty):
         out["length_penalty"] = float(penalty)
     if early in (True, False, "never"):
         out["early_stopping"] = early
