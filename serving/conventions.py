@@ -137,6 +137,7 @@ class ClientRequest:
     core: bool = False
     prompt_ids_first: bool = False
     batch_index: int | None = None  # its row in a batch of prompts (None: not a batch)
+    pad: int = 0  # what fills a search's shorter beams in output_ids: pad_id, else end_id
     transcripts: bool = False  # Triton's TensorRT-LLM Whisper names (serving/whisper_names.py):
     # every response carries the whole text so far as TRANSCRIPTS, and nothing else
 
@@ -284,17 +285,19 @@ def parse_request(tensors: Mapping[str, np.ndarray], parameters: Mapping[str, ob
         bad_words=bad_words + (core.bad_words if core else ()),
         grammar=_trtllm_guide(tensors) or values.get("grammar"),
         stop_sequences=core.stop_sequences if core else (), beams=beams,
-        **trtllm_core.search_settings(tensors))
+        **trtllm_core.search_settings(tensors, beams or 1))
+    pad = values.get("pad_id", values.get("end_id", 0))
     if core:  # not streamed unless asked, as there; output_ids carry the prompt's ids first
         stream = values.get("stream", False)
         return ClientRequest(generation, stream, extras=extras, core=True,
-                             prompt_ids_first=not stream and not values.get("exclude_input"))
+                             prompt_ids_first=not stream and not values.get("exclude_input"),
+                             pad=pad)
     # the prompt text first: when asked, or, as both Triton LLM backends do, when the client
     # turned streaming off for a text prompt and did not say (their default prepends it)
     text_prompt_whole = values.get("stream") is False and "text_input" in tensors
     echo = tokenizer is not None and not values.get("exclude_input", not text_prompt_whole)
     return ClientRequest(generation, values.get("stream", True),
-                         _text_of(tensors, prompt, tokenizer) if echo else None, extras)
+                         _text_of(tensors, prompt, tokenizer) if echo else None, extras, pad=pad)
 
 
 def _trtllm_guide(tensors: Mapping[str, np.ndarray]) -> Grammar | None:

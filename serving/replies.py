@@ -1,9 +1,10 @@
 """What a decoder's client gets back, in the names of Triton's LLM backends
 (serving/conventions.py parses what it sent): per chunk of tokens, `output_ids` and
 `text_output` (the prompt's text first when the request asked), TensorRT-LLM's
-`sequence_length`, `output_log_probs` and `cum_log_probs` in every response, and the
-outputs sent only when asked (the token counts, the vLLM backend's `finish_reason`,
-`cumulative_logprob` and `logprobs`), as those backends write them."""
+`sequence_length`, `output_log_probs` and `cum_log_probs` in every response (a beam
+search's beams in one response, a row each), and the outputs sent only when asked (the
+token counts, the vLLM backend's `finish_reason`, `cumulative_logprob` and `logprobs`), as
+those backends write them."""
 
 from __future__ import annotations
 
@@ -42,6 +43,8 @@ class Reply:
     text: str = ""  # the text so far (a transcript's responses carry all of it)
 
     def outputs(self, chunk: Chunk) -> dict[str, np.ndarray]:
+        if chunk.beams is not None:
+            return self._named(self._beams(chunk))
         if self.request.core:
             return self._named(self._core(chunk))
         if self.request.transcripts:
@@ -85,6 +88,29 @@ class Reply:
             self.cum_logprob += float(lp.sum())
             out["output_log_probs"] = lp.reshape(1, 1, len(lp))
             out["cum_log_probs"] = np.array([[self.cum_logprob]], np.float32)
+        out.update(self._asked_for(chunk))
+        return out
+
+    def _beams(self, chunk: Chunk) -> dict[str, np.ndarray]:
+        """A search's k beams, best first, in the one response that ends it, as TensorRT-LLM
+        answers a beam width: each beam a row of output_ids (the core model's [1, k, n], its
+        ensemble's [k, n]; a shorter beam padded, its length in sequence_length), and its
+        ensemble's text_output [k]; log-probs 0, as they are unless asked for."""
+        r, beams = self.request, chunk.beams
+        first = r.generation.prompt if r.core and r.prompt_ids_first else ()
+        rows = [first + b.ids for b in beams]
+        width = max(len(row) for row in rows)
+        ids = np.array([row + (r.pad,) * (width - len(row)) for row in rows], np.int32)
+        lengths = np.array([len(row) for row in rows], np.int32)
+        if r.core:
+            out = {"output_ids": ids[None], "sequence_length": lengths[None]}
+        else:
+            out = {"text_output": np.array([((r.prompt_text or "") + (b.text or "")).encode()
+                                            for b in beams], dtype=object)} \
+                if self.tokenizer is not None else {}
+            out |= {"output_ids": ids, "sequence_length": lengths,
+                    "output_log_probs": np.zeros(ids.shape, np.float32),
+                    "cum_log_probs": np.zeros(len(beams), np.float32)}
         out.update(self._asked_for(chunk))
         return out
 

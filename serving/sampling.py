@@ -191,6 +191,9 @@ class GenerationRequest:
     length_penalty: float | None = None  # a search's own settings (TensorRT-LLM's
     early_stopping: bool | None = None  # len_penalty, early_stopping); None: the model's
     # (an encoder-decoder's generation config), else transformers' defaults (1.0, False)
+    returns: int = 1  # how many of a search's best sequences the answer carries (at most
+    # `beams`: TensorRT-LLM's num_return_sequences, every beam unless it says; OpenAI's n
+    # with vLLM's use_beam_search; transformers' num_return_sequences)
     timestamps: bool = False  # Whisper's timestamp tokens generated under their rule
     # (serving.generation.timestamps); `prompt` then ends without <|notimestamps|>
     prompt_probe: tuple[int, tuple[int, ...]] | None = None  # (position, ids): the first
@@ -224,6 +227,19 @@ class GenerationRequest:
             raise InvalidArgument(f"beams must be >= 1, not {self.beams}")
         if self.length_penalty is not None and not math.isfinite(self.length_penalty):
             raise InvalidArgument(f"the length penalty must be finite, not {self.length_penalty}")
+        if not 1 <= self.returns <= max(1, self.beams or 1):
+            raise InvalidArgument(f"{self.returns} sequences asked of a search of "
+                                  f"{self.beams or 1} beams: at most one per beam")
+
+
+@dataclass(frozen=True)
+class Beam:
+    """One of the sequences a beam search answers with: its new token ids (the end token it
+    ended at left out, as a stream leaves it out), their text, and why it ended."""
+
+    ids: tuple[int, ...]
+    text: str | None
+    reason: str  # "stop" (at an end token) or "length"
 
 
 @dataclass(frozen=True)
@@ -250,6 +266,8 @@ class Chunk:
     prompt_top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
     probe: tuple[float, ...] | None = None  # the first chunk of a request with a
     # prompt_probe: one log-prob per probed id
+    beams: tuple[Beam, ...] | None = None  # the final chunk of a search asked for more than
+    # one sequence (`returns`): each, the best first (the chunk's own ids are the first's)
     # when the engine made it (time.perf_counter): a frontend that reads chunks later, all
     # at once when its thread was late, still times the tokens as they were made
     at: float = field(default_factory=time.perf_counter, compare=False)
@@ -281,7 +299,8 @@ def join_chunks(chunks: Sequence[Chunk]) -> Chunk:
                  top_logprobs=_joined(chunks, "top_logprobs"), ranks=_joined(chunks, "ranks"),
                  prompt_logprobs=first.prompt_logprobs,
                  prompt_top_logprobs=first.prompt_top_logprobs,
-                 probe=next((c.probe for c in chunks if c.probe is not None), None))
+                 probe=next((c.probe for c in chunks if c.probe is not None), None),
+                 beams=last.beams)
 
 
 def sample(logits: np.ndarray, s: Sampling, rng: np.random.Generator) -> int:

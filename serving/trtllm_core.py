@@ -20,13 +20,15 @@ share (`end_id`, `temperature`, `runtime_top_k`, `min_length`, `return_log_probs
   `early_stopping`, `beam_search_diversity_rate`) are taken and change nothing at beam
   width 1, as there; above it the length penalty and early stopping are the search's
   (`search_settings`), and a diversity rate other than 0 is refused by name;
-- top-p decay, context / generation logits and more than one sequence are refused by name
-  (in the ensemble's requests too).
+- a beam search answers with every beam, best first, unless `num_return_sequences` asks
+  for fewer; without a search more than one sequence is refused, as are top-p decay and
+  context / generation logits (in the ensemble's requests too).
 
 And how it answers (serving/replies.py writes it): `output_ids` INT32 [1, 1, n] (streaming:
 the new tokens; otherwise the prompt's ids first unless `exclude_input_in_output`),
 `sequence_length` INT32 [1, 1] = n, and with `return_log_probs` `output_log_probs` [1, 1, k]
-and `cum_log_probs` [1, 1]."""
+and `cum_log_probs` [1, 1]; a search's k beams as [1, k, n] in one response at its end
+(each beam's own length in `sequence_length` [1, k], the rest padded with the end id)."""
 
 from __future__ import annotations
 
@@ -45,13 +47,13 @@ CORE_ONLY = frozenset(("input_lengths", "stop", "embedding_bias", *WORD_LISTS))
 BEAM_ONLY = ("len_penalty", "length_penalty", "early_stopping", "beam_search_diversity_rate")
 # refused unless they ask for nothing: name -> the value that leaves them off
 _OFF = {"runtime_top_p_decay": 1.0, "return_context_logits": False,
-        "return_generation_logits": False, "num_return_sequences": 1}
+        "return_generation_logits": False}
 # what a beam search does not do (transformers' diverse beam search is another search)
 _SEARCH_OFF = {"beam_search_diversity_rate": 0.0}
 _TOP_P_DECAY = ("runtime_top_p_min", "runtime_top_p_reset_ids")  # only read with a decay
 BIAS_WORDS = ("embedding_bias_words", "embedding_bias_weights")  # the ensemble's bias
 # TensorRT-LLM's names that its ensemble and its core model both take
-SHARED = frozenset((*BEAM_ONLY, *_OFF, *_TOP_P_DECAY, *BIAS_WORDS))
+SHARED = frozenset((*BEAM_ONLY, *_OFF, *_TOP_P_DECAY, *BIAS_WORDS, "num_return_sequences"))
 INPUTS = CORE_ONLY | SHARED
 
 
@@ -129,12 +131,25 @@ def refuse_unsupported(tensors: Mapping[str, np.ndarray], beams: int = 1) -> Non
         if name in tensors and _value(name, tensors[name]) != value:
             raise InvalidArgument(f"'{name}' {_value(name, tensors[name])} is not supported "
                                   f"(only {value})")
+    asked = _returns(tensors)
+    if asked is not None and not 1 <= asked <= beams:
+        raise InvalidArgument(f"'num_return_sequences' {asked} is not supported: "
+                              + ("only 1 without a beam search" if beams == 1 else
+                                 f"1 to the beam width ({beams})"))
 
 
-def search_settings(tensors: Mapping[str, np.ndarray]) -> dict:
-    """A beam search's length penalty and early stopping, where the request names them
-    (serving.sampling.GenerationRequest's fields; they change nothing at width 1)."""
-    out: dict = {}
+def _returns(tensors: Mapping[str, np.ndarray]) -> int | None:
+    if "num_return_sequences" not in tensors:
+        return None
+    return int(_value("num_return_sequences", _integers("num_return_sequences",
+                                                        tensors["num_return_sequences"])))
+
+
+def search_settings(tensors: Mapping[str, np.ndarray], beams: int = 1) -> dict:
+    """A beam search's length penalty and early stopping, where the request names them,
+    and how many beams come back: `num_return_sequences`, else every one, as TensorRT-LLM
+    answers (serving.sampling.GenerationRequest's fields; nothing changes at width 1)."""
+    out: dict = {"returns": _returns(tensors) or beams}
     for name in ("len_penalty", "length_penalty"):
         if name in tensors:
             out["length_penalty"] = float(_value(name, tensors[name]))

@@ -50,15 +50,22 @@ def transformers_beams(prompt, beams: int, max_tokens: int, eos: int | None = No
     """transformers' beam search (its defaults, unless `settings` say: length penalty 1,
     early_stopping False), the end token and what pads after it cut off, as the server
     sends no end token."""
+    return transformers_returns(prompt, beams, max_tokens, eos, 1, **settings)[0]
+
+
+def transformers_returns(prompt, beams: int, max_tokens: int, eos: int | None = None,
+                         returns: int = 1, **settings) -> list[list[int]]:
+    """Its `returns` best sequences (num_return_sequences), best first, each cut so."""
     import torch
 
     ids = torch.tensor([list(prompt)])
     with torch.no_grad():
         out = _torch_model().generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                       num_beams=beams, max_new_tokens=max_tokens,
-                                      pad_token_id=0, eos_token_id=eos, **settings)
-    got = out[0, len(prompt):].tolist()
-    return got[:got.index(eos)] if eos in got else got
+                                      pad_token_id=0, eos_token_id=eos,
+                                      num_return_sequences=returns, **settings)
+    rows = [row[len(prompt):] for row in out.tolist()]
+    return [row[:row.index(eos)] if eos in row else row[:max_tokens] for row in rows]
 
 
 def _ids(chunks) -> list[int]:
@@ -77,6 +84,26 @@ def test_the_search_is_transformers_at_the_length_limit_and_at_an_end_token(gen,
     (chunks,) = collect(gen, [GenerationRequest(PROMPT, 10, beams=beams,
                                                 stop_ids=frozenset({eos}))])
     assert _ids(chunks) == want
+
+
+def test_the_n_best_sequences_are_transformers_num_return_sequences(gen):
+    """returns 3 of 4 beams: one final chunk carrying transformers' num_return_sequences 3,
+    best first, the chunk's own ids the first's; with an end token met mid-search too, the
+    sequences that end there cut before it ("stop"), the others at the limit ("length")."""
+    eos = transformers_beams(PROMPT, 4, 10)[2]
+    for stops in (frozenset(), frozenset({eos})):
+        want = transformers_returns(PROMPT, 4, 10, min(stops, default=None), returns=3)
+        assert len({tuple(w) for w in want}) == 3  # three answers to tell apart
+        (chunks,) = collect(gen, [GenerationRequest(PROMPT, 10, beams=4, returns=3,
+                                                    stop_ids=stops)])
+        (whole,) = chunks
+        assert whole.final and [list(b.ids) for b in whole.beams] == want
+        assert list(whole.ids) == want[0]
+        assert [b.reason for b in whole.beams] == ["stop" if len(w) < 10 else "length"
+                                                   for w in want]
+    assert {b.reason for b in whole.beams} == {"stop", "length"}
+    with pytest.raises(InvalidArgument, match="4 sequences asked of a search of 3 beams"):
+        GenerationRequest(PROMPT, 10, beams=3, returns=4)
 
 
 @pytest.mark.parametrize("at, settings, other", [

@@ -3,9 +3,9 @@ and by curl: models, completions and chat completions (the prompt rendered from 
 artifact's chat template exactly as transformers renders it), greedy text equal to ONNX
 Runtime's own greedy run, usage, stop strings across token boundaries, the end token and
 ignore_eos, log-probs and the k most likely tokens' against ONNX Runtime's logits, seeds,
-`n` choices (equal when greedy, from seed, seed + 1, ... when sampled), OpenAI error objects
-with their statuses, the bearer token, and a client that closes its stream freeing its
-slots."""
+`n` choices (equal when greedy, from seed, seed + 1, ... when sampled; vLLM's beam search's
+n best), OpenAI error objects with their statuses, the bearer token, and a client that
+closes its stream freeing its slots."""
 
 from __future__ import annotations
 
@@ -171,6 +171,37 @@ def test_n_greedy_choices_are_equal_each_with_its_index(server, llama) -> None:
     assert chunks[-1].usage.completion_tokens == 2 * 6
 
 
+def test_vllms_beam_search_answers_its_n_best_as_the_choices(server) -> None:
+    """vLLM's use_beam_search with n 3: the choices are transformers' search's 3 best
+    sequences (num_return_sequences 3), best first, whole and streamed (chat's too); n above
+    16 beams and what a search cannot give (log-probs) are refused."""
+    from test_decoder_beams import transformers_returns
+
+    prompt = tokenizer().encode(PROMPT).ids
+    want = [tokenizer().decode(ids) for ids in transformers_returns(prompt, 3, 6, returns=3)]
+    assert len(set(want)) == 3
+    c, name, extra = openai_client(server), server.slot.name, {"use_beam_search": True, **NO_EOS}
+    got = c.completions.create(model=name, prompt=PROMPT, max_tokens=6, n=3, extra_body=extra)
+    assert [(x.index, x.text, x.finish_reason) for x in got.choices] == [
+        (i, text, "length") for i, text in enumerate(want)]
+    assert got.usage.completion_tokens == 3 * 6
+    streamed = ["", "", ""]
+    for chunk in c.completions.create(model=name, prompt=PROMPT, max_tokens=6, n=3,
+                                      stream=True, extra_body=extra):
+        for x in chunk.choices:
+            streamed[x.index] += x.text
+    assert streamed == want
+    chat = c.chat.completions.create(model=name, messages=MESSAGES, max_tokens=4, n=2,
+                                     extra_body=extra)
+    assert [x.index for x in chat.choices] == [0, 1]
+    assert chat.choices[0].message.content != chat.choices[1].message.content
+    with pytest.raises(openai.BadRequestError, match="beam search \\(3 beams\\) is greedy"):
+        c.completions.create(model=name, prompt=PROMPT, max_tokens=6, n=3, logprobs=1,
+                             extra_body=extra)
+    with pytest.raises(openai.BadRequestError, match="beam width .* 1 to 16, not 17"):
+        c.completions.create(model=name, prompt=PROMPT, n=17, extra_body=extra)
+
+
 def test_n_sampled_choices_come_from_seed_seed_plus_1_and_so_on(server) -> None:
     def run(seed: int, n: int = 1, stream: bool = False) -> list[str]:
         got = openai_client(server).completions.create(
@@ -312,7 +343,7 @@ def test_errors_are_openai_error_objects(server) -> None:
         c.chat.completions.create(model=server.slot.name, messages=MESSAGES,
                                   modalities=["text", "audio"],
                                   audio={"voice": "alloy", "format": "wav"})
-    for extra in ({"use_beam_search": True}, {"skip_special_tokens": False},
+    for extra in ({"skip_special_tokens": False},
                   {"prompt_logprobs": 1}, {"truncate_prompt_tokens": 4}):
         with pytest.raises(openai.BadRequestError, match=f"'{next(iter(extra))}' is not "):
             c.chat.completions.create(model=server.slot.name, messages=MESSAGES,

@@ -357,9 +357,8 @@ def test_no_repeat_ngram_equals_optimum_generate(exports, options, tmp_path):
 
 
 def test_beam_width_from_a_tensorrt_llm_client(exports, optimum_greedy):
-    """TensorRT-LLM's `beam_width` over Triton's gRPC client picks the search per request
-    (BART's config names none): 4 beams give the in-process search's answer, 1 greedy's; a
-    decoder-only server still refuses it; beams with sampling are refused."""
+    """TensorRT-LLM's `beam_width` over Triton's gRPC picks the search per request (BART's
+    config names none): 4 beams, the in-process search's first; 1, greedy's; no sampling."""
     import tritonclient.grpc as tg
     from tritonclient.utils import InferenceServerException
 
@@ -372,9 +371,8 @@ def test_beam_width_from_a_tensorrt_llm_client(exports, optimum_greedy):
                                                         beams=4))
         greedy = _tokens(generator, _request(source, 8, exports[family]))
         with pytest.raises(InvalidArgument, match="beam search"):
-            generator.submit(GenerationRequest(prompt=tuple(source), beams=2,
-                                               sampling=Sampling(temperature=0.7)),
-                             lambda c: None)
+            sampled = GenerationRequest(tuple(source), beams=2, sampling=Sampling(temperature=.7))
+            generator.submit(sampled, lambda c: None)
     finally:
         generator.close()
     assert beamed != greedy  # (the search finds another answer on this model)
@@ -382,7 +380,7 @@ def test_beam_width_from_a_tensorrt_llm_client(exports, optimum_greedy):
     try:
         client = tg.InferenceServerClient(f"127.0.0.1:{server.port}")
 
-        def ask(width: int) -> list[int]:
+        def ask(width: int) -> np.ndarray:
             inputs = []
             for name, arr, kind in (("input_ids", np.array([source], np.int64), "INT64"),
                                     ("max_tokens", np.array([8], np.int32), "INT32"),
@@ -391,9 +389,11 @@ def test_beam_width_from_a_tensorrt_llm_client(exports, optimum_greedy):
                                     ("beam_width", np.array([width], np.int32), "INT32")):
                 inputs.append(tg.InferInput(name, list(arr.shape), kind))
                 inputs[-1].set_data_from_numpy(arr)
-            return client.infer(family, inputs).as_numpy("output_ids").reshape(-1).tolist()
+            return client.infer(family, inputs).as_numpy("output_ids")  # (beams, n)
 
-        assert ask(4)[-8:] == beamed and ask(1)[-8:] == greedy
+        four = ask(4)  # every beam, best first, as TensorRT-LLM answers a beam width
+        assert len(four) == 4 and (four[0][-8:].tolist(), ask(1)[0][-8:].tolist()) == (beamed,
+                                                                                     greedy)
         with pytest.raises(InferenceServerException, match="beam_width 99 is not supported"):
             ask(99)
     finally:

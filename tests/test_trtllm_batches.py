@@ -1,7 +1,7 @@
 """Clients written for TensorRT-LLM's ensemble against a decoder artifact over real gRPC
 (tritonclient): its example client (temperature 1 by default and greedy all the same, as
-TensorRT-LLM samples only with a top-k or top-p; bias words; its `--batch-inputs`), a batch
-of prompts to the core model, and model names on a stream."""
+TensorRT-LLM samples only with a top-k or top-p; bias words; a beam width's texts; its
+`--batch-inputs`), a batch of prompts to the core model, and model names on a stream."""
 
 from __future__ import annotations
 
@@ -71,6 +71,22 @@ def test_the_ensembles_bias_words_and_shared_core_names(server, llama) -> None:
     assert ensemble_text(server, tokens=1, **extra) == [tokenizer().decode([second])]
     with pytest.raises(InferenceServerException, match="'num_return_sequences' 2"):
         ensemble_text(server, tokens=1, num_return_sequences=np.array([[2]], np.int32))
+
+
+def test_the_ensembles_beam_width_answers_a_text_per_beam(server) -> None:
+    """beam_width 3 through the ensemble's names, as its postprocessing answers it: one
+    response, text_output [3] (the prompt first, as that client asks), the search's three
+    best sequences, best first, output_ids [3, n] (transformers' num_return_sequences)."""
+    from test_decoder_beams import transformers_returns
+
+    want = transformers_returns(prompt_ids(), 3, 6, returns=3)
+    s = Stream(server)
+    s.send(server.slot.name, ensemble_request(6, beam_width=np.array([[3]], np.int32)), "")
+    (result,) = s.close()
+    texts = [t.decode() for t in result.as_numpy("text_output")]
+    assert texts == [PROMPT + tokenizer().decode(w) for w in want]
+    assert result.as_numpy("output_ids").tolist() == want
+    assert result.as_numpy("sequence_length").tolist() == [6, 6, 6]
 
 
 # ------------------------------------------------------------------ batches of prompts

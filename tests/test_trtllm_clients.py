@@ -1,7 +1,8 @@
 """Clients written for TensorRT-LLM's core model (`tensorrt_llm`, the model inside its
 ensemble) against a decoder artifact, over real gRPC and HTTP (tritonclient): the tensors its
 example client sends (input_ids INT32 [1, n], input_lengths, request_output_len UINT32,
-beam_width, temperature, streaming), read as it reads them (output_ids [1, beam, n]); its
+beam_width, temperature, streaming), read as it reads them (output_ids [1, beam, n], a
+search's every beam); its
 `stop` request cancelling a running one by request id; its core benchmark's unary HTTP
 requests (end_id -1); the packed stop / bad word lists, embedding_bias, log-probs and
 TensorRT-LLM's greedy-unless-top-k-or-top-p rule, each against ONNX Runtime's own logits
@@ -17,8 +18,8 @@ import tritonclient.grpc as tg
 import tritonclient.http as th
 from llm_support import decoder as server  # noqa: F401 - a fixture
 from llm_support import greedy, llama, log_softmax, wait_for  # noqa: F401
-from trtllm_support import (LONG, Stream, example_inputs, fresh_pair, pack, prompt_ids,
-                            slow, stop_inputs, tensor, unary)
+from trtllm_support import (LONG, Stream, beams_of, example_inputs, fresh_pair, pack,
+                            prompt_ids, slow, stop_inputs, tensor, unary)
 from tritonclient.utils import InferenceServerException
 
 
@@ -170,7 +171,8 @@ def test_sampling_with_a_top_k_is_seeded_and_greedy_without(server, llama) -> No
 
 
 @pytest.mark.parametrize("extra, message", [
-    ({"num_return_sequences": np.array([[2]], np.int32)}, "'num_return_sequences' 2"),
+    ({"num_return_sequences": np.array([[2]], np.int32)},
+     "'num_return_sequences' 2 is not supported: only 1 without a beam search"),
     ({"return_generation_logits": np.array([[True]], bool)}, "'return_generation_logits'"),
     ({"runtime_top_p_decay": np.array([[0.9]], np.float32)}, "'runtime_top_p_decay'"),
     ({"input_lengths": np.array([[99]], np.int32)}, "'input_lengths' 99"),
@@ -181,28 +183,42 @@ def test_sampling_with_a_top_k_is_seeded_and_greedy_without(server, llama) -> No
     ({"beam_width": np.array([[2]], np.uint32),
       "beam_search_diversity_rate": np.array([[0.5]], np.float32)},
      "'beam_search_diversity_rate' 0.5 is not supported"),
+    ({"beam_width": np.array([[2]], np.uint32),
+      "num_return_sequences": np.array([[3]], np.int32)},
+     "'num_return_sequences' 3 is not supported: 1 to the beam width \\(2\\)"),
 ])
 def test_what_the_core_model_cannot_take_is_refused_by_name(server, extra, message) -> None:
     with pytest.raises(InferenceServerException, match=message):
         unary(server, prompt_ids(), 4, **extra)
 
 
-def test_a_beam_width_searches_and_the_best_comes_back_as_beam_0(server) -> None:
-    """beam_width 3: the search's best sequence, as transformers' beam search on the torch
-    model gives it, as beam 0 (output_ids [1, 1, n]); with an end_id that it meets, cut
-    there; with len_penalty and early_stopping, transformers' search under them."""
-    from test_decoder_beams import transformers_beams
+def test_a_beam_width_answers_every_beam_best_first(server) -> None:
+    """beam_width 3, as TensorRT-LLM answers it and its example client reads it (each row of
+    output_ids[0] a beam): transformers' search's 3 best sequences, best first, in one
+    response, output_ids [1, 3, n]; with an end_id that the search meets, the beams that end
+    there shorter, their lengths in sequence_length, padded with the end id;
+    num_return_sequences 2 the best two; len_penalty and early_stopping the search's own."""
+    from test_decoder_beams import transformers_beams, transformers_returns
 
     prompt, width = prompt_ids(), {"beam_width": np.array([[3]], np.uint32)}
     got, result = unary(server, prompt, 6, **width)
-    assert got == transformers_beams(prompt, 3, 6)
-    assert result.as_numpy("output_ids").shape == (1, 1, 6)
+    assert beams_of(result) == transformers_returns(prompt, 3, 6, returns=3)
+    assert result.as_numpy("output_ids").shape == (1, 3, 6) and got == beams_of(result)[0]
+    end = got[3]
+    ended = {"end_id": np.array([[end]], np.int32), **width}
+    want = transformers_returns(prompt, 3, 6, end, returns=3)
+    assert len({len(w) for w in want}) > 1  # beams of different lengths
+    _, result = unary(server, prompt, 6, **ended)
+    assert beams_of(result) == want
+    rows, lengths = result.as_numpy("output_ids")[0], result.as_numpy("sequence_length")[0]
+    assert all((row[n:] == end).all() for row, n in zip(rows, lengths))
+    _, result = unary(server, prompt, 6, num_return_sequences=np.array([[2]], np.int32),
+                      **ended)
+    assert beams_of(result) == want[:2]
     end = got[2]
-    got, _ = unary(server, prompt, 6, end_id=np.array([[end]], np.int32), **width)
-    assert got == transformers_beams(prompt, 3, 6, end)
     settings = {"len_penalty": np.array([[2.0]], np.float32),  # the search's own settings
-                "early_stopping": np.array([[True]], bool)}
-    got, _ = unary(server, prompt, 6, end_id=np.array([[end]], np.int32), **width, **settings)
+                "early_stopping": np.array([[True]], bool), "end_id": np.array([[end]], np.int32)}
+    got, _ = unary(server, prompt, 6, **width, **settings)
     assert got == transformers_beams(prompt, 3, 6, end, length_penalty=2.0, early_stopping=True)
 
 

@@ -93,7 +93,14 @@ def unary(server, prompt: list[int], tokens: int, **extra) -> tuple[list[int], o
     result = client.infer(server.slot.name, example_inputs(
         prompt, tokens, False, exclude_input_in_output=np.array([[True]], bool), **extra))
     client.close()
-    return result.as_numpy("output_ids")[0][0].tolist(), result
+    return beams_of(result)[0], result
+
+
+def beams_of(result) -> list[list[int]]:
+    """The core model's answer as TensorRT-LLM's clients read it: each row of output_ids[0]
+    a beam, cut to its sequence_length."""
+    lengths = result.as_numpy("sequence_length")[0]
+    return [row[:n].tolist() for row, n in zip(result.as_numpy("output_ids")[0], lengths)]
 
 
 def fresh_pair(want: list[int]) -> int:

@@ -146,14 +146,9 @@ class Admission:
             self._submitted.clear()
             return taken
 
-    def _send_all(self, s: Stream, tokens: tuple[int, ...]) -> None:
-        """A beam search's answer, token by token (it ends at its end token or length)."""
-        for token in tokens:
-            self.output.emit(s, token)
-            if s.done:
-                break
-        if not s.done:
-            self.output.finish(s, "length")
+    def _send_all(self, s: Stream, sequences: list[tuple[int, ...]]) -> None:
+        """A beam search's answer: its `returns` best sequences (OutputProcessor.answer)."""
+        self.output.answer(s, sequences)
         self._forget(s)
 
     def _overdue(self) -> bool:

@@ -14,7 +14,8 @@ which the batch's rows, written in place, never are. So each search is a batch o
 One search runs at a time, one step per engine iteration, between the batch's steps; its
 cache is its own (k rows of prompt + max_tokens entries at most, which admission holds to the
 byte budget by itself). The answer goes out when the search ends, token by token: a beam's
-tokens are not final until then.
+tokens are not final until then. A request for more than one of the best sequences
+(`returns`) gets them all in one final chunk (serving.generation.output's `answer`).
 """
 
 from __future__ import annotations
@@ -103,9 +104,9 @@ class BeamRuns:
     def __bool__(self) -> bool:
         return self.current is not None or bool(self.waiting)
 
-    def step(self, send_all: Callable[[object, tuple[int, ...]], None]) -> None:
+    def step(self, send_all: Callable[[object, list[tuple[int, ...]]], None]) -> None:
         """Start the next search if none runs, then one step of it; its answer out at its
-        end (`send_all(stream, tokens)`)."""
+        end (`send_all(stream, sequences)`: the request's `returns` best, best first)."""
         if self.current is None and self.waiting:
             self.current = BeamRun(self.waiting.popleft(), self.record, self.vocab,
                                    self.model)
@@ -113,7 +114,7 @@ class BeamRuns:
             run = self.current
             if run.step(self._run):
                 self.current = None
-                send_all(run.stream, run.search.best())
+                send_all(run.stream, run.search.top(run.stream.request.returns))
 
     def remove(self, stream) -> None:
         if self.current is not None and self.current.stream is stream:

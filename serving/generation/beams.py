@@ -11,7 +11,8 @@ vectorized `_beam_search`, 4.50 on): an encoder-decoder's generation config name
       the k best that do not end run on (their rows gathered: cache rows reordered)
     done when k hypotheses are finished and no running beam can beat them (early_stopping
     False: judged at the current length; True: at once; "never": at the limit for a positive
-    penalty), or at the length limit. The best hypothesis is the answer.
+    penalty), or at the length limit. The best hypothesis is the answer (the n best where
+    more are asked for).
 """
 
 from __future__ import annotations
@@ -128,6 +129,11 @@ class BeamSearch:
 
     def best(self) -> tuple[int, ...]:
         """The answer: the best finished hypothesis (its end token last, where it ended so)."""
-        if not self.finished:  # (cannot happen once done: the limit finishes k of them)
-            return tuple(self.running[0].tolist())
-        return self.finished[0][1]
+        return self.top(1)[0]
+
+    def top(self, n: int) -> list[tuple[int, ...]]:
+        """The n best finished hypotheses, best first (transformers' num_return_sequences);
+        running beams after them where fewer have finished (not once done: the length limit
+        finishes k of them)."""
+        found = [sequence for _, sequence in self.finished]
+        return (found + [tuple(row) for row in self.running.tolist()])[:n]

@@ -14,7 +14,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from serving.generation.grammar import GrammarError
-from serving.sampling import Chunk, GenerationRequest, adjust, held_back, sample
+from serving.sampling import (Beam, Chunk, GenerationRequest, adjust, held_back,
+                              join_chunks, sample)
 from serving.tokenizer import IncrementalDecoder
 
 log = logging.getLogger("serving")
@@ -55,8 +56,9 @@ class StreamOutput:
         self.request = request
         self.matcher = matcher  # its grammar's (serving.generation.grammar), if it has one
         self.rng = np.random.default_rng(request.sampling.seed)
-        self.detok = IncrementalDecoder(
-            tokenizer, request.prompt if context is None else context) if tokenizer else None
+        self.context = request.prompt if context is None else context
+        self.tokenizer = tokenizer
+        self.detok = IncrementalDecoder(tokenizer, self.context) if tokenizer else None
         self.text = ""  # the output text decoded so far
         self.sent = 0  # characters of it sent
         self.generated = 0
@@ -67,6 +69,13 @@ class StreamOutput:
         self.prompt_top: list[tuple[tuple[int, float], ...]] = []
         self.prompt_sent = False
         self.pending: dict = {}  # Chunk fields the next chunk sent carries (a prompt probe)
+
+    def text_of(self, ids: Sequence[int]) -> str | None:
+        """Another sequence's text after the same context (a search's other beams)."""
+        if self.tokenizer is None:
+            return None
+        detok = IncrementalDecoder(self.tokenizer, self.context)
+        return "".join(detok.add(t) for t in ids) + detok.flush()
 
     def release(self, final: bool) -> tuple[str | None, str | None]:
         """(text to send now, the stop string that matched or None): up to the first stop
@@ -227,6 +236,37 @@ class OutputProcessor:
         else:
             self._send(stream, Chunk((token,), piece, **asked))
 
+    def answer(self, stream, sequences: Sequence[tuple[int, ...]]) -> None:
+        """A beam search's answer: its best sequence, token by token as a stream sends
+        them (it ends at an end token or the length); where it asked for more than one, the
+        whole as one final chunk that carries them all (`Chunk.beams`)."""
+        if len(sequences) == 1:
+            self._emit_all(stream, sequences[0])
+            return
+        sent: list[Chunk] = []
+        deliver, stream.on_chunk = stream.on_chunk, sent.append  # the pieces kept, joined
+        try:
+            self._emit_all(stream, sequences[0])
+        finally:
+            stream.on_chunk = deliver
+        beams = tuple(self._beam(stream, s) for s in sequences)
+        self._deliver(stream, replace(join_chunks(sent), beams=beams))
+
+    def _emit_all(self, stream, tokens: Sequence[int]) -> None:
+        for token in tokens:
+            self.emit(stream, token)
+            if stream.done:
+                return
+        self.finish(stream, "length")
+
+    @staticmethod
+    def _beam(stream, sequence: tuple[int, ...]) -> Beam:
+        """A returned sequence as a stream would have sent it: cut before an end token."""
+        stops = stream.request.stop_ids
+        ended = next((i for i, t in enumerate(sequence) if t in stops), None)
+        ids = sequence if ended is None else sequence[:ended]
+        return Beam(ids, stream.output.text_of(ids), "length" if ended is None else "stop")
+
     def finish(self, stream, reason: str, detail: str = "") -> None:
         """The final chunk without a new token (stop id, cancel, shutdown, error)."""
         if stream.done:
@@ -256,6 +296,10 @@ class OutputProcessor:
             out.prompt_sent = True
         if out.pending:
             chunk, out.pending = replace(chunk, **out.pending), {}
+        self._deliver(stream, chunk)
+
+    @staticmethod
+    def _deliver(stream, chunk: Chunk) -> None:
         try:
             stream.on_chunk(chunk)
         except Exception:  # noqa: BLE001 - a broken consumer must not stop the others

@@ -283,7 +283,7 @@ class Seq2SeqGenerator(Admission):
             chosen = search.step(self.constraints.beamed(logits[mine], first, decoded, held))
             if search.done:
                 del cohort.beams[s]
-                self._send_all(s, search.best())
+                self._send_all(s, search.top(s.request.returns))
             else:
                 rows += [mine[c] for c in chosen]
                 tokens += search.next_tokens

@@ -4,7 +4,9 @@ too), `POST /v1/completions` and `POST
 /v1/chat/completions`, whole or streamed (`stream: true`: Server-Sent Events, one chunk per
 token chunk, then `data: [DONE]`), with `usage` (its prompt_tokens_details.cached_tokens:
 the prompt tokens read from the prefix cache), `max_tokens`, `temperature`, `top_p`,
-`seed`, `stop` (strings; vLLM's `stop_reason` names the one that matched), `n` (choices, each its own stream in the engine), `logprobs` (of
+`seed`, `stop` (strings; vLLM's `stop_reason` names the one that matched), `n` (choices,
+each its own stream in the engine; with vLLM's `use_beam_search`, one search's n best
+sequences and its `length_penalty`, streamed together at its end), `logprobs` (of
 the sampled tokens, and of the k most likely: completions' `logprobs: k`, chat's
 `top_logprobs`), `frequency_penalty`, `presence_penalty` and `logit_bias`, structured output
 (`response_format` json_object or json_schema; vLLM's `structured_outputs` and `guided_json`
@@ -18,7 +20,7 @@ completion; with `logprobs`, every prompt token's log-prob too, the first one nu
 `max_tokens: 0` for the prompt alone): what lm-evaluation-harness sends to score a model.
 Errors are OpenAI error objects with the matching status; a parameter this server cannot
 honour (`tool_choice` "auto" without a parser, `best_of`, `suffix`, audio output,
-`web_search_options`, vLLM's beam search and its other extras away from their defaults) is
+`web_search_options`, vLLM's other extras away from their defaults) is
 refused rather than ignored. Generation stops at the model's end tokens
 (serving/text_config.py: config.json,
 generation_config.json, genai_config.json, tokenizer_config.json) unless `ignore_eos`."""
@@ -274,7 +276,7 @@ async def _answer(request: Request, shape: _Shape, generations: list[GenerationR
         for chunks in chosen:
             if chunks[-1].reason not in ("length", "stop"):
                 raise RuntimeError(chunks[-1].detail or f"generation ended: {chunks[-1].reason}")
-        wholes = [join_chunks(chunks) for chunks in chosen]
+        wholes = [c for chunks in chosen for c in _choices(join_chunks(chunks))]
         return JSONResponse(shape.envelope(
             [shape.choice(whole, False, index=i) for i, whole in enumerate(wholes)], False,
             _usage(prompt, sum(counted(w) for w in wholes),
@@ -286,24 +288,37 @@ async def _answer(request: Request, shape: _Shape, generations: list[GenerationR
 
     async def events():
         generated, started, finals = 0, set(), {}
-        async for index, chunk in streams:
-            if chunk.final and chunk.reason not in ("length", "stop"):
-                yield sse({"error": {"message": chunk.detail or chunk.reason,
+        async for stream_index, whole in streams:
+            if whole.final and whole.reason not in ("length", "stop"):
+                yield sse({"error": {"message": whole.detail or whole.reason,
                                      "type": "internal_error", "param": None, "code": None}})
                 break
-            generated += counted(chunk)
-            if chunk.final:
-                finals[index] = chunk
-            yield sse(shape.envelope([shape.choice(chunk, True, index not in started, index)],
-                                     True, _usage(prompt, generated) if running else None))
-            started.add(index)
+            beams = _choices(whole)  # (a search's choices come together, at its end)
+            for index, chunk in enumerate(beams, stream_index * len(beams)):
+                generated += counted(chunk)
+                if chunk.final:
+                    finals[index] = chunk
+                yield sse(shape.envelope([shape.choice(chunk, True, index not in started,
+                                                       index)],
+                                         True, _usage(prompt, generated) if running else None))
+                started.add(index)
         else:
             if stream_opts.get("include_usage"):
                 yield sse(shape.envelope([], True, _usage(
-                    prompt, generated, _cached(finals, len(generations), n))))
+                    prompt, generated, _cached(finals, sum(g.returns for g in generations),
+                                               n))))
         yield sse("[DONE]")
 
     return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+def _choices(chunk: Chunk) -> list[Chunk]:
+    """The choices a stream's chunk answers: itself, or a search's beams, each a final chunk
+    of its own (vLLM's use_beam_search: the n best sequences, best first)."""
+    if chunk.beams is None:
+        return [chunk]
+    return [replace(chunk, ids=b.ids, text=b.text, reason=b.reason, stop=None, beams=None)
+            for b in chunk.beams]
 
 
 def _stream_options(body: dict) -> dict | None:

@@ -1,15 +1,20 @@
 """What an OpenAI body asks a decoder for, as GenerationRequests (serving/http/openai_api.py
 answers them): the served model by name, the prompts (completions' strings, token ids or a
-batch of either), `n` choices each with its seed, `max_tokens` / `max_completion_tokens`,
+batch of either), `n` choices each with its seed (or, with vLLM's `use_beam_search`, one
+search's n best sequences), `max_tokens` / `max_completion_tokens`,
 sampling, stops, log-probs, penalties and logit bias, structured output (`response_format`,
 vLLM's `structured_outputs` / `guided_*`), and the parameters refused rather than ignored.
 Every check raises InvalidArgument saying what is wrong (400)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from serving.conventions import bad_word_ids
 from serving.decoder import DecoderEngine
 from serving.errors import InvalidArgument
+from serving.generation.beam_decode import MAX_BEAMS
+from serving.generation.beams import searchable, unsearchable
 from serving.sampling import (MAX_TOP_LOGPROBS, GenerationRequest, Grammar, Sampling,
                               allowed_ids)
 
@@ -59,17 +64,32 @@ def _check_unsupported(body: dict) -> None:
     if body.get("web_search_options") is not None:
         raise InvalidArgument("'web_search_options' is not supported (nothing here searches "
                               "the web)")
+    searched = body_value(body, "use_beam_search", (bool,), False)
     for name, default in _VLLM_DEFAULTS_ONLY.items():
+        if name == "length_penalty" and searched:
+            continue  # the search's own setting
         if body.get(name) is not None and body[name] != default:
             raise InvalidArgument(f"'{name}' is not supported here (only {default!r})")
 
 
 # vLLM's extras this server takes only at their defaults: each changes the answer otherwise
-_VLLM_DEFAULTS_ONLY = {"use_beam_search": False,
-                       "skip_special_tokens": True, "spaces_between_special_tokens": True,
+_VLLM_DEFAULTS_ONLY = {"skip_special_tokens": True, "spaces_between_special_tokens": True,
                        "return_tokens_as_token_ids": False,
                        "prompt_logprobs": None, "truncate_prompt_tokens": None,
                        "length_penalty": 1}
+
+
+def beam_search(body: dict, generation: GenerationRequest, n: int) -> GenerationRequest:
+    """vLLM's `use_beam_search`: one search of `n` beams whose n best sequences are the
+    choices (as vLLM answers it; the search is transformers' generate with num_beams and
+    num_return_sequences n, and vLLM's `length_penalty`). A search is greedy: the temperature
+    is not read, as vLLM's search reads none; what it cannot give is refused."""
+    penalty = float(body_value(body, "length_penalty", (int, float), 1.0))
+    searched = replace(generation, sampling=replace(generation.sampling, temperature=0.0),
+                       beams=n, returns=n, length_penalty=penalty)
+    if not searchable(searched):
+        raise InvalidArgument(f"'use_beam_search': {unsearchable(n)}")
+    return searched
 
 
 def _adjustments(body: dict) -> dict:
@@ -132,8 +152,15 @@ def structured_output(body: dict) -> Grammar | None:
 
 
 def choice_count(engine: DecoderEngine, body: dict) -> int:
-    """`n`: at most the streams the engine runs at once (more would wait behind each other)."""
-    n, limit = body_value(body, "n", (int,), 1), engine.options.max_streams
+    """`n`: at most the streams the engine runs at once (more would wait behind each other);
+    with vLLM's `use_beam_search`, the beam width: at most MAX_BEAMS."""
+    n = body_value(body, "n", (int,), 1)
+    if body_value(body, "use_beam_search", (bool,), False):
+        if not 1 <= n <= MAX_BEAMS:
+            raise InvalidArgument(f"'n' is the beam width with 'use_beam_search': 1 to "
+                                  f"{MAX_BEAMS}, not {n}")
+        return n
+    limit = engine.options.max_streams
     if not 1 <= n <= limit:
         raise InvalidArgument(f"'n' must be between 1 and {limit} (the streams this server "
                               f"runs at once: --max-streams), not {n}")
@@ -154,7 +181,8 @@ def max_tokens_of(body: dict) -> int | None:
 def generations_for(engine: DecoderEngine, body: dict, prompt: tuple[int, ...],
                     top: int | None, request_id: str, default_max_tokens: int | None = None,
                     echo: bool = False) -> list[GenerationRequest]:
-    """The `n` generations a body asks for (choice i samples with seed + i); without
+    """The `n` generations a body asks for (choice i samples with seed + i; with vLLM's
+    `use_beam_search` one search whose n best sequences are the choices); without
     max_tokens, `default_max_tokens` (OpenAI's 16 for completions) or, for chat, as many as
     the cache and --max-tokens leave room for. `top`: None without log-probs, else how many
     of the most likely tokens come with each (and, with `echo`, with each prompt token).
@@ -175,21 +203,23 @@ def generations_for(engine: DecoderEngine, body: dict, prompt: tuple[int, ...],
     if body.get("allowed_token_ids") is not None:
         adjustments["allowed_ids"] = allowed_ids(sorted(_token_ids(
             body, "allowed_token_ids", engine.generator.vocab)))
+    searched = body_value(body, "use_beam_search", (bool,), False)  # one stream, n beams
     sampling = [Sampling(float(body_value(body, "temperature", (int, float), 1.0)),
                          body_value(body, "top_k", (int,), 0) if body.get("top_k") != -1 else 0,
                          float(body_value(body, "top_p", (int, float), 1.0)),
                          seed if seed is None or i == 0 else (seed + i) % 2**64, **adjustments)
-                for i in range(n)]
-    return [GenerationRequest(prompt, limit if max_tokens is None else max_tokens, s,
-                              stop_ids, f"{request_id}-{i}" if n > 1 else request_id,
-                              min_tokens=body_value(body, "min_tokens", (int,), 0),
-                              stop_strings=_stops(body), logprobs=top is not None,
-                              include_stop=body_value(body, "include_stop_str_in_output",
-                                                      (bool,), False),
-                              top_logprobs=top or 0,
-                              prompt_logprobs=top if echo and top is not None else None,
-                              bad_words=_bad_words(engine, body), grammar=grammar)
-            for i, s in enumerate(sampling)]
+                for i in range(1 if searched else n)]
+    generations = [GenerationRequest(prompt, limit if max_tokens is None else max_tokens, s,
+                                     stop_ids, f"{request_id}-{i}" if n > 1 else request_id,
+                                     min_tokens=body_value(body, "min_tokens", (int,), 0),
+                                     stop_strings=_stops(body), logprobs=top is not None,
+                                     include_stop=body_value(body, "include_stop_str_in_output",
+                                                             (bool,), False),
+                                     top_logprobs=top or 0,
+                                     prompt_logprobs=top if echo and top is not None else None,
+                                     bad_words=_bad_words(engine, body), grammar=grammar)
+                   for i, s in enumerate(sampling)]
+    return [beam_search(body, generations[0], n)] if searched else generations
 
 
 def _token_ids(body: dict, name: str, vocab: int) -> frozenset[int]:
