@@ -110,15 +110,16 @@ def client_signature(tokenizer: bool) -> Signature:
         ("return_cumulative_logprob", b), ("return_logprobs", b))]
     inputs.append(TensorSpec("stop_ids", "INT64", (-1,)))
     inputs += trtllm_core.input_specs(tokenizer)
-    outputs = [TensorSpec("output_ids", "INT64", (1, -1)),
-               TensorSpec("sequence_length", i, (1,)),
-               TensorSpec("output_log_probs", f, (-1,)), TensorSpec("cum_log_probs", f, (1,)),
+    # (a row per beam: one, or a beam search's k in the response that ends it)
+    outputs = [TensorSpec("output_ids", "INT64", (-1, -1)),
+               TensorSpec("sequence_length", i, (-1,)),
+               TensorSpec("output_log_probs", f, (-1,)), TensorSpec("cum_log_probs", f, (-1,)),
                TensorSpec("num_input_tokens", "UINT32", (1,)),
                TensorSpec("num_output_tokens", "UINT32", (1,)),
                TensorSpec("finish_reason", s, (1,)), TensorSpec("cumulative_logprob", f, (1,)),
                TensorSpec("logprobs", s, (1,)), TensorSpec("batch_index", i, (1, 1))]
     if tokenizer:  # first, as both backends declare it: clients read outputs[0] as the text
-        outputs.insert(0, TensorSpec("text_output", s, (1,)))
+        outputs.insert(0, TensorSpec("text_output", s, (-1,)))
     return Signature(tuple(inputs), tuple(outputs), "input_ids", None)
 
 
