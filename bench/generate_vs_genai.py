@@ -23,7 +23,8 @@ The two never run at the same time (they would share the cores). Workloads, gree
 stream (prompt 128, 64 new tokens); 8 and 32 streams sent at once (prompts 64..192); 32
 arriving over --spread-s; 32 sharing a 512-token system prompt; and one stream searched with
 4 beams (two prompts, one after another; the end token masked out, as genai's min_length
-does, and the outputs compared with genai's). The whole alternation runs
+does, and the outputs compared with genai's); four such searches at once against genai's
+batch of 4 searched prompts. The whole alternation runs
 --repeats times; the table shows medians with their range and the load average (1 min)
 before and after each workload. onnxruntime-genai runs in this process where it is importable;
 elsewhere in its own virtual environment (models/venvs.py, made on first use under
@@ -58,7 +59,8 @@ SMALL = dict(num_hidden_layers=4, hidden_size=256, num_attention_heads=8,
              num_key_value_heads=2, intermediate_size=704)
 VOCAB, POSITIONS = 3072, 1024
 EOS = 2  # the end token of the saved config
-BEAMS = 4  # the beam-search workload's width
+BEAMS = 4  # the beam-search workloads' width
+SEARCHES = 4  # searches at once (the server's beams share runs; genai's batch of them)
 
 
 @dataclass(frozen=True)
@@ -324,7 +326,7 @@ def _stream_one(port: int, name: str, index: int, job: Job, t0: float, out: list
         at, result, error = responses.get(timeout=300)
         if error is not None:
             raise RuntimeError(error)
-        got = result.as_numpy("output_ids").reshape(-1).tolist()
+        got = result.as_numpy("output_ids")[0].tolist()  # (beams, n): the best beam's
         if got:
             stamps.append(at)
             ids += got
@@ -383,7 +385,8 @@ def workloads(prompt: int, new: int, spread_s: float, system: int, seed: int = 0
             "static8": [Job(tokens(prompt), new) for _ in range(8)],
             "varied": [Job(tokens(prompt), int(n))
                        for n in rng.integers(new // 4, new * 7 // 4 + 1, 32)],
-            "beams": [Job(tokens(prompt), new) for _ in range(2)]}
+            "beams": [Job(tokens(prompt), new) for _ in range(2)],
+            "searches": [Job(tokens(prompt), new) for _ in range(SEARCHES)]}
 
 
 def _load() -> float:
@@ -417,6 +420,10 @@ def alternation(genai_dir: Path, servers: dict, w: dict) -> dict[str, tuple[Run,
     timed(f"genai 1, {BEAMS} beams", lambda: genai_run(genai_dir, w["beams"], beams=BEAMS))
     timed(f"serve 1, {BEAMS} beams", lambda: _pooled([served_run(port, name, [job], BEAMS)
                                                       for job in w["beams"]]))
+    timed(f"genai batch {SEARCHES}, {BEAMS} beams",
+          lambda: genai_run(genai_dir, w["searches"], batch=SEARCHES, beams=BEAMS))
+    timed(f"serve {SEARCHES} at once, {BEAMS} beams",
+          lambda: served_run(port, name, w["searches"], BEAMS))
     return out
 
 
@@ -449,6 +456,12 @@ def ratios(a: dict[str, tuple[Run, float, float]]) -> dict[str, float]:
             r[f"serve 1, {BEAMS} beams"].tokens_per_s / r[f"genai 1, {BEAMS} beams"].tokens_per_s,
         f"{BEAMS} beams: outputs identical to genai's (1 = yes)":
             float(r[f"serve 1, {BEAMS} beams"].ids == r[f"genai 1, {BEAMS} beams"].ids),
+        f"{SEARCHES} searches at once / genai's batch of {SEARCHES} (no goal)":
+            r[f"serve {SEARCHES} at once, {BEAMS} beams"].tokens_per_s
+            / r[f"genai batch {SEARCHES}, {BEAMS} beams"].tokens_per_s,
+        f"{SEARCHES} searches: outputs identical to genai's (1 = yes)":
+            float(r[f"serve {SEARCHES} at once, {BEAMS} beams"].ids
+                  == r[f"genai batch {SEARCHES}, {BEAMS} beams"].ids),
     }
 
 

@@ -43,6 +43,8 @@ def test_ratios_and_their_median_and_range():
         "serve 1, no speculation": (run(44, 0.1, ids=((1, 3),)), 1.0, 1.0),
         "genai 1, 4 beams": (run(20, 1.0, ids=((5, 6),)), 1.0, 1.0),
         "serve 1, 4 beams": (run(25, 1.0, ids=((5, 6),)), 1.0, 1.0),
+        "genai batch 4, 4 beams": (run(40, 1.0, ids=((5, 6), (7, 8))), 1.0, 1.0),
+        "serve 4 at once, 4 beams": (run(60, 1.0, ids=((5, 6), (7, 9))), 1.0, 1.0),
     }
     r = bench.ratios(alternation)
     assert r["1 stream / genai (goal >= 1.0)"] == pytest.approx(1.1)
@@ -58,6 +60,8 @@ def test_ratios_and_their_median_and_range():
     assert r["1 stream: outputs identical with and without (1 = yes)"] == 0.0
     assert r["1 stream, 4 beams / genai 4 beams (no goal)"] == pytest.approx(1.25)
     assert r["4 beams: outputs identical to genai's (1 = yes)"] == 1.0
+    assert r["4 searches at once / genai's batch of 4 (no goal)"] == pytest.approx(1.5)
+    assert r["4 searches: outputs identical to genai's (1 = yes)"] == 0.0
 
 
 @pytest.mark.venv(*genai_builder.VENV)  # built beside the first tests (conftest)
@@ -78,3 +82,5 @@ def test_the_bench_runs_end_to_end_on_a_small_llama(tmp_path, capsys):
     assert len(lines) == 1 and " 1.00x" in lines[0]  # with and without prompt lookup: the same
     lines = [x for x in out.splitlines() if x.startswith("4 beams: outputs identical")]
     assert len(lines) == 1 and " 1.00x" in lines[0]  # the server's search is genai's
+    lines = [x for x in out.splitlines() if x.startswith("4 searches: outputs identical")]
+    assert len(lines) == 1 and " 1.00x" in lines[0]  # searches sharing runs: genai's too

@@ -1,11 +1,12 @@
 """Beam search on a decoder with its KV cache (serving/generation/beam_decode.py), on a real
 exported Llama through the engine: the searched answer equals transformers' generate with
 the same beams on the torch model the export was made of (ending at the length limit, and at
-an end token); a search beside plain streams leaves each as it is alone; what a search cannot
-give is refused; a cancelled search frees the engine; on onnxruntime-genai's graph (its
-cache rows at the start) it equals a search that keeps no cache; a length penalty and early
-stopping, the request's or the model's generation config's, give transformers' answer under
-them. TensorRT-LLM clients' `beam_width` over gRPC: tests/test_trtllm_clients.py."""
+an end token); a search beside plain streams leaves each as it is alone, and searches at once
+share runs, each as it is alone; what a search cannot give is refused; a cancelled search
+frees the engine; on onnxruntime-genai's graph (its cache rows at the start) searches equal
+ones that keep no cache; a length penalty and early stopping, the request's or the model's
+generation config's, give transformers' answer under them. TensorRT-LLM clients'
+`beam_width` over gRPC: tests/test_trtllm_clients.py."""
 
 from __future__ import annotations
 
@@ -145,6 +146,38 @@ def test_a_search_beside_plain_streams_leaves_each_as_it_is_alone(gen):
     assert gen.active == 0 and gen.occupancy() == (0, 0)
 
 
+def _runs_of(gen, requests) -> tuple[list[list[int]], list[int]]:
+    """Each request's ids, all submitted at once, and the rows of every search run."""
+    rows: list[int] = []
+    counted, gen.beams.on_run = gen.beams.on_run, lambda n, seconds: rows.append(n)
+    try:
+        return [_ids(c) for c in collect(gen, requests)], rows
+    finally:
+        gen.beams.on_run = counted
+
+
+def test_searches_at_once_share_runs_and_each_is_as_it_is_alone(gen):
+    """Three searches of their own prompts, widths and lengths (one ending at an end token)
+    at once: their beams decode in shared runs (rows of several searches, each widened to the
+    longest past), and each answers what it answers alone; where the engine runs one stream
+    at a time, one search runs at a time."""
+    eos = transformers_beams(PROMPT, 4, 10)[3]
+    searches = [GenerationRequest(PROMPT, 8, beams=3), GenerationRequest(PROMPT[:4], 12, beams=2),
+                GenerationRequest(PROMPT[2:], 10, beams=4, stop_ids=frozenset({eos}))]
+    alone = [_runs_of(gen, [r])[0][0] for r in searches]
+    together, rows = _runs_of(gen, searches)
+    assert together == alone and max(rows) > 4  # some run held beams of two searches
+    assert alone[2] == transformers_beams(PROMPT[2:], 4, 10, eos)
+    path = cached("llama-kv", "awkward", "torchscript")
+    one = Generator(OrtRunner(load_cpu(path)), cache_record(load_model(path)), VOCAB,
+                    GenerateOptions(max_streams=1), max_positions=256)
+    try:
+        got, rows = _runs_of(one, searches)
+    finally:
+        one.close()
+    assert got == alone and max(rows) == 4
+
+
 @pytest.mark.parametrize("request_, message", [
     (GenerationRequest(PROMPT, 4, beams=2, sampling=Sampling(temperature=0.7)), "greedy"),
     (GenerationRequest(PROMPT, 4, beams=2, logprobs=True), "log-probs"),
@@ -200,16 +233,20 @@ def _recomputed_search(runner, record, prompt, beams: int, max_tokens: int) -> l
 @pytest.mark.venv(*genai_builder.VENV)  # built beside the first tests (conftest)
 def test_a_graph_that_reads_its_mask_as_lengths_searches_the_same():
     """onnxruntime-genai's Llama (GroupQueryAttention: rows at the start of the cache, the
-    present written by the graph): the engine's search equals one that keeps no cache."""
+    present written by the graph): the engine's searches, two at once, each equal one that
+    keeps no cache."""
     src = genai_builder.cached("llama", "fp32")
     runner, record = OrtRunner(load_cpu(src)), cache_record(load_model(src))
     assert record.rows_at_start
     g = Generator(runner, record, VOCAB, GenerateOptions(max_streams=4), max_positions=128)
-    try:
-        got = _ids(g.generate(GenerationRequest(PROMPT, 8, beams=4)))
+    try:  # two searches at once: shared runs, the shorter past widened after its entries
+        got, rows = _runs_of(g, [GenerationRequest(PROMPT, 8, beams=4),
+                                 GenerationRequest(PROMPT[:5], 6, beams=3)])
     finally:
         g.close()
-    assert got == _recomputed_search(runner, record, PROMPT, 4, 8)
+    assert got == [_recomputed_search(runner, record, PROMPT, 4, 8),
+                   _recomputed_search(runner, record, PROMPT[:5], 3, 6)]
+    assert max(rows) == 7
 
 
 def test_the_models_generation_config_sets_the_search_unless_the_request_does(tmp_path):

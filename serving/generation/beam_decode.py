@@ -11,11 +11,14 @@ which the batch's rows, written in place, never are. So each search is a batch o
     then:   the k beams' last tokens, their caches  -> logits (k, V), present (k, .., P+1, ..)
     after each: BeamSearch.step picks the rows that go on; the present's rows are gathered so
 
-One search runs at a time, one step per engine iteration, between the batch's steps; its
-cache is its own (k rows of prompt + max_tokens entries at most, which admission holds to the
-byte budget by itself). The answer goes out when the search ends, token by token: a beam's
-tokens are not final until then. A request for more than one of the best sequences
-(`returns`) gets them all in one final chunk (serving.generation.output's `answer`).
+Searches take one step per engine iteration, between the batch's steps: a new one's prompt
+in a run of its own, then every other running search in one run (rows of several searches
+widened to the longest past, where the graph's rows may move; else one search at a time).
+Their caches are their own (k rows of prompt + max_tokens entries at most, which admission
+holds to the byte budget by itself, and all running searches' to it together). The answer
+goes out when the search ends, token by token: a beam's tokens are not final until then. A
+request for more than one of the best sequences (`returns`) gets them all in one final
+chunk (serving.generation.output's `answer`).
 """
 
 from __future__ import annotations
@@ -54,76 +57,170 @@ def refusal(request, record: CacheRecord, budget_tokens: int) -> str | None:
 
 
 class BeamRun:
-    """One stream's search: its rows' caches, mask and next tokens between steps."""
+    """One stream's search: its beams' next tokens between steps (their caches are rows of
+    BeamRuns' batch)."""
 
     def __init__(self, stream, record: CacheRecord, vocab: int, model: BeamConfig) -> None:
         r = stream.request
         self.stream, self.record, self.vocab = stream, record, vocab
         self.search = BeamSearch(config_for(r, model, r.beams), frozenset(r.stop_ids),
                                  r.max_tokens)
-        self.arrays, self.mask = empty_past(record, 1)  # (1, .., 0, ..), (1, 0)
         self.rows: list[list[int]] = [list(r.prompt)]  # each row's new tokens, next step
+        self.entries = r.beams * (len(r.prompt) + r.max_tokens)  # the most its cache holds
 
-    def step(self, run: Callable[[dict, int], dict]) -> bool:
-        """One run of every beam; True when the search is over (`search.best()`)."""
-        rec, k = self.record, len(self.rows)
-        feeds = last_only(step_feeds(rec, self.rows, self.mask, self.arrays))
-        out = run(dict(feeds.arrays), k)
-        logits = out[rec.logits][np.arange(k), feeds.logit_slots, : self.vocab]  # (k, V)
+    def take(self, logits: np.ndarray) -> list[int] | None:
+        """One search step from its rows' `logits` (k, V): the rows the next beams continue
+        (their caches to gather), or None when the search is over (`search.top`)."""
         scores = log_softmax(logits)  # float32, as transformers scores beams
         request = self.stream.request
         if self.search.generated < request.min_tokens and request.stop_ids:
             scores[:, list(request.stop_ids)] = -np.inf  # no end before min_tokens
         chosen = self.search.step(scores)
         if self.search.done:
-            return True
-        batch = rec.layout.index("b")
-        self.arrays = {p: np.take(out[q], chosen, axis=batch)  # each beam its row's cache
-                       for p, q in rec.past_to_present.items()}
-        self.mask = feeds.mask[chosen]
+            return None
         self.rows = [[t] for t in self.search.next_tokens]
-        return False
+        return chosen
+
+
+def _widen(record: CacheRecord, arrays: dict[str, np.ndarray], mask: np.ndarray, past: int
+           ) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """Caches and mask widened to `past` slots: masked ones before the entries (after them,
+    where the graph keeps a row's entries at the start), as a row joining a batch is."""
+    extra = past - int(mask.shape[1])
+    if extra == 0:
+        return arrays, mask
+    at = (0, extra) if record.rows_at_start else (extra, 0)
+    widths = [(0, 0)] * 4
+    widths[record.layout.index("s")] = at
+    return {n: np.pad(a, widths) for n, a in arrays.items()}, np.pad(mask, ((0, 0), at))
 
 
 class BeamRuns:
-    """The searches waiting and the one running: the engine's thread calls `step` once per
-    iteration, and `remove` for a stream that ended otherwise (cancelled, shut down)."""
+    """The searches waiting, starting and running: the engine's thread calls `step` once per
+    iteration, and `remove` for a stream that ended otherwise (cancelled, shut down).
+
+    The running searches' beams are rows of one batch (`arrays`, `mask`), in the order of
+    `group`, each step gathered into the rows of the beams that go on; a search that ends
+    leaves it at that gather, one that starts joins it after its prompt's run, widened to the
+    longer past as the in-flight batch widens a row. Several searches share the batch only
+    where the graph's rows may move (`together`: the engine's row-move probe passed), and
+    their caches hold at most `budget_tokens` entries together; otherwise one search runs
+    at a time."""
 
     def __init__(self, infer: Callable[[dict], dict], record: CacheRecord, vocab: int,
-                 on_run: Callable[[int, float], None], model: BeamConfig = BeamConfig(1)
-                 ) -> None:
+                 on_run: Callable[[int, float], None], model: BeamConfig = BeamConfig(1),
+                 together: bool = False, budget_tokens: int = 0) -> None:
         self.infer, self.record, self.vocab, self.on_run = infer, record, vocab, on_run
         self.model = model  # the model's search settings (its generation config's)
+        self.together, self.budget_tokens = together, budget_tokens
         self.waiting: deque = deque()
-        self.current: BeamRun | None = None
+        self.fresh: list[BeamRun] = []  # started, their prompts not run yet
+        self.group: list[BeamRun] = []  # decoding: their rows in the batch, in this order
+        self.arrays, self.mask = empty_past(record, 0)
+
+    @property
+    def running(self) -> list[BeamRun]:
+        return self.group + self.fresh
 
     @property
     def streams(self) -> list:
-        return ([self.current.stream] if self.current else []) + list(self.waiting)
+        return [run.stream for run in self.running] + list(self.waiting)
 
     def __bool__(self) -> bool:
-        return self.current is not None or bool(self.waiting)
+        return bool(self.group or self.fresh or self.waiting)
 
     def step(self, send_all: Callable[[object, list[tuple[int, ...]]], None]) -> None:
-        """Start the next search if none runs, then one step of it; its answer out at its
-        end (`send_all(stream, sequences)`: the request's `returns` best, best first)."""
-        if self.current is None and self.waiting:
-            self.current = BeamRun(self.waiting.popleft(), self.record, self.vocab,
-                                   self.model)
-        if self.current is not None:
-            run = self.current
-            if run.step(self._run):
-                self.current = None
+        """Start the searches there is room for; the running ones take one step in one run,
+        then one new search's prompt runs (alone: a prompt's length is its own) and its
+        beams join the batch. A search's answer goes out at its end (`send_all(stream,
+        sequences)`: the request's `returns` best, best first)."""
+        while self.waiting and self._room(self.waiting[0].request):
+            self.fresh.append(BeamRun(self.waiting.popleft(), self.record, self.vocab,
+                                      self.model))
+        if self.group:
+            self.arrays, self.mask = self._run(self.group, self.arrays, self.mask, send_all)
+        if self.fresh:
+            run = self.fresh.pop(0)
+            arrays, mask = self._run([run], *empty_past(self.record, 1), send_all)
+            if not run.search.done:
+                self._join(run, arrays, mask)
+
+    def _room(self, request) -> bool:
+        if not self.running:
+            return True
+        held = sum(run.entries for run in self.running)
+        entries = request.beams * (len(request.prompt) + request.max_tokens)
+        return self.together and held + entries <= self.budget_tokens
+
+    def _run(self, runs: list[BeamRun], arrays: dict, mask: np.ndarray, send_all
+             ) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        """One run of `runs`' rows against `arrays` / `mask`; each search steps, the ended
+        ones answer and leave; the caches of the rows that go on, and their mask."""
+        rec = self.record
+        rows = [row for run in runs for row in run.rows]
+        feeds = last_only(step_feeds(rec, rows, mask, arrays))
+        began = time.perf_counter()
+        out = self.infer(dict(feeds.arrays))
+        self.on_run(len(rows), time.perf_counter() - began)
+        logits = out[rec.logits][np.arange(len(rows)), feeds.logit_slots, : self.vocab]
+        kept, at = [], 0
+        for run in list(runs):
+            k = len(run.rows)
+            chosen = run.take(logits[at:at + k])  # its k rows' logits (k, V)
+            if chosen is None:
+                self._drop(run)
                 send_all(run.stream, run.search.top(run.stream.request.returns))
+            else:
+                kept += [at + c for c in chosen]
+            at += k
+        batch = rec.layout.index("b")
+        return self._trim({p: np.take(out[q], kept, axis=batch)  # each beam its row's cache
+                           for p, q in rec.past_to_present.items()}, feeds.mask[kept])
+
+    def _join(self, run: BeamRun, arrays: dict, mask: np.ndarray) -> None:
+        """A search whose prompt ran: its beams' caches become the batch's last rows."""
+        if self.group:
+            past = max(int(self.mask.shape[1]), int(mask.shape[1]))
+            (old, old_mask), (new, new_mask) = (_widen(self.record, self.arrays, self.mask, past),
+                                                _widen(self.record, arrays, mask, past))
+            batch = self.record.layout.index("b")
+            arrays = {n: np.concatenate([old[n], new[n]], axis=batch) for n in old}
+            mask = np.concatenate([old_mask, new_mask])
+        self.group.append(run)
+        self.arrays, self.mask = arrays, mask
+
+    def _trim(self, arrays: dict, mask: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        """Drop the slots no row keeps (a longer search that ended had widened them)."""
+        used = np.flatnonzero(mask.any(axis=0))
+        span = slice(int(used[0]), int(used[-1]) + 1) if used.size else slice(0, 0)
+        if span.stop - span.start == mask.shape[1]:
+            return arrays, mask
+        index: list = [slice(None)] * 4
+        index[self.record.layout.index("s")] = span
+        return {n: a[tuple(index)] for n, a in arrays.items()}, mask[:, span]
+
+    def _drop(self, run: BeamRun) -> None:
+        """A search out of the running ones (its rows leave the batch at the next gather, or
+        now when it is removed between steps)."""
+        if run in self.fresh:
+            self.fresh.remove(run)
+        elif run in self.group:
+            self.group.remove(run)
 
     def remove(self, stream) -> None:
-        if self.current is not None and self.current.stream is stream:
-            self.current = None
-        elif stream in self.waiting:
+        """A stream that ended otherwise: out of the queue, or its rows out of the batch."""
+        if stream in self.waiting:
             self.waiting.remove(stream)
-
-    def _run(self, feeds: dict, rows: int) -> dict:
-        began = time.perf_counter()
-        out = self.infer(feeds)
-        self.on_run(rows, time.perf_counter() - began)
-        return out
+        for run in [r for r in self.fresh if r.stream is stream]:
+            self.fresh.remove(run)
+        at = 0
+        for run in list(self.group):
+            k = len(run.rows)
+            if run.stream is stream:
+                keep = np.r_[0:at, at + k:int(self.mask.shape[0])]
+                batch = self.record.layout.index("b")
+                self.arrays = {n: np.take(a, keep, axis=batch) for n, a in self.arrays.items()}
+                self.mask = self.mask[keep]
+                self.group.remove(run)
+                return
+            at += k

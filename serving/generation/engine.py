@@ -8,8 +8,8 @@ model runs:
      run: speculation, serving.generation.speculate), one run feeds the prefill chunks (a
      prompt's last chunk gives its first token); the output processor samples and sends
      the chunks;
-  4. a beam search, where one runs, takes one step: its beams are a batch of their own
-     (serving.generation.beam_decode).
+  4. the beam searches, where some run, take one step: their beams are a batch of their
+     own (serving.generation.beam_decode).
 """
 
 from __future__ import annotations
@@ -120,7 +120,9 @@ class Generator(Admission):
         # beam searches: batches of their own, beside this one (serving.generation.beam_decode)
         # (`search`: the model's length penalty and early stopping, as its config names them)
         self.beams = BeamRuns(lambda feeds: self.runner.infer(feeds), record, vocab,
-                              self.stats.on_step, search)
+                              self.stats.on_step, search,
+                              together=options.max_streams > 1 and self.rows_stay is None,
+                              budget_tokens=self.cache.budget_tokens)
         self.speculate = self._speculation(probe, options.speculate)
         self.start()
 
@@ -186,7 +188,7 @@ class Generator(Admission):
 
     @property
     def active(self) -> int:
-        return len(self.scheduler.running) + (self.beams.current is not None)
+        return len(self.scheduler.running) + len(self.beams.running)
 
     # ---------------------------------------------------------------------------- the loop
 
@@ -210,7 +212,7 @@ class Generator(Admission):
                 self.beams.step(self._send_all)
             except Exception as e:  # noqa: BLE001 - the model failed: end every stream, go on
                 log.exception("generation step failed")
-                searched = [self.beams.current.stream] if self.beams.current else []
+                searched = [run.stream for run in self.beams.running]
                 for s in list(self.scheduler.running) + searched:
                     self._end(s, "error", f"the model failed: {type(e).__name__}: {e}")
                 self.cache.clear()
@@ -325,8 +327,7 @@ class Generator(Admission):
     def _drop_cancelled(self) -> None:
         sched, beams = self.scheduler, self.beams
         for s in list(sched.running) + list(sched.waiting) + beams.streams:
-            started = s in sched.running or (beams.current is not None
-                                             and beams.current.stream is s)
+            started = s in sched.running or any(run.stream is s for run in beams.running)
             if s.cancelled.is_set():
                 self._end(s, "cancelled", "cancelled by the client" if started
                           else "cancelled before it started")
