@@ -11,14 +11,14 @@ which the batch's rows, written in place, never are. So each search is a batch o
     then:   the k beams' last tokens, their caches  -> logits (k, V), present (k, .., P+1, ..)
     after each: BeamSearch.step picks the rows that go on; the present's rows are gathered so
 
-Searches take one step per engine iteration, between the batch's steps: a new one's prompt
-in a run of its own, then every other running search in one run (rows of several searches
-widened to the longest past, where the graph's rows may move; else one search at a time).
-Their caches are their own (k rows of prompt + max_tokens entries at most, which admission
-holds to the byte budget by itself, and all running searches' to it together). The answer
-goes out when the search ends, token by token: a beam's tokens are not final until then. A
-request for more than one of the best sequences (`returns`) gets them all in one final
-chunk (serving.generation.output's `answer`).
+Searches take one step per engine iteration, between the batch's steps: every running
+search's beams in one run (rows of one batch of their own, where the graph's rows may move;
+else one search at a time), then a new search's prompt in a run of its own, after which its
+beams join that batch. Their caches are their own (k rows of prompt + max_tokens entries at
+most, which admission holds to the byte budget by itself, and the running searches' to it
+together). The answer goes out when the search ends, token by token: a beam's tokens are
+not final until then. A request for more than one of the best sequences (`returns`) gets
+them all in one final chunk (serving.generation.output's `answer`).
 """
 
 from __future__ import annotations
@@ -181,8 +181,8 @@ class BeamRuns:
         """A search whose prompt ran: its beams' caches become the batch's last rows."""
         if self.group:
             past = max(int(self.mask.shape[1]), int(mask.shape[1]))
-            (old, old_mask), (new, new_mask) = (_widen(self.record, self.arrays, self.mask, past),
-                                                _widen(self.record, arrays, mask, past))
+            old, old_mask = _widen(self.record, self.arrays, self.mask, past)
+            new, new_mask = _widen(self.record, arrays, mask, past)
             batch = self.record.layout.index("b")
             arrays = {n: np.concatenate([old[n], new[n]], axis=batch) for n in old}
             mask = np.concatenate([old_mask, new_mask])
@@ -200,8 +200,8 @@ class BeamRuns:
         return {n: a[tuple(index)] for n, a in arrays.items()}, mask[:, span]
 
     def _drop(self, run: BeamRun) -> None:
-        """A search out of the running ones (its rows leave the batch at the next gather, or
-        now when it is removed between steps)."""
+        """A search that ended out of the running ones (its rows leave the batch in the
+        gather that follows)."""
         if run in self.fresh:
             self.fresh.remove(run)
         elif run in self.group:
