@@ -239,6 +239,7 @@ def test_a_graph_that_reads_its_mask_as_lengths_searches_the_same():
     runner, record = OrtRunner(load_cpu(src)), cache_record(load_model(src))
     assert record.rows_at_start
     g = Generator(runner, record, VOCAB, GenerateOptions(max_streams=4), max_positions=128)
+    assert g.beams.infer_into is not None  # the graph writes each step into the rows' buffers
     try:  # two searches at once: shared runs, the shorter past widened after its entries
         got, rows = _runs_of(g, [GenerationRequest(PROMPT, 8, beams=4),
                                  GenerationRequest(PROMPT[:5], 6, beams=3)])

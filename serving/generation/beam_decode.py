@@ -31,7 +31,7 @@ import numpy as np
 
 from serving.generation.beams import (BeamConfig, BeamSearch, config_for, log_softmax,
                                       searchable, unsearchable)
-from tuner.gate.decode_step import empty_past, last_only, step_feeds
+from tuner.gate.decode_step import empty_past, last_only, seq_index, step_feeds
 from tuner.graph.cache_record import CacheRecord
 
 MAX_BEAMS = 16  # the widest search a request may ask for
@@ -105,18 +105,25 @@ class BeamRuns:
     longer past as the in-flight batch widens a row. Several searches share the batch only
     where the graph's rows may move (`together`: the engine's row-move probe passed), and
     their caches hold at most `budget_tokens` entries together; otherwise one search runs
-    at a time."""
+    at a time. Where the graph shares its past and present buffer (GroupQueryAttention: rows
+    at the start) and the runner writes into the caller's arrays (`infer_into`), the rows
+    live in buffers of every search's full length, the graph writes each step's entries into
+    them, and a gather copies only the rows whose beam continues another row."""
 
     def __init__(self, infer: Callable[[dict], dict], record: CacheRecord, vocab: int,
                  on_run: Callable[[int, float], None], model: BeamConfig = BeamConfig(1),
-                 together: bool = False, budget_tokens: int = 0) -> None:
+                 together: bool = False, budget_tokens: int = 0,
+                 infer_into: Callable[[dict, dict], dict] | None = None) -> None:
         self.infer, self.record, self.vocab, self.on_run = infer, record, vocab, on_run
         self.model = model  # the model's search settings (its generation config's)
         self.together, self.budget_tokens = together, budget_tokens
+        self.infer_into = infer_into if record.rows_at_start and record.layout[0] == "b" \
+            else None  # (rows of a buffer must stay C-contiguous views)
         self.waiting: deque = deque()
         self.fresh: list[BeamRun] = []  # started, their prompts not run yet
         self.group: list[BeamRun] = []  # decoding: their rows in the batch, in this order
         self.arrays, self.mask = empty_past(record, 0)
+        self.buffers: dict[str, np.ndarray] = {}  # shared: (rows, .., capacity, ..) a past
 
     @property
     def running(self) -> list[BeamRun]:
@@ -137,13 +144,20 @@ class BeamRuns:
         while self.waiting and self._room(self.waiting[0].request):
             self.fresh.append(BeamRun(self.waiting.popleft(), self.record, self.vocab,
                                       self.model))
+        rec = self.record
         if self.group:
-            self.arrays, self.mask = self._run(self.group, self.arrays, self.mask, send_all)
+            into = None if self.infer_into is None else {
+                q: self.arrays[p] for p, q in rec.past_to_present.items()}
+            out, feeds, kept = self._run(self.group, self.arrays, self.mask, into, send_all)
+            if into is None:
+                self.arrays, self.mask = self._trim(*self._gathered(out, feeds.mask, kept))
+            else:
+                self._keep(kept, feeds.mask)
         if self.fresh:
             run = self.fresh.pop(0)
-            arrays, mask = self._run([run], *empty_past(self.record, 1), send_all)
+            out, feeds, kept = self._run([run], *empty_past(rec, 1), None, send_all)
             if not run.search.done:
-                self._join(run, arrays, mask)
+                self._join(run, *self._gathered(out, feeds.mask, kept))
 
     def _room(self, request) -> bool:
         if not self.running:
@@ -152,15 +166,16 @@ class BeamRuns:
         entries = request.beams * (len(request.prompt) + request.max_tokens)
         return self.together and held + entries <= self.budget_tokens
 
-    def _run(self, runs: list[BeamRun], arrays: dict, mask: np.ndarray, send_all
-             ) -> tuple[dict[str, np.ndarray], np.ndarray]:
-        """One run of `runs`' rows against `arrays` / `mask`; each search steps, the ended
-        ones answer and leave; the caches of the rows that go on, and their mask."""
+    def _run(self, runs: list[BeamRun], arrays: dict, mask: np.ndarray, into, send_all):
+        """One run of `runs`' rows against `arrays` / `mask` (the presents written `into`
+        those buffers, where given); each search steps, the ended ones answer and leave.
+        (outputs, feeds, the rows the beams that go on continue)."""
         rec = self.record
         rows = [row for run in runs for row in run.rows]
         feeds = last_only(step_feeds(rec, rows, mask, arrays))
         began = time.perf_counter()
-        out = self.infer(dict(feeds.arrays))
+        out = self.infer(dict(feeds.arrays)) if into is None else \
+            self.infer_into(dict(feeds.arrays), into)
         self.on_run(len(rows), time.perf_counter() - began)
         logits = out[rec.logits][np.arange(len(rows)), feeds.logit_slots, : self.vocab]
         kept, at = [], 0
@@ -173,21 +188,66 @@ class BeamRuns:
             else:
                 kept += [at + c for c in chosen]
             at += k
-        batch = rec.layout.index("b")
-        return self._trim({p: np.take(out[q], kept, axis=batch)  # each beam its row's cache
-                           for p, q in rec.past_to_present.items()}, feeds.mask[kept])
+        return out, feeds, kept
+
+    def _gathered(self, out: dict, mask: np.ndarray, kept: list[int]
+                  ) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        """The presents' rows `kept` (each beam its parent row's cache), and their mask."""
+        batch = self.record.layout.index("b")
+        return ({p: np.take(out[q], kept, axis=batch)
+                 for p, q in self.record.past_to_present.items()}, mask[kept])
+
+    def _keep(self, kept: list[int], mask: np.ndarray) -> None:
+        """Shared buffers: row i takes row kept[i]'s entries in place, where that is another
+        row (read out first: a row may be both); the first len(kept) rows are the batch."""
+        rec, mask = self.record, mask[kept]
+        used = int(mask.sum(1).max()) if len(kept) else 0  # rows at the start: [0, used)
+        moved = [i for i, k in enumerate(kept) if k != i]
+        if moved and used:
+            span = slice(0, used)
+            for buf in self.buffers.values():
+                buf[seq_index(rec, moved, span)] = buf[seq_index(rec, [kept[i] for i in moved],
+                                                                 span)]
+        self.arrays = {p: buf[:len(kept)] for p, buf in self.buffers.items()}
+        self.mask = mask[:, :used]
 
     def _join(self, run: BeamRun, arrays: dict, mask: np.ndarray) -> None:
         """A search whose prompt ran: its beams' caches become the batch's last rows."""
-        if self.group:
+        if self.infer_into is not None:
+            self._join_buffers(run, arrays, mask)
+        elif self.group:
             past = max(int(self.mask.shape[1]), int(mask.shape[1]))
             old, old_mask = _widen(self.record, self.arrays, self.mask, past)
             new, new_mask = _widen(self.record, arrays, mask, past)
             batch = self.record.layout.index("b")
-            arrays = {n: np.concatenate([old[n], new[n]], axis=batch) for n in old}
-            mask = np.concatenate([old_mask, new_mask])
+            self.arrays = {n: np.concatenate([old[n], new[n]], axis=batch) for n in old}
+            self.mask = np.concatenate([old_mask, new_mask])
+        else:
+            self.arrays, self.mask = arrays, mask
         self.group.append(run)
-        self.arrays, self.mask = arrays, mask
+
+    def _join_buffers(self, run: BeamRun, arrays: dict, mask: np.ndarray) -> None:
+        """Shared buffers: the new rows written after the batch's, in buffers as long as
+        every running search's prompt + max_tokens (grown, the old rows copied, when not)."""
+        rec, rows, k = self.record, int(self.mask.shape[0]), int(mask.shape[0])
+        length = max(len(r.stream.request.prompt) + r.stream.request.max_tokens
+                     for r in [*self.group, run])
+        held = self.buffers.get(rec.past[0])
+        if held is None or held.shape[0] < rows + k or held.shape[rec.layout.index("s")] < length:
+            grown = {p: np.zeros(rec.past_shape(rows + k, length, p), rec.dtypes.get(p, rec.dtype))
+                     for p in rec.past}
+            old = seq_index(rec, slice(0, rows), slice(0, int(self.mask.shape[1])))
+            for p in rec.past:
+                if self.buffers:
+                    grown[p][old] = self.buffers[p][old]
+            self.buffers = grown
+        new = seq_index(rec, slice(rows, rows + k), slice(0, int(mask.shape[1])))
+        for p in rec.past:
+            self.buffers[p][new] = arrays[p]
+        past = max(int(self.mask.shape[1]), int(mask.shape[1]))
+        self.mask = np.concatenate([_widen(rec, {}, self.mask, past)[1],
+                                    _widen(rec, {}, mask, past)[1]])
+        self.arrays = {p: buf[:rows + k] for p, buf in self.buffers.items()}
 
     def _trim(self, arrays: dict, mask: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray]:
         """Drop the slots no row keeps (a longer search that ended had widened them)."""
@@ -217,10 +277,14 @@ class BeamRuns:
         for run in list(self.group):
             k = len(run.rows)
             if run.stream is stream:
-                keep = np.r_[0:at, at + k:int(self.mask.shape[0])]
-                batch = self.record.layout.index("b")
-                self.arrays = {n: np.take(a, keep, axis=batch) for n, a in self.arrays.items()}
-                self.mask = self.mask[keep]
+                keep = [*range(at), *range(at + k, int(self.mask.shape[0]))]
                 self.group.remove(run)
+                if self.infer_into is not None:
+                    self._keep(keep, self.mask)
+                else:
+                    batch = self.record.layout.index("b")
+                    self.arrays = {n: np.take(a, keep, axis=batch)
+                                   for n, a in self.arrays.items()}
+                    self.mask = self.mask[keep]
                 return
             at += k

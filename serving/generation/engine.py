@@ -122,7 +122,8 @@ class Generator(Admission):
         self.beams = BeamRuns(lambda feeds: self.runner.infer(feeds), record, vocab,
                               self.stats.on_step, search,
                               together=options.max_streams > 1 and self.rows_stay is None,
-                              budget_tokens=self.cache.budget_tokens)
+                              budget_tokens=self.cache.budget_tokens,
+                              infer_into=self._infer_into if options.share_buffers else None)
         self.speculate = self._speculation(probe, options.speculate)
         self.start()
 
@@ -140,6 +141,16 @@ class Generator(Admission):
         if not exact:
             log.info(NO_DRAFTS)
         return drafts if exact else 0
+
+    def _infer_into(self, feeds: dict, into: dict) -> dict:
+        """A run whose presents land in `into` (the graph's shared past buffers): bound to
+        them where the runner writes into the caller's arrays, else copied in."""
+        if getattr(self.runner, "writes_into", False):
+            return self.runner.infer_into(feeds, into)
+        out = self.runner.infer(feeds)
+        for name, buffer in into.items():
+            buffer[...] = out[name]
+        return out
 
     @property
     def runner(self):
