@@ -178,6 +178,23 @@ def test_searches_at_once_share_runs_and_each_is_as_it_is_alone(gen):
     assert got == alone and max(rows) == 4
 
 
+def test_searches_that_would_overrun_the_budget_together_take_turns():
+    """A byte budget of 80 entries: a search of 3 x 17 fits, beside it one of 2 more rows
+    (5 rows, each as long as the longer search's 17: 85) does not, so that one waits."""
+    path = cached("llama-kv", "awkward", "torchscript")
+    record = cache_record(load_model(path))
+    g = Generator(OrtRunner(load_cpu(path)), record, VOCAB,
+                  GenerateOptions(max_streams=4, kv_cache_bytes=80 * record.bytes_per_token),
+                  max_positions=256)
+    searches = [GenerationRequest(PROMPT, 8, beams=3), GenerationRequest(PROMPT[:4], 12, beams=2)]
+    try:
+        got, rows = _runs_of(g, searches)
+    finally:
+        g.close()
+    assert got == [transformers_beams(PROMPT, 3, 8), transformers_beams(PROMPT[:4], 2, 12)]
+    assert max(rows) == 3
+
+
 @pytest.mark.parametrize("request_, message", [
     (GenerationRequest(PROMPT, 4, beams=2, sampling=Sampling(temperature=0.7)), "greedy"),
     (GenerationRequest(PROMPT, 4, beams=2, logprobs=True), "log-probs"),

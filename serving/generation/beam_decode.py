@@ -14,11 +14,12 @@ which the batch's rows, written in place, never are. So each search is a batch o
 Searches take one step per engine iteration, between the batch's steps: every running
 search's beams in one run (rows of one batch of their own, where the graph's rows may move;
 else one search at a time), then a new search's prompt in a run of its own, after which its
-beams join that batch. Their caches are their own (k rows of prompt + max_tokens entries at
-most, which admission holds to the byte budget by itself, and the running searches' to it
-together). The answer goes out when the search ends, token by token: a beam's tokens are
-not final until then. A request for more than one of the best sequences (`returns`) gets
-them all in one final chunk (serving.generation.output's `answer`).
+beams join that batch. Their caches are their own: a search's k rows of prompt + max_tokens
+entries, which admission holds to the byte budget by itself, and the running searches' rows,
+each as long as the longest of them, to it together. The answer goes out when the search
+ends, token by token: a beam's tokens are not final until then. A request for more than one
+of the best sequences (`returns`) gets them all in one final chunk
+(serving.generation.output's `answer`).
 """
 
 from __future__ import annotations
@@ -66,7 +67,6 @@ class BeamRun:
         self.search = BeamSearch(config_for(r, model, r.beams), frozenset(r.stop_ids),
                                  r.max_tokens)
         self.rows: list[list[int]] = [list(r.prompt)]  # each row's new tokens, next step
-        self.entries = r.beams * (len(r.prompt) + r.max_tokens)  # the most its cache holds
 
     def take(self, logits: np.ndarray) -> list[int] | None:
         """One search step from its rows' `logits` (k, V): the rows the next beams continue
@@ -104,11 +104,12 @@ class BeamRuns:
     leaves it at that gather, one that starts joins it after its prompt's run, widened to the
     longer past as the in-flight batch widens a row. Several searches share the batch only
     where the graph's rows may move (`together`: the engine's row-move probe passed), and
-    their caches hold at most `budget_tokens` entries together; otherwise one search runs
-    at a time. Where the graph shares its past and present buffer (GroupQueryAttention: rows
-    at the start) and the runner writes into the caller's arrays (`infer_into`), the rows
-    live in buffers of every search's full length, the graph writes each step's entries into
-    them, and a gather copies only the rows whose beam continues another row."""
+    their rows, each as long as the longest search's prompt + max_tokens, hold at most
+    `budget_tokens` entries together; otherwise one search runs at a time. Where the graph
+    shares its past and present buffer (GroupQueryAttention: rows at the start) and the
+    runner writes into the caller's arrays (`infer_into`), the rows live in buffers of every
+    search's full length, the graph writes each step's entries into them, and a gather
+    copies only the rows whose beam continues another row."""
 
     def __init__(self, infer: Callable[[dict], dict], record: CacheRecord, vocab: int,
                  on_run: Callable[[int, float], None], model: BeamConfig = BeamConfig(1),
@@ -160,11 +161,15 @@ class BeamRuns:
                 self._join(run, *self._gathered(out, feeds.mask, kept))
 
     def _room(self, request) -> bool:
+        """Whether `request`'s search may start now: alone always (admission held it to the
+        budget), beside others where they may share runs and every row, widened to the
+        longest search's prompt + max_tokens, still fits the budget."""
         if not self.running:
             return True
-        held = sum(run.entries for run in self.running)
-        entries = request.beams * (len(request.prompt) + request.max_tokens)
-        return self.together and held + entries <= self.budget_tokens
+        asked = [run.stream.request for run in self.running] + [request]
+        rows = sum(r.beams for r in asked)
+        return self.together and rows * max(len(r.prompt) + r.max_tokens for r in asked) \
+            <= self.budget_tokens
 
     def _run(self, runs: list[BeamRun], arrays: dict, mask: np.ndarray, into, send_all):
         """One run of `runs`' rows against `arrays` / `mask` (the presents written `into`
@@ -208,7 +213,10 @@ class BeamRuns:
             for buf in self.buffers.values():
                 buf[seq_index(rec, moved, span)] = buf[seq_index(rec, [kept[i] for i in moved],
                                                                  span)]
-        self.arrays = {p: buf[:len(kept)] for p, buf in self.buffers.items()}
+        if not kept:
+            self.buffers = {}  # no search runs: their memory goes
+        self.arrays = {p: buf[:len(kept)] for p, buf in self.buffers.items()} if kept else \
+            empty_past(rec, 0)[0]
         self.mask = mask[:, :used]
 
     def _join(self, run: BeamRun, arrays: dict, mask: np.ndarray) -> None:
