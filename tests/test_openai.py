@@ -3,9 +3,9 @@ and by curl: models, completions and chat completions (the prompt rendered from 
 artifact's chat template exactly as transformers renders it), greedy text equal to ONNX
 Runtime's own greedy run, usage, stop strings across token boundaries, the end token and
 ignore_eos, log-probs and the k most likely tokens' against ONNX Runtime's logits, seeds,
-`n` choices (equal when greedy, from seed, seed + 1, ... when sampled; vLLM's beam search's
-n best), OpenAI error objects with their statuses, the bearer token, and a client that
-closes its stream freeing its slots."""
+`n` choices (equal when greedy, from seed, seed + 1, ... when sampled; a beam search's and
+best_of's: tests/test_openai_choices.py), OpenAI error objects with their statuses, the
+bearer token, and a client that closes its stream freeing its slots."""
 
 from __future__ import annotations
 
@@ -169,37 +169,6 @@ def test_n_greedy_choices_are_equal_each_with_its_index(server, llama) -> None:
     assert all(x.delta.role == "assistant" for x in firsts)
     assert [x.finish_reason for x in choices if x.finish_reason] == ["length", "length"]
     assert chunks[-1].usage.completion_tokens == 2 * 6
-
-
-def test_vllms_beam_search_answers_its_n_best_as_the_choices(server) -> None:
-    """vLLM's use_beam_search with n 3: the choices are transformers' search's 3 best
-    sequences (num_return_sequences 3), best first, whole and streamed (chat's too); n above
-    16 beams and what a search cannot give (log-probs) are refused."""
-    from test_decoder_beams import transformers_returns
-
-    prompt = tokenizer().encode(PROMPT).ids
-    want = [tokenizer().decode(ids) for ids in transformers_returns(prompt, 3, 6, returns=3)]
-    assert len(set(want)) == 3
-    c, name, extra = openai_client(server), server.slot.name, {"use_beam_search": True, **NO_EOS}
-    got = c.completions.create(model=name, prompt=PROMPT, max_tokens=6, n=3, extra_body=extra)
-    assert [(x.index, x.text, x.finish_reason) for x in got.choices] == [
-        (i, text, "length") for i, text in enumerate(want)]
-    assert got.usage.completion_tokens == 3 * 6
-    streamed = ["", "", ""]
-    for chunk in c.completions.create(model=name, prompt=PROMPT, max_tokens=6, n=3,
-                                      stream=True, extra_body=extra):
-        for x in chunk.choices:
-            streamed[x.index] += x.text
-    assert streamed == want
-    chat = c.chat.completions.create(model=name, messages=MESSAGES, max_tokens=4, n=2,
-                                     extra_body=extra)
-    assert [x.index for x in chat.choices] == [0, 1]
-    assert chat.choices[0].message.content != chat.choices[1].message.content
-    with pytest.raises(openai.BadRequestError, match="beam search \\(3 beams\\) is greedy"):
-        c.completions.create(model=name, prompt=PROMPT, max_tokens=6, n=3, logprobs=1,
-                             extra_body=extra)
-    with pytest.raises(openai.BadRequestError, match="beam width .* 1 to 16, not 17"):
-        c.completions.create(model=name, prompt=PROMPT, n=17, extra_body=extra)
 
 
 def test_n_sampled_choices_come_from_seed_seed_plus_1_and_so_on(server) -> None:

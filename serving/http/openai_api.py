@@ -6,7 +6,8 @@ token chunk, then `data: [DONE]`), with `usage` (its prompt_tokens_details.cache
 the prompt tokens read from the prefix cache), `max_tokens`, `temperature`, `top_p`,
 `seed`, `stop` (strings; vLLM's `stop_reason` names the one that matched), `n` (choices,
 each its own stream in the engine; with vLLM's `use_beam_search`, one search's n best
-sequences and its `length_penalty`, streamed together at its end), `logprobs` (of
+sequences and its `length_penalty`, streamed together at its end), `best_of` (that many
+sampled, the n with the highest log-probability per token returned), `logprobs` (of
 the sampled tokens, and of the k most likely: completions' `logprobs: k`, chat's
 `top_logprobs`), `frequency_penalty`, `presence_penalty` and `logit_bias`, structured output
 (`response_format` json_object or json_schema; vLLM's `structured_outputs` and `guided_json`
@@ -19,7 +20,7 @@ of prompts (choice `index` = prompt * n + choice) and `echo` (the prompt before 
 completion; with `logprobs`, every prompt token's log-prob too, the first one null, and
 `max_tokens: 0` for the prompt alone): what lm-evaluation-harness sends to score a model.
 Errors are OpenAI error objects with the matching status; a parameter this server cannot
-honour (`tool_choice` "auto" without a parser, `best_of`, `suffix`, audio output,
+honour (`tool_choice` "auto" without a parser, a streamed `best_of`, `suffix`, audio output,
 `web_search_options`, vLLM's other extras away from their defaults) is
 refused rather than ignored. Generation stops at the model's end tokens
 (serving/text_config.py: config.json,
@@ -40,9 +41,9 @@ from serving.decoder import DecoderEngine
 from serving.errors import InvalidArgument, NotFound
 from serving.http.chat import chat_prompt
 from serving.http.codec import http_status_for
-from serving.http.openai_requests import (body_value, choice_count, completion_prompts,
-                                          generations_for, max_tokens_of, text_engine,
-                                          top_count)
+from serving.http.openai_requests import (body_value, candidate_count, choice_count,
+                                          completion_prompts, generations_for, max_tokens_of,
+                                          text_engine, top_count)
 from serving.http.reasoning import Reply, Thinking
 from serving.http.streams import ChunkStreams, until_disconnect
 from serving.http.tools import Reader, tool_reader
@@ -262,10 +263,11 @@ def _cached(finals: dict[int, Chunk], choices: int, n: int) -> int:
 
 
 async def _answer(request: Request, shape: _Shape, generations: list[GenerationRequest],
-                  stream_opts: dict | None, prompt: int, n: int) -> Response:
+                  stream_opts: dict | None, prompt: int, n: int, best: int = 0) -> Response:
     """The choices, one per generation (`index` in order), whole or as SSE chunks; `prompt`:
     the prompt tokens of the request (each prompt once, whatever `n`, the choices a prompt
-    has)."""
+    has); `best`: the candidates each prompt's n choices are picked from (OpenAI's best_of;
+    whole answers only)."""
     streams = ChunkStreams(shape.engine, generations)  # refusals answer with a status here
     counted = (lambda chunk: 0) if shape.echo is not None and shape.echo.drop else (
         lambda chunk: len(chunk.ids))
@@ -276,7 +278,8 @@ async def _answer(request: Request, shape: _Shape, generations: list[GenerationR
         for chunks in chosen:
             if chunks[-1].reason not in ("length", "stop"):
                 raise RuntimeError(chunks[-1].detail or f"generation ended: {chunks[-1].reason}")
-        wholes = [c for chunks in chosen for c in _choices(join_chunks(chunks))]
+        wholes = _best([c for chunks in chosen for c in _choices(join_chunks(chunks))], n,
+                       best or n)
         return JSONResponse(shape.envelope(
             [shape.choice(whole, False, index=i) for i, whole in enumerate(wholes)], False,
             _usage(prompt, sum(counted(w) for w in wholes),
@@ -312,6 +315,18 @@ async def _answer(request: Request, shape: _Shape, generations: list[GenerationR
     return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
 
 
+def _best(wholes: list[Chunk], n: int, best: int) -> list[Chunk]:
+    """Of each prompt's `best` candidates (in order), the n with the highest log-probability
+    per token, as OpenAI's best_of picks them (an empty one scores 0); ties keep the order."""
+    def per_token(c: Chunk) -> float:
+        return sum(c.logprobs or ()) / len(c.ids) if c.ids else 0.0
+
+    if best == n:
+        return wholes
+    return [c for at in range(0, len(wholes), best)
+            for c in sorted(wholes[at:at + best], key=lambda c: -per_token(c))[:n]]
+
+
 def _choices(chunk: Chunk) -> list[Chunk]:
     """The choices a stream's chunk answers: itself, or a search's beams, each a final chunk
     of its own (vLLM's use_beam_search: the n best sequences, best first)."""
@@ -341,7 +356,7 @@ async def completions(frontend, request: Request) -> Response:
         engine, body, ids, top, shape.id if len(prompts) == 1 else f"{shape.id}-{i}", 16,
         echo)]
     return await _answer(request, shape, generations, _stream_options(body),
-                         sum(len(ids) for ids, _ in prompts), n)
+                         sum(len(ids) for ids, _ in prompts), n, candidate_count(engine, body))
 
 
 async def chat_completions(frontend, request: Request) -> Response:
@@ -370,7 +385,8 @@ async def chat_completions(frontend, request: Request) -> Response:
         generations = [replace(g, grammar=tools.grammar) for g in generations]
     if thinking is not None:  # a grammar holds the answer after the thinking
         generations = [replace(g, grammar=thinking.constrain(g.grammar)) for g in generations]
-    return await _answer(request, shape, generations, _stream_options(body), len(prompt), n)
+    return await _answer(request, shape, generations, _stream_options(body), len(prompt), n,
+                         candidate_count(engine, body))
 
 
 ROUTES = [("/health", ["GET"], "health", health, error),

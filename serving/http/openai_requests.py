@@ -55,8 +55,6 @@ def _check_unsupported(body: dict) -> None:
             raise InvalidArgument(f"'{name}' is not supported here")
     if body.get("tool_choice") not in (None, "none"):
         raise InvalidArgument("'tool_choice' needs 'tools'")
-    if body_value(body, "best_of", (int,), None) not in (None, body_value(body, "n", (int,), 1)):
-        raise InvalidArgument("'best_of' is not supported (leave it equal to 'n')")
     modalities = body_value(body, "modalities", (list,), None) or ["text"]
     if body.get("audio") or modalities != ["text"]:
         raise InvalidArgument("only text is generated here ('modalities': ['text'], no "
@@ -167,6 +165,30 @@ def choice_count(engine: DecoderEngine, body: dict) -> int:
     return n
 
 
+def candidate_count(engine: DecoderEngine, body: dict) -> int:
+    """OpenAI's `best_of` (its legacy completions; vLLM takes it on chat too): how many
+    completions are sampled for each prompt, of which the `n` with the highest
+    log-probability per token are the choices; at least n, at most the streams the engine
+    runs at once; not streamed (the best are known only at the end) nor with a beam search
+    (whose n best are the choices already)."""
+    n = choice_count(engine, body)
+    best = body_value(body, "best_of", (int,), None)
+    if best is None or best == n:
+        return n
+    if best < n:
+        raise InvalidArgument(f"'best_of' must be at least 'n' ({n}), not {best}")
+    if body_value(body, "use_beam_search", (bool,), False):
+        raise InvalidArgument("'best_of' with 'use_beam_search': leave it equal to 'n' (the "
+                              "search's n best are the choices)")
+    if body_value(body, "stream", (bool,), False):
+        raise InvalidArgument("'best_of' above 'n' cannot be streamed: the best are known "
+                              "only when every candidate is done")
+    if best > engine.options.max_streams:
+        raise InvalidArgument(f"'best_of' must be at most {engine.options.max_streams} (the "
+                              f"streams this server runs at once: --max-streams), not {best}")
+    return best
+
+
 def top_count(name: str, k) -> int:
     if not 0 <= k <= MAX_TOP_LOGPROBS:
         raise InvalidArgument(f"'{name}' must be between 0 and {MAX_TOP_LOGPROBS}, not {k}")
@@ -181,14 +203,15 @@ def max_tokens_of(body: dict) -> int | None:
 def generations_for(engine: DecoderEngine, body: dict, prompt: tuple[int, ...],
                     top: int | None, request_id: str, default_max_tokens: int | None = None,
                     echo: bool = False) -> list[GenerationRequest]:
-    """The `n` generations a body asks for (choice i samples with seed + i; with vLLM's
-    `use_beam_search` one search whose n best sequences are the choices); without
+    """The generations a body asks for: `n`, or `best_of` candidates (choice i samples
+    with seed + i; with vLLM's `use_beam_search` one search whose n best sequences are the
+    choices); without
     max_tokens, `default_max_tokens` (OpenAI's 16 for completions) or, for chat, as many as
     the cache and --max-tokens leave room for. `top`: None without log-probs, else how many
     of the most likely tokens come with each (and, with `echo`, with each prompt token).
     `echo` with max_tokens 0 runs one token that the answer leaves out (_Shape.drop)."""
     _check_unsupported(body)
-    n = choice_count(engine, body)
+    n, count = choice_count(engine, body), candidate_count(engine, body)
     room = engine.generator.room(len(prompt))
     limit = default_max_tokens or min(engine.options.max_tokens, max(1, room))
     max_tokens = max_tokens_of(body)
@@ -208,11 +231,12 @@ def generations_for(engine: DecoderEngine, body: dict, prompt: tuple[int, ...],
                          body_value(body, "top_k", (int,), 0) if body.get("top_k") != -1 else 0,
                          float(body_value(body, "top_p", (int, float), 1.0)),
                          seed if seed is None or i == 0 else (seed + i) % 2**64, **adjustments)
-                for i in range(1 if searched else n)]
+                for i in range(1 if searched else count)]
     generations = [GenerationRequest(prompt, limit if max_tokens is None else max_tokens, s,
-                                     stop_ids, f"{request_id}-{i}" if n > 1 else request_id,
+                                     stop_ids, f"{request_id}-{i}" if count > 1 else request_id,
                                      min_tokens=body_value(body, "min_tokens", (int,), 0),
-                                     stop_strings=_stops(body), logprobs=top is not None,
+                                     stop_strings=_stops(body),
+                                     logprobs=top is not None or count > n,  # (to rank them)
                                      include_stop=body_value(body, "include_stop_str_in_output",
                                                              (bool,), False),
                                      top_logprobs=top or 0,
