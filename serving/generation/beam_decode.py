@@ -61,9 +61,9 @@ class BeamRun:
     """One stream's search: its beams' next tokens between steps (their caches are rows of
     BeamRuns' batch)."""
 
-    def __init__(self, stream, record: CacheRecord, vocab: int, model: BeamConfig) -> None:
+    def __init__(self, stream, model: BeamConfig) -> None:
         r = stream.request
-        self.stream, self.record, self.vocab = stream, record, vocab
+        self.stream = stream
         self.search = BeamSearch(config_for(r, model, r.beams), frozenset(r.stop_ids),
                                  r.max_tokens)
         self.rows: list[list[int]] = [list(r.prompt)]  # each row's new tokens, next step
@@ -143,8 +143,7 @@ class BeamRuns:
         beams join the batch. A search's answer goes out at its end (`send_all(stream,
         sequences)`: the request's `returns` best, best first)."""
         while self.waiting and self._room(self.waiting[0].request):
-            self.fresh.append(BeamRun(self.waiting.popleft(), self.record, self.vocab,
-                                      self.model))
+            self.fresh.append(BeamRun(self.waiting.popleft(), self.model))
         rec = self.record
         if self.group:
             into = None if self.infer_into is None else {

@@ -62,7 +62,7 @@ def _check_unsupported(body: dict) -> None:
     if body.get("web_search_options") is not None:
         raise InvalidArgument("'web_search_options' is not supported (nothing here searches "
                               "the web)")
-    searched = body_value(body, "use_beam_search", (bool,), False)
+    searched = beam_searched(body)
     for name, default in _VLLM_DEFAULTS_ONLY.items():
         if name == "length_penalty" and searched:
             continue  # the search's own setting
@@ -75,6 +75,11 @@ _VLLM_DEFAULTS_ONLY = {"skip_special_tokens": True, "spaces_between_special_toke
                        "return_tokens_as_token_ids": False,
                        "prompt_logprobs": None, "truncate_prompt_tokens": None,
                        "length_penalty": 1}
+
+
+def beam_searched(body: dict) -> bool:
+    """Whether a body asks for vLLM's beam search (`use_beam_search`)."""
+    return body_value(body, "use_beam_search", (bool,), False)
 
 
 def beam_search(body: dict, generation: GenerationRequest, n: int) -> GenerationRequest:
@@ -153,7 +158,7 @@ def choice_count(engine: DecoderEngine, body: dict) -> int:
     """`n`: at most the streams the engine runs at once (more would wait behind each other);
     with vLLM's `use_beam_search`, the beam width: at most MAX_BEAMS."""
     n = body_value(body, "n", (int,), 1)
-    if body_value(body, "use_beam_search", (bool,), False):
+    if beam_searched(body):
         if not 1 <= n <= MAX_BEAMS:
             raise InvalidArgument(f"'n' is the beam width with 'use_beam_search': 1 to "
                                   f"{MAX_BEAMS}, not {n}")
@@ -177,7 +182,7 @@ def candidate_count(engine: DecoderEngine, body: dict) -> int:
         return n
     if best < n:
         raise InvalidArgument(f"'best_of' must be at least 'n' ({n}), not {best}")
-    if body_value(body, "use_beam_search", (bool,), False):
+    if beam_searched(body):
         raise InvalidArgument("'best_of' with 'use_beam_search': leave it equal to 'n' (the "
                               "search's n best are the choices)")
     if body_value(body, "stream", (bool,), False):
@@ -226,7 +231,7 @@ def generations_for(engine: DecoderEngine, body: dict, prompt: tuple[int, ...],
     if body.get("allowed_token_ids") is not None:
         adjustments["allowed_ids"] = allowed_ids(sorted(_token_ids(
             body, "allowed_token_ids", engine.generator.vocab)))
-    searched = body_value(body, "use_beam_search", (bool,), False)  # one stream, n beams
+    searched = beam_searched(body)  # one stream, n beams
     sampling = [Sampling(float(body_value(body, "temperature", (int, float), 1.0)),
                          body_value(body, "top_k", (int,), 0) if body.get("top_k") != -1 else 0,
                          float(body_value(body, "top_p", (int, float), 1.0)),
