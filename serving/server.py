@@ -68,6 +68,9 @@ class ServerOptions:
     drain_timeout_s: float = 120.0
     tool_call_parser: str | None = None  # chat's tool_choice "auto": serving/http/tools.py
     reasoning_parser: str | None = None  # chat's thinking apart: serving/http/reasoning.py
+    # "auto": the OpenAI-compatible APIs default to the sampling settings of the model's
+    # generation_config.json, as vLLM's do; "none": to the APIs' own
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -88,6 +91,9 @@ class ServerOptions:
         if self.reasoning_parser not in (None, *REASONING_PARSERS):
             raise BadInput(f"--reasoning-parser must be one of {list(REASONING_PARSERS)}, "
                            f"not {self.reasoning_parser!r}")
+        if self.generation_config not in ("auto", "none"):
+            raise BadInput("--generation-config must be 'auto' or 'none', not "
+                           f"{self.generation_config!r}")
         if self.token is not None and (not self.token or any(c.isspace() for c in self.token)):
             raise BadInput("the token must be non-empty and hold no whitespace")
         if not 1024 <= self.max_message_bytes <= 2**31 - 1:
@@ -211,7 +217,8 @@ class Server:
         o = self.options
         frontend = Frontend(self.slot, o.token, self.endpoint_metrics, o.max_message_bytes,
                             tool_parser=o.tool_call_parser,
-                            reasoning_parser=o.reasoning_parser)
+                            reasoning_parser=o.reasoning_parser,
+                            model_defaults=o.generation_config == "auto")
         try:
             return HttpServer(frontend, HttpOptions(o.host, o.http_port, o.tls_cert, o.tls_key,
                                                     o.drain_timeout_s, o.threads))
@@ -230,13 +237,27 @@ class Server:
                 self.slot.status = "ready"
             for service in ("", SERVICE):
                 self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
-            self.say(f"model '{self.slot.name}' ready ({engine.model.note}); {engine.note()}")
+            self.say(f"model '{self.slot.name}' ready ({engine.model.note}); {engine.note()}"
+                     + self._defaults_note(engine))
         except BaseException as e:  # noqa: BLE001 - reported; `serve` exits 1
             self.failed = e
             self.slot.status = f"failed to load: {e}"
             self.say(f"model '{self.slot.name}' failed to load: {type(e).__name__}: {e}")
         finally:
             self.loaded.set()
+
+    def _defaults_note(self, engine) -> str:
+        """What the OpenAI-compatible APIs sample with by default, where the model's
+        generation_config.json says (vLLM warns of the same when it applies them)."""
+        text = getattr(engine, "text", None)
+        if text is None or not text.sampling or self.options.http_port is None:
+            return ""
+        named = ", ".join(f"{'max_new_tokens' if k == 'max_tokens' else k} {v}"
+                          for k, v in text.sampling)  # (in the file's names)
+        if self.options.generation_config == "none":
+            return f"; generation_config.json's {named} not applied (--generation-config none)"
+        return (f"; the OpenAI-compatible APIs sample with generation_config.json's {named} "
+                "where a request names none (--generation-config none: their own defaults)")
 
     def _engine(self) -> Engine | DecoderEngine:
         """The artifact's selected variant loaded and gated (an encoder-decoder folder: its

@@ -7,7 +7,10 @@ tokenizer_config.json's `eos_token`) and the chat template with the special toke
 refers to: `chat_template.jinja`, where transformers' save_pretrained writes it now, else
 tokenizer_config.json's `chat_template` (a string or a list of named templates), else
 `chat_template.json` (a processor's); and a beam search's length penalty and early stopping
-(generation_config.json's, else config.json's, as transformers' generate takes them).
+(generation_config.json's, else config.json's, as transformers' generate takes them); and
+the model creator's sampling defaults (generation_config.json's temperature, top_p, top_k,
+min_p, repetition_penalty and max_new_tokens where they differ from transformers' own
+defaults: what vLLM's OpenAI server applies to a request that names none of them).
 Absent or unreadable files give empty facts, never an error: generation without them still
 works (the OpenAI chat endpoint then says what is missing).
 """
@@ -33,6 +36,9 @@ class TextConfig:
     eos_token: str = ""
     length_penalty: float = 1.0  # a beam search's, unless a request names its own
     early_stopping: bool | str = False  # True, False or "never"
+    # generation_config.json's sampling settings, (name, value) in the OpenAI API's names
+    # ("max_tokens" for its max_new_tokens); values out of range are not settings
+    sampling: tuple[tuple[str, float | int], ...] = ()
 
 
 def read_json(path: Path):
@@ -90,9 +96,39 @@ def load_text_config(folder: Path | None, tokenizer=None) -> TextConfig:
     if not ids and eos_token and tokenizer is not None:
         found = tokenizer.token_to_id(eos_token)
         ids = [found] if found is not None else []
-    search = {**_search(config), **_search(_read(folder / "generation_config.json"))}
+    generation = _read(folder / "generation_config.json")
+    search = {**_search(config), **_search(generation)}
     return TextConfig(tuple(ids), _chat_template(folder, tok), _token(tok.get("bos_token")),
-                      eos_token, **search)
+                      eos_token, sampling=sampling_defaults(generation), **search)
+
+
+# generation_config.json's sampling keys: (OpenAI's name, kind, valid, transformers' default).
+# A value equal to transformers' default is no setting (vLLM reads the file's difference from
+# the defaults: a file that writes top_k 50, transformers' default, leaves vLLM's top_k off).
+_SAMPLING = {
+    "temperature": ("temperature", float, lambda v: v >= 0, 1.0),
+    "top_p": ("top_p", float, lambda v: 0 < v <= 1, 1.0),
+    "top_k": ("top_k", int, lambda v: v >= 0, 50),
+    "min_p": ("min_p", float, lambda v: 0 <= v <= 1, None),
+    "repetition_penalty": ("repetition_penalty", float, lambda v: v > 0, 1.0),
+    "max_new_tokens": ("max_tokens", int, lambda v: v >= 1, None),
+}
+
+
+def sampling_defaults(generation: dict) -> tuple[tuple[str, float | int], ...]:
+    """The sampling settings a generation config names, in the OpenAI API's names (a value
+    of the wrong type or out of range skipped: these files add facts, never errors)."""
+    out = []
+    for key, (name, kind, valid, default) in _SAMPLING.items():
+        value = generation.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if not math.isfinite(value) or kind is int and value != int(value):
+            continue
+        value = kind(value)
+        if valid(value) and value != default:
+            out.append((name, value))
+    return tuple(out)
 
 
 def _search(config: dict) -> dict:

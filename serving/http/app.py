@@ -53,6 +53,9 @@ class Frontend:
     pool: ThreadPoolExecutor | None = None
     tool_parser: str | None = None  # how chat's tool_choice "auto" reads calls (tools.PARSERS)
     reasoning_parser: str | None = None  # how chat splits thinking off (reasoning.PARSERS)
+    # the OpenAI-compatible APIs take generation_config.json's sampling settings where a
+    # request names none (openai_requests.model_defaults)
+    model_defaults: bool = True
     responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses' kept
 
     async def run(self, fn, *args):

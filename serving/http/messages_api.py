@@ -43,7 +43,8 @@ from serving.decoder import DecoderEngine
 from serving.errors import InvalidArgument
 from serving.http.chat import chat_prompt
 from serving.http.codec import http_status_for
-from serving.http.openai_requests import SAMPLING, body_value, generations_for, text_engine
+from serving.http.openai_requests import (SAMPLING, body_value, generations_for,
+                                          model_defaults, text_engine)
 from serving.http.reasoning import Reply, Thinking
 from serving.http.streams import ChunkStream
 from serving.http.tools import tool_reader
@@ -264,7 +265,8 @@ async def messages(frontend, request: Request) -> Response:
     answer = _Answer(engine=engine, prompt=len(prompt), tools=reader, thinking=thinking)
     sampling = {k: body[k] for k in SAMPLING if k in body}
     (generation,) = generations_for(engine, {**sampling, "max_tokens": max_tokens,
-                                             "stop": stops}, prompt, None, answer.id)
+                                             "stop": stops}, prompt, None, answer.id,
+                                    defaults=model_defaults(frontend, engine))
     grammar, forced = _format(body), reader.grammar if reader is not None else None
     if grammar is not None and forced is not None:
         raise InvalidArgument("ask for tool calls or a structured output, not both")

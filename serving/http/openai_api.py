@@ -43,7 +43,7 @@ from serving.http.chat import chat_prompt
 from serving.http.codec import http_status_for
 from serving.http.openai_requests import (body_value, candidate_count, choice_count,
                                           completion_prompts, generations_for, max_tokens_of,
-                                          text_engine, top_count)
+                                          model_defaults, text_engine, top_count)
 from serving.http.reasoning import Reply, Thinking
 from serving.http.streams import ChunkStreams, until_disconnect
 from serving.http.tools import Reader, tool_reader
@@ -354,7 +354,7 @@ async def completions(frontend, request: Request) -> Response:
         tuple(p for p in prompts for _ in range(n)), max_tokens == 0) if echo else None)
     generations = [g for i, (ids, _) in enumerate(prompts) for g in generations_for(
         engine, body, ids, top, shape.id if len(prompts) == 1 else f"{shape.id}-{i}", 16,
-        echo)]
+        echo, model_defaults(frontend, engine))]
     return await _answer(request, shape, generations, _stream_options(body),
                          sum(len(ids) for ids, _ in prompts), n, candidate_count(engine, body))
 
@@ -378,7 +378,7 @@ async def chat_completions(frontend, request: Request) -> Response:
     sampling = {k: v for k, v in body.items() if k not in ("tools", "tool_choice",
                                                              "parallel_tool_calls")}
     generations = generations_for(engine, sampling, prompt, top if logprobs else None,
-                                  shape.id)
+                                  shape.id, defaults=model_defaults(frontend, engine))
     if tools is not None and tools.grammar is not None:  # forced calls
         if generations[0].grammar is not None:
             raise InvalidArgument("ask for tool calls or a structured output, not both")

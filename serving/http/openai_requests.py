@@ -9,6 +9,7 @@ Every check raises InvalidArgument saying what is wrong (400)."""
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Mapping
 
 from serving.conventions import bad_word_ids
 from serving.decoder import DecoderEngine
@@ -200,6 +201,14 @@ def top_count(name: str, k) -> int:
     return k
 
 
+def model_defaults(frontend, engine: DecoderEngine) -> Mapping[str, float | int]:
+    """The sampling settings the model's generation_config.json names (serving/text_config.py),
+    which the OpenAI-compatible APIs apply where a request names none, as vLLM's OpenAI
+    server does unless started with `--generation-config vllm`; none when the server was
+    started with `--generation-config none`."""
+    return dict(engine.text.sampling) if frontend.model_defaults else {}
+
+
 def max_tokens_of(body: dict) -> int | None:
     return body_value(body, "max_completion_tokens", (int,)) or body_value(body, "max_tokens",
                                                                            (int,))
@@ -207,18 +216,26 @@ def max_tokens_of(body: dict) -> int | None:
 
 def generations_for(engine: DecoderEngine, body: dict, prompt: tuple[int, ...],
                     top: int | None, request_id: str, default_max_tokens: int | None = None,
-                    echo: bool = False) -> list[GenerationRequest]:
+                    echo: bool = False, defaults: Mapping[str, float | int] | None = None
+                    ) -> list[GenerationRequest]:
     """The generations a body asks for: `n`, or `best_of` candidates (choice i samples
     with seed + i; with vLLM's `use_beam_search` one search whose n best sequences are the
     choices); without
     max_tokens, `default_max_tokens` (OpenAI's 16 for completions) or, for chat, as many as
     the cache and --max-tokens leave room for. `top`: None without log-probs, else how many
     of the most likely tokens come with each (and, with `echo`, with each prompt token).
-    `echo` with max_tokens 0 runs one token that the answer leaves out (_Shape.drop)."""
+    `echo` with max_tokens 0 runs one token that the answer leaves out (_Shape.drop).
+    `defaults`: the model's sampling defaults (model_defaults), for what the body leaves
+    out; their max_tokens bounds the default length only (vLLM's bounds a request's too)."""
     _check_unsupported(body)
+    defaults = {} if defaults is None or beam_searched(body) else dict(defaults)
+    most = defaults.pop("max_tokens", None)
+    body = defaults | {k: v for k, v in body.items() if v is not None}
     n, count = choice_count(engine, body), candidate_count(engine, body)
     room = engine.generator.room(len(prompt))
     limit = default_max_tokens or min(engine.options.max_tokens, max(1, room))
+    if most is not None:
+        limit = min(limit, most)
     max_tokens = max_tokens_of(body)
     if echo and max_tokens == 0:
         max_tokens = 1

@@ -43,8 +43,8 @@ from serving.decoder import DecoderEngine
 from serving.errors import InvalidArgument
 from serving.http.chat import render
 from serving.http.openai_api import error, token_entry
-from serving.http.openai_requests import (SAMPLING, body_value, generations_for, text_engine,
-                                          top_count)
+from serving.http.openai_requests import (SAMPLING, body_value, generations_for,
+                                          model_defaults, text_engine, top_count)
 from serving.http.reasoning import Reply, Thinking
 from serving.http.response_store import Stored
 from serving.http.responses_background import cancel, in_background
@@ -218,10 +218,13 @@ async def responses(frontend, request: Request) -> Response:
     if max_tokens is not None and max_tokens < 1:
         raise InvalidArgument(f"'max_output_tokens' must be >= 1, not {max_tokens}")
     thinking = Thinking(frontend.reasoning_parser) if frontend.reasoning_parser else None
-    answer = _Answer(engine=engine, body=body, prompt=len(prompt), logprobs=logprobs,
-                     tools=reader, thinking=thinking)
+    defaults = model_defaults(frontend, engine)
+    shown = {k: defaults[k] for k in ("temperature", "top_p") if k in defaults} | body
+    answer = _Answer(engine=engine, body=shown, prompt=len(prompt), logprobs=logprobs,
+                     tools=reader, thinking=thinking)  # (it reports what it samples with)
     asked = {k: body[k] for k in SAMPLING if k in body} | {"max_tokens": max_tokens}
-    (generation,) = generations_for(engine, asked, prompt, top if logprobs else None, answer.id)
+    (generation,) = generations_for(engine, asked, prompt, top if logprobs else None, answer.id,
+                                    defaults=defaults)
     grammar = _grammar(body, reader)
     if thinking is not None:  # a grammar holds the answer after the thinking
         grammar = thinking.constrain(grammar)

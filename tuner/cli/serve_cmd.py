@@ -204,6 +204,12 @@ def serve(
                    "'deepseek_r1' (DeepSeek-R1 and distills, QwQ: the prompt opens the "
                    "block) or 'qwen3' (Qwen3's hybrid models: thinks only when the reply "
                    "opens the block)"),
+    generation_config: str = typer.Option(
+        "auto", help="decoders: 'auto': the OpenAI-compatible APIs (and Anthropic's) sample "
+                     "with the model creator's settings in generation_config.json "
+                     "(temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens) "
+                     "where a request names none, as vLLM does; 'none': with the APIs' own "
+                     "defaults (temperature 1, no cut, no penalty)"),
 ) -> None:
     """Serve OUT's selected variant until SIGTERM: KServe v2 / Open Inference Protocol over
     gRPC (--port) and HTTP/REST (--http-port), KServe V1 (/v1/models/NAME:predict) on the
@@ -261,7 +267,8 @@ def serve(
         settings=settings,
         tls_cert=tls_cert, tls_key=tls_key, token=token,
         max_message_bytes=max_message_mb * 1024 * 1024, drain_timeout_s=drain_timeout_s,
-        tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser)
+        tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
+        generation_config=generation_config)
     _check_before_binding(out, backend)
     # the manifest's role overrides (those optimize ran with), then this command's own
     saved = {} if is_seq2seq_folder(out) else read_manifest(out).roles or {}
