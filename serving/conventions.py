@@ -83,7 +83,8 @@ _VLLM = {"max_tokens": (int, "max_tokens"), "min_tokens": (int, "min_tokens"),
          "repetition_penalty": (float, "repetition_penalty"),
          "presence_penalty": (float, "presence_penalty"),
          "frequency_penalty": (float, "frequency_penalty"),
-         "include_stop_str_in_output": (bool, "include_stop")}
+         "include_stop_str_in_output": (bool, "include_stop"),
+         "n": (int, "samples")}  # (serving/samples.py)
 _VLLM_LISTS = ("bad_words", "stop", "stop_token_ids", "allowed_token_ids")  # each a list
 _PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")  # both names
 _SAMPLING_TENSORS = ("temperature", "runtime_top_k", "runtime_top_p", "top_k", "top_p")
@@ -110,14 +111,14 @@ def client_signature(tokenizer: bool) -> Signature:
         ("return_cumulative_logprob", b), ("return_logprobs", b))]
     inputs.append(TensorSpec("stop_ids", "INT64", (-1,)))
     inputs += trtllm_core.input_specs(tokenizer)
-    # (a row per beam: one, or a beam search's k in the response that ends it)
+    # (a row per beam: one, or a search's k at its end; the vLLM names' a row per sample)
     outputs = [TensorSpec("output_ids", "INT64", (-1, -1)),
                TensorSpec("sequence_length", i, (-1,)),
                TensorSpec("output_log_probs", f, (-1,)), TensorSpec("cum_log_probs", f, (-1,)),
                TensorSpec("num_input_tokens", "UINT32", (1,)),
-               TensorSpec("num_output_tokens", "UINT32", (1,)),
-               TensorSpec("finish_reason", s, (1,)), TensorSpec("cumulative_logprob", f, (1,)),
-               TensorSpec("logprobs", s, (1,)), TensorSpec("batch_index", i, (1, 1))]
+               TensorSpec("num_output_tokens", "UINT32", (-1,)),
+               TensorSpec("finish_reason", s, (-1,)), TensorSpec("cumulative_logprob", f, (-1,)),
+               TensorSpec("logprobs", s, (-1,)), TensorSpec("batch_index", i, (1, 1))]
     if tokenizer:  # first, as both backends declare it: clients read outputs[0] as the text
         outputs.insert(0, TensorSpec("text_output", s, (-1,)))
     return Signature(tuple(inputs), tuple(outputs), "input_ids", None)
@@ -141,6 +142,7 @@ class ClientRequest:
     pad: int = 0  # what fills a search's shorter beams in output_ids: pad_id, else end_id
     transcripts: bool = False  # Triton's TensorRT-LLM Whisper names (serving/whisper_names.py):
     # every response carries the whole text so far as TRANSCRIPTS, and nothing else
+    samples: int = 1  # the vLLM backend's n: streams of this prompt (serving/samples.py)
 
 
 def _one(name: str, value):
@@ -298,7 +300,8 @@ def parse_request(tensors: Mapping[str, np.ndarray], parameters: Mapping[str, ob
     text_prompt_whole = values.get("stream") is False and "text_input" in tensors
     echo = tokenizer is not None and not values.get("exclude_input", not text_prompt_whole)
     return ClientRequest(generation, values.get("stream", True),
-                         _text_of(tensors, prompt, tokenizer) if echo else None, extras, pad=pad)
+                         _text_of(tensors, prompt, tokenizer) if echo else None, extras, pad=pad,
+                         samples=values.get("samples", 1))
 
 
 def _trtllm_guide(tensors: Mapping[str, np.ndarray]) -> Grammar | None:

@@ -11,7 +11,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 # the request-parsing half lives in serving.conventions (Triton's LLM names)
-from serving import trtllm_core
+from serving import samples, trtllm_core
 from serving.conventions import ClientRequest, client_signature, parse_request
 from serving.engine import Engine
 from serving.errors import InvalidArgument
@@ -159,11 +159,14 @@ class DecoderEngine:
                 raise InvalidArgument(f"unexpected inference output '{name}' for model "
                                       f"'{self.name}'")
         rows = trtllm_core.rows(tensors)
-        return [dataclasses.replace(
+        parsed = [dataclasses.replace(
             parse_request(row, parameters, self.tokenizer, self.options.default_max_tokens,
                           request_id, self.text.eos_ids, self.max_beams),
             outputs=tuple(outputs), batch_index=i if len(rows) > 1 else None)
             for i, row in enumerate(rows)]
+        for request in parsed:
+            samples.check(request, self.options.max_streams, len(parsed))
+        return parsed
 
     def active(self) -> int:
         """Streams being decoded now (each holds a slot and its cache)."""

@@ -10,13 +10,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 import serving
-from serving.replies import Reply
 from serving.decoder import DecoderEngine
 from serving.embedding import embed_texts, texts_in
 from serving.errors import InvalidArgument
 from serving.http import codec
-from serving.http.streams import ChunkStream, until_disconnect
-from serving.sampling import join_chunks
+from serving.http.streams import whole_answer
 from serving.trtllm_core import asks_to_stop
 from serving.wire._generated import inference_pb2 as pb
 from serving.wire.protocol import write_placed
@@ -145,14 +143,8 @@ async def _generate_whole(engine: DecoderEngine, request: Request, feeds, parame
     if asks_to_stop(feeds):
         engine.stop(request_id)
         return {}
-    parsed = engine.parse(feeds, parameters, request_id, names)
-    stream = ChunkStream(engine, parsed.generation)
-    chunks = await until_disconnect(request.receive, stream.collect(), stream.close)
-    if chunks is None:
-        return None
-    if chunks[-1].reason == "error":
-        raise RuntimeError(chunks[-1].detail)
-    return Reply(parsed, engine.tokenizer).outputs(join_chunks(chunks))
+    return await whole_answer(engine, engine.parse(feeds, parameters, request_id, names),
+                              request.receive)
 
 
 _M = "/v2/models/{model}"

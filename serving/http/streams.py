@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 from typing import AsyncIterator, Awaitable, Callable, Sequence, TypeVar
 
+from serving import samples
 from serving.sampling import Chunk, GenerationRequest, join_chunks
 
 T = TypeVar("T")
@@ -23,14 +24,9 @@ class ChunkStreams:
         loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[tuple[int, Chunk]] = asyncio.Queue()
         put = self._queue.put_nowait
-        self._handles: list = []
-        try:  # raises InvalidArgument / ResourceExhausted / Unavailable before anything is sent
-            for i, generation in enumerate(generations):
-                self._handles.append(engine.submit(
-                    generation, lambda c, i=i: loop.call_soon_threadsafe(put, (i, c))))
-        except Exception:
-            self.close()  # the ones already submitted
-            raise
+        # raises InvalidArgument / ResourceExhausted / Unavailable before anything is sent
+        self._handles = samples.start(engine, generations,
+                                      lambda i, c: loop.call_soon_threadsafe(put, (i, c)))
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, Chunk]]:
         try:
@@ -85,6 +81,16 @@ class ChunkStream(ChunkStreams):
         if whole.reason not in ("length", "stop"):
             raise RuntimeError(whole.detail or f"generation ended: {whole.reason}")
         return whole
+
+
+async def whole_answer(engine, parsed, receive: Callable[[], Awaitable[dict]]
+                       ) -> dict | None:
+    """A request of Triton's names answered whole (KServe infer, Triton's generate): its
+    one response's tensors, or None when the client went away first."""
+    rows = samples.rows(parsed, engine.tokenizer)  # one, or the vLLM backend's n
+    streams = ChunkStreams(engine, [g for g, _ in rows])
+    chunks = await until_disconnect(receive, streams.collect(), streams.close)
+    return None if chunks is None else samples.whole([answer for _, answer in rows], chunks)
 
 
 async def until_disconnect(receive: Callable[[], Awaitable[dict]], work: Awaitable[T],

@@ -13,12 +13,11 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from serving.replies import Reply
+from serving import samples
 from serving.datatypes import DATATYPES
 from serving.decoder import DecoderEngine
 from serving.errors import InvalidArgument
-from serving.http.streams import ChunkStream, until_disconnect
-from serving.sampling import join_chunks
+from serving.http.streams import ChunkStreams, whole_answer
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -90,13 +89,9 @@ def _head(engine: DecoderEngine) -> dict:
 
 async def generate(frontend, request: Request) -> Response:
     engine, parsed = await _parse(frontend, request)
-    stream = ChunkStream(engine, parsed.generation)
-    chunks = await until_disconnect(request.receive, stream.collect(), stream.close)
-    if chunks is None:
+    outputs = await whole_answer(engine, parsed, request.receive)
+    if outputs is None:
         return Response(status_code=499)
-    if chunks[-1].reason == "error":
-        raise RuntimeError(chunks[-1].detail)
-    outputs = Reply(parsed, engine.tokenizer).outputs(join_chunks(chunks))
     return JSONResponse({**_head(engine), **_json_outputs(outputs)})
 
 
@@ -107,15 +102,15 @@ def sse(data: dict | str) -> bytes:
 
 async def generate_stream(frontend, request: Request) -> Response:
     engine, parsed = await _parse(frontend, request)
-    stream = ChunkStream(engine, parsed.generation)  # refusals answer with a status here
-    reply = Reply(parsed, engine.tokenizer)
+    rows = samples.rows(parsed, engine.tokenizer)  # one, or the vLLM backend's n
+    streams = ChunkStreams(engine, [g for g, _ in rows])  # refusals answer with a status here
 
     async def events():
-        async for chunk in stream:
+        async for i, chunk in streams:
             if chunk.reason == "error":
                 yield sse({"error": chunk.detail or "generation failed"})
-            elif chunk.ids or chunk.text or not chunk.final:
-                yield sse({**_head(engine), **_json_outputs(reply.outputs(chunk))})
+            elif chunk.ids or chunk.text or not chunk.final or len(rows) > 1:
+                yield sse({**_head(engine), **_json_outputs(rows[i][1].outputs(chunk))})
 
     return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
 

@@ -9,8 +9,8 @@ import queue
 import threading
 from typing import Iterator
 
+from serving import samples
 from serving.datatypes import triton_type
-from serving.replies import Reply
 from serving.decoder import DecoderEngine
 from serving.errors import InvalidArgument, NotFound, ServingError
 from serving.sampling import Chunk, join_chunks
@@ -33,16 +33,19 @@ def generate_whole(engine: DecoderEngine, request, context,
         return _stopped(engine, request.id)
     parsed = engine.parse(tensors, protocol.parameter_values(request.parameters), request.id,
                           protocol.requested_outputs(request))
-    chunks: queue.Queue[Chunk] = queue.Queue()
-    handle = engine.submit(parsed.generation, chunks.put)
-    context.add_callback(handle.cancel)  # the client went away: free the slot
-    got = [chunks.get()]
-    while not got[-1].final:
-        got.append(chunks.get())
-    if got[-1].reason == "error":
-        raise RuntimeError(got[-1].detail)
-    return _chunk_response(engine, request.id, join_chunks(got),
-                           Reply(parsed, engine.tokenizer))
+    streams = samples.rows(parsed, engine.tokenizer)  # one, or the vLLM backend's n
+    chunks: queue.Queue[tuple[int, Chunk]] = queue.Queue()
+    handles = samples.start(engine, [g for g, _ in streams], lambda i, c: chunks.put((i, c)))
+    context.add_callback(lambda: [h.cancel() for h in handles])  # the client went away
+    got: list[list[Chunk]] = [[] for _ in streams]
+    for _ in range(len(streams)):  # until every stream has ended
+        while True:
+            i, chunk = chunks.get()
+            got[i].append(chunk)
+            if chunk.final:
+                break
+    outputs = samples.whole([answer for _, answer in streams], got)
+    return _response(engine, request.id, outputs, join_chunks(got[-1]))
 
 
 def _decode(request, regions: SystemRegions | None) -> dict:
@@ -122,10 +125,11 @@ class _Group:
 
 
 class _RequestState:
-    """One row of a request of a decoupled stream: whether it streams, and the chunks held
-    back when it does not (`stream` false: the whole sequence in one final response)."""
+    """One stream of a request of a decoupled stream (a row of a batch of prompts, or a
+    sample of the vLLM backend's n): whether it streams, and the chunks held back when it
+    does not (`stream` false: the whole sequence in one final response)."""
 
-    def __init__(self, request, reply: Reply, stream: bool, group: _Group) -> None:
+    def __init__(self, request, reply: samples.RowReply, stream: bool, group: _Group) -> None:
         self.stream, self.reply, self.group = stream, reply, group
         self.empty_final = protocol.parameter_values(request.parameters).get(
             "triton_enable_empty_final_response", False)
@@ -169,19 +173,18 @@ def _check_model(engine: DecoderEngine, request) -> None:
 
 def _submit_rows(engine: DecoderEngine, request, batch: list, events: queue.Queue,
                  handles: list) -> None:
-    """Start every row of a request; when one cannot start (the server is full), cancel the
-    rows started and raise: the request is refused whole."""
-    group, started = _Group(len(batch), events), []
+    """Start every stream of a request (a row of a batch, a sample of n); when one cannot
+    start (the server is full), cancel those started and raise: the request is refused
+    whole."""
+    streams = [(parsed, s) for parsed in batch for s in samples.rows(parsed, engine.tokenizer)]
+    group = _Group(len(streams), events)
+    states = [_RequestState(request, reply, parsed.stream, group)
+              for parsed, (_, reply) in streams]
     try:
-        for parsed in batch:
-            state = _RequestState(request, Reply(parsed, engine.tokenizer), parsed.stream, group)
-            started.append(engine.submit(
-                parsed.generation,
-                lambda c, r=request, st=state: st.group.deliver(("chunk", r, (c, st)))))
+        started = samples.start(engine, [g for _, (g, _) in streams], lambda i, c: group.deliver(
+            ("chunk", request, (c, states[i]))))
     except Exception:
         group.settle(False)
-        for handle in started:
-            handle.cancel()
         raise
     group.settle(True)
     handles.extend(started)
@@ -192,9 +195,10 @@ def _stream_responses(engine: DecoderEngine, request, chunk: Chunk, state: _Requ
     last = state.group.left == 0  # this row's final chunk ends the request too
     if not state.stream:
         state.held.append(chunk)
-        if chunk.final:
-            yield pb.ModelStreamInferResponse(infer_response=_chunk_response(
-                engine, request.id, join_chunks(state.held), state.reply, last))
+        outputs = state.reply.whole(state.held) if chunk.final else None
+        if outputs is not None:  # (a sample's: once every sample has ended)
+            yield pb.ModelStreamInferResponse(infer_response=_response(
+                engine, request.id, outputs, join_chunks(state.held), last))
         return
     if chunk.final and state.empty_final and chunk.ids and last:  # asked for an empty last
         yield pb.ModelStreamInferResponse(infer_response=_chunk_response(
@@ -213,12 +217,17 @@ def _stopped(engine: DecoderEngine, request_id: str) -> pb.ModelInferResponse:
     return response
 
 
-def _chunk_response(engine: DecoderEngine, request_id: str, chunk: Chunk, reply: Reply,
-                    last: bool = True) -> pb.ModelInferResponse:
-    """One response: the chunk's tensors, the request id, and `triton_final_response`
-    (false on all but the request's last: `last` false for a batch row that ends before
-    another), as Triton's decoupled models answer."""
-    outputs = reply.outputs(chunk)
+def _chunk_response(engine: DecoderEngine, request_id: str, chunk: Chunk,
+                    reply: samples.RowReply, last: bool = True) -> pb.ModelInferResponse:
+    return _response(engine, request_id, reply.outputs(chunk), chunk, last)
+
+
+def _response(engine: DecoderEngine, request_id: str, outputs: dict, chunk: Chunk,
+              last: bool = True) -> pb.ModelInferResponse:
+    """One response: the tensors, the request id, and `triton_final_response` (false on
+    all but the request's last: `last` false for a batch row or sample that ends before
+    another), as Triton's decoupled models answer; `chunk`: whether it ends a stream, and
+    how."""
     response = protocol.encode_response(engine.name, engine.version, request_id, outputs,
                                         list(outputs))
     response.parameters["triton_final_response"].bool_param = chunk.final and last
