@@ -41,6 +41,7 @@ import hashlib
 import json
 import os
 import queue
+import resource
 import shutil
 import socket
 import subprocess
@@ -79,6 +80,7 @@ class Run:
     ttft_s: tuple[float, ...]
     itl_s: tuple[float, ...]
     ids: tuple = ()  # each stream's output ids (served runs)
+    peak_mb: float | None = None  # genai's: its process's peak RSS (the model loaded, run)
 
     @property
     def tokens_per_s(self) -> float:
@@ -202,7 +204,7 @@ def genai_run(folder: Path, jobs: list[Job], batch: int = 1, beams: int = 1) -> 
         raise RuntimeError(f"onnxruntime-genai failed: {done.stderr[-3000:]}")
     r = json.loads(done.stdout.splitlines()[-1])
     return Run(r["tokens"], r["wall_s"], tuple(r["ttft_s"]), tuple(r["itl_s"]),
-               tuple(tuple(ids) for ids in r["ids"]))
+               tuple(tuple(ids) for ids in r["ids"]), r["peak_mb"])
 
 
 def _genai_side() -> int:
@@ -210,8 +212,10 @@ def _genai_side() -> int:
     spec = json.loads(sys.stdin.read())
     jobs = [Job(tuple(p), n, t) for p, n, t in spec["jobs"]]
     r = genai_here(Path(spec["folder"]), jobs, spec["batch"], spec["beams"])
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # (Linux: KiB)
     print(json.dumps({"tokens": r.tokens, "wall_s": r.wall_s, "ttft_s": list(r.ttft_s),
-                      "itl_s": list(r.itl_s), "ids": [list(ids) for ids in r.ids]}))
+                      "itl_s": list(r.itl_s), "ids": [list(ids) for ids in r.ids],
+                      "peak_mb": peak}))
     return 0
 
 
@@ -393,6 +397,18 @@ def _load() -> float:
     return os.getloadavg()[0]
 
 
+def peak_rss_mb(pid: int) -> float | None:
+    """A running process's peak resident memory so far (VmHWM), MB; None where /proc has
+    no such line."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
 def alternation(genai_dir: Path, servers: dict, w: dict) -> dict[str, tuple[Run, float, float]]:
     """Every workload once, genai and the server in turn: {label: (run, load before, after)}."""
     out: dict[str, tuple[Run, float, float]] = {}
@@ -531,11 +547,13 @@ def bench_source(a, shape: str, source: str, genai_dir: Path, artifact: Path) ->
             runs.append(alternation(genai_dir, servers, w))
             for label, value in ratios(runs[-1]).items():  # as it goes: a cut run keeps these
                 print(f"  {label:64s} {value:5.2f}x", flush=True)
+        peaks = {label: peak_rss_mb(proc.pid) for label, proc in zip(servers, procs)}
     finally:
         for proc in procs:
             proc.terminate()
             proc.wait(60)
     print_table(shape, a, f"{source} graph, variant {served}", runs)
+    print_memory(runs, peaks)
 
 
 def _pooled(runs: list[Run]) -> Run:
@@ -571,6 +589,20 @@ def print_table(shape: str, a, served: str, runs: list[dict]) -> None:
     for label in ratios(runs[0]):
         m, lo, hi = median_range(ratios(r)[label] for r in runs)
         print(f"{label:64s} {m:5.2f}x [{lo:.2f}..{hi:.2f}]")
+
+
+def print_memory(runs: list[dict], servers: dict[str, float | None]) -> None:
+    """Peak resident memory: each genai run's process (the model loaded, then that workload;
+    median over the alternations), and each server's over all its workloads, warm-up
+    included (32 streams at once, the shared prompt's cache)."""
+    print("\npeak RSS, MB")
+    for label in runs[0]:
+        peaks = [r[label][0].peak_mb for r in runs]
+        if label.startswith("genai") and all(p is not None for p in peaks):
+            print(f"  {label:40s} {np.median(peaks):8.0f}  (its own process, this workload)")
+    for label, peak in servers.items():
+        shown = f"{peak:8.0f}" if peak is not None else "       ?"
+        print(f"  {'tuner serve (' + label + ')':40s} {shown}  (every workload it served)")
 
 
 if __name__ == "__main__":
