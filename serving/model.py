@@ -218,22 +218,28 @@ def load_artifact(out_dir: str | Path, backend: str | None = None,
     original_path = variant_path(out, manifest.variant("original"))
     original_model = load_model(original_path)  # the graph's structure; weights stay lazy
     signature = read_signature(original_path, original_model)
-    original = loader.load(original_path, settings, shapes, cache)
     vocab = signature.vocab_size or manifest.variant("original").shape.get("vocab_size") or 2
     chosen = manifest.selected_variant()
     kv = find_cache_record(original_model)  # None: no KV cache
+
+    def load_original():
+        return loader.load(original_path, settings, shapes, cache)
+
+    # the original's session: what is served, or what shadow checks run; else the gate
+    # records it and lets it go before the variant loads (one model in memory at a time)
+    original = load_original() if chosen.name == "original" or shadow else None
     runner, served, gate = original, "original", None
     note = "serving the original (the artifact selected it)"
     if chosen.name != "original":
         candidate_path = variant_path(out, chosen)
         _checked(candidate_path)
-        candidate = loader.load(candidate_path, settings, shapes, cache)
         candidate_model = load_model(candidate_path)
         # greedy rollouts for a cache model (each model fed its own present), else plain
         # feeds at the artifact's buckets; tolerances at the original's precision either way
-        gate = prepare(original_model, original, candidate_model, vocab=vocab,
-                       shapes=_gate_shapes(manifest.buckets),
-                       tolerance=tolerance).check(candidate)
+        check = prepare(original_model, original or load_original, candidate_model,
+                        vocab=vocab, shapes=_gate_shapes(manifest.buckets), tolerance=tolerance)
+        candidate = loader.load(candidate_path, settings, shapes, cache)
+        gate = check.check(candidate)
         if gate:
             runner, served = candidate, chosen.name
             note = f"serving variant {chosen.name}: accuracy gate passed on this machine"
@@ -241,9 +247,8 @@ def load_artifact(out_dir: str | Path, backend: str | None = None,
             note = (f"variant {chosen.name} FAILED the accuracy gate on this machine; serving "
                     "the original instead")
             log(gate.table())
-    if runner is not original and not shadow:
-        original.close()  # gated: without shadow checks nothing runs it again (its memory)
-        original = None
+            candidate.close()
+            runner = original = original or load_original()
     log(note)
     if kv is not None:
         # requests carry their own past (or generation builds it): nothing is padded along the

@@ -32,7 +32,7 @@ import numpy as np
 
 from serving.generation.beams import (BeamConfig, BeamSearch, config_for, log_softmax,
                                       searchable, unsearchable)
-from tuner.gate.decode_step import empty_past, last_only, seq_index, step_feeds
+from tuner.gate.decode_step import empty_past, last_only, lazy_zeros, seq_index, step_feeds
 from tuner.graph.cache_record import CacheRecord
 
 MAX_BEAMS = 16  # the widest search a request may ask for
@@ -241,8 +241,8 @@ class BeamRuns:
                      for r in [*self.group, run])
         held = self.buffers.get(rec.past[0])
         if held is None or held.shape[0] < rows + k or held.shape[rec.layout.index("s")] < length:
-            grown = {p: np.zeros(rec.past_shape(rows + k, length, p), rec.dtypes.get(p, rec.dtype))
-                     for p in rec.past}
+            grown = {p: lazy_zeros(rec.past_shape(rows + k, length, p),
+                                   rec.dtypes.get(p, rec.dtype)) for p in rec.past}
             old = seq_index(rec, slice(0, rows), slice(0, int(self.mask.shape[1])))
             for p in rec.past:
                 if self.buffers:

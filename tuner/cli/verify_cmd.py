@@ -109,8 +109,7 @@ def _pair(original: Path, variant: Path, inputs: Path | None, tol, vocab: int | 
                        vocab=vocab, seed=seed, tolerance=tol,
                        min_compared=min_compared)
         if inputs is not None or vocab is not None:  # feeds the user chose: theirs to fix
-            _check_reference_runs(gate.reference, gate.feed_dicts(),
-                                  f"{inputs}" if inputs is not None
+            _check_reference_runs(gate, f"{inputs}" if inputs is not None
                                   else f"token ids below --vocab {vocab}")
         cand = backend.load(variant)
     except BadInput:
@@ -128,13 +127,18 @@ def _pair(original: Path, variant: Path, inputs: Path | None, tol, vocab: int | 
     return result
 
 
-def _check_reference_runs(ref, feeds, what: str) -> None:
+def _check_reference_runs(gate, what: str) -> None:
     """Inputs the user chose (--inputs, or --vocab past the embedding) must run on the
-    original: when they do not, that is bad input, not a failed comparison of the variant."""
+    original: when they do not, that is bad input, not a failed comparison of the variant.
+    (A cache model's rollouts were run when the gate was prepared: their first error.)"""
+    from tuner.gate.kv_gate import RecordedRollouts
 
-    for feed in feeds:
+    failures = [gate.reference.failure] if isinstance(gate.reference, RecordedRollouts) else []
+    for feed in gate.feed_dicts() if not failures else ():
         try:
-            ref.infer(feed)
+            gate.reference.infer(feed)
         except Exception as e:  # noqa: BLE001 - ORT's message names the node and the bad value
-            first = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise BadInput(f"{what}: the original model cannot run these inputs: {first}") from None
+            failures.append(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    first = next((f for f in failures if f), None)
+    if first is not None:
+        raise BadInput(f"{what}: the original model cannot run these inputs: {first}")

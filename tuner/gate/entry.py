@@ -9,9 +9,10 @@ re-check, the server's check before it is ready).
 `prepare` settles, once:
 - the feeds: the caller's own (`--inputs`), else greedy rollouts for a decoder exported with
   its KV cache (tuner.gate.kv_gate.cache_feeds), else random token ids at `shapes`;
-- the reference: a loader is called once and, for plain feeds, recorded and released (one
-  session at a time: tuner.gate.verify.record_then_release); a rollout asks the reference as
-  it goes, so a cache model's reference stays live; a runner already loaded is used as it is;
+- the reference: a loader is called once, the reference recorded on the feeds (its outputs,
+  or a cache model's rollouts: a rollout of the reference never depends on the candidate's)
+  and released, so that one session is held at a time (tuner.gate.verify.record_then_release,
+  tuner.gate.kv_gate.record_rollouts); a runner already loaded is used as it is, live;
 - the tolerances: widened to the original's own precision (fp16, bf16), cache models included;
 - the cache policy: a variant whose cache interface was widened (`widen`) is fed wider pasts
   and compared on the original entries (tuner.graph.kv_cache.widened_cache of the variant);
@@ -33,7 +34,7 @@ import onnx_ir as ir
 
 from tuner.errors import BadInput
 from tuner.gate.feeds import DEFAULT_SHAPES
-from tuner.gate.kv_gate import CacheFeeds, check, gate_feeds
+from tuner.gate.kv_gate import CacheFeeds, RecordedRollouts, check, gate_feeds, record_rollouts
 from tuner.gate.verify import Tolerance, TolerancePolicy, VerifyResult, record_then_release
 from tuner.graph.inspect import inspect_model
 from tuner.graph.io import model_precision, vocab_for_feeds
@@ -55,7 +56,7 @@ class GateCheck:
     original's precision, the input specs (which input is the mask) and the floor of compared
     elements. `check(candidate, variant)` runs it; `close()` releases the reference."""
 
-    reference: Runner
+    reference: Runner | RecordedRollouts
     feeds: Feeds | CacheFeeds
     tolerance: Tolerance | TolerancePolicy
     specs: tuple[InputSpec, ...]
@@ -172,10 +173,9 @@ def prepare(original: ir.Model | Path | str, reference: Runner | Callable[[], Ru
     del model  # weights it read lazily (the vocabulary) would stay in memory beside a session
     if not isinstance(built, CacheFeeds):
         widened, kept, positions = {}, False, None
-    if callable(reference) and not hasattr(reference, "infer"):
-        # a rollout asks the reference as it goes; plain feeds are recorded once
-        runner = reference() if isinstance(built, CacheFeeds) else record_then_release(
-            reference, built)
+    if callable(reference) and not hasattr(reference, "infer"):  # recorded, then let go
+        runner = record_rollouts(reference, built) if isinstance(built, CacheFeeds) else \
+            record_then_release(reference, built)
     else:
         runner = reference
     return GateCheck(runner, built, tolerance, specs, min_compared, widened, kept, positions)

@@ -15,6 +15,7 @@ tuner.graph.kv_cache.widened_cache), and its presents are compared on the origin
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass, replace
 from typing import Sequence
 
@@ -184,6 +185,41 @@ class SlotPositions:
 # The comparison
 
 
+@dataclass(frozen=True)
+class RecordedRollouts:
+    """The reference's rollout of every start, run once and kept: a rollout of the reference
+    never depends on the candidate's, so its session can be let go before a candidate loads
+    (one model in memory at a time, as for plain feeds). Each entry is the Rollout, or the
+    first line of the error that stopped it."""
+
+    runs: tuple[Rollout | str, ...]
+
+    @property
+    def failure(self) -> str | None:
+        """The first error that stopped one of the reference's rollouts, if any."""
+        return next((run for run in self.runs if isinstance(run, str)), None)
+
+    def close(self) -> None:
+        pass
+
+
+def record_rollouts(load, feeds: CacheFeeds) -> RecordedRollouts:
+    """Load the reference (`load()`), roll it out from every start of `feeds`, and let its
+    session go before returning."""
+    runner, runs = load(), []
+    for start, steps in feeds.starts:
+        try:
+            runs.append(_rollout(runner, start, steps))
+        except Exception as e:  # noqa: BLE001 - kept: the gate then fails closed on it
+            runs.append(_first_line(e))
+    close = getattr(runner, "close", None)
+    if close is not None:
+        close()
+    del runner
+    gc.collect()  # the session is unreachable now; collect cycles that could pin it
+    return RecordedRollouts(tuple(runs))
+
+
 def _rollout(runner, start: StepFeeds, steps: int) -> Rollout:
     # a graph that reads its mask as lengths (GroupQueryAttention) gets the left-padded rows
     # moved to the right and back (tuner.gate.right_pad)
@@ -252,7 +288,10 @@ def verify_cache_model(reference, candidate, feeds: CacheFeeds,
     for i, (start, steps) in enumerate(feeds.starts):
         what = f"rollout {i} (batch {start.mask.shape[0]}, past {start.past}, seq {start.seq})"
         try:
-            ref = _rollout(reference, start, steps)
+            ref = reference.runs[i] if isinstance(reference, RecordedRollouts) else \
+                _rollout(reference, start, steps)
+            if isinstance(ref, str):
+                raise RuntimeError(ref)
         except Exception as e:  # noqa: BLE001 - nothing to compare against: the gate fails
             errors.append(f"{what}: {REFERENCE_FAILED}: {_first_line(e)}")
             continue
