@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import numpy as np
 
 from serving.conventions import ClientRequest
-from serving.sampling import Chunk
+from serving.sampling import Chunk, join_chunks
 from serving.tokenizer import token_text
 from serving.whisper_names import OUTPUT, transcript
 
@@ -66,6 +67,10 @@ class Reply:
         out["cum_log_probs"] = np.array([self.cum_logprob], np.float32)
         out.update(self._asked_for(chunk))
         return self._named(out)
+
+    def whole(self, chunks: Sequence[Chunk]) -> dict[str, np.ndarray]:
+        """The one response of a request that is not streamed."""
+        return self.outputs(join_chunks(chunks))
 
     def _named(self, out: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         if self.request.batch_index is not None:  # a row of a batch says which, as TRT-LLM

@@ -20,7 +20,7 @@ import numpy as np
 from serving.conventions import ClientRequest
 from serving.errors import InvalidArgument
 from serving.replies import Reply
-from serving.sampling import Chunk, GenerationRequest, join_chunks
+from serving.sampling import Chunk, GenerationRequest, join_chunks, sample_seed
 
 # each sample's row in a response; a sample that did not move in it: these, and its
 # finish reason and cumulative log-probability as they stand
@@ -31,19 +31,6 @@ class RowReply(Protocol):
     def outputs(self, chunk: Chunk) -> dict[str, np.ndarray]: ...
 
     def whole(self, chunks: Sequence[Chunk]) -> dict[str, np.ndarray] | None: ...
-
-
-class _One:
-    """A request of one stream: its Reply."""
-
-    def __init__(self, reply: Reply) -> None:
-        self.reply = reply
-
-    def outputs(self, chunk: Chunk) -> dict[str, np.ndarray]:
-        return self.reply.outputs(chunk)
-
-    def whole(self, chunks: Sequence[Chunk]) -> dict[str, np.ndarray]:
-        return self.reply.outputs(join_chunks(chunks))
 
 
 def check(request: ClientRequest, max_streams: int, prompts: int = 1) -> None:
@@ -64,11 +51,11 @@ def check(request: ClientRequest, max_streams: int, prompts: int = 1) -> None:
 def rows(request: ClientRequest, tokenizer) -> list[tuple[GenerationRequest, RowReply]]:
     """The streams a request runs, each with what answers its chunks."""
     if request.samples == 1:
-        return [(request.generation, _One(Reply(request, tokenizer)))]
+        return [(request.generation, Reply(request, tokenizer))]
     samples = _Samples(request, tokenizer)
-    g, seed = request.generation, request.generation.sampling.seed
+    g = request.generation
     return [(dataclasses.replace(g, sampling=dataclasses.replace(
-        g.sampling, seed=None if seed is None else (seed + i) % 2**64)), samples.row(i))
+        g.sampling, seed=sample_seed(g.sampling.seed, i))), samples.row(i))
         for i in range(request.samples)]
 
 

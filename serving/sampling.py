@@ -85,6 +85,13 @@ class Sampling:
                     or self.frequency_penalty or self.logit_bias or self.allowed_ids)
 
 
+def sample_seed(seed: int | None, i: int) -> int | None:
+    """The seed of sample i of a request's several (OpenAI's n and best_of, the vLLM
+    backend's n): seed + i, so that each is what a request of that seed alone gives; the
+    first keeps the request's own (None: each unseeded)."""
+    return seed if seed is None or i == 0 else (seed + i) % 2**64
+
+
 def allowed_ids(ids: Sequence[int] | None) -> tuple[int, ...]:
     """vLLM's `allowed_token_ids` as Sampling.allowed_ids: None allows every id; an empty
     list is an error there (it would allow none) and here."""

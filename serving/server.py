@@ -252,8 +252,7 @@ class Server:
         text = getattr(engine, "text", None)
         if text is None or not text.sampling or self.options.http_port is None:
             return ""
-        named = ", ".join(f"{'max_new_tokens' if k == 'max_tokens' else k} {v}"
-                          for k, v in text.sampling)  # (in the file's names)
+        named = ", ".join(f"{k} {v}" for k, v in text.sampling)
         if self.options.generation_config == "none":
             return f"; generation_config.json's {named} not applied (--generation-config none)"
         return (f"; the OpenAI-compatible APIs sample with generation_config.json's {named} "

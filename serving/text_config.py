@@ -36,8 +36,8 @@ class TextConfig:
     eos_token: str = ""
     length_penalty: float = 1.0  # a beam search's, unless a request names its own
     early_stopping: bool | str = False  # True, False or "never"
-    # generation_config.json's sampling settings, (name, value) in the OpenAI API's names
-    # ("max_tokens" for its max_new_tokens); values out of range are not settings
+    # generation_config.json's sampling settings, (name, value) as the file names them;
+    # values out of range are not settings
     sampling: tuple[tuple[str, float | int], ...] = ()
 
 
@@ -102,24 +102,24 @@ def load_text_config(folder: Path | None, tokenizer=None) -> TextConfig:
                       eos_token, sampling=sampling_defaults(generation), **search)
 
 
-# generation_config.json's sampling keys: (OpenAI's name, kind, valid, transformers' default).
-# A value equal to transformers' default is no setting (vLLM reads the file's difference from
-# the defaults: a file that writes top_k 50, transformers' default, leaves vLLM's top_k off).
+# generation_config.json's sampling keys: (kind, valid, transformers' default). A value equal
+# to transformers' default is no setting (vLLM reads the file's difference from the
+# defaults: a file that writes top_k 50, transformers' default, leaves vLLM's top_k off).
 _SAMPLING = {
-    "temperature": ("temperature", float, lambda v: v >= 0, 1.0),
-    "top_p": ("top_p", float, lambda v: 0 < v <= 1, 1.0),
-    "top_k": ("top_k", int, lambda v: v >= 0, 50),
-    "min_p": ("min_p", float, lambda v: 0 <= v <= 1, None),
-    "repetition_penalty": ("repetition_penalty", float, lambda v: v > 0, 1.0),
-    "max_new_tokens": ("max_tokens", int, lambda v: v >= 1, None),
+    "temperature": (float, lambda v: v >= 0, 1.0),
+    "top_p": (float, lambda v: 0 < v <= 1, 1.0),
+    "top_k": (int, lambda v: v >= 0, 50),
+    "min_p": (float, lambda v: 0 <= v <= 1, None),
+    "repetition_penalty": (float, lambda v: v > 0, 1.0),
+    "max_new_tokens": (int, lambda v: v >= 1, None),
 }
 
 
 def sampling_defaults(generation: dict) -> tuple[tuple[str, float | int], ...]:
-    """The sampling settings a generation config names, in the OpenAI API's names (a value
-    of the wrong type or out of range skipped: these files add facts, never errors)."""
+    """The sampling settings a generation config names (a value of the wrong type or out of
+    range skipped: these files add facts, never errors)."""
     out = []
-    for key, (name, kind, valid, default) in _SAMPLING.items():
+    for key, (kind, valid, default) in _SAMPLING.items():
         value = generation.get(key)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             continue
@@ -127,7 +127,7 @@ def sampling_defaults(generation: dict) -> tuple[tuple[str, float | int], ...]:
             continue
         value = kind(value)
         if valid(value) and value != default:
-            out.append((name, value))
+            out.append((key, value))
     return tuple(out)
 
 

@@ -35,7 +35,8 @@ def test_the_settings_read_are_those_that_differ_from_transformers_defaults(tmp_
                                        ("repetition_penalty", 1.05))
     assert sampling_defaults(LLAMA) == (("temperature", 0.6), ("top_p", 0.9))
     assert sampling_defaults({"temperature": 1.0, "top_k": 50, "top_p": 1, "min_p": 0.05,
-                              "max_new_tokens": 300}) == (("min_p", 0.05), ("max_tokens", 300))
+                              "max_new_tokens": 300}) == (("min_p", 0.05),
+                                                          ("max_new_tokens", 300))
     assert sampling_defaults({"temperature": True, "top_p": 0, "top_k": 2.5, "min_p": 1.5,
                               "repetition_penalty": "1.1", "max_new_tokens": 0,
                               "do_sample": True}) == ()

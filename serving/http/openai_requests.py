@@ -17,7 +17,7 @@ from serving.errors import InvalidArgument
 from serving.generation.beam_decode import MAX_BEAMS
 from serving.generation.beams import searchable, unsearchable
 from serving.sampling import (MAX_TOP_LOGPROBS, GenerationRequest, Grammar, Sampling,
-                              allowed_ids)
+                              allowed_ids, sample_seed)
 
 
 def body_value(body: dict, name: str, kinds: tuple, default=None):
@@ -226,10 +226,11 @@ def generations_for(engine: DecoderEngine, body: dict, prompt: tuple[int, ...],
     of the most likely tokens come with each (and, with `echo`, with each prompt token).
     `echo` with max_tokens 0 runs one token that the answer leaves out (_Shape.drop).
     `defaults`: the model's sampling defaults (model_defaults), for what the body leaves
-    out; their max_tokens bounds the default length only (vLLM's bounds a request's too)."""
+    out (the other names are the API's own); max_new_tokens bounds the default length only
+    (vLLM's bounds a request's max_tokens too)."""
     _check_unsupported(body)
     defaults = {} if defaults is None or beam_searched(body) else dict(defaults)
-    most = defaults.pop("max_tokens", None)
+    most = defaults.pop("max_new_tokens", None)
     body = defaults | {k: v for k, v in body.items() if v is not None}
     n, count = choice_count(engine, body), candidate_count(engine, body)
     room = engine.generator.room(len(prompt))
@@ -252,7 +253,7 @@ def generations_for(engine: DecoderEngine, body: dict, prompt: tuple[int, ...],
     sampling = [Sampling(float(body_value(body, "temperature", (int, float), 1.0)),
                          body_value(body, "top_k", (int,), 0) if body.get("top_k") != -1 else 0,
                          float(body_value(body, "top_p", (int, float), 1.0)),
-                         seed if seed is None or i == 0 else (seed + i) % 2**64, **adjustments)
+                         sample_seed(seed, i), **adjustments)
                 for i in range(1 if searched else count)]
     generations = [GenerationRequest(prompt, limit if max_tokens is None else max_tokens, s,
                                      stop_ids, f"{request_id}-{i}" if count > 1 else request_id,

@@ -133,12 +133,12 @@ def _check_reference_runs(gate, what: str) -> None:
     (A cache model's rollouts were run when the gate was prepared: their first error.)"""
     from tuner.gate.kv_gate import RecordedRollouts
 
-    failures = [gate.reference.failure] if isinstance(gate.reference, RecordedRollouts) else []
-    for feed in gate.feed_dicts() if not failures else ():
+    first = gate.reference.failure if isinstance(gate.reference, RecordedRollouts) else None
+    for feed in () if isinstance(gate.reference, RecordedRollouts) else gate.feed_dicts():
         try:
             gate.reference.infer(feed)
         except Exception as e:  # noqa: BLE001 - ORT's message names the node and the bad value
-            failures.append(str(e).splitlines()[0] if str(e) else type(e).__name__)
-    first = next((f for f in failures if f), None)
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            break
     if first is not None:
         raise BadInput(f"{what}: the original model cannot run these inputs: {first}")
