@@ -8,6 +8,7 @@ a model wait for the first's build of it."""
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -68,6 +69,24 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     builder = build_in_background(list(wanted.items()))
     if builder is not None:
         session.config.stash[_BUILDER] = builder
+
+
+_FROZEN_FOR = pytest.StashKey[str]()
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """At each test file's first test: collect, then move every object still alive out of
+    the cycle collector's reach (gc.freeze, as `tuner serve` does with its start-up heap).
+    A worker imports torch, transformers and every family's model code, ~600k objects that
+    each full collection walks again: ~0.3 s a collection, and the code under test collects
+    where a dropped model's memory matters (the gate, pad, optimize's loads). Only what is
+    alive between files is frozen: the modules, the session's fixtures and caches; what a
+    file leaves behind is collected first."""
+    file = _file(item)
+    if item.config.stash.get(_FROZEN_FOR, None) != file:
+        item.config.stash[_FROZEN_FOR] = file
+        gc.collect()
+        gc.freeze()
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

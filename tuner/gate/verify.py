@@ -17,7 +17,6 @@ at its own precision's tolerances (`Tolerance.at_precision`), and the table says
 
 from __future__ import annotations
 
-import gc
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Mapping, Sequence
 
@@ -300,6 +299,8 @@ def record_then_release(load: Callable[[], Runner],
                         feeds: Sequence[Mapping[str, np.ndarray]]) -> Replay:
     """Load a runner, record it on `feeds`, and drop it before returning: the caller holds
     only the outputs, and the session's memory is free for the next one."""
-    replay = record(load(), feeds)
-    gc.collect()  # the session is unreachable now; collect cycles that could pin it
-    return replay
+    runner = load()
+    try:
+        return record(runner, feeds)
+    finally:
+        runner.close()  # its session goes now, whatever still holds the runner

@@ -158,7 +158,7 @@ class OrtRunner:
         return {n: o.numpy() for n, o in zip(rest, outs)}
 
     def close(self) -> None:
-        self.session = None
+        self.session = self._binding = None  # the binding holds the session too
 
 
 def _ort_cpu_check() -> str | None:
