@@ -310,6 +310,19 @@ def join_chunks(chunks: Sequence[Chunk]) -> Chunk:
                  beams=last.beams)
 
 
+def best_chunks(wholes: list[Chunk], n: int, best: int) -> list[Chunk]:
+    """Of each prompt's `best` candidates (in order, each a whole stream), the n with the
+    highest log-probability per token, as OpenAI's best_of and TGI's pick them (an empty one
+    scores 0); ties keep the order."""
+    def per_token(c: Chunk) -> float:
+        return sum(c.logprobs or ()) / len(c.ids) if c.ids else 0.0
+
+    if best == n:
+        return wholes
+    return [c for at in range(0, len(wholes), best)
+            for c in sorted(wholes[at:at + best], key=lambda c: -per_token(c))[:n]]
+
+
 def sample(logits: np.ndarray, s: Sampling, rng: np.random.Generator) -> int:
     """One token from one row of logits (vocab,)."""
     if s.greedy:

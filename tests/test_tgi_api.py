@@ -2,8 +2,9 @@
 written for it, huggingface_hub's InferenceClient.text_generation, unmodified: greedy text,
 token ids and log-probs equal ONNX Runtime's own (llm_support.greedy), streamed token by
 token with the whole text and details on the last event, stop sequences kept in the text
-as TGI keeps them, return_full_text, truncate, seeded sampling reproducible, a JSON grammar
-held, and TGI's 422 for what it cannot take; `POST /` answers as TGI does there."""
+as TGI keeps them, return_full_text, truncate, seeded sampling reproducible, best_of (the
+likeliest of seeded samples), a JSON grammar held, and TGI's 422 for what it cannot take;
+`POST /` answers as TGI does there."""
 
 from __future__ import annotations
 
@@ -92,6 +93,35 @@ def test_the_default_length_is_held_to_the_servers_limit(client, decoder) -> Non
     assert out.details.generated_tokens <= decoder.slot.engine.options.max_tokens == 64
 
 
+def test_best_of_answers_the_likeliest_of_reproducible_samples(client, decoder) -> None:
+    """best_of 3 samples three sequences, each with a seed of its own that the details report
+    and that reproduces it alone; the answer is the one with the highest log-probability per
+    token, the other two are best_of_sequences; an unseeded request reports its seed too."""
+    asked = dict(max_new_tokens=NEW, do_sample=True, temperature=1.5, details=True)
+    out = client.text_generation(PROMPT, best_of=3, **asked)
+    others = out.details.best_of_sequences
+    assert len(others) == 2
+    sequences = [(out.generated_text, out.details)] + [(o.generated_text, o) for o in others]
+    assert len({d.seed for _, d in sequences}) == 3
+    for text, d in sequences:
+        again = client.text_generation(PROMPT, seed=d.seed, **asked)
+        assert again.generated_text == text and again.details.seed == d.seed
+        assert [t.id for t in again.details.tokens] == [t.id for t in d.tokens]
+
+    def per_token(d) -> float:
+        return sum(t.logprob for t in d.tokens) / len(d.tokens)
+
+    assert per_token(out.details) == max(per_token(d) for _, d in sequences)
+    assert len({text for text, _ in sequences}) > 1  # sampled apart, at temperature 1.5
+    alone = client.text_generation(PROMPT, **asked)
+    assert isinstance(alone.details.seed, int) and alone.details.best_of_sequences is None
+    assert client.text_generation(PROMPT, seed=alone.details.seed, **asked).generated_text \
+        == alone.generated_text
+    r = requests.post(f"http://127.0.0.1:{decoder.http_port}/generate_stream", timeout=60,
+                      json={"inputs": PROMPT, "parameters": {"best_of": 2, "do_sample": True}})
+    assert r.status_code == 422 and "not supported when streaming" in r.json()["error"]
+
+
 def test_a_json_grammar_is_held(client) -> None:
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
               "additionalProperties": False}
@@ -101,7 +131,10 @@ def test_a_json_grammar_is_held(client) -> None:
 
 
 @pytest.mark.parametrize("parameters, says", [
-    ({"best_of": 2}, "'best_of' is not supported"),
+    ({"best_of": 2}, "you must use sampling when 'best_of' is > 1"),
+    ({"best_of": 2, "do_sample": True, "seed": 1}, "'seed' must not be set"),
+    ({"best_of": 5, "do_sample": True}, "'best_of' must be at most 4"),
+    ({"best_of": 0}, "'best_of' must be at least 1"),
     ({"watermark": True}, "'watermark' is not supported"),
     ({"temperature": 0}, "'temperature' must be strictly positive"),
     ({"temperature": "hot"}, "'temperature' must be int or float"),
@@ -134,7 +167,7 @@ def test_info_is_tgis_with_this_servers_limits(decoder) -> None:
     assert info["model_pipeline_tag"] == "text-generation"
     assert info["max_total_tokens"] == generator.max_cache_len
     assert info["max_input_tokens"] == generator.max_prompt < info["max_total_tokens"]
-    assert info["max_best_of"] == 1 and info["max_stop_sequences"] == 64
+    assert info["max_best_of"] == 4 and info["max_stop_sequences"] == 64  # --max-streams
     too_many = {"inputs": PROMPT, "parameters": {"stop": ["x"] * 65}}
     r = requests.post(f"http://127.0.0.1:{decoder.http_port}/generate", json=too_many,
                       timeout=30)

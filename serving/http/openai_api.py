@@ -48,7 +48,7 @@ from serving.http.reasoning import Reply, Thinking
 from serving.http.streams import ChunkStreams, until_disconnect
 from serving.http.tools import Reader, tool_reader
 from serving.http.triton_generate import SSE_HEADERS, sse
-from serving.sampling import Chunk, GenerationRequest, join_chunks
+from serving.sampling import Chunk, GenerationRequest, best_chunks, join_chunks
 from serving.tokenizer import token_text
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -278,8 +278,8 @@ async def _answer(request: Request, shape: _Shape, generations: list[GenerationR
         for chunks in chosen:
             if chunks[-1].reason not in ("length", "stop"):
                 raise RuntimeError(chunks[-1].detail or f"generation ended: {chunks[-1].reason}")
-        wholes = _best([c for chunks in chosen for c in _choices(join_chunks(chunks))], n,
-                       best or n)
+        wholes = best_chunks([c for chunks in chosen for c in _choices(join_chunks(chunks))],
+                             n, best or n)
         return JSONResponse(shape.envelope(
             [shape.choice(whole, False, index=i) for i, whole in enumerate(wholes)], False,
             _usage(prompt, sum(counted(w) for w in wholes),
@@ -313,18 +313,6 @@ async def _answer(request: Request, shape: _Shape, generations: list[GenerationR
         yield sse("[DONE]")
 
     return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
-
-
-def _best(wholes: list[Chunk], n: int, best: int) -> list[Chunk]:
-    """Of each prompt's `best` candidates (in order), the n with the highest log-probability
-    per token, as OpenAI's best_of picks them (an empty one scores 0); ties keep the order."""
-    def per_token(c: Chunk) -> float:
-        return sum(c.logprobs or ()) / len(c.ids) if c.ids else 0.0
-
-    if best == n:
-        return wholes
-    return [c for at in range(0, len(wholes), best)
-            for c in sorted(wholes[at:at + best], key=lambda c: -per_token(c))[:n]]
 
 
 def _choices(chunk: Chunk) -> list[Chunk]:

@@ -14,13 +14,18 @@ TGI's parameters map onto the same generation requests as the OpenAI API's
 (greedy unless it or temperature / top_k / top_p asks for sampling, as TGI decides), seed,
 stop, repetition_penalty, frequency_penalty, top_n_tokens, details, return_full_text,
 truncate (the prompt's last N tokens), grammar (`json` / `json_schema` / `regex`), and
-vLLM's ignore_eos, which benchmarking tools add. best_of,
-typical_p, watermark, decoder_input_details and adapters are refused rather than ignored.
+vLLM's ignore_eos, which benchmarking tools add. best_of, as TGI takes it: sampled only, not
+streamed, not with a seed, at most --max-streams; that many sequences are sampled and the one
+with the highest log-probability per token answers, the others in the details'
+`best_of_sequences`. An unseeded request is given a seed, which the details report (each
+sequence reproducible with its own). typical_p, watermark, decoder_input_details and
+adapters are refused rather than ignored.
 Errors are TGI's `{"error", "error_type"}`, 422 for a request it cannot take. `GET /info` and
 `POST /` are routed by serving/http/hf_routes.py (TEI's for an encoder artifact)."""
 
 from __future__ import annotations
 
+import secrets
 import uuid
 
 from starlette.requests import Request
@@ -31,12 +36,12 @@ from serving.decoder import DecoderEngine
 from serving.errors import InvalidArgument
 from serving.http.codec import http_status_for
 from serving.http.openai_requests import MAX_STOPS, body_value, generations_for, text_generator
-from serving.http.streams import ChunkStream, until_disconnect
+from serving.http.streams import ChunkStream, ChunkStreams, until_disconnect
 from serving.http.triton_generate import SSE_HEADERS, sse
-from serving.sampling import Chunk, GenerationRequest, join_chunks
+from serving.sampling import Chunk, GenerationRequest, best_chunks, join_chunks
 
 DEFAULT_MAX_NEW_TOKENS = 100  # TGI's
-_REFUSED = {"best_of": 1, "typical_p": None, "watermark": False,
+_REFUSED = {"typical_p": None, "watermark": False,
             "decoder_input_details": False, "adapter_id": None}
 _GRAMMARS = {"json": "guided_json", "json_schema": "guided_json", "regex": "guided_regex"}
 _OPENAI_NAMES = {"max_new_tokens": "max_tokens", "seed": "seed", "stop": "stop",
@@ -71,6 +76,15 @@ def _openai_body(parameters: dict) -> dict:
         k in body for k in ("temperature", "top_k", "top_p"))
     if not sampled:
         body["temperature"] = 0  # greedy: TGI samples only when asked to
+    best = _best_of(parameters)
+    if best > 1:
+        if not sampled:
+            raise InvalidArgument("you must use sampling when 'best_of' is > 1")
+        if "seed" in body:
+            raise InvalidArgument("'seed' must not be set when 'best_of' > 1")
+        body["best_of"] = best
+    # TGI draws the seed of a request that names none and reports it in the details
+    body.setdefault("seed", secrets.randbits(63))
     grammar = body_value(parameters, "grammar", (dict,))
     if grammar is not None:
         if grammar.get("type") not in _GRAMMARS:
@@ -82,8 +96,16 @@ def _openai_body(parameters: dict) -> dict:
     return body
 
 
-def _request(frontend, body: dict) -> tuple[DecoderEngine, GenerationRequest, dict, str]:
-    """The engine, the one generation a body asks for, its parameters and its prompt."""
+def _best_of(parameters: dict) -> int:
+    best = body_value(parameters, "best_of", (int,), 1)
+    if best < 1:
+        raise InvalidArgument(f"'best_of' must be at least 1, not {best}")
+    return best
+
+
+def _request(frontend, body: dict) -> tuple[DecoderEngine, list[GenerationRequest], dict, str]:
+    """The engine, the generations a body asks for (best_of's candidates, else one), its
+    parameters and its prompt."""
     engine = _engine(frontend)
     inputs = body.get("inputs")
     if not isinstance(inputs, str) or not inputs:
@@ -100,9 +122,9 @@ def _request(frontend, body: dict) -> tuple[DecoderEngine, GenerationRequest, di
     # request names is refused when it does not fit, as TGI refuses it)
     room = engine.generator.room(len(prompt))
     default = max(1, min(DEFAULT_MAX_NEW_TOKENS, engine.options.max_tokens, room))
-    (generation,) = generations_for(engine, _openai_body(parameters), prompt, top,
-                                    "tgi-" + uuid.uuid4().hex, default_max_tokens=default)
-    return engine, generation, parameters, inputs
+    generations = generations_for(engine, _openai_body(parameters), prompt, top,
+                                  "tgi-" + uuid.uuid4().hex, default_max_tokens=default)
+    return engine, generations, parameters, inputs
 
 
 def _token(engine: DecoderEngine, token: int, logprob: float) -> dict:
@@ -137,22 +159,35 @@ async def generate(frontend, request: Request) -> Response:
 
 
 async def _generated(frontend, body: dict, request: Request) -> dict | Response:
-    engine, generation, parameters, inputs = _request(frontend, body)
-    stream = ChunkStream(engine, generation)
-    chunks = await until_disconnect(request.receive, stream.collect(), stream.close)
+    engine, generations, parameters, inputs = _request(frontend, body)
+    streams = ChunkStreams(engine, generations)
+    chunks = await until_disconnect(request.receive, streams.collect(), streams.close)
     if chunks is None:
         return Response(status_code=499)
-    if chunks[-1].reason == "error":
-        raise RuntimeError(chunks[-1].detail)
-    whole = join_chunks(chunks)
-    # the tokens' text, a stop sequence included, as TGI writes it
-    out = {"generated_text": _text(parameters, inputs, engine.tokenizer.decode(whole.ids))}
-    if body_value(parameters, "details", (bool,), False):
-        out["details"] = {"finish_reason": _finish(whole), "generated_tokens": len(whole.ids),
-                          "seed": generation.sampling.seed, "prefill": [],
-                          "tokens": _tokens(engine, whole),
-                          "top_tokens": _top_tokens(engine, whole) or None}
-    return out
+    for c in chunks:
+        if c[-1].reason == "error":
+            raise RuntimeError(c[-1].detail)
+    wholes = [join_chunks(c) for c in chunks]
+    (best,) = best_chunks(wholes, 1, len(wholes))
+    at = wholes.index(best)
+    out = _sequence(engine, parameters, inputs, best, generations[at])
+    if not body_value(parameters, "details", (bool,), False):
+        return {"generated_text": out["generated_text"]}
+    details = {k: v for k, v in out.items() if k != "generated_text"}
+    if len(wholes) > 1:  # the others, in the order they were sampled, as TGI lists them
+        details["best_of_sequences"] = [_sequence(engine, parameters, inputs, w, g)
+                                        for k, (w, g) in enumerate(zip(wholes, generations))
+                                        if k != at]
+    return {"generated_text": out["generated_text"], "details": details}
+
+
+def _sequence(engine: DecoderEngine, parameters: dict, inputs: str, whole: Chunk,
+              generation: GenerationRequest) -> dict:
+    """One sequence's text (a stop sequence included, as TGI writes it) and details."""
+    return {"generated_text": _text(parameters, inputs, engine.tokenizer.decode(whole.ids)),
+            "finish_reason": _finish(whole), "generated_tokens": len(whole.ids),
+            "seed": generation.sampling.seed, "prefill": [],
+            "tokens": _tokens(engine, whole), "top_tokens": _top_tokens(engine, whole) or None}
 
 
 async def generate_stream(frontend, request: Request) -> Response:
@@ -160,7 +195,9 @@ async def generate_stream(frontend, request: Request) -> Response:
 
 
 def _streamed(frontend, body: dict) -> Response:
-    engine, generation, parameters, inputs = _request(frontend, body)
+    if _best_of(body_value(body, "parameters", (dict,), {}) or {}) > 1:
+        raise InvalidArgument("'best_of' != 1 is not supported when streaming tokens")
+    engine, (generation,), parameters, inputs = _request(frontend, body)
     stream = ChunkStream(engine, generation)  # refusals answer with a status here
     details = body_value(parameters, "details", (bool,), False)
 
@@ -207,7 +244,7 @@ def info(frontend, engine: DecoderEngine) -> dict:
     return {"model_id": frontend.slot.name, "model_sha": None,
             "model_pipeline_tag": "text-generation",
             "max_concurrent_requests": engine.options.max_streams + engine.options.max_queue,
-            "max_best_of": 1, "max_stop_sequences": MAX_STOPS,
+            "max_best_of": engine.options.max_streams, "max_stop_sequences": MAX_STOPS,
             "max_input_tokens": generator.max_prompt,
             "max_total_tokens": generator.max_cache_len, "validation_workers": 1,
             "max_client_batch_size": 1, "router": "text-generation-router",
