@@ -3,8 +3,8 @@ written for it, huggingface_hub's InferenceClient.text_generation, unmodified: g
 token ids and log-probs equal ONNX Runtime's own (llm_support.greedy), streamed token by
 token with the whole text and details on the last event, stop sequences kept in the text
 as TGI keeps them, return_full_text, truncate, seeded sampling reproducible, best_of (the
-likeliest of seeded samples), a JSON grammar held, and TGI's 422 for what it cannot take;
-`POST /` answers as TGI does there."""
+likeliest of seeded samples), the prompt's log-probs (decoder_input_details), a JSON grammar
+held, and TGI's 422 for what it cannot take; `POST /` answers as TGI does there."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import requests
 from llm_support import (CHAT, NO_EOS, PROMPT, decoder, greedy, llama,  # noqa: F401
-                         log_softmax, rendered, tokenizer)
+                         log_softmax, logits_of, rendered, tokenizer)
 
 NEW = 12
 
@@ -119,6 +119,26 @@ def test_best_of_answers_the_likeliest_of_reproducible_samples(client, decoder) 
         == alone.generated_text
     r = requests.post(f"http://127.0.0.1:{decoder.http_port}/generate_stream", timeout=60,
                       json={"inputs": PROMPT, "parameters": {"best_of": 2, "do_sample": True}})
+    assert r.status_code == 422 and "not supported when streaming" in r.json()["error"]
+
+
+def test_decoder_input_details_score_the_prompt_as_the_model_does(client, decoder,
+                                                                 llama) -> None:
+    """What an evaluation harness asks TGI to score a continuation (lighteval's TGI
+    endpoint): decoder_input_details gives every prompt token's log-prob under ONNX Runtime's
+    own logits of the whole prompt, the first one null; not when streamed."""
+    ids = tokenizer().encode(PROMPT).ids
+    lp = log_softmax(logits_of(llama, ids))  # (S, V)
+    out = client.text_generation(PROMPT, max_new_tokens=1, details=True,
+                                 decoder_input_details=True)
+    prefill = out.details.prefill
+    assert [t.id for t in prefill] == ids and prefill[0].logprob is None
+    assert [t.text for t in prefill] == [tokenizer().decode([t]) for t in ids]
+    np.testing.assert_allclose([t.logprob for t in prefill[1:]],
+                               [lp[j, ids[j + 1]] for j in range(len(ids) - 1)], atol=1e-3)
+    assert client.text_generation(PROMPT, max_new_tokens=1, details=True).details.prefill == []
+    r = requests.post(f"http://127.0.0.1:{decoder.http_port}/generate_stream", timeout=60,
+                      json={"inputs": PROMPT, "parameters": {"decoder_input_details": True}})
     assert r.status_code == 422 and "not supported when streaming" in r.json()["error"]
 
 

@@ -18,8 +18,10 @@ vLLM's ignore_eos, which benchmarking tools add. best_of, as TGI takes it: sampl
 streamed, not with a seed, at most --max-streams; that many sequences are sampled and the one
 with the highest log-probability per token answers, the others in the details'
 `best_of_sequences`. An unseeded request is given a seed, which the details report (each
-sequence reproducible with its own). typical_p, watermark, decoder_input_details and
-adapters are refused rather than ignored.
+sequence reproducible with its own). decoder_input_details (not streamed, as TGI): the
+details' `prefill` holds each prompt token's id, text and log-probability under the model
+(the first's null), what evaluation harnesses read to score a continuation through TGI.
+typical_p, watermark and adapters are refused rather than ignored.
 Errors are TGI's `{"error", "error_type"}`, 422 for a request it cannot take. `GET /info` and
 `POST /` are routed by serving/http/hf_routes.py (TEI's for an encoder artifact)."""
 
@@ -41,8 +43,7 @@ from serving.http.triton_generate import SSE_HEADERS, sse
 from serving.sampling import Chunk, GenerationRequest, best_chunks, join_chunks
 
 DEFAULT_MAX_NEW_TOKENS = 100  # TGI's
-_REFUSED = {"typical_p": None, "watermark": False,
-            "decoder_input_details": False, "adapter_id": None}
+_REFUSED = {"typical_p": None, "watermark": False, "adapter_id": None}
 _GRAMMARS = {"json": "guided_json", "json_schema": "guided_json", "regex": "guided_regex"}
 _OPENAI_NAMES = {"max_new_tokens": "max_tokens", "seed": "seed", "stop": "stop",
                  "repetition_penalty": "repetition_penalty",
@@ -103,6 +104,10 @@ def _best_of(parameters: dict) -> int:
     return best
 
 
+def _prefill_asked(parameters: dict) -> bool:
+    return body_value(parameters, "decoder_input_details", (bool,), False)
+
+
 def _request(frontend, body: dict) -> tuple[DecoderEngine, list[GenerationRequest], dict, str]:
     """The engine, the generations a body asks for (best_of's candidates, else one), its
     parameters and its prompt."""
@@ -123,7 +128,8 @@ def _request(frontend, body: dict) -> tuple[DecoderEngine, list[GenerationReques
     room = engine.generator.room(len(prompt))
     default = max(1, min(DEFAULT_MAX_NEW_TOKENS, engine.options.max_tokens, room))
     generations = generations_for(engine, _openai_body(parameters), prompt, top,
-                                  "tgi-" + uuid.uuid4().hex, default_max_tokens=default)
+                                  "tgi-" + uuid.uuid4().hex, default_max_tokens=default,
+                                  echo=_prefill_asked(parameters))
     return engine, generations, parameters, inputs
 
 
@@ -186,8 +192,18 @@ def _sequence(engine: DecoderEngine, parameters: dict, inputs: str, whole: Chunk
     """One sequence's text (a stop sequence included, as TGI writes it) and details."""
     return {"generated_text": _text(parameters, inputs, engine.tokenizer.decode(whole.ids)),
             "finish_reason": _finish(whole), "generated_tokens": len(whole.ids),
-            "seed": generation.sampling.seed, "prefill": [],
+            "seed": generation.sampling.seed, "prefill": _prefill(engine, generation, whole),
             "tokens": _tokens(engine, whole), "top_tokens": _top_tokens(engine, whole) or None}
+
+
+def _prefill(engine: DecoderEngine, generation: GenerationRequest, whole: Chunk) -> list[dict]:
+    """TGI's decoder_input_details: each prompt token with its log-probability given the
+    tokens before it (the first has none: null, as TGI writes its NaN)."""
+    if whole.prompt_logprobs is None:
+        return []
+    return [{"id": t, "text": engine.tokenizer.decode([t], skip_special_tokens=False),
+             "logprob": None if k == 0 else float(whole.prompt_logprobs[k - 1])}
+            for k, t in enumerate(generation.prompt)]
 
 
 async def generate_stream(frontend, request: Request) -> Response:
@@ -195,8 +211,12 @@ async def generate_stream(frontend, request: Request) -> Response:
 
 
 def _streamed(frontend, body: dict) -> Response:
-    if _best_of(body_value(body, "parameters", (dict,), {}) or {}) > 1:
+    parameters = body_value(body, "parameters", (dict,), {}) or {}
+    if _best_of(parameters) > 1:
         raise InvalidArgument("'best_of' != 1 is not supported when streaming tokens")
+    if _prefill_asked(parameters):
+        raise InvalidArgument("'decoder_input_details' == true is not supported when "
+                              "streaming tokens")
     engine, (generation,), parameters, inputs = _request(frontend, body)
     stream = ChunkStream(engine, generation)  # refusals answer with a status here
     details = body_value(parameters, "details", (bool,), False)
