@@ -23,7 +23,8 @@ MAX_TOP_LOGPROBS = 20  # the most alternatives a position reports (OpenAI's limi
 class Sampling:
     """temperature 0 (the default) or top_k 1 is greedy; otherwise softmax(logits / t),
     cut to the top k, to the smallest set holding top_p of the mass, and to the ids at least
-    min_p times as likely as the likeliest. A seed makes it reproducible (one generator per
+    min_p times as likely as the likeliest, then to the locally typical ones (typical_p). A
+    seed makes it reproducible (one generator per
     stream, so other streams cannot change the draws).
     Before either, the logits are adjusted (`adjust`) as vLLM's sampler and transformers'
     logits processors do, in their order: the bias first, then the penalties."""
@@ -44,6 +45,9 @@ class Sampling:
     # (vLLM's and transformers' min_p, after top_k and top_p as transformers orders them)
     allowed_ids: tuple[int, ...] = ()  # vLLM's allowed_token_ids: only these are ever
     # sampled (every other logit -inf before the bias and penalties); () allows every id
+    typical_p: float = 1.0  # locally typical sampling (TGI's typical_p, transformers'
+    # TypicalLogitsWarper, last as transformers orders them): the ids whose surprise is
+    # nearest the distribution's entropy, until they hold typical_p of the mass; 1: none
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
@@ -55,6 +59,8 @@ class Sampling:
             raise InvalidArgument(f"top_p must be in (0, 1], not {self.top_p}")
         if not 0 <= self.min_p <= 1:
             raise InvalidArgument(f"min_p must be in [0, 1], not {self.min_p}")
+        if not 0 < self.typical_p <= 1:
+            raise InvalidArgument(f"typical_p must be in (0, 1], not {self.typical_p}")
         if self.seed is not None and not 0 <= self.seed < 2**64:
             raise InvalidArgument(f"seed must be in [0, 2^64), not {self.seed}")
         if self.penalty_last_n < 0:
@@ -327,6 +333,12 @@ def sample(logits: np.ndarray, s: Sampling, rng: np.random.Generator) -> int:
     """One token from one row of logits (vocab,)."""
     if s.greedy:
         return int(np.argmax(logits))  # first maximum, as torch.argmax in transformers
+    p = distribution(logits, s)
+    return int(rng.choice(p.size, p=p))
+
+
+def distribution(logits: np.ndarray, s: Sampling) -> np.ndarray:
+    """(vocab,) float64: what a sampled row draws from, every cut made and renormalized."""
     x = logits.astype(np.float64) / s.temperature
     if 0 < s.top_k < x.size:
         kth = np.partition(x, -s.top_k)[-s.top_k]
@@ -342,7 +354,24 @@ def sample(logits: np.ndarray, s: Sampling, rng: np.random.Generator) -> int:
     if s.min_p > 0:
         p = np.where(p >= s.min_p * p.max(), p, 0.0)
         p /= p.sum()
-    return int(rng.choice(p.size, p=p))
+    if s.typical_p < 1:
+        p = _typical(p, s.typical_p)
+    return p
+
+
+def _typical(p: np.ndarray, mass: float) -> np.ndarray:
+    """Locally typical sampling (Meister et al. 2022, transformers' TypicalLogitsWarper):
+    order the ids by how far their surprise -log p lies from the entropy, keep them in that
+    order until they hold `mass` of the probability (the one that crosses it included, and
+    every id as near as it), renormalize. Ids already cut (p 0) stay cut."""
+    live = p > 0
+    surprise = -np.log(np.where(live, p, 1.0))
+    entropy = float(np.sum(p[live] * surprise[live]))
+    shifted = np.where(live, np.abs(surprise - entropy), np.inf)
+    order = np.argsort(shifted, kind="stable")
+    last = min(int(np.sum(np.cumsum(p[order]) < mass)), p.size - 1)
+    q = np.where(shifted <= shifted[order[last]], p, 0.0)
+    return q / q.sum()
 
 
 def adjust(row: np.ndarray, s: Sampling, prompt: Sequence[int], output: Sequence[int]) -> None:

@@ -3,8 +3,8 @@ written for it, huggingface_hub's InferenceClient.text_generation, unmodified: g
 token ids and log-probs equal ONNX Runtime's own (llm_support.greedy), streamed token by
 token with the whole text and details on the last event, stop sequences kept in the text
 as TGI keeps them, return_full_text, truncate, seeded sampling reproducible, best_of (the
-likeliest of seeded samples), the prompt's log-probs (decoder_input_details), a JSON grammar
-held, and TGI's 422 for what it cannot take; `POST /` answers as TGI does there."""
+likeliest of seeded samples), the prompt's log-probs (decoder_input_details), typical_p, a
+JSON grammar held, and TGI's 422 for what it cannot take; `POST /` answers as TGI does there."""
 
 from __future__ import annotations
 
@@ -140,6 +140,22 @@ def test_decoder_input_details_score_the_prompt_as_the_model_does(client, decode
     r = requests.post(f"http://127.0.0.1:{decoder.http_port}/generate_stream", timeout=60,
                       json={"inputs": PROMPT, "parameters": {"decoder_input_details": True}})
     assert r.status_code == 422 and "not supported when streaming" in r.json()["error"]
+
+
+def test_typical_p_as_langchains_tgi_classes_send_it(client, llama) -> None:
+    """LangChain's HuggingFaceEndpoint (and the older HuggingFaceTextGenInference) send
+    typical_p 0.95, top_p 0.95 and temperature 0.8 unless told otherwise: taken, seeded
+    reproducibly; a tiny typical_p leaves only the most typical next token (the one whose
+    surprise is nearest the entropy of ONNX Runtime's own distribution), whatever the seed."""
+    langchain = dict(max_new_tokens=NEW, typical_p=0.95, top_p=0.95, temperature=0.8,
+                     do_sample=True, seed=11)
+    assert len({client.text_generation(PROMPT, **langchain) for _ in range(2)}) == 1
+    ids = tokenizer().encode(PROMPT).ids
+    lp = log_softmax(logits_of(llama, ids)[-1]).astype(np.float64)
+    typical = int(np.argmin(np.abs(-lp + np.sum(np.exp(lp) * lp))))
+    firsts = {client.text_generation(PROMPT, max_new_tokens=1, typical_p=1e-6, seed=s,
+                                     details=True).details.tokens[0].id for s in range(4)}
+    assert firsts == {typical} and typical != int(np.argmax(lp))
 
 
 def test_a_json_grammar_is_held(client) -> None:

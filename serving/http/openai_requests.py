@@ -246,6 +246,7 @@ def generations_for(engine: DecoderEngine, body: dict, prompt: tuple[int, ...],
     seed = body_value(body, "seed", (int,))
     adjustments, grammar = _adjustments(body), structured_output(body)
     adjustments["min_p"] = float(body_value(body, "min_p", (int, float), 0.0))
+    adjustments["typical_p"] = float(body_value(body, "typical_p", (int, float), 1.0))  # TGI's
     if body.get("allowed_token_ids") is not None:
         adjustments["allowed_ids"] = allowed_ids(sorted(_token_ids(
             body, "allowed_token_ids", engine.generator.vocab)))

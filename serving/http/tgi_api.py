@@ -11,7 +11,8 @@ on it), AIPerf's `huggingface_generate` endpoint type. A decoder artifact with a
 
 TGI's parameters map onto the same generation requests as the OpenAI API's
 (serving/http/openai_requests.py): max_new_tokens (100 by default, as TGI), do_sample
-(greedy unless it or temperature / top_k / top_p asks for sampling, as TGI decides), seed,
+(greedy unless it or temperature / top_k / top_p / typical_p asks for sampling, as TGI
+decides), typical_p (locally typical sampling: LangChain's TGI classes send 0.95), seed,
 stop, repetition_penalty, frequency_penalty, top_n_tokens, details, return_full_text,
 truncate (the prompt's last N tokens), grammar (`json` / `json_schema` / `regex`), and
 vLLM's ignore_eos, which benchmarking tools add. best_of, as TGI takes it: sampled only, not
@@ -21,7 +22,7 @@ with the highest log-probability per token answers, the others in the details'
 sequence reproducible with its own). decoder_input_details (not streamed, as TGI): the
 details' `prefill` holds each prompt token's id, text and log-probability under the model
 (the first's null), what evaluation harnesses read to score a continuation through TGI.
-typical_p, watermark and adapters are refused rather than ignored.
+watermark and adapters are refused rather than ignored.
 Errors are TGI's `{"error", "error_type"}`, 422 for a request it cannot take. `GET /info` and
 `POST /` are routed by serving/http/hf_routes.py (TEI's for an encoder artifact)."""
 
@@ -43,12 +44,13 @@ from serving.http.triton_generate import SSE_HEADERS, sse
 from serving.sampling import Chunk, GenerationRequest, best_chunks, join_chunks
 
 DEFAULT_MAX_NEW_TOKENS = 100  # TGI's
-_REFUSED = {"typical_p": None, "watermark": False, "adapter_id": None}
+_REFUSED = {"watermark": False, "adapter_id": None}
 _GRAMMARS = {"json": "guided_json", "json_schema": "guided_json", "regex": "guided_regex"}
 _OPENAI_NAMES = {"max_new_tokens": "max_tokens", "seed": "seed", "stop": "stop",
                  "repetition_penalty": "repetition_penalty",
                  "frequency_penalty": "frequency_penalty", "top_k": "top_k", "top_p": "top_p",
-                 "temperature": "temperature", "ignore_eos": "ignore_eos"}  # vLLM's, as
+                 "temperature": "temperature", "typical_p": "typical_p",
+                 "ignore_eos": "ignore_eos"}  # vLLM's, as
 # AIPerf sends it; other names TGI does not know are ignored, as TGI ignores them
 
 
@@ -74,7 +76,7 @@ def _openai_body(parameters: dict) -> dict:
     if temperature is not None and temperature <= 0:
         raise InvalidArgument("'temperature' must be strictly positive")
     sampled = body_value(parameters, "do_sample", (bool,), False) or any(
-        k in body for k in ("temperature", "top_k", "top_p"))
+        k in body for k in ("temperature", "top_k", "top_p", "typical_p"))
     if not sampled:
         body["temperature"] = 0  # greedy: TGI samples only when asked to
     best = _best_of(parameters)
