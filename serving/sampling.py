@@ -24,8 +24,8 @@ class Sampling:
     """temperature 0 (the default) or top_k 1 is greedy; otherwise softmax(logits / t),
     cut to the top k, to the smallest set holding top_p of the mass, and to the ids at least
     min_p times as likely as the likeliest, then to the locally typical ones (typical_p). A
-    seed makes it reproducible (one generator per
-    stream, so other streams cannot change the draws).
+    seed makes it reproducible (one generator per stream, so other streams cannot change the
+    draws).
     Before either, the logits are adjusted (`adjust`) as vLLM's sampler and transformers'
     logits processors do, in their order: the bias first, then the penalties."""
 
@@ -92,8 +92,8 @@ class Sampling:
 
 
 def sample_seed(seed: int | None, i: int) -> int | None:
-    """The seed of sample i of a request's several (OpenAI's n and best_of, the vLLM
-    backend's n): seed + i, so that each is what a request of that seed alone gives; the
+    """The seed of sample i of a request's several (OpenAI's n and best_of, TGI's best_of,
+    the vLLM backend's n): seed + i, so that each is what a request of that seed alone gives; the
     first keeps the request's own (None: each unseeded)."""
     return seed if seed is None or i == 0 else (seed + i) % 2**64
 

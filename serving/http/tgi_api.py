@@ -177,23 +177,24 @@ async def _generated(frontend, body: dict, request: Request) -> dict | Response:
             raise RuntimeError(c[-1].detail)
     wholes = [join_chunks(c) for c in chunks]
     (best,) = best_chunks(wholes, 1, len(wholes))
-    at = wholes.index(best)
-    out = _sequence(engine, parameters, inputs, best, generations[at])
+    at = next(k for k, w in enumerate(wholes) if w is best)
+
+    def text(whole: Chunk) -> str:  # a stop sequence included, as TGI writes it
+        return _text(parameters, inputs, engine.tokenizer.decode(whole.ids))
+
     if not body_value(parameters, "details", (bool,), False):
-        return {"generated_text": out["generated_text"]}
-    details = {k: v for k, v in out.items() if k != "generated_text"}
+        return {"generated_text": text(best)}
+    details = _details(engine, best, generations[at])
     if len(wholes) > 1:  # the others, in the order they were sampled, as TGI lists them
-        details["best_of_sequences"] = [_sequence(engine, parameters, inputs, w, g)
+        details["best_of_sequences"] = [{"generated_text": text(w), **_details(engine, w, g)}
                                         for k, (w, g) in enumerate(zip(wholes, generations))
                                         if k != at]
-    return {"generated_text": out["generated_text"], "details": details}
+    return {"generated_text": text(best), "details": details}
 
 
-def _sequence(engine: DecoderEngine, parameters: dict, inputs: str, whole: Chunk,
-              generation: GenerationRequest) -> dict:
-    """One sequence's text (a stop sequence included, as TGI writes it) and details."""
-    return {"generated_text": _text(parameters, inputs, engine.tokenizer.decode(whole.ids)),
-            "finish_reason": _finish(whole), "generated_tokens": len(whole.ids),
+def _details(engine: DecoderEngine, whole: Chunk, generation: GenerationRequest) -> dict:
+    """One sequence's details: why it ended, its tokens, its seed, its prompt's log-probs."""
+    return {"finish_reason": _finish(whole), "generated_tokens": len(whole.ids),
             "seed": generation.sampling.seed, "prefill": _prefill(engine, generation, whole),
             "tokens": _tokens(engine, whole), "top_tokens": _top_tokens(engine, whole) or None}
 
