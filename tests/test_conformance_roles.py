@@ -120,6 +120,20 @@ def test_positions_that_also_reach_the_mask_arithmetic_are_positions():
     assert roles["position_ids"] == "position_ids" and roles["attention_mask"] == "attention_mask"
 
 
+def test_positions_into_a_fused_rotary_are_positions(tmp_path):
+    """ONNX Runtime's optimizer fuses each rotary into com.microsoft.RotaryEmbedding, which
+    takes position_ids itself and holds its cos/sin caches: no Cos or Sin is left to reach,
+    and the positions, still reaching the scores' Softmax, were taken for a second mask (a
+    fused variant that optimize selected could not be served)."""
+    from tuner.runtime.ort_fusion import fuse_file
+
+    src, fused = optimum.cached("llama", optimum.TASKS[0]), tmp_path / "fused.onnx"
+    assert fuse_file(src, fused, num_heads=4, hidden_size=96)["RotaryEmbedding"] == 4
+    roles = {s.name: s.role for s in input_specs(fused)}
+    assert roles == {s.name: s.role for s in input_specs(src)}
+    assert roles["position_ids"] == "position_ids" and roles["attention_mask"] == "attention_mask"
+
+
 def test_optimize_records_the_overrides_and_serve_reads_them(tmp_path):
     from tuner.artifact.store import read_manifest
 

@@ -27,6 +27,11 @@ from tuner.graph.tables import embedding_tables, gathered_table, tiled_table
 
 _SEARCH_DEPTH = 24  # nodes followed from an input when looking for the mask or rotary path
 _LARGE_NEGATIVE = -1e4  # a constant this negative (or finfo.min) marks an attention bias
+# Fused ops whose input at this slot is the positions, indexing their own cos/sin caches (no
+# Cos or Sin left to reach once ONNX Runtime's optimizer fused the rotary): its and ONNX's
+# RotaryEmbedding, GroupQueryAttention's optional position_ids
+_POSITION_SLOTS = {("com.microsoft", "RotaryEmbedding"): 1, ("", "RotaryEmbedding"): 3,
+                   ("com.microsoft", "GroupQueryAttention"): 9}
 
 @dataclass(frozen=True)
 class InputSpec:
@@ -101,7 +106,8 @@ def _reach(value: ir.Value) -> tuple[set[str], bool]:
                 if node.op_type in ("Mul", "Sub", "Add", "Where", "Max", "Min") and any(
                         _is_large_negative(i) for i in node.inputs):
                     bias = True
-                if gathered_table(node, index):
+                if gathered_table(node, index) or _POSITION_SLOTS.get(
+                        (node.domain, node.op_type)) == index:
                     ops.add("GatherConst")
                 if node.op_type == "GatherElements" and index == 1 and tiled_table(
                         node.inputs[0]):
