@@ -22,7 +22,7 @@ from serving.overlap import OverlapRunner
 from serving.model import LoadedModel, TensorSpec
 from tuner.artifact.records import Latency, parse_shape_key
 from tuner.gate.verify import Tolerance, kept_positions
-from tuner.graph.roles import mask_in
+from tuner.graph.roles import ATTENTION_MASK, mask_in, with_role
 
 log = logging.getLogger("serving")
 
@@ -225,6 +225,21 @@ class Engine:
                                       f"{list(where)}, outside {table} [0, {rows}) of model "
                                       f"'{self.name}'")
 
+    def _check_right_padding(self, feeds: Mapping[str, np.ndarray]) -> None:
+        """A graph whose fused Attention reads the mask as each row's length (Optimum's
+        O1-O4 copies) would answer a left-padded or holed row wrongly, without a word."""
+        sig = self.model.signature
+        spec = with_role(sig.specs, ATTENTION_MASK) if sig.lengths_mask else None
+        mask = feeds.get(spec.name) if spec is not None else None
+        if mask is None or mask.ndim != 2:
+            return
+        rows = np.flatnonzero((np.diff((mask != 0).astype(np.int8), axis=1) > 0).any(axis=1))
+        if rows.size:
+            raise InvalidArgument(
+                f"row {int(rows[0])} of input '{spec.name}' is padded on the left or has "
+                f"holes: model '{self.name}' reads the mask as each row's count of ones (its "
+                f"fused {sig.lengths_mask}), so only padding on the right gives its answer")
+
     def validate(self, feeds: Mapping[str, np.ndarray], outputs: Sequence[str]) -> None:
         """InvalidArgument, with a Triton-style message, for anything this model cannot run."""
         self._check_names(feeds)
@@ -234,6 +249,7 @@ class Engine:
         if self.model.cache is not None:
             check_cache_feeds(self.model.cache, feeds, self.name)
         self._check_tokens(feeds)
+        self._check_right_padding(feeds)
         for name in outputs:
             if name not in self._outputs:
                 raise InvalidArgument(f"unexpected inference output '{name}' for model "

@@ -27,6 +27,7 @@ from tuner.graph.dtypes import KSERVE_BY_ONNX, onnx_name
 from tuner.graph.cache_record import CacheRecord, find_cache_record
 from tuner.graph.io import embedding_rows, model_bytes, model_precision
 from tuner.graph.load import check_external_data, load_model, read_proto
+from tuner.graph.ort_fused import lengths_mask_reader
 from tuner.graph.roles import (ATTENTION_MASK, INPUTS_EMBEDS, POSITION_IDS, TOKEN_IDS,
                                TOKEN_TYPE_IDS, InputSpec, batch_limit, input_specs, with_role)
 from tuner.runtime.base import Runner, SessionSettings
@@ -59,6 +60,8 @@ class Signature:
     index_limits: Mapping[str, int] = field(default_factory=dict)
     fixed_batch: int | None = None  # the one batch size the graph takes (1: never batched)
     precision: str = "fp32"
+    # a fused Attention that reads the mask as each row's length: only right padding is right
+    lengths_mask: str | None = None
 
 
 @dataclass(frozen=True)
@@ -126,7 +129,8 @@ def read_signature(path: Path, model: ir.Model | None = None) -> Signature:
     token = with_role(specs, TOKEN_IDS)
     name = token.name if token else None
     return Signature(inputs, outputs, name, limits.get(name) if name else None, specs, limits,
-                     batch_limit(specs), model_precision(model))
+                     batch_limit(specs), model_precision(model),
+                     lengths_mask_reader(model.graph))
 
 
 def _position_rows(signature: Signature) -> int | None:

@@ -151,6 +151,7 @@ def inspect_model(model: ir.Model) -> ModelShape:
         optimized=any(k.startswith(f"{ort_fused.MS}.") and k not in ort_fused.QUANTIZED
                       for k in fusion.fused_ops),
         fused_ops=fusion.fused_ops,
+        lengths_mask=fusion.lengths_mask,
         sites=Sites(
             layers=layers,
             lm_head=head.node.name if head is not None else None,

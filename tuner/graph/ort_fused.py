@@ -36,6 +36,21 @@ class Fusion:
     hidden: int = 0
     activation: str = "unknown"
     ffn_size: int = 0
+    lengths_mask: str | None = None  # the attention node that reads the mask as lengths
+
+
+def lengths_mask_reader(graph: ir.Graph) -> str | None:
+    """The first com.microsoft.Attention fed each row's count of ones for a mask (its input 3
+    made by a ReduceSum, or by EmbedLayerNormalization's mask index), as ONNX Runtime's
+    optimizer writes it by default (Optimum's O1-O4 copies): it takes a row's first that many
+    tokens as the row, so a left-padded or holed mask gives wrong outputs; None otherwise."""
+    for n in graph:
+        if op(n) != f"{MS}.Attention" or len(n.inputs) < 4 or n.inputs[3] is None:
+            continue
+        made_by = n.inputs[3].producer()
+        if made_by is not None and op(made_by) in ("ReduceSum", f"{MS}.EmbedLayerNormalization"):
+            return n.name
+    return None
 
 
 def scan(graph: ir.Graph) -> Fusion:
@@ -55,7 +70,8 @@ def scan(graph: ir.Graph) -> Fusion:
         activation = "gelu_tanh"
     elif f"{MS}.BiasGelu" in kinds or f"{MS}.Gelu" in kinds:
         activation = "gelu"
-    return Fusion(tuple(kinds), embedding, hidden, activation)
+    return Fusion(tuple(kinds), embedding, hidden, activation,
+                  lengths_mask=lengths_mask_reader(graph))
 
 
 def _attr(node: ir.Node, name: str, default=None):

@@ -123,6 +123,7 @@ class ModelShape:
     kind: Literal["decoder", "encoder"] = "decoder"
     optimized: bool = False  # already run through ORT's transformer optimizer (fused ops)
     fused_ops: tuple[str, ...] = ()
+    lengths_mask: str | None = None  # a fused Attention reading the mask as lengths (ort_fused)
     findings: tuple[Finding, ...] = ()
     sites: Sites = field(default_factory=Sites)
     cache: KvCache | None = None  # the KV cache of a decoder exported with one (kv_cache.py)
@@ -130,6 +131,23 @@ class ModelShape:
     # the encoder's output (not in `sites.layers`, not padded) and the input that carries it
     cross_attention: int = 0
     encoder_input: str | None = None
+
+    def softmax_scale(self) -> float | None:
+        """The scale every attention block applies to its scores, where the graph says so: a
+        constant or a fused op's attribute, or 1/sqrt(head dim) where the export computes it
+        from the query's shape; None where it is absent, unknown or differs between blocks."""
+        found = set()
+        for layer in self.sites.layers:
+            s = layer.attention.scale if layer.attention is not None else None
+            if s is None:
+                continue
+            if s.kind == "computed":
+                found.add(round(self.head_dim ** -0.5, 12))
+            elif s.kind in ("constant", "attribute") and s.value:
+                found.add(round(s.value, 12))
+            else:
+                return None
+        return found.pop() if len(found) == 1 else None
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)

@@ -122,9 +122,13 @@ _TEXT_FILE_MAX = 64 * 1024 * 1024
 
 
 def _copy_text_files(model_dir: Path, out: Path) -> None:
+    """The tokenizer and configs beside the model; a graph under a repository's onnx/ (the
+    hub's layout: sentence-transformers' and transformers.js' copies, model_O2.onnx,
+    model_qint8_avx512_vnni.onnx, ...) finds those the folder lacks at the repository's top."""
+    dirs = (model_dir, model_dir.parent) if model_dir.name == "onnx" else (model_dir,)
     for name in TEXT_FILES:
-        src = model_dir / name
-        if src.is_file() and src.stat().st_size <= _TEXT_FILE_MAX:
+        src = next((d / name for d in dirs if (d / name).is_file()), None)
+        if src is not None and src.stat().st_size <= _TEXT_FILE_MAX:
             (out / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(src, out / name)
 

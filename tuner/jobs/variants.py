@@ -120,7 +120,7 @@ def build_fused(base: Built, root: Path, cand: Candidate, shape: ModelShape, che
     work = dst.parent / ".regrouped"
     try:
         src, regrouped = _regrouped(base.path, work, shape)
-        stats = fuse_file(src, dst, shape.num_heads, shape.hidden_size)
+        stats = fuse_file(src, dst, shape.num_heads, shape.hidden_size, shape.softmax_scale())
         if not stats and not regrouped:
             raise BadInput(f"{cand.name}: ONNX Runtime's optimizer found nothing to fuse")
         if not stats:  # nothing for ORT's optimizer: the regrouped graph is the variant

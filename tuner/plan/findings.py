@@ -211,6 +211,13 @@ def _fused(shape: ModelShape) -> list[Finding]:
                            "the unfused export for padding rewrites; fused attention ops default "
                            "their scale to 1/sqrt(head size), so head padding must write it "
                            "explicitly"))
+    if shape.lengths_mask:
+        out.append(Finding("mask-as-lengths", "warning",
+                           f"{shape.lengths_mask} reads the attention mask as each row's count "
+                           "of ones (ONNX Runtime's optimizer's default mask format): a "
+                           "left-padded or holed mask gives wrong outputs, so `tuner serve` "
+                           "refuses one; `tuner optimize` the unfused export instead (its "
+                           "fusion feeds the raw mask)"))
     if quantized:
         out.append(Finding("quantized-weights", "info",
                            f"weights are quantized ({', '.join(quantized)}): vocabulary and FFN "

@@ -50,9 +50,10 @@ IN_PROCESS_BYTES = 256 << 20  # smaller models fuse in this process (a child cos
 
 
 def fuse_file(src: str | os.PathLike, dst: str | os.PathLike, num_heads: int,
-              hidden_size: int) -> dict[str, int]:
+              hidden_size: int, scale: float | None = None) -> dict[str, int]:
     """Write the fused form of `src` to `dst`; returns the fused-op counts (empty: nothing
-    fused, and nothing written).
+    fused, and nothing written). `scale`: the model's softmax scale, written on each fused
+    attention op the optimizer left without one (see _pin_scale).
 
     A model past IN_PROCESS_BYTES is fused in a child process: the optimizer's ~10x peak is
     returned to the system when the child exits (freed in this process, glibc keeps much of
@@ -61,8 +62,8 @@ def fuse_file(src: str | os.PathLike, dst: str | os.PathLike, num_heads: int,
     src, dst = Path(src), Path(dst)
     size = check_fits(src)
     if size <= IN_PROCESS_BYTES:
-        return _fuse_here(src, dst, num_heads, hidden_size, size)
-    return run_in_child(_fuse_here, src, dst, num_heads, hidden_size, size,
+        return _fuse_here(src, dst, num_heads, hidden_size, size, scale)
+    return run_in_child(_fuse_here, src, dst, num_heads, hidden_size, size, scale,
                         what=f"ONNX Runtime's transformer optimizer on {src.name}")
 
 
@@ -81,20 +82,31 @@ def run_in_child(fn, *args, what: str):
                              "candidate is skipped") from None
 
 
-def _fuse_here(src: Path, dst: Path, num_heads: int, hidden_size: int, size: int) -> dict[str, int]:
+def _fuse_here(src: Path, dst: Path, num_heads: int, hidden_size: int, size: int,
+               scale: float | None = None) -> dict[str, int]:
+    from onnxruntime.transformers.fusion_options import FusionOptions
     from onnxruntime.transformers.optimizer import optimize_model
 
     # "bert" is the generic fusion set (it also matches GPT-2, Llama norms); "gpt2"'s
     # post-processing assumes a Gemm layout that dynamo exports do not have.
+    options = FusionOptions("bert")
+    # Attention fed the raw (batch, seq) mask: by default it gets each row's count of ones
+    # (ReduceSum, or EmbedLayerNormalization's mask index) and takes the first that many
+    # tokens as the row's, wrong for a left-padded or holed mask (max abs 2.5 on MiniLM's
+    # left-padded rows; the gate refused every BERT-like encoder's fused variant for it)
+    options.use_raw_attention_mask(True)
     quiet = logging.getLogger("onnxruntime.transformers")
     level = quiet.level
     quiet.setLevel(logging.ERROR)
     try:
         m = optimize_model(str(src), model_type="bert", num_heads=num_heads,
-                           hidden_size=hidden_size, opt_level=0, use_gpu=False)
+                           hidden_size=hidden_size, opt_level=0, use_gpu=False,
+                           optimization_options=options)
         stats = {k: int(v) for k, v in m.get_fused_operator_statistics().items() if v}
         if not stats:
             return {}
+        if scale is not None:
+            _pin_scale(m.model, scale)
         dst.parent.mkdir(parents=True, exist_ok=True)
         m.save_model_to_file(str(dst), use_external_data_format=size > LARGE_BYTES)
         return stats
@@ -103,3 +115,21 @@ def _fuse_here(src: Path, dst: Path, num_heads: int, hidden_size: int, size: int
                          f"{type(e).__name__}: {e}") from None
     finally:
         quiet.setLevel(level)
+
+
+# Fused attention ops whose `scale` defaults to 1/sqrt(their head size)
+SCALED_OPS = ("Attention", "MultiHeadAttention", "GroupQueryAttention")
+
+
+def _pin_scale(model, scale: float) -> None:
+    """The optimizer's BERT attention fusion matches the scores' scaling and drops it,
+    leaving the op's default, 1/sqrt(head size): on a head-padded variant that is the padded
+    width's (1/8 for MiniLM's 32 padded to 64, where the model scales by 1/sqrt(32)), and the
+    fused variant failed the gate (max abs 0.69). The model's own scale, written out, holds
+    at any width."""
+    from onnx import helper
+
+    for node in model.graph.node:
+        if (node.domain == "com.microsoft" and node.op_type in SCALED_OPS
+                and not any(a.name == "scale" for a in node.attribute)):
+            node.attribute.append(helper.make_attribute("scale", float(scale)))
