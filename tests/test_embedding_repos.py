@@ -154,13 +154,16 @@ def test_fused_attention_is_gated_on_left_padded_rows(minilm, tmp_path) -> None:
 def test_a_head_padded_variant_fused_keeps_the_models_scale(minilm, tmp_path) -> None:
     """Fused, an attention op scales its scores by 1/sqrt(its head size) unless told: after
     head-dim padding (32 -> 64) that is the wrong width's. The model's own scale (inspect's,
-    1/sqrt(32)) is written on each fused op; without it the gate FAILS the variant."""
+    1/sqrt(32)) is written on each fused op; without it the gate FAILS the variant. inspect
+    reads the padded graph's own scale back (it reported none before)."""
     from tuner.graph.inspect import inspect_path
 
     plain, padded = minilm / "onnx" / "model.onnx", tmp_path / "padded.onnx"
     assert main(["pad", str(plain), "-o", str(padded), "--head-dim", "64"]) == 0
     scale = inspect_path(plain).softmax_scale()
     assert scale == pytest.approx(32 ** -0.5)
+    # the padded graph reads its pinned scale back (a Sqrt of 1 / sqrt(32) on q and on k)
+    assert inspect_path(padded).softmax_scale() == pytest.approx(scale)
     for pinned, code in ((None, 1), (scale, 0)):
         fused = tmp_path / f"fused-{code}.onnx"
         assert fuse_file(padded, fused, num_heads=12, hidden_size=384, scale=pinned)

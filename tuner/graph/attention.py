@@ -20,7 +20,7 @@ import onnx_ir as ir
 from tuner.graph.dims import Dims
 from tuner.graph.shape import AttentionSite, ScaleSite
 from tuner.graph.walk import (DATA_INPUTS, Linear, as_linear, const_array, const_tensor, consumers,
-                              is_const, op, source, walk_back)
+                              folded_scalar, is_const, op, source, walk_back)
 
 # Concat: GPT-OSS appends a learned "sink" logit per head to the scores, and Slices its
 # probability off again before probs @ v
@@ -159,9 +159,8 @@ def _factor(node: ir.Node) -> tuple[str, float | None]:
     if kind not in ("Mul", "Div"):
         return "", None
     for i, v in enumerate(node.inputs):
-        c = const_array(v, max_size=1)
-        if c is not None and c.size == 1:
-            f = float(c.reshape(-1)[0])
+        f = folded_scalar(v)
+        if f is not None:
             if kind == "Div":
                 if i == 0:
                     return "", None  # c / x is not a scale

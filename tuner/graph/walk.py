@@ -69,6 +69,30 @@ def const_scalar(v: ir.Value | None) -> float | None:
     return None if a is None else float(a.reshape(-1)[0])
 
 
+_UNARY = {"Sqrt": np.sqrt, "Reciprocal": np.reciprocal, "Cast": float, "Identity": float}
+_BINARY = {"Div": np.divide, "Mul": np.multiply, "Add": np.add, "Sub": np.subtract,
+           "Pow": np.power}
+
+
+def folded_scalar(v: ir.Value | None, depth: int = 6) -> float | None:
+    """A scalar made of constants alone, evaluated: a constant, or a Sqrt / Div / Mul ... of
+    such (the softmax scale tuner.rewrite.head_dim pins, Sqrt(1 / sqrt(d)) on each of q and
+    k where TorchScript computed it from the shape); None otherwise."""
+    c = const_scalar(v)
+    node = v.producer() if v is not None and c is None and depth > 0 else None
+    if node is None or not node.inputs:
+        return c
+    args = [folded_scalar(i, depth - 1) for i in node.inputs]
+    if any(a is None for a in args):
+        return None
+    fn = (_UNARY if len(args) == 1 else _BINARY if len(args) == 2 else {}).get(op(node))
+    if fn is None:
+        return None
+    with np.errstate(all="ignore"):
+        out = float(fn(*args))
+    return out if np.isfinite(out) else None
+
+
 def const_shape(v: ir.Value | None) -> tuple[int, ...] | None:
     t = const_tensor(v)
     return None if t is None else tuple(int(d) for d in t.shape)
