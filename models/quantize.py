@@ -12,7 +12,9 @@ Kinds:
   nbits-asym  the same, asymmetric (packed uint8 zero points)
   nbits8      the same, 8 bits, asymmetric
   nbits-hqq   the same with HQQWeightOnlyQuantConfig (4 bits): float zero points, not integers
-  qdq4        the same quantizer, quant_format=QDQ: int4 weights behind DequantizeLinear with
+  bnb4        MatMulBnb4Quantizer, NF4, block 32 (bitsandbytes' 4-bit: what transformers.js
+              repositories ship as onnx/model_bnb4.onnx)
+  qdq4        the nbits quantizer with quant_format=QDQ: int4 weights behind DequantizeLinear with
               block-wise scales (opset 21), symmetric; qdq4-asym with zero points. It writes
               opset 21 without converting the graph (an opset-17 export keeps ReduceMean's axes
               attribute: invalid), so the export is converted to opset 21 first, as a user must
@@ -38,7 +40,7 @@ from models.once import build_once
 
 BUILD = 1  # bump when what this file builds changes: it is part of the cache key
 KINDS = ("dynamic", "dynamic-u8", "dynamic-pc", "static", "nbits", "nbits-asym", "nbits8",
-         "nbits-hqq", "qdq4", "qdq4-asym")
+         "nbits-hqq", "qdq4", "qdq4-asym", "bnb4")
 
 
 def _calibration(path: Path, vocab: int):
@@ -68,6 +70,13 @@ def _quantize(kind: str, src: Path, dst: Path, vocab: int) -> None:
         quantize_static(str(src), str(dst), _calibration(src, vocab), quant_format=QuantFormat.QDQ,
                         op_types_to_quantize=["MatMul"], weight_type=QuantType.QInt8,
                         activation_type=QuantType.QUInt8)
+    elif kind == "bnb4":
+        from onnxruntime.quantization.matmul_bnb4_quantizer import MatMulBnb4Quantizer
+
+        q = MatMulBnb4Quantizer(onnx.load(str(src)), quant_type=MatMulBnb4Quantizer.NF4,
+                                block_size=32)
+        q.process()
+        onnx.save(q.model.model, str(dst))
     else:
         from onnx.version_converter import convert_version
         from onnxruntime.quantization.matmul_nbits_quantizer import (HQQWeightOnlyQuantConfig,

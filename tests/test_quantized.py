@@ -1,8 +1,9 @@
 """Our reference exports quantized by ONNX Runtime's own quantizer (models/quantize.py):
 quantize_dynamic (DynamicQuantizeLinear + MatMulInteger; int8, uint8 and per-channel weights),
-quantize_static (QDQ, a small calibration reader) and MatMulNBitsQuantizer (4 bits with and
+quantize_static (QDQ, a small calibration reader), MatMulNBitsQuantizer (4 bits with and
 without zero points, 8 bits, HQQ's float zero points, and as QDQ: int4 behind DequantizeLinear
-with block-wise scales), on Llama (GQA) with and without its KV cache and GPT-2.
+with block-wise scales) and MatMulBnb4Quantizer (NF4: transformers.js' model_bnb4.onnx), on
+Llama (GQA) with and without its KV cache and GPT-2.
 
 - inspect reads the dims through the quantized weights;
 - the gate passes each quantized model against itself and FAILS a corrupted copy;
@@ -26,7 +27,7 @@ from models.quantize import cached
 from tuner.cli import main
 from tuner.graph.inspect import inspect_model
 from tuner.graph.load import load_model
-from tuner.rewrite import dq_weight, nbits
+from tuner.rewrite import bnb4, dq_weight, nbits
 from tuner.rewrite.common import const_array
 
 EXACT = ["dynamic", "dynamic-u8", "static", "nbits", "nbits-asym", "nbits8", "qdq4", "qdq4-asym"]
@@ -232,3 +233,47 @@ def test_a_request_is_never_joined_where_padding_changes_its_outputs(kind, apart
             assert ("never joined" in engine.batch_note) is not asked
         finally:
             engine.close()
+
+
+def test_bnb4_weights_inspect_gate_and_pad_exactly(tmp_path, capsys):
+    """transformers.js repositories' model_bnb4.onnx (com.microsoft.MatMulBnb4, NF4): every
+    command stopped at "no attention" before (its GEMMs were not projections). inspect reads
+    the dims and the cache, the gate passes it on itself and FAILS a corrupted copy, the
+    vocabulary pads exactly (new rows: NF4's zero code with absmax 0), and a down projection
+    whose rows straddle the blocks (K 426, blocks of 32) is refused, naming the node."""
+    src = cached("bnb4", "llama-kv")
+    shape = inspect_model(load_model(src))
+    expect = spec("llama-kv", "awkward").expect
+    assert {k: getattr(shape, k) for k in expect} == expect and shape.cache is not None
+    assert "com.microsoft.MatMulBnb4" in shape.fused_ops
+    assert main(["verify", str(src), str(src)]) == 0
+    assert main(["verify", str(src), str(perturbed_copy(src, tmp_path / "bad.onnx"))]) == 1
+    out = tmp_path / "pad.onnx"
+    assert main(["pad", str(src), "-o", str(out), "--vocab-multiple", "64"]) == 0  # gated
+    after, before = (bnb4.read(next(n for n in load_model(p).graph
+                                    if n.name == shape.sites.lm_head)) for p in (out, src))
+    assert after.n == 1024 and np.array_equal(after.rows[:1003], before.rows)
+    assert (after.rows[1003:] == 0x77).all() and not after.absmax[1003:].any()
+    assert main(["pad", str(src), "-o", str(tmp_path / "ffn.onnx"), "--ffn-multiple", "64"]) == 2
+    assert "down_proj" in (err := capsys.readouterr().err) and "straddle its blocks" in err
+
+
+def test_bnb4_ffn_padding_appends_whole_zero_blocks(tmp_path):
+    """MiniLM's real weights in NF4 blocks of 64 (K 384 and 1536: whole blocks per row): FFN
+    1536 -> 2048 adds whole blocks to the down projection's rows and rows to the up
+    projection, all zero codes with absmax 0; gated, max abs 0."""
+    import onnx
+    from onnxruntime.quantization.matmul_bnb4_quantizer import MatMulBnb4Quantizer
+
+    from models.build import cached as reference
+
+    q = MatMulBnb4Quantizer(onnx.load(str(reference("minilm", "real", "torchscript"))),
+                            quant_type=MatMulBnb4Quantizer.NF4, block_size=64)
+    q.process()
+    src, out = tmp_path / "minilm-bnb4.onnx", tmp_path / "pad.onnx"
+    onnx.save(q.model.model, str(src))
+    assert main(["pad", str(src), "-o", str(out), "--ffn-multiple", "1024"]) == 0
+    down = inspect_model(load_model(src)).sites.layers[0].ffn.down
+    w = bnb4.read(next(n for n in load_model(out).graph if n.name == down))
+    assert (w.k, w.n) == (2048, 384)
+    assert (w.rows[:, 768:] == 0x77).all() and not w.absmax[:, 24:].any()

@@ -191,7 +191,7 @@ def _is_projected(v: ir.Value) -> bool:
             return None
         return DATA_INPUTS[kind] or range(len(node.inputs))  # None there: every input
 
-    gemms = ("MatMul", "Gemm", "MatMulInteger", f"{MS}.MatMulNBits")
+    gemms = ("MatMul", "Gemm", "MatMulInteger", f"{MS}.MatMulNBits", f"{MS}.MatMulBnb4")
     hits, _ = walk_back(v, follow, lambda x: op(x.producer()) in gemms,
                         limit=_WALK_LIMIT * 4)
     return bool(hits)

@@ -10,7 +10,8 @@ import numpy as np
 import onnx_ir as ir
 
 FLAG = "use_cache_branch"  # the merged file's input that picks the branch
-WEIGHTED = ("MatMul", "Gemm", "MatMulNBits", "MatMulInteger")  # ops that carry the layers
+# ops that carry the layers
+WEIGHTED = ("MatMul", "Gemm", "MatMulNBits", "MatMulBnb4", "MatMulInteger")
 CONTROL_FLOW = ("If", "Loop", "Scan")
 
 

@@ -20,8 +20,8 @@ from tuner.graph.shape import AttentionSite, ScaleSite
 from tuner.graph.walk import MS, Linear, const_shape, consumers, op, source
 
 # Weight-quantized GEMMs: listed with the fused ops, but not a sign of the transformer optimizer.
-QUANTIZED = {f"{MS}.MatMulNBits", f"{MS}.DynamicQuantizeMatMul", f"{MS}.MatMulIntegerToFloat",
-             "MatMulInteger", "QLinearMatMul", "DequantizeLinear"}
+QUANTIZED = {f"{MS}.MatMulNBits", f"{MS}.MatMulBnb4", f"{MS}.DynamicQuantizeMatMul",
+             f"{MS}.MatMulIntegerToFloat", "MatMulInteger", "QLinearMatMul", "DequantizeLinear"}
 # Standard-domain fused ops (ONNX opset 23) that torch's dynamo exporter may emit.
 STANDARD_FUSED = {"Attention", "RotaryEmbedding", "RMSNormalization"}
 FUSED_ATTENTION = {f"{MS}.Attention", f"{MS}.MultiHeadAttention", f"{MS}.GroupQueryAttention",

@@ -108,9 +108,10 @@ def consumers(v: ir.Value) -> list[ir.Node]:
 
 @dataclass(frozen=True)
 class Linear:
-    """A MatMul/Gemm of an activation with a 2-D constant weight (or ORT's MatMulNBits). `weight` is the value that
-    holds the stored tensor (the initializer; behind an exporter's Transpose when
-    `transposed`); in_dim/out_dim are the GEMM's K and N whatever the storage order."""
+    """A MatMul/Gemm of an activation with a 2-D constant weight (or ORT's MatMulNBits or
+    MatMulBnb4). `weight` is the value that holds the stored tensor (the initializer; behind an
+    exporter's Transpose when `transposed`); in_dim/out_dim are the GEMM's K and N whatever
+    the storage order."""
 
     node: ir.Node
     weight: ir.Value
@@ -212,6 +213,15 @@ def as_linear(node: ir.Node) -> Linear | None:
         bias = source(node.inputs[5]) if len(node.inputs) > 5 and node.inputs[5] is not None else None
         found = None if bias is not None else _bias_add(node.outputs[0], n)
         return Linear(node, source(node.inputs[1]), k, n, True, *(found or (bias, None)))  # type: ignore[arg-type]
+    if kind == f"{MS}.MatMulBnb4":
+        # bitsandbytes' 4-bit weight (FP4 / NF4; transformers.js' model_bnb4.onnx): K and N
+        # are attributes; the packed weight is one flat array of the (N, K) values' nibbles
+        attrs = node.attributes
+        if attrs.get("K") is None or attrs.get("N") is None or not is_const(node.inputs[1]):
+            return None
+        k, n = int(attrs["K"].value), int(attrs["N"].value)
+        return Linear(node, source(node.inputs[1]), k, n, True,  # type: ignore[arg-type]
+                      *(_bias_add(node.outputs[0], n) or (None, None)))
     return None
 
 

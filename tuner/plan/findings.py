@@ -196,7 +196,7 @@ def _encoder_decoder(shape: ModelShape) -> list[Finding]:
                     + "; `tuner serve EXPORT_FOLDER` generates from the folder's three graphs")]
 
 
-QUANTIZED_OPS = ("MatMulNBits", "DynamicQuantizeMatMul", "MatMulIntegerToFloat",
+QUANTIZED_OPS = ("MatMulNBits", "MatMulBnb4", "DynamicQuantizeMatMul", "MatMulIntegerToFloat",
                  "MatMulInteger", "QLinearMatMul", "DequantizeLinear")
 
 

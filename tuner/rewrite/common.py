@@ -142,6 +142,21 @@ def pad_axis(array: np.ndarray, axis: int, new_size: int, fill: float = 0.0) -> 
     return np.pad(array, widths, constant_values=np.array(fill, dtype=array.dtype))
 
 
+def set_gemm_sizes(node: ir.Node, k: int, n: int) -> None:
+    """A block-quantized GEMM's K and N attributes after padding (MatMulNBits, MatMulBnb4),
+    its output's shape cleared: the axis engine or the caller sets what it knows."""
+    node.attributes["K"] = ir.AttrInt64("K", k)
+    node.attributes["N"] = ir.AttrInt64("N", n)
+    node.outputs[0].shape = None
+
+
+def refuse_smaller(node: ir.Node, axis: str, old: int, new: int) -> None:
+    """RewriteRefused when padding would shrink `axis` (K or N) from `old` to `new`."""
+    if new < old:
+        raise RewriteRefused(f"node {node.name!r}: {axis} is {old}; cannot pad to the smaller "
+                             f"{new}")
+
+
 @dataclass(frozen=True)
 class Projection:
     """A MatMul/Gemm with a constant weight: where the weight is and which axis is which."""
@@ -151,8 +166,9 @@ class Projection:
     out_axis: int  # axis of the weight that is the projection's output features
     in_axis: int  # axis of the weight that contracts with the activations
     bias_index: int | None  # Gemm's C input, when present
-    # "nbits" (com.microsoft.MatMulNBits) or "integer" (MatMulInteger): padded by
-    # tuner.rewrite.quantized, whose padded entries are zero points, not zeros
+    # "nbits" (com.microsoft.MatMulNBits), "bnb4" (com.microsoft.MatMulBnb4) or "integer"
+    # (MatMulInteger): padded by tuner.rewrite.quantized, whose padded entries are zero
+    # points or zero codes, not zeros
     quantized: str | None = None
 
     @property
@@ -163,13 +179,13 @@ class Projection:
 
     @property
     def out_features(self) -> int:
-        if self.quantized == "nbits":
+        if self.quantized in ("nbits", "bnb4"):
             return int(self.node.attributes["N"].value)
         return int(self.weight.shape[self.out_axis])
 
     @property
     def in_features(self) -> int:
-        if self.quantized == "nbits":
+        if self.quantized in ("nbits", "bnb4"):
             return int(self.node.attributes["K"].value)
         return int(self.weight.shape[self.in_axis])
 
@@ -199,6 +215,9 @@ def projection(graph: ir.Graph, name: str, const_weight: bool = True) -> Project
     if (node.op_type == "MatMulNBits" and node.domain == "com.microsoft"
             and {"K", "N"} <= set(node.attributes)):
         return Projection(node, 1, 0, 1, None, quantized="nbits")  # weight (N, blocks, blob)
+    if (node.op_type == "MatMulBnb4" and node.domain == "com.microsoft"
+            and {"K", "N"} <= set(node.attributes)):
+        return Projection(node, 1, 0, 1, None, quantized="bnb4")  # (N, K) codes, flat
     if node.op_type == "MatMulInteger" and node.domain in ("", "ai.onnx"):
         w = const_array(node.inputs[1])
         if w is None or w.ndim != 2:

@@ -31,7 +31,7 @@ import numpy as np
 import onnx_ir as ir
 
 from tuner.errors import RewriteRefused
-from tuner.rewrite.common import const_array, new_initializer
+from tuner.rewrite.common import const_array, new_initializer, refuse_smaller, set_gemm_sizes
 
 OP = "MatMulNBits"
 _B, _SCALES, _ZP, _G_IDX, _BIAS = 1, 2, 3, 4, 5
@@ -156,9 +156,7 @@ def _write(graph: ir.Graph, w: NBits, q: np.ndarray, scales: np.ndarray, zero: n
         else:
             arr = zero.astype(old.dtype).reshape((n, blocks) if old.ndim == 2 else (n * blocks,))
         node.replace_input_with(_ZP, new_initializer(graph, f"{node.name}.{tag}.zp", arr))
-    node.attributes["K"] = ir.AttrInt64("K", k)
-    node.attributes["N"] = ir.AttrInt64("N", n)
-    node.outputs[0].shape = None  # the axis engine / the caller sets what it knows
+    set_gemm_sizes(node, k, n)
 
 
 def widen_out(graph: ir.Graph, node: ir.Node, new_n: int, tag: str,
@@ -166,8 +164,7 @@ def widen_out(graph: ir.Graph, node: ir.Node, new_n: int, tag: str,
     """N -> new_n output features; `rows` says where each old feature goes (default: first).
     Returns the old N."""
     w = read(node)
-    if new_n < w.n:
-        raise RewriteRefused(f"node {node.name!r}: N is {w.n}; cannot pad to the smaller {new_n}")
+    refuse_smaller(node, "N", w.n, new_n)
     rows = np.arange(w.n) if rows is None else np.asarray(rows)
     default_zero = np.full((new_n, w.blocks), 1 << (w.bits - 1), w.zero.dtype)
     zero = default_zero.copy()
@@ -193,8 +190,7 @@ def widen_in(graph: ir.Graph, node: ir.Node, new_k: int, tag: str,
     old last block's new entries may dequantize to nearly 0 (HQQ's float zero points).
     Returns the old K."""
     w = read(node)
-    if new_k < w.k:
-        raise RewriteRefused(f"node {node.name!r}: K is {w.k}; cannot pad to the smaller {new_k}")
+    refuse_smaller(node, "K", w.k, new_k)
     blocks = -(-new_k // w.block)
     zero = np.concatenate([w.zero, np.full((w.n, blocks - w.blocks), 1 << (w.bits - 1),
                                            w.zero.dtype)], axis=1)

@@ -2,6 +2,7 @@
 so it is stored as its zero point, never as a plain 0 (with zero point z, (0 - z) * s != 0).
 
 - com.microsoft.MatMulNBits (block-quantized int4/int8): tuner.rewrite.nbits.
+- com.microsoft.MatMulBnb4 (bitsandbytes' FP4 / NF4): tuner.rewrite.bnb4.
 - static QDQ (quantize_static): MatMul(DQ(Q(x)), DequantizeLinear(Wq (K, N), scale, zp)). New
   entries of Wq hold the zero point; the activations' scales are constants, so a padded
   activation quantizes to its zero point and back to exactly 0 (tuner.rewrite.axis.quantize),
@@ -32,18 +33,21 @@ import numpy as np
 import onnx_ir as ir
 
 from tuner.errors import RewriteRefused
-from tuner.rewrite import dq_weight, nbits
+from tuner.rewrite import bnb4, dq_weight, nbits
 from tuner.rewrite.common import Projection, const_array, new_initializer
 
 INTEGER = "integer"
 NBITS = "nbits"
+BNB4 = "bnb4"
 QDQ = "qdq"
 
 
 def kind(node: ir.Node) -> str | None:
-    """"nbits" / "integer" for the quantized GEMMs padded here, None otherwise."""
+    """"nbits" / "bnb4" / "integer" for the quantized GEMMs padded here, None otherwise."""
     if nbits.is_nbits(node):
         return NBITS
+    if bnb4.is_bnb4(node):
+        return BNB4
     if node.op_type == "MatMulInteger" and node.domain in ("", "ai.onnx"):
         return INTEGER
     return None
@@ -56,6 +60,9 @@ def widen_out(graph: ir.Graph, proj: Projection, new_n: int, tag: str,
     product), for the caller's axis engine."""
     if proj.quantized == NBITS:
         nbits.widen_out(graph, proj.node, new_n, tag, columns)
+        return []
+    if proj.quantized == BNB4:
+        bnb4.widen_out(graph, proj.node, new_n, tag, columns)
         return []
     if proj.quantized == QDQ:
         dq_weight.widen(graph, _dq_of(proj), tag, new_n=new_n, columns=columns)
@@ -88,6 +95,9 @@ def widen_in(graph: ir.Graph, proj: Projection, new_k: int, tag: str,
     zero points, tuner.rewrite.nbits)."""
     if proj.quantized == NBITS:
         nbits.widen_in(graph, proj.node, new_k, tag, exact_zero=not fed_zeros)
+        return
+    if proj.quantized == BNB4:
+        bnb4.widen_in(graph, proj.node, new_k, tag)
         return
     if proj.quantized == QDQ:
         dq_weight.widen(graph, _dq_of(proj), tag, new_k=new_k)
