@@ -11,6 +11,9 @@ Qwen3-Embedding-shaped decoder. What a user does with such a repository:
   the raw mask and is exact there (it was refused on every BERT-like encoder before);
 - Qwen3-Embedding's fused graph (com.microsoft.RotaryEmbedding takes position_ids itself):
   its positions were taken for a second mask, and serve refused the artifact optimize wrote;
+- torch's dynamo export at opset 23 (SDPA as ONNX's own Attention op, which takes the mask):
+  the mask's values reached no Where or Softmax, and its length (through Shape) reached the
+  position table, so it was taken for the positions; served, every vector was wrong;
 - the encoder families embedding models are built on (MPNet, XLM-RoBERTa, ModernBERT,
   DeBERTa-v2, ELECTRA, DistilBERT, ALBERT): inspected, padded exactly (or refused naming the
   node) and the padded graph served, its vectors sentence-transformers' own.
@@ -238,6 +241,38 @@ def test_a_decoder_embedding_model_fused_and_served(qwen3, tmp_path) -> None:
                                    atol=1e-5)
     finally:
         server.stop(5)
+
+
+def test_a_dynamo_export_with_onnx_attention_keeps_its_mask(minilm, tmp_path) -> None:
+    import torch
+    import transformers
+
+    from tuner.graph.inspect import inspect_path
+
+    model = transformers.AutoModel.from_pretrained(minilm, attn_implementation="sdpa").eval()
+
+    class Hidden(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids, attention_mask):
+            return self.model(input_ids=input_ids, attention_mask=attention_mask)[0]
+
+    ids = torch.randint(1000, 5000, (2, 16))
+    src = tmp_path / "model.onnx"
+    axes = {0: "batch", 1: "sequence"}
+    torch.onnx.export(Hidden(), (ids, torch.ones_like(ids)), dynamo=True, opset_version=23,
+                      input_names=["input_ids", "attention_mask"],
+                      output_names=["last_hidden_state"],
+                      dynamic_shapes={"input_ids": axes, "attention_mask": axes}).save(str(src))
+    assert any(n.op_type == "Attention" and n.domain == "" for n in _nodes(src))
+    assert {s.name: s.role for s in input_specs(src)} == {"input_ids": "token_ids",
+                                                          "attention_mask": "attention_mask"}
+    assert inspect_path(src).head_dim == 32
+    out = make_artifact(tmp_path / "out", src, BUCKETS)
+    _copy_text_files(minilm, out)
+    np.testing.assert_allclose(_served(out, TEXTS), _encode(minilm, TEXTS), atol=1e-5)
 
 
 def _findings(path: Path):

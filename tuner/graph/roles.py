@@ -32,6 +32,16 @@ _LARGE_NEGATIVE = -1e4  # a constant this negative (or finfo.min) marks an atten
 # RotaryEmbedding, GroupQueryAttention's optional position_ids
 _POSITION_SLOTS = {("com.microsoft", "RotaryEmbedding"): 1, ("", "RotaryEmbedding"): 3,
                    ("com.microsoft", "GroupQueryAttention"): 9}
+# ...and whose input at this slot is the mask (or what a mask makes: lengths, a bias), with no
+# Where or Softmax left outside them: ONNX's Attention (opset 23, torch's dynamo export of
+# SDPA), ONNX Runtime's Attention, MultiHeadAttention and GroupQueryAttention
+_MASK_SLOTS = {("", "Attention"): 3, ("com.microsoft", "Attention"): 3,
+               ("com.microsoft", "MultiHeadAttention"): 4,
+               ("com.microsoft", "GroupQueryAttention"): 5}
+# Ops whose output depends on their input's shape alone, not its values: what the values of an
+# input reach is not followed through them (a mask's length builds the positions in dynamo's
+# exports; its values do not)
+_SHAPE_ONLY = {"Shape", "Size"}
 
 @dataclass(frozen=True)
 class InputSpec:
@@ -101,7 +111,10 @@ def _reach(value: ir.Value) -> tuple[set[str], bool]:
                     continue
                 seen.add(node)
                 ops.add(node.op_type)
-                if node.op_type == "Where" and index == 0:
+                if node.op_type in _SHAPE_ONLY:
+                    continue
+                if (node.op_type == "Where" and index == 0) or _MASK_SLOTS.get(
+                        (node.domain, node.op_type)) == index:
                     bias = True
                 if node.op_type in ("Mul", "Sub", "Add", "Where", "Max", "Min") and any(
                         _is_large_negative(i) for i in node.inputs):
