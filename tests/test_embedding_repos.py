@@ -30,7 +30,7 @@ import pytest
 from llm_support import openai_client, start
 from serving_support import make_artifact, perturbed_copy
 
-from models.embedding_repos import ENCODERS, repo, repos
+from models.embedding_repos import ENCODERS, REPOS, repos
 from tuner.artifact.records import Buckets
 from tuner.cli import main
 from tuner.graph.roles import input_specs
@@ -44,13 +44,19 @@ BUCKETS = Buckets(batch=(1, 2, 4), seq=(16, 64, 256))
 
 
 @pytest.fixture(scope="module")
-def minilm() -> Path:
-    return repo("minilm")
+def built() -> dict[str, Path]:
+    """Every repository, those missing exported in one Optimum process."""
+    return dict(zip(REPOS, repos(list(REPOS))))
 
 
 @pytest.fixture(scope="module")
-def qwen3() -> Path:
-    return repo("qwen3_embedding")
+def minilm(built) -> Path:
+    return built["minilm"]
+
+
+@pytest.fixture(scope="module")
+def qwen3(built) -> Path:
+    return built["qwen3_embedding"]
 
 
 def _encode(folder: Path, texts: list[str], **kwargs) -> np.ndarray:
@@ -74,8 +80,8 @@ def _served(out: Path, texts: list[str]) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def encoders() -> dict[str, Path]:
-    return dict(zip(ENCODERS, repos(list(ENCODERS))))
+def encoders(built) -> dict[str, Path]:
+    return {name: built[name] for name in ENCODERS}
 
 
 # DeBERTa's disentangled attention multiplies the query by the relative position keys,
