@@ -30,12 +30,15 @@ import pytest
 from llm_support import openai_client, start
 from serving_support import make_artifact, perturbed_copy
 
+from models import optimum
 from models.embedding_repos import ENCODERS, REPOS, repos
 from tuner.artifact.records import Buckets
 from tuner.cli import main
 from tuner.graph.roles import input_specs
 from tuner.jobs.optimize import _copy_text_files
 from tuner.runtime.ort_fusion import fuse_file
+
+pytestmark = pytest.mark.venv(*optimum.VENV)  # built beside the first tests (conftest)
 
 TEXTS = ["A fox jumps over the lazy dog.", "Ein Fuchs springt über den faulen Hund.",
          "Le renard saute.", "shapes " * 40]

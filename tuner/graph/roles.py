@@ -27,21 +27,15 @@ from tuner.graph.tables import embedding_tables, gathered_table, tiled_table
 
 _SEARCH_DEPTH = 24  # nodes followed from an input when looking for the mask or rotary path
 _LARGE_NEGATIVE = -1e4  # a constant this negative (or finfo.min) marks an attention bias
-# Fused ops whose input at this slot is the positions, indexing their own cos/sin caches (no
-# Cos or Sin left to reach once ONNX Runtime's optimizer fused the rotary): its and ONNX's
-# RotaryEmbedding, GroupQueryAttention's optional position_ids
+# Fused ops' input slots that take the positions (they index their own cos/sin caches: no Cos
+# or Sin is left to reach) and the mask (no Where or Softmax is left outside them: ONNX's
+# Attention, as torch's dynamo export writes SDPA at opset 23, and ONNX Runtime's)
 _POSITION_SLOTS = {("com.microsoft", "RotaryEmbedding"): 1, ("", "RotaryEmbedding"): 3,
                    ("com.microsoft", "GroupQueryAttention"): 9}
-# ...and whose input at this slot is the mask (or what a mask makes: lengths, a bias), with no
-# Where or Softmax left outside them: ONNX's Attention (opset 23, torch's dynamo export of
-# SDPA), ONNX Runtime's Attention, MultiHeadAttention and GroupQueryAttention
 _MASK_SLOTS = {("", "Attention"): 3, ("com.microsoft", "Attention"): 3,
                ("com.microsoft", "MultiHeadAttention"): 4,
                ("com.microsoft", "GroupQueryAttention"): 5}
-# Ops whose output depends on their input's shape alone, not its values: what the values of an
-# input reach is not followed through them (a mask's length builds the positions in dynamo's
-# exports; its values do not)
-_SHAPE_ONLY = {"Shape", "Size"}
+_SHAPE_ONLY = {"Shape", "Size"}  # their output is the input's shape, not its values: not followed
 
 @dataclass(frozen=True)
 class InputSpec:
