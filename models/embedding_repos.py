@@ -31,7 +31,6 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -188,17 +187,7 @@ def _build(names: list[str]) -> None:
         for name, folder in zip(names, folders):
             _write(name, folder)
         jobs = [[str(f), str(f / "onnx"), list(EXTRAS.get(n, ()))] for n, f in zip(names, folders)]
-        (Path(tmp) / "jobs.json").write_text(json.dumps(jobs))
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-               "TOKENIZERS_PARALLELISM": "false"}
-        # -P: models/ (which has an optimum.py) stays off the job's sys.path
-        done = subprocess.run([str(optimum.ensure_venv()), "-P",
-                               str(Path(__file__).with_name("_embedding_repo_job.py")),
-                               str(Path(tmp) / "jobs.json")], capture_output=True, text=True,
-                              env=env)
-        if done.returncode != 0:
-            raise RuntimeError(f"optimum could not export {names}: "
-                               f"{(done.stderr or done.stdout)[-3000:]}")
+        optimum.run_jobs("_embedding_repo_job.py", jobs, Path(tmp), str(names))
         for name, folder in zip(names, folders):
             out = _out(name)
             out.parent.mkdir(parents=True, exist_ok=True)

@@ -400,23 +400,27 @@ def export_all(cells: list[tuple[str, str]], outs: list[Path] | None = None) -> 
     return [out / main_file(task) for (_, task), out in zip(cells, outs)]
 
 
+def run_jobs(script: str, jobs: list, tmp: Path, what: str) -> None:
+    """Run models/`script` in Optimum's environment on `jobs` (written to tmp/jobs.json),
+    offline; RuntimeError with its output's tail when it fails."""
+    (tmp / "jobs.json").write_text(json.dumps(jobs))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "TOKENIZERS_PARALLELISM": "false"}
+    # -P: the script's folder (models/, which has an optimum.py) stays off sys.path
+    done = subprocess.run([str(ensure_venv()), "-P", str(Path(__file__).with_name(script)),
+                           str(tmp / "jobs.json")], capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"optimum could not export {what}: "
+                           f"{(done.stderr or done.stdout)[-3000:]}")
+
+
 def _export(todo: list[tuple[tuple[str, str], Path]]) -> None:
-    python = ensure_venv()
     root = todo[0][1].parent
     root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=root, prefix=".optimum-") as tmp:
         jobs = [_job(write_checkpoint(n, Path(tmp) / f"ckpt{i}"), t, Path(tmp) / f"onnx{i}")
                 for i, ((n, t), _) in enumerate(todo)]
-        (Path(tmp) / "jobs.json").write_text(json.dumps(jobs))
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-               "TOKENIZERS_PARALLELISM": "false"}
-        # -P: the script's folder (models/, which has an optimum.py) stays off sys.path
-        done = subprocess.run([str(python), "-P", str(Path(__file__).with_name("_optimum_job.py")),
-                               str(Path(tmp) / "jobs.json")],
-                              capture_output=True, text=True, env=env)
-        if done.returncode != 0:
-            raise RuntimeError(f"optimum could not export {[c for c, _ in todo]}: "
-                               f"{(done.stderr or done.stdout)[-3000:]}")
+        run_jobs("_optimum_job.py", jobs, Path(tmp), f"{[c for c, _ in todo]}")
         for (_, _, made, _, _), (_, out) in zip(jobs, todo):
             out.parent.mkdir(parents=True, exist_ok=True)
             if out.exists():
