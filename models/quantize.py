@@ -14,6 +14,9 @@ Kinds:
   nbits-hqq   the same with HQQWeightOnlyQuantConfig (4 bits): float zero points, not integers
   bnb4        MatMulBnb4Quantizer, NF4, block 32 (bitsandbytes' 4-bit: what transformers.js
               repositories ship as onnx/model_bnb4.onnx)
+  fp16        onnxruntime.transformers.float16's conversion with float32 inputs and outputs
+              (keep_io_types), as transformers.js' scripts make a repository's model_fp16.onnx
+  q4f16       nbits, then that conversion: transformers.js' model_q4f16.onnx
   qdq4        the nbits quantizer with quant_format=QDQ: int4 weights behind DequantizeLinear with
               block-wise scales (opset 21), symmetric; qdq4-asym with zero points. It writes
               opset 21 without converting the graph (an opset-17 export keeps ReduceMean's axes
@@ -40,7 +43,7 @@ from models.once import build_once
 
 BUILD = 1  # bump when what this file builds changes: it is part of the cache key
 KINDS = ("dynamic", "dynamic-u8", "dynamic-pc", "static", "nbits", "nbits-asym", "nbits8",
-         "nbits-hqq", "qdq4", "qdq4-asym", "bnb4")
+         "nbits-hqq", "qdq4", "qdq4-asym", "bnb4", "fp16", "q4f16")
 
 
 def _calibration(path: Path, vocab: int):
@@ -70,6 +73,8 @@ def _quantize(kind: str, src: Path, dst: Path, vocab: int) -> None:
         quantize_static(str(src), str(dst), _calibration(src, vocab), quant_format=QuantFormat.QDQ,
                         op_types_to_quantize=["MatMul"], weight_type=QuantType.QInt8,
                         activation_type=QuantType.QUInt8)
+    elif kind == "fp16":
+        _half(onnx.load(str(src)), dst)
     elif kind == "bnb4":
         from onnxruntime.quantization.matmul_bnb4_quantizer import MatMulBnb4Quantizer
 
@@ -89,13 +94,25 @@ def _quantize(kind: str, src: Path, dst: Path, vocab: int) -> None:
         model = onnx.load(str(src))
         if kind.startswith("qdq"):
             model = convert_version(model, 21)
-        q = MatMulNBitsQuantizer(model, block_size=32, is_symmetric=kind in ("nbits", "qdq4"),
-                                 **how.get(kind, {}))
+        symmetric = kind in ("nbits", "qdq4", "q4f16")
+        q = MatMulNBitsQuantizer(model, block_size=32, is_symmetric=symmetric, **how.get(kind, {}))
         q.process()
-        onnx.save(q.model.model, str(dst))
+        if kind == "q4f16":
+            _half(q.model.model, dst)
+        else:
+            onnx.save(q.model.model, str(dst))
     proto = onnx.load(str(dst))
     proto.ir_version = min(proto.ir_version, IR_VERSION)
     onnx.save(proto, str(dst))
+
+
+def _half(model, dst: Path) -> None:
+    """float16 inside, float32 at the inputs and outputs. The conversion appends its input
+    Casts after the nodes that read them (a graph out of order, which ONNX Runtime runs)."""
+    import onnx
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    onnx.save(convert_float_to_float16(model, keep_io_types=True), str(dst))
 
 
 def cached(kind: str, name: str) -> Path:

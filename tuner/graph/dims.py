@@ -116,6 +116,13 @@ def _infer(light: onnx.ModelProto) -> dict[str, tuple[Dim, ...]]:
     return shapes
 
 
+# onnx's shape inference names each dim it could not infer `unk__N`, and tools that ran it
+# before saving (onnxruntime.transformers.float16's conversion: transformers.js' fp16 and
+# q4f16 copies) leave those names on every value: they say nothing, where inference here can
+# (a head's 80 read as a symbol refused every head-dim padding of such a graph).
+_UNKNOWN = "unk__"
+
+
 def _annotated(v: ir.Value) -> tuple[Dim, ...] | None:
     if v.shape is None:
         return None
@@ -124,7 +131,8 @@ def _annotated(v: ir.Value) -> tuple[Dim, ...] | None:
         if isinstance(d, int):
             out.append(d)
         else:
-            out.append(d.value if isinstance(d.value, str) else None)
+            name = d.value
+            out.append(name if isinstance(name, str) and not name.startswith(_UNKNOWN) else None)
     return tuple(out)
 
 

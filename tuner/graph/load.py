@@ -207,12 +207,30 @@ def load_model(path: str | os.PathLike, merged_ok: bool = False) -> ir.Model:
     ir.external_data.set_base_dir(model.graph, str(p.parent.resolve()))
     if not merged_ok:
         _refuse_model_inside_control_flow(model, p)
+    if not _in_order(model.graph):
+        # ONNX Runtime runs a graph whose nodes are out of order, and such files are shipped:
+        # onnxruntime.transformers.float16 with keep_io_types (transformers.js' q4f16 copies)
+        # appends its input Casts after the nodes that read them. onnx_ir's clone and every
+        # walk here read nodes in order: sorted once, stably, as it loads.
+        model.graph.sort()
     if model.functions:
         # Model-local functions hide their bodies from structural detection (STYLE.md):
         # inline them here, so that inspect and every rewrite see the same flat graph.
         InlinePass()(model)
     name_nodes(model)
     return model
+
+
+def _in_order(graph: ir.Graph) -> bool:
+    """Whether every node comes after the nodes whose outputs it reads."""
+    seen: set[ir.Node] = set()
+    for node in graph:
+        for value in node.inputs:
+            producer = value.producer() if value is not None else None
+            if producer is not None and producer.graph is graph and producer not in seen:
+                return False
+        seen.add(node)
+    return True
 
 
 def _refuse_model_inside_control_flow(model: ir.Model, p: Path) -> None:

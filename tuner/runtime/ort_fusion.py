@@ -107,6 +107,7 @@ def _fuse_here(src: Path, dst: Path, num_heads: int, hidden_size: int, size: int
             return {}
         if scale is not None:
             _pin_scale(m.model, scale)
+        _rotary_caches_as_input(m)
         dst.parent.mkdir(parents=True, exist_ok=True)
         m.save_model_to_file(str(dst), use_external_data_format=size > LARGE_BYTES)
         return stats
@@ -133,3 +134,43 @@ def _pin_scale(model, scale: float) -> None:
         if (node.domain == "com.microsoft" and node.op_type in SCALED_OPS
                 and not any(a.name == "scale" for a in node.attribute)):
             node.attribute.append(helper.make_attribute("scale", float(scale)))
+
+
+FLOATS = (1, 10, 16)  # TensorProto FLOAT, FLOAT16, BFLOAT16
+
+
+def _rotary_caches_as_input(m) -> None:
+    """The optimizer's rotary fusion computes each RotaryEmbedding's cos/sin caches itself, in
+    float32: on a half-precision graph (an fp16 export, transformers.js' q4f16 copies) the op
+    then binds its type to float16 and float32 and the fused model does not load. The caches
+    are made the type of the op's input."""
+    import numpy as np
+    from onnx import TensorProto, numpy_helper
+
+    producers = m.output_name_to_node()
+    for node in m.model.graph.node:
+        if node.domain != "com.microsoft" or node.op_type != "RotaryEmbedding":
+            continue
+        if _elem_type(m, node.input[0], producers) != TensorProto.FLOAT16:
+            continue
+        for name in node.input[2:4]:
+            init = m.get_initializer(name)
+            if init is not None and init.data_type == TensorProto.FLOAT:
+                half = numpy_helper.to_array(init).astype(np.float16)
+                init.CopyFrom(numpy_helper.from_array(half, init.name))
+
+
+def _elem_type(m, name: str, producers: dict, depth: int = 8) -> int | None:
+    """The element type of value `name`: recorded in the graph, a Cast's target, or the first
+    floating-point input of its producer whose type is recorded (a MatMul's weight, a
+    MatMulNBits' scales), back through shape ops on the first input."""
+    known = m.get_dtype(name)
+    if known or depth == 0 or name not in producers:
+        return known
+    node = producers[name]
+    if node.op_type == "Cast":
+        return next(a.i for a in node.attribute if a.name == "to")
+    for value in node.input:
+        if value and m.get_dtype(value) in FLOATS:
+            return m.get_dtype(value)
+    return _elem_type(m, node.input[0], producers, depth - 1) if node.input else None
