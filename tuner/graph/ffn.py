@@ -70,8 +70,10 @@ def classify_activation(nodes: tuple[ir.Node, ...], gated: bool) -> str:
         return "gelu_tanh" if approx is not None and approx.value == "tanh" else "gelu"
     if f"{MS}.FastGelu" in kinds:
         return "gelu_tanh"
-    if f"{MS}.QuickGelu" in kinds:
-        return "quick_gelu"
+    if f"{MS}.QuickGelu" in kinds:  # x * sigmoid(alpha x): ORT fuses SiLU into it as alpha 1
+        quick = next(n for n in nodes if op(n) == f"{MS}.QuickGelu")
+        alpha = quick.attributes.get("alpha")
+        return "quick_gelu" if alpha is None or round(alpha.value, 3) == 1.702 else "silu"
     if kinds & {f"{MS}.BiasGelu", f"{MS}.Gelu", "Erf"}:
         return "gelu"
     if "Tanh" in kinds:
