@@ -10,28 +10,21 @@ before 2026-12-07:
   the widened heads"): the conversion runs onnx's shape inference and leaves its names for
   unknown dims (`unk__N`) on every value, which read as symbols with nothing to infer. They
   are unknown dims now (tuner/graph/dims.py), and inference finds the head's 80;
-- the fused variant of an Optimum decoder did not load: ONNX Runtime's optimizer computes the
-  fused RotaryEmbedding's cos/sin caches in float32 beside float16 activations. They are
-  made the activations' type (tuner/runtime/ort_fusion.py).
+- the fused variant of an Optimum decoder did not load (tests/test_fused_rotary.py).
 """
 
 from __future__ import annotations
 
 import json
 
-import numpy as np
 import onnx_ir as ir
-import onnxruntime as ort
 import pytest
 from serving_support import perturbed_copy
 
-from models import optimum
-from models.quantize import _half, cached
+from models.quantize import cached
 from tuner.cli import main
-from tuner.gate.feeds import make_feeds
 from tuner.graph.inspect import inspect_model
 from tuner.graph.load import _in_order, load_model
-from tuner.runtime.ort_fusion import fuse_file
 
 
 @pytest.mark.parametrize("kind", ["fp16", "q4f16"])
@@ -55,20 +48,3 @@ def test_head_dim_pads_a_half_precision_copy_exactly(tmp_path, capsys):
     assert inspect_model(load_model(dst)).head_dim == 96
     # the gate at fp16 tolerances still catches a wrong copy
     assert main(["verify", str(src), str(perturbed_copy(src, tmp_path / "bad.onnx"))]) == 1
-
-
-@pytest.mark.venv(*optimum.VENV)  # built beside the first tests (conftest)
-def test_a_half_precision_fused_rotary_loads_and_runs(tmp_path):
-    import onnx
-
-    half, fused = tmp_path / "model_fp16.onnx", tmp_path / "fused.onnx"
-    _half(onnx.load(optimum.cached("llama", optimum.TASKS[0])), half)
-    assert fuse_file(half, fused, num_heads=4, hidden_size=96)["RotaryEmbedding"] == 4
-    caches = {t.name: t.data_type for t in onnx.load(fused).graph.initializer
-              if t.name in ("cos_cache", "sin_cache")}
-    assert caches == {"cos_cache": onnx.TensorProto.FLOAT16, "sin_cache": onnx.TensorProto.FLOAT16}
-    (feeds,) = make_feeds(half, 1003, [(2, 9)], seed=3)
-    runs = [ort.InferenceSession(p, providers=["CPUExecutionProvider"]).run(["logits"], feeds)[0]
-            for p in (half, fused)]  # (2, 9, 1003) each
-    a, b = (r.reshape(-1).astype(np.float64) for r in runs)
-    assert a @ b / np.linalg.norm(a) / np.linalg.norm(b) > 0.999

@@ -123,13 +123,24 @@ def _seed_block(graph: ir.Graph, widen: Widen, site: AttentionSite, layer: int, 
     sinks.setdefault(o.node.name, False)
 
 
+def _rotary_sources(node: ir.Node) -> list[ir.Value | None]:
+    """Where a rotary's half-width tables lie: upstream of a Cos or Sin (the inverse
+    frequencies), or the constant cos/sin caches of ONNX Runtime's fused RotaryEmbedding."""
+    if node.op_type in ("Cos", "Sin"):
+        return [node.inputs[0]]
+    if node.op_type == "RotaryEmbedding" and node.domain == "com.microsoft":
+        return list(node.inputs[2:4])
+    return []
+
+
 def _seed_rotary(graph: ir.Graph, widen: Widen, d: int, new: int) -> int:
-    """Grow the inverse-frequency tables (d/2 long, found upstream of Cos/Sin) to new/2."""
+    """Grow the rotary's tables (d/2 long: inverse frequencies, or a fused op's cos/sin
+    caches) to new/2. The new entries meet zero query and key entries, whatever they hold."""
     half, seen, count = d // 2, set(), 0
     for node in list(graph):
-        if node.op_type not in ("Cos", "Sin"):
+        frontier = _rotary_sources(node)
+        if not frontier:
             continue
-        frontier = [node.inputs[0]]
         for _ in range(12):
             nxt = []
             for v in frontier:
@@ -187,8 +198,9 @@ def pad_head_dim(model: ir.Model, shape: ModelShape, new: int, cache_policy: str
     if any(site.rotary == "full" for _, site in sites):
         if not _seed_rotary(graph, widen, d, new):
             raise RewriteRefused("full rotary, but no inverse-frequency table of length "
-                                 f"{d // 2} upstream of Cos/Sin (sin/cos tables precomputed "
-                                 "as constants, as GPT-J stores them, are not padded)")
+                                 f"{d // 2} upstream of Cos/Sin and no fused RotaryEmbedding "
+                                 "cache (sin/cos tables precomputed as constants, as GPT-J "
+                                 "stores them, are not padded)")
     widen.run()
     missing = [name for name, hit in sinks.items() if not hit]
     if missing:

@@ -6,8 +6,11 @@
 - `Attention` defaults its scale to 1/sqrt(head size): after padding that would be
   1/sqrt(d'), so the old scale is written as the attribute when the exporter left it out.
 
-Only 4-D (batch, heads, seq, d) inputs are handled; the 3-D packed form (heads given as
-attributes) refuses, as do ONNX Runtime's com.microsoft fused ops.
+ONNX Runtime's com.microsoft.RotaryEmbedding (what its transformer optimizer fuses a
+rotary into) is the same rotation with its inputs in another order (x, position_ids, cos, sin)
+and constant caches, which tuner.rewrite.head_dim widens. Only 4-D (batch, heads, seq, d)
+inputs are handled; the 3-D packed form (heads given as attributes) refuses, as do ONNX
+Runtime's other fused attention ops.
 """
 
 from __future__ import annotations
@@ -24,7 +27,14 @@ def _attr(node: ir.Node, name: str, default):
 
 
 def op_RotaryEmbedding(w: Widen, node: ir.Node, tin: list) -> list:
-    t, cos, sin = (tin + [None, None, None])[:3]
+    return _rotary(w, node, tin[0], *(tin + [None, None, None])[1:3])
+
+
+def op_ms_RotaryEmbedding(w: Widen, node: ir.Node, tin: list) -> list:
+    return _rotary(w, node, tin[0], *(tin + [None, None, None, None])[2:4])
+
+
+def _rotary(w: Widen, node: ir.Node, t, cos, sin) -> list:
     if t is None or t.rank != 4 or t.axis != -1:
         raise w.refuse(node, "only 4-D (batch, heads, seq, head dim) input is handled")
     if _attr(node, "interleaved", 0) or _attr(node, "rotary_embedding_dim", 0):
@@ -54,4 +64,5 @@ def op_Attention(w: Widen, node: ir.Node, tin: list) -> list:
     return [v] + [None] * (len(node.outputs) - 1)
 
 
-HANDLERS = {("", "RotaryEmbedding"): op_RotaryEmbedding, ("", "Attention"): op_Attention}
+HANDLERS = {("", "RotaryEmbedding"): op_RotaryEmbedding, ("", "Attention"): op_Attention,
+            ("com.microsoft", "RotaryEmbedding"): op_ms_RotaryEmbedding}
