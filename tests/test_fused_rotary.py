@@ -59,3 +59,13 @@ def test_a_half_precision_fused_rotary_loads_and_runs(tmp_path):
             for p in (half, fused)]  # (2, 9, 1003) each
     a, b = (r.reshape(-1).astype(np.float64) for r in runs)
     assert a @ b / np.linalg.norm(a) / np.linalg.norm(b) > 0.999
+
+
+def test_optimums_fp16_export_fused_passes_the_gate(tmp_path):
+    """Optimum's own half-precision export (`--dtype fp16`): the fused graph is the variant
+    optimize could never offer; it passes the gate's rollouts at fp16 tolerances."""
+    from tuner.cli import main
+
+    src, fused = optimum.cached("llama", optimum.FP16_TASK), tmp_path / "fused.onnx"
+    assert fuse_file(src, fused, num_heads=4, hidden_size=96)["RotaryEmbedding"] == 4
+    assert main(["verify", str(src), str(fused)]) == 0
