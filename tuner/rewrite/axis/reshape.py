@@ -58,6 +58,7 @@ def _entries_of(w: Widen, root: ir.Node, trail: tuple[int, ...],
     node = _walk(root, trail[:-1])
     v = node.inputs[trail[-1]]
     c = original_const(v, w.token)
+    c = w.math.folded(v) if c is None else c
     if c is not None:
         ed = _Editable(w, root, trail, c)
         return [Entry(int(x), None, ed.setter(k)) for k, x in enumerate(c.reshape(-1))]
@@ -68,6 +69,7 @@ def _entries_of(w: Widen, root: ir.Node, trail: tuple[int, ...],
         out: list[Entry] = []
         for j, piece in enumerate(p.inputs):
             pc = original_const(piece, w.token)
+            pc = w.math.folded(piece) if pc is None else pc
             if pc is not None:
                 ed = _Editable(w, root, trail + (j,), pc)
                 out.extend(Entry(int(x), None, ed.setter(k)) for k, x in enumerate(pc.reshape(-1)))

@@ -48,6 +48,17 @@ class ShapeMath:
             self.memo[key] = out
         return self.memo[key]
 
+    def folded(self, value: ir.Value | None) -> np.ndarray | None:
+        """The value as int64s when it is computed from constants alone (the same in both
+        modes, every entry known), else None. A graph slimmer (onnxslim, which transformers.js'
+        conversions run) folds a static `x.shape[-1]` into a constant and leaves the
+        arithmetic after it: such a shape entry or slice bound reads no shape that a rewrite
+        changes, so it is rewritten like a constant."""
+        old, new = self.eval(value, "old"), self.eval(value, "new")
+        if old is None or new is None or not np.isfinite(old).all() or not np.array_equal(old, new):
+            return None
+        return old.astype(np.int64)
+
     def _eval(self, value: ir.Value, mode: str) -> np.ndarray | None:
         c = original_const(value, self.scope) if mode == "old" else const_array(value)
         if c is not None:

@@ -46,8 +46,13 @@ def op_Slice(w: Widen, node: ir.Node, tin: list) -> list:
         b = min(max(b, 0), t.old)
         mapped = t.map_bound(b)
         c = const_array(node.inputs[index])
+        if c is None and (c := w.math.folded(node.inputs[index])) is not None:
+            v = node.inputs[index]
+            c = c.astype(v.dtype.numpy()) if v.dtype is not None and v.dtype.is_integer() else c
         if c is not None:
-            if b_old != mapped and not (b_old >= t.old and index == 2):
+            # an end past the old length (INT_MAX) still means "to the end"; one equal to it is
+            # the full width written out (a folded `2 * (ffn + 1) // 2`), which moves to new
+            if b_old != mapped and not (b_old > t.old and index == 2):
                 arr = c.copy()
                 arr.reshape(-1)[j] = mapped
                 w.set_const(node, index, arr, "bound")
