@@ -4,7 +4,9 @@ arithmetic after it. Before 2026-12-07 every padding of such a graph but the voc
 refused: rotate-half's `// 2` bound and the attention's reshape targets, computed from
 constants alone, were read as computed from a shape that does not change ("computed slice
 bound becomes 12, needs 16"), and Phi-3's fused gate/up split ends at a folded
-`2 * (ffn + 1) // 2` (tuner/rewrite/axis: ShapeMath.folded). Exact now, and optimized.
+`2 * (ffn + 1) // 2` (tuner/rewrite/axis: ShapeMath.folded); Gemma's rotary MatMul met a
+constant operand, its folded inverse frequencies, and took it for a weight. Exact now, and
+optimized.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ from tuner.rewrite.compose import PadRequest
 
 pytestmark = pytest.mark.venv(*optimum.VENV)  # built beside the first tests (conftest)
 
-NAMES = ("llama", "phi3")  # rotate-half and GQA reshapes; a fused gate/up split
+# rotate-half and GQA reshapes; a fused gate/up split; Gemma's inverse frequencies folded
+# with their Expand into one constant operand of the rotary's MatMul (with onnxruntime)
+NAMES = ("llama", "phi3", "gemma")
 # onnxslim folds more where onnxruntime is installed (transformers.js' environment has it)
 # than as `pip install onnxslim` alone leaves it: both are what users run
 MODES = ("bare", "with-ort")

@@ -19,7 +19,10 @@ def op_Softmax(w: Widen, node: ir.Node, tin: list) -> list:
 
 def op_MatMul(w: Widen, node: ir.Node, tin: list) -> list:
     ta, tb = tin
-    if const_array(node.inputs[1]) is not None or const_array(node.inputs[0]) is not None:
+    # A constant operand is a weight the widened axis must not reach, unless the constant is
+    # itself the widened one: a rotary's inverse frequencies that a slimmer folded together
+    # with their Expand, (1, d/2, 1) @ positions (Gemma through onnxslim)
+    if any(const_array(v) is not None and t is None for v, t in zip(node.inputs, tin)):
         raise w.refuse(node, "a projection the widened axis was not meant to reach")
     if ta is not None and ta.axis == -1:
         if tb is None or tb.axis != -2 or not tb.same(ta.moved(axis=-2)):
