@@ -40,3 +40,21 @@ def test_qwen3_moe_experts_are_one_layer_not_four():
 
 def test_dense_models_have_none():
     assert find_experts(load_model(optimum.cached("llama")).graph) == []
+
+
+@pytest.mark.parametrize("name", ["gpt_oss", "qwen3_moe"])
+def test_optimize_with_the_gemm_probe_plans_a_model_of_experts(name, tmp_path):
+    """`tuner optimize` with its defaults stopped with an internal error on every model of
+    experts ("GemmShape.n must be a positive integer, not 0": the probe's GEMMs took the FFN
+    width 0); the conformance runs had the probe off. The experts' GEMMs stand in now."""
+    from tuner.cli import main
+    from tuner.plan.probe import model_gemms
+
+    shape = inspect_model(load_model(optimum.cached(name)))
+    labels = {g.label: g for g in model_gemms(shape, 1, 16)}
+    assert (labels["up"].m, labels["up"].n) == (16 * 4, 72)  # 4 experts over every token
+    assert main(["optimize", str(optimum.cached(name)), "-o", str(tmp_path / "out"),
+                 "--rounds", "2", "--warmup", "0", "--bucket-rounds", "1", "--no-fuse",
+                 "--max-variants", "1", "--no-cache", "--max-buckets", "1", "-q",
+                 "--no-plots"]) == 0
+    assert (tmp_path / "out" / "manifest.json").is_file()

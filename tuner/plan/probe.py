@@ -130,14 +130,29 @@ def model_gemms(shape: Any, batch: int, seq: int, lm_head: bool = True) -> list[
         GemmShape(seq, d, seq, batch=batch * a, label="scores", linear=False),  # (b*a, s, d)@(d, s)
         GemmShape(seq, seq, d, batch=batch * a, label="context", linear=False),  # (b*a, s, s)@(s, d)
         GemmShape(m, a * d, h, label="out"),
-        GemmShape(m, h, f, label="up"),
     ]
-    if shape.ffn_gated:
-        gemms.append(GemmShape(m, h, f, label="gate"))
-    gemms.append(GemmShape(m, f, h, label="down"))
+    if f:
+        gemms.append(GemmShape(m, h, f, label="up"))
+        if shape.ffn_gated:
+            gemms.append(GemmShape(m, h, f, label="gate"))
+        gemms.append(GemmShape(m, f, h, label="down"))
+    else:
+        gemms += _expert_gemms(shape, m, h)
     if lm_head and shape.vocab_size:
         gemms.append(GemmShape(m, h, shape.vocab_size, label="lm_head"))
     return gemms
+
+
+def _expert_gemms(shape: Any, m: int, h: int) -> list[GemmShape]:
+    """A mixture of experts (FFN width 0: inspect reports experts, not one width; GPT-OSS,
+    Qwen3-MoE), each expert's up and down over every token (the experts' rows folded into
+    m): GPT-OSS computes them so, and routed experts, which run fewer tokens each, no more."""
+    experts = getattr(getattr(shape, "sites", None), "experts", ()) or ()
+    if not experts:
+        return []
+    e = experts[0]
+    return [GemmShape(m * e.count, h, e.width, label="up"),
+            GemmShape(m * e.count, e.width, h, label="down")]
 
 
 def backend_unavailable(backend: str) -> str | None:
