@@ -5,6 +5,8 @@ half a head each.
 
 - head-dim padding widens the caches and pads each head per half, exactly, in float32 and in
   float16 (refused before 2026-12-07: "no inverse-frequency table ... upstream of Cos/Sin");
+- where the graph has no position_ids input, the positions are expanded to a row per batch
+  row (the fused op failed at batch 2);
 - on a half-precision copy the fused graph loads: the optimizer computes the caches in
   float32 beside float16 activations, and they are made the activations' type
   (tuner/runtime/ort_fusion.py; the fused model did not load before).
@@ -69,3 +71,16 @@ def test_optimums_fp16_export_fused_passes_the_gate(tmp_path):
     src, fused = optimum.cached("llama", optimum.FP16_TASK), tmp_path / "fused.onnx"
     assert fuse_file(src, fused, num_heads=4, hidden_size=96)["RotaryEmbedding"] == 4
     assert main(["verify", str(src), str(fused)]) == 0
+
+
+def test_a_fused_rotary_without_position_ids_runs_every_row(tmp_path):
+    """Optimum's Gemma has no position_ids input: its positions, arange(past, past + seq), are
+    one row for every batch row, and the optimizer handed that (1, seq) to each fused
+    RotaryEmbedding, which wants a row per batch row: the fused variant failed the gate at
+    batch 2 on Gemma, Gemma 2 and Nemotron. The positions are expanded to the batch first."""
+    from tuner.cli import main
+
+    src, fused = optimum.cached("gemma", optimum.TASKS[0]), tmp_path / "fused.onnx"
+    assert "position_ids" not in {i.name for i in onnx.load(src).graph.input}
+    assert fuse_file(src, fused, num_heads=4, hidden_size=64)["RotaryEmbedding"] == 4
+    assert main(["verify", str(src), str(fused)]) == 0  # rollouts at batch 2 and more

@@ -108,6 +108,7 @@ def _fuse_here(src: Path, dst: Path, num_heads: int, hidden_size: int, size: int
         if scale is not None:
             _pin_scale(m.model, scale)
         _rotary_caches_as_input(m)
+        _rotary_positions_per_row(m)
         dst.parent.mkdir(parents=True, exist_ok=True)
         m.save_model_to_file(str(dst), use_external_data_format=size > LARGE_BYTES)
         return stats
@@ -174,3 +175,40 @@ def _elem_type(m, name: str, producers: dict, depth: int = 8) -> int | None:
         if value and m.get_dtype(value) in FLOATS:
             return m.get_dtype(value)
     return _elem_type(m, node.input[0], producers, depth - 1) if node.input else None
+
+
+def _rotary_positions_per_row(m) -> None:
+    """A graph without a position_ids input computes its positions once for every row,
+    arange(past, past + seq) of shape (1, seq) (Optimum's Gemma, Gemma 2, Nemotron), and the
+    optimizer hands that to each fused RotaryEmbedding, which wants one row of positions per
+    batch row: the fused model failed at batch 2. The positions are expanded to the batch of
+    the op's input (batch, heads, seq, head) first."""
+    from onnx import helper
+
+    graph, made = m.model.graph, {}
+    inputs = {i.name for i in graph.input}
+    for node in list(graph.node):
+        if node.domain != "com.microsoft" or node.op_type != "RotaryEmbedding":
+            continue
+        pos, x = node.input[1], node.input[0]
+        if pos in inputs:
+            continue
+        if pos not in made:
+            base = f"{pos}.per_row"
+            for k in (0, 1):  # Gather of a Shape: Shape's start/end need opset 15
+                graph.initializer.append(helper.make_tensor(f"{base}.axis{k}", 7, [1], [k]))
+            graph.node.extend([
+                helper.make_node("Shape", [x], [f"{base}.x_shape"], name=f"{base}.Shape_x"),
+                helper.make_node("Gather", [f"{base}.x_shape", f"{base}.axis0"],
+                                 [f"{base}.batch"], name=f"{base}.batch", axis=0),
+                helper.make_node("Shape", [pos], [f"{base}.pos_shape"], name=f"{base}.Shape_pos"),
+                helper.make_node("Gather", [f"{base}.pos_shape", f"{base}.axis1"],
+                                 [f"{base}.seq"], name=f"{base}.seq", axis=0),
+                helper.make_node("Concat", [f"{base}.batch", f"{base}.seq"], [f"{base}.shape"],
+                                 name=f"{base}.Concat", axis=0),
+                helper.make_node("Expand", [pos, f"{base}.shape"], [base], name=f"{base}.Expand"),
+            ])
+            made[pos] = base
+        node.input[1] = made[pos]
+    if made:
+        m.topological_sort()
