@@ -177,6 +177,20 @@ def test_head_dim_and_heads_inside_gqa_are_refused_naming_the_node(flag, tmp_pat
     assert not (tmp_path / "x.onnx").exists()
 
 
+def test_the_planner_proposes_no_head_padding_inside_gqa():
+    """optimize proposed head-dim variants that the rewrite then refused (GPT-OSS's
+    head_dim-40, skipped with a note after its time was spent); inspect says why instead."""
+    from tuner.hardware.facts import DEVICES
+    from tuner.plan.findings import audited
+    from tuner.plan.propose import propose
+
+    shape = audited(inspect_model(load_model(genai_builder.cached("gpt_oss", "fp32"))))
+    names = [c.name for c in propose(shape, DEVICES["h100"])]
+    assert names and not any(n.startswith(("head_dim", "heads")) for n in names)
+    assert any("not padded here" in f.message and "GroupQueryAttention" in f.message
+               for f in shape.findings)
+
+
 def test_pad_refuses_a_g_idx_naming_the_node():
     import onnx_ir as ir
 

@@ -36,13 +36,23 @@ def unpadded_kinds(shape) -> tuple[str, ...]:
 def unpadded_reason(shape) -> str | None:
     """Why the heads of `shape` (a ModelShape) keep their shape, or None where they may be
     padded: an encoder-decoder's decoder hands its cross-attention keys and values from one
-    file to the next as a cache (decoder_model -> decoder_with_past_model); multi-head latent
+    file to the next as a cache (decoder_model -> decoder_with_past_model); a fused attention
+    op of ONNX Runtime's (GroupQueryAttention, MultiHeadAttention, Attention); multi-head latent
     attention's keys are a per-head part and a rotary part shared by the heads, its values
     the per-head width alone, a layout the head rewrites do not follow."""
     if shape.cross_attention:
         return (f"an encoder-decoder's decoder ({shape.cross_attention} cross-attention "
                 "blocks) hands its cross-attention keys and values from one file to the next "
                 "as a cache, so its heads are not padded")
+    fused = next(((i, layer.attention) for i, layer in enumerate(shape.sites.layers)
+                  if layer.attention and layer.attention.fused_op not in (None, "Attention")),
+                 None)
+    if fused is not None:  # ONNX's own Attention (opset 23) is rewritten; ORT's ops are not
+        i, site = fused
+        node = site.scale.nodes[0] if site.scale.nodes else site.o
+        return (f"layer {i}: fused attention op {site.fused_op} (node {node!r}: its num_heads, "
+                "packed layout, implicit scale and rotary caches are not rewritten); pad the "
+                "unfused graph")
     cache = shape.cache
     if cache is not None and cache.value_head_dim is not None:
         return (f"keys and values have head dims of their own (keys {cache.head_dim}, values "
