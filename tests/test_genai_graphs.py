@@ -15,6 +15,9 @@ SkipSimplifiedLayerNormalization, MatMulNBits int4 weights, genai's own I/O name
   prefill, prefix hits and preemption each give what a plain greedy loop gives;
 - Gemma 2's and GPT-OSS's windowed caches are read (served: tests/test_unwindow.py); a GPU
   build the CPU provider cannot run is bad input, not a failed gate.
+
+Over 400 lines because it walks one exporter's graphs through every command in order, the
+builds shared by all of them; split, each part would build them again.
 """
 
 from __future__ import annotations
