@@ -44,7 +44,7 @@ def test_dense_models_have_none():
 
 @pytest.mark.parametrize("name", ["gpt_oss", "qwen3_moe"])
 def test_optimize_with_the_gemm_probe_plans_a_model_of_experts(name, tmp_path):
-    """`tuner optimize` with its defaults stopped with an internal error on every model of
+    """`tuner optimize` with its defaults stopped with an internal error on these models of
     experts ("GemmShape.n must be a positive integer, not 0": the probe's GEMMs took the FFN
     width 0); the conformance runs had the probe off. The experts' GEMMs stand in now."""
     from tuner.cli import main
