@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from models import optimum
 from models.build import cached
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -146,3 +147,9 @@ def test_seq2seq_generate_smoke(family):
                          re.M), out
     assert re.search(r"^8 over 1 s +\d+\.\d .*\(no server\)", out, re.M), out
     assert "1-stream tokens equal: yes" in out and "peak RSS" in out and "load average" in out
+
+
+@pytest.mark.venv(*optimum.VENV)  # built beside the first tests (conftest)
+def test_fused_variants_smoke():
+    out = _bench("fused_variants.py", "--smoke")
+    assert re.search(r"\| gemma \| \d\.\d{3}x \[", out), out
