@@ -64,6 +64,12 @@ class Signature:
     lengths_mask: str | None = None
 
 
+def batches(signature: Signature) -> bool:
+    """Whether every input's first axis is the batch (Triton's max_batch_size > 0: outputs
+    then carry the batch first too)."""
+    return all(s.shape and s.shape[0] == -1 for s in signature.inputs)
+
+
 @dataclass(frozen=True)
 class LoadedModel:
     """What the engine serves: the runner of the variant that passed the gate here (or the

@@ -169,7 +169,8 @@ OPENAI_PREFIX = "/openai"
 
 
 def build_app(frontend: Frontend) -> Starlette:
-    from serving.http import (audio_api, embeddings_api, hf_routes, kserve, kserve_v1,
+    from serving.http import (audio_api, classify_api, embeddings_api, hf_routes, kserve,
+                              kserve_v1,
                               messages_api, ollama_api, openai_api, rerank_api, responses_api,
                               sagemaker, score_api, tei_api, tgi_api, tokenize_api,
                               triton_extensions, triton_generate)
@@ -178,7 +179,8 @@ def build_app(frontend: Frontend) -> Starlette:
     routes = [Route("/metrics", endpoint(frontend, "metrics", metrics_text), methods=["GET"])]
     for module in (kserve, triton_extensions, kserve_v1, triton_generate, openai_api,
                    responses_api,
-                   messages_api, tokenize_api, embeddings_api, rerank_api, score_api, tgi_api,
+                   messages_api, tokenize_api, embeddings_api, rerank_api, score_api,
+                   classify_api, tgi_api,
                    tei_api, hf_routes, sagemaker, ollama_api, audio_api):
         for path, methods, name, handler, errors in module.ROUTES:
             call = endpoint(frontend, name, handler, errors or kserve_error)

@@ -16,6 +16,7 @@ from typing import Collection, Mapping
 import numpy as np
 import orjson
 
+from serving.classify import class_count
 from serving.datatypes import DATATYPES, datatype_of
 from serving.errors import (AlreadyExists, InvalidArgument, NotFound, ResourceExhausted,
                             Unauthenticated, Unavailable)
@@ -183,6 +184,17 @@ def output_places(header: Mapping) -> dict[str, Place]:
                                       "'shared_memory_region' and 'binary_data'")
             places[name] = place
     return places
+
+
+def class_counts(header: Mapping) -> dict[str, int]:
+    """The requested outputs asking for Triton's classification (`"classification": k`)."""
+    counts = {}
+    for entry in header.get("outputs") or []:
+        name = entry["name"]  # requested_outputs checked the entries
+        count = class_count(_params(entry, f"output '{name}'"), name)
+        if count is not None:
+            counts[name] = count
+    return counts
 
 
 def _json_data(array: np.ndarray):

@@ -1,14 +1,18 @@
 """The paths Hugging Face's two servers share, answered as the one that serves this kind of
 model would answer them (Text Generation Inference for a decoder artifact, Text Embeddings
-Inference for an encoder one), since a client of either calls them:
+Inference for an encoder one: an embedding model, a reranker or a classifier), since a client
+of either calls them:
 
   GET  /info   TGI's or TEI's model info (limits, the model's kind: generation, embedding
-               with its pooling, or reranker)
+               with its pooling, reranker or classifier with their labels)
   POST /       TGI: generate, or its stream when `stream` is true (tgi_api.root);
-               TEI: as its body is shaped: `inputs` an object with `source_sentence` ->
-               similarity (what InferenceClient.sentence_similarity sends), `query` with
-               `texts` -> rerank (a cross-encoder), otherwise embed (what
-               InferenceClient.feature_extraction sends)
+               a classifier: TEI's predict, or for a body with `parameters` Hugging Face's
+               Inference API (what InferenceClient.text_classification sends; one list of
+               labels per text, as that client reads it: serving/http/classify_api.py);
+               other encoders, TEI as the body is shaped: `inputs` an object with
+               `source_sentence` -> similarity (what InferenceClient.sentence_similarity
+               sends), `query` with `texts` -> rerank (a cross-encoder), otherwise embed
+               (what InferenceClient.feature_extraction sends)
   GET  /       200 once the model serves, 503 before (TEI's health check there); the body
                {"status": "alive"}, what KServe V1's client reads as the server's liveness
 
@@ -19,8 +23,9 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from serving.classify import is_classifier
 from serving.decoder import DecoderEngine
-from serving.http import rerank_api, tei_api, tgi_api
+from serving.http import classify_api, rerank_api, tei_api, tgi_api
 from serving.http.embeddings_api import embedder_of
 from serving.rerank import is_cross_encoder
 
@@ -33,11 +38,13 @@ async def info(frontend, request: Request) -> Response:
     engine = frontend.slot.find(frontend.slot.name)
     if isinstance(engine, DecoderEngine):
         return JSONResponse(tgi_api.info(frontend, engine))
-    if is_cross_encoder(engine):
-        scorer = rerank_api.scorer_of(engine)
-        label = scorer.label()
-        kind = {"reranker": {"id2label": {"0": label}, "label2id": {label: 0}}}
-        limit = scorer.max_tokens
+    if is_cross_encoder(engine):  # TEI's reranker (one label) or classifier (several)
+        classifier = classify_api.classifier_of(engine)
+        labels = classifier.labels
+        kind = {"classifier" if is_classifier(engine) else "reranker": {
+            "id2label": {str(i): name for i, name in enumerate(labels)},
+            "label2id": {name: i for i, name in enumerate(labels)}}}
+        limit = classifier.max_tokens
     else:
         embedder = embedder_of(engine)
         kind, limit = tei_api.embedding_type(embedder), embedder.pooling.max_tokens
@@ -53,6 +60,10 @@ async def root(frontend, request: Request) -> Response:
             return tgi_api.error(e)
     try:
         body = await frontend.json(request)
+        if is_classifier(frontend.slot.find(frontend.slot.name)):
+            if "parameters" in body:  # huggingface_hub's InferenceClient.text_classification
+                return await classify_api.inference_api(frontend, body)
+            return await classify_api.predict_body(frontend, body)
         if "query" in body and "texts" in body:
             return await rerank_api.rerank(frontend, request)
         if isinstance(body.get("inputs"), dict):

@@ -10,6 +10,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 import serving
+from serving.classify import classified, unplaced
 from serving.decoder import DecoderEngine
 from serving.embedding import embed_texts, texts_in
 from serving.errors import InvalidArgument
@@ -95,7 +96,8 @@ async def infer(frontend, request: Request) -> Response:
     header, binary = codec.split_body(body, request.headers.get(codec.HEADER_LENGTH))
     regions = frontend.slot.regions
     names, as_binary = codec.requested_outputs(header)
-    places = codec.output_places(header)
+    places, counts = codec.output_places(header), codec.class_counts(header)
+    unplaced(counts, places)
     for name, place in places.items():  # a bad place is refused before the model runs
         regions.check(place, f"output '{name}'")
     feeds = codec.decode_inputs(header, binary, regions)
@@ -104,9 +106,10 @@ async def infer(frontend, request: Request) -> Response:
         raise InvalidArgument("'id' must be a string")
     parameters = header.get("parameters") or {}
     if isinstance(engine, DecoderEngine) and not engine.takes_forward(feeds):
-        if places:
-            raise InvalidArgument(f"output '{next(iter(places))}': a generation's outputs "
-                                  "are sent in its response, not written to shared memory")
+        if places or counts:
+            raise InvalidArgument(f"output '{next(iter({**places, **counts}))}': a "
+                                  "generation's outputs are sent as they are, in its "
+                                  "response (no shared memory, no classification)")
         # the decoder answers with the outputs named, those its flags produce (Reply)
         outputs = await _generate_whole(engine, request, feeds, parameters, request_id or "",
                                         names)
@@ -127,6 +130,8 @@ async def infer(frontend, request: Request) -> Response:
                 raise InvalidArgument(f"unexpected inference output '{missing[0]}' for model "
                                       f"'{engine.name}'")
             outputs = {n: outputs[n] for n in names}
+        outputs = classified(engine.forward if isinstance(engine, DecoderEngine) else engine,
+                             outputs, counts)
         write_placed(regions, places, outputs)
     content, header_length = codec.encode_response(engine.name, engine.version, request_id,
                                                    outputs, as_binary, final, places)

@@ -9,8 +9,10 @@ bodies when the container behind it is this one:
                         inputs               `POST /` (serving/http/hf_routes.py): TGI's
                                              generate for a decoder (a list of one, or
                                              Server-Sent Events when `stream` is true),
-                                             TEI's embed or similarity for an encoder
-                        input                OpenAI embeddings
+                                             TEI's embed, similarity or predict for an
+                                             encoder
+                        input                OpenAI embeddings (vLLM's classify for a
+                                             classifier, as vLLM routes it by its task)
                         query                rerank (vLLM's, Cohere's or TEI's shape)
                       answered, errors included, in that API's own shape
 
@@ -22,15 +24,27 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import Response
 
+from serving.classify import is_classifier
+from serving.engine import Engine
 from serving.errors import InvalidArgument
-from serving.http import embeddings_api, hf_routes, openai_api, rerank_api, tei_api
+from serving.http import (classify_api, embeddings_api, hf_routes, openai_api, rerank_api,
+                          tei_api)
+
+
+async def _input(frontend, request: Request) -> Response:
+    """A body with `input`: vLLM's classify for a classifier, OpenAI embeddings otherwise."""
+    engine = frontend.slot.find(frontend.slot.name)
+    if isinstance(engine, Engine) and is_classifier(engine):
+        return await classify_api.classify(frontend, request)
+    return await embeddings_api.embeddings(frontend, request)
+
 
 # the first of these keys that a body has picks its API (as vLLM's and TGI's /invocations
 # route the bodies each of them takes)
 _APIS = (("messages", openai_api.chat_completions, openai_api.error),
          ("prompt", openai_api.completions, openai_api.error),
          ("inputs", hf_routes.root, tei_api.error),  # (answers its own errors)
-         ("input", embeddings_api.embeddings, openai_api.error),
+         ("input", _input, openai_api.error),
          ("query", rerank_api.rerank, openai_api.error))
 
 

@@ -50,7 +50,7 @@ def error(exc: BaseException) -> Response:
                         status)
 
 
-def _flag(body: dict, name: str, default: bool) -> bool:
+def flag(body: dict, name: str, default: bool) -> bool:
     value = body.get(name)
     if value is None:
         return default
@@ -59,7 +59,7 @@ def _flag(body: dict, name: str, default: bool) -> bool:
     return value
 
 
-def _left(body: dict) -> bool:
+def from_left(body: dict) -> bool:
     """`truncation_direction`: right (the default) or left, in either case, as TEI reads it."""
     direction = body.get("truncation_direction") or "right"
     if not isinstance(direction, str) or direction.lower() not in ("left", "right"):
@@ -82,7 +82,7 @@ def text_rows(embedder: Embedder, items: list, body: dict) -> list[list[int]]:
     """Each text's ids with its prompt, cut as the body says; a text too long for the model
     is refused when `truncate` is false (cut otherwise, as TEI's --auto-truncate, its
     default)."""
-    truncate, left = _flag(body, "truncate", True), _left(body)
+    truncate, left = flag(body, "truncate", True), from_left(body)
     prompt = _prompt(embedder, body.get("prompt_name"))
     rows = []
     for i, item in enumerate(items):
@@ -121,7 +121,7 @@ async def embed_body(frontend, body: dict) -> Response:
     engine = encoder_named(frontend, frontend.slot.name)
     embedder = embedder_of(engine)
     rows = text_rows(embedder, _texts(body.get("inputs")), body)
-    normalize = _flag(body, "normalize", True)
+    normalize = flag(body, "normalize", True)
     if embedder.pooled and (not normalize or body.get("dimensions") is not None):
         raise InvalidArgument(f"model '{engine.name}' pools (and may normalize) inside its "
                               "graph: 'normalize': false and 'dimensions' need the vector "

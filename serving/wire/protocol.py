@@ -14,6 +14,7 @@ from typing import Collection, Iterable, Mapping, Sequence
 import grpc
 import numpy as np
 
+from serving.classify import class_count
 from serving.datatypes import DATATYPES, datatype_of
 from serving.errors import (AlreadyExists, InvalidArgument, NotFound, ResourceExhausted,
                             Unauthenticated, Unavailable)
@@ -186,6 +187,16 @@ def parameter_values(parameters) -> dict[str, bool | int | float | str]:
         if kind is not None:
             values[name] = getattr(p, kind)
     return values
+
+
+def class_counts(request: pb.ModelInferRequest) -> dict[str, int]:
+    """The requested outputs asking for Triton's classification (`classification` k)."""
+    counts = {}
+    for o in request.outputs:
+        count = class_count(parameter_values(o.parameters), o.name)
+        if count is not None:
+            counts[o.name] = count
+    return counts
 
 
 def requested_outputs(request: pb.ModelInferRequest) -> list[str]:

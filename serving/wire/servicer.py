@@ -11,11 +11,13 @@ from typing import Iterable
 import grpc
 
 import serving
+from serving.classify import classified, unplaced
 from serving.datatypes import triton_type
 from serving.decoder import DecoderEngine
 from serving.embedding import embed_texts, texts_in
 from serving.engine import Engine
 from serving.errors import InvalidArgument, NotFound, ServingError, Unavailable
+from serving.model import batches
 from serving.shared_memory import SystemRegions, no_cuda
 from serving.wire import extensions, protocol
 from serving.wire._generated import inference_pb2 as pb
@@ -25,7 +27,8 @@ from serving.wire.generation import decoder_config, generate_stream, generate_wh
 log = logging.getLogger("serving")
 
 SERVER_NAME = "shapetuner"
-EXTENSIONS = ("model_configuration", "statistics", "model_repository", "system_shared_memory")
+EXTENSIONS = ("classification", "model_configuration", "statistics", "model_repository",
+              "system_shared_memory")
 PLATFORM = "onnxruntime_onnx"
 
 
@@ -167,6 +170,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         places = protocol.output_places(request)
         for name, place in places.items():  # a bad place is refused before the model runs
             regions.check(place, f"output '{name}'")
+        counts = protocol.class_counts(request)
+        unplaced(counts, places)
         feeds = protocol.decode_inputs(request, regions)
         names = protocol.requested_outputs(request)
         texts = texts_in(feeds, engine) if isinstance(engine, Engine) else None
@@ -174,6 +179,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             outputs = embed_texts(engine, texts, names)
         else:
             outputs, _ = engine.infer(feeds, names)
+        outputs = classified(engine, outputs, counts)
         protocol.write_placed(regions, places, outputs)
         return protocol.encode_response(engine.name, engine.version, request.id, outputs,
                                         list(outputs), places)
@@ -184,6 +190,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             if isinstance(engine, DecoderEngine):
                 if engine.takes_forward(i.name for i in request.inputs):
                     return self._infer(request, engine.forward)
+                if protocol.class_counts(request):
+                    raise InvalidArgument("a generation's outputs are sent as they are: no "
+                                          "classification")
                 return generate_whole(engine, request, context, self.slot.regions)
             return self._infer(request, engine)
         except Exception as e:  # noqa: BLE001 - mapped to a status; the server lives on
@@ -259,7 +268,7 @@ def config_for(engine: Engine | DecoderEngine) -> pb.ModelConfig:
 def model_config(engine: Engine) -> pb.ModelConfig:
     """Triton's model configuration for the served model (what perf_analyzer reads)."""
     sig = engine.model.signature
-    batching = all(s.shape and s.shape[0] == -1 for s in sig.inputs)
+    batching = batches(sig)
     cut = 1 if batching else 0  # with max_batch_size > 0 the batch axis is left out of dims
     config = pb.ModelConfig(name=engine.name, platform=PLATFORM, backend="onnxruntime",
                             max_batch_size=engine.max_batch if batching else 0)

@@ -1,0 +1,190 @@
+"""Sequence classification (serving/classify.py) for an encoder artifact with a `logits`
+(batch, labels) output, in the three shapes clients call it:
+
+  POST /predict               Text Embeddings Inference's: {"inputs": text | [a, b] (a pair)
+                              | [[text] | [a, b], ...] (a batch), "raw_scores": false,
+                              "truncate": true, "truncation_direction": "right"} ->
+                              [{"score", "label"}, ...] highest first (a list of those for
+                              a batch); errors TEI's (422 Validation)
+  POST /classify, /v1/classify  vLLM's (and SGLang's): {"model", "input": text | [text],
+                              "truncate_prompt_tokens", "use_activation": true} ->
+                              {"id", "object": "list", "created", "model", "data": [{"index",
+                              "label", "probs", "num_classes"}], "usage"}; errors OpenAI's
+  inference_api(...)          Hugging Face's Inference API, what huggingface_hub's
+                              `InferenceClient.text_classification` sends to `POST /`
+                              (serving/http/hf_routes.py): {"inputs": text | [text],
+                              "parameters": {"top_k", "function_to_apply"}} -> a list of
+                              [{"label", "score"}] per text, highest first
+
+The scores are the logits through the function transformers' pipeline applies for the model
+(softmax; sigmoid for one label or a multi-label model; none for regression). TEI applies
+softmax to every model of several labels; for a multi-label or regression model this server
+gives the model's own scores instead. Each text is its own request to the engine, so the
+batcher joins them."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from functools import lru_cache
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from serving.classify import FUNCTIONS, Classifier, Pair
+from serving.engine import Engine
+from serving.errors import InvalidArgument
+from serving.http import tei_api
+from serving.http.embeddings_api import MAX_INPUTS, encoder_named
+from serving.http.openai_api import error
+from serving.http.openai_requests import model_named
+from serving.http.rerank_api import pair_outputs
+
+
+@lru_cache(maxsize=4)
+def classifier_of(engine: Engine) -> Classifier:
+    return Classifier(engine)
+
+
+def _sequence(item, where: str) -> tuple[str, str | None]:
+    """One TEI sequence: a text, [text] or [a, b] (a pair)."""
+    if isinstance(item, str):
+        return item, None
+    if isinstance(item, list) and len(item) in (1, 2) and all(isinstance(t, str) for t in item):
+        return item[0], (item[1] if len(item) == 2 else None)
+    raise InvalidArgument(f"{where} must be a string, [string] or a pair [string, string]")
+
+
+def tei_sequences(raw) -> tuple[list[tuple[str, str | None]], bool]:
+    """TEI's `inputs` as it reads them: a string, a pair of strings, or a batch of [text] and
+    [a, b] lists (a batch exactly when the first item is itself a list); and whether a batch."""
+    if isinstance(raw, list) and raw and isinstance(raw[0], list):
+        if len(raw) > MAX_INPUTS:
+            raise InvalidArgument(f"'inputs' holds {len(raw)} items; at most {MAX_INPUTS}")
+        return [_sequence(x, f"inputs[{i}]") for i, x in enumerate(raw)], True
+    if raw == [] or raw == "":
+        raise tei_api.Empty("'inputs' cannot be empty")
+    return [_sequence(raw, "'inputs'")], False
+
+
+def _encoded(classifier: Classifier, sequences, truncate: bool, left: bool) -> list[Pair]:
+    pairs = [classifier.encode(a, b, left) for a, b in sequences]
+    long = [i for i, p in enumerate(pairs) if p.truncated]
+    if long and not truncate:
+        raise InvalidArgument(f"inputs[{long[0]}] is longer than the model's "
+                              f"{classifier.max_tokens} tokens and 'truncate' is false")
+    return pairs
+
+
+async def predict_body(frontend, body: dict) -> Response:
+    engine = encoder_named(frontend, frontend.slot.name)
+    classifier = classifier_of(engine)
+    sequences, batch = tei_sequences(body.get("inputs"))
+    pairs = _encoded(classifier, sequences, tei_api.flag(body, "truncate", True),
+                     tei_api.from_left(body))
+    raw = tei_api.flag(body, "raw_scores", False)
+    ranked = [classifier.ranked(classifier.scores(o, "none" if raw else None))
+              for o in await pair_outputs(frontend, engine, classifier, pairs)]
+    return JSONResponse(ranked if batch else ranked[0])
+
+
+async def predict(frontend, request: Request) -> Response:
+    return await predict_body(frontend, await frontend.json(request))
+
+
+def _function(parameters: dict) -> str | None:
+    function = parameters.get("function_to_apply")
+    if function is None:
+        return None
+    if not isinstance(function, str) or function.lower() not in FUNCTIONS:
+        raise InvalidArgument(f"'function_to_apply' must be one of {list(FUNCTIONS)}")
+    return function.lower()
+
+
+def _top(parameters: dict, count: int) -> int:
+    top = parameters.get("top_k")
+    if top is None:
+        return count
+    if isinstance(top, bool) or not isinstance(top, int) or top < 1:
+        raise InvalidArgument("'top_k' must be a positive integer")
+    return top
+
+
+async def inference_api(frontend, body: dict) -> Response:
+    """Hugging Face's Inference API for text classification (a body with `parameters`)."""
+    parameters = body.get("parameters") or {}
+    if not isinstance(parameters, dict):
+        raise InvalidArgument("'parameters' must be an object")
+    engine = encoder_named(frontend, frontend.slot.name)
+    classifier = classifier_of(engine)
+    raw = body.get("inputs")
+    texts = [raw] if isinstance(raw, str) else raw
+    if not isinstance(texts, list) or not texts or len(texts) > MAX_INPUTS or \
+            any(not isinstance(t, str) for t in texts):
+        raise InvalidArgument(f"'inputs' must be a string or a list of up to {MAX_INPUTS} "
+                              "strings")
+    function, top = _function(parameters), _top(parameters, len(classifier.labels))
+    pairs = [classifier.encode(t) for t in texts]
+    return JSONResponse([classifier.ranked(classifier.scores(o, function), top)
+                         for o in await pair_outputs(frontend, engine, classifier, pairs)])
+
+
+def _activated(body: dict) -> bool:
+    """vLLM's `use_activation` (and its older names, `activation` and `softmax`)."""
+    for name in ("use_activation", "activation", "softmax"):
+        value = body.get(name)
+        if value is not None:
+            if not isinstance(value, bool):
+                raise InvalidArgument(f"'{name}' must be true or false")
+            return value
+    return True
+
+
+def _kept(body: dict) -> int | None:
+    """vLLM's `truncate_prompt_tokens`: keep the last k tokens (-1: the model's length)."""
+    k = body.get("truncate_prompt_tokens")
+    if k is None or k == -1:
+        return None
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise InvalidArgument("'truncate_prompt_tokens' must be a positive integer or -1")
+    return k
+
+
+def _last(pair: Pair, k: int | None) -> Pair:
+    if k is None or len(pair.ids) <= k:
+        return pair
+    return Pair(pair.ids[-k:], pair.types[-k:], True)
+
+
+async def classify(frontend, request: Request) -> Response:
+    body = await frontend.json(request)
+    name = model_named(frontend, body)
+    engine = encoder_named(frontend, name)
+    classifier = classifier_of(engine)
+    raw = body.get("input")
+    texts = [raw] if isinstance(raw, str) else raw
+    if not isinstance(texts, list) or not texts or any(not isinstance(t, str) or not t
+                                                       for t in texts):
+        raise InvalidArgument("'input' must be a non-empty string or a non-empty list of "
+                              "non-empty strings")
+    if len(texts) > MAX_INPUTS:
+        raise InvalidArgument(f"'input' holds {len(texts)} items; at most {MAX_INPUTS}")
+    activated, k = _activated(body), _kept(body)
+    pairs = [_last(classifier.encode(t), k) for t in texts]
+    outputs = await pair_outputs(frontend, engine, classifier, pairs)
+    data = []
+    for i, o in enumerate(outputs):
+        probs = classifier.scores(o, None if activated else "none")
+        data.append({"index": i, "label": classifier.labels[int(probs.argmax())],
+                     "probs": probs.tolist(), "num_classes": len(probs)})
+    tokens = sum(len(p.ids) for p in pairs)
+    return JSONResponse({
+        "id": "classify-" + uuid.uuid4().hex, "object": "list", "created": int(time.time()),
+        "model": name, "data": data,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0,
+                  "prompt_tokens_details": None}})
+
+
+ROUTES = [("/predict", ["POST"], "tei/predict", predict, tei_api.error),
+          ("/classify", ["POST"], "classify", classify, error),
+          ("/v1/classify", ["POST"], "v1/classify", classify, error)]
