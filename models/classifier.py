@@ -1,13 +1,18 @@
-"""A sequence classifier as Hugging Face Optimum exports one (`optimum-cli export onnx --task
-text-classification`): a BERT with three labels (id2label negative / neutral / positive),
-random weights with the classification head scaled up so that the labels' scores differ
-clearly, models/cross_encoder.py's WordPiece tokenizer (BERT's pair template, for NLI-style
-pairs). The folder holds what the export writes: model.onnx (inputs input_ids /
-attention_mask / token_type_ids, output logits (batch, 3)), config.json, the tokenizer files;
-the weights stay beside it for the tests' reference (transformers' pipeline). Cached under
-$SHAPETUNER_CACHE like models/build.py's.
+"""BERT's task heads as Hugging Face Optimum exports them (`optimum-cli export onnx --task
+TASK`), random weights, models/cross_encoder.py's WordPiece tokenizer (BERT's pair template):
 
-    python -m models.classifier OUT
+- `text-classification`: a sequence classifier with an NLI model's three labels (id2label
+  contradiction / neutral / entailment, as MNLI models name them), its head scaled up so that
+  the labels' scores differ clearly; logits (batch, 3);
+- `token-classification`: a named-entity tagger (O, B-PER, I-PER, B-LOC, I-LOC); logits
+  (batch, sequence, 5);
+- `fill-mask`: a masked LM; logits (batch, sequence, vocabulary).
+
+The folder holds what the export writes: model.onnx (inputs input_ids / attention_mask /
+token_type_ids), config.json, the tokenizer files; the weights stay beside it for the tests'
+reference (transformers' pipelines). Cached under $SHAPETUNER_CACHE like models/build.py's.
+
+    python -m models.classifier OUT [--task TASK]
 """
 
 from __future__ import annotations
@@ -25,24 +30,32 @@ from models.build import SEED, _cache_dir
 from models.cross_encoder import CONFIG, CORPUS, _tokenizer
 from models.once import build_once
 
-LABELS = ("negative", "neutral", "positive")
-HEAD_SCALE = 40.0  # the head's weights times this: softmax scores far from a uniform third
-LAYOUT = 1  # bump when what is built changes (the cache key)
+LABELS = ("contradiction", "neutral", "entailment")
+ENTITIES = ("O", "B-PER", "I-PER", "B-LOC", "I-LOC")
+# each task: the transformers class, its labels (None: a masked LM's vocabulary)
+TASKS = {"text-classification": ("BertForSequenceClassification", LABELS),
+         "token-classification": ("BertForTokenClassification", ENTITIES),
+         "fill-mask": ("BertForMaskedLM", None)}
+HEAD_SCALE = 40.0  # a head's weights times this: softmax scores far from uniform
+LAYOUT = 2  # bump when what is built changes (the cache key)
 
 
-def write_folder(folder: Path) -> Path:
+def write_folder(folder: Path, task: str = "text-classification") -> Path:
     """The Hugging Face folder: config, weights, tokenizer files."""
     import torch
     import transformers
 
     tok = _tokenizer()
     torch.manual_seed(SEED)
-    config = transformers.BertConfig(
-        vocab_size=tok.get_vocab_size(), **{**CONFIG, "num_labels": len(LABELS)},
-        id2label=dict(enumerate(LABELS)), label2id={n: i for i, n in enumerate(LABELS)})
-    model = transformers.BertForSequenceClassification(config).eval()
-    with torch.no_grad():
-        model.classifier.weight.mul_(HEAD_SCALE)
+    kind, labels = TASKS[task]
+    named = {} if labels is None else dict(
+        num_labels=len(labels), id2label=dict(enumerate(labels)),
+        label2id={n: i for i, n in enumerate(labels)})
+    config = transformers.BertConfig(vocab_size=tok.get_vocab_size(), **{**CONFIG, **named})
+    model = getattr(transformers, kind)(config).eval()
+    if labels is not None:
+        with torch.no_grad():
+            model.classifier.weight.mul_(HEAD_SCALE)
     model.save_pretrained(folder)
     transformers.BertTokenizerFast(
         tokenizer_object=tok, unk_token="[UNK]", sep_token="[SEP]", pad_token="[PAD]",
@@ -51,22 +64,25 @@ def write_folder(folder: Path) -> Path:
     return folder
 
 
-def cached() -> Path:
+def cached(task: str = "text-classification") -> Path:
     """The folder (weights, config, tokenizer and Optimum's model.onnx), built on first use."""
     import torch
     import transformers
 
-    key = hashlib.sha256(json.dumps([CONFIG, CORPUS[:5], LABELS, HEAD_SCALE, SEED, LAYOUT,
-                                     torch.__version__, transformers.__version__,
+    if task not in TASKS:
+        raise ValueError(f"no task {task!r}; tasks: {', '.join(TASKS)}")
+    key = hashlib.sha256(json.dumps([task, TASKS[task], CONFIG, CORPUS[:5], HEAD_SCALE, SEED,
+                                     LAYOUT, torch.__version__, transformers.__version__,
                                      *optimum.REQUIREMENTS]).encode()).hexdigest()[:12]
     folder = _cache_dir() / f"classifier-{key}"
 
     def build() -> None:
+        folder.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=".classifier-", dir=folder.parent))
         try:
-            write_folder(tmp / "hf")
-            job = [str(tmp / "hf"), "text-classification", str(tmp / "onnx"), None, "fp32"]
-            optimum.run_jobs("_optimum_job.py", [job], tmp, "the classifier")
+            write_folder(tmp / "hf", task)
+            job = [str(tmp / "hf"), task, str(tmp / "onnx"), None, "fp32"]
+            optimum.run_jobs("_optimum_job.py", [job], tmp, f"the {task} model")
             shutil.copy(tmp / "onnx" / "model.onnx", tmp / "hf" / "model.onnx")
             os.replace(tmp / "hf", folder)
         finally:
@@ -79,8 +95,9 @@ def cached() -> Path:
 def _main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path, help="where to copy the folder")
+    parser.add_argument("--task", choices=list(TASKS), default="text-classification")
     args = parser.parse_args(argv)
-    shutil.copytree(cached(), args.out, dirs_exist_ok=True)
+    shutil.copytree(cached(args.task), args.out, dirs_exist_ok=True)
     print(args.out / "model.onnx")
     return 0
 

@@ -95,12 +95,25 @@ class Pair:
     truncated: bool = False  # cut to the model's length
 
 
-def _cutting(tokenizer, max_tokens: int, direction: str):
+def _cutting(tokenizer, max_tokens: int, direction: str, strategy: str):
     from tokenizers import Tokenizer
 
-    copy = Tokenizer.from_str(tokenizer.to_str())  # each direction its own: no shared state
-    copy.enable_truncation(max_tokens, strategy="longest_first", direction=direction)
+    copy = Tokenizer.from_str(tokenizer.to_str())  # each way of cutting its own copy
+    copy.enable_truncation(max_tokens, strategy=strategy, direction=direction)
     return copy
+
+
+def zero_shot_scores(logits: np.ndarray, entailment: int, multi_label: bool) -> np.ndarray:
+    """transformers' zero-shot pipeline on an NLI model's logits (labels, classes), one row per
+    candidate label (the text paired with its hypothesis): the entailment logits' softmax over
+    the labels, or for `multi_label` (or one label) each label's entailment against its
+    contradiction (index 0, or the last when entailment is 0)."""
+    x = logits.astype(np.float64)
+    if multi_label or len(x) == 1:
+        pair = x[:, [-1 if entailment == 0 else 0, entailment]]
+        e = np.exp(pair - pair.max(axis=1, keepdims=True))
+        return e[:, 1] / e.sum(axis=1)
+    return apply("softmax", x[:, entailment])
 
 
 class Classifier:
@@ -118,7 +131,9 @@ class Classifier:
         self.function = default_function(folder, width)
         self.max_tokens = _length(folder)
         tokenizer = engine_tokenizer(engine)
-        self._tokenizers = {d: _cutting(tokenizer, self.max_tokens, d) for d in ("right", "left")}
+        self._tokenizers = {(d, how): _cutting(tokenizer, self.max_tokens, d, how)
+                            for d, how in (("right", "longest_first"), ("left", "longest_first"),
+                                           ("right", "only_first"))}
         makers = {TOKEN_IDS: lambda p: p.ids, TOKEN_TYPE_IDS: lambda p: p.types,
                   ATTENTION_MASK: lambda p: (1,) * len(p.ids),
                   POSITION_IDS: lambda p: tuple(range(len(p.ids)))}
@@ -129,11 +144,23 @@ class Classifier:
                                   f"{unknown or 'no token ids'}")
         self._inputs = [(s.name, makers[s.role], s.dtype) for s in specs]
 
-    def encode(self, text: str, second: str | None = None, left: bool = False) -> Pair:
-        """A text (or a pair) cut to the model's length from the right, or the left."""
-        tokenizer = self._tokenizers["left" if left else "right"]
+    def encode(self, text: str, second: str | None = None, left: bool = False,
+               only_first: bool = False) -> Pair:
+        """A text (or a pair) cut to the model's length from the right, or the left; a pair
+        from the longer text, or (`only_first`) from the first alone."""
+        tokenizer = self._tokenizers[("left" if left else "right",
+                                      "only_first" if only_first else "longest_first")]
         encoding = tokenizer.encode(text) if second is None else tokenizer.encode(text, second)
         return Pair(tuple(encoding.ids), tuple(encoding.type_ids), bool(encoding.overflowing))
+
+    def entailment(self) -> int:
+        """The NLI label zero-shot classification reads (the first named entail...)."""
+        found = [i for i, name in enumerate(self.labels) if name.lower().startswith("entail")]
+        if not found:
+            raise InvalidArgument(f"model '{self.engine.name}' has no entailment label (its "
+                                  f"labels: {list(self.labels)}): zero-shot classification "
+                                  "needs an NLI model")
+        return found[0]
 
     def feeds(self, pair: Pair) -> dict[str, np.ndarray]:
         return {name: np.array([make(pair)], dtype) for name, make, dtype in self._inputs}

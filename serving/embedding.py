@@ -19,6 +19,7 @@ from typing import Mapping
 
 import numpy as np
 
+from serving.classify import LOGITS
 from serving.errors import InvalidArgument
 from serving.text_config import read_json
 from serving.tokenizer import engine_tokenizer
@@ -160,14 +161,18 @@ class Embedder:
             tokenizer.enable_truncation(pooling.max_tokens)
         outputs = {s.name: s for s in engine.model.signature.outputs}
         given = outputs.get(SENTENCE_OUTPUT)
-        tokens = [s for s in outputs.values() if len(s.shape) == 3]
+        # a token classifier's or a masked LM's `logits` are (batch, sequence, labels or
+        # vocabulary) too, and pooling them gives a vector that means nothing
+        tokens = [s for s in outputs.values() if len(s.shape) == 3 and s.name != LOGITS]
         if given is not None and len(given.shape) == 2:
             self.output, self.pooled = SENTENCE_OUTPUT, True
         elif tokens:
             self.output, self.pooled = tokens[0].name, False
         else:
+            what = " (its 'logits' are a token classifier's or a masked LM's scores)" \
+                if LOGITS in outputs else ""
             raise InvalidArgument(f"model '{engine.name}' has no output of token embeddings "
-                                  "(batch, sequence, hidden) to pool")
+                                  f"(batch, sequence, hidden) to pool{what}")
         makers = {TOKEN_IDS: lambda ids: ids, ATTENTION_MASK: np.ones_like,
                   TOKEN_TYPE_IDS: np.zeros_like,
                   POSITION_IDS: lambda ids: np.arange(ids.shape[1], dtype=np.int64)[None]}

@@ -114,6 +114,26 @@ def test_huggingface_hubs_inference_client(server, monkeypatch) -> None:
     _same([{"label": x.label, "score": x.score} for x in top], want)
 
 
+def test_zero_shot_classification_through_the_inference_client(server, monkeypatch) -> None:
+    """The NLI labels make the classifier a zero-shot one: each candidate label's hypothesis
+    paired with the text, scored as transformers' zero-shot pipeline scores it."""
+    from huggingface_hub import InferenceClient, constants
+    from transformers import pipeline
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    client = InferenceClient(model=f"http://127.0.0.1:{server.http_port}", timeout=60)
+    reference = pipeline("zero-shot-classification", model=str(cached()), device="cpu")
+    labels = ["foxes", "dogs", "cats at night"]
+    for options in ({}, {"multi_label": True},
+                    {"hypothesis_template": "This is about {}.", "multi_label": False}):
+        got = client.zero_shot_classification(TEXTS[0], labels, **options)
+        want = reference(TEXTS[0], labels, **options)
+        assert [x.label for x in got] == want["labels"]
+        assert [x.score for x in got] == pytest.approx(want["scores"], abs=1e-4)
+    assert sum(x.score for x in client.zero_shot_classification(TEXTS[1], labels)) == \
+        pytest.approx(1.0)  # one label true: a softmax over the labels
+
+
 def test_vllms_classify(server) -> None:
     body = _post(server, "/classify", {"model": server.slot.name, "input": TEXTS}).json()
     assert body["object"] == "list" and body["id"].startswith("classify-")
@@ -138,6 +158,10 @@ def test_vllms_classify(server) -> None:
     ("/", {"inputs": "a", "parameters": {"function_to_apply": "tanh"}}, 422,
      "'function_to_apply' must be one of"),
     ("/v1/rerank", {"query": "a", "documents": ["b"]}, 400, "is not a reranker"),
+    ("/", {"inputs": "a", "parameters": {"candidate_labels": []}}, 422, "candidate_labels"),
+    ("/", {"inputs": "a", "parameters": {"candidate_labels": ["x"],
+                                         "hypothesis_template": "no slot"}}, 422, "with a \\{\\}"),
+    ("/v1/embeddings", {"input": "a"}, 400, "no output of token embeddings"),
 ])
 def test_bad_requests_name_the_fault(server, path, body, status, says) -> None:
     import re

@@ -15,6 +15,9 @@
                               (serving/http/hf_routes.py): {"inputs": text | [text],
                               "parameters": {"top_k", "function_to_apply"}} -> a list of
                               [{"label", "score"}] per text, highest first
+  zero_shot(...)              its zero-shot classification on an NLI model (InferenceClient.
+                              zero_shot_classification: `parameters` with `candidate_labels`,
+                              `multi_label`, `hypothesis_template`) -> [{"label", "score"}]
 
 The scores are the logits through the function transformers' pipeline applies for the model
 (softmax; sigmoid for one label or a multi-label model; none for regression). TEI applies
@@ -28,10 +31,11 @@ import time
 import uuid
 from functools import lru_cache
 
+import numpy as np
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from serving.classify import FUNCTIONS, Classifier, Pair
+from serving.classify import FUNCTIONS, Classifier, Pair, zero_shot_scores
 from serving.engine import Engine
 from serving.errors import InvalidArgument
 from serving.http import tei_api
@@ -127,6 +131,43 @@ async def inference_api(frontend, body: dict) -> Response:
     pairs = [classifier.encode(t) for t in texts]
     return JSONResponse([classifier.ranked(classifier.scores(o, function), top)
                          for o in await pair_outputs(frontend, engine, classifier, pairs)])
+
+
+def _candidates(raw) -> list[str]:
+    """`candidate_labels`: a list of strings, or one comma-separated string (the pipeline's)."""
+    labels = [x.strip() for x in raw.split(",") if x.strip()] if isinstance(raw, str) else raw
+    if not isinstance(labels, list) or not labels or len(labels) > MAX_INPUTS or \
+            any(not isinstance(x, str) or not x for x in labels):
+        raise InvalidArgument(f"'candidate_labels' must be a non-empty list of up to "
+                              f"{MAX_INPUTS} non-empty strings")
+    return labels
+
+
+async def zero_shot(frontend, body: dict) -> Response:
+    """Hugging Face's Inference API for zero-shot classification (what InferenceClient.
+    zero_shot_classification sends: `parameters` with `candidate_labels`), as transformers'
+    pipeline computes it on an NLI model: the text paired with each label's hypothesis."""
+    parameters = body["parameters"]
+    text = body.get("inputs")
+    if not isinstance(text, str) or not text:
+        raise InvalidArgument("'inputs' must be a non-empty string")
+    labels = _candidates(parameters.get("candidate_labels"))
+    template = parameters.get("hypothesis_template") or "This example is {}."
+    if not isinstance(template, str) or template.format(labels[0]) == template:
+        raise InvalidArgument("'hypothesis_template' must be a string with a {} where the "
+                              "label goes")
+    multi = parameters.get("multi_label") or False
+    if not isinstance(multi, bool):
+        raise InvalidArgument("'multi_label' must be true or false")
+    engine = encoder_named(frontend, frontend.slot.name)
+    classifier = classifier_of(engine)
+    entailment = classifier.entailment()
+    pairs = [classifier.encode(text, template.format(x), only_first=True) for x in labels]
+    outputs = await pair_outputs(frontend, engine, classifier, pairs)
+    scores = zero_shot_scores(np.stack([classifier.logits(o) for o in outputs]), entailment,
+                              multi)
+    order = sorted(range(len(labels)), key=lambda i: -scores[i])
+    return JSONResponse([{"label": labels[i], "score": float(scores[i])} for i in order])
 
 
 def _activated(body: dict) -> bool:

@@ -8,7 +8,8 @@ of either calls them:
   POST /       TGI: generate, or its stream when `stream` is true (tgi_api.root);
                a classifier: TEI's predict, or for a body with `parameters` Hugging Face's
                Inference API (what InferenceClient.text_classification sends; one list of
-               labels per text, as that client reads it: serving/http/classify_api.py);
+               labels per text, as that client reads it; with `candidate_labels`, what its
+               zero_shot_classification sends: serving/http/classify_api.py);
                other encoders, TEI as the body is shaped: `inputs` an object with
                `source_sentence` -> similarity (what InferenceClient.sentence_similarity
                sends), `query` with `texts` -> rerank (a cross-encoder), otherwise embed
@@ -61,6 +62,9 @@ async def root(frontend, request: Request) -> Response:
     try:
         body = await frontend.json(request)
         if is_classifier(frontend.slot.find(frontend.slot.name)):
+            parameters = body.get("parameters")
+            if isinstance(parameters, dict) and "candidate_labels" in parameters:
+                return await classify_api.zero_shot(frontend, body)  # on an NLI model
             if "parameters" in body:  # huggingface_hub's InferenceClient.text_classification
                 return await classify_api.inference_api(frontend, body)
             return await classify_api.predict_body(frontend, body)
