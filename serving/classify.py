@@ -45,21 +45,21 @@ def is_classifier(engine) -> bool:
     return width is not None and width > 1
 
 
-def _config(folder: Path | None) -> dict:
+def read_config(folder: Path | None) -> dict:
     config = read_json(folder / "config.json") if folder is not None else None
     return config if isinstance(config, dict) else {}
 
 
 def label_names(folder: Path | None, count: int) -> tuple[str, ...]:
     """config.json's id2label for each of `count` outputs (LABEL_i, transformers' default)."""
-    names = _config(folder).get("id2label")
+    names = read_config(folder).get("id2label")
     names = names if isinstance(names, dict) else {}
     return tuple(str(names.get(str(i), f"LABEL_{i}")) for i in range(count))
 
 
 def default_function(folder: Path | None, count: int) -> str:
     """What transformers' text-classification pipeline applies to this model's logits."""
-    problem = _config(folder).get("problem_type")
+    problem = read_config(folder).get("problem_type")
     if problem == "regression":
         return "none"
     if problem == "multi_label_classification" or count == 1:
@@ -94,6 +94,11 @@ class Pair:
     types: tuple[int, ...]
     truncated: bool = False  # cut to the model's length
 
+    @staticmethod
+    def of(encoding) -> "Pair":
+        """A `tokenizers` Encoding's ids and token types."""
+        return Pair(tuple(encoding.ids), tuple(encoding.type_ids), bool(encoding.overflowing))
+
 
 def _cutting(tokenizer, max_tokens: int, direction: str, strategy: str):
     from tokenizers import Tokenizer
@@ -116,22 +121,15 @@ def zero_shot_scores(logits: np.ndarray, entailment: int, multi_label: bool) -> 
     return apply("softmax", x[:, entailment])
 
 
-class Classifier:
-    """An encoder engine's classifier: the feeds of a text or pair, its labels' scores.
-    InvalidArgument when the model has no `logits` (batch, labels) output, or inputs a text
-    cannot fill."""
+class TextFeeds:
+    """An encoder engine's feeds for a text or a pair of texts, cut to the model's length
+    (InvalidArgument when the graph takes inputs a text cannot fill)."""
 
     def __init__(self, engine) -> None:
         self.engine, folder = engine, engine.model.folder
-        width = logits_width(engine)
-        if width is None:
-            raise InvalidArgument(f"model '{engine.name}' is not a sequence classifier: that "
-                                  "needs a 'logits' output of (batch, labels)")
-        self.labels = label_names(folder, width)
-        self.function = default_function(folder, width)
         self.max_tokens = _length(folder)
-        tokenizer = engine_tokenizer(engine)
-        self._tokenizers = {(d, how): _cutting(tokenizer, self.max_tokens, d, how)
+        self.tokenizer = engine_tokenizer(engine)
+        self._tokenizers = {(d, how): _cutting(self.tokenizer, self.max_tokens, d, how)
                             for d, how in (("right", "longest_first"), ("left", "longest_first"),
                                            ("right", "only_first"))}
         makers = {TOKEN_IDS: lambda p: p.ids, TOKEN_TYPE_IDS: lambda p: p.types,
@@ -144,14 +142,36 @@ class Classifier:
                                   f"{unknown or 'no token ids'}")
         self._inputs = [(s.name, makers[s.role], s.dtype) for s in specs]
 
-    def encode(self, text: str, second: str | None = None, left: bool = False,
-               only_first: bool = False) -> Pair:
-        """A text (or a pair) cut to the model's length from the right, or the left; a pair
-        from the longer text, or (`only_first`) from the first alone."""
+    def encoding(self, text: str, second: str | None = None, left: bool = False,
+                 only_first: bool = False):
+        """The tokenizer's Encoding (ids, offsets, special tokens) of a text or a pair, cut to
+        the model's length from the right, or the left; a pair from the longer text, or
+        (`only_first`) from the first alone."""
         tokenizer = self._tokenizers[("left" if left else "right",
                                       "only_first" if only_first else "longest_first")]
-        encoding = tokenizer.encode(text) if second is None else tokenizer.encode(text, second)
-        return Pair(tuple(encoding.ids), tuple(encoding.type_ids), bool(encoding.overflowing))
+        return tokenizer.encode(text) if second is None else tokenizer.encode(text, second)
+
+    def encode(self, text: str, second: str | None = None, left: bool = False,
+               only_first: bool = False) -> Pair:
+        return Pair.of(self.encoding(text, second, left, only_first))
+
+    def feeds(self, pair: Pair) -> dict[str, np.ndarray]:
+        return {name: np.array([make(pair)], dtype) for name, make, dtype in self._inputs}
+
+
+class Classifier(TextFeeds):
+    """An encoder engine's classifier: the feeds of a text or pair, its labels' scores.
+    InvalidArgument when the model has no `logits` (batch, labels) output, or inputs a text
+    cannot fill."""
+
+    def __init__(self, engine) -> None:
+        width = logits_width(engine)
+        if width is None:
+            raise InvalidArgument(f"model '{engine.name}' is not a sequence classifier: that "
+                                  "needs a 'logits' output of (batch, labels)")
+        super().__init__(engine)
+        self.labels = label_names(engine.model.folder, width)
+        self.function = default_function(engine.model.folder, width)
 
     def entailment(self) -> int:
         """The NLI label zero-shot classification reads (the first named entail...)."""
@@ -161,9 +181,6 @@ class Classifier:
                                   f"labels: {list(self.labels)}): zero-shot classification "
                                   "needs an NLI model")
         return found[0]
-
-    def feeds(self, pair: Pair) -> dict[str, np.ndarray]:
-        return {name: np.array([make(pair)], dtype) for name, make, dtype in self._inputs}
 
     def logits(self, outputs: dict[str, np.ndarray]) -> np.ndarray:
         return np.asarray(outputs[LOGITS][0])  # (labels,)

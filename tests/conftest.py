@@ -115,18 +115,11 @@ def reference_model():
 def cross_encoder_artifact(tmp_path_factory) -> Path:
     """`tuner optimize` of models/cross_encoder.py's reranker (a BERT classifier with one
     label and its tokenizer), for the rerank tests and the benchmarking tools' one."""
-    import subprocess
-    import sys
+    from llm_support import optimized_encoder
 
     from models.cross_encoder import cached
 
-    out = tmp_path_factory.mktemp("rerank") / "out"
-    r = subprocess.run([sys.executable, "-m", "tuner", "optimize", str(cached() / "model.onnx"),
-                        "-o", str(out), "--max-seq", "128", "--max-batch", "4", "--rounds", "2",
-                        "--bucket-rounds", "1", "--max-variants", "1", "--no-probe",
-                        "--no-fuse", "--no-cache"], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return out
+    return optimized_encoder(cached() / "model.onnx", tmp_path_factory.mktemp("rerank") / "out")
 
 
 @pytest.fixture(scope="session")

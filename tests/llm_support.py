@@ -209,6 +209,20 @@ def start(out: Path, **options) -> Server:
     return server
 
 
+def optimized_encoder(model: Path, out: Path) -> Path:
+    """`tuner optimize` of a small encoder export (its folder's config and tokenizer go with
+    it), quickly: one bucket round, one variant, no probe, no fusion."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "tuner", "optimize", str(model), "-o", str(out),
+                        "--max-seq", "128", "--max-batch", "4", "--rounds", "2",
+                        "--bucket-rounds", "1", "--max-variants", "1", "--no-probe",
+                        "--no-fuse", "--no-cache"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out
+
+
 def openai_client(server, key: str = "unused"):
     """The real openai client on a server's HTTP port (no retries: a failure shows)."""
     import openai

@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 import requests
-from llm_support import start
+from llm_support import optimized_encoder, start
 
 from models.classifier import LABELS, cached
 
@@ -28,13 +26,8 @@ LONG = "mice " * 200  # past the model's 128 tokens
 
 @pytest.fixture(scope="module")
 def artifact(tmp_path_factory):
-    out = tmp_path_factory.mktemp("classifier") / "out"
-    r = subprocess.run([sys.executable, "-m", "tuner", "optimize", str(cached() / "model.onnx"),
-                        "-o", str(out), "--max-seq", "128", "--max-batch", "4", "--rounds", "2",
-                        "--bucket-rounds", "1", "--max-variants", "1", "--no-probe",
-                        "--no-fuse", "--no-cache"], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return out
+    return optimized_encoder(cached() / "model.onnx",
+                             tmp_path_factory.mktemp("classifier") / "out")
 
 
 @pytest.fixture(scope="module")

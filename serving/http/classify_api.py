@@ -15,6 +15,10 @@
                               (serving/http/hf_routes.py): {"inputs": text | [text],
                               "parameters": {"top_k", "function_to_apply"}} -> a list of
                               [{"label", "score"}] per text, highest first
+  token_classification(...)   its token classification (InferenceClient.token_classification:
+                              `parameters` with `aggregation_strategy`, `ignore_labels`) ->
+                              [{"entity" or "entity_group", "score", "word", "start", "end"}]
+                              (serving/token_classify.py)
   zero_shot(...)              its zero-shot classification on an NLI model (InferenceClient.
                               zero_shot_classification: `parameters` with `candidate_labels`,
                               `multi_label`, `hypothesis_template`) -> [{"label", "score"}]
@@ -35,7 +39,7 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from serving.classify import FUNCTIONS, Classifier, Pair, zero_shot_scores
+from serving.classify import FUNCTIONS, LOGITS, Classifier, Pair, zero_shot_scores
 from serving.engine import Engine
 from serving.errors import InvalidArgument
 from serving.http import tei_api
@@ -43,6 +47,7 @@ from serving.http.embeddings_api import MAX_INPUTS, encoder_named
 from serving.http.openai_api import error
 from serving.http.openai_requests import model_named
 from serving.http.rerank_api import pair_outputs
+from serving.token_classify import STRATEGIES, Tagger
 
 
 @lru_cache(maxsize=4)
@@ -168,6 +173,40 @@ async def zero_shot(frontend, body: dict) -> Response:
                               multi)
     order = sorted(range(len(labels)), key=lambda i: -scores[i])
     return JSONResponse([{"label": labels[i], "score": float(scores[i])} for i in order])
+
+
+@lru_cache(maxsize=4)
+def tagger_of(engine: Engine) -> Tagger:
+    return Tagger(engine)
+
+
+async def token_classification(frontend, body: dict) -> Response:
+    """Hugging Face's Inference API for a token classifier (what InferenceClient.
+    token_classification sends: `inputs` a text, `parameters` with `aggregation_strategy`,
+    `ignore_labels`) -> its entities, as transformers' pipeline finds them."""
+    parameters = body.get("parameters") or {}
+    if not isinstance(parameters, dict):
+        raise InvalidArgument("'parameters' must be an object")
+    text = body.get("inputs")
+    if not isinstance(text, str) or not text:
+        raise InvalidArgument("'inputs' must be a non-empty string")
+    strategy = parameters.get("aggregation_strategy") or "none"
+    if not isinstance(strategy, str) or strategy.lower() not in STRATEGIES:
+        raise InvalidArgument(f"'aggregation_strategy' must be one of {list(STRATEGIES)}")
+    ignore = parameters.get("ignore_labels")
+    if ignore is None:
+        ignore = ["O"]
+    if not isinstance(ignore, list) or any(not isinstance(x, str) for x in ignore):
+        raise InvalidArgument("'ignore_labels' must be a list of labels")
+    if parameters.get("stride") is not None:
+        raise InvalidArgument("'stride' (running a text longer than the model in overlapping "
+                              "windows) is not served: the text is cut to the model's length")
+    engine = encoder_named(frontend, frontend.slot.name)
+    tagger = tagger_of(engine)
+    encoding = tagger.encoding(text)
+    [outputs] = await pair_outputs(frontend, engine, tagger, [Pair.of(encoding)])
+    return JSONResponse(tagger.entities(text, encoding, outputs[LOGITS][0], strategy.lower(),
+                                        tuple(ignore)))
 
 
 def _activated(body: dict) -> bool:

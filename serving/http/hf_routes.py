@@ -10,6 +10,7 @@ of either calls them:
                Inference API (what InferenceClient.text_classification sends; one list of
                labels per text, as that client reads it; with `candidate_labels`, what its
                zero_shot_classification sends: serving/http/classify_api.py);
+               a token classifier: its entities (InferenceClient.token_classification);
                other encoders, TEI as the body is shaped: `inputs` an object with
                `source_sentence` -> similarity (what InferenceClient.sentence_similarity
                sends), `query` with `texts` -> rerank (a cross-encoder), otherwise embed
@@ -29,6 +30,7 @@ from serving.decoder import DecoderEngine
 from serving.http import classify_api, rerank_api, tei_api, tgi_api
 from serving.http.embeddings_api import embedder_of
 from serving.rerank import is_cross_encoder
+from serving.token_classify import is_token_classifier
 
 
 def _serves_text(frontend) -> bool:
@@ -61,7 +63,10 @@ async def root(frontend, request: Request) -> Response:
             return tgi_api.error(e)
     try:
         body = await frontend.json(request)
-        if is_classifier(frontend.slot.find(frontend.slot.name)):
+        engine = frontend.slot.find(frontend.slot.name)
+        if is_token_classifier(engine):  # InferenceClient.token_classification
+            return await classify_api.token_classification(frontend, body)
+        if is_classifier(engine):
             parameters = body.get("parameters")
             if isinstance(parameters, dict) and "candidate_labels" in parameters:
                 return await classify_api.zero_shot(frontend, body)  # on an NLI model
