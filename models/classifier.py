@@ -6,7 +6,8 @@ TASK`), random weights, models/cross_encoder.py's WordPiece tokenizer (BERT's pa
   the labels' scores differ clearly; logits (batch, 3);
 - `token-classification`: a named-entity tagger (O, B-PER, I-PER, B-LOC, I-LOC); logits
   (batch, sequence, 5);
-- `fill-mask`: a masked LM; logits (batch, sequence, vocabulary).
+- `fill-mask`: a masked LM; logits (batch, sequence, vocabulary); `splade_repo()` holds it
+  as a SPLADE model's repository (sentence-transformers' SparseEncoder files, onnx/).
 
 The folder holds what the export writes: model.onnx (inputs input_ids / attention_mask /
 token_type_ids), config.json, the tokenizer files; the weights stay beside it for the tests'
@@ -89,6 +90,35 @@ def cached(task: str = "text-classification") -> Path:
             shutil.rmtree(tmp, ignore_errors=True)
 
     build_once(folder, (folder / "model.onnx").is_file, build)
+    return folder
+
+
+def splade_repo() -> Path:
+    """The masked LM as a SPLADE model's hub repository holds it: sentence-transformers'
+    SparseEncoder files at the top (modules.json naming SpladePooling, max pooling of
+    log1p(relu(logits)); 1_SpladePooling/config.json; the weights) and the Optimum export at
+    onnx/model.onnx."""
+    import sentence_transformers
+    from sentence_transformers import SparseEncoder
+    from sentence_transformers.sparse_encoder.modules import SpladePooling, Transformer
+
+    mlm = cached("fill-mask")
+    folder = mlm.with_name(mlm.name + f"-splade-{sentence_transformers.__version__}")
+
+    def build() -> None:
+        tmp = Path(tempfile.mkdtemp(prefix=".splade-", dir=folder.parent))
+        try:
+            encoder = SparseEncoder(modules=[Transformer(str(mlm), transformer_task="fill-mask"),
+                                             SpladePooling("max")], device="cpu")
+            encoder.save(str(tmp))
+            (tmp / "onnx").mkdir()
+            shutil.copy(mlm / "model.onnx", tmp / "onnx" / "model.onnx")
+            os.replace(tmp, folder)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+    build_once(folder, (folder / "onnx" / "model.onnx").is_file, build)
     return folder
 
 

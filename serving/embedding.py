@@ -169,8 +169,8 @@ class Embedder:
         elif tokens:
             self.output, self.pooled = tokens[0].name, False
         else:
-            what = " (its 'logits' are a token classifier's or a masked LM's scores)" \
-                if LOGITS in outputs else ""
+            what = " (its 'logits' are a token classifier's or a masked LM's scores; a " \
+                "SPLADE model's sparse vectors: POST /embed_sparse)" if LOGITS in outputs else ""
             raise InvalidArgument(f"model '{engine.name}' has no output of token embeddings "
                                   f"(batch, sequence, hidden) to pool{what}")
         makers = {TOKEN_IDS: lambda ids: ids, ATTENTION_MASK: np.ones_like,

@@ -4,13 +4,15 @@ Inference for an encoder one: an embedding model, a reranker or a classifier), s
 of either calls them:
 
   GET  /info   TGI's or TEI's model info (limits, the model's kind: generation, embedding
-               with its pooling, reranker or classifier with their labels)
+               with its pooling (splade for a sparse one), reranker or classifier with
+               their labels)
   POST /       TGI: generate, or its stream when `stream` is true (tgi_api.root);
                a classifier: TEI's predict, or for a body with `parameters` Hugging Face's
                Inference API (what InferenceClient.text_classification sends; one list of
                labels per text, as that client reads it; with `candidate_labels`, what its
                zero_shot_classification sends: serving/http/classify_api.py);
                a token classifier: its entities (InferenceClient.token_classification);
+               a SPLADE model: TEI's embed_sparse;
                other encoders, TEI as the body is shaped: `inputs` an object with
                `source_sentence` -> similarity (what InferenceClient.sentence_similarity
                sends), `query` with `texts` -> rerank (a cross-encoder), otherwise embed
@@ -30,6 +32,7 @@ from serving.decoder import DecoderEngine
 from serving.http import classify_api, rerank_api, tei_api, tgi_api
 from serving.http.embeddings_api import embedder_of
 from serving.rerank import is_cross_encoder
+from serving.sparse import is_sparse
 from serving.token_classify import is_token_classifier
 
 
@@ -41,7 +44,9 @@ async def info(frontend, request: Request) -> Response:
     engine = frontend.slot.find(frontend.slot.name)
     if isinstance(engine, DecoderEngine):
         return JSONResponse(tgi_api.info(frontend, engine))
-    if is_cross_encoder(engine):  # TEI's reranker (one label) or classifier (several)
+    if is_sparse(engine):  # TEI's --pooling splade
+        kind, limit = {"embedding": {"pooling": "splade"}}, tei_api.sparse_of(engine).max_tokens
+    elif is_cross_encoder(engine):  # TEI's reranker (one label) or classifier (several)
         classifier = classify_api.classifier_of(engine)
         labels = classifier.labels
         kind = {"classifier" if is_classifier(engine) else "reranker": {
@@ -64,6 +69,8 @@ async def root(frontend, request: Request) -> Response:
     try:
         body = await frontend.json(request)
         engine = frontend.slot.find(frontend.slot.name)
+        if is_sparse(engine):  # TEI routes / to embed_sparse for a SPLADE model
+            return await tei_api.embed_sparse_body(frontend, body)
         if is_token_classifier(engine):  # InferenceClient.token_classification
             return await classify_api.token_classification(frontend, body)
         if is_classifier(engine):

@@ -9,6 +9,9 @@ Haystack's classes on them), LlamaIndex's `TextEmbeddingsInference`:
   POST /similarity   {"inputs": {"source_sentence": str, "sentences": [str]},
                       "parameters": {"truncate", "truncation_direction", "prompt_name"}}
                      ->  [cosine similarity of each sentence with the source]
+  POST /embed_sparse {"inputs", "truncate", "truncation_direction", "prompt_name"} ->
+                     [[{"index": int, "value": float}, ...], ...]: a SPLADE model's
+                     non-zero entries (serving/sparse.py)
   info(...)          TEI's `GET /info` body (serving/http/hf_routes.py routes it, and `POST /`)
 
 As TEI computes them: the pooled vector (sentence-transformers' Pooling config, mean without
@@ -20,16 +23,21 @@ TEI's `{"error", "error_type"}`: 422 Validation, 400 Empty."""
 
 from __future__ import annotations
 
+import asyncio
+from functools import lru_cache
+
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 import serving
-from serving.embedding import Embedder, cosine, normalized
+from serving.classify import LOGITS
+from serving.embedding import Embedder, cosine, load_prompts, normalized
 from serving.engine import Engine
 from serving.errors import InvalidArgument
 from serving.http.codec import http_status_for
 from serving.http.embeddings_api import (MAX_INPUTS, embed_rows, embedder_of, encoder_named,
                                          texts_of)
+from serving.sparse import SparseEmbedder
 
 # sentence-transformers' Pooling modes under TEI's names for them
 _POOLING_NAMES = {"cls_token": "cls", "mean_tokens": "mean", "max_tokens": "max",
@@ -67,15 +75,15 @@ def from_left(body: dict) -> bool:
     return direction.lower() == "left"
 
 
-def _prompt(embedder: Embedder, name) -> str:
+def _prompt(prompts: dict[str, str], name) -> str:
     if name is None:
         return ""
-    if not isinstance(name, str) or name not in embedder.prompts:
-        known = sorted(embedder.prompts) or "none: the artifact has no " \
-                                             "config_sentence_transformers.json prompts"
+    if not isinstance(name, str) or name not in prompts:
+        known = sorted(prompts) or "none: the artifact has no " \
+                                   "config_sentence_transformers.json prompts"
         raise InvalidArgument(f"'prompt_name' {name!r} is not one of the model's prompts "
                               f"({known})")
-    return embedder.prompts[name]
+    return prompts[name]
 
 
 def text_rows(embedder: Embedder, items: list, body: dict) -> list[list[int]]:
@@ -83,7 +91,7 @@ def text_rows(embedder: Embedder, items: list, body: dict) -> list[list[int]]:
     is refused when `truncate` is false (cut otherwise, as TEI's --auto-truncate, its
     default)."""
     truncate, left = flag(body, "truncate", True), from_left(body)
-    prompt = _prompt(embedder, body.get("prompt_name"))
+    prompt = _prompt(embedder.prompts, body.get("prompt_name"))
     rows = []
     for i, item in enumerate(items):
         if isinstance(item, str):
@@ -167,6 +175,34 @@ async def similarity(frontend, request: Request) -> Response:
     return await similarity_body(frontend, await frontend.json(request))
 
 
+@lru_cache(maxsize=4)
+def sparse_of(engine: Engine) -> SparseEmbedder:
+    return SparseEmbedder(engine)
+
+
+async def embed_sparse_body(frontend, body: dict) -> Response:
+    """TEI's /embed_sparse: each text's SPLADE vector as its non-zero entries."""
+    engine = encoder_named(frontend, frontend.slot.name)
+    sparse = sparse_of(engine)
+    texts = _texts(body.get("inputs"))
+    if any(not isinstance(t, str) for t in texts):
+        raise InvalidArgument("'inputs' must be texts: token ids are not served here")
+    truncate, left = flag(body, "truncate", True), from_left(body)
+    prompt = _prompt(load_prompts(engine.model.folder), body.get("prompt_name"))
+    pairs = [sparse.encode(prompt + t, left=left) for t in texts]
+    long = [i for i, p in enumerate(pairs) if p.truncated]
+    if long and not truncate:
+        raise InvalidArgument(f"inputs[{long[0]}] is longer than the model's "
+                              f"{sparse.max_tokens} tokens and 'truncate' is false")
+    outputs = await asyncio.gather(*(frontend.run(engine.infer, sparse.feeds(p), [LOGITS])
+                                     for p in pairs))
+    return JSONResponse([sparse.entries(sparse.vector(o)) for o, _ in outputs])
+
+
+async def embed_sparse(frontend, request: Request) -> Response:
+    return await embed_sparse_body(frontend, await frontend.json(request))
+
+
 def embedding_type(embedder: Embedder) -> dict:
     """TEI's `model_type` of an embedding model: its pooling, under TEI's name."""
     pooling = "mean" if embedder.pooled else _POOLING_NAMES.get(embedder.pooling.modes[0],
@@ -188,4 +224,5 @@ def info(frontend, engine: Engine, model_type: dict, max_input_length: int | Non
 
 
 ROUTES = [("/embed", ["POST"], "tei/embed", embed, error),
+          ("/embed_sparse", ["POST"], "tei/embed_sparse", embed_sparse, error),
           ("/similarity", ["POST"], "tei/similarity", similarity, error)]

@@ -113,11 +113,13 @@ def _check_out(cfg: OptimizeConfig) -> None:
 # in its own file or in that config), Hugging Face's config (the model's positions, for
 # rotary families), the generation configs of Hugging Face and onnxruntime-genai (the end
 # tokens), and sentence-transformers' modules, max length and pooling (how an encoder's
-# token outputs become the embeddings of /v1/embeddings).
+# token outputs become the embeddings of /v1/embeddings, or a SparseEncoder's masked LM
+# logits its sparse ones).
 TEXT_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
               "chat_template.json", "config.json", "generation_config.json",
               "genai_config.json", "modules.json", "sentence_bert_config.json",
-              "config_sentence_transformers.json", "1_Pooling/config.json")
+              "config_sentence_transformers.json", "1_Pooling/config.json",
+              "1_SpladePooling/config.json")
 _TEXT_FILE_MAX = 64 * 1024 * 1024
 
 
