@@ -142,6 +142,14 @@ def test_vllms_classify(server) -> None:
     assert kept["usage"]["prompt_tokens"] == 5
 
 
+def test_kserve_v1_texts_get_the_best_label_id(server) -> None:
+    """What KServe's Hugging Face runtime answers a sequence classifier's texts."""
+    want = [LABELS.index(row[0]["label"]) for row in _pipeline(TEXTS)]
+    path = f"/v1/models/{server.slot.name}:predict"
+    assert _post(server, path, {"instances": TEXTS}).json() == {"predictions": want}
+    assert _post(server, path, {"inputs": TEXTS}).json() == {"outputs": want}
+
+
 @pytest.mark.parametrize("path, body, status, says", [
     ("/predict", {"inputs": ["a", "b", "c"]}, 422, "a pair \\[string, string\\]"),
     ("/predict", {"inputs": ""}, 400, "'inputs' cannot be empty"),

@@ -71,6 +71,19 @@ def test_no_strategy_is_the_pipelines_default_and_ignore_labels(client, referenc
     assert 0 < len(got) < len(reference(TEXT))
 
 
+def test_kserve_v1_texts_get_each_tokens_best_label_id(server, reference) -> None:
+    """What KServe's Hugging Face runtime answers a token classifier's texts (special
+    tokens included)."""
+    import torch
+
+    encoded = reference.tokenizer([TEXT], return_tensors="pt")
+    with torch.no_grad():
+        want = reference.model(**encoded).logits.argmax(-1).tolist()
+    r = requests.post(f"http://127.0.0.1:{server.http_port}/v1/models/{server.slot.name}"
+                      ":predict", json={"instances": [TEXT]}, timeout=60)
+    assert r.json() == {"predictions": want}
+
+
 @pytest.mark.parametrize("parameters, says", [
     ({"aggregation_strategy": "longest"}, "'aggregation_strategy' must be one of"),
     ({"stride": 16}, "'stride' .* is not served"),

@@ -6,8 +6,9 @@ answered `{"outputs": ...}`. The model list and readiness (`GET /v1/models[/{m}]
 paths with OpenAI's, whose handlers answer both (serving.http.openai_api).
 
 An example is a dict of the graph's input names, or, for a model of one input, that input's
-nested list; an encoder with a tokenizer also takes texts (its sentence embeddings, as
-KServe's Hugging Face runtime answers an embedding model). There are no datatypes in V1:
+nested list; an encoder with a tokenizer also takes texts, answered as KServe's Hugging Face
+runtime answers its task: a sequence classifier's best label id, a token classifier's per
+token, an embedding model's sentence embeddings. There are no datatypes in V1:
 values take the graph's own. Each row-format example runs as a request of its own, so
 examples of different lengths need no padding and the engine batches them as it batches
 any requests. An answer of one output is that output itself, else a dict by name (as
@@ -21,10 +22,15 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from serving.classify import LOGITS
 from serving.decoder import DecoderEngine
 from serving.embedding import EMBEDDINGS_OUTPUT, embed_texts
 from serving.errors import InvalidArgument
 from serving.http import codec
+from serving.http.classify_api import classifier_of, tagger_of
+from serving.http.rerank_api import pair_outputs
+from serving.rerank import is_cross_encoder
+from serving.token_classify import is_token_classifier
 
 _MOST_INSTANCES = 1024  # one body's examples: each is a request of its own
 
@@ -92,11 +98,22 @@ def _plain(outputs: dict[str, np.ndarray], row: int | None):
     return next(iter(values.values())) if len(values) == 1 else values
 
 
+async def _text_predictions(frontend, engine, texts: list[str]) -> list:
+    """Texts as KServe's Hugging Face runtime answers them for the model's task: a sequence
+    classifier's best label id per text, a token classifier's per token (the special tokens
+    included), else the texts' sentence embeddings."""
+    if is_cross_encoder(engine) or is_token_classifier(engine):
+        feeds = classifier_of(engine) if is_cross_encoder(engine) else tagger_of(engine)
+        pairs = [feeds.encode(t) for t in texts]
+        outputs = await pair_outputs(frontend, engine, feeds, pairs)
+        return [o[LOGITS][0].argmax(-1).tolist() for o in outputs]
+    return (await frontend.run(embed_texts, engine, texts))[EMBEDDINGS_OUTPUT].tolist()
+
+
 async def _rows(frontend, engine, instances: list) -> list:
     texts = _texts(instances)
-    if texts is not None:  # an encoder's texts: their sentence embeddings, a row each
-        vectors = (await frontend.run(embed_texts, engine, texts))[EMBEDDINGS_OUTPUT]
-        return vectors.tolist()
+    if texts is not None:  # an encoder's texts: a prediction each
+        return await _text_predictions(frontend, engine, texts)
     runs = [frontend.run(engine.infer, _feeds(engine, example, batched=False), [])
             for example in instances]
     return [_plain(outputs, 0) for outputs, _ in await asyncio.gather(*runs)]
@@ -105,7 +122,7 @@ async def _rows(frontend, engine, instances: list) -> list:
 async def _columns(frontend, engine, inputs):
     texts = _texts(inputs)
     if texts is not None:
-        return (await frontend.run(embed_texts, engine, texts))[EMBEDDINGS_OUTPUT].tolist()
+        return await _text_predictions(frontend, engine, texts)
     outputs, _ = await frontend.run(engine.infer, _feeds(engine, inputs, batched=True), [])
     return _plain(outputs, None)
 
