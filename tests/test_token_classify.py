@@ -2,8 +2,9 @@
 classifier.py: labels O, B-PER, I-PER, B-LOC, I-LOC; WordPiece, so words split into "##"
 pieces and unknown characters into [UNK]) made an artifact by `tuner optimize`: the entities
 huggingface_hub's InferenceClient.token_classification gets from `POST /` equal transformers'
-own pipeline on the same weights under every aggregation strategy; and neither the tagger's
-nor a masked LM's `logits` are served as embeddings."""
+own pipeline on the same weights under every aggregation strategy; a masked LM's fills
+(InferenceClient.fill_mask) equal the fill-mask pipeline's; and neither the tagger's nor the
+masked LM's `logits` are served as embeddings."""
 
 from __future__ import annotations
 
@@ -104,13 +105,50 @@ def test_a_tagger_is_not_an_embedding_model(server) -> None:
     assert "'logits' are a token classifier's or a masked LM's" in r.json()["error"]["message"]
 
 
-def test_a_masked_lm_is_not_an_embedding_model(tmp_path) -> None:
-    """Its logits (batch, sequence, vocabulary) were pooled into a 'sentence embedding'."""
-    out = optimized_encoder(cached("fill-mask") / "model.onnx", tmp_path / "out")
+@pytest.fixture(scope="module")
+def masked_lm(tmp_path_factory):
+    out = optimized_encoder(cached("fill-mask") / "model.onnx",
+                            tmp_path_factory.mktemp("mlm") / "out")
     s = start(out)
-    try:
-        r = requests.post(f"http://127.0.0.1:{s.http_port}/embed", json={"inputs": TEXT},
-                          timeout=60)
-    finally:
-        s.stop(5)
+    yield s
+    s.stop(5)
+
+
+def test_a_masked_lm_is_not_an_embedding_model(masked_lm) -> None:
+    """Its logits (batch, sequence, vocabulary) were pooled into a 'sentence embedding'."""
+    r = requests.post(f"http://127.0.0.1:{masked_lm.http_port}/embed", json={"inputs": TEXT},
+                      timeout=60)
     assert r.status_code == 422 and "no output of token embeddings" in r.json()["error"]
+
+
+@pytest.mark.parametrize("text, options", [
+    ("The [MASK] sleeps all day.", {}),
+    ("The [MASK] sleeps all day.", {"top_k": 2, "targets": ["dog", "fox", "cats"]}),
+    ("A [MASK] fox jumps over the [MASK] dog.", {"top_k": 3}),  # a list per mask
+])
+def test_fill_mask_equals_transformers_pipeline(masked_lm, monkeypatch, text, options) -> None:
+    from huggingface_hub import InferenceClient, constants
+    from transformers import pipeline
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    want = pipeline("fill-mask", model=str(cached("fill-mask")), device="cpu")(text, **options)
+    if "targets" not in options and text.count("[MASK]") == 1:  # the real client's own call
+        client = InferenceClient(model=f"http://127.0.0.1:{masked_lm.http_port}", timeout=60)
+        got = [dict(x) for x in client.fill_mask(text, **options)]
+    else:
+        got = requests.post(f"http://127.0.0.1:{masked_lm.http_port}/", timeout=60, json={
+            "inputs": text, "parameters": options}).json()
+    def per_mask(fills: list) -> list[list[dict]]:  # one mask: a flat list
+        return fills if isinstance(fills[0], list) else [fills]
+
+    for g_row, w_row in zip(per_mask(got), per_mask(want), strict=True):
+        for g, w in zip(g_row, w_row, strict=True):
+            assert (g["token"], g["token_str"], g["sequence"]) == \
+                (w["token"], w["token_str"], w["sequence"])
+            assert g["score"] == pytest.approx(w["score"], abs=1e-4)
+
+
+def test_fill_mask_refuses_a_text_without_the_mask(masked_lm) -> None:
+    r = requests.post(f"http://127.0.0.1:{masked_lm.http_port}/", timeout=60,
+                      json={"inputs": TEXT, "parameters": {}})
+    assert r.status_code == 422 and "holds no mask token ([MASK])" in r.json()["error"]

@@ -19,6 +19,9 @@
                               `parameters` with `aggregation_strategy`, `ignore_labels`) ->
                               [{"entity" or "entity_group", "score", "word", "start", "end"}]
                               (serving/token_classify.py)
+  fill_mask(...)              its fill-mask on a masked LM (InferenceClient.fill_mask:
+                              `parameters` with `top_k`, `targets`) -> [{"score", "token",
+                              "token_str", "sequence"}] (serving/fill_mask.py)
   zero_shot(...)              its zero-shot classification on an NLI model (InferenceClient.
                               zero_shot_classification: `parameters` with `candidate_labels`,
                               `multi_label`, `hypothesis_template`) -> [{"label", "score"}]
@@ -42,6 +45,7 @@ from starlette.responses import JSONResponse, Response
 from serving.classify import FUNCTIONS, LOGITS, Classifier, Pair, zero_shot_scores
 from serving.engine import Engine
 from serving.errors import InvalidArgument
+from serving.fill_mask import MaskFiller
 from serving.http import tei_api
 from serving.http.embeddings_api import MAX_INPUTS, encoder_named
 from serving.http.openai_api import error
@@ -207,6 +211,37 @@ async def token_classification(frontend, body: dict) -> Response:
     [outputs] = await pair_outputs(frontend, engine, tagger, [Pair.of(encoding)])
     return JSONResponse(tagger.entities(text, encoding, outputs[LOGITS][0], strategy.lower(),
                                         tuple(ignore)))
+
+
+@lru_cache(maxsize=4)
+def filler_of(engine: Engine) -> MaskFiller:
+    return MaskFiller(engine)
+
+
+async def fill_mask(frontend, body: dict) -> Response:
+    """Hugging Face's Inference API for a masked LM (what InferenceClient.fill_mask sends:
+    `inputs` a text with the mask token, `parameters` with `top_k`, `targets`)."""
+    parameters = body.get("parameters") or {}
+    if not isinstance(parameters, dict):
+        raise InvalidArgument("'parameters' must be an object")
+    text = body.get("inputs")
+    if not isinstance(text, str) or not text:
+        raise InvalidArgument("'inputs' must be a non-empty string with the mask token")
+    top = parameters.get("top_k", 5)
+    if isinstance(top, bool) or not isinstance(top, int) or top < 1:
+        raise InvalidArgument("'top_k' must be a positive integer")
+    targets = parameters.get("targets")
+    targets = [targets] if isinstance(targets, str) else targets
+    if targets is not None and (not isinstance(targets, list) or not targets
+                                or any(not isinstance(t, str) for t in targets)):
+        raise InvalidArgument("'targets' must be a string or a list of strings")
+    engine = encoder_named(frontend, frontend.slot.name)
+    filler = filler_of(engine)
+    pair = filler.encode(text)
+    filler.masks(pair.ids)  # refused before the model runs when there is none
+    [outputs] = await pair_outputs(frontend, engine, filler, [pair])
+    return JSONResponse(filler.fills(pair.ids, outputs[LOGITS][0], top,
+                                     filler.target_ids(targets) if targets else None))
 
 
 def _activated(body: dict) -> bool:

@@ -12,7 +12,8 @@ of either calls them:
                labels per text, as that client reads it; with `candidate_labels`, what its
                zero_shot_classification sends: serving/http/classify_api.py);
                a token classifier: its entities (InferenceClient.token_classification);
-               a SPLADE model: TEI's embed_sparse;
+               a SPLADE model: TEI's embed_sparse; another masked LM: its fills
+               (InferenceClient.fill_mask);
                other encoders, TEI as the body is shaped: `inputs` an object with
                `source_sentence` -> similarity (what InferenceClient.sentence_similarity
                sends), `query` with `texts` -> rerank (a cross-encoder), otherwise embed
@@ -29,6 +30,7 @@ from starlette.responses import JSONResponse, Response
 
 from serving.classify import is_classifier
 from serving.decoder import DecoderEngine
+from serving.fill_mask import is_masked_lm
 from serving.http import classify_api, rerank_api, tei_api, tgi_api
 from serving.http.embeddings_api import embedder_of
 from serving.rerank import is_cross_encoder
@@ -71,6 +73,8 @@ async def root(frontend, request: Request) -> Response:
         engine = frontend.slot.find(frontend.slot.name)
         if is_sparse(engine):  # TEI routes / to embed_sparse for a SPLADE model
             return await tei_api.embed_sparse_body(frontend, body)
+        if is_masked_lm(engine):  # InferenceClient.fill_mask
+            return await classify_api.fill_mask(frontend, body)
         if is_token_classifier(engine):  # InferenceClient.token_classification
             return await classify_api.token_classification(frontend, body)
         if is_classifier(engine):
