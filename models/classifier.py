@@ -28,7 +28,7 @@ from pathlib import Path
 
 from models import optimum
 from models.build import SEED, _cache_dir
-from models.cross_encoder import CONFIG, CORPUS, _tokenizer
+from models.cross_encoder import CONFIG, CORPUS, _tokenizer, save_tokenizer
 from models.once import build_once
 
 LABELS = ("contradiction", "neutral", "entailment")
@@ -58,10 +58,7 @@ def write_folder(folder: Path, task: str = "text-classification") -> Path:
         with torch.no_grad():
             model.classifier.weight.mul_(HEAD_SCALE)
     model.save_pretrained(folder)
-    transformers.BertTokenizerFast(
-        tokenizer_object=tok, unk_token="[UNK]", sep_token="[SEP]", pad_token="[PAD]",
-        cls_token="[CLS]", mask_token="[MASK]",
-        model_max_length=CONFIG["max_position_embeddings"]).save_pretrained(folder)
+    save_tokenizer(tok, folder)
     return folder
 
 

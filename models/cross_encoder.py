@@ -56,13 +56,19 @@ def write_folder(folder: Path) -> Path:
     config = transformers.BertConfig(vocab_size=tok.get_vocab_size(), **CONFIG)
     model = transformers.BertForSequenceClassification(config).eval()
     model.save_pretrained(folder)
-    # BERT's tokenizer class, as a real reranker's folder names it: transformers then passes
-    # the token types (a generic fast tokenizer leaves them out)
+    save_tokenizer(tok, folder)
+    return folder
+
+
+def save_tokenizer(tok, folder: Path) -> None:
+    """BERT's tokenizer class, as a real reranker's folder names it: transformers then passes
+    the token types (a generic fast tokenizer leaves them out)."""
+    import transformers
+
     transformers.BertTokenizerFast(
         tokenizer_object=tok, unk_token="[UNK]", sep_token="[SEP]", pad_token="[PAD]",
         cls_token="[CLS]", mask_token="[MASK]",
         model_max_length=CONFIG["max_position_embeddings"]).save_pretrained(folder)
-    return folder
 
 
 def _export(folder: Path, out: Path) -> None:

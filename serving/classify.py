@@ -155,6 +155,16 @@ class TextFeeds:
                only_first: bool = False) -> Pair:
         return Pair.of(self.encoding(text, second, left, only_first))
 
+    def encode_all(self, sequences, truncate: bool = True, left: bool = False) -> list[Pair]:
+        """Each (text, second text or None) encoded; one past the model's length refused
+        when `truncate` is false (TEI's rule)."""
+        pairs = [self.encode(a, b, left) for a, b in sequences]
+        long = [i for i, p in enumerate(pairs) if p.truncated]
+        if long and not truncate:
+            raise InvalidArgument(f"inputs[{long[0]}] is longer than the model's "
+                                  f"{self.max_tokens} tokens and 'truncate' is false")
+        return pairs
+
     def feeds(self, pair: Pair) -> dict[str, np.ndarray]:
         return {name: np.array([make(pair)], dtype) for name, make, dtype in self._inputs}
 

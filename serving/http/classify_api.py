@@ -80,21 +80,12 @@ def tei_sequences(raw) -> tuple[list[tuple[str, str | None]], bool]:
     return [_sequence(raw, "'inputs'")], False
 
 
-def _encoded(classifier: Classifier, sequences, truncate: bool, left: bool) -> list[Pair]:
-    pairs = [classifier.encode(a, b, left) for a, b in sequences]
-    long = [i for i, p in enumerate(pairs) if p.truncated]
-    if long and not truncate:
-        raise InvalidArgument(f"inputs[{long[0]}] is longer than the model's "
-                              f"{classifier.max_tokens} tokens and 'truncate' is false")
-    return pairs
-
-
 async def predict_body(frontend, body: dict) -> Response:
     engine = encoder_named(frontend, frontend.slot.name)
     classifier = classifier_of(engine)
     sequences, batch = tei_sequences(body.get("inputs"))
-    pairs = _encoded(classifier, sequences, tei_api.flag(body, "truncate", True),
-                     tei_api.from_left(body))
+    pairs = classifier.encode_all(sequences, tei_api.flag(body, "truncate", True),
+                                  tei_api.from_left(body))
     raw = tei_api.flag(body, "raw_scores", False)
     ranked = [classifier.ranked(classifier.scores(o, "none" if raw else None))
               for o in await pair_outputs(frontend, engine, classifier, pairs)]
@@ -244,7 +235,7 @@ async def fill_mask(frontend, body: dict) -> Response:
                                      filler.target_ids(targets) if targets else None))
 
 
-def _activated(body: dict) -> bool:
+def activated(body: dict) -> bool:
     """vLLM's `use_activation` (and its older names, `activation` and `softmax`)."""
     for name in ("use_activation", "activation", "softmax"):
         value = body.get(name)
@@ -284,12 +275,12 @@ async def classify(frontend, request: Request) -> Response:
                               "non-empty strings")
     if len(texts) > MAX_INPUTS:
         raise InvalidArgument(f"'input' holds {len(texts)} items; at most {MAX_INPUTS}")
-    activated, k = _activated(body), _kept(body)
+    activated_, k = activated(body), _kept(body)
     pairs = [_last(classifier.encode(t), k) for t in texts]
     outputs = await pair_outputs(frontend, engine, classifier, pairs)
     data = []
     for i, o in enumerate(outputs):
-        probs = classifier.scores(o, None if activated else "none")
+        probs = classifier.scores(o, None if activated_ else "none")
         data.append({"index": i, "label": classifier.labels[int(probs.argmax())],
                      "probs": probs.tolist(), "num_classes": len(probs)})
     tokens = sum(len(p.ids) for p in pairs)

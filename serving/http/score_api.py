@@ -20,6 +20,7 @@ from starlette.responses import JSONResponse, Response
 
 from serving.embedding import cosine
 from serving.errors import InvalidArgument
+from serving.http.classify_api import activated
 from serving.http.embeddings_api import (MAX_INPUTS, embed_rows, embedder_of,
                                          encoder_named)
 from serving.http.openai_api import error
@@ -51,16 +52,6 @@ def pairs_of(body: dict) -> list[tuple[str, str]]:
     return list(zip(first, second))
 
 
-def _activated(body: dict) -> bool:
-    for name in ("use_activation", "activation"):
-        value = body.get(name)
-        if value is not None:
-            if not isinstance(value, bool):
-                raise InvalidArgument(f"'{name}' must be true or false")
-            return value
-    return True
-
-
 async def _cross_scores(frontend, engine, scorer, pairs, activated: bool
                         ) -> tuple[list[float], int]:
     encoded = [scorer.pair(a, b) for a, b in pairs]
@@ -82,10 +73,10 @@ async def score(frontend, request: Request) -> Response:
     body = await frontend.json(request)
     name = model_named(frontend, body)
     engine = encoder_named(frontend, name)
-    pairs, activated = pairs_of(body), _activated(body)
+    pairs, activated_ = pairs_of(body), activated(body)
     if is_cross_encoder(engine):
         scores, tokens = await _cross_scores(frontend, engine, scorer_of(engine), pairs,
-                                             activated)
+                                             activated_)
     else:  # an embedding model: the cosine, as vLLM scores with one
         scores, tokens = await _cosines(frontend, engine, pairs)
     return JSONResponse({

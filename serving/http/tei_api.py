@@ -189,11 +189,7 @@ async def embed_sparse_body(frontend, body: dict) -> Response:
         raise InvalidArgument("'inputs' must be texts: token ids are not served here")
     truncate, left = flag(body, "truncate", True), from_left(body)
     prompt = _prompt(load_prompts(engine.model.folder), body.get("prompt_name"))
-    pairs = [sparse.encode(prompt + t, left=left) for t in texts]
-    long = [i for i, p in enumerate(pairs) if p.truncated]
-    if long and not truncate:
-        raise InvalidArgument(f"inputs[{long[0]}] is longer than the model's "
-                              f"{sparse.max_tokens} tokens and 'truncate' is false")
+    pairs = sparse.encode_all([(prompt + t, None) for t in texts], truncate, left)
     outputs = await asyncio.gather(*(frontend.run(engine.infer, sparse.feeds(p), [LOGITS])
                                      for p in pairs))
     return JSONResponse([sparse.entries(sparse.vector(o)) for o, _ in outputs])
