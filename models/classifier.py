@@ -5,7 +5,8 @@ TASK`), random weights, models/cross_encoder.py's WordPiece tokenizer (BERT's pa
   contradiction / neutral / entailment, as MNLI models name them), its head scaled up so that
   the labels' scores differ clearly; logits (batch, 3);
 - `token-classification`: a named-entity tagger (O, B-PER, I-PER, B-LOC, I-LOC); logits
-  (batch, sequence, 5);
+  (batch, sequence, 5); `deberta-token-classification` the same labels on DeBERTa-v2 with
+  DeBERTa-v3's kind of tokenizer (a unigram model under Metaspace, as PII taggers ship);
 - `fill-mask`: a masked LM; logits (batch, sequence, vocabulary); `splade_repo()` holds it
   as a SPLADE model's repository (sentence-transformers' SparseEncoder files, onnx/).
 
@@ -33,10 +34,18 @@ from models.once import build_once
 
 LABELS = ("contradiction", "neutral", "entailment")
 ENTITIES = ("O", "B-PER", "I-PER", "B-LOC", "I-LOC")
-# each task: the transformers class, its labels (None: a masked LM's vocabulary)
-TASKS = {"text-classification": ("BertForSequenceClassification", LABELS),
-         "token-classification": ("BertForTokenClassification", ENTITIES),
-         "fill-mask": ("BertForMaskedLM", None)}
+# each model: Optimum's task, the transformers class, its labels (None: a masked LM's
+# vocabulary); the DeBERTa tagger has DeBERTa-v3's kind of tokenizer (a SentencePiece-style
+# unigram model under Metaspace: no subword prefix, unknown characters as [UNK])
+TASKS = {"text-classification": ("text-classification", "BertForSequenceClassification",
+                                 LABELS),
+         "token-classification": ("token-classification", "BertForTokenClassification",
+                                  ENTITIES),
+         "deberta-token-classification": ("token-classification",
+                                          "DebertaV2ForTokenClassification", ENTITIES),
+         "fill-mask": ("fill-mask", "BertForMaskedLM", None)}
+DEBERTA = dict(relative_attention=True, position_buckets=16, pos_att_type=["p2c", "c2p"],
+               max_relative_positions=-1, position_biased_input=False, type_vocab_size=0)
 HEAD_SCALE = 40.0  # a head's weights times this: softmax scores far from uniform
 LAYOUT = 2  # bump when what is built changes (the cache key)
 
@@ -46,20 +55,44 @@ def write_folder(folder: Path, task: str = "text-classification") -> Path:
     import torch
     import transformers
 
-    tok = _tokenizer()
+    _, kind, labels = TASKS[task]
+    deberta = kind.startswith("Deberta")
+    tok = _unigram() if deberta else _tokenizer()
     torch.manual_seed(SEED)
-    kind, labels = TASKS[task]
     named = {} if labels is None else dict(
         num_labels=len(labels), id2label=dict(enumerate(labels)),
         label2id={n: i for i, n in enumerate(labels)})
-    config = transformers.BertConfig(vocab_size=tok.get_vocab_size(), **{**CONFIG, **named})
+    config = (transformers.DebertaV2Config if deberta else transformers.BertConfig)(
+        vocab_size=tok.get_vocab_size(), **{**CONFIG, **named, **(DEBERTA if deberta else {})})
     model = getattr(transformers, kind)(config).eval()
     if labels is not None:
         with torch.no_grad():
             model.classifier.weight.mul_(HEAD_SCALE)
     model.save_pretrained(folder)
-    save_tokenizer(tok, folder)
+    if deberta:
+        transformers.DebertaV2TokenizerFast(
+            tokenizer_object=tok, bos_token="[CLS]", eos_token="[SEP]", sep_token="[SEP]",
+            cls_token="[CLS]", unk_token="[UNK]", pad_token="[PAD]", mask_token="[MASK]",
+            model_max_length=CONFIG["max_position_embeddings"]).save_pretrained(folder)
+    else:
+        save_tokenizer(tok, folder)
     return folder
+
+
+def _unigram():
+    """A unigram tokenizer under Metaspace (DeBERTa-v3's kind), trained on the corpus."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.Unigram())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    special = ["[PAD]", "[CLS]", "[SEP]", "[UNK]", "[MASK]"]
+    tok.train_from_iterator(CORPUS, trainers.UnigramTrainer(
+        vocab_size=200, special_tokens=special, unk_token="[UNK]", show_progress=False))
+    cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
+    return tok
 
 
 def cached(task: str = "text-classification") -> Path:
@@ -79,7 +112,7 @@ def cached(task: str = "text-classification") -> Path:
         tmp = Path(tempfile.mkdtemp(prefix=".classifier-", dir=folder.parent))
         try:
             write_folder(tmp / "hf", task)
-            job = [str(tmp / "hf"), task, str(tmp / "onnx"), None, "fp32"]
+            job = [str(tmp / "hf"), TASKS[task][0], str(tmp / "onnx"), None, "fp32"]
             optimum.run_jobs("_optimum_job.py", [job], tmp, f"the {task} model")
             shutil.copy(tmp / "onnx" / "model.onnx", tmp / "hf" / "model.onnx")
             os.replace(tmp / "hf", folder)
@@ -122,7 +155,8 @@ def splade_repo() -> Path:
 def _main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path, help="where to copy the folder")
-    parser.add_argument("--task", choices=list(TASKS), default="text-classification")
+    parser.add_argument("--task", choices=list(TASKS), default="text-classification",
+                        help="which model (its Optimum task, or deberta-token-classification)")
     args = parser.parse_args(argv)
     shutil.copytree(cached(args.task), args.out, dirs_exist_ok=True)
     print(args.out / "model.onnx")

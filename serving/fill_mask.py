@@ -11,7 +11,7 @@ import numpy as np
 
 from serving.classify import LOGITS, TextFeeds, read_config
 from serving.errors import InvalidArgument
-from serving.text_config import read_json
+from serving.text_config import special_token
 
 
 def is_masked_lm(engine) -> bool:
@@ -19,14 +19,6 @@ def is_masked_lm(engine) -> bool:
     kinds = read_config(engine.model.folder).get("architectures") or []
     return spec is not None and len(spec.shape) == 3 and \
         any(str(k).endswith("ForMaskedLM") for k in kinds)
-
-
-def _mask_token(engine) -> str | None:
-    """tokenizer_config.json's mask token (a string, or an added token's `content`)."""
-    config = read_json(engine.model.folder / "tokenizer_config.json") or {}
-    token = config.get("mask_token") if isinstance(config, dict) else None
-    token = token.get("content") if isinstance(token, dict) else token
-    return token if isinstance(token, str) and token else None
 
 
 class MaskFiller(TextFeeds):
@@ -38,7 +30,7 @@ class MaskFiller(TextFeeds):
                                   "'logits' output of (batch, sequence, vocabulary) and a "
                                   "*ForMaskedLM config.json")
         super().__init__(engine)
-        self.mask = _mask_token(engine)
+        self.mask = special_token(engine.model.folder, "mask_token")
         self.mask_id = self.tokenizer.token_to_id(self.mask) if self.mask else None
         if self.mask_id is None:
             raise InvalidArgument(f"model '{engine.name}' names no mask token its tokenizer "

@@ -64,6 +64,11 @@ def _token(value) -> str:
     return value if isinstance(value, str) else ""
 
 
+def special_token(folder: Path | None, key: str) -> str:
+    """tokenizer_config.json's special token `key` (mask_token, unk_token, ...); "" if none."""
+    return _token(_read(folder / "tokenizer_config.json").get(key)) if folder is not None else ""
+
+
 def _template(value) -> str | None:
     if isinstance(value, str):
         return value

@@ -23,6 +23,7 @@ import numpy as np
 
 from serving.classify import LOGITS, TextFeeds, label_names, read_config
 from serving.errors import InvalidArgument
+from serving.text_config import special_token
 
 STRATEGIES = ("none", "simple", "first", "average", "max")
 
@@ -61,8 +62,9 @@ class Tagger(TextFeeds):
         self.labels = label_names(engine.model.folder, width)
         model = self.tokenizer.model
         self._subword = getattr(model, "continuing_subword_prefix", None)
-        unk = getattr(model, "unk_token", None)
-        self._unk = self.tokenizer.token_to_id(unk) if isinstance(unk, str) else None
+        # the unknown token as transformers knows it (tokenizer_config.json's), else the model's
+        unk = special_token(engine.model.folder, "unk_token") or getattr(model, "unk_token", "")
+        self._unk = self.tokenizer.token_to_id(unk) if unk else None
 
     def tokens(self, text: str, encoding, logits: np.ndarray) -> list[Token]:
         """Each non-special token with its softmax scores."""

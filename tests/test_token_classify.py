@@ -85,6 +85,27 @@ def test_kserve_v1_texts_get_each_tokens_best_label_id(server, reference) -> Non
     assert r.json() == {"predictions": want}
 
 
+@pytest.mark.filterwarnings("ignore:Tokenizer does not support real words")  # the reference's
+def test_a_deberta_tagger_with_a_unigram_tokenizer(client, tmp_path) -> None:
+    """DeBERTa-v3's kind of tokenizer (no subword prefix: words told apart by spaces; unknown
+    characters as [UNK], whose entity shows the text they stand for)."""
+    from transformers import pipeline
+
+    folder = cached("deberta-token-classification")
+    reference = pipeline("token-classification", model=str(folder), device="cpu")
+    text = "Foxes live in forests near Paris, qq!"
+    assert reference.tokenizer.unk_token_id in reference.tokenizer(text)["input_ids"]
+    out = optimized_encoder(folder / "model.onnx", tmp_path / "out")
+    s = start(out)
+    try:
+        client.model = f"http://127.0.0.1:{s.http_port}"
+        for strategy in ("none", "simple", "first", "average", "max"):
+            _same(client.token_classification(text, aggregation_strategy=strategy),
+                  reference(text, aggregation_strategy=strategy))
+    finally:
+        s.stop(5)
+
+
 @pytest.mark.parametrize("parameters, says", [
     ({"aggregation_strategy": "longest"}, "'aggregation_strategy' must be one of"),
     ({"stride": 16}, "'stride' .* is not served"),
