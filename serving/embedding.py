@@ -145,6 +145,17 @@ def pool(tokens: np.ndarray, pooling: Pooling) -> np.ndarray:
     return vector.astype(np.float32)
 
 
+def _what(outputs: dict) -> str:
+    """What a model's `logits` make it, for the refusal to pool them."""
+    logits = outputs.get(LOGITS)
+    if logits is None:
+        return ""
+    if len(logits.shape) == 2:
+        return " (it is a classifier: its scores come from POST /predict, /classify or /rerank)"
+    return (" (its 'logits' are a token classifier's or a masked LM's scores; a SPLADE "
+            "model's sparse vectors come from POST /embed_sparse)")
+
+
 class Embedder:
     """An encoder engine's embeddings: the feeds for one text's ids, and its vector from the
     outputs. InvalidArgument when the graph takes an input it cannot fill."""
@@ -169,10 +180,8 @@ class Embedder:
         elif tokens:
             self.output, self.pooled = tokens[0].name, False
         else:
-            what = " (its 'logits' are a token classifier's or a masked LM's scores; a " \
-                "SPLADE model's sparse vectors: POST /embed_sparse)" if LOGITS in outputs else ""
             raise InvalidArgument(f"model '{engine.name}' has no output of token embeddings "
-                                  f"(batch, sequence, hidden) to pool{what}")
+                                  f"(batch, sequence, hidden) to pool{_what(outputs)}")
         makers = {TOKEN_IDS: lambda ids: ids, ATTENTION_MASK: np.ones_like,
                   TOKEN_TYPE_IDS: np.zeros_like,
                   POSITION_IDS: lambda ids: np.arange(ids.shape[1], dtype=np.int64)[None]}

@@ -162,7 +162,7 @@ def test_kserve_v1_texts_get_the_best_label_id(server) -> None:
     ("/", {"inputs": "a", "parameters": {"candidate_labels": []}}, 422, "candidate_labels"),
     ("/", {"inputs": "a", "parameters": {"candidate_labels": ["x"],
                                          "hypothesis_template": "no slot"}}, 422, "with a \\{\\}"),
-    ("/v1/embeddings", {"input": "a"}, 400, "no output of token embeddings"),
+    ("/v1/embeddings", {"input": "a"}, 400, "it is a classifier: its scores come from"),
 ])
 def test_bad_requests_name_the_fault(server, path, body, status, says) -> None:
     import re
