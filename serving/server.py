@@ -27,6 +27,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from serving.decoder import DecoderEngine
 from serving.engine import Engine, EngineOptions
+from serving.errors import ServingError
 from serving.generation import GenerateOptions
 from serving.http.reasoning import PARSERS as REASONING_PARSERS
 from serving.http.tools import PARSERS
@@ -238,13 +239,25 @@ class Server:
             for service in ("", SERVICE):
                 self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
             self.say(f"model '{self.slot.name}' ready ({engine.model.note}); {engine.note()}"
-                     + self._defaults_note(engine))
+                     + self._defaults_note(engine) + self._apis_note(engine))
         except BaseException as e:  # noqa: BLE001 - reported; `serve` exits 1
             self.failed = e
             self.slot.status = f"failed to load: {e}"
             self.say(f"model '{self.slot.name}' failed to load: {type(e).__name__}: {e}")
         finally:
             self.loaded.set()
+
+    def _apis_note(self, engine) -> str:
+        """An encoder's kind and the HTTP APIs that take its texts."""
+        if self.options.http_port is None:
+            return ""
+        from serving.http.hf_routes import text_apis
+
+        try:
+            apis = text_apis(engine)
+        except ServingError as e:  # a model the text APIs cannot feed: they will say so
+            return f"; no text APIs ({e})"
+        return f"; {apis}" if apis else ""
 
     def _defaults_note(self, engine) -> str:
         """What the OpenAI-compatible APIs sample with by default, where the model's

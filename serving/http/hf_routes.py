@@ -30,12 +30,34 @@ from starlette.responses import JSONResponse, Response
 
 from serving.classify import is_classifier
 from serving.decoder import DecoderEngine
+from serving.engine import Engine
 from serving.fill_mask import is_masked_lm
 from serving.http import classify_api, rerank_api, tei_api, tgi_api
 from serving.http.embeddings_api import embedder_of
 from serving.rerank import is_cross_encoder
 from serving.sparse import is_sparse
 from serving.token_classify import is_token_classifier
+
+
+def text_apis(engine) -> str:
+    """What an encoder artifact is, and the HTTP APIs that serve it (for the log line that
+    says the model is ready); "" for a decoder or a model of tensors alone."""
+    if not isinstance(engine, Engine) or engine.model.folder is None \
+            or not (engine.model.folder / "tokenizer.json").is_file():
+        return ""
+    if is_sparse(engine):
+        return "a SPLADE model: TEI's /embed_sparse"
+    if is_masked_lm(engine):
+        return "a masked LM: fill-mask on POST / (InferenceClient.fill_mask)"
+    if is_token_classifier(engine):
+        return "a token classifier: its entities on POST / (InferenceClient.token_classification)"
+    if is_classifier(engine):
+        labels = classify_api.classifier_of(engine).labels
+        return (f"a classifier of {len(labels)} labels ({', '.join(labels)}): TEI's /predict, "
+                "vLLM's /classify, POST / (InferenceClient.text_classification)")
+    if is_cross_encoder(engine):
+        return "a reranker: /rerank, /v1/rerank, /v2/rerank, /score"
+    return "an embedding model: /v1/embeddings, TEI's /embed"
 
 
 def _serves_text(frontend) -> bool:
