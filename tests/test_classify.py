@@ -91,6 +91,10 @@ def test_tei_raw_scores_truncation_and_info(server) -> None:
         "id2label": {str(i): n for i, n in enumerate(LABELS)},
         "label2id": {n: i for i, n in enumerate(LABELS)}}}
     assert info["max_input_length"] == 128
+    from serving.http.hf_routes import text_apis  # what `tuner serve` says when ready
+
+    assert text_apis(server.slot.engine).startswith(
+        "a classifier of 3 labels (contradiction, neutral, entailment): TEI's /predict")
 
 
 def test_huggingface_hubs_inference_client(server, monkeypatch) -> None:

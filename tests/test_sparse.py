@@ -62,6 +62,9 @@ def test_embed_sparse_equals_sparse_encoder(server) -> None:
     assert _post(server, "/", {"inputs": TEXTS[0]}).json() == got[:1]
     info = requests.get(f"http://127.0.0.1:{server.http_port}/info", timeout=10).json()
     assert info["model_type"] == {"embedding": {"pooling": "splade"}}
+    from serving.http.hf_routes import text_apis  # what `tuner serve` says when ready
+
+    assert text_apis(server.slot.engine) == "a SPLADE model: TEI's /embed_sparse"
 
 
 def test_truncation_and_the_dense_endpoints(server) -> None:
