@@ -217,8 +217,11 @@ def serve(
     and /openai/v1 as KServe's Hugging Face runtime serves it), Anthropic's Messages API (/v1/messages), Text
     Generation Inference's (/generate, /generate_stream) and Ollama's (/api/generate,
     /api/chat) on the HTTP port; for an encoder, OpenAI's embeddings, Text Embeddings
-    Inference's API, Ollama's /api/embed and the rerank APIs; with Amazon SageMaker's /ping
-    and /invocations (routed to those APIs by the body's keys).
+    Inference's API, Ollama's /api/embed and the rerank APIs, and by its kind a classifier's
+    (TEI's /predict, vLLM's /classify, Triton's classification extension), a token
+    classifier's, a masked LM's and a SPLADE model's (TEI's /embed_sparse); with Amazon
+    SageMaker's /ping and /invocations (routed to those APIs by the body's keys). The log
+    line that says the model is ready names its kind and APIs.
 
     Before reporting ready it re-runs the accuracy gate against the original on this machine
     and serves the original if the variant fails. Requests longer than the largest sequence
