@@ -95,32 +95,44 @@ def _unigram():
     return tok
 
 
-def cached(task: str = "text-classification") -> Path:
-    """The folder (weights, config, tokenizer and Optimum's model.onnx), built on first use."""
+def _folder(task: str) -> Path:
     import torch
     import transformers
 
-    if task not in TASKS:
-        raise ValueError(f"no task {task!r}; tasks: {', '.join(TASKS)}")
     key = hashlib.sha256(json.dumps([task, TASKS[task], CONFIG, CORPUS[:5], HEAD_SCALE, SEED,
                                      LAYOUT, torch.__version__, transformers.__version__,
                                      *optimum.REQUIREMENTS]).encode()).hexdigest()[:12]
-    folder = _cache_dir() / f"classifier-{key}"
+    return _cache_dir() / f"classifier-{key}"
 
-    def build() -> None:
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".classifier-", dir=folder.parent))
-        try:
-            write_folder(tmp / "hf", task)
-            job = [str(tmp / "hf"), TASKS[task][0], str(tmp / "onnx"), None, "fp32"]
-            optimum.run_jobs("_optimum_job.py", [job], tmp, f"the {task} model")
-            shutil.copy(tmp / "onnx" / "model.onnx", tmp / "hf" / "model.onnx")
-            os.replace(tmp / "hf", folder)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
 
-    build_once(folder, (folder / "model.onnx").is_file, build)
-    return folder
+def _build(tasks: list[str]) -> None:
+    """Every model of `tasks` exported in one Optimum process (it imports torch once), each
+    folder written whole or not at all."""
+    root = _cache_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".classifiers-", dir=root) as tmp:
+        jobs = []
+        for i, task in enumerate(tasks):
+            write_folder(Path(tmp) / f"hf{i}", task)
+            jobs.append([str(Path(tmp) / f"hf{i}"), TASKS[task][0], str(Path(tmp) / f"onnx{i}"),
+                         None, "fp32"])
+        optimum.run_jobs("_optimum_job.py", jobs, Path(tmp), f"the models {tasks}")
+        for i, task in enumerate(tasks):
+            shutil.copy(Path(tmp) / f"onnx{i}" / "model.onnx", Path(tmp) / f"hf{i}" / "model.onnx")
+            os.replace(Path(tmp) / f"hf{i}", _folder(task))
+
+
+def cached(task: str = "text-classification") -> Path:
+    """The folder (weights, config, tokenizer and Optimum's model.onnx), built on first use:
+    every model of TASKS at once, in one Optimum process."""
+    if task not in TASKS:
+        raise ValueError(f"no task {task!r}; tasks: {', '.join(TASKS)}")
+
+    def missing() -> list[str]:
+        return [t for t in TASKS if not (_folder(t) / "model.onnx").is_file()]
+
+    build_once(_cache_dir() / "classifiers", lambda: not missing(), lambda: _build(missing()))
+    return _folder(task)
 
 
 def splade_repo() -> Path:
