@@ -169,6 +169,19 @@ def test_fill_mask_equals_transformers_pipeline(masked_lm, monkeypatch, text, op
             assert g["score"] == pytest.approx(w["score"], abs=1e-4)
 
 
+def test_inspect_calls_a_masked_lm_an_encoder(capsys) -> None:
+    """Its vocabulary head reads a transform of its own (dense, activation, norm); a decoder
+    without a cache (GPT-2's, tests/test_inspect.py) stays a decoder."""
+    from tuner.cli import main
+    from tuner.graph.inspect import inspect_path
+
+    path = cached("fill-mask") / "model.onnx"
+    shape = inspect_path(path)
+    assert shape.kind == "encoder" and shape.vocab_size and shape.sites.tied
+    assert main(["inspect", str(path)]) == 0
+    assert "encoder transformer with a masked LM's head" in capsys.readouterr().out
+
+
 def test_fill_mask_refuses_a_text_without_the_mask(masked_lm) -> None:
     r = requests.post(f"http://127.0.0.1:{masked_lm.http_port}/", timeout=60,
                       json={"inputs": TEXT, "parameters": {}})

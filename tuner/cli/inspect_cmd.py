@@ -104,7 +104,8 @@ def render(shape: ModelShape, console: Console) -> None:
     where = _where(shape)
     kind = shape.kind + (" (of an encoder-decoder)" if shape.cross_attention else "")
     kind += (" (ORT-optimized: " + ", ".join(shape.fused_ops) + ")") if shape.optimized else ""
-    table = Table(title=f"{kind} transformer", title_justify="left")
+    head = " with a masked LM's head" if shape.kind == "encoder" and shape.vocab_size else ""
+    table = Table(title=f"{kind} transformer{head}", title_justify="left")
     table.add_column("dimension")
     table.add_column("value", justify="right")
     table.add_column("where it lives (layer 0)", overflow="fold")

@@ -25,8 +25,8 @@ from tuner.graph.encoder_side import (EncoderSide, cross_attention_count, find_e
 from tuner.graph.experts import find_experts
 from tuner.graph.ffn import FfnMatch, find_ffns
 from tuner.graph.kv_cache import KvCache, find_kv_cache, with_dims
-from tuner.graph.lm_head import (Embedding, is_tied, keep_input, lm_head, token_embedding,
-                                 token_ids)
+from tuner.graph.lm_head import (Embedding, is_masked_lm_head, is_tied, keep_input, lm_head,
+                                 token_embedding, token_ids)
 from tuner.graph.load import load_model, name_nodes
 from tuner.graph.positions import positions_input, slot_positions
 from tuner.graph.shape import ExpertsSite, FfnSite, LayerSites, ModelShape, Sites
@@ -121,6 +121,7 @@ def inspect_model(model: ir.Model) -> ModelShape:
     if head is None and emb is not None and emb.hidden != hidden:
         head = lm_head(lins, taken, emb, emb.hidden)  # after a project-out to the embedding width
     tied = head is not None and emb is not None and is_tied(head, emb)
+    masked = head is not None and cache is None and is_masked_lm_head(head, lins, taken)
     per_layer: list[FfnMatch | None] = list(ffns)
     experts: list[ExpertsSite] = []
     if len(ffns) > len(attns):  # several FFNs after one attention: experts (Qwen3-MoE)
@@ -147,7 +148,7 @@ def inspect_model(model: ir.Model) -> ModelShape:
         ffn_gated=any(f.gate is not None for f in dense),
         vocab_size=head.out_dim if head is not None else None,
         activation=activation,
-        kind="decoder" if head is not None else "encoder",
+        kind="decoder" if head is not None and not masked else "encoder",
         optimized=any(k.startswith(f"{ort_fused.MS}.") and k not in ort_fused.QUANTIZED
                       for k in fusion.fused_ops),
         fused_ops=fusion.fused_ops,

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
+from tuner.graph.ffn import NONLINEAR
 from tuner.graph.walk import Linear, const_shape, const_tensor, consumers, op, source, walk_back
 
 _INDEX_PATH = {"Reshape": (0,), "Cast": (0,), "Unsqueeze": (0,), "Squeeze": (0,), "Flatten": (0,),
@@ -117,6 +118,20 @@ def lm_head(linears: list[Linear], taken: set[int], embedding: Embedding | None,
             continue  # a small classifier or pooler head, not a vocabulary projection
         return lin
     return None
+
+
+def is_masked_lm_head(head: Linear, linears: list[Linear], taken: set[int]) -> bool:
+    """Whether the vocabulary projection is a masked LM's (BERT's and its kin's: RoBERTa,
+    DeBERTa, DistilBERT, ALBERT, ELECTRA, MPNet, ModernBERT): it reads a transform of its own,
+    a linear outside the blocks then an activation (then a norm), where a decoder's reads the
+    last block's output through a norm alone. A bidirectional model generates nothing, so
+    this is what tells an encoder with an LM head from a decoder."""
+    ends = {id(v): lin for lin in linears for v in (lin.output, lin.node.outputs[0])}
+    hits, walked = walk_back(head.node.inputs[0], lambda n: range(len(n.inputs)),
+                             lambda v: id(v) in ends, limit=64)
+    own = [ends[id(v)] for v in hits if id(ends[id(v)].node) not in taken]
+    return any(lin.out_dim == head.in_dim for lin in own) and \
+        any(op(n) in NONLINEAR for n in walked)
 
 
 def is_tied(head: Linear, embedding: Embedding | None, compare_bytes: bool = True) -> bool:
