@@ -9,7 +9,11 @@ second segment's token type 1), cut to the model's length (transformers' "longes
 pair) from the right or the left, one forward pass, then the logits through the function
 transformers' text-classification pipeline applies for the model's config: none for
 `problem_type` regression, sigmoid per label for multi-label classification or one label,
-softmax otherwise. The labels are config.json's id2label (LABEL_i where it names none)."""
+softmax otherwise. The labels are config.json's id2label (LABEL_i where it names none).
+
+Also the one way text becomes an encoder's feeds (`TextFeeds`, which the token classifier, the
+masked LM and the SPLADE model use too), and Triton's classification extension (`classified`:
+any output, on gRPC and HTTP)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Sequence classification (serving/classify.py) for an encoder artifact with a `logits`
-(batch, labels) output, in the three shapes clients call it:
+"""The APIs of an encoder artifact whose graph ends in `logits`, in the shapes clients call
+them: a sequence classifier's (serving/classify.py), a token classifier's
+(serving/token_classify.py) and a masked LM's (serving/fill_mask.py):
 
   POST /predict               Text Embeddings Inference's: {"inputs": text | [a, b] (a pair)
                               | [[text] | [a, b], ...] (a batch), "raw_scores": false,
@@ -26,8 +27,8 @@
                               zero_shot_classification: `parameters` with `candidate_labels`,
                               `multi_label`, `hypothesis_template`) -> [{"label", "score"}]
 
-The scores are the logits through the function transformers' pipeline applies for the model
-(softmax; sigmoid for one label or a multi-label model; none for regression). TEI applies
+A classifier's scores are the logits through the function transformers' pipeline applies
+for the model (softmax; sigmoid for one label or a multi-label model; none for regression). TEI applies
 softmax to every model of several labels; for a multi-label or regression model this server
 gives the model's own scores instead. Each text is its own request to the engine, so the
 batcher joins them."""
