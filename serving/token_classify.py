@@ -29,8 +29,9 @@ STRATEGIES = ("none", "simple", "first", "average", "max")
 
 
 def is_token_classifier(engine) -> bool:
-    """A `logits` output of (batch, sequence, labels) with a label per config.json's id2label
-    and a *ForTokenClassification architecture (a masked LM's logits span its vocabulary)."""
+    """A `logits` output of (batch, sequence, labels) and config.json naming a
+    *ForTokenClassification architecture (a masked LM's logits have as many dims, over its
+    vocabulary)."""
     spec = {s.name: s for s in engine.model.signature.outputs}.get(LOGITS)
     config = read_config(engine.model.folder)
     kinds = config.get("architectures") or []
