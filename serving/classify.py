@@ -34,13 +34,27 @@ DEFAULT_LENGTH = 512  # transformers' when the tokenizer names none
 FUNCTIONS = ("softmax", "sigmoid", "none")  # the pipeline's `function_to_apply`, lower case
 
 
+def logits_spec(engine):
+    """The engine's `logits` output (a TensorSpec), or None."""
+    return {s.name: s for s in engine.model.signature.outputs}.get(LOGITS)
+
+
 def logits_width(engine) -> int | None:
     """The labels of a sequence classifier's `logits` output (batch, labels); None when the
     model has no such output (an embedding model, a token classifier's (batch, seq, labels))."""
-    spec = {s.name: s for s in engine.model.signature.outputs}.get(LOGITS)
+    spec = logits_spec(engine)
     if spec is None or len(spec.shape) != 2 or spec.shape[1] < 1:
         return None
     return spec.shape[1]
+
+
+def per_token_logits(engine, architecture: str) -> bool:
+    """`logits` of (batch, sequence, n) and config.json naming an architecture that ends
+    with `architecture` (ForTokenClassification, ForMaskedLM: both heads give such logits)."""
+    spec = logits_spec(engine)
+    kinds = read_config(engine.model.folder).get("architectures") or []
+    return spec is not None and len(spec.shape) == 3 and \
+        any(str(k).endswith(architecture) for k in kinds)
 
 
 def is_classifier(engine) -> bool:

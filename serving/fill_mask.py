@@ -9,16 +9,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from serving.classify import LOGITS, TextFeeds, read_config
+from serving.classify import TextFeeds, per_token_logits
 from serving.errors import InvalidArgument
 from serving.text_config import special_token
 
 
 def is_masked_lm(engine) -> bool:
-    spec = {s.name: s for s in engine.model.signature.outputs}.get(LOGITS)
-    kinds = read_config(engine.model.folder).get("architectures") or []
-    return spec is not None and len(spec.shape) == 3 and \
-        any(str(k).endswith("ForMaskedLM") for k in kinds)
+    return per_token_logits(engine, "ForMaskedLM")
 
 
 class MaskFiller(TextFeeds):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from serving.classify import LOGITS, TextFeeds
+from serving.classify import LOGITS, TextFeeds, logits_spec
 from serving.errors import InvalidArgument
 from serving.text_config import read_json
 
@@ -56,7 +56,7 @@ def load_splade(folder: Path | None) -> Splade | None:
 
 
 def is_sparse(engine) -> bool:
-    spec = {s.name: s for s in engine.model.signature.outputs}.get(LOGITS)
+    spec = logits_spec(engine)
     return spec is not None and len(spec.shape) == 3 and \
         load_splade(engine.model.folder) is not None
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from serving.classify import LOGITS, TextFeeds, label_names, read_config
+from serving.classify import TextFeeds, label_names, logits_spec, per_token_logits
 from serving.errors import InvalidArgument
 from serving.text_config import special_token
 
@@ -29,14 +29,7 @@ STRATEGIES = ("none", "simple", "first", "average", "max")
 
 
 def is_token_classifier(engine) -> bool:
-    """A `logits` output of (batch, sequence, labels) and config.json naming a
-    *ForTokenClassification architecture (a masked LM's logits have as many dims, over its
-    vocabulary)."""
-    spec = {s.name: s for s in engine.model.signature.outputs}.get(LOGITS)
-    config = read_config(engine.model.folder)
-    kinds = config.get("architectures") or []
-    return spec is not None and len(spec.shape) == 3 and \
-        any(str(k).endswith("ForTokenClassification") for k in kinds)
+    return per_token_logits(engine, "ForTokenClassification")
 
 
 @dataclass(frozen=True)
@@ -59,7 +52,7 @@ class Tagger(TextFeeds):
                                   "needs a 'logits' output of (batch, sequence, labels) and a "
                                   "*ForTokenClassification config.json")
         super().__init__(engine)
-        width = {s.name: s for s in engine.model.signature.outputs}[LOGITS].shape[-1]
+        width = logits_spec(engine).shape[-1]
         self.labels = label_names(engine.model.folder, width)
         model = self.tokenizer.model
         self._subword = getattr(model, "continuing_subword_prefix", None)

@@ -48,10 +48,9 @@ from serving.engine import Engine
 from serving.errors import InvalidArgument
 from serving.fill_mask import MaskFiller
 from serving.http import tei_api
-from serving.http.embeddings_api import MAX_INPUTS, encoder_named
+from serving.http.embeddings_api import MAX_INPUTS, encoder_named, pair_outputs
 from serving.http.openai_api import error
 from serving.http.openai_requests import model_named
-from serving.http.rerank_api import pair_outputs
 from serving.token_classify import STRATEGIES, Tagger
 
 
@@ -115,11 +114,25 @@ def _top(parameters: dict, count: int) -> int:
     return top
 
 
-async def inference_api(frontend, body: dict) -> Response:
-    """Hugging Face's Inference API for text classification (a body with `parameters`)."""
+def _parameters(body: dict) -> dict:
+    """The Inference API's `parameters` (an object; none given: {})."""
     parameters = body.get("parameters") or {}
     if not isinstance(parameters, dict):
         raise InvalidArgument("'parameters' must be an object")
+    return parameters
+
+
+def _one_text(body: dict, what: str = "a non-empty string") -> str:
+    """The Inference API's `inputs` where a task takes one text."""
+    text = body.get("inputs")
+    if not isinstance(text, str) or not text:
+        raise InvalidArgument(f"'inputs' must be {what}")
+    return text
+
+
+async def inference_api(frontend, body: dict) -> Response:
+    """Hugging Face's Inference API for text classification (a body with `parameters`)."""
+    parameters = _parameters(body)
     engine = encoder_named(frontend, frontend.slot.name)
     classifier = classifier_of(engine)
     raw = body.get("inputs")
@@ -148,10 +161,7 @@ async def zero_shot(frontend, body: dict) -> Response:
     """Hugging Face's Inference API for zero-shot classification (what InferenceClient.
     zero_shot_classification sends: `parameters` with `candidate_labels`), as transformers'
     pipeline computes it on an NLI model: the text paired with each label's hypothesis."""
-    parameters = body["parameters"]
-    text = body.get("inputs")
-    if not isinstance(text, str) or not text:
-        raise InvalidArgument("'inputs' must be a non-empty string")
+    parameters, text = _parameters(body), _one_text(body)
     labels = _candidates(parameters.get("candidate_labels"))
     template = parameters.get("hypothesis_template") or "This example is {}."
     if not isinstance(template, str) or template.format(labels[0]) == template:
@@ -180,12 +190,7 @@ async def token_classification(frontend, body: dict) -> Response:
     """Hugging Face's Inference API for a token classifier (what InferenceClient.
     token_classification sends: `inputs` a text, `parameters` with `aggregation_strategy`,
     `ignore_labels`) -> its entities, as transformers' pipeline finds them."""
-    parameters = body.get("parameters") or {}
-    if not isinstance(parameters, dict):
-        raise InvalidArgument("'parameters' must be an object")
-    text = body.get("inputs")
-    if not isinstance(text, str) or not text:
-        raise InvalidArgument("'inputs' must be a non-empty string")
+    parameters, text = _parameters(body), _one_text(body)
     strategy = parameters.get("aggregation_strategy") or "none"
     if not isinstance(strategy, str) or strategy.lower() not in STRATEGIES:
         raise InvalidArgument(f"'aggregation_strategy' must be one of {list(STRATEGIES)}")
@@ -213,12 +218,8 @@ def filler_of(engine: Engine) -> MaskFiller:
 async def fill_mask(frontend, body: dict) -> Response:
     """Hugging Face's Inference API for a masked LM (what InferenceClient.fill_mask sends:
     `inputs` a text with the mask token, `parameters` with `top_k`, `targets`)."""
-    parameters = body.get("parameters") or {}
-    if not isinstance(parameters, dict):
-        raise InvalidArgument("'parameters' must be an object")
-    text = body.get("inputs")
-    if not isinstance(text, str) or not text:
-        raise InvalidArgument("'inputs' must be a non-empty string with the mask token")
+    parameters = _parameters(body)
+    text = _one_text(body, "a non-empty string with the mask token")
     top = parameters.get("top_k", 5)
     if isinstance(top, bool) or not isinstance(top, int) or top < 1:
         raise InvalidArgument("'top_k' must be a positive integer")

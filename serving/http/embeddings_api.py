@@ -14,6 +14,7 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from serving.classify import LOGITS
 from serving.embedding import Embedder, embedder_of
 from serving.engine import Engine
 from serving.errors import InvalidArgument
@@ -41,6 +42,13 @@ def texts_of(raw, field: str = "input") -> list[str | list[int]]:
     if len(items) > MAX_INPUTS:
         raise InvalidArgument(f"'{field}' holds {len(items)} items; at most {MAX_INPUTS}")
     return items
+
+
+async def pair_outputs(frontend, engine: Engine, feeds, pairs: list) -> list[dict]:
+    """The model's `logits` for each encoded text or pair (`feeds`: a serving.classify
+    TextFeeds), each its own request to the engine (the batcher joins them)."""
+    return [o for o, _ in await asyncio.gather(
+        *(frontend.run(engine.infer, feeds.feeds(p), [LOGITS]) for p in pairs))]
 
 
 async def embed_rows(frontend, engine: Engine, embedder: Embedder,

@@ -28,15 +28,21 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from serving.classify import is_classifier
 from serving.decoder import DecoderEngine
+from serving.encoder_kind import encoder_kind
 from serving.engine import Engine
-from serving.fill_mask import is_masked_lm
 from serving.http import classify_api, rerank_api, tei_api, tgi_api
 from serving.http.embeddings_api import embedder_of
-from serving.rerank import is_cross_encoder
-from serving.sparse import is_sparse
-from serving.token_classify import is_token_classifier
+
+
+_APIS = {"sparse": "a SPLADE model: TEI's /embed_sparse",
+         "masked_lm": "a masked LM: fill-mask on POST / (InferenceClient.fill_mask)",
+         "token_classifier": "a token classifier: its entities on POST / "
+                             "(InferenceClient.token_classification)",
+         "classifier": "TEI's /predict, vLLM's /classify, POST / "
+                       "(InferenceClient.text_classification)",
+         "reranker": "a reranker: /rerank, /v1/rerank, /v2/rerank, /score",
+         "embedding": "an embedding model: /v1/embeddings, TEI's /embed"}
 
 
 def text_apis(engine) -> str:
@@ -45,19 +51,11 @@ def text_apis(engine) -> str:
     if not isinstance(engine, Engine) or engine.model.folder is None \
             or not (engine.model.folder / "tokenizer.json").is_file():
         return ""
-    if is_sparse(engine):
-        return "a SPLADE model: TEI's /embed_sparse"
-    if is_masked_lm(engine):
-        return "a masked LM: fill-mask on POST / (InferenceClient.fill_mask)"
-    if is_token_classifier(engine):
-        return "a token classifier: its entities on POST / (InferenceClient.token_classification)"
-    if is_classifier(engine):
+    kind = encoder_kind(engine)
+    if kind == "classifier":
         labels = classify_api.classifier_of(engine).labels
-        return (f"a classifier of {len(labels)} labels ({', '.join(labels)}): TEI's /predict, "
-                "vLLM's /classify, POST / (InferenceClient.text_classification)")
-    if is_cross_encoder(engine):
-        return "a reranker: /rerank, /v1/rerank, /v2/rerank, /score"
-    return "an embedding model: /v1/embeddings, TEI's /embed"
+        return f"a classifier of {len(labels)} labels ({', '.join(labels)}): {_APIS[kind]}"
+    return _APIS[kind]
 
 
 def _serves_text(frontend) -> bool:
@@ -68,12 +66,13 @@ async def info(frontend, request: Request) -> Response:
     engine = frontend.slot.find(frontend.slot.name)
     if isinstance(engine, DecoderEngine):
         return JSONResponse(tgi_api.info(frontend, engine))
-    if is_sparse(engine):  # TEI's --pooling splade
+    what = encoder_kind(engine)
+    if what == "sparse":  # TEI's --pooling splade
         kind, limit = {"embedding": {"pooling": "splade"}}, tei_api.sparse_of(engine).max_tokens
-    elif is_cross_encoder(engine):  # TEI's reranker (one label) or classifier (several)
+    elif what in ("classifier", "reranker"):  # TEI's two kinds of sequence classifier
         classifier = classify_api.classifier_of(engine)
         labels = classifier.labels
-        kind = {"classifier" if is_classifier(engine) else "reranker": {
+        kind = {what: {
             "id2label": {str(i): name for i, name in enumerate(labels)},
             "label2id": {name: i for i, name in enumerate(labels)}}}
         limit = classifier.max_tokens
@@ -92,14 +91,14 @@ async def root(frontend, request: Request) -> Response:
             return tgi_api.error(e)
     try:
         body = await frontend.json(request)
-        engine = frontend.slot.find(frontend.slot.name)
-        if is_sparse(engine):  # TEI routes / to embed_sparse for a SPLADE model
+        kind = encoder_kind(frontend.slot.find(frontend.slot.name))
+        if kind == "sparse":  # TEI routes / to embed_sparse for a SPLADE model
             return await tei_api.embed_sparse_body(frontend, body)
-        if is_masked_lm(engine):  # InferenceClient.fill_mask
+        if kind == "masked_lm":  # InferenceClient.fill_mask
             return await classify_api.fill_mask(frontend, body)
-        if is_token_classifier(engine):  # InferenceClient.token_classification
+        if kind == "token_classifier":  # InferenceClient.token_classification
             return await classify_api.token_classification(frontend, body)
-        if is_classifier(engine):
+        if kind == "classifier":
             parameters = body.get("parameters")
             if isinstance(parameters, dict) and "candidate_labels" in parameters:
                 return await classify_api.zero_shot(frontend, body)  # on an NLI model

@@ -25,12 +25,11 @@ from starlette.responses import JSONResponse, Response
 from serving.classify import LOGITS
 from serving.decoder import DecoderEngine
 from serving.embedding import EMBEDDINGS_OUTPUT, embed_texts
+from serving.encoder_kind import encoder_kind
 from serving.errors import InvalidArgument
 from serving.http import codec
 from serving.http.classify_api import classifier_of, tagger_of
-from serving.http.rerank_api import pair_outputs
-from serving.rerank import is_cross_encoder
-from serving.token_classify import is_token_classifier
+from serving.http.embeddings_api import pair_outputs
 
 _MOST_INSTANCES = 1024  # one body's examples: each is a request of its own
 
@@ -102,8 +101,9 @@ async def _text_predictions(frontend, engine, texts: list[str]) -> list:
     """Texts as KServe's Hugging Face runtime answers them for the model's task: a sequence
     classifier's best label id per text, a token classifier's per token (the special tokens
     included), else the texts' sentence embeddings."""
-    if is_cross_encoder(engine) or is_token_classifier(engine):
-        feeds = classifier_of(engine) if is_cross_encoder(engine) else tagger_of(engine)
+    kind = encoder_kind(engine)
+    if kind in ("classifier", "reranker", "token_classifier"):
+        feeds = tagger_of(engine) if kind == "token_classifier" else classifier_of(engine)
         pairs = [feeds.encode(t) for t in texts]
         outputs = await pair_outputs(frontend, engine, feeds, pairs)
         return [o[LOGITS][0].argmax(-1).tolist() for o in outputs]

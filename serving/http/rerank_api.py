@@ -14,7 +14,6 @@ OpenAI error objects, as vLLM's, but for TEI's body."""
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from dataclasses import dataclass
 from functools import lru_cache
@@ -25,8 +24,9 @@ from starlette.responses import JSONResponse, Response
 from serving.engine import Engine
 from serving.errors import InvalidArgument
 from serving.http import tei_api
+from serving.http.embeddings_api import pair_outputs
 from serving.http.openai_api import error
-from serving.rerank import Pair, Scorer, load_scorer
+from serving.rerank import Scorer, load_scorer
 
 MAX_DOCUMENTS = 1000  # one call's documents, at most
 
@@ -76,13 +76,6 @@ def _shape(body: dict, count: int) -> _Shape:
     if isinstance(top, bool) or not isinstance(top, int) or top < 1:
         raise InvalidArgument("'top_n' must be a positive integer")
     return _Shape(False, top, _flag(body, "return_documents", True))
-
-
-async def pair_outputs(frontend, engine: Engine, scorer: Scorer, pairs: list[Pair]
-                       ) -> list[dict]:
-    """The model's outputs for each pair, each its own request (the batcher joins them)."""
-    return [o for o, _ in await asyncio.gather(
-        *(frontend.run(engine.infer, scorer.feeds(p), ["logits"]) for p in pairs))]
 
 
 def _is_tei(body: dict) -> bool:

@@ -24,7 +24,7 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import Response
 
-from serving.classify import is_classifier
+from serving.encoder_kind import encoder_kind
 from serving.engine import Engine
 from serving.errors import InvalidArgument
 from serving.http import (classify_api, embeddings_api, hf_routes, openai_api, rerank_api,
@@ -34,7 +34,7 @@ from serving.http import (classify_api, embeddings_api, hf_routes, openai_api, r
 async def _input(frontend, request: Request) -> Response:
     """A body with `input`: vLLM's classify for a classifier, OpenAI embeddings otherwise."""
     engine = frontend.slot.find(frontend.slot.name)
-    if isinstance(engine, Engine) and is_classifier(engine):
+    if isinstance(engine, Engine) and encoder_kind(engine) == "classifier":
         return await classify_api.classify(frontend, request)
     return await embeddings_api.embeddings(frontend, request)
 

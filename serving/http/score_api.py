@@ -22,10 +22,10 @@ from serving.embedding import cosine
 from serving.errors import InvalidArgument
 from serving.http.classify_api import activated
 from serving.http.embeddings_api import (MAX_INPUTS, embed_rows, embedder_of,
-                                         encoder_named)
+                                         encoder_named, pair_outputs)
 from serving.http.openai_api import error
 from serving.http.openai_requests import model_named
-from serving.http.rerank_api import pair_outputs, scorer_of
+from serving.http.rerank_api import scorer_of
 from serving.rerank import is_cross_encoder
 
 

@@ -23,20 +23,18 @@ TEI's `{"error", "error_type"}`: 422 Validation, 400 Empty."""
 
 from __future__ import annotations
 
-import asyncio
 from functools import lru_cache
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 import serving
-from serving.classify import LOGITS
 from serving.embedding import Embedder, cosine, load_prompts, normalized
 from serving.engine import Engine
 from serving.errors import InvalidArgument
 from serving.http.codec import http_status_for
 from serving.http.embeddings_api import (MAX_INPUTS, embed_rows, embedder_of, encoder_named,
-                                         texts_of)
+                                         pair_outputs, texts_of)
 from serving.sparse import SparseEmbedder
 
 # sentence-transformers' Pooling modes under TEI's names for them
@@ -190,9 +188,8 @@ async def embed_sparse_body(frontend, body: dict) -> Response:
     truncate, left = flag(body, "truncate", True), from_left(body)
     prompt = _prompt(load_prompts(engine.model.folder), body.get("prompt_name"))
     pairs = sparse.encode_all([(prompt + t, None) for t in texts], truncate, left)
-    outputs = await asyncio.gather(*(frontend.run(engine.infer, sparse.feeds(p), [LOGITS])
-                                     for p in pairs))
-    return JSONResponse([sparse.entries(sparse.vector(o)) for o, _ in outputs])
+    outputs = await pair_outputs(frontend, engine, sparse, pairs)
+    return JSONResponse([sparse.entries(sparse.vector(o)) for o in outputs])
 
 
 async def embed_sparse(frontend, request: Request) -> Response:
