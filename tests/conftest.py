@@ -125,28 +125,16 @@ def cross_encoder_artifact(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def llama_opset23():
     """Llama exported by dynamo at opset 23: torch writes ONNX's own Attention and
-    RotaryEmbedding ops. Cached beside the reference models (built once, ~10 s)."""
-    import tempfile
+    RotaryEmbedding ops (cached beside the reference models, built once, ~10 s)."""
+    from models.build import DYNAMO_23, cached
 
-    import torch
+    return cached("llama", "small", DYNAMO_23)
 
-    from models.build import SEED, _cache_dir, _spec_key, _Wrapper, build_torch_model, spec
-    from models.once import build_once
 
-    path = _cache_dir() / f"llama-small-dynamo23-{_spec_key('llama', 'small', 'dynamo')}.onnx"
+@pytest.fixture(scope="session")
+def llama_kv_opset23():
+    """llama-kv through dynamo at opset 23: the Concats feed ONNX's own Attention op, and its
+    rotary caches are computed from the position_ids input (one row per row of the batch)."""
+    from models.build import DYNAMO_23, cached
 
-    def build() -> None:
-        model = _Wrapper(build_torch_model(spec("llama", "small")), True)
-        g = torch.Generator().manual_seed(SEED)
-        ids = torch.randint(0, 1024, (2, 16), generator=g)
-        batch, seq = torch.export.Dim("batch", min=1, max=64), torch.export.Dim("sequence", min=2, max=256)
-        program = torch.onnx.export(
-            model, (ids, torch.ones(2, 16, dtype=torch.int64)), dynamo=True, opset_version=23,
-            input_names=["input_ids", "attention_mask"], output_names=["logits"],
-            dynamic_shapes={"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}})
-        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-            program.save(str(Path(tmp) / path.name), external_data=False)
-            (Path(tmp) / path.name).replace(path)
-
-    build_once(path, path.exists, build)
-    return path
+    return cached("llama-kv", "awkward", DYNAMO_23)

@@ -160,20 +160,6 @@ def test_cache_record_is_validated():
     assert (latent.dim_of("pk"), latent.dim_of("pv"), latent.values_dim) == (8, 6, 6)
 
 
-@pytest.fixture(scope="module")
-def llama_kv_opset23():
-    """llama-kv through dynamo at opset 23: the Concats feed ONNX's own Attention op."""
-    from models.build import IR_VERSION, _cache_dir, _spec_key, build_torch_model
-    from models.kv import export_kv
-    from models.once import build_once
-
-    path = _cache_dir() / f"llama-kv-dynamo23-{_spec_key('llama-kv', 'awkward', 'dynamo')}.onnx"
-    build_once(path, path.exists, lambda: export_kv(
-        build_torch_model(spec("llama-kv", "awkward")), "dynamo", path,
-        {"dynamo": 23, "torchscript": 17}, IR_VERSION))
-    return path
-
-
 def test_onnx_attention_op_from_opset_23_tells_k_from_v_by_its_slots(llama_kv_opset23):
     import onnxruntime as ort
 

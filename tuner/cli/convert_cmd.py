@@ -6,6 +6,7 @@ written), 2 bad input (nothing to convert, OUT exists without --force).
     tuner unmerge FOLDER -o OUT              an encoder-decoder's, its two plain decoders
     tuner unmerge FOLDER -o OUT --dtype q8   ... of its transformers.js quantized copies
     tuner unwindow GENAI.onnx -o OUT.onnx    onnxruntime-genai's windowed caches, full-length
+    tuner rebatch DYNAMO23.onnx -o OUT.onnx  torch's one-row rotary caches, expanded to the batch
 """
 
 from __future__ import annotations
@@ -103,3 +104,24 @@ def unwindow_cmd(
         return unwindow_file(src, dst, tolerance)[0]
 
     _convert(job, "unwindowed", model, output, atol, rtol, as_json, force)
+
+
+@app.command("rebatch")
+def rebatch_cmd(
+    model: Path = typer.Argument(..., help="a graph whose RotaryEmbedding nodes take one-row "
+                                           "cos/sin caches (`tuner inspect` says so)"),
+    output: Path = _OUTPUT, atol: float = _ATOL, rtol: float = _RTOL,
+    as_json: bool = _JSON, force: bool = _FORCE,
+) -> None:
+    """Make torch's opset-23 export of a decoder that computes its own positions (no
+    position_ids input) run at any batch in ONNX Runtime: its RotaryEmbedding nodes take
+    cos/sin caches of one row, which torch broadcasts and ONNX Runtime refuses at batch > 1.
+    The caches are expanded to the batch; checked by running each row of batches of 1 to 3
+    (padded masks) against the original on that row alone, then written. `tuner optimize`
+    and `tuner pad` do this themselves."""
+    from tuner.jobs.rotary_batch import rebatch_file
+
+    def job(src, dst, tolerance):
+        return rebatch_file(src, dst, tolerance)[0]
+
+    _convert(job, "rebatched", model, output, atol, rtol, as_json, force)

@@ -84,6 +84,9 @@ def pad_cmd(
     if result.accuracy is not None:
         print(result.accuracy.table())
     done = ", ".join(result.transforms) or "nothing (already aligned)"
+    if result.rebatched:
+        done += (f"; {result.rebatched} RotaryEmbedding node(s)' one-row cos/sin caches "
+                 "expanded to the batch (the original ran at batch 1 only)")
     typer.echo(f"padded {model} -> {output}: {done}")
 
 

@@ -95,6 +95,7 @@ def _pair(original: Path, variant: Path, inputs: Path | None, tol, vocab: int | 
     """One graph against its variant: the table printed, the VerifyResult returned."""
     from tuner.gate.entry import prepare
     from tuner.gate.feeds import check_feed, load_npz
+    from tuner.gate.rows_alone import reference_for
     from tuner.graph.load import load_model
     from tuner.graph.roles import input_specs
     from tuner.runtime.registry import get_backend
@@ -104,8 +105,12 @@ def _pair(original: Path, variant: Path, inputs: Path | None, tol, vocab: int | 
         user_feeds = [load_npz(inputs)]
         check_feed(user_feeds[0], input_specs(load_model(original)))
     backend = get_backend("ort-cpu")
+    load, one_row = reference_for(load_model(original), lambda: backend.load(original))
+    if one_row:
+        typer.echo(f"{original.name}: its RotaryEmbedding caches hold one row, so ONNX Runtime "
+                   "runs it at batch 1 only: it is run on each row of a batch alone", err=True)
     try:
-        gate = prepare(original, lambda: backend.load(original), variant, feeds=user_feeds,
+        gate = prepare(original, load, variant, feeds=user_feeds,
                        vocab=vocab, seed=seed, tolerance=tol,
                        min_compared=min_compared)
         if inputs is not None or vocab is not None:  # feeds the user chose: theirs to fix

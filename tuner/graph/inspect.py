@@ -29,6 +29,7 @@ from tuner.graph.lm_head import (Embedding, is_masked_lm_head, is_tied, keep_inp
                                  token_embedding, token_ids)
 from tuner.graph.load import load_model, name_nodes
 from tuner.graph.positions import positions_input, slot_positions
+from tuner.graph.rotary_caches import batch_one_rotaries
 from tuner.graph.shape import ExpertsSite, FfnSite, LayerSites, ModelShape, Sites
 from tuner.graph.walk import Linear, linears
 
@@ -153,6 +154,7 @@ def inspect_model(model: ir.Model) -> ModelShape:
                       for k in fusion.fused_ops),
         fused_ops=fusion.fused_ops,
         lengths_mask=fusion.lengths_mask,
+        one_row_rotary=tuple(n.name for n in batch_one_rotaries(model, dims)),
         sites=Sites(
             layers=layers,
             lm_head=head.node.name if head is not None else None,

@@ -124,6 +124,7 @@ class ModelShape:
     optimized: bool = False  # already run through ORT's transformer optimizer (fused ops)
     fused_ops: tuple[str, ...] = ()
     lengths_mask: str | None = None  # a fused Attention reading the mask as lengths (ort_fused)
+    one_row_rotary: tuple[str, ...] = ()  # RotaryEmbedding nodes fed one-row caches (rotary_caches)
     findings: tuple[Finding, ...] = ()
     sites: Sites = field(default_factory=Sites)
     cache: KvCache | None = None  # the KV cache of a decoder exported with one (kv_cache.py)

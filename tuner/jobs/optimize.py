@@ -17,8 +17,11 @@ from typing import Any
 from tuner.artifact.records import Manifest
 from tuner.errors import BadInput
 from tuner.graph.load import folder_hint, load_model
+from tuner.graph.rotary_caches import batch_one_rotaries
 from tuner.graph.windowed import windowed_cache
 from tuner.jobs.pipeline import progress_say, run_pipeline
+from tuner.jobs.rotary_batch import describe as describe_rebatched
+from tuner.jobs.rotary_batch import rebatch_file
 from tuner.jobs.unwindow import describe, unwindow_file
 from tuner.util.files import ensure_writable_dir, swap_dir_into_place
 
@@ -145,12 +148,17 @@ def optimize(cfg: OptimizeConfig) -> OptimizeResult:
     model = load_model(cfg.model)  # BadInput on anything that is not a readable ONNX model
     cfg.out.resolve().parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{cfg.out.name}.tmp-", dir=cfg.out.resolve().parent))
-    work = tmp.with_name(tmp.name.replace(".tmp-", ".unwindow-"))
+    work = tmp.with_name(tmp.name.replace(".tmp-", ".first-"))  # the first steps' copies
     try:
         source, first = cfg.model, []
         if windowed_cache(model.graph) is not None:  # one cache length first (the engine's)
             del model
             source, first = _unwindowed(cfg, work)
+            model = load_model(source)
+        if batch_one_rotaries(model):  # a graph that runs batches before anything is timed
+            del model
+            source, note = _rebatched(cfg, source, work)
+            first.append(note)
             model = load_model(source)
         manifest, notes = run_pipeline(cfg, model, tmp, source, first)
         del model
@@ -184,7 +192,7 @@ def _unwindowed(cfg: OptimizeConfig, work: Path) -> tuple[Path, list[str]]:
     from tuner.gate.verify import Tolerance
     from tuner.jobs.pad import NotExact
 
-    work.mkdir()
+    work.mkdir(exist_ok=True)
     say = progress_say(cfg.progress)
     say(f"making {cfg.model.name}'s windowed caches full-length (checked by running)")
     try:
@@ -194,3 +202,21 @@ def _unwindowed(cfg: OptimizeConfig, work: Path) -> tuple[Path, list[str]]:
         raise BadInput(f"{cfg.model}: its windowed caches made full-length did not match "
                        f"it:\n{e.result.table()}") from None
     return work / cfg.model.name, [f"{cfg.model.name}: {describe(found, result)}"]
+
+
+def _rebatched(cfg: OptimizeConfig, source: Path, work: Path) -> tuple[Path, str]:
+    """`source` with its one-row rotary caches expanded to the batch (tuner.jobs.rotary_batch),
+    written under `work` (which the caller removes); its note. Not exact: bad input."""
+    from tuner.gate.verify import Tolerance
+    from tuner.jobs.pad import NotExact
+
+    (work / "rebatched").mkdir(parents=True, exist_ok=True)
+    dst = work / "rebatched" / cfg.model.name
+    progress_say(cfg.progress)(f"making {cfg.model.name} run at any batch: its rotary caches "
+                               "hold one row (checked by running, row by row)")
+    try:
+        result, count = rebatch_file(source, dst, Tolerance(cfg.atol, cfg.rtol))
+    except NotExact as e:
+        raise BadInput(f"{cfg.model}: its rotary caches expanded to the batch did not match "
+                       f"it row by row:\n{e.result.table()}") from None
+    return dst, f"{cfg.model.name}: {describe_rebatched(count, result)}"

@@ -14,7 +14,7 @@ from __future__ import annotations
 import gc
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -24,6 +24,7 @@ import onnx_ir as ir
 from tuner.errors import BadInput
 from tuner.gate.feeds import DEFAULT_SHAPES
 from tuner.gate.entry import GateCheck, prepare
+from tuner.gate.rows_alone import reference_for
 from tuner.gate.verify import Tolerance, VerifyResult
 from tuner.graph.inspect import inspect_model
 from tuner.graph.io import vocab_for_feeds
@@ -31,6 +32,7 @@ from tuner.graph.load import load_model, save_model
 from tuner.graph.paddable import Transform
 from tuner.graph.shape import ModelShape
 from tuner.rewrite.compose import PadRequest, apply
+from tuner.rewrite.rotary_batch import expand_rotary_caches
 from tuner.runtime.base import Runner, SessionSettings
 from tuner.runtime.registry import get_backend
 from tuner.util.files import ensure_writable_dir
@@ -53,6 +55,7 @@ class PadResult:
     dst: str
     records: tuple[Transform, ...]
     accuracy: VerifyResult | None  # None when verification was skipped
+    rebatched: int = 0  # RotaryEmbedding nodes whose one-row caches now expand to the batch
 
     @property
     def transforms(self) -> tuple[str, ...]:
@@ -61,7 +64,7 @@ class PadResult:
 
     def to_json(self) -> dict:
         return {"src": self.src, "dst": self.dst, "transforms": list(self.transforms),
-                "accuracy": self.accuracy.to_json() if self.accuracy is not None else None}
+                "rebatched_rotary_nodes": self.rebatched, "accuracy": self.accuracy.to_json() if self.accuracy is not None else None}
 
 
 def _first_line(e: Exception) -> str:
@@ -147,16 +150,21 @@ def pad_file(src: str | os.PathLike, dst: str | os.PathLike, req: PadRequest, ve
              tolerance: Tolerance = Tolerance(), feeds: Feeds | None = None,
              shapes: Sequence[tuple[int, int]] = DEFAULT_SHAPES) -> PadResult:
     """Load, rewrite, verify against the original on ONNX Runtime CPU, then write `dst`
-    atomically. Raises NotExact (nothing written) when the gate fails."""
+    atomically. Raises NotExact (nothing written) when the gate fails. A graph that runs one
+    row at a time (tuner.graph.rotary_caches) is made to run batches as well, and gated
+    against the original run on each row alone."""
     src, dst = Path(src), Path(dst)
     check_destination(src, dst)
     model = load_model(src)
     shape = inspect_model(model)
-    check = (prepare(model, lambda: load_reference(src), feeds=feeds,
-                     vocab=vocab_for_feeds(model, shape), shapes=shapes, tolerance=tolerance)
-             if verify else None)
+    # a graph that runs one row at a time: made to run batches, checked row by row
+    load, one_row = reference_for(model, lambda: load_reference(src))
+    rebatched = expand_rotary_caches(model) if one_row else 0
+    check = (prepare(model, load, feeds=feeds, vocab=vocab_for_feeds(model, shape),
+                     shapes=shapes, tolerance=tolerance) if verify else None)
     try:
-        return pad_model(model, shape, req, dst, check, src=str(src))
+        return replace(pad_model(model, shape, req, dst, check, src=str(src)),
+                       rebatched=rebatched)
     finally:
         if check is not None:
             check.close()

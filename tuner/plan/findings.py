@@ -218,6 +218,14 @@ def _fused(shape: ModelShape) -> list[Finding]:
                            "left-padded or holed mask gives wrong outputs, so `tuner serve` "
                            "refuses one; `tuner optimize` the unfused export instead (its "
                            "fusion feeds the raw mask)"))
+    if shape.one_row_rotary:
+        out.append(Finding("rotary-caches-one-row", "warning",
+                           f"{len(shape.one_row_rotary)} RotaryEmbedding node(s) take cos/sin "
+                           "caches of one row (torch's opset-23 export of a model that computes "
+                           "its own positions), which ONNX Runtime does not broadcast: the "
+                           "graph runs at batch 1 only; `tuner optimize` and `tuner pad` expand "
+                           "them to the batch first (exact, checked row by row), `tuner "
+                           "rebatch` writes that graph alone"))
     if quantized:
         out.append(Finding("quantized-weights", "info",
                            f"weights are quantized ({', '.join(quantized)}): vocabulary and FFN "
