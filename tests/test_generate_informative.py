@@ -21,7 +21,7 @@ from serving.server import Server, ServerOptions
 from tuner.artifact.records import Buckets
 
 STEPS = 12
-FAMILIES = ("gpt2", "llama", "gpt_neox", "mistral")
+FAMILIES = ("gpt2", "llama", "gpt_neox", "mistral", "phi")  # phi: a norm over the keys
 
 
 def _transformers_greedy(model, prompt: np.ndarray) -> list[int]:

@@ -62,9 +62,13 @@ _FUSED_KV = {"Attention": (1, 2), f"{MS}.MultiHeadAttention": (1, 2),
 _FUSED_PAST = {"Attention": ((4, 5), (1, 2)), f"{MS}.MultiHeadAttention": ((6, 7), (1, 2)),
                f"{MS}.GroupQueryAttention": ((3, 4), (1, 2))}
 # Besides walk.DATA_INPUTS, ops the new keys pass through after their projection: rotary
-# ops, and the Gather that picks k or v out of a fused projection viewed as (..., 3, d)
-# (Bloom's and Falcon's `fused_qkv[..., 1, :]`).
-_ROTARY = {"RotaryEmbedding": (0,), f"{MS}.RotaryEmbedding": (0,), "Gather": (0,)}
+# ops, the Gather that picks k or v out of a fused projection viewed as (..., 3, d)
+# (Bloom's and Falcon's `fused_qkv[..., 1, :]`), and a norm over each head's keys (Phi's
+# qk_layernorm as LayerNormalization; Gemma 3's and Qwen 3's k_norm as opset 23's
+# RMSNormalization, or ONNX Runtime's fused SimplifiedLayerNormalization).
+_AFTER_PROJECTION = {"RotaryEmbedding": (0,), f"{MS}.RotaryEmbedding": (0,), "Gather": (0,),
+                     "LayerNormalization": (0,), "RMSNormalization": (0,),
+                     f"{MS}.SimplifiedLayerNormalization": (0,)}
 
 
 @dataclass(frozen=True)
@@ -185,8 +189,8 @@ def _is_projected(v: ir.Value) -> bool:
     """Whether `v` is computed from a MatMul/Gemm (the new keys/values, after any rotary)."""
     def follow(node: ir.Node):
         kind = op(node)
-        if kind in _ROTARY:
-            return _ROTARY[kind]
+        if kind in _AFTER_PROJECTION:
+            return _AFTER_PROJECTION[kind]
         if kind not in DATA_INPUTS:
             return None
         return DATA_INPUTS[kind] or range(len(node.inputs))  # None there: every input

@@ -125,14 +125,14 @@ def attention_blocks(graph: ir.Graph, lins: list[Linear], dims: Dims):
             paths = [walk_projection(x, by_output) if x is not None else None for x in inputs[:3]]
             lq, lk, lv = [p.linears[0] if p is not None and p.linears else None for p in paths]
             if lq is not None and heads:
+                shown = dims.static(inputs[0], -1) if len(dims.shape(inputs[0]) or ()) == 4 else None
                 if lk is None or lk is lq:  # packed QKV in one input
                     qkv = lq.node.name
-                    d = lq.out_dim // (heads + 2 * kv)
+                    d, kv = _packed_heads(lq.out_dim, heads, kv, shown)
                 else:
                     q, k = lq.node.name, lk.node.name
                     v = lv.node.name if lv is not None else None
-                    d = dims.static(inputs[0], -1) if len(dims.shape(inputs[0]) or ()) == 4 else None
-                    d = d or lq.out_dim // heads
+                    d = shown or lq.out_dim // heads
                     kv = lk.out_dim // d if d else kv
             projections += [lin.node for lin in (lq, lk, lv) if lin is not None]
             if paths[0] is not None:
@@ -149,6 +149,17 @@ def attention_blocks(graph: ir.Graph, lins: list[Linear], dims: Dims):
                              fused_op=kind)
         found.append(AttnMatch(i, site, tuple(dict.fromkeys(projections)), heads, kv, d))
     return found
+
+
+def _packed_heads(width: int, heads: int, kv: int, shown: int | None) -> tuple[int, int]:
+    """(head dim, kv heads) of a packed QKV projection `width` wide. The op's q input, where
+    it shows its head dim (B, a, S, d), gives it, and the kv heads follow from the width: the
+    op's own k input may count heads after repeat_kv (Falcon's [q.. k v] groups at opset
+    23: k arrives with the q heads' count); otherwise the op's counts give the head dim."""
+    if shown and width % shown == 0 and (width // shown - heads) % 2 == 0 \
+            and width // shown > heads:
+        return shown, (width // shown - heads) // 2
+    return width // (heads + 2 * kv), kv
 
 
 def _gqa_rotary(node: ir.Node, d: int) -> tuple[str, int | None]:
