@@ -164,3 +164,19 @@ def test_optimize_serves_batches_of_it(llama_opset23, tmp_path):
         alone = _run(llama_opset23, {k: v[row:row + 1] for k, v in feeds.items()})
         keep = feeds["attention_mask"][row].astype(bool)
         np.testing.assert_allclose(got[row][keep], alone[0][keep], atol=1e-4, rtol=1e-3)
+
+
+def test_an_original_that_fails_on_the_gates_feeds_is_bad_input(llama_opset23, tmp_path,
+                                                                 monkeypatch, capsys):
+    """As before the repair (its detection switched off): the original fails at batch 2, so
+    no variant can be checked: exit 2 naming the failure, not an internal error in the
+    timing stage, and nothing written."""
+    import tuner.jobs.optimize as job
+
+    monkeypatch.setattr(job, "batch_one_rotaries", lambda model: ())
+    out = tmp_path / "out"
+    assert main(["optimize", str(llama_opset23), "-o", str(out), "--no-probe", "--rounds",
+                 "2", "--no-cache", "--no-fuse"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot run the original on the gate's feeds" in err and "cos_cache" in err
+    assert list(tmp_path.iterdir()) == []

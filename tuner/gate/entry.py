@@ -118,6 +118,11 @@ class GateCheck:
                      self.widened_of(variant), self.specs, self.min_compared,
                      self.kept_of(variant), self.positions_of(variant))
 
+    def reference_failure(self) -> str | None:
+        """The first error the reference met on the gate's feeds, in one line (None: it ran
+        them all, or it is a live runner, not recorded by prepare)."""
+        return getattr(self.reference, "failure", None)
+
     def close(self) -> None:
         self.reference.close()
 

@@ -274,6 +274,15 @@ class Replay:
     def close(self) -> None:
         self._answers = []
 
+    @property
+    def failure(self) -> str | None:
+        """The first recorded failure in one line (None: every feed ran)."""
+        for a in self._answers:
+            if isinstance(a, Exception):
+                text = str(a).strip().splitlines()
+                return f"{type(a).__name__}: {text[0]}" if text else type(a).__name__
+        return None
+
     def infer(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         # by identity: the same feed objects come back from the same list
         for f, answer in zip(self._feeds, self._answers):

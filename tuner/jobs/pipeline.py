@@ -160,6 +160,10 @@ def build_stage(s: Setup, planned: Planned) -> tuple[dict[str, Built], GateCheck
     except Exception as e:  # noqa: BLE001 - the user's graph fails on its own: bad input
         raise BadInput(f"{s.cfg.model}: ONNX Runtime cannot run the original on the gate's "
                        f"feeds: {_first_line(e)}") from None
+    if (failure := gate.reference_failure()) is not None:  # no variant could be checked
+        gate.close()
+        raise BadInput(f"{s.cfg.model}: ONNX Runtime cannot run the original on the gate's "
+                       f"feeds (batches of 1 to 3, padded masks): {failure}")
     notes: list[str] = []
     for c in planned.kept[1:]:
         s.say(f"building {c.name} (rewrite + accuracy gate)")
