@@ -128,7 +128,8 @@ def _torchscript(model, args, path: Path, names: tuple[list[str], list[str]], op
                       do_constant_folding=True)
 
 
-def _dynamo(model, args, path: Path, names: tuple[list[str], list[str]], opset: int) -> None:
+def _dynamo(model, args, path: Path, names: tuple[list[str], list[str]], opset: int,
+            optimize: bool = True) -> None:
     import torch
 
     inputs, outputs = names
@@ -143,7 +144,7 @@ def _dynamo(model, args, path: Path, names: tuple[list[str], list[str]], opset: 
               "position_ids": {0: batch, 1: seq}, "past": (cache_axes,) * len(args[3])}
     program = torch.onnx.export(model, args, dynamo=True, opset_version=opset,
                                 input_names=inputs, output_names=outputs,
-                                dynamic_shapes=shapes, optimize=True)
+                                dynamic_shapes=shapes, optimize=optimize)
     program.save(str(path), external_data=False)
 
 
@@ -163,8 +164,10 @@ def _name_mask_axis(graph) -> None:
                 dim.dim_param = TOTAL
 
 
-def export_kv(model, exporter: str, out: Path, opsets: dict[str, int], ir_version: int) -> Path:
-    """Export a transformers causal LM with its cache to `out` (temp file, then rename)."""
+def export_kv(model, exporter: str, out: Path, opsets: dict[str, int], ir_version: int,
+              optimize: bool = True) -> Path:
+    """Export a transformers causal LM with its cache to `out` (temp file, then rename);
+    `optimize`: dynamo's own optimizer (constant folding, fusions) on its graph."""
     import onnx
     import torch
 
@@ -177,8 +180,10 @@ def export_kv(model, exporter: str, out: Path, opsets: dict[str, int], ir_versio
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_path = Path(tmp) / out.name
         with torch.no_grad(), quiet_exporters():
-            export_fn = _torchscript if exporter == "torchscript" else _dynamo
-            export_fn(wrapped, args, tmp_path, names, opsets[exporter])
+            if exporter == "torchscript":
+                _torchscript(wrapped, args, tmp_path, names, opsets[exporter])
+            else:
+                _dynamo(wrapped, args, tmp_path, names, opsets[exporter], optimize)
         proto = onnx.load(str(tmp_path))
         proto.ir_version = min(proto.ir_version, ir_version)
         _name_mask_axis(proto.graph)

@@ -69,12 +69,17 @@ def test_served_greedy_equals_transformers_on_informative_prompts(family, tmp_pa
         assert len(set(tokens)) >= FLOOR and tokens != [int(prompt[-1])] * STEPS, tokens
     out = make_artifact(tmp_path / "art", cached(f"{family}-kv", "awkward", "torchscript"),
                         Buckets(batch=(1, 2, 4), seq=(16, 32, 64)))
+    assert served_greedy(out, prompts) == want
+
+
+def served_greedy(out, prompts: list[np.ndarray]) -> list[list[int]]:
+    """Each prompt's greedy tokens from `tuner serve OUT` (positions up to 256), one request
+    after another over gRPC."""
     (out / "config.json").write_text(json.dumps({"max_position_embeddings": 256}))
     server = Server(out, ServerOptions(port=0, metrics_port=0), say=lambda line: None)
     server.start()
     try:
         assert server.wait_ready(120), server.slot.status
-        got = [_served_greedy(server, p) for p in prompts]
+        return [_served_greedy(server, p) for p in prompts]
     finally:
         server.stop(5)
-    assert got == want

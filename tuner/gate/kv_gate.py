@@ -21,6 +21,7 @@ from typing import Sequence
 import numpy as np
 import onnx_ir as ir
 
+from tuner.errors import one_line
 from tuner.gate.decode_step import last_only
 from tuner.gate.feeds import DEFAULT_SHAPES, make_feeds
 from tuner.gate.kv_feeds import (Rollout, StepFeeds, decode_feeds, greedy_rollout, prefill_feeds,
@@ -211,7 +212,7 @@ def record_rollouts(load, feeds: CacheFeeds) -> RecordedRollouts:
             try:
                 runs.append(_rollout(runner, start, steps))
             except Exception as e:  # noqa: BLE001 - kept: the gate then fails closed on it
-                runs.append(_first_line(e))
+                runs.append(one_line(e))
     finally:
         # the runner drops its session: freed now, whatever still holds the runner (no
         # full collection: in a process with torch loaded one takes ~0.3 s, and the suite
@@ -226,10 +227,6 @@ def _rollout(runner, start: StepFeeds, steps: int) -> Rollout:
     return greedy_rollout(adapted(runner, start.record).infer, start, steps)
 
 
-def _first_line(e: Exception) -> str:
-    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
-
-
 def _compare_kept(stats: Stats, candidate, start: StepFeeds, ref_logits: np.ndarray,
                   served: StepFeeds, tolerance, errors: list[str], what: str) -> None:
     """The candidate's first step of `start` (`served`: as the server feeds it) run for each
@@ -239,7 +236,7 @@ def _compare_kept(stats: Stats, candidate, start: StepFeeds, ref_logits: np.ndar
     try:
         cut = np.asarray(candidate.infer(feeds.arrays)[start.record.logits])
     except Exception as e:  # noqa: BLE001 - a candidate that cannot run fails the gate
-        errors.append(f"{what}: the candidate failed to run with {KEEP}: {_first_line(e)}")
+        errors.append(f"{what}: the candidate failed to run with {KEEP}: {one_line(e)}")
         return
     if cut.shape[:2] != (start.mask.shape[0], feeds.keep):
         stats.fail(f"{KEEP}={feeds.keep} gave logits {cut.shape}")
@@ -293,13 +290,13 @@ def verify_cache_model(reference, candidate, feeds: CacheFeeds,
             if isinstance(ref, str):
                 raise RuntimeError(ref)
         except Exception as e:  # noqa: BLE001 - nothing to compare against: the gate fails
-            errors.append(f"{what}: {REFERENCE_FAILED}: {_first_line(e)}")
+            errors.append(f"{what}: {REFERENCE_FAILED}: {one_line(e)}")
             continue
         served = widen_feeds(start, widened)
         try:
             got = _rollout(fed, served, steps)
         except Exception as e:  # noqa: BLE001 - a candidate that cannot run fails the gate
-            errors.append(f"{what}: the candidate failed to run: {_first_line(e)}")
+            errors.append(f"{what}: the candidate failed to run: {one_line(e)}")
             continue
         diverged = False
         for step, (r, g, m) in enumerate(zip(ref.logits, got.logits, ref.query_masks)):

@@ -22,6 +22,7 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
+from tuner.errors import one_line
 from tuner.graph.roles import InputSpec, mask_in
 from tuner.runtime.base import Runner
 
@@ -277,11 +278,7 @@ class Replay:
     @property
     def failure(self) -> str | None:
         """The first recorded failure in one line (None: every feed ran)."""
-        for a in self._answers:
-            if isinstance(a, Exception):
-                text = str(a).strip().splitlines()
-                return f"{type(a).__name__}: {text[0]}" if text else type(a).__name__
-        return None
+        return next((one_line(a) for a in self._answers if isinstance(a, Exception)), None)
 
     def infer(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         # by identity: the same feed objects come back from the same list

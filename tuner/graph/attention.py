@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import onnx_ir as ir
 
 from tuner.graph.dims import Dims
+from tuner.graph.head_counts import head_counts
 from tuner.graph.shape import AttentionSite, ScaleSite
 from tuner.graph.walk import (DATA_INPUTS, Linear, as_linear, const_array, const_tensor, consumers,
                               folded_scalar, is_const, op, source, walk_back)
@@ -231,68 +232,6 @@ def _scores_matmul(softmax: ir.Node) -> tuple[ir.Node | None, list[ir.Node]]:
     return scores, between
 
 
-def _reshape_dims(path: _Path) -> tuple[int, int, ir.Node | None]:
-    """(heads, head_dim, node) from a constant Reshape target like (B, S, a, d) on the path."""
-    for node in path.plumbing:
-        if op(node) != "Reshape":
-            continue
-        target = const_array(node.inputs[1])
-        if target is None:
-            target = _concat_target(node.inputs[1])
-        if target is None or len(target) != 4:
-            continue
-        a, d = target[2], target[3]
-        if d is not None and d > 0:
-            return (int(a) if a is not None and a > 0 else 0), int(d), node
-    return 0, 0, None
-
-
-def _concat_target(v: ir.Value) -> list[int | None] | None:
-    """A Reshape target built by Concat of pieces: constants kept, dynamic pieces as None."""
-    node = source(v).producer() if source(v) is not None else None
-    if node is None or op(node) != "Concat":
-        return None
-    out: list[int | None] = []
-    for piece in node.inputs:
-        c = const_array(piece)
-        if c is not None:
-            out.extend(int(x) for x in c.reshape(-1))
-        else:
-            out.append(None)  # an Unsqueeze'd scalar from the input's shape
-    return out
-
-
-def _dims(q_in: ir.Value, q: _Path, k: _Path, v: _Path, fused_qkv: bool, dims: Dims,
-          scale: float | None) -> tuple[int, int, int]:
-    d = dims.static(q_in, -1)
-    shape = dims.shape(q_in)
-    a = dims.static(q_in, -3) if shape is not None and len(shape) == 4 else None
-    q_out = q.linears[0].out_dim if q.linears else 0
-    if d is None:
-        ra, rd, node = _reshape_dims(q)
-        lin = q.linears[0] if q.linears else None
-        if (fused_qkv and node is not None and lin is not None
-                and source(node.inputs[0]) in (lin.output, lin.node.outputs[0])):
-            rd //= 3  # (B, S, a, 3d) before the split: GPT-NeoX's interleaved fused layout
-        d, a = (rd or None), (a or ra or None)
-    if d is None and scale:
-        d = round(1.0 / (scale * scale))
-    if not d:
-        return 0, 0, 0
-    if fused_qkv:
-        if not a:
-            a = q_out // (3 * d)
-        kv = (q_out // d - a) // 2
-    else:
-        a = a or q_out // d
-        k_out = k.linears[0].out_dim if k.linears else 0
-        kv = k_out // d if k_out else a
-        if k_out % d:  # not kv heads x d wide: multi-head latent attention's kv_b_proj, which
-            # makes each head's keys (less their shared rotary part) and its values at once
-            kv = _reshape_dims(k)[0] or a
-    return a, kv, d
-
-
 def _rotated_dims(node: ir.Node, dims: Dims) -> int:
     if op(node) in ROTARY_OPS:
         attr = node.attributes.get("rotary_embedding_dim")
@@ -353,8 +292,8 @@ def match_attention(softmax: ir.Node, by_output: dict[int, Linear], dims: Dims,
         scale = ScaleSite("constant", factors, tuple(n.name for n in scale_nodes))
     else:
         scale = ScaleSite("none", 1.0, ())
-    a, kv, d = _dims(scores.inputs[0], q, k, v, fused_qkv, dims,
-                     scale.value if scale.kind == "constant" else None)
+    a, kv, d = head_counts(scores.inputs[0], q, k, fused_qkv, dims,
+                           scale.value if scale.kind == "constant" else None)
     rotary, rotary_dim = rotary_of(q, d, dims)
     reshapes = []
     for n in q.plumbing + k.plumbing + v.plumbing + [m for m in merge if op(m) == "Reshape"]:

@@ -25,6 +25,7 @@ from onnx_ir.passes.common.naming import NameFixPass, SimpleNameGenerator
 
 from tuner.errors import BadInput
 from tuner.graph.merged import FLAG, layers_inside, merged_if
+from tuner.graph.unfolded import fold_unfolded
 
 T = TypeVar("T")
 
@@ -217,6 +218,7 @@ def load_model(path: str | os.PathLike, merged_ok: bool = False) -> ir.Model:
         # Model-local functions hide their bodies from structural detection (STYLE.md):
         # inline them here, so that inspect and every rewrite see the same flat graph.
         InlinePass()(model)
+    fold_unfolded(model)  # torch's unoptimized export read as its optimized one
     name_nodes(model)
     return model
 

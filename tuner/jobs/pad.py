@@ -16,7 +16,7 @@ import os
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 import onnx_ir as ir
@@ -118,6 +118,22 @@ def move_into_place(staged: Path, dst: Path) -> None:
     if data.exists():  # the weights first, so the .onnx never points at nothing
         os.replace(data, dst.parent / data.name)
     os.replace(staged, dst)
+
+
+def write_checked(model: ir.Model, dst: Path,
+                  check: Callable[[Path], VerifyResult]) -> VerifyResult:
+    """Save `model` (spent: its weights are let go) beside `dst`, run `check` on the staged
+    file, and move it into place only when the check passes; NotExact, nothing written,
+    otherwise. The caller holds no other copy of the weights while the check runs."""
+    with tempfile.TemporaryDirectory(dir=dst.parent, prefix=f".{dst.name}.") as tmp:
+        staged = save_model(model, Path(tmp) / dst.name)
+        let_go_of_weights(model)  # the check's sessions need the memory
+        gc.collect()
+        result = check(staged)
+        if not result:
+            raise NotExact(result)
+        move_into_place(staged, dst)
+    return result
 
 
 def let_go_of_weights(model: ir.Model) -> None:

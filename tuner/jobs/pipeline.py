@@ -28,7 +28,7 @@ import onnx_ir as ir
 from tuner.artifact.records import Buckets, ExpectedLatency, Latency, Manifest, Variant
 from tuner.artifact.report import write_report
 from tuner.artifact.store import write_manifest
-from tuner.errors import BadInput
+from tuner.errors import BadInput, one_line
 from tuner.gate.entry import GateCheck, prepare
 from tuner.gate.kv_gate import WidenedRunner, has_cache
 from tuner.gate.verify import Tolerance
@@ -155,13 +155,12 @@ def build_stage(s: Setup, planned: Planned) -> tuple[dict[str, Built], GateCheck
     try:
         gate = prepare(s.model, lambda: load_reference(original, s.settings), vocab=s.vocab,
                        shapes=shapes, tolerance=s.tolerance)
+        failure = gate.reference_failure()  # on a feed: no variant could be checked
     except BadInput:
         raise
     except Exception as e:  # noqa: BLE001 - the user's graph fails on its own: bad input
-        raise BadInput(f"{s.cfg.model}: ONNX Runtime cannot run the original on the gate's "
-                       f"feeds: {_first_line(e)}") from None
-    if (failure := gate.reference_failure()) is not None:  # no variant could be checked
-        gate.close()
+        failure = one_line(e)
+    if failure is not None:
         raise BadInput(f"{s.cfg.model}: ONNX Runtime cannot run the original on the gate's "
                        f"feeds (batches of 1 to 3, padded masks): {failure}")
     notes: list[str] = []
@@ -170,7 +169,7 @@ def build_stage(s: Setup, planned: Planned) -> tuple[dict[str, Built], GateCheck
         try:
             built[c.name] = build_padded(s.model, s.shape, s.root, c, gate, s.cfg.cache_policy)
         except Exception as e:  # noqa: BLE001 - a failure inside one variant is its refusal
-            notes.append(f"skipped {c.name}: {_first_line(e)}")
+            notes.append(f"skipped {c.name}: {one_line(e)}")
     cpu = get_backend("ort-cpu")
     for c in planned.fused:
         if c.base not in built:
@@ -179,16 +178,8 @@ def build_stage(s: Setup, planned: Planned) -> tuple[dict[str, Built], GateCheck
         try:
             built[c.name] = build_fused(built[c.base], s.root, c, s.shape, gate, cpu, s.settings)
         except Exception as e:  # noqa: BLE001 - a failure inside one variant is its refusal
-            notes.append(f"skipped {c.name}: {_first_line(e)}")
+            notes.append(f"skipped {c.name}: {one_line(e)}")
     return built, gate, notes
-
-
-def _first_line(e: BaseException) -> str:
-    """`e` in one line: its message (BadInput's as it is), else its type and first line."""
-    if isinstance(e, BadInput):
-        return str(e)
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else 'no message'}"
 
 
 def load_stage(s: Setup, built: dict[str, Built], gate: GateCheck, shas: Mapping[str, str]
@@ -298,7 +289,7 @@ def keep_stage(s: Setup, built: Mapping[str, Built], winner: str) -> tuple[Built
     try:
         return build_kept(built[winner], gate, get_backend("ort-cpu"), s.settings), []
     except Exception as e:  # noqa: BLE001 - the winner is served as it is, with the reason
-        return None, [f"{why}: {_first_line(e)}"]
+        return None, [f"{why}: {one_line(e)}"]
     finally:
         gate.close()
 

@@ -9,9 +9,7 @@ written, atomically, as `tuner pad` writes.
 
 from __future__ import annotations
 
-import gc
 import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -22,10 +20,9 @@ from tuner.gate.feeds import DEFAULT_SHAPES, make_feeds
 from tuner.gate.rows_alone import check_rows_alone
 from tuner.gate.verify import Tolerance, VerifyResult
 from tuner.graph.io import vocab_for_feeds
-from tuner.graph.load import load_model, save_model
+from tuner.graph.load import load_model
 from tuner.graph.roles import KV_CACHE, input_specs
-from tuner.jobs.pad import (NotExact, check_destination, let_go_of_weights, load_reference,
-                            move_into_place)
+from tuner.jobs.pad import check_destination, load_reference, write_checked
 from tuner.rewrite.rotary_batch import expand_rotary_caches
 from tuner.runtime.base import SessionSettings
 
@@ -47,17 +44,9 @@ def rebatch_file(src: str | os.PathLike, dst: str | os.PathLike,
         count = expand_rotary_caches(model)
     except RewriteRefused as e:
         raise BadInput(f"{src}: {e}: it runs at any batch as it is") from None
-    with tempfile.TemporaryDirectory(dir=dst.parent, prefix=f".{dst.name}.") as tmp:
-        staged = save_model(model, Path(tmp) / dst.name)
-        let_go_of_weights(model)  # the check's sessions need the memory
-        del model
-        gc.collect()
-        result = check_rows_alone(lambda: load_reference(src, settings),
-                                  lambda: load_reference(staged, settings),
-                                  feeds, specs, tolerance)
-        if not result:
-            raise NotExact(result)
-        move_into_place(staged, dst)
+    result = write_checked(model, dst, lambda staged: check_rows_alone(
+        lambda: load_reference(src, settings), lambda: load_reference(staged, settings),
+        feeds, specs, tolerance))
     return result, count
 
 

@@ -8,9 +8,7 @@ atomically, as `tuner pad` writes.
 
 from __future__ import annotations
 
-import gc
 import os
-import tempfile
 from pathlib import Path
 
 from tuner.errors import BadInput, RewriteRefused
@@ -18,11 +16,10 @@ from tuner.gate.verify import Tolerance, VerifyResult
 from tuner.gate.windowed import check_unwindowed
 from tuner.graph.cache_record import cache_record
 from tuner.graph.io import vocab_for_feeds
-from tuner.graph.load import load_model, save_model
+from tuner.graph.load import load_model
 from tuner.graph.walk import const_tensor
 from tuner.graph.windowed import WindowedCache, windowed_nodes
-from tuner.jobs.pad import (NotExact, check_destination, let_go_of_weights, load_reference,
-                            move_into_place)
+from tuner.jobs.pad import check_destination, load_reference, write_checked
 from tuner.rewrite.unwindow import unwindow
 from tuner.runtime.base import SessionSettings
 
@@ -46,17 +43,9 @@ def unwindow_file(src: str | os.PathLike, dst: str | os.PathLike,
         raise BadInput(f"{src}: {e}: nothing to unwindow") from None
     record = cache_record(model)
     vocab = vocab_for_feeds(model)
-    with tempfile.TemporaryDirectory(dir=dst.parent, prefix=f".{dst.name}.") as tmp:
-        staged = save_model(model, Path(tmp) / dst.name)
-        let_go_of_weights(model)  # the check's sessions need the memory
-        del model
-        gc.collect()
-        result = check_unwindowed(lambda: load_reference(src, settings),
-                                  lambda: load_reference(staged, settings),
-                                  record, found, vocab, tolerance, positions)
-        if not result:
-            raise NotExact(result)
-        move_into_place(staged, dst)
+    result = write_checked(model, dst, lambda staged: check_unwindowed(
+        lambda: load_reference(src, settings), lambda: load_reference(staged, settings),
+        record, found, vocab, tolerance, positions))
     return result, found
 
 

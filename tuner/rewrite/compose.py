@@ -24,6 +24,7 @@ from tuner.rewrite.common import remove_unused
 from tuner.rewrite.ffn import pad_ffns
 from tuner.rewrite.head_dim import pad_head_dim
 from tuner.rewrite.heads import pad_heads
+from tuner.rewrite.transposed_weights import fold_transposed_weights
 from tuner.rewrite.vocab import pad_vocab
 
 HIDDEN_REFUSAL = ("the hidden size is never padded: LayerNorm/RMSNorm statistics (mean and "
@@ -124,6 +125,7 @@ def apply(model: ir.Model, shape: ModelShape, req: PadRequest) -> tuple[ir.Model
         raise RewriteRefused(f"{refused[0].kind}: {unpadded_reason(shape)}; its FFN width and "
                              "vocabulary are padded (--ffn-multiple, --vocab-multiple)")
     done: list[Transform] = []
+    fold_transposed_weights(model)  # torch's unoptimized export: W stored (out, in)
     for dim in PADDABLE:
         new = getattr(req, dim.field)
         if new is None:

@@ -24,6 +24,8 @@ ONE_FILL = {("Div", 1), ("Pow", 1)}
 
 
 def op_elementwise(w: Widen, node: ir.Node, tin: list) -> list:
+    if node.op_type == "CastLike":  # its input 1 lends only its dtype (torch's unoptimized
+        return [tin[0] for _ in node.outputs]  # SDPA: CastLike(1.0, k) for the scale)
     ref = next(t for t in tin if t is not None)
     ranks = [t.rank if t is not None else w.rank_any(v) for v, t in zip(node.inputs, tin)
              if v is not None]
