@@ -19,6 +19,7 @@ from models.build import DYNAMO_23, EXPORTERS, KV_MORE, _Wrapper, build_torch_mo
 from tuner.graph.inspect import inspect_path
 from tuner.jobs.pad import pad_file
 from tuner.jobs.rotary_batch import rebatch_file
+from tuner.plan.findings import audited
 from tuner.rewrite.compose import PadRequest
 
 FAMILIES = KV_MORE
@@ -30,6 +31,8 @@ def test_inspect_reads_the_config_back(family):
     plain = inspect_path(cached(family, "awkward", DYNAMO_23))
     assert {k: getattr(plain, k) for k in expect} == expect
     assert len(plain.one_row_rotary) == 4 and plain.cache is None
+    # its fused ops are padded through (the sweep: FFN, vocabulary and head dim, every family)
+    assert "onnx-fused-ops" in {f.rule for f in audited(plain).findings}
     with_cache = inspect_path(cached(f"{family}-kv", "awkward", DYNAMO_23))
     assert {k: getattr(with_cache, k) for k in expect} == expect
     assert with_cache.cache is not None and with_cache.cache.num_layers == 2

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from tuner.graph.ort_fused import STANDARD_FUSED
 from tuner.graph.paddable import unpadded_reason
 from tuner.graph.shape import Finding, ModelShape
 from tuner.hardware.facts import (ORT_FUSED_HEAD_DIMS, DeviceFacts, device_facts,
@@ -204,7 +205,13 @@ def _fused(shape: ModelShape) -> list[Finding]:
     quantized = [k for k in shape.fused_ops if k.rsplit(".", 1)[-1] in QUANTIZED_OPS]
     fused = [k for k in shape.fused_ops if k not in quantized]
     out = []
-    if fused:
+    if fused and all(k in STANDARD_FUSED for k in fused):
+        out.append(Finding("onnx-fused-ops", "info",
+                           f"ONNX's own fused ops ({', '.join(fused)}; torch's export at opset "
+                           "23): every padding goes through them, the Attention op's scale "
+                           "written explicitly when the head dim grows (it defaults to "
+                           "1/sqrt(head size))"))
+    elif fused:
         who = "ONNX Runtime's optimizer" if shape.optimized else "the exporter"
         out.append(Finding("already-fused", "info",
                            f"graph already fused by {who} ({', '.join(fused)}): run the tuner on "
