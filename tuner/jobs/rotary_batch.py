@@ -19,7 +19,7 @@ from tuner.errors import BadInput, RewriteRefused
 from tuner.gate.feeds import DEFAULT_SHAPES, make_feeds
 from tuner.gate.rows_alone import check_rows_alone
 from tuner.gate.verify import Tolerance, VerifyResult
-from tuner.graph.io import vocab_for_feeds
+from tuner.graph.io import model_precision, vocab_for_feeds
 from tuner.graph.load import load_model
 from tuner.graph.roles import KV_CACHE, input_specs
 from tuner.jobs.pad import check_destination, load_reference, write_checked
@@ -40,6 +40,7 @@ def rebatch_file(src: str | os.PathLike, dst: str | os.PathLike,
     model = load_model(src)
     specs = input_specs(model)
     feeds = check_feeds(model)
+    tolerance = tolerance.at_precision(model_precision(model))  # a half-precision graph's own
     try:
         count = expand_rotary_caches(model)
     except RewriteRefused as e:
