@@ -57,35 +57,7 @@ def _unfolded(node: ir.Node) -> bool:
     also simplifies what it meets."""
     if node.op_type in _SEQUENCES:
         return True
-    return (node.op_type == "Cast" and bool(node.inputs) and is_const(node.inputs[0])
-            and _not_float(node) is None)
-
-
-def _not_float(node: ir.Node) -> bool | None:
-    """None (the folder decides: constant inputs within its size limits) for integer, boolean
-    and sequence work; False where the node makes a float, or may (an output of unknown type
-    beside a float input, a Cast or a ConstantOfShape to a float)."""
-    if node.op_type in _SEQUENCES:
-        return None
-    if any(_floating(o.dtype) for o in node.outputs):
+    if node.op_type != "Cast" or not node.inputs or not is_const(node.inputs[0]):
         return False
-    if any(o.dtype is None for o in node.outputs) and (
-            any(v is not None and _floating(v.dtype) for v in node.inputs)
-            or _makes_float(node)):
-        return False
-    return None
-
-
-def _floating(dtype: ir.DataType | None) -> bool:
-    return dtype is not None and dtype.is_floating_point()
-
-
-def _makes_float(node: ir.Node) -> bool:
-    """A Cast to a float, or a ConstantOfShape of floats (its default value is a float 0)."""
-    if node.op_type == "Cast":
-        to = node.attributes.get("to")
-        return to is not None and _floating(ir.DataType(to.as_int()))
-    if node.op_type == "ConstantOfShape":
-        value = node.attributes.get("value")
-        return value is None or _floating(value.as_tensor().dtype)
-    return False
+    to = node.attributes.get("to")
+    return to is not None and not ir.DataType(to.as_int()).is_floating_point()

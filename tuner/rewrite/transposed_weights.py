@@ -22,6 +22,7 @@ import numpy as np
 import onnx_ir as ir
 
 from tuner.graph.walk import op
+from tuner.rewrite.common import new_initializer
 
 
 def fold_transposed_weights(model: ir.Model) -> int:
@@ -30,16 +31,13 @@ def fold_transposed_weights(model: ir.Model) -> int:
     folded = 0
     for node in list(graph):
         w = node.inputs[0] if op(node) == "Transpose" and node.inputs else None
-        if w is None or not _lone_matrix(graph, w) or not _swaps(node):
-            continue
         out = node.outputs[0]
+        if (w is None or not _lone_matrix(graph, w) or not _swaps(node)
+                or out.is_graph_output()):
+            continue
         data = np.ascontiguousarray(w.const_value.numpy().T)  # type: ignore[union-attr]
-        name = w.name or f"{node.name}.weight"
-        folded_value = ir.Value(name=f"{name}.T", shape=ir.Shape(data.shape),
-                                type=ir.TensorType(w.dtype), const_value=ir.tensor(data,
-                                                                                  name=f"{name}.T"))
-        graph.register_initializer(folded_value)
-        out.replace_all_uses_with(folded_value)
+        stored = new_initializer(graph, f"{w.name or node.name}.T", data)
+        out.replace_all_uses_with(stored)
         graph.remove(node, safe=True)
         graph.initializers.pop(w.name)
         folded += 1
