@@ -125,7 +125,8 @@ def attention_blocks(graph: ir.Graph, lins: list[Linear], dims: Dims):
             paths = [walk_projection(x, by_output) if x is not None else None for x in inputs[:3]]
             lq, lk, lv = [p.linears[0] if p is not None and p.linears else None for p in paths]
             if lq is not None and heads:
-                shown = dims.static(inputs[0], -1) if len(dims.shape(inputs[0]) or ()) == 4 else None
+                four_d = len(dims.shape(inputs[0]) or ()) == 4  # (B, a, S, d) shows d
+                shown = dims.static(inputs[0], -1) if four_d else None
                 if lk is None or lk is lq:  # packed QKV in one input
                     qkv = lq.node.name
                     d, kv = _packed_heads(lq.out_dim, heads, kv, shown)

@@ -64,7 +64,8 @@ class PadResult:
 
     def to_json(self) -> dict:
         return {"src": self.src, "dst": self.dst, "transforms": list(self.transforms),
-                "rebatched_rotary_nodes": self.rebatched, "accuracy": self.accuracy.to_json() if self.accuracy is not None else None}
+                "rebatched_rotary_nodes": self.rebatched,
+                "accuracy": self.accuracy.to_json() if self.accuracy is not None else None}
 
 
 def _first_line(e: Exception) -> str:
