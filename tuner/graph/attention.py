@@ -20,8 +20,8 @@ import onnx_ir as ir
 from tuner.graph.dims import Dims
 from tuner.graph.head_counts import head_counts
 from tuner.graph.shape import AttentionSite, ScaleSite
-from tuner.graph.walk import (DATA_INPUTS, Linear, as_linear, const_array, const_tensor, consumers,
-                              folded_scalar, is_const, op, source, walk_back)
+from tuner.graph.walk import (DATA_INPUTS, Linear, as_linear, const_tensor, consumers,
+                              folded_scalar, is_const, op, walk_back)
 
 # Concat: GPT-OSS appends a learned "sink" logit per head to the scores, and Slices its
 # probability off again before probs @ v
