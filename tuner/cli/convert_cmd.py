@@ -51,6 +51,11 @@ def _convert(job: Callable, verb: str, model: Path, output: Path, atol: float, r
     typer.echo(f"{verb} {model} -> {output}")
 
 
+def _check_of(job: Callable) -> Callable:
+    """A job that returns (its check, what it found) as one that returns the check alone."""
+    return lambda src, dst, tolerance: job(src, dst, tolerance)[0]
+
+
 @app.command("unmerge")
 def unmerge_cmd(
     model: Path = typer.Argument(..., help="the merged decoder (decoder_model_merged.onnx), "
@@ -100,10 +105,7 @@ def unwindow_cmd(
     optimize` does this itself; the cost is the sliding layers' cache memory."""
     from tuner.jobs.unwindow import unwindow_file
 
-    def job(src, dst, tolerance):
-        return unwindow_file(src, dst, tolerance)[0]
-
-    _convert(job, "unwindowed", model, output, atol, rtol, as_json, force)
+    _convert(_check_of(unwindow_file), "unwindowed", model, output, atol, rtol, as_json, force)
 
 
 @app.command("rebatch")
@@ -121,7 +123,4 @@ def rebatch_cmd(
     and `tuner pad` do this themselves."""
     from tuner.jobs.rotary_batch import rebatch_file
 
-    def job(src, dst, tolerance):
-        return rebatch_file(src, dst, tolerance)[0]
-
-    _convert(job, "rebatched", model, output, atol, rtol, as_json, force)
+    _convert(_check_of(rebatch_file), "rebatched", model, output, atol, rtol, as_json, force)
