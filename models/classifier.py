@@ -29,7 +29,7 @@ from pathlib import Path
 
 from models import optimum
 from models.build import SEED, _cache_dir
-from models.cross_encoder import CONFIG, CORPUS, _tokenizer, save_tokenizer
+from models.cross_encoder import CONFIG, CORPUS, _tokenizer, save_tokenizer, with_bert_template
 from models.once import build_once
 
 LABELS = ("contradiction", "neutral", "entailment")
@@ -81,18 +81,14 @@ def write_folder(folder: Path, task: str = "text-classification") -> Path:
 
 def _unigram():
     """A unigram tokenizer under Metaspace (DeBERTa-v3's kind), trained on the corpus."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.Unigram())
     tok.pre_tokenizer, tok.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
     special = ["[PAD]", "[CLS]", "[SEP]", "[UNK]", "[MASK]"]
     tok.train_from_iterator(CORPUS, trainers.UnigramTrainer(
         vocab_size=200, special_tokens=special, unk_token="[UNK]", show_progress=False))
-    cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
-    tok.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
-        special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
-    return tok
+    return with_bert_template(tok)
 
 
 def _folder(task: str) -> Path:

@@ -29,7 +29,7 @@ LAYOUT = 2  # bump when what is built changes (the cache key)
 
 
 def _tokenizer():
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
     from tokenizers import trainers
 
     special = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -39,6 +39,14 @@ def _tokenizer():
     tok.decoder = decoders.WordPiece()
     tok.train_from_iterator(CORPUS, trainers.WordPieceTrainer(vocab_size=200,
                                                               special_tokens=special))
+    return with_bert_template(tok)
+
+
+def with_bert_template(tok):
+    """`tok` (trained, with [CLS] and [SEP]) given BERT's template: [CLS] A [SEP], and for a
+    pair [CLS] A [SEP] B [SEP] with B's token types 1."""
+    from tokenizers import processors
+
     cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
     tok.post_processor = processors.TemplateProcessing(
         single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",

@@ -100,17 +100,18 @@ def _pair(original: Path, variant: Path, inputs: Path | None, tol, vocab: int | 
     from tuner.graph.roles import input_specs
     from tuner.runtime.registry import get_backend
 
+    model = load_model(original)  # read once: the feeds, the reference, the gate
     user_feeds = None
     if inputs is not None:
         user_feeds = [load_npz(inputs)]
-        check_feed(user_feeds[0], input_specs(load_model(original)))
+        check_feed(user_feeds[0], input_specs(model))
     backend = get_backend("ort-cpu")
-    load, one_row = reference_for(load_model(original), lambda: backend.load(original))
+    load, one_row = reference_for(model, lambda: backend.load(original))
     if one_row:
         typer.echo(f"{original.name}: its RotaryEmbedding caches hold one row, so ONNX Runtime "
                    "runs it at batch 1 only: it is run on each row of a batch alone", err=True)
     try:
-        gate = prepare(original, load, variant, feeds=user_feeds,
+        gate = prepare(model, load, variant, feeds=user_feeds,
                        vocab=vocab, seed=seed, tolerance=tol,
                        min_compared=min_compared)
         if inputs is not None or vocab is not None:  # feeds the user chose: theirs to fix

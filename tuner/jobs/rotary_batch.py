@@ -39,7 +39,7 @@ def rebatch_file(src: str | os.PathLike, dst: str | os.PathLike,
     check_destination(src, dst, "graph")
     model = load_model(src)
     specs = input_specs(model)
-    feeds = check_feeds(model)
+    feeds = _check_feeds(model)
     tolerance = tolerance.at_precision(model_precision(model))  # a half-precision graph's own
     try:
         count = expand_rotary_caches(model)
@@ -51,7 +51,7 @@ def rebatch_file(src: str | os.PathLike, dst: str | os.PathLike,
     return result, count
 
 
-def check_feeds(model: ir.Model) -> list[dict[str, np.ndarray]]:
+def _check_feeds(model: ir.Model) -> list[dict[str, np.ndarray]]:
     """The gate's feeds (batches 1 to 3, padded masks), and for a graph with a KV cache the
     same after a past of PAST positions."""
     vocab = vocab_for_feeds(model)
