@@ -180,3 +180,38 @@ def test_an_original_that_fails_on_the_gates_feeds_is_bad_input(llama_opset23, t
     err = capsys.readouterr().err
     assert "cannot run the original on the gate's feeds" in err and "cos_cache" in err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_dynamically_quantized_copy_is_checked_with_its_activations_in_float(
+        llama_opset23, tmp_path, capsys):
+    """ONNX Runtime's quantize_dynamic (MatMuls only: left to quantize the Attention op, it
+    writes a QAttention that ONNX Runtime cannot load) quantizes activations over the whole
+    run, so a row alone is rounded otherwise than in a batch: rebatch checks the two graphs
+    with their activations in float; pad and verify, which would compare rows with a batch,
+    say to rebatch first."""
+    import onnx
+    from onnxruntime.quantization import quantize_dynamic
+
+    from tuner.gate.float_activations import float_copy
+    from tuner.jobs.rotary_batch import rebatch_file
+
+    quantized = tmp_path / "q.onnx"
+    quantize_dynamic(str(llama_opset23), str(quantized), op_types_to_quantize=["MatMul"])
+    result, nodes = rebatch_file(quantized, tmp_path / "rb.onnx")
+    assert result and nodes == 4 and result.outputs[0].compared > 0
+    # the float check still sees a changed weight: one projection's scale doubled
+    proto = onnx.load(str(tmp_path / "rb.onnx"))
+    scale = next(i for i in proto.graph.initializer if i.name.endswith("_scale"))
+    scale.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(scale) * 2,
+                                                scale.name))
+    onnx.save(proto, str(tmp_path / "broken.onnx"))
+    model = load_model(quantized)
+    broken = check_rows_alone(lambda: float_copy(quantized),
+                              lambda: float_copy(tmp_path / "broken.onnx"),
+                              make_feeds(model, 1024), input_specs(model))
+    assert not broken, broken.table()
+    assert main(["pad", str(quantized), "--ffn-multiple", "64", "-o",
+                 str(tmp_path / "p.onnx")]) == 2
+    assert "run `tuner rebatch` on it first" in capsys.readouterr().err
+    assert main(["pad", str(tmp_path / "rb.onnx"), "--ffn-multiple", "64", "-o",
+                 str(tmp_path / "p.onnx")]) == 0

@@ -20,14 +20,20 @@ changed) and the graph computes each row apart, in float. The weights are cast a
 (int8 stays int8 in memory until ONNX Runtime folds it).
 
     count = float_activations(model)   # RewriteRefused where such an input feeds another op
+    runner = float_copy(path)          # the graph at `path` so, on ONNX Runtime's CPU provider
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import onnx_ir as ir
 
 from tuner.errors import RewriteRefused
+from tuner.graph.load import load_model
+from tuner.runtime.base import SessionSettings
+from tuner.runtime.ort import OrtRunner, load_cpu
 
 DYNAMIC = "DynamicQuantizeLinear"
 MATMUL = "MatMulInteger"
@@ -129,3 +135,13 @@ class _Nodes:
         if value.dtype == ir.DataType.FLOAT:
             return value
         return self("Cast", [value], [ir.AttrInt64("to", ir.DataType.FLOAT)])
+
+
+def float_copy(path: str | os.PathLike) -> OrtRunner:
+    """A runner of the graph at `path` with its activations in float, on ONNX Runtime's
+    CPU provider (RewriteRefused where the graph quantizes activations for other ops)."""
+    model = load_model(path)
+    float_activations(model)
+    proto = ir.serde.serialize_model(model).SerializeToString()
+    # unoptimized: no folded float copy of every int8 weight (the check runs a few steps)
+    return OrtRunner(load_cpu(proto, SessionSettings(graph_optimization="disable")))

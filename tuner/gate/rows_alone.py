@@ -17,6 +17,8 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 import onnx_ir as ir
 
+from tuner.errors import BadInput
+from tuner.gate.float_activations import DYNAMIC
 from tuner.gate.verify import Tolerance, VerifyResult, record_then_release, verify
 from tuner.graph.roles import InputSpec, input_specs
 from tuner.graph.rotary_caches import batch_one_rotaries
@@ -66,9 +68,16 @@ def _row(feeds: Mapping[str, np.ndarray], axes: Mapping[str, int],
 def reference_for(model: ir.Model, load: Callable[[], Runner]
                   ) -> tuple[Callable[[], Runner], bool]:
     """`load`, or, where `model` runs one row at a time (tuner.graph.rotary_caches), a loader
-    of it wrapped in RowsAlone; and whether it was wrapped."""
+    of it wrapped in RowsAlone; and whether it was wrapped. BadInput where such a graph also
+    quantizes its activations per run (quantize_dynamic)."""
     if not batch_one_rotaries(model):
         return load, False
+    if any(n.op_type == DYNAMIC for n in model.graph.all_nodes()):
+        # a row alone is quantized over itself, in a batch over the batch: not comparable
+        raise BadInput("the graph runs at batch 1 only (its RotaryEmbedding caches hold one "
+                       "row) and quantizes its activations per run, so its rows alone cannot "
+                       "check a batch: run `tuner rebatch` on it first (checked with its "
+                       "activations in float), or `tuner optimize`, which does")
     specs = input_specs(model)
     return (lambda: RowsAlone(load(), specs)), True
 

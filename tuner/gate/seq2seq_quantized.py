@@ -28,20 +28,15 @@ logits). Two criteria replace the exact one, and both must pass:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import numpy as np
-import onnx_ir as ir
 
-from tuner.gate.float_activations import float_activations
+from tuner.gate.float_activations import float_copy
 from tuner.gate.seq2seq_steps import (cache_path, check_cache_path, compare_steps,
                                       decoder_feeds, error_line, probe, source_feeds)
 from tuner.gate.verify import Stats, Tolerance, VerifyResult
-from tuner.graph.load import load_model
 from tuner.graph.seq2seq_record import FIRST_STEP, LATER_STEPS, Seq2SeqRecord, graphs_dir
-from tuner.runtime.base import SessionSettings
-from tuner.runtime.ort import OrtRunner, load_cpu
 
 # As served, the cache path's max abs difference over the noise measured beside it was 0.76
 # to 1.30 on quantize_dynamic copies of Whisper, T5, Flan-T5, BART and Marian (3 probes
@@ -78,16 +73,6 @@ class NoiseTolerance:
     def label(self) -> str:
         return (f"max abs <= {self.multiple:g} x the quantization's noise {self.noise:.3g} "
                 f"(a row's first-step logits alone vs beside another) = {self.limit:.3g}")
-
-
-def float_copy(path: Path) -> OrtRunner:
-    """A runner of the graph at `path` with its activations in float, on ONNX Runtime's
-    CPU provider (RewriteRefused where the graph quantizes activations for other ops)."""
-    model = load_model(path)
-    float_activations(model)
-    proto = ir.serde.serialize_model(model).SerializeToString()
-    # unoptimized: no folded float copy of every int8 weight (the check runs a few steps)
-    return OrtRunner(load_cpu(proto, SessionSettings(graph_optimization="disable")))
 
 
 def measure_noise(stats: Stats, record: Seq2SeqRecord, first, tokens: np.ndarray,
