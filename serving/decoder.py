@@ -175,6 +175,10 @@ class DecoderEngine:
     def submit(self, request: GenerationRequest, on_chunk):
         return self.generator.submit(request, on_chunk)
 
+    def submit_all(self, streams):
+        """A request's streams, queued whole or not at all (Admission.submit_all)."""
+        return self.generator.submit_all(streams)
+
     def stop(self, request_id: str) -> int:
         """TensorRT-LLM's `stop` request: cancel the running request with this id (how many
         streams it had; 0 when it has ended, which is no error there either)."""

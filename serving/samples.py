@@ -61,17 +61,10 @@ def rows(request: ClientRequest, tokenizer) -> list[tuple[GenerationRequest, Row
 
 def start(engine, generations: Sequence[GenerationRequest], deliver) -> list:
     """Submit every stream of a request, `deliver(i, chunk)` called (from the engine's
-    thread) with each chunk of stream i; when one cannot start (the server is full), cancel
-    those started and raise: a request runs whole or not at all."""
-    handles: list = []
-    try:
-        for i, generation in enumerate(generations):
-            handles.append(engine.submit(generation, lambda c, i=i: deliver(i, c)))
-    except Exception:
-        for handle in handles:
-            handle.cancel()
-        raise
-    return handles
+    thread) with each chunk of stream i: all of them or none (the server is full), taken
+    into one step of the engine."""
+    return engine.submit_all([(generation, lambda c, i=i: deliver(i, c))
+                              for i, generation in enumerate(generations)])
 
 
 def whole(answers: Sequence[RowReply], chunks: Sequence[Sequence[Chunk]]

@@ -213,11 +213,10 @@ def scraped_metrics(server) -> dict[tuple[str, tuple], float]:
 
 
 def collect(gen, requests) -> list[list]:
-    """Submit every request to `gen` (a serving.generation.Generator) at once; every
-    stream's chunks, in the order of `requests`."""
+    """Submit every request to `gen` (a serving.generation.Generator) at once (taken into
+    one step); every stream's chunks, in the order of `requests`."""
     got = [queue.Queue() for _ in requests]
-    for q, r in zip(got, requests):
-        gen.submit(r, q.put)
+    gen.submit_all([(r, q.put) for q, r in zip(got, requests)])
     out = []
     for q in got:
         chunks = []

@@ -14,7 +14,7 @@ import pytest
 from serving_support import collect
 
 from models.build import cached
-from serving.errors import InvalidArgument
+from serving.errors import InvalidArgument, ResourceExhausted
 from serving.generation import GenerateOptions, Generator
 from serving.generation.cache import CacheManager
 from serving.generation.output import GenerationStats, OutputProcessor, Scores, StreamOutput
@@ -439,6 +439,39 @@ def test_stop_strings_need_a_tokenizer(llama):
                 small.close()
     finally:
         gen.close()
+
+
+class _Prefills:
+    """The model, noting the rows of each run from an empty cache (a prompt's prefill),
+    once `watching` (after the engine's own probes)."""
+
+    def __init__(self, runner) -> None:
+        self.runner, self.rows, self.watching = runner, [], False
+
+    def infer(self, feeds):
+        if self.watching and feeds["attention_mask"].shape[1] == feeds["input_ids"].shape[1]:
+            self.rows.append(feeds["input_ids"].shape[0])
+        return self.runner.infer(feeds)
+
+
+def test_a_requests_streams_start_in_one_step_or_not_at_all(llama):
+    """submit_all (a request's n samples, a batch of prompts): six streams where four fit
+    are refused whole, none of them run; three are prefilled in one run however the
+    engine's thread is scheduled."""
+    record, runner = llama
+    watched = _Prefills(runner)
+    gen = Generator(watched, record, VOCAB, GenerateOptions(max_streams=3, max_queue=1),
+                    max_positions=256)
+    watched.watching = True
+    requests = [GenerationRequest(_prompt(10, seed), 3) for seed in range(3)]
+    try:
+        with pytest.raises(ResourceExhausted, match="the server is full"):
+            gen.submit_all([(r, lambda c: None) for r in requests] * 2)
+        got = collect(gen, requests)
+    finally:
+        gen.close()
+    assert watched.rows == [3]  # one prefill, of these three prompts only
+    assert all(c[-1].final and len(_ids(c)) == 3 for c in got)
 
 
 def test_seeded_sampling_does_not_depend_on_the_other_streams(llama):

@@ -10,7 +10,7 @@ import queue
 import threading
 import time
 from collections import deque
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 from serving.errors import InvalidArgument, ResourceExhausted, Unavailable
 from serving.generation.grammar import GrammarCompiler
@@ -78,25 +78,35 @@ class Admission:
         """Queue a stream; `on_chunk` is called (from the engine's thread) for every chunk,
         in order, the last one final. Raises InvalidArgument, ResourceExhausted or
         Unavailable."""
-        self.validate(request)
-        matcher = self.grammars.matcher(request.grammar) if request.grammar else None
-        stream = Stream(request, on_chunk, StreamOutput(request, self.tokenizer, matcher,
-                                                        self.detok_context))
+        return self.submit_all([(request, on_chunk)])[0]
+
+    def submit_all(self, streams: Sequence[tuple[GenerationRequest, Callable[[Chunk], None]]]
+                   ) -> list[Handle]:
+        """Queue several streams (a request's samples) whole or not at all: every one is
+        validated and room is found for all before any is queued, and the loop takes them
+        in one step, so they share its runs from their first."""
+        made = []
+        for request, on_chunk in streams:
+            self.validate(request)
+            matcher = self.grammars.matcher(request.grammar) if request.grammar else None
+            made.append(Stream(request, on_chunk, StreamOutput(request, self.tokenizer,
+                                                               matcher, self.detok_context)))
         with self._cv:
             if self._draining:
                 raise Unavailable("the server is shutting down: no new streams")
             o, (running, queued) = self.options, self.occupancy()
             queued += len(self._submitted)
-            if queued + running >= o.max_streams + o.max_queue:
+            if queued + running + len(made) > o.max_streams + o.max_queue:
                 raise ResourceExhausted(
                     f"the server is full: {running} streams running and {queued} queued "
                     f"(the queue holds {o.max_queue})")
-            self._submitted.append(stream)
-            if request.id:
-                self._by_id.setdefault(request.id, []).append(stream)
-            self.stats.on_streams(running, queued + 1)
+            for stream in made:
+                self._submitted.append(stream)
+                if stream.request.id:
+                    self._by_id.setdefault(stream.request.id, []).append(stream)
+            self.stats.on_streams(running, queued + len(made))
             self._cv.notify()
-        return Handle(stream)
+        return [Handle(stream) for stream in made]
 
     def generate(self, request: GenerationRequest) -> Iterator[Chunk]:
         """submit(), as an iterator of chunks (blocking); closing it cancels the stream."""

@@ -99,29 +99,11 @@ def generate_stream(engine: DecoderEngine, request_iterator, context,
 
 class _Group:
     """The rows of one request (one, or a batch of prompts): the request's last response is
-    the last row's last. Their chunks reach the stream only once every row has started: a
-    row that cannot start refuses the request whole, and nothing of the others goes out."""
+    the last row's last. The rows start together or not at all (samples.start), so nothing
+    of a refused request ever reaches the stream."""
 
-    def __init__(self, rows: int, events: queue.Queue) -> None:
-        self.left, self.events = rows, events
-        self._lock = threading.Lock()
-        self._state = "starting"  # -> "started" (delivering) or "refused" (dropping)
-        self._held: list = []
-
-    def deliver(self, item) -> None:
-        """A row's chunk event (from the engine's thread), in order."""
-        with self._lock:
-            if self._state == "started":
-                self.events.put(item)
-            elif self._state == "starting":
-                self._held.append(item)
-
-    def settle(self, started: bool) -> None:
-        with self._lock:
-            self._state = "started" if started else "refused"
-            for item in self._held if started else ():
-                self.events.put(item)
-            self._held = []
+    def __init__(self, rows: int) -> None:
+        self.left = rows
 
 
 class _RequestState:
@@ -173,21 +155,14 @@ def _check_model(engine: DecoderEngine, request) -> None:
 
 def _submit_rows(engine: DecoderEngine, request, batch: list, events: queue.Queue,
                  handles: list) -> None:
-    """Start every stream of a request (a row of a batch, a sample of n); when one cannot
-    start (the server is full), cancel those started and raise: the request is refused
-    whole."""
+    """Start every stream of a request (a row of a batch, a sample of n), all or none:
+    refused whole when the server is full."""
     streams = [(parsed, s) for parsed in batch for s in samples.rows(parsed, engine.tokenizer)]
-    group = _Group(len(streams), events)
+    group = _Group(len(streams))
     states = [_RequestState(request, reply, parsed.stream, group)
               for parsed, (_, reply) in streams]
-    try:
-        started = samples.start(engine, [g for _, (g, _) in streams], lambda i, c: group.deliver(
-            ("chunk", request, (c, states[i]))))
-    except Exception:
-        group.settle(False)
-        raise
-    group.settle(True)
-    handles.extend(started)
+    handles.extend(samples.start(engine, [g for _, (g, _) in streams],
+                                 lambda i, c: events.put(("chunk", request, (c, states[i])))))
 
 
 def _stream_responses(engine: DecoderEngine, request, chunk: Chunk, state: _RequestState
