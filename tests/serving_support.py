@@ -116,8 +116,8 @@ def scaled_weight(src: Path, dst: Path, names: tuple[str, ...], factor: float = 
     node = next(n for n in proto.graph.node if n.op_type in ("MatMul", "Gemm")
                 and any(k in n.name for k in names))
     init = next(i for i in proto.graph.initializer if i.name in node.input)
-    arr = onnx.numpy_helper.to_array(init) * factor
-    init.CopyFrom(onnx.numpy_helper.from_array(arr.astype(np.float32), init.name))
+    arr = onnx.numpy_helper.to_array(init)
+    init.CopyFrom(onnx.numpy_helper.from_array((arr * factor).astype(arr.dtype), init.name))
     onnx.save(proto, str(dst))
     return dst
 

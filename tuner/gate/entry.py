@@ -20,7 +20,10 @@ re-check, the server's check before it is ready).
   also run for each row's last logits only, as the server runs its prompts;
 - the positions: a variant given a `position_ids` input with a default
   (tuner.rewrite.position_ids) is fed the positions its original counts, its slots: fed so,
-  it must compute what the original does (tuner.gate.kv_gate.SlotPositions).
+  it must compute what the original does (tuner.gate.kv_gate.SlotPositions);
+- a half-precision original's float model: a variant that fails against the original is
+  held to the original's float32 copy instead, no further from it than the original is
+  (tuner.gate.float_reference).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import onnx_ir as ir
 
 from tuner.errors import BadInput
 from tuner.gate.feeds import DEFAULT_SHAPES
+from tuner.gate.float_reference import FloatCheck
 from tuner.gate.kv_gate import CacheFeeds, RecordedRollouts, check, gate_feeds, record_rollouts
 from tuner.gate.verify import Tolerance, TolerancePolicy, VerifyResult, record_then_release
 from tuner.graph.inspect import inspect_model
@@ -64,6 +68,7 @@ class GateCheck:
     widened: CachePads = field(default_factory=dict)  # the variant given to prepare, if any
     kept: bool = False  # the variant given to prepare takes logits_to_keep
     positions: str | None = None  # its defaulted position input (tuner.graph.positions)
+    float_check: FloatCheck | None = None  # a half-precision original's float model
 
     @property
     def rollouts(self) -> bool:
@@ -114,9 +119,14 @@ class GateCheck:
         (default: the variant given to prepare; a widened map says the first only)."""
         if isinstance(variant, (str, Path)):
             variant = load_model(variant)  # read once for every question
-        return check(self.reference, candidate, self.feeds, self.tolerance,
-                     self.widened_of(variant), self.specs, self.min_compared,
-                     self.kept_of(variant), self.positions_of(variant))
+        widened, kept = self.widened_of(variant), self.kept_of(variant)
+        positions = self.positions_of(variant)
+        result = check(self.reference, candidate, self.feeds, self.tolerance, widened,
+                       self.specs, self.min_compared, kept, positions)
+        if result or self.float_check is None or not _numbers_differ(result):
+            return result
+        return self.float_check.check(candidate, result, widened, kept, positions,
+                                      variant if isinstance(variant, ir.Model) else None)
 
     def reference_failure(self) -> str | None:
         """The first error the reference met on the gate's feeds, in one line (None: it ran
@@ -125,6 +135,16 @@ class GateCheck:
 
     def close(self) -> None:
         self.reference.close()
+        if self.float_check is not None:
+            self.float_check.close()
+
+
+def _numbers_differ(result: VerifyResult) -> bool:
+    """Whether `result` failed on numbers alone (beyond tolerance, or a greedy token that
+    flipped, after which a rollout's cache is not compared), both models having run and
+    answered every output: what a float model can judge."""
+    return all("greedy tokens differ" in e for e in result.errors) and not any(
+        o.reason and not o.reason.startswith("nothing compared") for o in result.outputs)
 
 
 def _model(m: ir.Model | Path | str) -> ir.Model:
@@ -169,18 +189,26 @@ def prepare(original: ir.Model | Path | str, reference: Runner | Callable[[], Ru
                            f"{[s.name for s in cand_specs]}")
         widened = widened_cache(cand)
         del cand
+    precision = model_precision(model)
     if isinstance(tolerance, Tolerance):  # a policy function is taken as given
-        tolerance = tolerance.at_precision(model_precision(model))
+        tolerance = tolerance.at_precision(precision)
     if feeds is None:
         built = gate_feeds(model, vocab or model_vocab(model), shapes, seed)
     else:
         built = list(feeds)
-    del model  # weights it read lazily (the vocabulary) would stay in memory beside a session
     if not isinstance(built, CacheFeeds):
         widened, kept, positions = {}, False, None
-    if callable(reference) and not hasattr(reference, "infer"):  # recorded, then let go
+    live = not (callable(reference) and not hasattr(reference, "infer"))
+    float_check = None
+    if precision != "fp32" and isinstance(tolerance, Tolerance):
+        # holds the graph (its float copy is made only for a variant that fails)
+        float_check = FloatCheck(model, (lambda: reference) if live else reference, built,
+                                 specs, min_compared, precision, variant, original_is_live=live)
+    del model  # weights it read lazily (the vocabulary) would stay in memory beside a session
+    if not live:  # recorded, then let go
         runner = record_rollouts(reference, built) if isinstance(built, CacheFeeds) else \
             record_then_release(reference, built)
     else:
         runner = reference
-    return GateCheck(runner, built, tolerance, specs, min_compared, widened, kept, positions)
+    return GateCheck(runner, built, tolerance, specs, min_compared, widened, kept, positions,
+                     float_check)

@@ -85,11 +85,16 @@ class Rollout:
     cache: Mapping[str, np.ndarray]  # present output name -> array
 
 
-def greedy_rollout(infer: Infer, feeds: StepFeeds, steps: int) -> Rollout:
+def greedy_rollout(infer: Infer, feeds: StepFeeds, steps: int,
+                   forced: np.ndarray | None = None) -> Rollout:
     """`steps` forward passes from `feeds`, each fed the argmax of the last position and its
-    own `present` as the next `past`; a runner's `infer` is the model."""
+    own `present` as the next `past`; a runner's `infer` is the model. `forced` (B, steps):
+    fed these tokens instead of its own choices (another model's rollout, teacher forced;
+    `tokens` are still its own)."""
     if steps < 1:
         raise BadInput(f"a rollout needs steps >= 1, not {steps}")
+    if forced is not None and forced.shape[1] < steps:
+        raise BadInput(f"{forced.shape[1]} forced tokens a row for {steps} steps")
     logits, query_masks, tokens = [], [], []
     outputs: Mapping[str, np.ndarray] = {}
     for step in range(steps):
@@ -99,6 +104,6 @@ def greedy_rollout(infer: Infer, feeds: StepFeeds, steps: int) -> Rollout:
         query_masks.append(feeds.query_mask)  # (B, S)
         tokens.append(out[np.arange(len(out)), feeds.logit_slots].argmax(-1))  # (B,)
         if step + 1 < steps:
-            feeds = next_feeds(feeds, outputs, tokens[-1])
+            feeds = next_feeds(feeds, outputs, tokens[-1] if forced is None else forced[:, step])
     cache = {q: np.asarray(outputs[q]) for q in feeds.record.past_to_present.values()}
     return Rollout(tuple(logits), tuple(query_masks), np.stack(tokens, axis=1), cache)

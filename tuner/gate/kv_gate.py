@@ -151,7 +151,7 @@ def _scatter(arr: np.ndarray, entries) -> np.ndarray:
     return arr
 
 
-def _narrow(arr: np.ndarray, entries) -> np.ndarray:
+def narrow(arr: np.ndarray, entries) -> np.ndarray:
     for axis, pos, _ in entries:
         arr = np.take(arr, list(pos), axis=axis)
     return arr
@@ -210,7 +210,7 @@ def record_rollouts(load, feeds: CacheFeeds) -> RecordedRollouts:
     try:
         for start, steps in feeds.starts:
             try:
-                runs.append(_rollout(runner, start, steps))
+                runs.append(rollout(runner, start, steps))
             except Exception as e:  # noqa: BLE001 - kept: the gate then fails closed on it
                 runs.append(one_line(e))
     finally:
@@ -221,13 +221,15 @@ def record_rollouts(load, feeds: CacheFeeds) -> RecordedRollouts:
     return RecordedRollouts(tuple(runs))
 
 
-def _rollout(runner, start: StepFeeds, steps: int) -> Rollout:
+def rollout(runner, start: StepFeeds, steps: int, forced: np.ndarray | None = None) -> Rollout:
+    """The greedy rollout (tuner.gate.kv_feeds.greedy_rollout) of `runner` from `start`;
+    `forced`: fed those tokens instead (teacher forced)."""
     # a graph that reads its mask as lengths (GroupQueryAttention) gets the left-padded rows
     # moved to the right and back (tuner.gate.right_pad)
-    return greedy_rollout(adapted(runner, start.record).infer, start, steps)
+    return greedy_rollout(adapted(runner, start.record).infer, start, steps, forced)
 
 
-def _compare_kept(stats: Stats, candidate, start: StepFeeds, ref_logits: np.ndarray,
+def compare_kept(stats: Stats, candidate, start: StepFeeds, ref_logits: np.ndarray,
                   served: StepFeeds, tolerance, errors: list[str], what: str) -> None:
     """The candidate's first step of `start` (`served`: as the server feeds it) run for each
     row's last logits only, as the server runs a prompt (tuner.gate.decode_step.last_only),
@@ -246,7 +248,7 @@ def _compare_kept(stats: Stats, candidate, start: StepFeeds, ref_logits: np.ndar
               tolerance)
 
 
-def _keeps(start: StepFeeds) -> bool:
+def keeps(start: StepFeeds) -> bool:
     """Whether a start fits a check of the kept logits: more than one new position, run as
     the server runs it (a graph that reads its mask as lengths takes no left-padded rows
     there: tuner.gate.right_pad moves them, which a run of kept positions cannot follow)."""
@@ -286,7 +288,7 @@ def verify_cache_model(reference, candidate, feeds: CacheFeeds,
         what = f"rollout {i} (batch {start.mask.shape[0]}, past {start.past}, seq {start.seq})"
         try:
             ref = reference.runs[i] if isinstance(reference, RecordedRollouts) else \
-                _rollout(reference, start, steps)
+                rollout(reference, start, steps)
             if isinstance(ref, str):
                 raise RuntimeError(ref)
         except Exception as e:  # noqa: BLE001 - nothing to compare against: the gate fails
@@ -294,7 +296,7 @@ def verify_cache_model(reference, candidate, feeds: CacheFeeds,
             continue
         served = widen_feeds(start, widened)
         try:
-            got = _rollout(fed, served, steps)
+            got = rollout(fed, served, steps)
         except Exception as e:  # noqa: BLE001 - a candidate that cannot run fails the gate
             errors.append(f"{what}: the candidate failed to run: {one_line(e)}")
             continue
@@ -307,14 +309,14 @@ def verify_cache_model(reference, candidate, feeds: CacheFeeds,
                 break
         if diverged:  # the caches now hold other tokens: comparing them says nothing more
             continue
-        if kept and _keeps(start):
-            _compare_kept(stats[last], fed, start, ref.logits[0], served, tolerance,
+        if kept and keeps(start):
+            compare_kept(stats[last], fed, start, ref.logits[0], served, tolerance,
                           errors, what)
         for name in presents:
             if name not in got.cache:
                 stats[name].fail("missing in the candidate")
                 continue
-            stats[name].add(name, ref.cache[name], _narrow(got.cache[name], widened.get(name, ())),
+            stats[name].add(name, ref.cache[name], narrow(got.cache[name], widened.get(name, ())),
                             tolerance, top1=False)
     reports = tuple(s.report(n, min_compared) for n, s in stats.items())
     return VerifyResult(reports, len(feeds), label, tuple(errors), min_compared)
@@ -340,7 +342,7 @@ class WidenedRunner:
         out = self.runner.infer(self._memo[1])
         if not self.narrow:
             return out
-        return {n: (_narrow(a, self.widened[n]) if n in self.widened else a)
+        return {n: (narrow(a, self.widened[n]) if n in self.widened else a)
                 for n, a in out.items()}
 
     def close(self) -> None:

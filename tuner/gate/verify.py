@@ -276,6 +276,11 @@ class Replay:
         self._answers = []
 
     @property
+    def answers(self) -> tuple[dict[str, np.ndarray] | Exception, ...]:
+        """What was recorded for each feed, in order."""
+        return tuple(self._answers)
+
+    @property
     def failure(self) -> str | None:
         """The first recorded failure in one line (None: every feed ran)."""
         return next((one_line(a) for a in self._answers if isinstance(a, Exception)), None)

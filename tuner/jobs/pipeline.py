@@ -217,8 +217,9 @@ def _gate_on_backend(built, targets, gate: GateCheck, backend: str):
     gated, notes = dict(built), []
     for t in targets:
         raw = t.runner.runner if isinstance(t.runner, WidenedRunner) else t.runner
-        widened = t.runner.widened if isinstance(t.runner, WidenedRunner) else {}
-        acc = accuracy_of(gate.check(raw, widened))
+        # the graph, not the widened map alone: a half-precision original's float check
+        # runs the variant's float copy (tuner.gate.float_reference)
+        acc = accuracy_of(gate.check(raw, built[t.name].path))
         gated[t.name] = replace(built[t.name], accuracy=acc)
         if not acc.passed:
             notes.append(f"{t.name} failed the accuracy gate on {backend}: {acc.detail}")
