@@ -79,8 +79,10 @@ def load_embedder(engine) -> "Embedder":
     """The embedder of an encoder engine whose artifact has a tokenizer.json."""
     folder, tokenizer = engine.model.folder, engine_tokenizer(engine)
     pooling = load_pooling(folder)
-    if pooling.max_tokens is None:  # sentence-transformers' own default: the model's limit
-        pooling = replace(pooling, max_tokens=max_positions(folder))
+    if pooling.max_tokens is None:  # sentence-transformers' own default: the model's limit,
+        # read from the graph where it can be (config.json's max_position_embeddings is 514
+        # for RoBERTa and XLM-R, whose tables take 512 tokens)
+        pooling = replace(pooling, max_tokens=engine.model.max_positions or max_positions(folder))
     return Embedder(engine, tokenizer, pooling, load_prompts(folder))
 
 

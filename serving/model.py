@@ -25,7 +25,8 @@ from tuner.gate.entry import prepare
 from tuner.gate.verify import Tolerance, VerifyResult
 from tuner.graph.dtypes import KSERVE_BY_ONNX, onnx_name
 from tuner.graph.cache_record import CacheRecord, find_cache_record
-from tuner.graph.io import embedding_rows, model_bytes, model_precision
+from tuner.graph.inspect import inspect_model
+from tuner.graph.io import embedding_rows, max_positions, model_bytes, model_precision
 from tuner.graph.load import check_external_data, load_model, read_proto
 from tuner.graph.ort_fused import lengths_mask_reader
 from tuner.graph.roles import (ATTENTION_MASK, INPUTS_EMBEDS, POSITION_IDS, TOKEN_IDS,
@@ -90,7 +91,9 @@ class LoadedModel:
     # A decoder exported with its KV cache: generation (serving.generation) for requests of
     # token ids, a plain forward for requests that bring their own past.
     cache: CacheRecord | None = None
-    max_positions: int | None = None  # rows of the position table, when the graph has one
+    # the longest sequence its position table takes, when the graph has one (the rows a
+    # decoder's position input indexes; an encoder's from the graph, RoBERTa's offset counted)
+    max_positions: int | None = None
     folder: Path | None = None  # the artifact (its tokenizer.json, if any)
 
     @property
@@ -144,6 +147,15 @@ def _position_rows(signature: Signature) -> int | None:
     longest cache the model can serve. None for rotary families (no table to read)."""
     positions = with_role(signature.specs, POSITION_IDS)
     return signature.index_limits.get(positions.name) if positions is not None else None
+
+
+def _table_positions(model: ir.Model) -> int | None:
+    """The longest sequence a model with a learned position table computed inside the graph
+    takes (BERT's, RoBERTa's: tuner.graph.io.max_positions); None where inspect finds none."""
+    try:
+        return max_positions(model, inspect_model(model))
+    except Exception:  # noqa: BLE001 - not a transformer inspect reads: no limit known
+        return None
 
 
 def _probe_layout(runner: Runner, path: Path, signature: Signature, vocab: int,
@@ -272,7 +284,7 @@ def load_artifact(out_dir: str | Path, backend: str | None = None,
     else:
         layout = _probe_layout(runner, original_path, signature, vocab,
                                tolerance.at_precision(loader.precision))
-        positions = None
+        positions = _table_positions(original_model)
         if overlap:
             runner, note = _with_overlap(runner, note, variant_path(out, manifest.variant(served)),
                                          loader, backend, settings, shapes, cache)

@@ -22,6 +22,7 @@ Qwen3-Embedding-shaped decoder. What a user does with such a repository:
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -295,3 +296,24 @@ def _nodes(path: Path):
     import onnx
 
     return onnx.load(str(path), load_external_data=False).graph.node
+
+
+def test_a_text_past_xlm_robertas_positions_is_cut_where_sentence_transformers_cuts_it(
+        encoders, tmp_path) -> None:
+    """Without sentence_bert_config.json's max_seq_length, sentence-transformers cuts a text
+    at the tokenizer's 512; the server cut it at config.json's max_position_embeddings, 514
+    for XLM-R and RoBERTa, whose positions start at 2 (and refused the request: longer than
+    the largest bucket). It cuts at the 512 the graph's position table takes now."""
+    repo = tmp_path / "repo"
+    shutil.copytree(encoders["xlm_roberta"], repo)
+    (repo / "sentence_bert_config.json").unlink()
+    out = make_artifact(tmp_path / "out", repo / "onnx" / "model.onnx",
+                        Buckets(batch=(1,), seq=(128, 512)))
+    _copy_text_files(repo, out)
+    texts = ["shapes and sizes " * 200]  # 600 tokens and more
+    server = start(out)
+    try:
+        assert server.slot.engine.model.max_positions == 512
+        np.testing.assert_allclose(_embeddings(server, texts), _encode(repo, texts), atol=1e-5)
+    finally:
+        server.stop(5)

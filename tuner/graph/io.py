@@ -74,12 +74,32 @@ def vocab_for_feeds(model: ir.Model, shape: ModelShape | None = None) -> int:
 def _offset(indices: ir.Value | None) -> int:
     """What the positions are shifted by before they index their table: BART's, mBART's and
     OPT's learned positions start at row 2 (`arange(seq) + 2`), so 2 of the rows are never a
-    position (a table of 258 takes 256 tokens)."""
+    position (a table of 258 takes 256 tokens). RoBERTa's (XLM-R's, CamemBERT's) count the
+    tokens that are not padding, `cumsum(mask) * mask + padding_idx`: an inclusive CumSum
+    starts at 1, one row more (roberta-base's table of 514 takes 512)."""
     producer = indices.producer() if indices is not None else None
     if producer is None or producer.op_type != "Add":
         return 0
     shifts = [const_scalar(v) for v in producer.inputs]
-    return next((int(c) for c in shifts if c is not None and c == int(c) and c > 0), 0)
+    shift = next((int(c) for c in shifts if c is not None and c == int(c) and c > 0), 0)
+    counted = next((v for v, c in zip(producer.inputs, shifts) if c is None), None)
+    return shift + (shift > 0 and _counts_from_one(counted))
+
+
+def _counts_from_one(value: ir.Value | None, hops: int = 5) -> bool:
+    """Whether `value` is an inclusive CumSum (through Casts, a Mul by the mask and an Add
+    of 0: the past's length as traced)."""
+    node = value.producer() if value is not None else None
+    if node is None or hops == 0:
+        return False
+    if node.op_type == "CumSum":
+        exclusive = node.attributes.get("exclusive")
+        return not (exclusive is not None and exclusive.value)
+    if node.op_type in ("Cast", "Mul"):
+        return any(_counts_from_one(v, hops - 1) for v in node.inputs if v is not None)
+    if node.op_type == "Add" and 0 in [const_scalar(v) for v in node.inputs]:  # + past length 0
+        return any(_counts_from_one(v, hops - 1) for v in node.inputs if v is not None)
+    return False
 
 
 def max_positions(model: ir.Model, shape: ModelShape) -> int | None:
