@@ -44,12 +44,12 @@ import onnx_ir as ir
 from tuner.errors import one_line
 from tuner.gate.kv_feeds import Rollout
 from tuner.gate.kv_gate import (CacheFeeds, SlotPositions, check, compare_kept, keeps, narrow,
-                                record_rollouts, rollout, widen_feeds)
+                                record_rollouts, rollout, rollout_name, rollout_stats,
+                                widen_feeds)
 from tuner.gate.upcast import as_float32, float_runner, upcast
 from tuner.gate.verify import (OutputReport, Stats, Tolerance, VerifyResult,
                                record_then_release)
 from tuner.graph.kv_cache import CachePads
-from tuner.graph.lm_head import KEEP
 from tuner.graph.load import load_model
 from tuner.graph.roles import InputSpec, mask_in
 
@@ -220,13 +220,10 @@ def _rollout_distances(runner, feeds: CacheFeeds, runs: Sequence[Rollout], widen
     and its cache at the end, each against the float model's (float32)."""
     roles = feeds.roles
     presents = list(roles.past_to_present.values())
-    stats = {name: Stats() for name in [roles.logits, *presents]}
-    last = f"{roles.logits} (each row's last position, {KEEP})"
-    if kept:
-        stats[last] = Stats()
+    stats, last = rollout_stats(roles, kept)
     errors: list[str] = []
     for i, ((start, steps), ref) in enumerate(zip(feeds.starts, runs)):
-        what = f"rollout {i} (batch {start.mask.shape[0]}, past {start.past}, seq {start.seq})"
+        what = rollout_name(i, start)
         served = widen_feeds(start, widened)
         try:
             got = rollout(runner, served, steps, forced=ref.tokens)

@@ -256,6 +256,20 @@ def keeps(start: StepFeeds) -> bool:
                               or not (start.mask[:, 0] == 0).any())
 
 
+def rollout_stats(roles: CacheRecord, kept: bool) -> tuple[dict[str, Stats], str]:
+    """A Stats for each output a rollout compares (the logits, every present, and for a
+    variant that keeps logits each row's last ones) and the name of that last one."""
+    stats = {name: Stats() for name in [roles.logits, *roles.past_to_present.values()]}
+    last = f"{roles.logits} (each row's last position, {KEEP})"
+    if kept:
+        stats[last] = Stats()
+    return stats, last
+
+
+def rollout_name(i: int, start: StepFeeds) -> str:
+    return f"rollout {i} (batch {start.mask.shape[0]}, past {start.past}, seq {start.seq})"
+
+
 def verify_cache_model(reference, candidate, feeds: CacheFeeds,
                        tolerance: Tolerance | TolerancePolicy = Tolerance(),
                        widened: CachePads | None = None, min_compared: int = 1,
@@ -278,14 +292,11 @@ def verify_cache_model(reference, candidate, feeds: CacheFeeds,
              + (f"; the candidate fed {positions} as its slots" if positions else ""))
     roles = feeds.roles
     presents = list(roles.past_to_present.values())
-    stats = {name: Stats() for name in [roles.logits, *presents]}
-    last = f"{roles.logits} (each row's last position, {KEEP})"
-    if kept:
-        stats[last] = Stats()
+    stats, last = rollout_stats(roles, kept)
     errors: list[str] = []
     fed = SlotPositions(candidate, positions, roles) if positions else candidate
     for i, (start, steps) in enumerate(feeds.starts):
-        what = f"rollout {i} (batch {start.mask.shape[0]}, past {start.past}, seq {start.seq})"
+        what = rollout_name(i, start)
         try:
             ref = reference.runs[i] if isinstance(reference, RecordedRollouts) else \
                 rollout(reference, start, steps)
