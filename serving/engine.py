@@ -3,6 +3,7 @@ count it, and now and then shadow-check it on the original. No grpc here."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import threading
@@ -21,6 +22,7 @@ from serving.metrics import Metrics, Stats
 from serving.overlap import OverlapRunner
 from serving.model import LoadedModel, TensorSpec
 from tuner.artifact.records import Latency, parse_shape_key
+from tuner.gate.float_reference import ORIGINAL, SERVED
 from tuner.gate.verify import Tolerance, kept_positions
 from tuner.graph.roles import ATTENTION_MASK, mask_in, with_role
 
@@ -94,6 +96,22 @@ def _shape_text(shape: Sequence[int]) -> str:
     return "[" + ",".join(str(int(d)) for d in shape) + "]"
 
 
+def shadow_tolerance(model: LoadedModel, base: Tolerance) -> Tolerance:
+    """What a shadow check allows between a served result and the original's: the gate's
+    tolerances at the model's precision; and for a variant the gate held to a half-precision
+    original's float model (tuner.gate.float_reference), each output within twice the
+    distance the gate measured between the two through it (the variant's from the float
+    model plus the original's): they round differently, by design."""
+    tol = base.at_precision(model.signature.precision)
+    rows = {o.name: o for o in (model.gate.outputs if model.gate is not None else ())}
+    wider = []
+    for name, row in rows.items():
+        output = name[len(SERVED):]
+        if name.startswith(SERVED) and ORIGINAL + output in rows:
+            wider.append((output, 2 * (row.max_abs + rows[ORIGINAL + output].max_abs), tol.rtol))
+    return dataclasses.replace(tol, per_output=(*wider, *tol.per_output)) if wider else tol
+
+
 class Engine:
     def __init__(self, model: LoadedModel, options: EngineOptions, stats: Stats,
                  metrics: Metrics | None = None, tolerance: Tolerance = Tolerance()) -> None:
@@ -131,7 +149,7 @@ class Engine:
             # a graph that takes one batch size only: requests of that many rows, never joined
             self.max_batch, self.join_rows = fixed, 1
             self.batch_note = f"the model takes batch {fixed} only: requests are never joined"
-        self.tolerance = tolerance
+        self.tolerance = shadow_tolerance(model, tolerance)
         self._inputs = {s.name: s for s in model.signature.inputs}
         self._outputs = [s.name for s in model.signature.outputs]
         pad_to = options.pad_to

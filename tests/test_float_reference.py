@@ -139,3 +139,36 @@ def test_plain_feeds_take_the_same_rule(tmp_path):
 def test_a_float_original_has_no_float_check():
     src = build_cached("llama-kv", "awkward", "torchscript")
     assert _gate(src).float_check is None
+
+
+def test_shadow_checks_of_a_variant_passed_through_the_float_model_agree(tmp_path):
+    """Served, the float-passed variant's results differ from the original's by their
+    roundings (0.27 here, over fp16's tolerance): a shadow check allows twice the distance the
+    gate measured between them through the float model, and agrees."""
+    import tritonclient.grpc as tg
+    from serving_support import feeds_for, infer_inputs, make_artifact
+
+    from serving.engine import EngineOptions
+    from serving.server import Server, ServerOptions
+
+    src = cached("fp16", "llama")
+    copy = tmp_path / "float.onnx"
+    ir.save(upcast(load_model(src)), copy)
+    out = make_artifact(tmp_path / "out", src, variant=copy, variant_name="float")
+    server = Server(out, ServerOptions(port=0, http_port=0, metrics_port=0,
+                                       engine=EngineOptions(shadow_fraction=1.0)),
+                    say=lambda line: None)
+    server.start()
+    try:
+        assert server.wait_ready(120), server.slot.status
+        engine = server.slot.engine
+        assert engine.model.served == "float"
+        atol, _ = engine.tolerance.limits("logits")
+        assert 0.27 < atol < 1.5  # 2 x (0 + the original's 0.27-0.5)
+        client = tg.InferenceServerClient(f"127.0.0.1:{server.port}")
+        for n in (5, 9, 16):
+            client.infer(server.slot.name, infer_inputs(feeds_for(n, vocab=1003, seed=n)))
+        engine._shadow.submit(lambda: None).result(60)  # the shadow queue flushed
+        assert server.stats.shadow["agree"] == 3 and server.stats.shadow["disagree"] == 0
+    finally:
+        server.stop(5)

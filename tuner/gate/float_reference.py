@@ -64,6 +64,9 @@ FLOAT = Tolerance()  # the float copies are compared as any float32 variant is
 MEMORY_SHARE = 0.5
 
 Graph = ir.Model | Path | str
+# the rows of a float check's answer: the float copies', the variant's as served, and the
+# original's own distance from the float model (the yardstick)
+FLOAT_COPIES, SERVED, ORIGINAL = "float: ", "served: ", "original: "
 
 
 def _always(name: str, ref: np.ndarray, cand: np.ndarray) -> bool:
@@ -114,11 +117,14 @@ class FloatCheck:
         exact = self._exact(recorded, graph, widened, kept, positions)
         fed = SlotPositions(candidate, positions, self.feeds.roles) if positions else candidate
         served, errors = self._distances(fed, _runs(recorded), widened, kept)
-        reports = [replace(r, name=f"float: {r.name}") for r in exact.outputs]
+        reports = [replace(r, name=f"{FLOAT_COPIES}{r.name}") for r in exact.outputs]
         for name, stats in served.items():
             base = original.get(name) or original.get(self._logits_name)
             reports.append(replace(_judged(name, stats, base, self.min_compared),
-                                   name=f"served: {name}"))
+                                   name=f"{SERVED}{name}"))
+        # the yardstick, shown: the original's own distance from the float model
+        reports += [replace(s.report(name, self.min_compared), name=f"{ORIGINAL}{name}")
+                    for name, s in original.items()]
         against = ", ".join(f"{n} {s.max_abs:.3g}" for n, s in original.items())
         worst = max(failed.outputs, key=lambda o: o.max_abs, default=None)
         by = f" ({worst.name} max abs {worst.max_abs:.3g})" if worst is not None else ""
