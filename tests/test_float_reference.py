@@ -172,3 +172,24 @@ def test_shadow_checks_of_a_variant_passed_through_the_float_model_agree(tmp_pat
         assert server.stats.shadow["agree"] == 3 and server.stats.shadow["disagree"] == 0
     finally:
         server.stop(5)
+
+
+def test_a_bfloat16_graph_has_a_float_copy_too():
+    """bf16 inputs and logits (models/layouts.py `bf16io`): the copy takes float32 where the
+    graph takes bfloat16, is fed the same bfloat16 arrays (widened) and computes the graph's
+    logits before their rounding to bfloat16."""
+    from models.layouts import cached as layout
+    from tuner.gate.feeds import make_feeds
+
+    src = layout("bf16io")
+    model = load_model(src)
+    copy = upcast(model)
+    assert [v.dtype for v in model.graph.inputs][0] == ir.DataType.BFLOAT16
+    assert all(v.dtype not in HALF for v in (*copy.graph.inputs, *copy.graph.outputs))
+    feeds = make_feeds(model, 1003, [(2, 5)])[0]
+    name = model.graph.outputs[0].name
+    want = _runner(src).infer(feeds)[name].astype(np.float32)
+    got = float_runner(copy).infer(feeds)[name]
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, want, atol=2e-2, rtol=2e-2)  # bfloat16's own rounding
+    assert not np.array_equal(got, want)  # not rounded to bfloat16
