@@ -33,7 +33,6 @@ nothing compared, an output the variant lacks.
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Sequence
@@ -52,6 +51,7 @@ from tuner.gate.verify import (OutputReport, Stats, Tolerance, VerifyResult,
 from tuner.graph.kv_cache import CachePads
 from tuner.graph.load import load_model
 from tuner.graph.roles import InputSpec, mask_in
+from tuner.runtime.memory import mem_available
 
 # How much further from the float model than the original a variant may land, as served.
 # On the tests' fp16 Llama the fused graph lands at 0.04x the original's distance and copies
@@ -60,7 +60,7 @@ from tuner.graph.roles import InputSpec, mask_in
 # than the original's own rounding is the float copies' comparison to find.)
 MARGIN = 1.5
 FLOAT = Tolerance()  # the float copies are compared as any float32 variant is
-# the float copies are held beside the variant's session: at most this share of free memory
+# the float copies are held beside the variant's session: at most this share of the available memory
 MEMORY_SHARE = 0.5
 
 Graph = ir.Model | Path | str
@@ -274,8 +274,8 @@ def _too_big(model: ir.Model) -> str | None:
     """Why float copies of `model` should not be made here (None: they fit)."""
     half = sum(v.const_value.nbytes for v in model.graph.initializers.values()
                if v.const_value is not None)
-    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    if 2 * half > MEMORY_SHARE * free:
+    free = mem_available()
+    if free is not None and 2 * half > MEMORY_SHARE * free:
         return (f"its float32 copy (~{2 * half / 2**30:.1f} GiB) would take over "
-                f"{MEMORY_SHARE:.0%} of the free memory ({free / 2**30:.1f} GiB)")
+                f"{MEMORY_SHARE:.0%} of the available memory ({free / 2**30:.1f} GiB)")
     return None
