@@ -60,7 +60,7 @@ from tuner.runtime.memory import mem_available
 # than the original's own rounding is the float copies' comparison to find.)
 MARGIN = 1.5
 FLOAT = Tolerance()  # the float copies are compared as any float32 variant is
-# the float copies are held beside the variant's session: at most this share of the available memory
+# the float copies are held beside the variant's session: at most this share of what is available
 MEMORY_SHARE = 0.5
 
 Graph = ir.Model | Path | str
