@@ -36,8 +36,11 @@ def verify_cmd(
 ) -> None:
     """Run both models on the same inputs and compare every output (max abs/rel error, cosine,
     top-1 agreement); positions masked out by the attention mask (found from the graph) are not
-    compared, and an output with nothing compared FAILS. Given two folders, every graph of the
-    first (but a merged decoder) is checked against the one of the same name in the second."""
+    compared, and an output with nothing compared FAILS. A half-precision original is compared
+    at its precision's tolerances; a variant that still differs from it is held to its float32
+    copy instead (exact in float, and no further from it than the original is). Given two
+    folders, every graph of the first (but a merged decoder) is checked against the one of the
+    same name in the second."""
     from tuner.gate.verify import Tolerance
 
     try:
