@@ -141,37 +141,68 @@ def test_a_float_original_has_no_float_check():
     assert _gate(src).float_check is None
 
 
-def test_shadow_checks_of_a_variant_passed_through_the_float_model_agree(tmp_path):
-    """Served, the float-passed variant's results differ from the original's by their
-    roundings (0.27 here, over fp16's tolerance): a shadow check allows twice the distance the
-    gate measured between them through the float model, and agrees."""
-    import tritonclient.grpc as tg
-    from serving_support import feeds_for, infer_inputs, make_artifact
-
+def _shadowed(out):
     from serving.engine import EngineOptions
     from serving.server import Server, ServerOptions
 
-    src = cached("fp16", "llama")
-    copy = tmp_path / "float.onnx"
-    ir.save(upcast(load_model(src)), copy)
-    out = make_artifact(tmp_path / "out", src, variant=copy, variant_name="float")
     server = Server(out, ServerOptions(port=0, http_port=0, metrics_port=0,
                                        engine=EngineOptions(shadow_fraction=1.0)),
                     say=lambda line: None)
     server.start()
+    assert server.wait_ready(120), server.slot.status
+    return server
+
+
+def _three_shadowed_requests(server) -> dict:
+    import tritonclient.grpc as tg
+    from serving_support import feeds_for, infer_inputs
+
+    client = tg.InferenceServerClient(f"127.0.0.1:{server.port}")
+    for n in (5, 9, 16):
+        client.infer(server.slot.name, infer_inputs(feeds_for(n, vocab=1003, seed=n)))
+    server.slot.engine._shadow.submit(lambda: None).result(60)  # the shadow queue flushed
+    return dict(server.stats.shadow)
+
+
+def test_shadow_checks_of_a_half_variant_compare_at_half_precision(tmp_path):
+    """The fused fp16 GPT-2 rounds otherwise than the original (1e-3 on the logits, inside
+    fp16's tolerance): its shadow checks compared at float32's 1e-4 and disagreed; at fp16's
+    they agree."""
+    from serving_support import make_artifact
+
+    src = cached("fp16", "gpt2")
+    fused = tmp_path / "fused.onnx"
+    shape = inspect_model(load_model(src))
+    assert fuse_file(src, fused, shape.num_heads, shape.hidden_size)
+    server = _shadowed(make_artifact(tmp_path / "out", src, variant=fused, variant_name="fused"))
     try:
-        assert server.wait_ready(120), server.slot.status
+        assert server.slot.engine.model.served == "fused"
+        assert server.slot.engine.tolerance.label().startswith("atol=0.01 rtol=0.01")
+        shadow = _three_shadowed_requests(server)
+    finally:
+        server.stop(5)
+    assert shadow["agree"] == 3 and shadow["disagree"] == 0
+
+
+def test_shadow_checks_of_a_variant_passed_through_the_float_model_agree(tmp_path):
+    """Served, the float-passed variant's results differ from the original's by their
+    roundings (0.27 here, over fp16's tolerance): a shadow check allows twice the distance the
+    gate measured between them through the float model, and agrees."""
+    from serving_support import make_artifact
+
+    src = cached("fp16", "llama")
+    copy = tmp_path / "float.onnx"
+    ir.save(upcast(load_model(src)), copy)
+    server = _shadowed(make_artifact(tmp_path / "out", src, variant=copy, variant_name="float"))
+    try:
         engine = server.slot.engine
         assert engine.model.served == "float"
         atol, _ = engine.tolerance.limits("logits")
         assert 0.27 < atol < 1.5  # 2 x (0 + the original's 0.27-0.5)
-        client = tg.InferenceServerClient(f"127.0.0.1:{server.port}")
-        for n in (5, 9, 16):
-            client.infer(server.slot.name, infer_inputs(feeds_for(n, vocab=1003, seed=n)))
-        engine._shadow.submit(lambda: None).result(60)  # the shadow queue flushed
-        assert server.stats.shadow["agree"] == 3 and server.stats.shadow["disagree"] == 0
+        shadow = _three_shadowed_requests(server)
     finally:
         server.stop(5)
+    assert shadow["agree"] == 3 and shadow["disagree"] == 0
 
 
 def test_a_bfloat16_graph_has_a_float_copy_too():
