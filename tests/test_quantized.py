@@ -12,7 +12,9 @@ Llama (GQA) with and without its KV cache and GPT-2.
 - per-channel dynamic weights pad their zero points and scales; head dim / heads through any
   quantized weight are refused with the node named;
 - served, a dynamic graph's requests are never padded or joined (one activation range per
-  run couples them); a static one's are.
+  run couples them); a static one's are;
+- a static graph whose value cache leaves through a Quantize/DequantizeLinear round trip
+  (GPT-2, Phi) has its cache found and generates as a plain loop over it does.
 """
 
 from __future__ import annotations
@@ -277,3 +279,40 @@ def test_bnb4_ffn_padding_appends_whole_zero_blocks(tmp_path):
     w = bnb4.read(next(n for n in load_model(out).graph if n.name == down))
     assert (w.k, w.n) == (2048, 384)
     assert (w.rows[:, 768:] == 0x77).all() and not w.absmax[:, 24:].any()
+
+
+@pytest.mark.parametrize("name", ["gpt2-kv", "phi-kv"])
+def test_a_static_qdq_value_cache_is_found_and_generates(name):
+    """quantize_static puts a Quantize- and DequantizeLinear round trip between these
+    models' value Concats and their `present.N.value` outputs: `optimize` stopped there ("a
+    cache model should return logits and the cache; it returns 3 other outputs"). The round
+    trip is followed now, and the engine's greedy streams equal a plain ONNX Runtime loop
+    over the export, which feeds each round-tripped present back as its past."""
+    import onnxruntime as ort
+    from greedy_loops import greedy_cache
+    from serving_support import collect
+
+    from serving.generation import GenerateOptions, Generator
+    from serving.sampling import GenerationRequest
+    from tuner.graph.cache_record import cache_record
+    from tuner.runtime.ort import OrtRunner, load_cpu
+
+    src = cached("static", name)
+    graph = load_model(src).graph
+    assert any(o.producer().op_type == "DequantizeLinear" for o in graph.outputs
+               if o.name.startswith("present"))  # the layout under test
+    record = cache_record(load_model(src))
+    assert sorted(record.past_to_present.values()) == sorted(
+        o.name for o in graph.outputs if o.name.startswith("present"))
+    prompts = [tuple(int(t) for t in np.random.default_rng(s).integers(0, 1000, 9))
+               for s in (1, 2)]
+    session = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"])
+    want = [greedy_cache(session, np.array([p]), 12).tokens[0].tolist() for p in prompts]
+    vocab = inspect_model(load_model(src)).vocab_size
+    gen = Generator(OrtRunner(load_cpu(str(src))), record, vocab, GenerateOptions(),
+                    max_positions=256)
+    try:
+        got = collect(gen, [GenerationRequest(p, 12) for p in prompts])
+    finally:
+        gen.close()
+    assert [[t for c in chunks for t in c.ids] for chunks in got] == want

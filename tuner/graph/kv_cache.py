@@ -202,7 +202,8 @@ def _is_projected(v: ir.Value) -> bool:
 
 
 def _present(v: ir.Value, outputs: set[int]) -> ir.Value | None:
-    """The graph output `v` is, directly or through Identity/Cast."""
+    """The graph output `v` is, directly or through Identity/Cast (or a Quantize- and
+    DequantizeLinear round trip: ONNX Runtime's quantize_static puts one on a value cache)."""
     queue, seen = deque([v]), set()
     while queue:
         x = queue.popleft()
@@ -213,7 +214,8 @@ def _present(v: ir.Value, outputs: set[int]) -> ir.Value | None:
         seen.add(id(x))
         # (Slice and Concat: a kept cache sliced back to its original entries)
         queue.extend(n.outputs[0] for n in consumers(x)
-                     if op(n) in ("Identity", "Cast", "Slice", "Concat"))
+                     if op(n) in ("Identity", "Cast", "Slice", "Concat", "QuantizeLinear",
+                                  "DequantizeLinear"))
     return None
 
 
