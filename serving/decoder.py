@@ -130,7 +130,8 @@ class DecoderEngine:
                                        search=BeamConfig(1, self.text.length_penalty,
                                                          self.text.early_stopping),
                                        rows_tolerance=tolerance_for(
-                                           model.backend, get_backend(model.backend).precision))
+                                           model.backend, get_backend(model.backend).precision,
+                                           model.signature.precision))
         except (ValueError, BadInput) as e:
             raise BadInput(f"{model.name}: {e}") from None
         if gen_metrics is not None:  # (a server without a prefix cache: blocks of one entry)

@@ -48,3 +48,28 @@ def test_head_dim_pads_a_half_precision_copy_exactly(tmp_path, capsys):
     assert inspect_model(load_model(dst)).head_dim == 96
     # the gate at fp16 tolerances still catches a wrong copy
     assert main(["verify", str(src), str(perturbed_copy(src, tmp_path / "bad.onnx"))]) == 1
+
+
+def test_a_q4f16_decoder_batches_its_streams(tmp_path):
+    """transformers.js' q4f16 GPT-2: MatMulNBits' fp16 path runs one row and a batch of rows
+    apart (5e-4 on the logits, half precision's rounding), which the engine's probe held to
+    float32's 1e-5 and took for rows coupled by their run: every stream was served alone. At
+    the model's own precision its streams share runs, each the tokens it makes alone."""
+    from llm_support import start
+    from serving_support import collect, make_artifact
+
+    from serving.sampling import GenerationRequest
+
+    src = cached("q4f16", "gpt2-kv")
+    server = start(make_artifact(tmp_path / "out", src))
+    try:
+        gen = server.slot.engine.generator
+        assert gen.rows_stay is None and gen.options.max_streams > 1
+        prompts = [(5, 17, 9, 200, 31), (7, 7, 400, 12), (900, 3, 55, 8, 8, 61)]
+        requests = [GenerationRequest(p, 10) for p in prompts]
+        alone = [collect(gen, [r])[0] for r in requests]
+        together = collect(gen, requests)
+    finally:
+        server.stop(5)
+    ids = [[[t for c in chunks for t in c.ids] for chunks in run] for run in (alone, together)]
+    assert ids[0] == ids[1]
