@@ -47,10 +47,10 @@ from tuner.gate.kv_gate import (CacheFeeds, SlotPositions, check, compare_kept, 
                                 widen_feeds)
 from tuner.gate.upcast import as_float32, float_runner, upcast
 from tuner.gate.verify import (OutputReport, Stats, Tolerance, VerifyResult,
-                               record_then_release)
+                               record_then_release, verify)
 from tuner.graph.kv_cache import CachePads
 from tuner.graph.load import load_model
-from tuner.graph.roles import InputSpec, mask_in
+from tuner.graph.roles import InputSpec
 from tuner.runtime.memory import mem_available
 
 # How much further from the float model than the original a variant may land, as served.
@@ -95,7 +95,7 @@ class FloatCheck:
         self.model, self.load_original, self.feeds = model, load_original, feeds
         self.specs, self.min_compared, self.precision = tuple(specs), min_compared, precision
         self.variant, self.original_is_live = variant, original_is_live
-        self._made: tuple[object, dict[str, Stats]] | str | None = None
+        self._made: tuple[object, dict[str, OutputReport]] | str | None = None
 
     def close(self) -> None:
         self.model, self.variant, self._made = None, None, None
@@ -116,15 +116,13 @@ class FloatCheck:
         recorded, original = made
         exact = self._exact(recorded, graph, widened, kept, positions)
         fed = SlotPositions(candidate, positions, self.feeds.roles) if positions else candidate
-        served, errors = self._distances(fed, _runs(recorded), widened, kept)
+        served, errors = self._distances(fed, recorded, widened, kept)
         reports = [replace(r, name=f"{FLOAT_COPIES}{r.name}") for r in exact.outputs]
-        for name, stats in served.items():
+        for name, row in served.items():
             base = original.get(name) or original.get(self._logits_name)
-            reports.append(replace(_judged(name, stats, base, self.min_compared),
-                                   name=f"{SERVED}{name}"))
+            reports.append(replace(_judged(row, base), name=f"{SERVED}{name}"))
         # the yardstick, shown: the original's own distance from the float model
-        reports += [replace(s.report(name, self.min_compared), name=f"{ORIGINAL}{name}")
-                    for name, s in original.items()]
+        reports += [replace(row, name=f"{ORIGINAL}{name}") for name, row in original.items()]
         against = ", ".join(f"{n} {s.max_abs:.3g}" for n, s in original.items())
         worst = max(failed.outputs, key=lambda o: o.max_abs, default=None)
         by = f" ({worst.name} max abs {worst.max_abs:.3g})" if worst is not None else ""
@@ -142,12 +140,12 @@ class FloatCheck:
 
     # -- the float model's runs and the original's distances from them, once
 
-    def _calibrate(self) -> tuple[object, dict[str, Stats]] | str:
+    def _calibrate(self) -> tuple[object, dict[str, OutputReport]] | str:
         if self._made is None:
             self._made = self._make()
         return self._made
 
-    def _make(self) -> tuple[object, dict[str, Stats]] | str:
+    def _make(self) -> tuple[object, dict[str, OutputReport]] | str:
         too_big = _too_big(self.model)
         if too_big:
             return too_big
@@ -160,7 +158,7 @@ class FloatCheck:
             return f"its float32 copy failed to run ({failure})"
         original = self.load_original()
         try:
-            distances, errors = self._distances(original, _runs(recorded), {}, False)
+            distances, errors = self._distances(original, recorded, {}, False)
         finally:
             if not self.original_is_live:
                 original.close()
@@ -193,31 +191,16 @@ class FloatCheck:
 
     # -- distances from the float model, as served
 
-    def _distances(self, runner, runs: Sequence, widened: CachePads, kept: bool
-                   ) -> tuple[dict[str, Stats], list[str]]:
+    def _distances(self, runner, recorded, widened: CachePads, kept: bool
+                   ) -> tuple[dict[str, OutputReport], list[str]]:
+        """Each output's distances from the float model's recorded runs, `runner` fed its
+        tokens (rollouts) or the same feeds (the gate's comparator, every output kept)."""
         if isinstance(self.feeds, CacheFeeds):
-            return _rollout_distances(runner, self.feeds, runs, widened, kept)
-        stats: dict[str, Stats] = {}
-        errors: list[str] = []
-        for i, (feed, ref) in enumerate(zip(self.feeds, runs)):
-            try:
-                got = _Float32Outputs(runner).infer(feed)
-            except Exception as e:  # noqa: BLE001 - a model that cannot run fails
-                errors.append(f"feed {i}: failed to run: {one_line(e)}")
-                continue
-            mask = mask_in(feed, self.specs)
-            for name, want in ref.items():
-                acc = stats.setdefault(name, Stats())
-                if name not in got:
-                    acc.fail("missing in the candidate")
-                    continue
-                acc.add(name, np.asarray(want), got[name], _always, mask)
-        return stats, errors
-
-
-def _runs(recorded) -> list:
-    """The float model's rollouts (RecordedRollouts) or outputs per feed (a Replay)."""
-    return list(recorded.runs) if hasattr(recorded, "runs") else list(recorded.answers)
+            stats, errors = _rollout_distances(runner, self.feeds, recorded.runs, widened, kept)
+            return {n: s.report(n, self.min_compared) for n, s in stats.items()}, errors
+        result = verify(recorded, _Float32Outputs(runner), self.feeds, _always, self.specs,
+                        self.min_compared)
+        return {o.name: o for o in result.outputs}, list(result.errors)
 
 
 def _rollout_distances(runner, feeds: CacheFeeds, runs: Sequence[Rollout], widened: CachePads,
@@ -251,23 +234,22 @@ def _rollout_distances(runner, feeds: CacheFeeds, runs: Sequence[Rollout], widen
     return stats, errors
 
 
-def _judged(name: str, cand: Stats, original: Stats | None, min_compared: int) -> OutputReport:
-    """The variant's row as served: its distances from the float model, passed by the rule."""
-    report = cand.report(name, min_compared)
-    reason = report.reason
-    if report.passed and original is None:
+def _judged(row: OutputReport, original: OutputReport | None) -> OutputReport:
+    """The variant's row as served (its distances from the float model) passed by the rule."""
+    reason = row.reason
+    if row.passed and original is None:
         reason = "the original's distance from the float model was not measured"
-    elif report.passed and cand.max_abs > MARGIN * original.max_abs:
-        reason = (f"max abs {cand.max_abs:.3g} from the float model over {MARGIN:g} x the "
+    elif row.passed and row.max_abs > MARGIN * original.max_abs:
+        reason = (f"max abs {row.max_abs:.3g} from the float model over {MARGIN:g} x the "
                   f"original's {original.max_abs:.3g}")
-    elif report.passed and _top1(cand) < _top1(original):
-        reason = (f"top-1 agreement with the float model {_top1(cand):.2%} under the "
-                  f"original's {_top1(original):.2%}")
-    return replace(report, passed=report.passed and not reason, reason=reason)
+    elif row.passed and _top1(row) < _top1(original):
+        reason = (f"top-1 agreement with the float model {row.top1:.2%} under the "
+                  f"original's {original.top1:.2%}")
+    return replace(row, passed=row.passed and not reason, reason=reason)
 
 
-def _top1(stats: Stats) -> float:
-    return stats.agree / stats.rows if stats.rows else 1.0
+def _top1(row: OutputReport) -> float:
+    return 1.0 if row.top1 is None else row.top1
 
 
 def _too_big(model: ir.Model) -> str | None:

@@ -18,8 +18,8 @@ import numpy as np
 import onnx_ir as ir
 
 from tuner.errors import BadInput
-from tuner.gate.float_activations import DYNAMIC
 from tuner.gate.verify import Tolerance, VerifyResult, record_then_release, verify
+from tuner.graph.io import quantizes_activations
 from tuner.graph.roles import InputSpec, input_specs
 from tuner.graph.rotary_caches import batch_one_rotaries
 from tuner.runtime.base import Runner
@@ -72,7 +72,7 @@ def reference_for(model: ir.Model, load: Callable[[], Runner]
     quantizes its activations per run (quantize_dynamic)."""
     if not batch_one_rotaries(model):
         return load, False
-    if any(n.op_type == DYNAMIC for n in model.graph.all_nodes()):
+    if quantizes_activations(model):
         # a row alone is quantized over itself, in a batch over the batch: not comparable
         raise BadInput("the graph runs at batch 1 only (its RotaryEmbedding caches hold one "
                        "row) and quantizes its activations per run, so its rows alone cannot "

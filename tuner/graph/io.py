@@ -18,6 +18,12 @@ from tuner.graph.shape import ModelShape
 FALLBACK_VOCAB = 100  # token ids to draw when no table says how many there are
 
 
+def quantizes_activations(model: ir.Model) -> bool:
+    """Whether `model` quantizes activations with one range per run (ONNX Runtime's
+    quantize_dynamic: DynamicQuantizeLinear), so a row's numbers depend on its run's others."""
+    return any(n.op_type == "DynamicQuantizeLinear" for n in model.graph.all_nodes())
+
+
 def model_precision(model) -> str:
     """"fp16" or "bf16" when the model computes in half precision (its float outputs, or most
     of its float weights, are), else "fp32". The gate's tolerances follow it."""

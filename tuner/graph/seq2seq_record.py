@@ -26,7 +26,7 @@ import onnx_ir as ir
 
 from tuner.errors import BadInput
 from tuner.graph.inspect import inspect_model
-from tuner.graph.io import max_positions
+from tuner.graph.io import max_positions, quantizes_activations
 from tuner.graph.load import graphs_folder, load_model
 from tuner.graph.role_names import (ATTENTION_MASK, ENCODER_CACHE, ENCODER_MASK, ENCODER_STATES,
                                     KV_CACHE, TOKEN_IDS)
@@ -244,6 +244,6 @@ def _record(folder: Path) -> Seq2SeqRecord:
     later = DecoderIO(later.token_ids, later.states, later.mask, later.logits, later.ids_dtype,
                       later.mask_dtype, own, cross)
     quantized = tuple(f for f, m in zip(FILES, (encoder_model, first_model, later_model))
-                      if any(n.op_type == "DynamicQuantizeLinear" for n in m.graph.all_nodes()))
+                      if quantizes_activations(m))
     return Seq2SeqRecord(folder, encoder, first, later, vocab,
                          max_positions(first_model, inspect_model(first_model)), quantized)

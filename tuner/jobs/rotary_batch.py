@@ -17,10 +17,10 @@ import onnx_ir as ir
 
 from tuner.errors import BadInput, RewriteRefused
 from tuner.gate.feeds import DEFAULT_SHAPES, make_feeds
-from tuner.gate.float_activations import DYNAMIC, float_copy
+from tuner.gate.float_activations import float_copy
 from tuner.gate.rows_alone import check_rows_alone
 from tuner.gate.verify import Tolerance, VerifyResult
-from tuner.graph.io import model_precision, vocab_for_feeds
+from tuner.graph.io import model_precision, quantizes_activations, vocab_for_feeds
 from tuner.graph.load import load_model
 from tuner.graph.roles import KV_CACHE, input_specs
 from tuner.jobs.pad import check_destination, load_reference, write_checked
@@ -50,8 +50,8 @@ def rebatch_file(src: str | os.PathLike, dst: str | os.PathLike,
     # quantize_dynamic quantizes activations over the whole run, so a row alone is rounded
     # otherwise than beside others: both graphs are checked with their activations in float
     # (every weight still its stored integer times its scale; the Expand is what differs)
-    per_run = any(n.op_type == DYNAMIC for n in model.graph.all_nodes())
-    load = float_copy if per_run else (lambda path: load_reference(path, settings))
+    load = float_copy if quantizes_activations(model) else (
+        lambda path: load_reference(path, settings))
     result = write_checked(model, dst, lambda staged: check_rows_alone(
         lambda: load(src), lambda: load(staged), feeds, specs, tolerance))
     return result, count
