@@ -193,7 +193,8 @@ class DecoderEngine:
         return (f"generation: up to {g.options.max_streams} streams in flight{alone} "
                 f"(queue {self.options.max_queue}), cache length up to {g.max_cache_len} "
                 f"(buckets {list(g.cache_buckets)}), batch buckets {list(g.batch_buckets)}, "
-                f"padding to the {self.pad_to}, "
+                f"padding to the {self.pad_to}, KV cache budget "
+                f"{g.budget.bytes / 1e9:.2f} GB ({g.budget.why}), "
                 f"tokenizer {'yes' if self.tokenizer is not None else 'none'}")
 
     def drain(self, grace_s: float) -> None:

@@ -16,7 +16,7 @@ import onnx
 import onnx_ir as ir
 
 from serving.batcher import Layout, split, stack
-from serving.overlap import OverlapRunner, cpu_threads, overlap_wanted
+from serving.overlap import OverlapRunner, cpu_threads, fit_threads, overlap_wanted
 from tuner.artifact.records import Buckets, Latency, Manifest
 from tuner.artifact.store import read_manifest, variant_path
 from tuner.errors import BadInput
@@ -232,7 +232,7 @@ def load_artifact(out_dir: str | Path, backend: str | None = None,
     out = Path(out_dir)
     manifest: Manifest = read_manifest(out)
     backend = backend or manifest.backend
-    settings = settings or manifest.session_settings(ignore_unknown=True)
+    settings = settings or fit_threads(manifest.session_settings(ignore_unknown=True), log)
     name = model_name or Path(manifest.source_path).stem
     loader = get_backend(backend)
     shapes = [(b, s) for b in manifest.buckets.batch for s in manifest.buckets.seq]

@@ -14,20 +14,36 @@ small beside the machine's memory (`overlap_wanted`).
 
 from __future__ import annotations
 
-import os
+import dataclasses
 import threading
-from typing import Mapping
+from typing import Callable, Mapping
 
 import numpy as np
 
+from tuner.hardware.detect import affinity_cores, usable_cores
 from tuner.runtime.base import Runner, SessionSettings
 
 OVERLAP_MAX_BYTES = 1 << 30  # a model past this is served by one session (its weights once)
 
 
 def cpu_threads(settings: SessionSettings) -> int:
-    """The threads a session of `settings` runs on (0: the runtime's default, every core)."""
-    return settings.intra_op_threads or os.cpu_count() or 1
+    """The threads a session of `settings` runs on (0: the runtime's default, every core this
+    process may keep busy)."""
+    return settings.intra_op_threads or usable_cores()
+
+
+def fit_threads(settings: SessionSettings, log: Callable[[str], None]) -> SessionSettings:
+    """`settings` (an artifact's: what it was timed with) with no more threads than this
+    process may keep busy: an artifact timed on 16 cores and served in a container limited to
+    4 CPUs ran 16 threads throttled to 4 CPUs' time."""
+    cores, asked = usable_cores(), settings.intra_op_threads
+    if (asked or affinity_cores()) <= cores:
+        return settings
+    given = f"{asked} threads" if asked else "the runtime's default of a thread per core"
+    log(f"running on {cores} thread{'s' * (cores > 1)}, not {given}: this process may keep "
+        f"{cores} core{'s' * (cores > 1)} busy (its CPU affinity and cgroup quota; "
+        "--threads sets it)")
+    return dataclasses.replace(settings, intra_op_threads=cores)
 
 
 def overlap_wanted(backend: str, settings: SessionSettings, model_bytes: int) -> bool:

@@ -22,6 +22,7 @@ from serving.generation import GenerateOptions
 from serving.audio import FeatureConfig, WhisperPrompt, feature_config, whisper_prompt
 from serving.generation.beams import BeamConfig
 from serving.generation.constraints import DecoderConfig
+from serving.overlap import fit_threads
 from serving.generation.seq2seq import Seq2SeqGenerator, Seq2SeqRunners
 from serving.generation.timestamps import TimestampRule
 from serving.metrics import GenerationMetrics, Metrics, Stats
@@ -125,7 +126,7 @@ def load_seq2seq(folder: Path, backend: str | None = None,
     decoder = decoder_config(folder)
     backend = backend or CPU_BACKEND.name
     loader = get_backend(backend)
-    settings = settings or SessionSettings()
+    settings = settings or fit_threads(SessionSettings(), log)
     runners = Seq2SeqRunners(*(loader.load(graphs_dir(folder) / f, settings)
                                for f in (ENCODER, FIRST_STEP, LATER_STEPS)))
     check = check_folder(record, runners.encoder, runners.first, runners.later,

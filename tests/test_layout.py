@@ -35,8 +35,9 @@ ALLOWED: dict[str, set[str]] = {
 # serving reads an artifact and runs it; never the planning, rewriting or measuring code.
 SERVING_MAY_USE = {"errors", "util", "graph", "artifact", "runtime", "gate"}
 # ...and of measure/ only the bucket rule, which optimize and the server must share
-# (tuner.measure.buckets.fit_bucket: one answer past the largest bucket)
-SERVING_MAY_USE_MODULES = {"tuner.measure.buckets"}
+# (tuner.measure.buckets.fit_bucket: one answer past the largest bucket), and of hardware/
+# only the cores this process may keep busy (its affinity and its container's CPU quota)
+SERVING_MAY_USE_MODULES = {"tuner.measure.buckets", "tuner.hardware.detect"}
 LOOSE_MODULES_ALLOWED = {"__init__.py", "__main__.py", "errors.py"}
 GRPC = ("grpc", "grpc_health", "grpc_reflection")
 

@@ -100,8 +100,8 @@ class Generator(Admission):
         self.max_prompt = min(options.max_prompt or self.max_cache_len - 1,
                               self.max_cache_len - 1)
         self.cache_buckets = cache_buckets(self.max_cache_len, options.cache_buckets)
-        self.budget_bytes = cache_budget(options)
-        self.cache = CacheManager(record, self.budget_bytes, pad_to, self.batch_buckets,
+        self.budget = cache_budget(options)
+        self.cache = CacheManager(record, self.budget.bytes, pad_to, self.batch_buckets,
                                   self.cache_buckets,
                                   options.prefix_block if options.prefix_cache else None,
                                   self.max_cache_len,
@@ -180,7 +180,7 @@ class Generator(Admission):
         if n + request.max_tokens > self.cache.budget_tokens:
             raise InvalidArgument(
                 f"prompt ({n}) + max_tokens ({request.max_tokens}) cache entries exceed the "
-                f"cache's byte budget ({self.budget_bytes} bytes: {self.cache.budget_tokens} "
+                f"cache's byte budget ({self.budget.bytes} bytes: {self.cache.budget_tokens} "
                 "entries); raise --kv-cache-bytes")
         check_tokens(request, self.vocab, self.tokenizer)
         why = refusal(request, self.record, self.cache.budget_tokens)

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from tuner.runtime.memory import room
+
 
 def next_bucket(n: int, buckets: Sequence[int] = ()) -> int:
     """The smallest bucket >= n; past the largest, the next power of two (so the shapes a
@@ -94,18 +96,23 @@ class GenerateOptions:
                 raise ValueError(f"{name} must be increasing positive integers, not {list(v)}")
 
 
-def available_memory() -> int:
-    """Bytes the machine has available (MemAvailable), or 4 GiB where it cannot be read."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 4 << 30
+@dataclass(frozen=True)
+class CacheBudget:
+    """The KV cache's byte budget and where it came from (the server's ready line says it)."""
+
+    bytes: int
+    why: str
 
 
-def cache_budget(options: GenerateOptions) -> int:
-    """The cache's byte budget: --kv-cache-bytes, else a share of the available memory."""
-    return options.kv_cache_bytes or int(available_memory() * options.kv_cache_share)
+def cache_budget(options: GenerateOptions) -> CacheBudget:
+    """--kv-cache-bytes, else a share of the memory available to this process (its
+    container's limit where that leaves less than the machine: tuner.runtime.memory.room),
+    else of 4 GiB where neither can be read."""
+    if options.kv_cache_bytes:
+        return CacheBudget(options.kv_cache_bytes, "--kv-cache-bytes")
+    share = f"{options.kv_cache_share:.0%} of"
+    found = room()
+    if found is None:
+        return CacheBudget(int((4 << 30) * options.kv_cache_share),
+                           f"{share} 4 GiB: the available memory could not be read")
+    return CacheBudget(int(found.bytes * options.kv_cache_share), f"{share} {found.describe()}")

@@ -143,8 +143,11 @@ def serve(
                     "running it and runs each request and stream alone, so that each is "
                     "what it is alone"),
     threads: Optional[int] = typer.Option(None, help="intra-op threads of the runtime "
-                                                     "(default: as the artifact was timed; "
-                                                     "0: the runtime's default)"),
+                                                     "(default: as the artifact was timed, "
+                                                     "at most the cores this process may "
+                                                     "keep busy: its CPU affinity and its "
+                                                     "container's CPU quota; 0: the "
+                                                     "runtime's default)"),
     spin: Optional[bool] = typer.Option(None, "--spin/--no-spin",
                                         help="let the runtime's idle threads spin-wait for "
                                              "the next run: a little latency per run for "
@@ -172,7 +175,10 @@ def serve(
                                                             "budget; past it, the newest "
                                                             "stream is preempted and "
                                                             "recomputed later (default: 30% "
-                                                            "of the available memory)"),
+                                                            "of the memory available to this "
+                                                            "process: its container's memory "
+                                                            "limit where that leaves less than "
+                                                            "the machine)"),
     prefill_tokens: int = typer.Option(256, help="decoders: tokens one step feeds (decode "
                                                  "rows and prompt chunks together); a longer "
                                                  "prompt is prefilled in chunks"),

@@ -25,6 +25,7 @@ from importlib import metadata
 from typing import Any
 
 from tuner.hardware.facts import DEVICES, DeviceFacts
+from tuner.hardware.cgroup import cpu_limit
 
 
 @dataclass(frozen=True)
@@ -233,11 +234,26 @@ def _cpu() -> tuple[str, int]:
             model = parse_cpuinfo(f.read())
     except OSError:
         model = platform.processor() or platform.machine() or "unknown CPU"
+    return model, usable_cores()
+
+
+def affinity_cores() -> int:
+    """Cores this process may run on (what a runtime's default thread count follows)."""
     try:
-        cores = len(os.sched_getaffinity(0))
+        return max(len(os.sched_getaffinity(0)), 1)
     except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return model, max(cores, 1)
+        return os.cpu_count() or 1
+
+
+def usable_cores() -> int:
+    """Cores this process may keep busy: those it may run on, no more than its cgroup's CPU
+    quota in whole CPUs (a container's `--cpus` or `limits: cpu`; a thread per host core
+    would be throttled to the quota, intra-op threads waiting on each other meanwhile)."""
+    cores = affinity_cores()
+    quota = cpu_limit()
+    if quota is not None:
+        cores = min(cores, int(quota))
+    return max(cores, 1)
 
 
 def _torch_cuda_versions() -> tuple[str | None, str | None]:

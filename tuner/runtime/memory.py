@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence, TypeVar
 
+from tuner.hardware import cgroup
+
 T = TypeVar("T")
 HEADROOM_BYTES = 1 << 30  # activations of the timed shapes, feeds, Python
 
@@ -39,9 +41,32 @@ def reset_peak() -> None:
         pass  # then the peak may be an earlier one: the estimate errs high, never low
 
 
+@dataclass(frozen=True)
+class Room:
+    """Bytes this process can still take, and whether its cgroup's limit (a container's) is
+    what bounds them rather than the machine's MemAvailable."""
+
+    bytes: int
+    cgroup_limited: bool
+
+    def describe(self) -> str:
+        where = "under this process's memory cgroup limit" if self.cgroup_limited else ""
+        return f"{self.bytes / 1e9:.1f} GB available{' ' + where if where else ''}"
+
+
+def room() -> Room | None:
+    """The memory available to this process: the machine's MemAvailable, or less where its
+    cgroup leaves less (tuner.hardware.cgroup); None where neither can be read."""
+    machine, limited = _proc_field("/proc/meminfo", "MemAvailable:"), cgroup.room_bytes()
+    if limited is not None and (machine is None or limited < machine):
+        return Room(limited, True)
+    return None if machine is None else Room(machine, False)
+
+
 def mem_available() -> int | None:
-    """MemAvailable from /proc/meminfo, None where unknown."""
-    return _proc_field("/proc/meminfo", "MemAvailable:")
+    """room()'s bytes, None where unknown."""
+    r = room()
+    return None if r is None else r.bytes
 
 
 def _status_field(key: str) -> int | None:
