@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import os
 import shutil
 import socket
@@ -47,6 +48,26 @@ def make_artifact(out: Path, model: Path, batch=(1, 4, 8, 16, 32), seq=(16, 32, 
     write_manifest(out, Manifest(str(model), sha, {"name": "cpu", "kind": "cpu"}, "ort-cpu",
                                  dataclasses.asdict(settings),
                                  "original", Buckets(tuple(batch), tuple(seq)), (variant,)))
+    return out
+
+
+# ChatML, as many instruct models' tokenizer_config.json carry it
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
+          "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}"
+          "{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def decoder_artifact(tmp: Path, model: Path | None = None) -> Path:
+    """`model` (default: the llama-kv reference export, random weights) served as a decoder
+    with a byte-level BPE (models/tokenizer.py), 256 positions and a ChatML chat template."""
+    from models.build import cached
+    from models.tokenizer import byte_level_bpe
+
+    model = model or cached("llama-kv", "awkward", "torchscript")
+    out = make_artifact(tmp / "art", model, batch=(1, 2, 4, 8), seq=(16, 32, 64))
+    byte_level_bpe(1003).save(str(out / "tokenizer.json"))
+    (out / "config.json").write_text(json.dumps({"max_position_embeddings": 256}))
+    (out / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML}))
     return out
 
 

@@ -18,7 +18,6 @@ load) and reported as median [min-max].
 from __future__ import annotations
 
 import argparse
-import json
 import queue
 import sys
 import tempfile
@@ -28,24 +27,10 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or with -m
-from serve_common import MODEL_NAME, free_port, load_note, make_artifact, start_tuner, stop
+from serve_common import (MODEL_NAME, decoder_artifact, free_port, load_note, start_tuner,
+                          stop)
 
 PROMPT = "The quick brown fox jumps over"
-CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
-          "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}"
-          "{{ '<|im_start|>assistant\\n' }}{% endif %}")
-
-
-def _artifact(tmp: Path) -> Path:
-    from models.build import cached
-    from models.tokenizer import byte_level_bpe
-
-    out = make_artifact(tmp / "art", cached("llama-kv", "awkward", "torchscript"),
-                        batch=(1, 2, 4, 8), seq=(16, 32, 64))
-    byte_level_bpe(1003).save(str(out / "tokenizer.json"))
-    (out / "config.json").write_text(json.dumps({"max_position_embeddings": 256}))
-    (out / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML}))
-    return out
 
 
 def over_grpc(port: int, tokens: int) -> tuple[int, float]:
@@ -128,7 +113,7 @@ PATHS = (("gRPC (tritonclient)", over_grpc), ("OpenAI (openai)", over_openai),
 
 def run(tokens: int, rounds: int) -> list[str]:
     with tempfile.TemporaryDirectory() as tmp:
-        out = _artifact(Path(tmp))
+        out = decoder_artifact(Path(tmp))
         port, http_port = free_port(), free_port()
         proc = start_tuner(out, port, http_port=http_port)
         try:

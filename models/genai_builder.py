@@ -39,7 +39,7 @@ from models.build import _cache_dir
 from models.once import build_once
 from models.venvs import ensure_venv
 
-BUILD = 1  # bump when what this file builds changes: it is part of the cache key
+BUILD = 2  # bump when what this file builds changes: it is part of the cache key
 GENAI_REQUIREMENTS = ("onnxruntime-genai==0.18.*", "torch==2.13.0", "transformers>=4.45",
                       "onnx", "onnx-ir", "onnxscript")
 VENV = ("genai", GENAI_REQUIREMENTS)  # the environment: models/venvs.py
@@ -211,9 +211,11 @@ def _build(todo: dict[tuple[str, str], Path]) -> None:
                                f"{list(todo)}:\n{run.stderr[-4000:]}")
         for (family, precision), out in todo.items():
             made = staging[family, precision]
-            for name in ("tokenizer.json", "config.json"):  # what `tuner optimize` copies along
-                if not (made / name).is_file():
-                    shutil.copyfile(hf[family] / name, made / name)
+            # the builder writes genai_config.json and the tokenizer's files, no config.json:
+            # the folder stays as users have it (a copied config.json once hid that the
+            # server took no positions from a genai folder)
+            if not (made / "tokenizer.json").is_file():
+                shutil.copyfile(hf[family] / "tokenizer.json", made / "tokenizer.json")
             out.parent.mkdir(parents=True, exist_ok=True)
             if out.exists():  # a folder left without its model.onnx
                 shutil.rmtree(out)

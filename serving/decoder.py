@@ -21,7 +21,7 @@ from serving.generation.beams import BeamConfig
 from serving.metrics import GenerationMetrics, Metrics, Stats
 from serving.model import LoadedModel, Signature
 from serving.sampling import GenerationRequest
-from serving.text_config import load_text_config
+from serving.text_config import load_text_config, read_json
 from serving.tokenizer import load_tokenizer
 from tuner.errors import BadInput
 from tuner.gate.row_moves import tolerance_for
@@ -216,20 +216,21 @@ def _tokenizer(model: LoadedModel):
     return load_tokenizer(model.folder) if model.folder is not None else None
 
 
+def _dict(value) -> dict:
+    return value if isinstance(value, dict) else {}
+
+
 def _max_positions(model: LoadedModel) -> int | None:
-    """The model's positions: its position table's rows, or, for rotary families (no table
-    in the graph), `max_position_embeddings` / `n_positions` of a config.json in the
-    artifact (Hugging Face's, copied by `optimize` like the tokenizer)."""
+    """The model's positions: what the graph bounds (a position table's rows, a fused rotary
+    operator's cos cache), else `max_position_embeddings` / `n_positions` of a config.json in
+    the artifact (Hugging Face's, copied by `optimize` like the tokenizer), else
+    onnxruntime-genai's `context_length` in genai_config.json."""
     if model.max_positions is not None or model.folder is None:
         return model.max_positions
-    path = model.folder / "config.json"
-    if not path.is_file():
-        return None
-    import json
-
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    value = config.get("max_position_embeddings") or config.get("n_positions")
-    return value if isinstance(value, int) and value > 0 else None
+    config, genai = (_dict(read_json(model.folder / name))
+                     for name in ("config.json", "genai_config.json"))
+    for value in (config.get("max_position_embeddings"), config.get("n_positions"),
+                  _dict(genai.get("model")).get("context_length")):
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None

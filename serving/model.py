@@ -26,7 +26,8 @@ from tuner.gate.verify import Tolerance, VerifyResult
 from tuner.graph.dtypes import KSERVE_BY_ONNX, onnx_name
 from tuner.graph.cache_record import CacheRecord, find_cache_record
 from tuner.graph.inspect import inspect_model
-from tuner.graph.io import embedding_rows, max_positions, model_bytes, model_precision
+from tuner.graph.io import (embedding_rows, max_positions, model_bytes, model_precision,
+                             rotary_positions)
 from tuner.graph.load import check_external_data, load_model, read_proto
 from tuner.graph.ort_fused import lengths_mask_reader
 from tuner.graph.roles import (ATTENTION_MASK, INPUTS_EMBEDS, POSITION_IDS, TOKEN_IDS,
@@ -144,7 +145,8 @@ def read_signature(path: Path, model: ir.Model | None = None) -> Signature:
 
 def _position_rows(signature: Signature) -> int | None:
     """Rows of the learned position table that the position ids index (GPT-2's wpe): the
-    longest cache the model can serve. None for rotary families (no table to read)."""
+    longest cache the model can serve. None for rotary families (no table to read; a fused
+    rotary operator's cos cache bounds them: tuner.graph.io.rotary_positions)."""
     positions = with_role(signature.specs, POSITION_IDS)
     return signature.index_limits.get(positions.name) if positions is not None else None
 
@@ -276,11 +278,15 @@ def load_artifact(out_dir: str | Path, backend: str | None = None,
         # requests carry their own past (or generation builds it): nothing is padded along the
         # sequence, and the served graph says what the past must look like (a widened cache is
         # wider)
-        layout, positions = Layout((), None, {}), _position_rows(signature)
+        layout = Layout((), None, {})
+        served_model = original_model
         if served != "original":
             served_path = variant_path(out, manifest.variant(served))
             kv = find_cache_record(candidate_model) or kv
             signature = read_signature(served_path, candidate_model)
+            served_model = candidate_model
+        known = [n for n in (_position_rows(signature), rotary_positions(served_model)) if n]
+        positions = min(known) if known else None
     else:
         layout = _probe_layout(runner, original_path, signature, vocab,
                                tolerance.at_precision(loader.precision))

@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tritonclient.grpc as tg
+from tritonclient.utils import InferenceServerException
 from serving_support import collect, perturbed_copy
 
 from models import genai_builder
@@ -269,6 +270,12 @@ def test_optimize_then_serve_with_inflight_batching_equals_a_plain_greedy_loop(f
             t.join(120)
         assert [got.get(i) for i in range(len(jobs))] == [_plain_greedy(src, p, k)
                                                           for p, k in jobs]
+        # the builder's rotary cos cache holds the model's positions (no config.json here):
+        # the cache is no longer, and a longer prompt is refused before it runs (it was
+        # served up to 2048, and ONNX Runtime's GroupQueryAttention failed past the cache)
+        assert server.slot.engine.generator.max_cache_len == genai_builder.POSITIONS
+        with pytest.raises(InferenceServerException, match="at most 255 are accepted"):
+            _infer(server.port, "genai", [5] * (genai_builder.POSITIONS + 20), 4)
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics",
                                          timeout=10).read().decode()
         batched = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()

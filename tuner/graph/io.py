@@ -109,10 +109,11 @@ def _counts_from_one(value: ir.Value | None, hops: int = 5) -> bool:
 
 
 def max_positions(model: ir.Model, shape: ModelShape) -> int | None:
-    """The positions a learned position table (a Gather on a (P, hidden) initializer that is
-    not the token embedding) holds, i.e. the longest sequence the model takes: its rows less
-    the shift its indices get (`_offset`); None if absent. The largest such table wins:
-    BERT's token-type table has 2 rows."""
+    """The longest sequence the model takes, where the graph holds its bound: the rows of a
+    learned position table (a Gather on a (P, hidden) initializer that is not the token
+    embedding) less the shift its indices get (`_offset`), or of a fused rotary operator's
+    cos cache (`rotary_positions`), the fewer of the two; None if neither is there. The
+    largest table wins: BERT's token-type table has 2 rows."""
     best = None
     for node in model.graph:
         if node.op_type != "Gather" or not node.inputs or node.inputs[0] is None:
@@ -125,7 +126,31 @@ def max_positions(model: ir.Model, shape: ModelShape) -> int | None:
                 and int(dims[0]) != shape.vocab_size:
             rows = int(dims[0]) - _offset(node.inputs[1] if len(node.inputs) > 1 else None)
             best = max(best or 0, rows)
-    return best
+    known = [n for n in (best, rotary_positions(model)) if n is not None]
+    return min(known) if known else None
+
+
+# Fused rotary operators and the input slot of their (positions, rotary dim / 2) cos cache:
+# ONNX Runtime refuses a longer sequence ("cos_cache dimension 0 shall not be less than
+# total_sequence_length"; onnxruntime-genai's builder makes it max_position_embeddings long).
+_COS_CACHE_SLOT = {("com.microsoft", "GroupQueryAttention"): 7,
+                   ("com.microsoft", "RotaryEmbedding"): 2,
+                   ("", "RotaryEmbedding"): 1}
+
+
+def rotary_positions(model: ir.Model) -> int | None:
+    """The rows of the fused rotary operators' cos caches (the fewest), None without one."""
+    rows = None
+    for node in model.graph:
+        domain = "" if node.domain == "ai.onnx" else node.domain
+        slot = _COS_CACHE_SLOT.get((domain, node.op_type))
+        if slot is None or len(node.inputs) <= slot or node.inputs[slot] is None:
+            continue
+        cos = node.inputs[slot]
+        dims = cos.const_value.shape if cos.const_value is not None else cos.shape
+        if dims is not None and len(dims) == 2 and isinstance(dims[0], int):
+            rows = min(rows or dims[0], dims[0])
+    return rows
 
 
 def model_files(model_path: Path) -> list[Path]:
