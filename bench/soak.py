@@ -51,10 +51,10 @@ class Clients:
     """One action per client kind; each takes a seeded Random and returns the row it counts
     under (raising on anything a correct server would not do)."""
 
-    def __init__(self, grpc_port: int, http_port: int) -> None:
+    def __init__(self, grpc_port: int, http_port: int, chat: bool) -> None:
         import openai
 
-        self.grpc_port, self.http_port = grpc_port, http_port
+        self.grpc_port, self.http_port, self.has_chat = grpc_port, http_port, chat
         self.openai = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1",
                                     api_key="unused", max_retries=0, timeout=120)
         self.refs: dict[int, str] = {}
@@ -175,8 +175,17 @@ class Clients:
         return "malformed, answered 4xx (http)"
 
     def actions(self):
-        return (self.greedy_check, self.greedy_check, self.chat, self.completions, self.triton,
-                self.triton_generate, self.tgi, self.anthropic, self.ollama, self.malformed)
+        chats = (self.chat, self.anthropic) if self.has_chat else ()
+        return (self.greedy_check, self.greedy_check, *chats, self.completions, self.triton,
+                self.triton_generate, self.tgi, self.ollama, self.malformed)
+
+
+def _has_chat_template(artifact: Path) -> bool:
+    """Whether the chat APIs can answer (else they are left out: a model without a chat
+    template answers them 400, which is right)."""
+    config = artifact / "tokenizer_config.json"
+    return (artifact / "chat_template.jinja").is_file() or (
+        config.is_file() and "chat_template" in json.loads(config.read_text(encoding="utf-8")))
 
 
 def _prompt(r: random.Random) -> str:
@@ -206,7 +215,8 @@ def soak(artifact: Path, seconds: float, clients: int, server_args: list[str]) -
              MODEL_NAME, *server_args], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
         try:
             wait_ready(grpc_port, server)
-            return _drive(server, Clients(grpc_port, http_port), seconds, clients, log)
+            kinds = Clients(grpc_port, http_port, _has_chat_template(artifact))
+            return _drive(server, kinds, seconds, clients, log)
         finally:
             server.terminate()
             server.wait(60)

@@ -282,8 +282,9 @@ class Generator(Admission):
         room = min(self.speculate,
                    s.request.max_tokens - s.output.generated - 1,  # the run's own token
                    self.max_cache_len - len(s.tokens))  # positions after the drafts'
-        if batch.capacity is not None:  # rows at the start: the row's entries after the run
-            room = min(room, batch.capacity - s.computed - 1)
+        if batch.capacity is not None:  # shared buffers: the run's mask, past and new slots,
+            # must fit them; the past can be wider than the row (drafts rewound, rows left)
+            room = min(room, batch.capacity - batch.past - 1)
         if room < 1 or not self.cache.fits(self.scheduler.held() + 1 + room):
             return []
         return propose(s.tokens, room)
