@@ -240,6 +240,36 @@ def test_a_genai_graph_speculates_in_its_shared_buffers():
     assert sum(a for _, a in drafts) > 0
 
 
+@pytest.mark.venv(*genai_builder.VENV)
+def test_a_stream_left_alone_drafts_within_the_shared_buffers_past_the_mask():
+    """Shared buffers one cache bucket long (128: a byte budget too small for full length).
+    A stream of a long random prompt ends at 126 entries beside a looping one of ~40: the
+    mask stays 126 wide, and the stream left alone may draft only what the buffers hold past
+    the mask (2 tokens), not past its own 40 entries (the bound was that: its drafts ran
+    past the buffers and GroupQueryAttention failed the run). Both equal the same requests
+    without drafts."""
+    src = genai_builder.cached("llama", "fp32")
+    record, runner = cache_record(load_model(src)), OrtRunner(load_cpu(src))
+    drafts: list = []
+    small = dict(kv_cache_bytes=300_000, max_streams=4)
+    plain = _generator(runner, record, [], speculate=0, **small)
+    spec = _generator(runner, record, drafts, speculate=4, **small)
+    rng = np.random.default_rng(0)
+    rng.integers(3, VOCAB, 60)
+    looping = [5, 6, 7, 8, 9] * 2
+    try:
+        assert spec.cache.shared
+        for m in range(30, 44, 2):  # the long one's output: it ends at 126 entries
+            long = rng.integers(3, VOCAB, 127 - m).tolist()
+            requests = [GenerationRequest(long, m), GenerationRequest(looping, 100)]
+            got = collect(spec, requests)
+            assert [c[-1].reason for c in got] == ["length", "length"], got[1][-1]
+            assert [_ids(c) for c in got] == [_ids(c) for c in collect(plain, requests)]
+    finally:
+        plain.close(), spec.close()
+    assert sum(a for _, a in drafts) > 0
+
+
 # ------------------------------------------------------------------------------ served
 
 
