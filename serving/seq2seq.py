@@ -22,10 +22,10 @@ from serving.generation import GenerateOptions
 from serving.audio import FeatureConfig, WhisperPrompt, feature_config, whisper_prompt
 from serving.generation.beams import BeamConfig
 from serving.generation.constraints import DecoderConfig
-from serving.overlap import fit_threads
 from serving.generation.seq2seq import Seq2SeqGenerator, Seq2SeqRunners
 from serving.generation.timestamps import TimestampRule
 from serving.metrics import GenerationMetrics, Metrics, Stats
+from serving.overlap import fit_threads
 from serving.text_config import load_text_config, read_json, token_ids
 from serving.tokenizer import load_tokenizer
 from serving.whisper_names import OUTPUT, parse_audio, with_whisper_names
