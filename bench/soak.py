@@ -183,9 +183,9 @@ class Clients:
 def _has_chat_template(artifact: Path) -> bool:
     """Whether the chat APIs can answer (else they are left out: a model without a chat
     template answers them 400, which is right)."""
-    config = artifact / "tokenizer_config.json"
-    return (artifact / "chat_template.jinja").is_file() or (
-        config.is_file() and "chat_template" in json.loads(config.read_text(encoding="utf-8")))
+    from serving.text_config import load_text_config
+
+    return load_text_config(artifact).chat_template is not None
 
 
 def _prompt(r: random.Random) -> str:

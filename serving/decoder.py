@@ -21,7 +21,7 @@ from serving.generation.beams import BeamConfig
 from serving.metrics import GenerationMetrics, Metrics, Stats
 from serving.model import LoadedModel, Signature
 from serving.sampling import GenerationRequest
-from serving.text_config import load_text_config, read_json
+from serving.text_config import load_text_config, read_dict
 from serving.tokenizer import load_tokenizer
 from tuner.errors import BadInput
 from tuner.gate.row_moves import tolerance_for
@@ -216,10 +216,6 @@ def _tokenizer(model: LoadedModel):
     return load_tokenizer(model.folder) if model.folder is not None else None
 
 
-def _dict(value) -> dict:
-    return value if isinstance(value, dict) else {}
-
-
 def _max_positions(model: LoadedModel) -> int | None:
     """The model's positions: what the graph bounds (a position table's rows, a fused rotary
     operator's cos cache), else `max_position_embeddings` / `n_positions` of a config.json in
@@ -227,10 +223,10 @@ def _max_positions(model: LoadedModel) -> int | None:
     onnxruntime-genai's `context_length` in genai_config.json."""
     if model.max_positions is not None or model.folder is None:
         return model.max_positions
-    config, genai = (_dict(read_json(model.folder / name))
-                     for name in ("config.json", "genai_config.json"))
+    config = read_dict(model.folder / "config.json")
+    genai = read_dict(model.folder / "genai_config.json").get("model")
     for value in (config.get("max_position_embeddings"), config.get("n_positions"),
-                  _dict(genai.get("model")).get("context_length")):
+                  genai.get("context_length") if isinstance(genai, dict) else None):
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
     return None

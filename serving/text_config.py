@@ -52,7 +52,8 @@ def read_json(path: Path):
     return None
 
 
-def _read(path: Path) -> dict:
+def read_dict(path: Path) -> dict:
+    """read_json's object, {} where the file holds none."""
     data = read_json(path)
     return data if isinstance(data, dict) else {}
 
@@ -66,7 +67,9 @@ def _token(value) -> str:
 
 def special_token(folder: Path | None, key: str) -> str:
     """tokenizer_config.json's special token `key` (mask_token, unk_token, ...); "" if none."""
-    return _token(_read(folder / "tokenizer_config.json").get(key)) if folder is not None else ""
+    if folder is None:
+        return ""
+    return _token(read_dict(folder / TOKENIZER_CONFIG).get(key))
 
 
 def _template(value) -> str | None:
@@ -91,17 +94,17 @@ def load_text_config(folder: Path | None, tokenizer=None) -> TextConfig:
     if folder is None:
         return TextConfig()
     folder = Path(folder)
-    config, tok = _read(folder / "config.json"), _read(folder / TOKENIZER_CONFIG)
-    genai = _read(folder / "genai_config.json").get("model")
+    config, tok = read_dict(folder / "config.json"), read_dict(folder / TOKENIZER_CONFIG)
+    genai = read_dict(folder / "genai_config.json").get("model")
     named = (token_ids(config.get("eos_token_id"))
-             + token_ids(_read(folder / "generation_config.json").get("eos_token_id"))
+             + token_ids(read_dict(folder / "generation_config.json").get("eos_token_id"))
              + token_ids(genai.get("eos_token_id") if isinstance(genai, dict) else None))
     ids = list(dict.fromkeys(named))  # each once, in the files' order
     eos_token = _token(tok.get("eos_token"))
     if not ids and eos_token and tokenizer is not None:
         found = tokenizer.token_to_id(eos_token)
         ids = [found] if found is not None else []
-    generation = _read(folder / "generation_config.json")
+    generation = read_dict(folder / "generation_config.json")
     search = {**_search(config), **_search(generation)}
     return TextConfig(tuple(ids), _chat_template(folder, tok), _token(tok.get("bos_token")),
                       eos_token, sampling=sampling_defaults(generation), **search)
@@ -157,4 +160,4 @@ def _chat_template(folder: Path, tok: dict) -> str | None:
     except (OSError, UnicodeDecodeError):
         pass
     return (_template(tok.get("chat_template"))
-            or _template(_read(folder / CHAT_TEMPLATE_FILES[2]).get("chat_template")))
+            or _template(read_dict(folder / CHAT_TEMPLATE_FILES[2]).get("chat_template")))
