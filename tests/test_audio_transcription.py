@@ -21,10 +21,11 @@ import numpy as np
 import pytest
 
 from models import optimum
+from models.whisper import RATE, tone, wav, whisper_copy
 from serving.audio import FeatureConfig, WhisperPrompt, log_mel, pieces, read_audio, resample
 from serving.errors import InvalidArgument
 from serving.sampling import GenerationRequest, Sampling
-from tests.audio_support import ONE_TRY, RATE, loop, tone, wav, whisper_copy
+from tests.audio_support import ONE_TRY, loop
 from tests.llm_support import openai_client, start
 
 
@@ -161,8 +162,9 @@ def test_transcriptions_through_the_openai_client(whisper):
     """A 2 s WAV at 44.1 kHz, stereo: the text is what the loop generates from the features
     transformers computes of the same audio resampled; `text` and streamed formats agree;
     translations answer; an MP3 of it is transcribed from its decoded samples; timestamped
-    formats (this model has no timestamp tokens), a file no reader takes and a missing file
-    are refused."""
+    formats (this model has no timestamp tokens), a file no reader takes, a language Whisper
+    does not know and a missing file are refused; a language it knows is transcribed as
+    English (this model is English-only), as whisper does."""
     import openai
     from tokenizers import Tokenizer
 
@@ -210,8 +212,12 @@ def test_transcriptions_through_the_openai_client(whisper):
         silence = client.audio.transcriptions.create(model="whisper",
                                                      file=("s.wav", wav(audio * 0)), **ONE_TRY)
         assert silence.text != got.text  # (the audio reaches the model)
+        english = client.audio.transcriptions.create(model="whisper", file=("a.wav", data),
+                                                     language="French", **ONE_TRY)
+        assert english.text == text.strip()  # (an English-only model: as whisper, English)
         for kwargs, why in ((dict(file=("a.wav", data), response_format="srt"), "timestamps"),
-                            (dict(file=("a.m4a", b"ID3 not audio")), "not in a format")):
+                            (dict(file=("a.m4a", b"ID3 not audio")), "not in a format"),
+                            (dict(file=("a.wav", data), language="Klingon"), "not one Whisper")):
             with pytest.raises(openai.BadRequestError, match=why):
                 client.audio.transcriptions.create(model="whisper", **kwargs)
     finally:

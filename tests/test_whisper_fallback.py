@@ -24,13 +24,14 @@ import onnx
 import pytest
 
 from models import optimum
+from models.whisper import RATE, tone, wav, whisper_copy, with_timestamps
 from serving.audio import FeatureConfig, log_mel, pieces, read_audio
 from serving.generation.timestamps import TimestampRule, segments
 from serving.http.fallback import (TEMPERATURES, Scores, compression_ratio, is_silence,
                                    needs_fallback, scored, seed_of, temperatures)
 from serving.sampling import Chunk, GenerationRequest, Sampling
 from serving_support import scraped_metrics
-from tests.audio_support import ONE_TRY, RATE, loop, tone, wav, whisper_copy, with_timestamps
+from tests.audio_support import ONE_TRY, loop
 from tests.llm_support import openai_client, start
 
 RULE = TimestampRule(900, 2, 50)  # the tests' folder: timestamps 901..1002

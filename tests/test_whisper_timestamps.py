@@ -14,11 +14,12 @@ import numpy as np
 import pytest
 
 from models import optimum
+from models.whisper import tone, wav, whisper_copy, with_timestamps
 from serving.audio import FeatureConfig, WhisperPrompt, language_code, log_mel, read_audio
 from serving.errors import InvalidArgument
 from serving.generation.timestamps import Segment, TimestampRule, constrain, segments
 from serving.sampling import GenerationRequest, Sampling
-from tests.audio_support import ONE_TRY, loop, tone, wav, whisper_copy, with_timestamps
+from tests.audio_support import ONE_TRY, loop
 from tests.llm_support import openai_client, start
 
 NO_TIMESTAMPS, PREVIOUS = 900, 898  # the tests' folder: timestamps 901..1002 (0.00-2.02 s)

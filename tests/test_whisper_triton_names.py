@@ -14,32 +14,17 @@ import numpy as np
 import pytest
 
 from models import optimum
+from models.whisper import PREFIX, RATE, named_special_tokens, tone, whisper_copy
 from serving.audio import FeatureConfig, log_mel
 from serving.sampling import GenerationRequest, Sampling
 from serving.whisper_names import transcript
-from tests.audio_support import RATE, loop, tone, whisper_copy
+from tests.audio_support import loop
 from tests.llm_support import start
-
-# the tests' tokenizer, its ids 1, 2, 10, 12 and 14 named as Whisper's special tokens
-SPECIAL = {"<|startoftranscript|>": 1, "<|endoftext|>": 2, "<|en|>": 10, "<|transcribe|>": 12,
-           "<|notimestamps|>": 14}
-PREFIX = "<|startoftranscript|><|en|><|transcribe|><|notimestamps|>"
-
 
 @pytest.fixture(scope="module")
 def whisper(tmp_path_factory) -> Path:
-    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
-
     export = optimum.export_all([("whisper", optimum.SEQ2SEQ_TASKS[1])])[0].parent
-    folder = whisper_copy(export, tmp_path_factory.mktemp("bls") / "whisper")
-    names = {v: k for k, v in SPECIAL.items()}
-    vocab = {names.get(i, f"w{i}"): i for i in range(1003) if i not in (0, 3)}
-    tok = Tokenizer(models.WordLevel({"<pad>": 0, "<unk>": 3, **vocab}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.add_special_tokens([AddedToken(t, special=True) for t in SPECIAL])
-    assert tok.encode(PREFIX, add_special_tokens=False).ids == [1, 10, 12, 14]
-    tok.save(str(folder / "tokenizer.json"))
-    return folder
+    return named_special_tokens(whisper_copy(export, tmp_path_factory.mktemp("bls") / "whisper"))
 
 
 def _bls_inputs(client_module, audio: np.ndarray, prefix: str):

@@ -144,6 +144,19 @@ def _previous(form, engine: Seq2SeqEngine) -> tuple[int, ...]:
     return tuple(ids[-(engine.generator.max_target // 2 - 1):])
 
 
+def _language(form, engine: Seq2SeqEngine) -> str | None:
+    """The audio's language as the request names it (a code or a name, either task), as
+    Whisper's code; None where it names none or the model is English-only (no language
+    token: whisper transcribes such a model's audio as English whatever is asked). A name
+    Whisper does not know is refused for every model, as OpenAI's API refuses it."""
+    named = _field(form, "language")
+    language = language_code(named) or None
+    if language is not None and language not in LANGUAGES | engine.whisper.languages:
+        raise InvalidArgument(f"language {named!r} is not one Whisper knows: give an ISO-639-1 "
+                              "code ('en') or a name ('english')")
+    return language if engine.whisper.languages else None
+
+
 async def _asked(frontend, request: Request, task: str) -> Asked:
     form = await frontend.form(request, max_files=1, max_fields=32)  # (within the limit)
     upload = form.get("file")
@@ -156,16 +169,14 @@ async def _asked(frontend, request: Request, task: str) -> Asked:
         raise InvalidArgument(f"a streamed answer is text: response_format {fmt!r} is not "
                               "streamed (use json)")
     before = _previous(form, engine)
+    language = _language(form, engine)
     data = await upload.read()  # (the body was held to the limit as it came)
     config = engine.audio
     samples, rate = read_audio(data, MOST_PIECES * config.chunk_length)
     samples = resample(samples, rate, config.sampling_rate)
     cut = pieces(samples, config)
     features = [log_mel(piece, config) for piece in cut]
-    language = language_code(_field(form, "language")) or None  # (of the audio, either task)
-    if not engine.whisper.languages:
-        language = None  # an English-only model: no language token
-    elif language is None:
+    if language is None and engine.whisper.languages:
         language = await _detected(frontend, engine, features[0])
     stamped = fmt in TIMESTAMPED
     prefix = engine.whisper.prefix(language, task, stamped, before)
