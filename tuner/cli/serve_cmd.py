@@ -78,6 +78,7 @@ def _say(line: str) -> None:
 
 def _settings(out: Path, threads: int | None, spin: bool | None) -> SessionSettings | None:
     """The runtime's settings: the artifact's (None) unless --threads / --spin change them."""
+    from serving.overlap import fit_threads
     from tuner.artifact.store import read_manifest
     from tuner.graph.seq2seq_record import is_seq2seq_folder
     from tuner.runtime.base import SessionSettings
@@ -86,6 +87,8 @@ def _settings(out: Path, threads: int | None, spin: bool | None) -> SessionSetti
         return None
     base = (SessionSettings() if is_seq2seq_folder(out)
             else read_manifest(out).session_settings(ignore_unknown=True))
+    if threads is None:  # --spin alone: the threads as without it, capped to the usable cores
+        base = fit_threads(base, _say)
     return dataclasses.replace(
         base, intra_op_threads=base.intra_op_threads if threads is None else threads,
         allow_spinning=base.allow_spinning if spin is None else spin)
