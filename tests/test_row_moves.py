@@ -290,3 +290,33 @@ def test_rows_quantized_with_one_range_per_run_never_meet():
     gen = _engine(runner, record, batch_variance=True, prefix_cache=False)
     _, batched = _both(gen, prompts)
     assert batched != alone
+
+
+def test_a_stream_that_takes_a_cancelled_streams_row_generates_what_it_does_alone():
+    """On the same graph, one stream at a time: a long stream decoding is cancelled while a
+    short one waits; the short one is admitted and prefilled in the step that drops the
+    long one, so it joins the decode batch that one left, in its freed row, whose past is
+    wider than its own entries. Those masked slots held the long stream's entries, and the
+    graph's one range per run covers them: its tokens changed (found by bench/soak.py, a
+    prompt in ~400 under clients that close their streams). They are zeroed as the row is
+    placed, as the gate's zero-padded rows are. (Optimum's quantized Llama: its attention's
+    MatMuls quantized too, keys and values with one range over every slot.)"""
+    record, runner = _loaded(optimum.quantized("llama", per_channel=True))
+    # the short row fills over half the left batch's past: joined in place, not gathered
+    long, short = tuple(range(30, 50)), (7, 70, 8, 80, 9, 90, 10, 100, 11, 110, 12, 120)
+    gen = _engine(runner, record)
+    try:
+        alone = _ids(collect(gen, [GenerationRequest(short, 24)])[0])
+        first: queue.Queue = queue.Queue()
+        handle = gen.submit(GenerationRequest(long, 48), first.put)
+        first.get(timeout=120)  # its first token: it is decoding now
+        after: queue.Queue = queue.Queue()
+        gen.submit(GenerationRequest(short, 24), after.put)
+        handle.cancel()
+        chunks = [after.get(timeout=120)]
+        while not chunks[-1].final:
+            chunks.append(after.get(timeout=120))
+        assert gen.cache.gathers == 2  # (it joined the left batch: no gather of its own)
+    finally:
+        gen.close()
+    assert _ids(chunks) == alone

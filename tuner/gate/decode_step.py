@@ -200,21 +200,27 @@ def pad_rows(record: CacheRecord, caches: Sequence[Mapping[str, np.ndarray]],
         name: zeros(shapes[name], record.dtypes.get(name, record.dtype))
         for name in record.past}
     for i, cache in enumerate(caches):
-        place_row(record, arrays, mask, i, cache)
+        place_row(record, arrays, mask, i, cache, fresh=into is None)
     return arrays, mask
 
 
 def place_row(record: CacheRecord, arrays: Mapping[str, np.ndarray], mask: np.ndarray,
-              row: int, cache: Mapping[str, np.ndarray]) -> None:
+              row: int, cache: Mapping[str, np.ndarray], fresh: bool = False) -> None:
     """Write one row's own cache (past name -> (1, .., L, ..)) into row `row` of a batch
     (B, .., P, ..), in place: at [P - L, P) (left padding) or [0, L) (rows at the start);
-    the mask row keeps exactly those entries."""
+    the mask row keeps exactly those entries. Left padding's masked slots [0, P - L) are
+    zeroed: the graph reads them (masked), and a row that held a longer stream's entries
+    would otherwise feed them to a graph whose numbers depend on every slot (activations
+    quantized with one range per run), as the gate's zero-padded rows never do. (Rows at
+    the start: nothing past a row's entries is read. `fresh`: the row holds zeros already.)"""
     n, past = cache_length(record, cache), int(mask.shape[1])
     span = slice(0, n) if record.rows_at_start else slice(past - n, past)
-    if n:
-        for name in record.past:
+    for name in record.past:
+        if n:
             arrays[name][seq_index(record, row, span)] = cache[name][
                 seq_index(record, 0, slice(None))]
+        if not (record.rows_at_start or fresh) and past > n:
+            arrays[name][seq_index(record, row, slice(0, past - n))] = 0
     mask[row] = 0
     mask[row, span] = 1
 
