@@ -54,7 +54,7 @@ class RerankClients(EncoderClients):
                                   "documents": [TEXTS[d] for d in docs]})
         self._check_ranked(q, docs, [(x["index"], x["relevance_score"])
                                      for x in got["results"]])
-        return f"{path}, checked (http)"
+        return f"rerank ({path}), checked (http)"
 
     def tei(self, r: random.Random) -> str:
         q, docs = self._asked(r)
