@@ -247,6 +247,18 @@ def _scrape(port: int) -> dict[str, float]:
     return found
 
 
+def _settled(port: int, wait: float = 5.0) -> dict[str, float]:
+    """The metrics once no stream is left running or queued, or after `wait` seconds
+    (cancels and drops take effect at the engine's next step)."""
+    deadline = time.monotonic() + wait
+    while True:
+        metrics = _scrape(port)
+        left = metrics.get("tuner_active_streams", 0) + metrics.get("tuner_queued_streams", 0)
+        if not left or time.monotonic() > deadline:
+            return metrics
+        time.sleep(0.1)
+
+
 def _rss_mb(pid: int) -> int:
     with open(f"/proc/{pid}/status", encoding="ascii") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) // 1024
@@ -301,8 +313,7 @@ def _drive(server: subprocess.Popen, c: Clients, seconds: float, n_clients: int,
     if server.poll() is not None:
         print(f"the server died (exit {server.returncode})")
         return 1
-    time.sleep(2)  # cancels and drops take effect at the engine's next step
-    metrics = _scrape(c.http_port)
+    metrics = _settled(c.http_port)
     same = c.unchanged()
     log.seek(0)
     faults = [line.rstrip() for line in log if "Traceback" in line or "Error" in line]

@@ -92,11 +92,10 @@ def _unigram():
 
 
 def _folder(task: str) -> Path:
-    import torch
-    import transformers
+    from importlib.metadata import version  # (the versions without importing torch: seconds)
 
     key = hashlib.sha256(json.dumps([task, TASKS[task], CONFIG, CORPUS[:5], HEAD_SCALE, SEED,
-                                     LAYOUT, torch.__version__, transformers.__version__,
+                                     LAYOUT, version("torch"), version("transformers"),
                                      *optimum.REQUIREMENTS]).encode()).hexdigest()[:12]
     return _cache_dir() / f"classifier-{key}"
 

@@ -111,11 +111,10 @@ def _export(folder: Path, out: Path) -> None:
 
 def cached() -> Path:
     """The folder (Hugging Face files and model.onnx), built once per key."""
-    import torch
-    import transformers
+    from importlib.metadata import version  # (the versions without importing torch: seconds)
 
-    key = hashlib.sha256(json.dumps([CONFIG, CORPUS[:5], SEED, LAYOUT, torch.__version__,
-                                     transformers.__version__]).encode()).hexdigest()[:12]
+    key = hashlib.sha256(json.dumps([CONFIG, CORPUS[:5], SEED, LAYOUT, version("torch"),
+                                     version("transformers")]).encode()).hexdigest()[:12]
     folder = _cache_dir() / f"cross-encoder-{key}"
 
     def build() -> None:

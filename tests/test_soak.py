@@ -38,7 +38,7 @@ def _soak(*args: str, code: int = 0) -> tuple[str, int, int]:
 
 @pytest.mark.parametrize("model", sorted(COMMON))
 def test_every_client_of_every_kind_gets_the_idle_servers_answers(model) -> None:
-    out, equal, checked = _soak("--seconds", "5" if model == "decoder" else "2",
+    out, equal, checked = _soak("--seconds", "3" if model == "decoder" else "2",
                                 "--model", model)
     for row in (*COMMON[model], "malformed"):
         assert f"| {row}" in out, out
@@ -56,7 +56,7 @@ def test_a_decoder_whose_streams_change_with_their_batch_fails(reference_model,
 
     art = decoder_artifact(tmp_path, _quantized(
         reference_model("llama-kv", "awkward", "torchscript"), tmp_path))
-    _, equal, checked = _soak("--seconds", "5", "--artifact", str(art),
+    _, equal, checked = _soak("--seconds", "3", "--artifact", str(art),
                               "--serve-args=--allow-batch-variance", code=1)
     assert equal < checked
 
@@ -67,6 +67,6 @@ def test_an_embedding_model_whose_vectors_change_with_their_batch_fails(tmp_path
 
     art = embedding_artifact(tmp_path, _quantized(cached("minilm", "real", "torchscript"),
                                                   tmp_path))
-    _, equal, checked = _soak("--seconds", "5", "--artifact", str(art),
+    _, equal, checked = _soak("--seconds", "3", "--artifact", str(art),
                               "--serve-args=--max-batch 4 --allow-batch-variance", code=1)
     assert equal < checked
