@@ -61,7 +61,7 @@ COUNTERS = ("tuner_preempted_streams_total", "tuner_prefix_cache_hit_tokens_tota
             "tuner_spec_drafts_total")
 
 
-class Clients:
+class GenerationClients:
     """One action per client kind; each takes a seeded Random and returns the row it counts
     under (raising on anything a correct server would not do)."""
 
@@ -223,7 +223,7 @@ def _clients(grpc_port: int, http_port: int, artifact: Path):
     if "WAV" in {t.name for t in config.input}:
         return AudioClients(grpc_port, http_port)
     if config.model_transaction_policy.decoupled:
-        return Clients(grpc_port, http_port, _has_chat_template(artifact))
+        return GenerationClients(grpc_port, http_port, _has_chat_template(artifact))
     kind = info(http_port)["model_type"]  # TEI's: {"embedding": {"pooling": ...}} and so on
     if "embedding" in kind and kind["embedding"].get("pooling") != "splade":
         return EmbeddingClients(grpc_port, http_port)
@@ -280,7 +280,9 @@ def soak(artifact: Path, seconds: float, clients: int, server_args: list[str]) -
             server.wait(60)
 
 
-def _drive(server: subprocess.Popen, c: Clients, seconds: float, n_clients: int, log) -> int:
+def _drive(server: subprocess.Popen, c, seconds: float, n_clients: int, log) -> int:
+    """`c`'s clients (any kind's: GenerationClients, EncoderClients' kinds, AudioClients) at
+    once until `seconds` pass; 0 if nothing a correct server would not do was seen."""
     c.record_references()
     counts: dict[str, int] = {}
     errors: list[str] = []
