@@ -29,7 +29,7 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from serving.errors import InvalidArgument, Unavailable
+from serving.errors import RETRY_AFTER_S, InvalidArgument, Unavailable
 from tuner.measure.buckets import BeyondBuckets, fit_bucket
 
 Feeds = Mapping[str, np.ndarray]
@@ -193,7 +193,8 @@ class Batcher:
             if self._closed:
                 raise Unavailable("the server is shutting down")
             if len(self._queue) >= self.policy.max_queue:
-                raise Unavailable(f"the queue is full ({self.policy.max_queue} requests waiting)")
+                raise Unavailable(f"the queue is full ({self.policy.max_queue} requests waiting)",
+                                  retry_after_s=RETRY_AFTER_S)
             if (self.policy.max_queue_delay_s == 0 and not self._queue
                     and self._slots.acquire(blocking=False)):
                 return True

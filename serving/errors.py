@@ -3,8 +3,19 @@ the engine raise these (they never import grpc); serving.wire.protocol maps them
 in one table."""
 
 
+# A full server or queue has room again as soon as any one request ends, seldom more than a
+# few model runs away: one second, the least Retry-After can say (the openai client's own
+# first backoff is about half of it; urllib3's Retry and the anthropic client wait it too)
+RETRY_AFTER_S = 1
+
+
 class ServingError(Exception):
-    """Base class: the message is what the client reads."""
+    """Base class: the message is what the client reads; `retry_after_s`, where set, is how
+    soon the same request may be sent again (HTTP answers say it in Retry-After)."""
+
+    def __init__(self, message: str, retry_after_s: int | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class InvalidArgument(ServingError):

@@ -218,8 +218,9 @@ def test_a_full_queue_refuses_new_requests(runner) -> None:
     batcher = Batcher(runner.infer, LAYOUT, BatchPolicy(64, 5.0, (8, 16, 32), max_queue=2))
     try:
         queued = [batcher.submit(_feeds(4, seed=i)) for i in range(2)]
-        with pytest.raises(Unavailable, match=r"the queue is full \(2 requests waiting\)"):
+        with pytest.raises(Unavailable, match=r"the queue is full \(2 requests waiting\)") as e:
             batcher.submit(_feeds(4))
+        assert e.value.retry_after_s == 1  # HTTP says it in Retry-After: room opens soon
     finally:
         batcher.close()  # the two queued ones still run
     assert all(f.result(10).outputs["last_hidden_state"].shape == (1, 4, 64) for f in queued)

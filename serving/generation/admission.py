@@ -12,7 +12,7 @@ import time
 from collections import deque
 from typing import Callable, Iterator, Sequence
 
-from serving.errors import InvalidArgument, ResourceExhausted, Unavailable
+from serving.errors import RETRY_AFTER_S, InvalidArgument, ResourceExhausted, Unavailable
 from serving.generation.grammar import GrammarCompiler
 from serving.generation.options import GenerateOptions
 from serving.generation.output import GenerationStats, OutputProcessor, StreamOutput
@@ -99,7 +99,7 @@ class Admission:
             if queued + running + len(made) > o.max_streams + o.max_queue:
                 raise ResourceExhausted(
                     f"the server is full: {running} streams running and {queued} queued "
-                    f"(the queue holds {o.max_queue})")
+                    f"(the queue holds {o.max_queue})", retry_after_s=RETRY_AFTER_S)
             for stream in made:
                 self._submitted.append(stream)
                 if stream.request.id:

@@ -33,7 +33,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from serving.errors import InvalidArgument, NotFound, Unauthenticated
-from serving.http.codec import http_status_for
+from serving.http.codec import http_status_for, retry_headers
 from serving.http.response_store import ResponseStore
 from serving.metrics import EndpointMetrics
 from serving.wire.servicer import Slot
@@ -146,6 +146,7 @@ def endpoint(frontend: Frontend, name: str, handler: Handler,
             response = await handler(frontend, request)
         except Exception as e:  # noqa: BLE001 - answered with a status; the server lives on
             response = errors(e)
+            response.headers.update(retry_headers(e))
         if frontend.metrics is not None:
             frontend.metrics.observe("http", name, str(response.status_code),
                                      time.perf_counter() - start)

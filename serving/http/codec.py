@@ -41,6 +41,12 @@ def http_status_for(exc: BaseException) -> tuple[int, str]:
     return 500, f"internal error: {type(exc).__name__}: {exc}"
 
 
+def retry_headers(exc: BaseException) -> dict[str, str]:
+    """Retry-After for an error a retry gets past (a full server's 429, a full queue's 503)."""
+    after = getattr(exc, "retry_after_s", None)
+    return {} if after is None else {"retry-after": str(after)}
+
+
 def split_body(body: bytes, header_length: str | None) -> tuple[dict, bytes]:
     """The JSON header (a dict) and the binary rest of a request body."""
     n = len(body)
