@@ -91,9 +91,32 @@ def reranker_artifact(tmp: Path) -> Path:
 
 def classifier_artifact(tmp: Path) -> Path:
     """The tests' three-label NLI classifier (models/classifier.py, Optimum's export)."""
+    return _task_artifact(tmp, "text-classification")
+
+
+def sparse_artifact(tmp: Path) -> Path:
+    """The tests' SPLADE repository (models/classifier.splade_repo: a masked LM with
+    sentence-transformers' SpladePooling beside Optimum's export)."""
+    from models.classifier import splade_repo
+
+    return _encoder_artifact(tmp, splade_repo() / "onnx" / "model.onnx", splade_repo(),
+                             seq=(16, 64, 128))
+
+
+def tagger_artifact(tmp: Path) -> Path:
+    """The tests' BERT token classifier (models/classifier.py, Optimum's export)."""
+    return _task_artifact(tmp, "token-classification")
+
+
+def masked_lm_artifact(tmp: Path) -> Path:
+    """The tests' BERT masked LM (models/classifier.py, Optimum's export)."""
+    return _task_artifact(tmp, "fill-mask")
+
+
+def _task_artifact(tmp: Path, task: str) -> Path:
     from models.classifier import cached
 
-    return _encoder_artifact(tmp, cached() / "model.onnx", cached(), seq=(16, 64, 128))
+    return _encoder_artifact(tmp, cached(task) / "model.onnx", cached(task), seq=(16, 64, 128))
 
 
 def _encoder_artifact(tmp: Path, model: Path, files: Path, seq: tuple[int, ...]) -> Path:

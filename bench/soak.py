@@ -2,14 +2,16 @@
 kind at least once. For a decoder (or an encoder-decoder folder): streams that the client
 drops or cancels midway, bad requests, searches, and greedy requests whose text must equal
 what the same request got from the idle server before; afterwards no stream may be left
-running or queued. For an embedding model, a reranker or a classifier (bench/soak_encoders.py,
-bench/soak_scores.py): every API's vectors and scores checked against the idle server's,
-cancelled and dropped requests, malformed ones. For Whisper (bench/soak_audio.py): OpenAI's
+running or queued. For an embedding model, a reranker, a classifier, a SPLADE model, a token
+classifier or a masked LM (bench/soak_encoders.py, soak_scores.py, soak_tokens.py): every API's
+vectors, scores, entities and fills checked against the idle server's, cancelled and dropped
+requests, malformed ones. For Whisper (bench/soak_audio.py): OpenAI's
 audio API and Triton's Whisper names, greedy transcriptions checked likewise. Either way the
 server must answer as before at the end; its resident memory is sampled throughout.
 
     .venv/bin/python bench/soak.py [--seconds 120] [--clients 6] [--artifact OUT]
-        [--model decoder|embedding|reranker|classifier|whisper] [--kv-cache-bytes 400000]
+        [--model decoder|embedding|reranker|classifier|whisper|sparse|tagger|masked-lm]
+        [--kv-cache-bytes 400000]
         [--max-streams 6] [--serve-args "..."]
 
 A decoder's clients: the `openai` client (chat streamed, dropped after a few chunks half the
@@ -44,11 +46,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or with -m
 from serve_common import (MODEL_NAME, ROOT, classifier_artifact, decoder_artifact,
-                          embedding_artifact, free_port, load_note, reranker_artifact,
-                          wait_ready, whisper_folder)
+                          embedding_artifact, free_port, load_note, masked_lm_artifact,
+                          reranker_artifact, sparse_artifact, tagger_artifact, wait_ready,
+                          whisper_folder)
 from soak_audio import AudioClients
 from soak_encoders import EmbeddingClients
 from soak_scores import ClassifierClients, RerankClients, info
+from soak_tokens import FillMaskClients, SparseClients, TaggerClients
 
 WORDS = "the quick brown fox jumps over a lazy dog and then runs far away into woods".split()
 # greedy requests checked against the idle server's answers (prompts of 5 to 38 words)
@@ -56,7 +60,13 @@ FIXED = [" ".join(random.Random(k).choice(WORDS) for _ in range(5 + 3 * k)) for 
 GAUGES = ("tuner_active_streams", "tuner_queued_streams")
 BUILT_IN = {"decoder": decoder_artifact, "embedding": embedding_artifact,
             "reranker": reranker_artifact, "classifier": classifier_artifact,
-            "whisper": whisper_folder}
+            "whisper": whisper_folder, "sparse": sparse_artifact, "tagger": tagger_artifact,
+            "masked-lm": masked_lm_artifact}
+# the encoder kind TEI's /info names (its model_type's key; the pooling for an embedding
+# model, where SPLADE's is "splade") -> its clients
+ENCODER_CLIENTS = {"embedding": EmbeddingClients, "splade": SparseClients,
+                   "reranker": RerankClients, "classifier": ClassifierClients,
+                   "token_classifier": TaggerClients, "masked_lm": FillMaskClients}
 COUNTERS = ("tuner_preempted_streams_total", "tuner_prefix_cache_hit_tokens_total",
             "tuner_spec_drafts_total")
 
@@ -212,7 +222,7 @@ def _has_chat_template(artifact: Path) -> bool:
 def _clients(grpc_port: int, http_port: int, artifact: Path):
     """The clients for what the server says it serves, as its clients read it: Whisper
     (Triton's Whisper tensor names in its config), a generator (decoupled), else the encoder
-    kind TEI's /info names (an embedding model, a reranker, a classifier)."""
+    kind TEI's /info names (ENCODER_CLIENTS)."""
     import tritonclient.grpc as tg
 
     client = tg.InferenceServerClient(f"127.0.0.1:{grpc_port}")
@@ -225,13 +235,14 @@ def _clients(grpc_port: int, http_port: int, artifact: Path):
     if config.model_transaction_policy.decoupled:
         return GenerationClients(grpc_port, http_port, _has_chat_template(artifact))
     kind = info(http_port)["model_type"]  # TEI's: {"embedding": {"pooling": ...}} and so on
-    if "embedding" in kind and kind["embedding"].get("pooling") != "splade":
-        return EmbeddingClients(grpc_port, http_port)
-    if "reranker" in kind or "classifier" in kind:
-        return (RerankClients if "reranker" in kind else ClassifierClients)(grpc_port, http_port)
-    raise SystemExit(f"no soak clients for this model (TEI's /info: {kind}): the soak drives "
-                     "decoders, encoder-decoders, Whisper, embedding models, rerankers and "
-                     "classifiers")
+    [name] = kind
+    if kind.get("embedding", {}).get("pooling") == "splade":
+        name = "splade"
+    if name not in ENCODER_CLIENTS:
+        raise SystemExit(f"no soak clients for this model (TEI's /info: {kind}): the soak "
+                         "drives decoders, encoder-decoders, Whisper and these encoders: "
+                         f"{', '.join(ENCODER_CLIENTS)}")
+    return ENCODER_CLIENTS[name](grpc_port, http_port)
 
 
 def _prompt(r: random.Random) -> str:
@@ -363,7 +374,8 @@ def main(argv: list[str] | None = None) -> int:
                          "byte-level BPE and a chat template; embedding, all-MiniLM-L6-v2 "
                          "(real weights); reranker and classifier, the tests' cross-encoder "
                          "and NLI classifier; whisper, the tests' Whisper export made to hear "
-                         "its audio (random weights but MiniLM's)")
+                         "its audio (random weights but MiniLM's); sparse, tagger and "
+                         "masked-lm, the tests' SPLADE model, BERT tagger and BERT masked LM")
     ap.add_argument("--kv-cache-bytes", type=int, default=400_000,
                     help="the server's KV cache budget, small so that streams are preempted "
                          "(0: the server's default)")

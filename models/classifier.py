@@ -135,14 +135,16 @@ def splade_repo() -> Path:
     SparseEncoder files at the top (modules.json naming SpladePooling, max pooling of
     log1p(relu(logits)); 1_SpladePooling/config.json; the weights) and the Optimum export at
     onnx/model.onnx."""
-    import sentence_transformers
-    from sentence_transformers import SparseEncoder
-    from sentence_transformers.sparse_encoder.modules import SpladePooling, Transformer
+    from importlib.metadata import version
 
     mlm = cached("fill-mask")
-    folder = mlm.with_name(mlm.name + f"-splade-{sentence_transformers.__version__}")
+    # the version from its metadata: importing the library (and torch) takes seconds
+    folder = mlm.with_name(mlm.name + f"-splade-{version('sentence-transformers')}")
 
     def build() -> None:
+        from sentence_transformers import SparseEncoder
+        from sentence_transformers.sparse_encoder.modules import SpladePooling, Transformer
+
         tmp = Path(tempfile.mkdtemp(prefix=".splade-", dir=folder.parent))
         try:
             encoder = SparseEncoder(modules=[Transformer(str(mlm), transformer_task="fill-mask"),

@@ -24,7 +24,11 @@ COMMON = {"decoder": ("greedy, checked (openai)", "stream cancelled or read (tri
           "classifier": ("/classify, checked", "KServe V1 predict, checked",
                          "TEI /predict, texts and pairs, checked"),
           "whisper": ("transcribe, greedy, checked (openai)",
-                      "bls, greedy, checked (tritonclient.grpc, Triton's Whisper names)")}
+                      "bls, greedy, checked (tritonclient.grpc, Triton's Whisper names)"),
+          "sparse": ("TEI /embed_sparse (sparse), checked", "TEI / (sparse), checked"),
+          "tagger": ("POST / (token classification), checked",
+                     "token_classification, checked (huggingface_hub)"),
+          "masked-lm": ("POST / (fill-mask), checked", "fill_mask, checked (huggingface_hub)")}
 
 
 def _soak(*args: str, code: int = 0) -> tuple[str, int, int]:
@@ -44,6 +48,29 @@ def test_every_client_of_every_kind_gets_the_idle_servers_answers(model) -> None
         assert f"| {row}" in out, out
     assert "client errors: 0" in out and "answers as before: yes" in out, out
     assert "0 streams running, 0 queued" in out and equal == checked > 0, out
+
+
+def test_an_answer_per_token_unlike_the_idle_servers_is_told_apart() -> None:
+    """The soak's checks of sparse vectors, entities and fills (bench/soak_tokens.py) see a
+    value moved past 1e-5, an entry, a word or a token changed, a fill left out."""
+    from soak_tokens import FillMaskClients, SparseClients, TaggerClients
+
+    sparse = {3: 0.5, 7: 1.25}
+    assert SparseClients.same(sparse, dict(sparse))
+    assert SparseClients.same({**sparse, 9: 1e-7}, sparse)  # an entry at the edge of zero
+    assert not SparseClients.same({**sparse, 7: 1.2501}, sparse)
+    assert not SparseClients.same({3: 0.5, 8: 1.25}, sparse)
+    entity = {"entity_group": "LOC", "word": "paris", "start": 0, "end": 5, "score": 0.9}
+    assert TaggerClients.same([{**entity, "entity_group": None, "entity": "LOC"}], [entity])
+    for changed in ({"score": 0.9001}, {"word": "pari"}, {"end": 4}, {"entity_group": "PER"}):
+        assert not TaggerClients.same([{**entity, **changed}], [entity])
+    assert not TaggerClients.same([], [entity])
+    fills = [{"token": t, "token_str": str(t), "sequence": f"a {t}", "score": 1 / t}
+             for t in (2, 3, 4)]
+    assert FillMaskClients.same(fills[:2], fills)  # the first k of the top 5
+    assert not FillMaskClients.same(fills[1:], fills)
+    assert not FillMaskClients.same([{**fills[0], "score": 0.5001}], fills)
+    assert not FillMaskClients.same([], fills)
 
 
 def _quantized(source: Path, tmp_path: Path) -> Path:

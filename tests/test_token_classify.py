@@ -12,7 +12,7 @@ import pytest
 import requests
 from llm_support import optimized_encoder, start
 
-from models.classifier import cached
+from models.classifier import ENTITIES, cached
 
 TEXT = "Foxes live in forests and the mice hide, near Paris at night."
 
@@ -124,6 +124,11 @@ def test_a_tagger_is_not_an_embedding_model(server) -> None:
                       json={"model": server.slot.name, "input": TEXT})
     assert r.status_code == 400
     assert "'logits' are a token classifier's or a masked LM's" in r.json()["error"]["message"]
+    info = requests.get(f"http://127.0.0.1:{server.http_port}/info", timeout=60).json()
+    assert info["model_type"] == {"token_classifier": {  # TEI's shape, a kind of its own
+        "id2label": {str(i): name for i, name in enumerate(ENTITIES)},
+        "label2id": {name: i for i, name in enumerate(ENTITIES)}}}
+    assert info["max_input_length"] == 128
 
 
 @pytest.fixture(scope="module")
@@ -140,6 +145,8 @@ def test_a_masked_lm_is_not_an_embedding_model(masked_lm) -> None:
     r = requests.post(f"http://127.0.0.1:{masked_lm.http_port}/embed", json={"inputs": TEXT},
                       timeout=60)
     assert r.status_code == 422 and "no output of token embeddings" in r.json()["error"]
+    info = requests.get(f"http://127.0.0.1:{masked_lm.http_port}/info", timeout=60).json()
+    assert info["model_type"] == {"masked_lm": {"mask_token": "[MASK]"}}  # a kind of its own
 
 
 @pytest.mark.parametrize("text, options", [

@@ -5,7 +5,8 @@ of either calls them:
 
   GET  /info   TGI's or TEI's model info (limits, the model's kind: generation, embedding
                with its pooling (splade for a sparse one), reranker or classifier with
-               their labels)
+               their labels; beyond TEI's kinds, token_classifier with its labels and
+               masked_lm with its mask token)
   POST /       TGI: generate, or its stream when `stream` is true (tgi_api.root);
                a classifier: TEI's predict, or for a body with `parameters` Hugging Face's
                Inference API (what InferenceClient.text_classification sends; one list of
@@ -69,13 +70,18 @@ async def info(frontend, request: Request) -> Response:
     what = encoder_kind(engine)
     if what == "sparse":  # TEI's --pooling splade
         kind, limit = {"embedding": {"pooling": "splade"}}, tei_api.sparse_of(engine).max_tokens
-    elif what in ("classifier", "reranker"):  # TEI's two kinds of sequence classifier
-        classifier = classify_api.classifier_of(engine)
+    elif what in ("classifier", "reranker", "token_classifier"):  # TEI's two kinds of
+        # sequence classifier, and in their shape a token classifier (no TEI kind: its own)
+        classifier = (classify_api.tagger_of(engine) if what == "token_classifier"
+                      else classify_api.classifier_of(engine))
         labels = classifier.labels
         kind = {what: {
             "id2label": {str(i): name for i, name in enumerate(labels)},
             "label2id": {name: i for i, name in enumerate(labels)}}}
         limit = classifier.max_tokens
+    elif what == "masked_lm":  # no TEI kind: its own, naming the token its clients mask with
+        filler = classify_api.filler_of(engine)
+        kind, limit = {what: {"mask_token": filler.mask}}, filler.max_tokens
     else:
         embedder = embedder_of(engine)
         kind, limit = tei_api.embedding_type(embedder), embedder.pooling.max_tokens
