@@ -52,13 +52,14 @@ from serving.http.triton_generate import SSE_HEADERS
 from serving.sampling import Chunk, Grammar
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-          404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
-          503: "overloaded_error"}
+          404: "not_found_error", 413: "request_too_large", 503: "overloaded_error",
+          529: "overloaded_error"}
 
 
 def error(exc: BaseException) -> Response:
     """The API's error object, which the anthropic client raises as its typed errors."""
     status, message = http_status_for(exc)
+    status = 529 if status == 429 else status  # a full server: Anthropic's API's overload
     return JSONResponse(_error_body(_TYPES.get(status, "api_error"), message), status)
 
 

@@ -73,6 +73,7 @@ _STARTED = datetime.now(timezone.utc).isoformat()
 
 def error(exc: BaseException) -> Response:
     status, message = http_status_for(exc)
+    status = 503 if status == 429 else status  # Ollama answers a full queue "server busy" 503
     return JSONResponse({"error": message}, status)
 
 

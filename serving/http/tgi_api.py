@@ -55,10 +55,12 @@ _OPENAI_NAMES = {"max_new_tokens": "max_tokens", "seed": "seed", "stop": "stop",
 
 
 def error(exc: BaseException) -> Response:
+    """TGI's error; its `error_type` is the exception huggingface_hub's InferenceClient
+    raises (ValidationError, OverloadedError for a full server, GenerationError)."""
     status, message = http_status_for(exc)
     status = 422 if status == 400 else status  # TGI answers a request it refuses with 422
-    return JSONResponse({"error": message, "error_type": "validation" if status == 422
-                         else "generation"}, status)
+    kind = {422: "validation", 429: "overloaded"}.get(status, "generation")
+    return JSONResponse({"error": message, "error_type": kind}, status)
 
 
 def _engine(frontend) -> DecoderEngine:
