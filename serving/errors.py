@@ -22,6 +22,25 @@ class InvalidArgument(ServingError):
     """The request cannot be run as sent (names, dtypes, shapes, sizes, token ids, batch)."""
 
 
+class ContextTooLong(InvalidArgument):
+    """A prompt past what the model takes (more than `prompt_limit` tokens), or with the
+    tokens it asks for past its context (`context` positions): the numbers kept, so that each
+    HTTP API words it as its own server does (clients tell a context overflow from other bad
+    requests by those words: OpenAI's `context_length_exceeded`, TGI's and Anthropic's
+    phrases)."""
+
+    def __init__(self, message: str, prompt_tokens: int, max_tokens: int, context: int,
+                 prompt_limit: int) -> None:
+        super().__init__(message)
+        self.prompt_tokens, self.max_tokens = prompt_tokens, max_tokens
+        self.context, self.prompt_limit = context, prompt_limit
+
+    @property
+    def prompt_alone(self) -> bool:
+        """The prompt alone is too long (else the prompt with max_tokens)."""
+        return self.prompt_tokens > self.prompt_limit
+
+
 class NotFound(ServingError):
     """No model (or version) by that name is served here."""
 

@@ -18,7 +18,7 @@ import logging
 from dataclasses import replace
 from typing import Sequence
 
-from serving.errors import InvalidArgument
+from serving.errors import ContextTooLong, InvalidArgument
 from serving.generation.admission import Admission, check_tokens
 from serving.generation.beam_decode import BeamRuns, refusal
 from serving.generation.beams import BeamConfig
@@ -166,17 +166,18 @@ class Generator(Admission):
     def validate(self, request: GenerationRequest) -> None:
         """InvalidArgument for a request this server can never run, saying which limit."""
         n, o = len(request.prompt), self.options
+        numbers = (n, request.max_tokens, self.max_cache_len, self.max_prompt)
         if n > self.max_prompt:
-            raise InvalidArgument(f"the prompt has {n} tokens; at most {self.max_prompt} are "
-                                  "accepted")
+            raise ContextTooLong(f"the prompt has {n} tokens; at most {self.max_prompt} are "
+                                 "accepted", *numbers)
         if request.max_tokens > o.max_tokens:
             raise InvalidArgument(f"max_tokens {request.max_tokens} is over the limit "
                                   f"{o.max_tokens}")
         if n + request.max_tokens - 1 > self.max_cache_len:
-            raise InvalidArgument(
+            raise ContextTooLong(
                 f"prompt ({n}) + max_tokens ({request.max_tokens}) - 1 = "
                 f"{n + request.max_tokens - 1} cache entries exceed the maximum cache length "
-                f"{self.max_cache_len} (the model's positions)")
+                f"{self.max_cache_len} (the model's positions)", *numbers)
         if n + request.max_tokens > self.cache.budget_tokens:
             raise InvalidArgument(
                 f"prompt ({n}) + max_tokens ({request.max_tokens}) cache entries exceed the "

@@ -40,7 +40,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from serving.decoder import DecoderEngine
-from serving.errors import InvalidArgument
+from serving.errors import ContextTooLong, InvalidArgument
 from serving.http.chat import chat_prompt
 from serving.http.codec import http_status_for
 from serving.http.openai_requests import (SAMPLING, body_value, generations_for,
@@ -60,6 +60,13 @@ def error(exc: BaseException) -> Response:
     """The API's error object, which the anthropic client raises as its typed errors."""
     status, message = http_status_for(exc)
     status = 529 if status == 429 else status  # a full server: Anthropic's API's overload
+    if isinstance(exc, ContextTooLong):  # the API's words for it
+        e = exc
+        message = (f"prompt is too long: {e.prompt_tokens} tokens > {e.prompt_limit} maximum"
+                   if e.prompt_alone else
+                   f"input length and `max_tokens` exceed context limit: {e.prompt_tokens} + "
+                   f"{e.max_tokens} > {e.context}, decrease input length or `max_tokens` and "
+                   "try again")
     return JSONResponse(_error_body(_TYPES.get(status, "api_error"), message), status)
 
 

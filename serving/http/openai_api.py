@@ -38,7 +38,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 import serving
 from serving.decoder import DecoderEngine
-from serving.errors import InvalidArgument, NotFound
+from serving.errors import ContextTooLong, InvalidArgument, NotFound
 from serving.http.chat import chat_prompt
 from serving.http.codec import http_status_for
 from serving.http.openai_requests import (body_value, candidate_count, choice_count,
@@ -59,8 +59,20 @@ STARTED = int(time.time())
 def error(exc: BaseException) -> Response:
     status, message = http_status_for(exc)
     code = "model_not_found" if isinstance(exc, NotFound) else None
+    if isinstance(exc, ContextTooLong):  # OpenAI's code and words: LiteLLM and LangChain
+        code, message = "context_length_exceeded", _too_long(exc)  # tell an overflow by them
     return JSONResponse({"error": {"message": message, "type": _TYPES.get(status, "error"),
                                    "param": None, "code": code}}, status)
+
+
+def _too_long(e: ContextTooLong) -> str:
+    said = f"This model's maximum context length is {e.context} tokens. However, "
+    if e.prompt_alone:
+        return said + (f"your prompt has {e.prompt_tokens} tokens (at most {e.prompt_limit} "
+                       "are accepted). Please reduce the length of the messages.")
+    return said + (f"you requested {e.prompt_tokens + e.max_tokens} tokens "
+                   f"({e.prompt_tokens} in the messages, {e.max_tokens} in the completion). "
+                   "Please reduce the length of the messages or completion.")
 
 
 def _model(name: str) -> dict:

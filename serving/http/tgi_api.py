@@ -36,7 +36,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 import serving
 from serving.decoder import DecoderEngine
-from serving.errors import InvalidArgument
+from serving.errors import ContextTooLong, InvalidArgument
 from serving.http.codec import http_status_for
 from serving.http.openai_requests import MAX_STOPS, body_value, generations_for, text_generator
 from serving.http.streams import ChunkStream, ChunkStreams, until_disconnect
@@ -60,7 +60,18 @@ def error(exc: BaseException) -> Response:
     status, message = http_status_for(exc)
     status = 422 if status == 400 else status  # TGI answers a request it refuses with 422
     kind = {422: "validation", 429: "overloaded"}.get(status, "generation")
+    if isinstance(exc, ContextTooLong):  # TGI's words (LiteLLM reads them as an overflow)
+        message = _too_long(exc)
     return JSONResponse({"error": message, "error_type": kind}, status)
+
+
+def _too_long(e: ContextTooLong) -> str:
+    if e.prompt_alone:
+        return (f"Input validation error: `inputs` must have less than {e.prompt_limit + 1} "
+                f"tokens. Given: {e.prompt_tokens}")
+    return (f"Input validation error: `inputs` tokens + `max_new_tokens` must be <= "
+            f"{e.context}. Given: {e.prompt_tokens} `inputs` tokens and {e.max_tokens} "
+            "`max_new_tokens`")
 
 
 def _engine(frontend) -> DecoderEngine:
