@@ -153,6 +153,54 @@ def test_list_show_ps_version_and_errors(client, decoder) -> None:
     assert r.status_code == 400 and "embeddings come from an encoder" in r.json()["error"]
 
 
+def test_a_prompt_past_the_context_is_cut_as_ollama_cuts_it(client, decoder, llama) -> None:
+    """A chat client sends its whole history every turn, and Ollama answers however long it
+    grows: a chat's oldest messages left out (system messages and the last one kept), a
+    prompt still too long kept to its first num_keep tokens and its last, num_predict past
+    the room cut to it. Each answer is ONNX Runtime's greedy over what was kept."""
+    name, long = decoder.slot.name, "fox " * 300  # past the 256 positions alone
+    history = [CHAT[0], {"role": "user", "content": long}, {"role": "assistant",
+                                                             "content": "Fine."},
+               {"role": "user", "content": "Name a fox."}]
+    r = client.chat(model=name, messages=history, options=EXACT)
+    kept = rendered_ids([history[0], *history[2:]])  # the longest recent part that fits
+    assert r.prompt_eval_count == len(kept)
+    assert r.message.content == tokenizer().decode(greedy(llama, kept, NEW)[0])
+    ids = tokenizer().encode(long).ids
+    for keep in (None, 0):  # Ollama's num_keep 4 by default
+        options = EXACT | ({} if keep is None else {"num_keep": keep})
+        r = client.generate(model=name, prompt=long, raw=True, options=options)
+        n, first = r.prompt_eval_count, 4 if keep is None else 0
+        cut = ids[:first] + ids[len(ids) - (n - first):]
+        assert n + NEW <= 257 and r.context[:n] == cut  # room for the answer it asked
+        assert r.response == tokenizer().decode(greedy(llama, cut, NEW)[0])
+    # num_predict past the server's 64 (--max-tokens) is cut to it, and the prompt to leave
+    # room for those 64 (num_keep -1: its first tokens)
+    r = client.generate(model=name, prompt=long, raw=True, options=EXACT | {
+        "num_predict": 500, "num_keep": -1})
+    assert r.done_reason == "length" and r.eval_count == 64
+    assert r.prompt_eval_count == 256 + 1 - 64 and r.context[:193] == ids[:193]
+
+
+def test_the_messages_kept_and_the_tokens_cut() -> None:
+    from serving.http.ollama_context import cut, fitted_messages
+
+    msgs = [{"role": "system", "content": "a"}, {"role": "user", "content": "bb"},
+            {"role": "system", "content": "c"}, {"role": "user", "content": "dddd"},
+            {"role": "assistant", "content": "e"}, {"role": "user", "content": "ffffffff"}]
+
+    def within(n):
+        return lambda kept: sum(len(m["content"]) for m in kept) <= n
+
+    assert fitted_messages(msgs, within(99)) == msgs
+    assert fitted_messages(msgs, within(15)) == [msgs[0], msgs[2], *msgs[3:]]
+    assert fitted_messages(msgs, within(11)) == [msgs[0], msgs[2], *msgs[4:]]
+    assert fitted_messages(msgs, within(1)) == [msgs[0], msgs[2], msgs[5]]  # the last, always
+    assert cut(tuple(range(10)), 6, 4) == (0, 1, 2, 3, 8, 9)
+    assert cut(tuple(range(10)), 3, 4) == (0, 1, 2)
+    assert cut(tuple(range(5)), 6, 4) == tuple(range(5))
+
+
 @pytest.fixture(scope="module")
 def encoder(tmp_path_factory):
     from pathlib import Path

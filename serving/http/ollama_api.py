@@ -30,8 +30,9 @@ change the output, are refused unless at their defaults, as are images, `suffix`
 `template`. A chat's `tools` come back as the message's `tool_calls` when the server reads
 the model's own call syntax (--tool-call-parser), and its thinking as the message's
 `thinking` with --reasoning-parser (unless `think` is false); without them each is refused.
-Errors are Ollama's {"error": message}: 404 for a model not served, 400 for a request it
-cannot take."""
+A prompt past the model's context is cut as Ollama cuts it, not refused
+(serving/http/ollama_context.py). Errors are Ollama's {"error": message}: 404 for a model not
+served, 400 for a request it cannot take."""
 
 from __future__ import annotations
 
@@ -52,6 +53,7 @@ from serving.errors import InvalidArgument, NotFound
 from serving.http.chat import chat_prompt
 from serving.http.codec import http_status_for
 from serving.http.embeddings_api import embed_rows, embedder_of, encoder_named, texts_of
+from serving.http.ollama_context import fitted, predict_of
 from serving.http.openai_requests import body_value, generations_for, text_generator, top_count
 from serving.http.reasoning import Reply, Thinking
 from serving.http.streams import ChunkStream
@@ -130,20 +132,19 @@ def _ollama_call(call: dict) -> dict:
                          "arguments": json.loads(function["arguments"] or "{}")}}
 
 
-def _openai_body(body: dict) -> dict:
-    """A request's options and format under the OpenAI API's names."""
+def _openai_body(body: dict, most: int) -> dict:
+    """A request's options and format under the OpenAI API's names; num_predict cut to the
+    `most` the prompt and --max-tokens leave (Ollama, which has neither bound, would shift
+    its window and go on)."""
     options = {**_DEFAULTS, **(body_value(body, "options", (dict,), {}) or {})}
     for name, default in _REFUSED.items():
         if options.get(name) not in (None, default):
             raise InvalidArgument(f"option '{name}' is not supported (only {default})")
     out = {_OPENAI_NAMES[k]: v for k, v in options.items() if k in _OPENAI_NAMES
            and v is not None}
-    predict = body_value(options, "num_predict", (int,), -1)
-    if predict == 0 or predict < -2:
-        raise InvalidArgument("'num_predict' must be a positive number of tokens, or -1 / -2 "
-                              "(no limit)")
-    if predict > 0:
-        out["max_tokens"] = predict
+    predict = predict_of(body)
+    if predict is not None:
+        out["max_tokens"] = max(1, min(predict, most))
     if isinstance(out.get("seed"), int) and out["seed"] < 0:  # Ollama's -1: a random seed
         del out["seed"]
     fmt = body.get("format")
@@ -160,7 +161,8 @@ def _generation(engine: DecoderEngine, body: dict, prompt: tuple[int, ...],
                 thinking: Thinking | None) -> GenerationRequest:
     logprobs = body_value(body, "logprobs", (bool,), False)
     top = top_count("top_logprobs", body_value(body, "top_logprobs", (int,), 0))
-    (generation,) = generations_for(engine, _openai_body(body), prompt,
+    most = min(engine.generator.room(len(prompt)), engine.options.max_tokens)
+    (generation,) = generations_for(engine, _openai_body(body, most), prompt,
                                     top if logprobs or top else None,
                                     "ollama-" + uuid.uuid4().hex)
     last_n = body_value(body.get("options") or {}, "repeat_last_n", (int,),
@@ -294,7 +296,8 @@ async def generate(frontend, request: Request) -> Response:
     if any(isinstance(t, bool) or not isinstance(t, int) for t in context):
         raise InvalidArgument("'context' must be the token ids a previous answer returned")
     ids = tuple(context) + tuple(engine.tokenizer.encode(text, add_special_tokens=special).ids)
-    return await _answer(frontend, request, body, _Answer(engine, model, ids))
+    return await _answer(frontend, request, body, _Answer(engine, model,
+                                                          fitted(engine.generator, body, ids)))
 
 
 async def chat(frontend, request: Request) -> Response:
@@ -304,8 +307,12 @@ async def chat(frontend, request: Request) -> Response:
     reply = _reply(frontend, body)
     if not body.get("messages"):
         return _loaded(model, chat=True)
-    text = chat_prompt(engine.text, {"messages": body["messages"], "tools": body.get("tools")})
-    ids = tuple(engine.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def encode(messages: list[dict]) -> tuple[int, ...]:
+        text = chat_prompt(engine.text, {"messages": messages, "tools": body.get("tools")})
+        return tuple(engine.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    ids = fitted(engine.generator, body, encode(body["messages"]), body["messages"], encode)
     return await _answer(frontend, request, body, _Answer(engine, model, ids, reply))
 
 
