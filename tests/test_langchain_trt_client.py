@@ -21,12 +21,18 @@ from models.venvs import ensure_venv
 VENV = ("langchain-trt", ("langchain-nvidia-trt==0.0.1rc0", "langchain-core>=0.2,<0.3"))
 pytestmark = pytest.mark.venv(*VENV)  # built beside the first tests (conftest)
 
+# The client's last act, its `__del__` closing the gRPC channel while the interpreter shuts
+# down, once kept a CI run's process alive past 120 s after it had printed every answer
+# (its streams were closed by then: each call joins its stream's end), so the script ends
+# the process itself once the answers are out
 CLIENT = """
-import json, sys
+import json, os, sys
 from langchain_nvidia_trt.llms import TritonTensorRTLLM
 url, prompt, tokens, stop = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
 llm = TritonTensorRTLLM(server_url=url, model_name="ensemble", tokens=tokens, stop=stop)
-print(json.dumps({"invoke": llm.invoke(prompt), "stream": list(llm.stream(prompt))}))
+print(json.dumps({"invoke": llm.invoke(prompt), "stream": list(llm.stream(prompt))}),
+      flush=True)
+os._exit(0)
 """
 
 
