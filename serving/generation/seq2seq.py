@@ -28,7 +28,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from serving.errors import InvalidArgument
+from serving.errors import ContextTooLong, InvalidArgument
 from serving.generation.admission import Admission, check_tokens
 from serving.generation.beams import (BeamSearch, config_for, log_softmax, searchable,
                                       unsearchable)
@@ -148,8 +148,9 @@ class Seq2SeqGenerator(Admission):
                                   "it from a file)")
         n = len(request.prompt)  # (never 0: GenerationRequest refuses an empty prompt)
         if features is None and n > self.max_prompt:
-            raise InvalidArgument(f"the source has {n} tokens; the encoder takes at most "
-                                  f"{self.max_prompt}")
+            raise ContextTooLong(f"the source has {n} tokens; the encoder takes at most "
+                                 f"{self.max_prompt}", n, request.max_tokens, self.max_prompt,
+                                 self.max_prompt)
         limit = min(self.options.max_tokens, self.max_target - len(self.prefix(request)) + 1)
         if request.max_tokens > limit:
             raise InvalidArgument(f"max_tokens {request.max_tokens} is over the limit "
