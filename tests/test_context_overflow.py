@@ -2,14 +2,15 @@
 server words it: clients tell a context overflow from any other bad request by those words
 (LiteLLM raises ContextWindowExceededError, which its Router's context-window fallbacks
 catch; LangChain reads OpenAI's `context_length_exceeded`). Driven by the real openai,
-anthropic, huggingface_hub and litellm clients; gRPC keeps the server's own message."""
+anthropic, huggingface_hub and litellm clients, on a decoder and on an encoder-decoder's source;
+gRPC keeps the server's own message."""
 
 from __future__ import annotations
 
 import os
 
 import pytest
-from llm_support import POSITIONS, openai_client, tokenizer
+from llm_support import POSITIONS, openai_client, start, tokenizer
 from llm_support import decoder as server  # noqa: F401 - a fixture
 from llm_support import llama  # noqa: F401 - a fixture
 
@@ -71,3 +72,20 @@ def test_anthropic_and_tgi_words(server, monkeypatch) -> None:
     with pytest.raises(ValidationError, match=rf"`inputs` tokens \+ `max_new_tokens` must be "
                                               rf"<= {POSITIONS}\. Given: \d+ `inputs` tokens"):
         tgi.text_generation(_near_the_end(220), max_new_tokens=64)
+
+
+def test_an_encoder_decoders_source_past_its_encoder() -> None:
+    import openai
+
+    from models import optimum
+
+    [model] = optimum.export_all([("bart", optimum.FAMILIES["bart"].tasks[0])])
+    s = start(model.parent, model_name="bart")
+    try:
+        too_long = s.slot.engine.generator.max_prompt + 1  # a word a token
+        with pytest.raises(openai.BadRequestError, match="This model's maximum context") as e:
+            openai_client(s).completions.create(model="bart", prompt="w5 " * too_long,
+                                                max_tokens=2)
+        assert e.value.code == "context_length_exceeded"
+    finally:
+        s.stop(0)
