@@ -23,10 +23,10 @@ from pathlib import Path
 import numpy as np
 
 from serving.datatypes import datatype_of
-from serving.errors import InvalidArgument
+from serving.errors import InvalidArgument, input_too_long
 from serving.model import batches
 from serving.text_config import read_json
-from serving.tokenizer import engine_tokenizer
+from serving.tokenizer import engine_tokenizer, whole_length
 from tuner.graph.roles import ATTENTION_MASK, POSITION_IDS, TOKEN_IDS, TOKEN_TYPE_IDS
 
 LOGITS = "logits"
@@ -179,8 +179,8 @@ class TextFeeds:
         pairs = [self.encode(a, b, left) for a, b in sequences]
         long = [i for i, p in enumerate(pairs) if p.truncated]
         if long and not truncate:
-            raise InvalidArgument(f"inputs[{long[0]}] is longer than the model's "
-                                  f"{self.max_tokens} tokens and 'truncate' is false")
+            raise input_too_long(f"inputs[{long[0]}]", whole_length(
+                self.tokenizer, *sequences[long[0]]), self.max_tokens)
         return pairs
 
     def feeds(self, pair: Pair) -> dict[str, np.ndarray]:

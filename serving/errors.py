@@ -41,6 +41,13 @@ class ContextTooLong(InvalidArgument):
         return self.prompt_tokens > self.prompt_limit
 
 
+def input_too_long(where: str, tokens: int, limit: int) -> ContextTooLong:
+    """An encoder's input past the model's `limit` tokens that the request said not to cut
+    (`truncate` false): a context overflow with nothing to generate."""
+    return ContextTooLong(f"{where} has {tokens} tokens, more than the model's {limit}, and "
+                          "'truncate' is false", tokens, 0, limit, limit)
+
+
 class NotFound(ServingError):
     """No model (or version) by that name is served here."""
 

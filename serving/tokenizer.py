@@ -34,6 +34,16 @@ def load_tokenizer(folder: Path):
     return tokenizer
 
 
+def whole_length(tokenizer, text: str, second: str | None = None) -> int:
+    """How many tokens `text` (or the pair) has uncut, whatever truncation `tokenizer` has
+    (a copy without it: made only for a refusal's numbers)."""
+    from tokenizers import Tokenizer
+
+    whole = Tokenizer.from_str(tokenizer.to_str())
+    whole.no_truncation()
+    return len(whole.encode(text) if second is None else whole.encode(text, second))
+
+
 def engine_tokenizer(engine):
     """An encoder engine's tokenizer (its artifact's tokenizer.json), for the endpoints that
     take text; InvalidArgument without one."""

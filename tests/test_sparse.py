@@ -70,7 +70,7 @@ def test_embed_sparse_equals_sparse_encoder(server) -> None:
 def test_truncation_and_the_dense_endpoints(server) -> None:
     assert _post(server, "/embed_sparse", {"inputs": LONG}).status_code == 200
     r = _post(server, "/embed_sparse", {"inputs": LONG, "truncate": False})
-    assert r.status_code == 422 and "'truncate' is false" in r.json()["error"]
+    assert r.status_code == 413 and "must have less than" in r.json()["error"]
     r = _post(server, "/embed", {"inputs": TEXTS[0]})
     assert r.status_code == 422 and "POST /embed_sparse" in r.json()["error"]
 
@@ -90,7 +90,7 @@ def test_max_active_dims_and_a_prompt(artifact, tmp_path) -> None:
     [want] = _reference(["Where do foxes live? " + TEXTS[0]], max_active_dims=8)
     assert len(got[0]) == 8
     assert _dense(got[0], len(want)) == pytest.approx(want, abs=1e-4)
-    assert bad.status_code == 422 and "'prompt_name' 'passage'" in bad.json()["error"]
+    assert bad.status_code == 413 and "'prompt_name' 'passage'" in bad.json()["error"]
 
 
 def test_a_model_without_splade_pooling_gives_no_sparse_vectors(tmp_path) -> None:

@@ -105,11 +105,14 @@ def test_feature_extraction_is_sentence_transformers_own(client, st) -> None:
 def test_a_long_text_is_cut_from_the_side_asked_or_refused(client, server, st) -> None:
     from huggingface_hub.errors import HfHubHTTPError
 
-    with pytest.raises(HfHubHTTPError, match="422"):
+    with pytest.raises(HfHubHTTPError, match="413"):
         client.feature_extraction(LONG, truncate=False)
     r = _post(server, "/embed", {"inputs": [SHORT[0], LONG], "truncate": False})
-    assert r.status_code == 422 and r.json()["error_type"] == "Validation"
-    assert "inputs[1] is longer than the model's 256 tokens" in r.json()["error"]
+    assert r.status_code == 413 and r.json()["error_type"] == "Validation"  # as TEI answers
+    whole = len(st.tokenizer(LONG)["input_ids"])  # uncut, with its special tokens
+    assert r.json()["error"] == f"`inputs` must have less than 256 tokens. Given: {whole}"
+    r = _post(server, "/embed", {"inputs": [list(range(1000, 1300))], "truncate": False})
+    assert r.status_code == 413 and r.json()["error"].endswith("Given: 300")
     right = client.feature_extraction(LONG)  # cut by default, as TEI's --auto-truncate
     np.testing.assert_allclose(right[0], st.encode(LONG), atol=1e-5)  # ST cuts the right
     left = client.feature_extraction(LONG, truncate=True, truncation_direction="Left")
@@ -135,7 +138,7 @@ def test_a_named_prompt_goes_before_each_text(server, st) -> None:
     np.testing.assert_allclose(got, st.encode(SHORT, prompt_name="query"), atol=1e-5)
     assert not np.allclose(got, st.encode(SHORT), atol=1e-3)
     r = _post(server, "/embed", {"inputs": SHORT, "prompt_name": "document"})
-    assert r.status_code == 422 and "['passage', 'query']" in r.json()["error"]
+    assert r.status_code == 413 and "['passage', 'query']" in r.json()["error"]
 
 
 def test_llamaindex_body_and_token_ids(server, st) -> None:
@@ -163,6 +166,8 @@ def test_sentence_similarity_is_the_cosine_of_the_embeddings(client, st) -> None
     ({"inputs": "x", "truncation_direction": "up"}, 422, "Validation",
      "'truncation_direction'"),
     ({"inputs": {"source_sentence": "x", "sentences": []}}, 400, "Empty", "'sentences'"),
+    ({"inputs": ["x"] * 2049}, 413, "Validation",
+     "batch size 2049 > maximum allowed batch size 2048"),  # TEI's max_client_batch_size
 ])
 def test_what_it_cannot_take_is_teis_error(server, body, status, kind, says) -> None:
     r = _post(server, "/", body)
@@ -189,3 +194,27 @@ def test_vllms_score_api_on_an_embedding_model_is_the_cosine(server, st) -> None
     want = cos_sim(st.encode(SHORT[:1]), st.encode(SHORT))[0].tolist()
     assert [d["score"] for d in got["data"]] == pytest.approx(want, abs=1e-5)
     assert got["data"][0]["score"] == pytest.approx(1.0, abs=1e-5)
+
+
+def test_a_full_queue_is_teis_429_overloaded(server) -> None:
+    """TEI answers a full queue 429 Overloaded, which retry helpers (urllib3's, and
+    huggingface_hub's) retry after Retry-After; 503 Unhealthy reads as a server down. One
+    request a second runs; one waits; the rest are refused."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from serving.engine import EngineOptions
+    from serving_support import SlowRunner
+
+    s = start(server.artifact, engine=EngineOptions(max_queue=1, max_batch=1, workers=1))
+    try:
+        batcher = s.slot.engine.batcher
+        batcher._run = SlowRunner(s.slot.engine.model.runner, 1.0).infer
+        with ThreadPoolExecutor(6) as pool:
+            answers = list(pool.map(lambda _: _post(s, "/embed", {"inputs": "hi"}), range(6)))
+    finally:
+        s.stop(5)
+    full = [r for r in answers if r.status_code != 200]
+    assert 2 <= len(answers) - len(full) and full, [r.status_code for r in answers]
+    for r in full:
+        assert r.status_code == 429 and r.json()["error_type"] == "Overloaded", r.text
+        assert "the queue is full" in r.json()["error"] and r.headers["retry-after"] == "1"

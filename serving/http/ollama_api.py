@@ -30,9 +30,8 @@ change the output, are refused unless at their defaults, as are images, `suffix`
 `template`. A chat's `tools` come back as the message's `tool_calls` when the server reads
 the model's own call syntax (--tool-call-parser), and its thinking as the message's
 `thinking` with --reasoning-parser (unless `think` is false); without them each is refused.
-A prompt past the model's context is cut as Ollama cuts it, not refused
-(serving/http/ollama_context.py). Errors are Ollama's {"error": message}: 404 for a model not
-served, 400 for a request it cannot take."""
+A prompt past the context is cut as Ollama cuts it (serving/http/ollama_context.py); errors
+are Ollama's {"error": message}, 404 for a model not served, 400 for a bad request."""
 
 from __future__ import annotations
 
@@ -49,7 +48,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 import serving
 from serving.decoder import DecoderEngine
 from serving.embedding import normalized
-from serving.errors import InvalidArgument, NotFound
+from serving.errors import ContextTooLong, InvalidArgument, NotFound
 from serving.http.chat import chat_prompt
 from serving.http.codec import http_status_for
 from serving.http.embeddings_api import embed_rows, embedder_of, encoder_named, texts_of
@@ -76,6 +75,8 @@ _STARTED = datetime.now(timezone.utc).isoformat()
 def error(exc: BaseException) -> Response:
     status, message = http_status_for(exc)
     status = 503 if status == 429 else status  # Ollama answers a full queue "server busy" 503
+    if isinstance(exc, ContextTooLong):  # an input to embed, with `truncate` false
+        message = "input length exceeds maximum context length"  # Ollama's words
     return JSONResponse({"error": message}, status)
 
 

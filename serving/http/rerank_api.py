@@ -22,11 +22,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from serving.engine import Engine
-from serving.errors import InvalidArgument
+from serving.errors import InvalidArgument, input_too_long
 from serving.http import tei_api
 from serving.http.embeddings_api import pair_outputs
 from serving.http.openai_api import error
 from serving.rerank import Scorer, load_scorer
+from serving.tokenizer import whole_length
 
 MAX_DOCUMENTS = 1000  # one call's documents, at most
 
@@ -106,8 +107,8 @@ async def _rerank(frontend, body: dict) -> Response:
     pairs = [scorer.pair(query, d) for d in documents]
     long = [i for i, p in enumerate(pairs) if p.truncated]
     if long and not shape.truncate:
-        raise InvalidArgument(f"texts[{long[0]}] with the query is longer than the model's "
-                              "input and 'truncate' is false")
+        raise input_too_long(f"texts[{long[0]}] with the query", whole_length(
+            scorer.tokenizer, query, documents[long[0]]), scorer.max_tokens)
     outputs = await pair_outputs(frontend, engine, scorer, pairs)
     scores = [scorer.logit(o) if shape.raw_scores else scorer.score(o) for o in outputs]
     order = sorted(range(len(scores)), key=lambda i: -scores[i])[:shape.top]

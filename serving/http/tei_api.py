@@ -17,9 +17,13 @@ Haystack's classes on them), LlamaIndex's `TextEmbeddingsInference`:
 As TEI computes them: the pooled vector (sentence-transformers' Pooling config, mean without
 it), cut to `dimensions` (Matryoshka), then L2-normalized unless `normalize` is false; a text
 longer than the model's input is cut from the `truncation_direction` side (right, or left),
-or refused when `truncate` is false (TEI cuts by default: its --auto-truncate); `prompt_name` puts that named prompt of config_sentence_transformers.json before
-each text. Each text is its own request to the engine, so the batcher joins them. Errors are
-TEI's `{"error", "error_type"}`: 422 Validation, 400 Empty."""
+or refused when `truncate` is false (TEI cuts by default: its --auto-truncate); `prompt_name`
+puts that named prompt of config_sentence_transformers.json before each text. Each text is
+its own request to the engine, so the batcher joins them. Errors are TEI's `{"error",
+"error_type"}` with TEI's statuses (`error`): 413 Validation for what TEI checks itself (a
+text too long, "`inputs` must have less than N tokens. Given: M"; more inputs than a call
+takes; a prompt name the model lacks), 400 Empty, 422 for a body it cannot read, 429
+Overloaded for a full queue."""
 
 from __future__ import annotations
 
@@ -31,11 +35,13 @@ from starlette.responses import JSONResponse, Response
 import serving
 from serving.embedding import Embedder, cosine, load_prompts, normalized
 from serving.engine import Engine
-from serving.errors import InvalidArgument
+from serving.errors import ContextTooLong, InvalidArgument, input_too_long
 from serving.http.codec import http_status_for
 from serving.http.embeddings_api import (MAX_INPUTS, embed_rows, embedder_of, encoder_named,
                                          pair_outputs, texts_of)
+from serving.http.openai_requests import token_ids
 from serving.sparse import SparseEmbedder
+from serving.tokenizer import whole_length
 
 # sentence-transformers' Pooling modes under TEI's names for them
 _POOLING_NAMES = {"cls_token": "cls", "mean_tokens": "mean", "max_tokens": "max",
@@ -47,11 +53,27 @@ class Empty(InvalidArgument):
     """TEI's `Empty` error: a request with nothing to embed (400, not 422)."""
 
 
+class Validation(InvalidArgument):
+    """What TEI itself checks and refuses 413 (its `Validation` type): more inputs than one
+    call takes, a prompt name the model lacks; an input past the model's length with
+    `truncate` false is one too (a ContextTooLong, worded as TEI words it)."""
+
+
 def error(exc: BaseException) -> Response:
+    """TEI's `{"error", "error_type"}` with TEI's status: 413 Validation (TEI's own checks),
+    400 Empty, 422 for a body it cannot read (its JSON reader's), 429 Overloaded for a full
+    queue (TEI's "Model is overloaded", which a retry gets past), 503 Unhealthy."""
     status, message = http_status_for(exc)
     if isinstance(exc, Empty):
         return JSONResponse({"error": message, "error_type": "Empty"}, 400)
-    status = 422 if status == 400 else status  # TEI answers a request it refuses with 422
+    if isinstance(exc, ContextTooLong):
+        message = (f"`inputs` must have less than {exc.prompt_limit} tokens. Given: "
+                   f"{exc.prompt_tokens}")  # TEI's words (for at most that many)
+    if isinstance(exc, (Validation, ContextTooLong)):
+        return JSONResponse({"error": message, "error_type": "Validation"}, 413)
+    if getattr(exc, "retry_after_s", None):
+        status = 429  # a full queue, which TEI answers as overloaded
+    status = 422 if status == 400 else status
     return JSONResponse({"error": message, "error_type": _ERROR_TYPES.get(status, "Backend")},
                         status)
 
@@ -79,8 +101,8 @@ def _prompt(prompts: dict[str, str], name) -> str:
     if not isinstance(name, str) or name not in prompts:
         known = sorted(prompts) or "none: the artifact has no " \
                                    "config_sentence_transformers.json prompts"
-        raise InvalidArgument(f"'prompt_name' {name!r} is not one of the model's prompts "
-                              f"({known})")
+        raise Validation(f"'prompt_name' {name!r} is not one of the model's prompts "
+                         f"({known})")
     return prompts[name]
 
 
@@ -100,9 +122,9 @@ def text_rows(embedder: Embedder, items: list, body: dict) -> list[list[int]]:
             limit = embedder.pooling.max_tokens or len(item)
             ids, cut = (item[-limit:] if left else item[:limit]), len(item) > limit
         if cut and not truncate:
-            raise InvalidArgument(f"inputs[{i}] is longer than the model's "
-                                  f"{embedder.pooling.max_tokens} tokens and 'truncate' is "
-                                  "false")
+            whole = len(item) if not isinstance(item, str) else whole_length(
+                embedder.tokenizer, prompt + item)
+            raise input_too_long(f"inputs[{i}]", whole, embedder.pooling.max_tokens)
         rows.append(ids)
     return rows
 
@@ -110,6 +132,8 @@ def text_rows(embedder: Embedder, items: list, body: dict) -> list[list[int]]:
 def _texts(raw) -> list:
     if raw == [] or raw == "":
         raise Empty("'inputs' cannot be empty")
+    if isinstance(raw, list) and len(raw) > MAX_INPUTS and not token_ids(raw):
+        raise Validation(f"batch size {len(raw)} > maximum allowed batch size {MAX_INPUTS}")
     return texts_of(raw, "inputs")
 
 
@@ -156,9 +180,9 @@ async def similarity_body(frontend, body: dict) -> Response:
     if not isinstance(sentences, list) or not sentences or \
             any(not isinstance(s, str) or not s for s in sentences):
         raise Empty("'sentences' must be a non-empty list of non-empty strings")
-    if len(sentences) >= MAX_INPUTS:
-        raise InvalidArgument(f"'sentences' holds {len(sentences)} items; at most "
-                              f"{MAX_INPUTS - 1}")
+    if len(sentences) >= MAX_INPUTS:  # with the source: TEI's batch
+        raise Validation(f"batch size {len(sentences) + 1} > maximum allowed batch size "
+                         f"{MAX_INPUTS}")
     parameters = body.get("parameters") or {}
     if not isinstance(parameters, dict):
         raise InvalidArgument("'parameters' must be an object")

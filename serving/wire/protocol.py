@@ -50,6 +50,15 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
 
 
+def retry_trailers(exc: BaseException) -> tuple[tuple[str, str], ...]:
+    """gRPC's retry pushback for a refusal a retry gets past (a full server or queue): a
+    channel whose service config has a retryPolicy for the code waits this long before its
+    next attempt, instead of its own backoff (milliseconds: gRFC A6), as HTTP's clients
+    wait Retry-After."""
+    after = getattr(exc, "retry_after_s", None)
+    return (("grpc-retry-pushback-ms", str(int(after * 1000))),) if after else ()
+
+
 def _shape(tensor, where: str) -> tuple[int, ...]:
     shape = tuple(int(d) for d in tensor.shape)
     if any(d < 0 for d in shape):

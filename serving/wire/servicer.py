@@ -120,6 +120,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         code, message = protocol.status_for(error)
         if code == grpc.StatusCode.INTERNAL:
             log.error("internal error answering a request", exc_info=error)
+        context.set_trailing_metadata(protocol.retry_trailers(error))
         context.abort(code, message)
 
     # ---------------------------------------------------------------------------- health
