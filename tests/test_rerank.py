@@ -89,6 +89,9 @@ def test_text_embeddings_inferences_shape(server) -> None:
     assert r.status_code == 413 and r.json()["error_type"] == "Validation"  # TEI's status
     assert re.fullmatch(r"`inputs` must have less than \d+ tokens. Given: \d+",
                         r.json()["error"])
+    r = requests.post(url, json={**body, "texts": ["a"] * 2049}, timeout=60)  # /info's limit
+    assert r.status_code == 413 and r.json()["error"] == ("batch size 2049 > maximum allowed "
+                                                          "batch size 2048")
 
 
 def test_the_identity_activation_gives_the_raw_logits(artifact, tmp_path) -> None:

@@ -24,12 +24,12 @@ from starlette.responses import JSONResponse, Response
 from serving.engine import Engine
 from serving.errors import InvalidArgument, input_too_long
 from serving.http import tei_api
-from serving.http.embeddings_api import pair_outputs
+from serving.http.embeddings_api import MAX_INPUTS, pair_outputs
 from serving.http.openai_api import error
 from serving.rerank import Scorer, load_scorer
 from serving.tokenizer import whole_length
 
-MAX_DOCUMENTS = 1000  # one call's documents, at most
+MAX_DOCUMENTS = 1000  # one call's documents, at most (Cohere's limit)
 
 
 @lru_cache(maxsize=4)
@@ -41,7 +41,10 @@ def _documents(raw, field: str) -> list[str]:
     if not isinstance(raw, list) or not raw:
         raise InvalidArgument(f"'{field}' must be a non-empty list of strings or of "
                               "objects with a 'text'")
-    if len(raw) > MAX_DOCUMENTS:
+    if field == "texts" and len(raw) > MAX_INPUTS:  # TEI's body: its max_client_batch_size
+        raise tei_api.Validation(f"batch size {len(raw)} > maximum allowed batch size "
+                                 f"{MAX_INPUTS}")
+    if field == "documents" and len(raw) > MAX_DOCUMENTS:
         raise InvalidArgument(f"'{field}' holds {len(raw)} items; at most {MAX_DOCUMENTS}")
     texts = [d.get("text") if isinstance(d, dict) else d for d in raw]
     bad = [i for i, t in enumerate(texts) if not isinstance(t, str)]
