@@ -87,5 +87,10 @@ def test_an_encoder_decoders_source_past_its_encoder() -> None:
             openai_client(s).completions.create(model="bart", prompt="w5 " * too_long,
                                                 max_tokens=2)
         assert e.value.code == "context_length_exceeded"
+        import ollama  # Ollama's API cuts it instead, as Ollama: to the encoder's length
+
+        cut = ollama.Client(host=f"http://127.0.0.1:{s.http_port}", timeout=60).generate(
+            model="bart", prompt="w5 " * too_long, options={"num_predict": 2})
+        assert cut.done and cut.prompt_eval_count == too_long - 1
     finally:
         s.stop(0)
