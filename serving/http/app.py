@@ -174,7 +174,7 @@ def build_app(frontend: Frontend) -> Starlette:
                               kserve_v1,
                               messages_api, ollama_api, openai_api, rerank_api, responses_api,
                               sagemaker, score_api, tei_api, tgi_api, tokenize_api,
-                              triton_extensions, triton_generate)
+                              triton_extensions, triton_generate, vertex)
 
     openai_shaped = (openai_api, responses_api, embeddings_api, rerank_api, audio_api)
     routes = [Route("/metrics", endpoint(frontend, "metrics", metrics_text), methods=["GET"])]
@@ -188,6 +188,8 @@ def build_app(frontend: Frontend) -> Starlette:
             routes.append(Route(path, call, methods=methods))
             if module in openai_shaped and path.startswith("/v1/"):
                 routes.append(Route(OPENAI_PREFIX + path, call, methods=methods))
+    for path, methods, name, handler, errors in vertex.routes():  # Vertex AI's paths
+        routes.append(Route(path, endpoint(frontend, name, handler, errors), methods=methods))
     return Starlette(routes=routes)
 
 
