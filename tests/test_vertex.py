@@ -43,6 +43,7 @@ def test_generate_and_chat_instances_give_their_texts(decoder, llama) -> None:
 @pytest.mark.parametrize("body, says", [
     ({"instances": []}, "'instances' must be a non-empty list"),
     ({"inputs": PROMPT}, "'instances' must be a non-empty list"),
+    ({"instances": [{"inputs": PROMPT}] * 2049}, "at most 2048"),
     ({"instances": [{"inputs": PROMPT, "stream": True}]}, "answered whole"),
     ({"instances": [{"inputs": PROMPT}, {"inputs": PROMPT, "parameters": {
         "temperature": -1}}]}, "temperature"),

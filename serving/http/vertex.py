@@ -30,6 +30,8 @@ from serving.errors import InvalidArgument
 from serving.http import hf_routes, openai_api, tgi_api
 from serving.http.openai_requests import body_value
 
+MAX_INSTANCES = 2048  # one call's, as many as one call's inputs elsewhere (the queue's share)
+
 
 def _instance_request(request: Request, instance: dict) -> Request:
     """The call's request with `instance` as its body (what each API's handler reads)."""
@@ -70,6 +72,9 @@ async def predict(frontend, request: Request) -> Response:
     if not isinstance(instances, list) or not instances or not all(
             isinstance(x, dict) for x in instances):
         raise InvalidArgument("'instances' must be a non-empty list of request bodies")
+    if len(instances) > MAX_INSTANCES:
+        raise InvalidArgument(f"'instances' holds {len(instances)} bodies; at most "
+                              f"{MAX_INSTANCES}")
     decoder = isinstance(frontend.slot.find(frontend.slot.name), DecoderEngine)
     one = _generated if decoder else _answered
     answers = await asyncio.gather(*(one(frontend, request, x) for x in instances))
