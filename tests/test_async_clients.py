@@ -169,14 +169,21 @@ def test_tritonclient_http_aio_generate(server, want) -> None:
     assert asyncio.run(main()) == (True, [want["prompt"]] * 3)
 
 
-@pytest.mark.parametrize("how", ["break", "cancel"])
+@pytest.mark.parametrize("how", ["break", "cancel", "grpc-cancel"])
 def test_an_abandoned_async_stream_frees_its_slot(server, how) -> None:
     """An application that stops reading (leaves the loop and closes the stream, or has its
-    task cancelled, as a web framework cancels it when its own client goes): the server's
-    stream ends at its next step, long before its 64 slowed tokens would."""
+    task cancelled, as a web framework cancels it when its own client goes; over HTTP, or
+    tritonclient's grpc.aio stream): the server's stream ends at its next step, long before
+    its 64 slowed tokens would, while the client itself is still open."""
     from openai import AsyncOpenAI
 
-    async def main():
+    async def until_cancelled(read) -> None:
+        task = asyncio.create_task(read())
+        await asyncio.sleep(0.3)  # a few tokens in
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    async def over_http():
         client = AsyncOpenAI(base_url=f"{_url(server)}/v1", api_key="x", max_retries=0)
         stream = await client.completions.create(model=server.slot.name, prompt=PROMPT,
                                                  max_tokens=64, stream=True,
@@ -190,16 +197,34 @@ def test_an_abandoned_async_stream_frees_its_slot(server, how) -> None:
                 async for _ in stream:
                     pass
 
-            task = asyncio.create_task(read())
-            await asyncio.sleep(0.3)
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            await until_cancelled(read)
+        freed = await asyncio.to_thread(wait_for, lambda: _running(server) == 0, 1.5)
         await client.close()
+        return freed
+
+    async def over_grpc():
+        import tritonclient.grpc.aio as ta
+
+        client = ta.InferenceServerClient(f"127.0.0.1:{server.port}")
+        long = _triton_inputs(ta, PROMPT)
+        long[1].set_data_from_numpy(np.array([64], np.int32))  # max_tokens
+
+        async def requests():
+            yield {"model_name": server.slot.name, "inputs": long}
+            await asyncio.sleep(60)  # the stream stays open, as a client's would
+
+        async def read():
+            async for _ in client.stream_infer(requests()):
+                pass
+
+        await until_cancelled(read)
+        freed = await asyncio.to_thread(wait_for, lambda: _running(server) == 0, 1.5)
+        await client.close()
+        return freed
 
     generator, fast = slowed(server, 0.05)  # 64 tokens: about 3 s
     try:
-        asyncio.run(main())
-        assert wait_for(lambda: _running(server) == 0, timeout=1.5), _running(server)
+        assert asyncio.run(over_grpc() if how == "grpc-cancel" else over_http())
     finally:
         generator.runner = fast
 
