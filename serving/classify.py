@@ -118,7 +118,10 @@ class Pair:
         return Pair(tuple(encoding.ids), tuple(encoding.type_ids), bool(encoding.overflowing))
 
 
-def _cutting(tokenizer, max_tokens: int, direction: str, strategy: str):
+def cutting(tokenizer, max_tokens: int, direction: str = "right",
+            strategy: str = "longest_first"):
+    """A copy of `tokenizer` that cuts what it encodes to `max_tokens`, its special tokens
+    kept (as transformers' truncation)."""
     from tokenizers import Tokenizer
 
     copy = Tokenizer.from_str(tokenizer.to_str())  # each way of cutting its own copy
@@ -147,7 +150,7 @@ class TextFeeds:
         self.engine, folder = engine, engine.model.folder
         self.max_tokens = _length(folder)
         self.tokenizer = engine_tokenizer(engine)
-        self._tokenizers = {(d, how): _cutting(self.tokenizer, self.max_tokens, d, how)
+        self._tokenizers = {(d, how): cutting(self.tokenizer, self.max_tokens, d, how)
                             for d, how in (("right", "longest_first"), ("left", "longest_first"),
                                            ("right", "only_first"))}
         makers = {TOKEN_IDS: lambda p: p.ids, TOKEN_TYPE_IDS: lambda p: p.types,

@@ -23,6 +23,13 @@ sequence reproducible with its own). decoder_input_details (not streamed, as TGI
 details' `prefill` holds each prompt token's id, text and log-probability under the model
 (the first's null), what evaluation harnesses read to score a continuation through TGI.
 watermark and adapters are refused rather than ignored.
+
+The same `POST /` body is what huggingface_hub's InferenceClient.summarization and
+.translation send (Hugging Face's Inference API, transformers' pipelines): an encoder-
+decoder's answer there also carries their keys, `summary_text` and `translation_text`, and
+their parameters are read: `generate_parameters` (the names above), `truncation` (the source
+cut to the model's length, special tokens kept, as transformers cuts it; "do_not_truncate"
+refuses a longer one), `clean_up_tokenization_spaces`; `src_lang` / `tgt_lang` are refused.
 Errors are TGI's `{"error", "error_type"}`, 422 for a request it cannot take. `GET /info` and
 `POST /` are routed by serving/http/hf_routes.py (TEI's for an encoder artifact)."""
 
@@ -30,11 +37,13 @@ from __future__ import annotations
 
 import secrets
 import uuid
+from functools import lru_cache
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 import serving
+from serving.classify import cutting
 from serving.decoder import DecoderEngine
 from serving.errors import ContextTooLong, InvalidArgument
 from serving.http.codec import http_status_for
@@ -42,6 +51,7 @@ from serving.http.openai_requests import MAX_STOPS, body_value, generations_for,
 from serving.http.streams import ChunkStream, ChunkStreams, until_disconnect
 from serving.http.triton_generate import SSE_HEADERS, sse
 from serving.sampling import Chunk, GenerationRequest, best_chunks, join_chunks
+from serving.seq2seq import Seq2SeqEngine
 
 DEFAULT_MAX_NEW_TOKENS = 100  # TGI's
 _REFUSED = {"watermark": False, "adapter_id": None}
@@ -52,6 +62,10 @@ _OPENAI_NAMES = {"max_new_tokens": "max_tokens", "seed": "seed", "stop": "stop",
                  "temperature": "temperature", "typical_p": "typical_p",
                  "ignore_eos": "ignore_eos"}  # vLLM's, as
 # AIPerf sends it; other names TGI does not know are ignored, as TGI ignores them
+# the keys of transformers' summarization and translation pipelines' answers (the Inference
+# API's), which InferenceClient.summarization / .translation read from an encoder-decoder's
+_TASK_KEYS = ("summary_text", "translation_text")
+_CUTS = ("longest_first", "only_first", "only_second")  # the pipelines' `truncation` values
 
 
 def error(exc: BaseException) -> Response:
@@ -123,6 +137,37 @@ def _prefill_asked(parameters: dict) -> bool:
     return body_value(parameters, "decoder_input_details", (bool,), False)
 
 
+def _pipeline_parameters(parameters: dict) -> tuple[dict, bool]:
+    """The Inference API's summarization / translation parameters read: its
+    generate_parameters among TGI's own (those named outside win), and whether `truncation`
+    asks the source cut."""
+    for name in ("src_lang", "tgt_lang"):
+        if parameters.get(name) is not None:
+            raise InvalidArgument(f"'{name}' is not supported: this server sets no language "
+                                  "tokens (a one-pair translation model needs none)")
+    generate = body_value(parameters, "generate_parameters", (dict,), {}) or {}
+    unknown = sorted(set(generate) - set(_OPENAI_NAMES) - {"do_sample"})
+    if unknown:
+        raise InvalidArgument(f"'generate_parameters' {unknown} are not served (these are: "
+                              f"{sorted([*_OPENAI_NAMES, 'do_sample'])})")
+    truncation = parameters.get("truncation")
+    if truncation not in (None, "do_not_truncate", *_CUTS):
+        raise InvalidArgument(f"'truncation' must be one of do_not_truncate, "
+                              f"{', '.join(_CUTS)}")
+    return {**generate, **parameters}, truncation in _CUTS
+
+
+@lru_cache(maxsize=4)
+def _cutting_tokenizer(engine: DecoderEngine):
+    return cutting(engine.tokenizer, engine.generator.max_prompt)
+
+
+def _source_ids(engine: DecoderEngine, inputs: str, cut: bool) -> tuple[int, ...]:
+    """The prompt's ids; with `cut`, no more than the model reads."""
+    tokenizer = _cutting_tokenizer(engine) if cut else engine.tokenizer
+    return tuple(tokenizer.encode(inputs).ids)
+
+
 def _request(frontend, body: dict) -> tuple[DecoderEngine, list[GenerationRequest], dict, str]:
     """The engine, the generations a body asks for (best_of's candidates, else one), its
     parameters and its prompt."""
@@ -130,8 +175,8 @@ def _request(frontend, body: dict) -> tuple[DecoderEngine, list[GenerationReques
     inputs = body.get("inputs")
     if not isinstance(inputs, str) or not inputs:
         raise InvalidArgument("'inputs' must be a non-empty string")
-    parameters = body_value(body, "parameters", (dict,), {}) or {}
-    prompt = tuple(engine.tokenizer.encode(inputs).ids)
+    parameters, cut = _pipeline_parameters(body_value(body, "parameters", (dict,), {}) or {})
+    prompt = _source_ids(engine, inputs, cut)
     truncate = body_value(parameters, "truncate", (int,))
     if truncate is not None:
         if truncate < 1:
@@ -271,7 +316,11 @@ async def root(frontend, request: Request) -> Response:
     if body_value(body, "stream", (bool,), False):
         return _streamed(frontend, body)
     answer = await _generated(frontend, body, request)
-    return answer if isinstance(answer, Response) else JSONResponse([answer])
+    if isinstance(answer, Response):
+        return answer
+    if isinstance(_engine(frontend), Seq2SeqEngine):  # the Inference API's task keys too
+        answer = {**answer, **{key: answer["generated_text"] for key in _TASK_KEYS}}
+    return JSONResponse([answer])
 
 
 def info(frontend, engine: DecoderEngine) -> dict:
