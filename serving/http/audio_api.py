@@ -31,7 +31,7 @@ from serving.errors import InvalidArgument
 from serving.http.fallback import INCREMENT, Fallback, Window, temperatures
 from serving.http.openai_api import error
 from serving.http.streams import ChunkStream, until_disconnect
-from serving.http.transcripts import Piece, joined, srt, timed, verbose, vtt
+from serving.http.transcripts import Piece, Timed, joined, srt, timed, verbose, vtt
 from serving.http.triton_generate import SSE_HEADERS, sse
 from serving.sampling import GenerationRequest, Sampling, join_chunks
 from serving.seq2seq import Seq2SeqEngine
@@ -41,7 +41,7 @@ TIMESTAMPED = ("verbose_json", "srt", "vtt")
 FORMATS = PLAIN + TIMESTAMPED
 
 
-def _engine(frontend, name: str) -> Seq2SeqEngine:
+def audio_engine(frontend, name: str) -> Seq2SeqEngine:
     engine = frontend.slot.find(name)
     if not isinstance(engine, Seq2SeqEngine) or engine.audio is None:
         raise InvalidArgument(f"model '{name}' does not take audio: the audio API serves a "
@@ -162,7 +162,13 @@ async def _asked(frontend, request: Request, task: str) -> Asked:
     upload = form.get("file")
     if upload is None or isinstance(upload, str):
         raise InvalidArgument("'file' (the audio: WAV, FLAC, OGG, MP3) is required")
-    engine = _engine(frontend, _field(form, "model") or frontend.slot.name)
+    engine = audio_engine(frontend, _field(form, "model") or frontend.slot.name)
+    return await asked_for(frontend, engine, form, await upload.read(), task)
+
+
+async def asked_for(frontend, engine: Seq2SeqEngine, form, data: bytes, task: str) -> Asked:
+    """The generations that transcribe (or translate) the audio file `data`, as the fields
+    of `form` (a FormData: the OpenAI API's names) ask for them."""
     fmt = _format(form, engine)
     stream = _field(form, "stream", "false").lower() in ("true", "1")
     if stream and fmt in TIMESTAMPED:
@@ -170,7 +176,6 @@ async def _asked(frontend, request: Request, task: str) -> Asked:
                               "streamed (use json)")
     before = _previous(form, engine)
     language = _language(form, engine)
-    data = await upload.read()  # (the body was held to the limit as it came)
     config = engine.audio
     samples, rate = read_audio(data, MOST_PIECES * config.chunk_length)
     samples = resample(samples, rate, config.sampling_rate)
@@ -206,7 +211,7 @@ def _text_of(asked: Asked) -> Callable[[Sequence[int]], str]:
     return lambda ids: decode([t for t in ids if t < begin])
 
 
-def _fallback(asked: Asked) -> Fallback:
+def fallback_of(asked: Asked) -> Fallback:
     return Fallback(asked.engine, asked.generations, asked.temperatures,
                     frozenset(asked.engine.text.eos_ids), _text_of(asked))
 
@@ -244,15 +249,25 @@ def _streamed(asked: Asked, texts: AsyncIterator[str], close: Callable[[], None]
     return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
 
 
-async def _timestamped(asked: Asked, fallback: Fallback) -> Response | str:
-    """The segments' answer (verbose_json, srt, vtt) from each window's kept output."""
+async def timed_parts(asked: Asked, fallback: Fallback) -> list[Timed]:
+    """Every segment of the windows' kept outputs, in order, with its times."""
     windows = await fallback.all()
     engine = asked.engine
     rate = engine.audio.sampling_rate / engine.audio.hop_length  # frames per second
     kept = [Piece(w.chunk, at, length, round(at * rate), w.scores, w.temperature)
             for w, (at, length) in zip(windows, asked.spans) if not w.silent]
     rule, decode = engine.model.decoder.timestamps, engine.tokenizer.decode
-    parts = timed(kept, rule, decode)
+    return timed(kept, rule, decode)
+
+
+async def plain_text(asked: Asked, fallback: Fallback) -> str:
+    """The windows' texts joined (silence left out)."""
+    return "".join([piece async for piece in _in_order(asked, fallback.in_order())]).strip()
+
+
+async def _timestamped(asked: Asked, fallback: Fallback) -> Response | str:
+    """The segments' answer (verbose_json, srt, vtt) from each window's kept output."""
+    parts = await timed_parts(asked, fallback)
     if asked.format == "srt":
         return srt(parts)
     if asked.format == "vtt":
@@ -266,16 +281,10 @@ async def _timestamped(asked: Asked, fallback: Fallback) -> Response | str:
 
 async def _answer(frontend, request: Request, task: str) -> Response:
     asked = await _asked(frontend, request, task)
-    fallback = _fallback(asked)  # (the first tries submitted: an error is the request's)
+    fallback = fallback_of(asked)  # (the first tries submitted: an error is the request's)
     if asked.stream:
         return _streamed(asked, _in_order(asked, fallback.in_order()), fallback.close)
-    if asked.format in TIMESTAMPED:
-        work = _timestamped(asked, fallback)
-    else:
-        async def work() -> str:
-            texts = _in_order(asked, fallback.in_order())
-            return "".join([piece async for piece in texts]).strip()
-        work = work()
+    work = (_timestamped if asked.format in TIMESTAMPED else plain_text)(asked, fallback)
     answer = await until_disconnect(request.receive, work, fallback.close)
     if answer is None:
         return Response(status_code=499)  # the client went away; nothing to answer

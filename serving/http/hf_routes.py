@@ -32,7 +32,8 @@ from starlette.responses import JSONResponse, Response
 from serving.decoder import DecoderEngine
 from serving.encoder_kind import encoder_kind
 from serving.engine import Engine
-from serving.http import classify_api, rerank_api, tei_api, tgi_api
+from serving.http import asr_api, classify_api, rerank_api, tei_api, tgi_api
+from serving.http.asr_api import takes_audio
 from serving.http.embeddings_api import embedder_of
 
 
@@ -90,6 +91,11 @@ async def info(frontend, request: Request) -> Response:
 
 async def root(frontend, request: Request) -> Response:
     """`POST /` (and SageMaker's /invocations for a body with `inputs`)."""
+    if takes_audio(frontend.slot.find(frontend.slot.name)):  # InferenceClient's speech
+        try:
+            return await asr_api.recognize(frontend, request)
+        except Exception as e:  # noqa: BLE001 - answered in TGI's shape
+            return tgi_api.error(e)
     if _serves_text(frontend):
         try:
             return await tgi_api.root(frontend, request)

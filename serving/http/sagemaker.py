@@ -29,6 +29,7 @@ from serving.engine import Engine
 from serving.errors import InvalidArgument
 from serving.http import (classify_api, embeddings_api, hf_routes, openai_api, rerank_api,
                           tei_api)
+from serving.http.asr_api import takes_audio
 
 
 async def _input(frontend, request: Request) -> Response:
@@ -53,6 +54,8 @@ async def ping(frontend, request: Request) -> Response:
 
 
 async def invocations(frontend, request: Request) -> Response:
+    if takes_audio(frontend.slot.find(frontend.slot.name)):  # the audio file, or its base64
+        return await hf_routes.root(frontend, request)
     body = await frontend.json(request)  # (read once: the API's handler gets it cached)
     for key, handler, errors in _APIS:
         if key in body:
