@@ -283,8 +283,8 @@ def test_what_cannot_be_honoured_is_refused_not_ignored(server) -> None:
             "type": "function", "function": {"name": "f", "parameters": {}}}])
     with pytest.raises(openai.BadRequestError, match="'tools' is not supported here"):
         c.completions.create(model=name, prompt=PROMPT, extra_body={"tools": [{}]})
-    with pytest.raises(openai.BadRequestError, match="'suffix' is not supported"):
-        c.completions.create(model=name, prompt=PROMPT, suffix="the end")
+    with pytest.raises(openai.BadRequestError, match="'suffix' needs a code model's fill-in"):
+        c.completions.create(model=name, prompt=PROMPT, suffix="the end")  # (it has none)
     with pytest.raises(openai.BadRequestError, match="'echo' is a parameter of /v1/completions"):
         c.chat.completions.create(model=name, messages=MESSAGES, extra_body={"echo": True})
     with pytest.raises(openai.BadRequestError, match="'prompt' must be a string, a list"):

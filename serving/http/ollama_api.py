@@ -19,17 +19,16 @@ Ollama streams them (its default, `stream` true): one JSON object a line, the la
 messages) answers `done_reason` "load", as Ollama does to warm a model.
 
 `options` map onto the same generation requests as the OpenAI API's
-(serving/http/openai_requests.py): num_predict (-1 / -2: as many as the cache and
+(serving/http/ollama_options.py): num_predict (-1 / -2: as many as the cache and
 --max-tokens allow), temperature, top_k, top_p, min_p, seed, stop, repeat_penalty over the
 last repeat_last_n ids (0: off, -1: all), presence_penalty, frequency_penalty (over the
-output, as OpenAI's). What a request leaves out is Ollama's own default (temperature 0.8,
-top_k 40, top_p 0.9, repeat_penalty 1.1 over the last 64), so a client gets what it got from
-Ollama. Options that only tune Ollama's runtime (num_ctx, num_gpu, num_thread, ...) are
-ignored, as Ollama ignores those it does not know; mirostat, typical_p and tfs_z, which would
-change the output, are refused unless at their defaults, as are images, `suffix` and
-`template`. A chat's `tools` come back as the message's `tool_calls` when the server reads
-the model's own call syntax (--tool-call-parser), and its thinking as the message's
-`thinking` with --reasoning-parser (unless `think` is false); without them each is refused.
+output, as OpenAI's), each left out Ollama's own default. Images and `template` are refused;
+a `suffix` (code completion: the text after the cursor) writes the prompt in a code model's
+fill-in-the-middle format (serving/fill_in_middle.py), and a model without one is refused
+as Ollama refuses it ("does not support insert"). A chat's `tools` come back as the
+message's `tool_calls` when the server reads the model's own call syntax
+(--tool-call-parser), and its thinking as the message's `thinking` with --reasoning-parser
+(unless `think` is false); without them each is refused.
 A prompt past the context is cut as Ollama cuts it (serving/http/ollama_context.py); errors
 are Ollama's {"error": message}, 404 for a model not served, 400 for a bad request."""
 
@@ -38,7 +37,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-import uuid
 from datetime import datetime, timezone
 
 import orjson
@@ -49,26 +47,20 @@ import serving
 from serving.decoder import DecoderEngine
 from serving.embedding import normalized
 from serving.errors import ContextTooLong, InvalidArgument, NotFound
+from serving.fill_in_middle import fim_format
 from serving.http.chat import chat_prompt
 from serving.http.codec import http_status_for
 from serving.http.embeddings_api import embed_rows, embedder_of, encoder_named, texts_of
-from serving.http.ollama_context import fitted, predict_of
-from serving.http.openai_requests import body_value, generations_for, text_generator, top_count
+from serving.http.ollama_context import fitted
+from serving.http.ollama_options import generation_of
+from serving.http.openai_requests import body_value, text_generator
 from serving.http.reasoning import Reply, Thinking
 from serving.http.streams import ChunkStream
 from serving.http.tei_api import dimensions_of, text_rows
 from serving.http.tools import PARSERS, tool_reader
-from serving.sampling import Chunk, GenerationRequest
+from serving.sampling import Chunk
 from serving.tokenizer import token_text
 
-# Ollama's runner's defaults, for what a request's options leave out
-_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "repeat_penalty": 1.1,
-             "repeat_last_n": 64}
-_OPENAI_NAMES = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
-                 "min_p": "min_p", "seed": "seed", "stop": "stop",
-                 "repeat_penalty": "repetition_penalty", "presence_penalty":
-                 "presence_penalty", "frequency_penalty": "frequency_penalty"}
-_REFUSED = {"mirostat": 0, "typical_p": 1, "tfs_z": 1}  # each changes the output otherwise
 _STARTED = datetime.now(timezone.utc).isoformat()
 
 
@@ -104,9 +96,8 @@ def _refuse(body: dict) -> None:
     if body.get("images") or any(m.get("images") for m in body.get("messages") or []
                                  if isinstance(m, dict)):
         raise InvalidArgument("images are not supported: this model reads text")
-    for name in ("suffix", "template"):
-        if body.get(name):
-            raise InvalidArgument(f"'{name}' is not supported")
+    if body.get("template"):
+        raise InvalidArgument("'template' is not supported")
 
 
 def _reply(frontend, body: dict) -> Reply:
@@ -131,50 +122,6 @@ def _ollama_call(call: dict) -> dict:
     function = call["function"]
     return {"function": {"name": function["name"],
                          "arguments": json.loads(function["arguments"] or "{}")}}
-
-
-def _openai_body(body: dict, most: int) -> dict:
-    """A request's options and format under the OpenAI API's names; num_predict cut to the
-    `most` the prompt and --max-tokens leave (Ollama, which has neither bound, would shift
-    its window and go on)."""
-    options = {**_DEFAULTS, **(body_value(body, "options", (dict,), {}) or {})}
-    for name, default in _REFUSED.items():
-        if options.get(name) not in (None, default):
-            raise InvalidArgument(f"option '{name}' is not supported (only {default})")
-    out = {_OPENAI_NAMES[k]: v for k, v in options.items() if k in _OPENAI_NAMES
-           and v is not None}
-    predict = predict_of(body)
-    if predict is not None:
-        out["max_tokens"] = max(1, min(predict, most))
-    if isinstance(out.get("seed"), int) and out["seed"] < 0:  # Ollama's -1: a random seed
-        del out["seed"]
-    fmt = body.get("format")
-    if fmt == "json":
-        out["response_format"] = {"type": "json_object"}
-    elif isinstance(fmt, dict):
-        out["response_format"] = {"type": "json_schema", "json_schema": {"schema": fmt}}
-    elif fmt not in (None, ""):
-        raise InvalidArgument("'format' must be \"json\" or a JSON schema")
-    return out
-
-
-def _generation(engine: DecoderEngine, body: dict, prompt: tuple[int, ...],
-                thinking: Thinking | None) -> GenerationRequest:
-    logprobs = body_value(body, "logprobs", (bool,), False)
-    top = top_count("top_logprobs", body_value(body, "top_logprobs", (int,), 0))
-    most = min(engine.generator.room(len(prompt)), engine.options.max_tokens)
-    (generation,) = generations_for(engine, _openai_body(body, most), prompt,
-                                    top if logprobs or top else None,
-                                    "ollama-" + uuid.uuid4().hex)
-    last_n = body_value(body.get("options") or {}, "repeat_last_n", (int,),
-                        _DEFAULTS["repeat_last_n"])
-    if last_n < -1:
-        raise InvalidArgument("'repeat_last_n' must be -1 (all), 0 (off) or a count")
-    sampling = generation.sampling
-    sampling = dataclasses.replace(sampling, penalty_last_n=max(last_n, 0)) if last_n else \
-        dataclasses.replace(sampling, repetition_penalty=1.0)
-    grammar = generation.grammar if thinking is None else thinking.constrain(generation.grammar)
-    return dataclasses.replace(generation, sampling=sampling, grammar=grammar)
 
 
 def _logprobs(engine: DecoderEngine, chunk: Chunk) -> list[dict] | None:
@@ -248,7 +195,7 @@ class _Answer:
 
 async def _answer(frontend, request: Request, body: dict, answer: _Answer) -> Response:
     thinking = answer.reply.thinking if answer.reply is not None else None
-    generation = _generation(answer.engine, body, answer.prompt, thinking)
+    generation = generation_of(answer.engine, body, answer.prompt, thinking)
     stream = ChunkStream(answer.engine, generation)  # a refusal answers with a status here
     if not body_value(body, "stream", (bool,), True):
         whole = await stream.whole(request.receive, answer.arrived)
@@ -285,11 +232,16 @@ async def generate(frontend, request: Request) -> Response:
                               "--reasoning-parser)")
     if not prompt and not context:
         return _loaded(model, chat=False)
-    system = body_value(body, "system", (str,))
-    if body_value(body, "raw", (bool,), False) or engine.text.chat_template is None:
+    system, suffix = body_value(body, "system", (str,)), body_value(body, "suffix", (str,))
+    fim = fim_format(engine.tokenizer) if suffix else None
+    if suffix and fim is None:
+        raise InvalidArgument(f'"{model}" does not support insert')  # Ollama's words
+    if body_value(body, "raw", (bool,), False) or engine.text.chat_template is None and not fim:
         if system:
             raise InvalidArgument("'system' needs the model's chat template (not 'raw')")
         text, special = prompt, not context
+    elif fim is not None:  # code completion: the text before and after the cursor
+        text, special = fim.text(prompt, suffix), not context
     else:
         messages = ([{"role": "system", "content": system}] if system else []) + \
             [{"role": "user", "content": prompt}]

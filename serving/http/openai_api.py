@@ -18,9 +18,11 @@ chat options (`chat_template_kwargs`,
 `documents`, `continue_final_message`: serving/http/chat.py). Completions also take a batch
 of prompts (choice `index` = prompt * n + choice) and `echo` (the prompt before the
 completion; with `logprobs`, every prompt token's log-prob too, the first one null, and
-`max_tokens: 0` for the prompt alone): what lm-evaluation-harness sends to score a model.
+`max_tokens: 0` for the prompt alone): what lm-evaluation-harness sends to score a model;
+and `suffix` (code completion: the prompt before the cursor, the suffix after it, in a code
+model's fill-in-the-middle format: serving/fill_in_middle.py).
 Errors are OpenAI error objects with the matching status; a parameter this server cannot
-honour (`tool_choice` "auto" without a parser, a streamed `best_of`, `suffix`, audio output,
+honour (`tool_choice` "auto" without a parser, a streamed `best_of`, audio output,
 `web_search_options`, vLLM's other extras away from their defaults) is
 refused rather than ignored. Generation stops at the model's end tokens
 (serving/text_config.py: config.json,
@@ -347,7 +349,7 @@ async def completions(frontend, request: Request) -> Response:
     engine = text_engine(frontend, body)
     logprobs = body_value(body, "logprobs", (int,))  # k: the k most likely tokens too
     top = None if logprobs is None else top_count("logprobs", logprobs)
-    prompts = completion_prompts(engine, body.get("prompt"))
+    prompts, body = completion_prompts(engine, body)
     n, echo = choice_count(engine, body), body_value(body, "echo", (bool,), False)
     max_tokens = max_tokens_of(body)
     shape = _Shape(engine, chat=False, top=top, n=n * len(prompts), echo=_Echo(

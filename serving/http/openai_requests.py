@@ -14,6 +14,7 @@ from typing import Mapping
 from serving.conventions import bad_word_ids
 from serving.decoder import DecoderEngine
 from serving.errors import InvalidArgument
+from serving.fill_in_middle import fim_format
 from serving.generation.beam_decode import MAX_BEAMS
 from serving.generation.beams import searchable, unsearchable
 from serving.sampling import (MAX_TOP_LOGPROBS, GenerationRequest, Grammar, Sampling,
@@ -326,7 +327,21 @@ def token_ids(x) -> bool:
         isinstance(t, int) and not isinstance(t, bool) for t in x)
 
 
-def completion_prompts(engine: DecoderEngine, prompt) -> list[tuple[tuple[int, ...], str]]:
+def completion_prompts(engine: DecoderEngine, body: dict
+                       ) -> tuple[list[tuple[tuple[int, ...], str]], dict]:
+    """A completions body's prompts (`prompt_ids`) and the body left for the sampling
+    settings: with a `suffix` (code completion: the text after the cursor), each prompt
+    written in the model's fill-in-the-middle format, the suffix taken out."""
+    suffix = body_value(body, "suffix", (str,))
+    if not suffix:
+        return prompt_ids(engine, body.get("prompt")), body
+    if body.get("echo"):
+        raise InvalidArgument("'echo' with 'suffix' is not supported")
+    rest = {k: v for k, v in body.items() if k != "suffix"}
+    return fim_prompts(engine, body.get("prompt"), suffix), rest
+
+
+def prompt_ids(engine: DecoderEngine, prompt) -> list[tuple[tuple[int, ...], str]]:
     """OpenAI's `prompt`: a string, token ids, or a list of either (a batch); each as (ids,
     its text: the string as sent, or the ids decoded)."""
     batch = prompt if isinstance(prompt, list) and prompt and all(
@@ -341,3 +356,18 @@ def completion_prompts(engine: DecoderEngine, prompt) -> list[tuple[tuple[int, .
             raise InvalidArgument("'prompt' must be a string, a list of token ids, or a "
                                   "non-empty list of those (a batch)")
     return out
+
+
+def fim_prompts(engine: DecoderEngine, prompt, suffix: str) -> list[tuple[tuple[int, ...], str]]:
+    """OpenAI's `prompt` with a `suffix`: each prompt the text before the insertion point,
+    the suffix the text after it, written in the model's fill-in-the-middle format
+    (serving/fill_in_middle.py)."""
+    fmt = fim_format(engine.tokenizer)
+    if fmt is None:
+        raise InvalidArgument("'suffix' needs a code model's fill-in-the-middle tokens "
+                              "(<fim_prefix>, <|fim_prefix|>, ...), which this model's "
+                              "tokenizer does not have")
+    batch = prompt if isinstance(prompt, list) else [prompt]
+    if not batch or not all(isinstance(p, str) for p in batch):
+        raise InvalidArgument("with 'suffix', 'prompt' must be text (or a list of texts)")
+    return [(tuple(engine.tokenizer.encode(fmt.text(p, suffix)).ids), p) for p in batch]
