@@ -13,20 +13,13 @@ import asyncio
 
 import numpy as np
 import pytest
-from llm_support import (CHAT, NO_EOS, PROMPT, bert, decoder_artifact, encoder,  # noqa: F401
-                         greedy, llama, rendered_ids, start, tokenizer, wait_for)
+from llm_support import decoder as server  # noqa: F401 - a fixture
+from llm_support import (CHAT, NO_EOS, PROMPT, bert, encoder, greedy, llama,  # noqa: F401
+                         rendered_ids, tokenizer, wait_for)
 from serving_support import feeds_for, scraped_metrics, slowed
 
 NEW = 8
 TRITON_NAMES = {"max_tokens": (NEW, "INT32"), "stream": (True, "BOOL")}  # TensorRT-LLM's
-
-
-@pytest.fixture(scope="module")
-def server(llama, tmp_path_factory):
-    s = start(decoder_artifact(tmp_path_factory.mktemp("async"), llama),
-              generate={"max_streams": 4, "max_tokens": 64})
-    yield s
-    s.stop(5)
 
 
 @pytest.fixture(scope="module")
