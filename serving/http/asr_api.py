@@ -68,8 +68,10 @@ def _fields(parameters: dict) -> tuple[FormData, str, bool]:
                               "decoder's cross-attention): ask for return_timestamps true")
     if not isinstance(stamps, bool):
         raise InvalidArgument("'return_timestamps' must be true or false")
-    generation = {**(parameters.get("generation_parameters") or {}),
-                  **(parameters.get("generate_kwargs") or {})}
+    given = [parameters.get(k) or {} for k in ("generation_parameters", "generate_kwargs")]
+    if not all(isinstance(g, dict) for g in given):
+        raise InvalidArgument("'generation_parameters' and 'generate_kwargs' must be objects")
+    generation = {**given[0], **given[1]}
     unknown = sorted(set(generation) - set(_GENERATION))
     if unknown:
         raise InvalidArgument(f"generation parameters {unknown} are not served (these are: "
