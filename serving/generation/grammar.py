@@ -6,7 +6,11 @@ ends ("stop") when the match is complete: nothing may follow, or the end token c
 the grammar allows the end.
 
 JSON is compact (no free whitespace between tokens of the JSON): a model may otherwise fill
-its output with whitespace, which every schema allows (vLLM's `disable_any_whitespace`)."""
+its output with whitespace, which every schema allows (vLLM's `disable_any_whitespace`). An
+object that lists its properties takes no others unless its schema says so (`closed`), as
+xgrammar's strict mode holds it (vLLM's default backend; OpenAI's structured outputs require
+it): a schema as pydantic writes it says nothing, and a model could otherwise add keys of its
+own, one after another, until its tokens run out."""
 
 from __future__ import annotations
 
@@ -19,14 +23,46 @@ from serving.errors import InvalidArgument
 from serving.sampling import Grammar
 
 
+# JSON Schema's keywords whose values are schemas, lists of schemas, or maps of names to
+# schemas (the walk below goes only through these: a property may be named "properties")
+_SCHEMA = ("additionalProperties", "items", "not", "if", "then", "else", "contains",
+           "unevaluatedItems", "propertyNames")
+_SCHEMAS = ("anyOf", "oneOf", "prefixItems")  # (allOf's branches each hold a part: open)
+_NAMED = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def closed(schema):
+    """`schema` with every object that lists its `properties` closed to others
+    (`additionalProperties: false` where neither it nor `patternProperties` /
+    `unevaluatedProperties` says otherwise), through every subschema."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA:
+        if isinstance(out.get(key), dict):
+            out[key] = closed(out[key])
+    for key in _SCHEMAS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed(s) for s in out[key]]
+    for key in _NAMED:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed(s) for name, s in out[key].items()}
+    if isinstance(out.get("properties"), dict) and not any(
+            k in out for k in ("additionalProperties", "patternProperties",
+                               "unevaluatedProperties")):
+        out["additionalProperties"] = False
+    return out
+
+
 def _source(grammar: Grammar) -> str:
     """llguidance's grammar text for a request's Grammar."""
     from llguidance import LLMatcher
 
     if grammar.kind == "json":
         try:
+            schema = json.loads(grammar.source)
             return LLMatcher.grammar_from_json_schema(
-                grammar.source, defaults={"whitespace_flexible": False})
+                closed(schema), defaults={"whitespace_flexible": False})
         except ValueError as e:
             raise InvalidArgument(f"the JSON schema is not a JSON object: {e}") from None
     if grammar.kind == "regex":
