@@ -75,12 +75,40 @@ def test_required_calls_one_of_the_tools_or_more(server, artifact, llama) -> Non
     assert got.choices[0].finish_reason == "tool_calls"
     assert call.function.name in ("get_weather", "get_time")
     assert isinstance(json.loads(call.function.arguments), dict)
-    # several calls allowed: this model keeps calling, and max_tokens cuts the list; what
-    # came is then text (finish reason "length"), not a half call
+    # several calls allowed: this model keeps calling, and max_tokens cuts the list: the
+    # calls as far as they came, the last one's arguments cut (finish reason "length"), as
+    # OpenAI and vLLM answer, so that an agent sees a failed call rather than a text answer
+    named = c.chat.completions.create(model=name, messages=MESSAGES, tools=TOOLS,
+                                      tool_choice={"type": "function", "function": {
+                                          "name": "get_weather"}},
+                                      temperature=0, max_tokens=6).choices[0]
+    assert named.finish_reason == "length" and named.message.content is None
+    (call,) = named.message.tool_calls
+    assert call.function.name == "get_weather" and call.function.arguments.startswith('{"')
+    with pytest.raises(ValueError):
+        json.loads(call.function.arguments)
     cut = c.chat.completions.create(model=name, messages=MESSAGES, tools=TOOLS,
                                     tool_choice="required", temperature=0, max_tokens=40)
-    assert cut.choices[0].finish_reason == "length" and cut.choices[0].message.tool_calls is None
-    assert cut.choices[0].message.content.startswith('[{"name":')
+    calls = cut.choices[0].message.tool_calls
+    assert cut.choices[0].finish_reason == "length" and calls and cut.choices[0].message.content \
+        is None
+    assert all(c.function.name in ("get_weather", "get_time") for c in calls)
+    whole = sum(1 for c in calls if _parses(c.function.arguments))
+    assert whole == len(calls) - 1  # all but the last, cut
+    streamed = [ch.choices[0] for ch in c.chat.completions.create(
+        model=name, messages=MESSAGES, tools=TOOLS, tool_choice="required", temperature=0,
+        max_tokens=40, stream=True) if ch.choices]
+    assert streamed[-1].finish_reason == "length"
+    assert [d.function.arguments for d in streamed[-1].delta.tool_calls] == \
+        [c.function.arguments for c in calls]
+
+
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 def test_a_tool_result_turn_is_taken(server) -> None:

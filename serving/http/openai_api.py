@@ -222,7 +222,7 @@ class _Shape:
         (streamed: one delta carrying them whole)."""
         thought, content = self.replies[index].add(chunk)
         calls = self.replies[index].calls
-        if calls is not None:
+        if calls is not None and out["finish_reason"] != "length":  # (a call cut short)
             out["finish_reason"] = "tool_calls"
         # vLLM's field is now `reasoning`; `reasoning_content`, its first name, is what many
         # clients (LangChain's, DeepSeek's SDK examples) read
@@ -370,7 +370,7 @@ async def chat_completions(frontend, request: Request) -> Response:
     top = top_count("top_logprobs", body_value(body, "top_logprobs", (int,), 0))
     if top and not logprobs:
         raise InvalidArgument("'top_logprobs' needs 'logprobs': true")
-    tools = tool_reader(body, frontend.tool_parser)
+    tools = tool_reader(body, frontend.tool_parser, cut_calls=True)
     text = chat_prompt(engine.text, body)
     prompt = tuple(engine.tokenizer.encode(text, add_special_tokens=False).ids)
     thinking = Thinking(frontend.reasoning_parser) if frontend.reasoning_parser else None

@@ -16,7 +16,10 @@ transformers' apply_chat_template passes them), and the output comes back as the
   naming the choices that work.
 
 A reader sees a choice's text grow (`held`) and says what may be sent now: content text,
-and at the end the calls (None: the text stays content, e.g. a call cut by max_tokens)."""
+and at the end the calls (None: the text stays content, e.g. a call the model wrote that
+does not parse; a forced call cut by max_tokens comes back as a call on OpenAI's chat
+completions, its arguments as far as they came, finish reason "length", as OpenAI and vLLM
+answer it)."""
 
 from __future__ import annotations
 
@@ -41,6 +44,10 @@ class Forced:
     tools: tuple[dict, ...]  # each {"name", "parameters"} of the body's function tools
     named: str | None
     parallel: bool = True  # "required": several calls allowed (parallel_tool_calls)
+    # a call cut by max_tokens comes back as a call, its arguments as far as they came (what
+    # OpenAI's API and vLLM's answer: an agent then sees a failed call, not a text answer);
+    # False keeps the text, for the APIs whose calls carry parsed arguments (Anthropic's)
+    cut_calls: bool = False
 
     @property
     def grammar(self) -> Grammar:
@@ -62,11 +69,30 @@ class Forced:
             return "", None
         try:
             value = json.loads(held)
-        except ValueError:  # cut by max_tokens: the text as it is
-            return held, None
+        except ValueError:  # cut by max_tokens
+            calls = self._cut(held) if self.cut_calls else None
+            return ("", calls) if calls else (held, None)
         pairs = [(self.named, value)] if self.named is not None else [
             (c["name"], c["parameters"]) for c in value]
         return "", [_call(name, arguments) for name, arguments in pairs]
+
+    def _cut(self, held: str) -> list[dict]:
+        """The calls of a text cut short: the whole ones, then the last as far as it came
+        (once its name is whole: the grammar writes `{"name":...,"parameters":...}`)."""
+        if self.named is not None:
+            return [_call(self.named, held)]
+        calls, at, decoder = [], 1, json.JSONDecoder()  # (1: after the list's "[")
+        while at < len(held):
+            try:
+                call, at = decoder.raw_decode(held, at)
+            except ValueError:
+                started = re.match(r'\{"name":"([^"]*)","parameters":', held[at:])
+                if started:
+                    calls.append(_call(started.group(1), held[at + started.end():]))
+                break
+            calls.append(_call(call["name"], call["parameters"]))
+            at += 1  # the comma
+        return calls
 
 
 class _Marked:
@@ -211,10 +237,10 @@ def _function(i: int, tool) -> dict:
     return {"name": tool["function"]["name"], "parameters": parameters}
 
 
-def tool_reader(body: dict, parser: str | None) -> Reader | None:
+def tool_reader(body: dict, parser: str | None, cut_calls: bool = False) -> Reader | None:
     """How a chat body's tool calls are made and read; None without tools or with
     tool_choice "none" (the tools are then only shown to the model). `parser`: the
-    server's --tool-call-parser, which "auto" needs."""
+    server's --tool-call-parser, which "auto" needs; `cut_calls`: Forced's."""
     tools, choice = body.get("tools") or [], body.get("tool_choice")
     if body.get("functions"):
         raise InvalidArgument("'functions' is not supported: send 'tools'")
@@ -231,12 +257,12 @@ def tool_reader(body: dict, parser: str | None) -> Reader | None:
         parallel = body.get("parallel_tool_calls", True)
         if not isinstance(parallel, bool):
             raise InvalidArgument("'parallel_tool_calls' must be true or false")
-        return Forced(functions, None, parallel)
+        return Forced(functions, None, parallel, cut_calls)
     if isinstance(choice, dict) and choice.get("type") == "function":
         name = (choice.get("function") or {}).get("name")
         if name not in {f["name"] for f in functions}:
             raise InvalidArgument(f"tool_choice names {name!r}, which is not among the tools")
-        return Forced(functions, name)
+        return Forced(functions, name, cut_calls=cut_calls)
     if choice in (None, "auto") and parser is not None:
         return READERS[parser]()
     if choice in (None, "auto"):
