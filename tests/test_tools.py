@@ -276,6 +276,14 @@ def test_responses_calls_a_named_function_as_chat_does(server, artifact, llama) 
     eos = server.slot.engine.text.eos_ids[0]
     want = guided_greedy(llama, rendered_ids(MESSAGES, TOOLS_TEMPLATE, tools=TOOLS), schema_grammar(WEATHER), eos)
     assert json.loads(call.arguments) == json.loads(tokenizer().decode(want))
+    cut = openai_client(server).responses.create(
+        model=server.slot.name, input=MESSAGES[0]["content"], tools=FLAT_TOOLS,
+        tool_choice={"type": "function", "name": "get_weather"}, temperature=0,
+        max_output_tokens=6)  # a call cut short: an incomplete call, as OpenAI answers
+    assert (cut.status, cut.incomplete_details.reason) == ("incomplete", "max_output_tokens")
+    (item,) = cut.output
+    assert (item.type, item.status, item.name) == ("function_call", "incomplete", "get_weather")
+    assert call.arguments.startswith(item.arguments) and not _parses(item.arguments)
 
 
 def test_responses_stream_helper_parses_a_pydantic_tools_arguments(server) -> None:

@@ -18,8 +18,9 @@ response.output_text.done, response.content_part.done, response.output_item.done
 reasoning item first: output_item.added, response.reasoning_text.delta..., .done,
 output_item.done), for each call response.output_item.added,
 response.function_call_arguments.delta and .done, response.output_item.done, then
-response.completed, or response.incomplete when `max_output_tokens` cut the answer
-(response.failed when the engine failed).
+response.completed, or response.incomplete when `max_output_tokens` cut the answer (a
+forced call cut so is an `incomplete` function_call, its arguments as far as they came;
+response.failed when the engine failed).
 
 Responses are kept (`store`, true by default as OpenAI's; serving/http/response_store.py):
 `previous_response_id` continues a kept conversation, `GET` / `DELETE /v1/responses/{id}`
@@ -159,7 +160,10 @@ class _Answer(Reply):
         """The finished output items: the reasoning, the message, then the calls."""
         thinking = [self.thinking_item("completed")] if self.reasoning else []
         message = [self.message(status, [self.part()])] if self.has_message else []
-        return thinking + message + [function_call(c, "completed") for c in self.calls or ()]
+        calls = list(self.calls or ())  # (a forced call cut by max_output_tokens: the last)
+        return thinking + message + [function_call(c, "incomplete" if status == "incomplete" and
+                                                   k == len(calls) - 1 else "completed")
+                                     for k, c in enumerate(calls)]
 
     def response(self, status: str, output: list, failure: str | None = None) -> dict:
         b = self.body
@@ -209,7 +213,7 @@ async def responses(frontend, request: Request) -> Response:
     previous = body_value(body, "previous_response_id", (str,))
     history = [*(frontend.responses.get(previous).messages if previous else ()), *turn(body)]
     tools = chat_tools(body)
-    reader = tool_reader(tools, frontend.tool_parser)
+    reader = tool_reader(tools, frontend.tool_parser, cut_calls=True)
     text = render(engine.text, messages(body, history), True, tools["tools"])
     prompt = tuple(engine.tokenizer.encode(text, add_special_tokens=False).ids)
     logprobs = LOGPROBS in (body.get("include") or [])
