@@ -176,6 +176,16 @@ def decoder_artifact(tmp: Path, model: Path) -> Path:
     return out
 
 
+def tools_artifact(tmp: Path, model: Path) -> Path:
+    """decoder_artifact with TOOLS_TEMPLATE for its chat template (the tools' names in a
+    system turn, as tool-calling models' templates write them)."""
+    out = decoder_artifact(tmp, model)
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    (out / "tokenizer_config.json").write_text(json.dumps({**config,
+                                                           "chat_template": TOOLS_TEMPLATE}))
+    return out
+
+
 def hf_tokenizer_folder(artifact: Path, folder: Path) -> Path:
     """The tokenizer folder a Hugging Face model comes with, for clients that load it with
     transformers' AutoTokenizer to count tokens (lm-eval, AIPerf, GuideLLM)."""

@@ -16,8 +16,8 @@ import anthropic
 import pytest
 import requests
 from llm_support import (TOOL_CHAT, TOOLS, TOOLS_TEMPLATE, WEATHER,  # noqa: F401
-                         decoder_artifact, end_token_at, greedy, guided_greedy, llama,
-                         rendered_ids, schema_grammar, start, tokenizer)
+                         end_token_at, greedy, guided_greedy, llama, rendered_ids,
+                         schema_grammar, start, tokenizer, tools_artifact)
 
 SYSTEM = "You are terse."
 QUESTION = "Name a fox."
@@ -33,10 +33,7 @@ WEATHER_TOOL = {"name": "get_weather", "description": "The weather", "input_sche
 def artifact(llama, tmp_path_factory):
     """The decoder artifact with the tools template, its end token one that greedy answers
     CHAT with (so an answer ends its turn), first met at END_AT."""
-    out = decoder_artifact(tmp_path_factory.mktemp("messages"), llama)
-    config = json.loads((out / "tokenizer_config.json").read_text())
-    (out / "tokenizer_config.json").write_text(json.dumps({**config,
-                                                           "chat_template": TOOLS_TEMPLATE}))
+    out = tools_artifact(tmp_path_factory.mktemp("messages"), llama)
     end_token_at(out, llama, CHAT, END_AT)
     return out
 

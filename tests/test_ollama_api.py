@@ -255,15 +255,10 @@ def test_tools_and_thinking_with_the_servers_parsers(llama, tmp_path_factory) ->
     schema `format`) comes back as the message's tool_calls, whole and streamed; with
     --reasoning-parser deepseek_r1 the reply (this model never closes its thinking) is the
     message's `thinking`, or its content with `think` false."""
-    import json
-
     import ollama
-    from llm_support import TOOL_CHAT, TOOLS, TOOLS_TEMPLATE, decoder_artifact
+    from llm_support import TOOL_CHAT, TOOLS, TOOLS_TEMPLATE, tools_artifact
 
-    out = decoder_artifact(tmp_path_factory.mktemp("ollama-tools"), llama)
-    config = json.loads((out / "tokenizer_config.json").read_text())
-    (out / "tokenizer_config.json").write_text(json.dumps({**config,
-                                                           "chat_template": TOOLS_TEMPLATE}))
+    out = tools_artifact(tmp_path_factory.mktemp("ollama-tools"), llama)
     call = {"type": "object", "properties": {
         "name": {"type": "string", "enum": ["get_time"]},
         "parameters": {"type": "object", "properties": {"zone": {"type": "string", "enum": [

@@ -13,8 +13,9 @@ import json
 import subprocess
 
 import pytest
-from llm_support import TOOLS_TEMPLATE, decoder_artifact, guided_greedy, llama  # noqa: F401
-from llm_support import openai_client, rendered_ids, schema_grammar, start, tokenizer
+from llm_support import TOOLS_TEMPLATE, guided_greedy, llama  # noqa: F401
+from llm_support import (openai_client, rendered_ids, schema_grammar, start, tokenizer,
+                         tools_artifact)
 from pydantic import BaseModel, Field
 
 from models.venvs import ensure_venv
@@ -31,10 +32,7 @@ class User(BaseModel):
 @pytest.fixture(scope="module")
 def server(llama, tmp_path_factory):
     """The decoder artifact with the tools template (instructor's TOOLS mode sends tools)."""
-    out = decoder_artifact(tmp_path_factory.mktemp("structured"), llama)
-    config = json.loads((out / "tokenizer_config.json").read_text())
-    (out / "tokenizer_config.json").write_text(json.dumps({**config,
-                                                           "chat_template": TOOLS_TEMPLATE}))
+    out = tools_artifact(tmp_path_factory.mktemp("structured"), llama)
     s = start(out, generate={"max_tokens": 64})
     yield s
     s.stop(5)

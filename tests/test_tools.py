@@ -13,8 +13,8 @@ import openai
 import pytest
 from llm_support import TOOL_CHAT as MESSAGES
 from llm_support import (TOOLS, TOOLS_TEMPLATE, WEATHER,  # noqa: F401
-                         decoder_artifact, greedy, guided_greedy, llama, openai_client,
-                         rendered_ids, schema_grammar, start, tokenizer)
+                         greedy, guided_greedy, llama, openai_client, rendered_ids,
+                         schema_grammar, start, tokenizer, tools_artifact)
 from pydantic import BaseModel, Field
 
 
@@ -24,11 +24,7 @@ class Lookup(BaseModel):
 
 @pytest.fixture(scope="module")
 def artifact(llama, tmp_path_factory):
-    out = decoder_artifact(tmp_path_factory.mktemp("tools"), llama)
-    config = json.loads((out / "tokenizer_config.json").read_text())
-    (out / "tokenizer_config.json").write_text(json.dumps({**config,
-                                                           "chat_template": TOOLS_TEMPLATE}))
-    return out
+    return tools_artifact(tmp_path_factory.mktemp("tools"), llama)
 
 
 @pytest.fixture(scope="module")
