@@ -32,7 +32,10 @@ from serving.errors import InvalidArgument
 from serving.sampling import Grammar, held_back
 
 def _call(name: str, arguments) -> dict:
-    text = arguments if isinstance(arguments, str) else json.dumps(arguments)
+    """A call in OpenAI's shape; arguments as text: as given, or an object written as vLLM
+    writes parsed ones (JSON, other scripts as they are, not escaped)."""
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments,
+                                                                   ensure_ascii=False)
     return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
             "function": {"name": name, "arguments": text}}
 
@@ -72,7 +75,8 @@ class Forced:
         except ValueError:  # cut by max_tokens
             calls = self._cut(held) if self.cut_calls else None
             return ("", calls) if calls else (held, None)
-        pairs = [(self.named, value)] if self.named is not None else [
+        # a named call's arguments are the model's text, as OpenAI and vLLM return them
+        pairs = [(self.named, held)] if self.named is not None else [
             (c["name"], c["parameters"]) for c in value]
         return "", [_call(name, arguments) for name, arguments in pairs]
 
