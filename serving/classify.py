@@ -26,7 +26,7 @@ from serving.datatypes import datatype_of
 from serving.errors import InvalidArgument, input_too_long
 from serving.model import batches
 from serving.text_config import read_json
-from serving.tokenizer import engine_tokenizer, whole_length
+from serving.tokenizer import cutting, engine_tokenizer, whole_length
 from tuner.graph.roles import ATTENTION_MASK, POSITION_IDS, TOKEN_IDS, TOKEN_TYPE_IDS
 
 LOGITS = "logits"
@@ -116,17 +116,6 @@ class Pair:
     def of(encoding) -> "Pair":
         """A `tokenizers` Encoding's ids and token types."""
         return Pair(tuple(encoding.ids), tuple(encoding.type_ids), bool(encoding.overflowing))
-
-
-def cutting(tokenizer, max_tokens: int, direction: str = "right",
-            strategy: str = "longest_first"):
-    """A copy of `tokenizer` that cuts what it encodes to `max_tokens`, its special tokens
-    kept (as transformers' truncation)."""
-    from tokenizers import Tokenizer
-
-    copy = Tokenizer.from_str(tokenizer.to_str())  # each way of cutting its own copy
-    copy.enable_truncation(max_tokens, strategy=strategy, direction=direction)
-    return copy
 
 
 def zero_shot_scores(logits: np.ndarray, entailment: int, multi_label: bool) -> np.ndarray:

@@ -22,7 +22,7 @@ import numpy as np
 from serving.classify import LOGITS
 from serving.errors import InvalidArgument
 from serving.text_config import read_json
-from serving.tokenizer import engine_tokenizer
+from serving.tokenizer import cutting, engine_tokenizer
 from tuner.graph.roles import ATTENTION_MASK, POSITION_IDS, TOKEN_IDS, TOKEN_TYPE_IDS
 
 # sentence-transformers' Pooling modes, in the order it concatenates them
@@ -203,10 +203,7 @@ class Embedder:
         tokenizer = self.tokenizer
         if left and self.pooling.max_tokens is not None:
             if self._left is None:
-                from tokenizers import Tokenizer
-
-                self._left = Tokenizer.from_str(self.tokenizer.to_str())
-                self._left.enable_truncation(self.pooling.max_tokens, direction="left")
+                self._left = cutting(self.tokenizer, self.pooling.max_tokens, "left")
             tokenizer = self._left
         encoding = tokenizer.encode(text)
         return encoding.ids, bool(encoding.overflowing)

@@ -34,13 +34,25 @@ def load_tokenizer(folder: Path):
     return tokenizer
 
 
-def whole_length(tokenizer, text: str, second: str | None = None) -> int:
-    """How many tokens `text` (or the pair) has uncut, whatever truncation `tokenizer` has
-    (a copy without it: made only for a refusal's numbers)."""
+def cutting(tokenizer, max_tokens: int | None, direction: str = "right",
+            strategy: str = "longest_first"):
+    """A copy of `tokenizer` that cuts what it encodes to `max_tokens`, its special tokens
+    kept (as transformers' truncation), or cuts nothing (None); each way of cutting its own
+    copy, since the setting belongs to the tokenizer."""
     from tokenizers import Tokenizer
 
-    whole = Tokenizer.from_str(tokenizer.to_str())
-    whole.no_truncation()
+    copy = Tokenizer.from_str(tokenizer.to_str())
+    if max_tokens is None:
+        copy.no_truncation()
+    else:
+        copy.enable_truncation(max_tokens, strategy=strategy, direction=direction)
+    return copy
+
+
+def whole_length(tokenizer, text: str, second: str | None = None) -> int:
+    """How many tokens `text` (or the pair) has uncut, whatever truncation `tokenizer` has
+    (an uncut copy: made only for a refusal's numbers)."""
+    whole = cutting(tokenizer, None)
     return len(whole.encode(text) if second is None else whole.encode(text, second))
 
 

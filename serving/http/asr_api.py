@@ -28,13 +28,8 @@ from serving.http.audio_api import (asked_for, audio_engine, fallback_of, plain_
                                     timed_parts)
 from serving.http.streams import until_disconnect
 from serving.http.transcripts import text_of
-from serving.seq2seq import Seq2SeqEngine
 
 _GENERATION = ("language", "task", "temperature")  # the generation keys read
-
-
-def takes_audio(engine) -> bool:
-    return isinstance(engine, Seq2SeqEngine) and engine.audio is not None
 
 
 async def _audio_and_parameters(frontend, request: Request) -> tuple[bytes, dict]:

@@ -41,9 +41,14 @@ TIMESTAMPED = ("verbose_json", "srt", "vtt")
 FORMATS = PLAIN + TIMESTAMPED
 
 
+def takes_audio(engine) -> bool:
+    """A Whisper folder's engine: its encoder reads log-mel features."""
+    return isinstance(engine, Seq2SeqEngine) and engine.audio is not None
+
+
 def audio_engine(frontend, name: str) -> Seq2SeqEngine:
     engine = frontend.slot.find(name)
-    if not isinstance(engine, Seq2SeqEngine) or engine.audio is None:
+    if not takes_audio(engine):
         raise InvalidArgument(f"model '{name}' does not take audio: the audio API serves a "
                               "Whisper export folder (its encoder reads log-mel features, "
                               "preprocessor_config.json makes them)")

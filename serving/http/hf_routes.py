@@ -33,7 +33,7 @@ from serving.decoder import DecoderEngine
 from serving.encoder_kind import encoder_kind
 from serving.engine import Engine
 from serving.http import asr_api, classify_api, rerank_api, tei_api, tgi_api
-from serving.http.asr_api import takes_audio
+from serving.http.audio_api import takes_audio
 from serving.http.embeddings_api import embedder_of
 
 

@@ -29,7 +29,7 @@ from serving.engine import Engine
 from serving.errors import InvalidArgument
 from serving.http import (classify_api, embeddings_api, hf_routes, openai_api, rerank_api,
                           tei_api)
-from serving.http.asr_api import takes_audio
+from serving.http.audio_api import takes_audio
 
 
 async def _input(frontend, request: Request) -> Response:

@@ -43,7 +43,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 import serving
-from serving.classify import cutting
 from serving.decoder import DecoderEngine
 from serving.errors import ContextTooLong, InvalidArgument
 from serving.http.codec import http_status_for
@@ -52,6 +51,7 @@ from serving.http.streams import ChunkStream, ChunkStreams, until_disconnect
 from serving.http.triton_generate import SSE_HEADERS, sse
 from serving.sampling import Chunk, GenerationRequest, best_chunks, join_chunks
 from serving.seq2seq import Seq2SeqEngine
+from serving.tokenizer import cutting
 
 DEFAULT_MAX_NEW_TOKENS = 100  # TGI's
 _REFUSED = {"watermark": False, "adapter_id": None}
